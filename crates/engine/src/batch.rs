@@ -1,0 +1,87 @@
+//! The ragged batch: several sequences, each with its own start position and new tokens, and the
+//! logits that come back only where they were asked for.
+
+use crate::kv::SeqId;
+
+/// Which of a chunk's tokens need logits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Wanted {
+    None,
+    /// The last token only (prefill, plain decoding).
+    Last,
+    /// Every token (verification of a draft block).
+    All,
+    /// These indices into the chunk's tokens, ascending.
+    At(Vec<usize>),
+}
+
+impl Wanted {
+    pub fn indices(&self, n: usize) -> Vec<usize> {
+        match self {
+            Wanted::None => Vec::new(),
+            Wanted::Last => n.checked_sub(1).into_iter().collect(),
+            Wanted::All => (0..n).collect(),
+            Wanted::At(v) => v.clone(),
+        }
+    }
+}
+
+/// New tokens of one sequence: `tokens[i]` sits at position `start_pos + i`.
+#[derive(Debug, Clone)]
+pub struct SeqChunk {
+    pub seq: SeqId,
+    pub start_pos: usize,
+    pub tokens: Vec<u32>,
+    pub logits: Wanted,
+}
+
+impl SeqChunk {
+    pub fn new(seq: SeqId, start_pos: usize, tokens: Vec<u32>, logits: Wanted) -> Self {
+        Self {
+            seq,
+            start_pos,
+            tokens,
+            logits,
+        }
+    }
+}
+
+/// Where one row of logits came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogitsRow {
+    pub seq: SeqId,
+    /// Index into the chunk's tokens.
+    pub index: usize,
+    /// Absolute position of that token.
+    pub pos: usize,
+    /// Index of that token in the whole batch.
+    pub token: usize,
+}
+
+/// `[num_wanted, vocab]` logits with their provenance, in batch order.
+#[derive(Debug, Clone)]
+pub struct Logits {
+    pub vocab: usize,
+    pub data: Vec<f32>,
+    pub rows: Vec<LogitsRow>,
+}
+
+impl Logits {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+
+    /// The rows of `seq`, in position order.
+    pub fn for_seq(&self, seq: SeqId) -> impl Iterator<Item = (LogitsRow, &[f32])> {
+        self.rows
+            .iter()
+            .enumerate()
+            .filter(move |(_, r)| r.seq == seq)
+            .map(|(i, r)| (*r, self.row(i)))
+    }
+
+    /// The last row of `seq`, if it asked for any.
+    pub fn last_for(&self, seq: SeqId) -> Option<&[f32]> {
+        self.for_seq(seq).last().map(|(_, l)| l)
+    }
+}

@@ -1,0 +1,169 @@
+//! [`Engine`]: one model, one paged KV cache and one thread pool. Validates a ragged batch, grows the
+//! sequences' block tables (all or nothing) and runs the forward pass.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::batch::{Logits, SeqChunk, Wanted};
+use crate::error::{EngineError, Result};
+use crate::kv::{KvConfig, PagedKvCache, SeqId};
+use crate::models::llama::LlamaModel;
+
+/// Engine settings, checked once by [`Engine::new`].
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct EngineConfig {
+    /// Worker threads for the matmuls and attention.
+    pub threads: usize,
+    /// Bytes of KV cache (K and V, all layers).
+    pub kv_budget_bytes: usize,
+    /// Token slots per KV block.
+    pub kv_block_size: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            kv_budget_bytes: KvConfig::default().budget_bytes,
+            kv_block_size: KvConfig::default().block_size,
+        }
+    }
+}
+
+pub struct Engine {
+    model: Arc<LlamaModel>,
+    kv: PagedKvCache,
+    pool: rayon::ThreadPool,
+}
+
+impl Engine {
+    pub fn new(model: Arc<LlamaModel>, cfg: EngineConfig) -> Result<Self> {
+        if cfg.threads == 0 {
+            return Err(EngineError::InvalidSetting {
+                field: "threads",
+                message: "must be at least 1".into(),
+            });
+        }
+        let kv = PagedKvCache::new(
+            model.cfg.n_layer,
+            model.cfg.kv_dim(),
+            KvConfig {
+                block_size: cfg.kv_block_size,
+                budget_bytes: cfg.kv_budget_bytes,
+            },
+        )?;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(cfg.threads)
+            .thread_name(|i| format!("tandem-engine-{i}"))
+            .build()
+            .map_err(|e| EngineError::InvalidSetting {
+                field: "threads",
+                message: e.to_string(),
+            })?;
+        Ok(Self { model, kv, pool })
+    }
+
+    pub fn model(&self) -> &Arc<LlamaModel> {
+        &self.model
+    }
+
+    pub fn kv(&self) -> &PagedKvCache {
+        &self.kv
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+
+    /// Tokens `seq` holds in the KV cache (0 if unknown).
+    pub fn seq_len(&self, seq: SeqId) -> usize {
+        self.kv.tables.seq_len(seq)
+    }
+
+    /// Keep the first `len` tokens of `seq` (rejecting a draft rolls back this way).
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        self.kv.tables.truncate(seq, len)
+    }
+
+    /// Drop `seq` and return its KV blocks to the pool.
+    pub fn free(&mut self, seq: SeqId) {
+        self.kv.tables.free(seq)
+    }
+
+    /// Run one ragged batch. Each chunk must continue its sequence exactly where its KV ends
+    /// (`start_pos == seq_len`); a sequence the cache has not seen starts at 0. Nothing changes
+    /// when the batch is refused (bad token, position, duplicate sequence, or no KV blocks left).
+    pub fn forward(&mut self, batch: &[SeqChunk]) -> Result<Logits> {
+        let cfg = &self.model.cfg;
+        let mut seen = HashSet::new();
+        for s in batch {
+            if !seen.insert(s.seq) {
+                return Err(EngineError::InvalidBatch(format!(
+                    "sequence {} appears twice in one batch",
+                    s.seq
+                )));
+            }
+            if s.tokens.is_empty() {
+                return Err(EngineError::InvalidBatch(format!(
+                    "sequence {} has no tokens",
+                    s.seq
+                )));
+            }
+            if let Some(&token) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
+                return Err(EngineError::InvalidToken {
+                    seq: s.seq,
+                    token,
+                    vocab: cfg.vocab,
+                });
+            }
+            let expected = self.kv.tables.seq_len(s.seq);
+            if s.start_pos != expected {
+                return Err(EngineError::PositionMismatch {
+                    seq: s.seq,
+                    expected,
+                    got: s.start_pos,
+                });
+            }
+            let end = s.start_pos + s.tokens.len();
+            if end > cfg.context_len {
+                return Err(EngineError::ContextOverflow {
+                    seq: s.seq,
+                    end,
+                    max: cfg.context_len,
+                });
+            }
+            if let Wanted::At(ix) = &s.logits {
+                if ix.windows(2).any(|w| w[0] >= w[1]) || ix.iter().any(|&i| i >= s.tokens.len()) {
+                    return Err(EngineError::InvalidBatch(format!(
+                        "sequence {}: logits indices {ix:?} must be ascending and below {}",
+                        s.seq,
+                        s.tokens.len()
+                    )));
+                }
+            }
+        }
+        let plan: Vec<(SeqId, usize)> = batch
+            .iter()
+            .map(|s| (s.seq, s.start_pos + s.tokens.len()))
+            .collect();
+        self.kv.tables.grow(&plan)?;
+        let slots: Vec<usize> = batch
+            .iter()
+            .flat_map(|s| {
+                let t = &self.kv.tables;
+                (s.start_pos..s.start_pos + s.tokens.len()).map(move |p| t.slot(s.seq, p))
+            })
+            .collect();
+        let model = Arc::clone(&self.model);
+        let kv = &mut self.kv;
+        let out = self.pool.install(|| model.forward(batch, kv, &slots));
+        if out.is_err() {
+            for s in batch {
+                let _ = self.kv.tables.truncate(s.seq, s.start_pos);
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,294 @@
+//! Paged KV cache: fixed-size blocks of `block_size` token slots from one pool sized by a memory
+//! budget, and a block table per sequence. The bookkeeping ([`BlockTables`]) holds no tensors and is
+//! tested on its own; [`PagedKvCache`] adds the f32 storage the attention reads.
+//!
+//! Storage layout, per layer: `[num_blocks, block_size, n_kv_heads, head_dim]`.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use crate::error::{EngineError, Result};
+
+/// A sequence in the KV cache (one user session, one draft stream...).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u64);
+
+impl fmt::Display for SeqId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct SeqBlocks {
+    blocks: Vec<u32>,
+    len: usize,
+}
+
+/// Block allocation and per-sequence block tables; no tensors.
+#[derive(Debug, Clone)]
+pub struct BlockTables {
+    block_size: usize,
+    num_blocks: usize,
+    free: Vec<u32>,
+    seqs: HashMap<SeqId, SeqBlocks>,
+}
+
+impl BlockTables {
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        Self {
+            block_size,
+            num_blocks,
+            free: (0..num_blocks as u32).rev().collect(),
+            seqs: HashMap::new(),
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+    pub fn num_free_blocks(&self) -> usize {
+        self.free.len()
+    }
+    /// Tokens held for `seq`; 0 for a sequence the cache has never seen.
+    pub fn seq_len(&self, seq: SeqId) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| s.len)
+    }
+    pub fn contains(&self, seq: SeqId) -> bool {
+        self.seqs.contains_key(&seq)
+    }
+    pub fn num_seqs(&self) -> usize {
+        self.seqs.len()
+    }
+    pub fn blocks(&self, seq: SeqId) -> &[u32] {
+        self.seqs.get(&seq).map_or(&[], |s| &s.blocks)
+    }
+
+    fn blocks_for(&self, len: usize) -> usize {
+        len.div_ceil(self.block_size)
+    }
+
+    /// Grow every `(seq, new_len)` to `new_len` tokens, all or nothing: when the pool cannot hold
+    /// them all, nothing changes and `OutOfBlocks` says how many blocks were missing.
+    pub fn grow(&mut self, plan: &[(SeqId, usize)]) -> Result<()> {
+        let needed: usize = plan
+            .iter()
+            .map(|&(seq, len)| {
+                let have = self.seqs.get(&seq).map_or(0, |s| s.blocks.len());
+                self.blocks_for(len).saturating_sub(have)
+            })
+            .sum();
+        if needed > self.free.len() {
+            return Err(EngineError::OutOfBlocks {
+                needed,
+                free: self.free.len(),
+                total: self.num_blocks,
+                block_size: self.block_size,
+            });
+        }
+        for &(seq, len) in plan {
+            let want = self.blocks_for(len);
+            let entry = self.seqs.entry(seq).or_default();
+            while entry.blocks.len() < want {
+                let b = self
+                    .free
+                    .pop()
+                    .expect("invariant: counted free blocks above");
+                entry.blocks.push(b);
+            }
+            entry.len = entry.len.max(len);
+        }
+        Ok(())
+    }
+
+    /// Keep the first `len` tokens of `seq`, returning whole blocks past them to the pool.
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        let keep = self.blocks_for(len);
+        let entry = self
+            .seqs
+            .get_mut(&seq)
+            .ok_or(EngineError::UnknownSequence(seq))?;
+        if len > entry.len {
+            return Err(EngineError::InvalidBatch(format!(
+                "cannot truncate sequence {seq} to {len} tokens: it holds {}",
+                entry.len
+            )));
+        }
+        while entry.blocks.len() > keep {
+            self.free
+                .push(entry.blocks.pop().expect("invariant: len checked"));
+        }
+        entry.len = len;
+        Ok(())
+    }
+
+    /// Drop `seq` and return all its blocks. Freeing an unknown sequence is a no-op.
+    pub fn free(&mut self, seq: SeqId) {
+        if let Some(s) = self.seqs.remove(&seq) {
+            self.free.extend(s.blocks);
+        }
+    }
+
+    /// Index of the slot that holds position `pos` of `seq`, counted in token slots over the pool.
+    #[inline]
+    pub fn slot(&self, seq: SeqId, pos: usize) -> usize {
+        let blocks = &self.seqs[&seq].blocks;
+        blocks[pos / self.block_size] as usize * self.block_size + pos % self.block_size
+    }
+
+    /// Blocks held by sequences plus free blocks; equals `num_blocks` at all times.
+    pub fn accounted_blocks(&self) -> usize {
+        self.free.len() + self.seqs.values().map(|s| s.blocks.len()).sum::<usize>()
+    }
+}
+
+/// Settings of the KV cache.
+#[derive(Debug, Clone, Copy)]
+pub struct KvConfig {
+    /// Token slots per block.
+    pub block_size: usize,
+    /// Bytes of K and V storage over all layers.
+    pub budget_bytes: usize,
+}
+
+impl Default for KvConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            budget_bytes: 256 << 20,
+        }
+    }
+}
+
+/// The block tables plus the K and V storage of every layer.
+pub struct PagedKvCache {
+    pub tables: BlockTables,
+    pub(crate) kv_dim: usize,
+    pub(crate) k: Vec<Vec<f32>>,
+    pub(crate) v: Vec<Vec<f32>>,
+}
+
+impl PagedKvCache {
+    pub fn new(n_layers: usize, kv_dim: usize, cfg: KvConfig) -> Result<Self> {
+        if cfg.block_size == 0 {
+            return Err(EngineError::InvalidSetting {
+                field: "kv_block_size",
+                message: "must be at least 1".into(),
+            });
+        }
+        let bytes_per_block = 2 * n_layers * cfg.block_size * kv_dim * 4;
+        let num_blocks = cfg.budget_bytes / bytes_per_block;
+        if num_blocks == 0 {
+            return Err(EngineError::InvalidSetting {
+                field: "kv_budget_bytes",
+                message: format!(
+                    "{} bytes cannot hold one block of {} tokens ({bytes_per_block} bytes)",
+                    cfg.budget_bytes, cfg.block_size
+                ),
+            });
+        }
+        let floats = num_blocks * cfg.block_size * kv_dim;
+        Ok(Self {
+            tables: BlockTables::new(num_blocks, cfg.block_size),
+            kv_dim,
+            k: (0..n_layers).map(|_| vec![0f32; floats]).collect(),
+            v: (0..n_layers).map(|_| vec![0f32; floats]).collect(),
+        })
+    }
+
+    /// Bytes of K and V one token occupies over all layers.
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.k.len() * self.kv_dim * 4
+    }
+
+    /// Capacity in tokens.
+    pub fn capacity_tokens(&self) -> usize {
+        self.tables.num_blocks() * self.tables.block_size()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn out_of_blocks_is_typed_and_changes_nothing() {
+        let mut t = BlockTables::new(4, 16);
+        t.grow(&[(SeqId(1), 40)]).unwrap(); // 3 blocks
+        let err = t.grow(&[(SeqId(2), 10), (SeqId(3), 20)]).unwrap_err();
+        assert!(matches!(
+            err,
+            EngineError::OutOfBlocks {
+                needed: 3,
+                free: 1,
+                ..
+            }
+        ));
+        assert_eq!(t.num_free_blocks(), 1);
+        assert!(!t.contains(SeqId(2)) && !t.contains(SeqId(3)));
+        assert_eq!(t.seq_len(SeqId(1)), 40);
+    }
+
+    #[test]
+    fn truncate_returns_whole_blocks_only() {
+        let mut t = BlockTables::new(8, 4);
+        t.grow(&[(SeqId(7), 10)]).unwrap();
+        assert_eq!(t.blocks(SeqId(7)).len(), 3);
+        t.truncate(SeqId(7), 5).unwrap();
+        assert_eq!(t.blocks(SeqId(7)).len(), 2);
+        assert_eq!(t.seq_len(SeqId(7)), 5);
+        assert!(t.truncate(SeqId(7), 6).is_err());
+        assert!(matches!(
+            t.truncate(SeqId(9), 0),
+            Err(EngineError::UnknownSequence(SeqId(9)))
+        ));
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Grow(u64, usize),
+        Truncate(u64, usize),
+        Free(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0u64..5, 1usize..60).prop_map(|(s, n)| Op::Grow(s, n)),
+            (0u64..5, 0usize..60).prop_map(|(s, n)| Op::Truncate(s, n)),
+            (0u64..5).prop_map(Op::Free),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn blocks_are_conserved(ops in proptest::collection::vec(op(), 1..80)) {
+            let mut t = BlockTables::new(12, 8);
+            for o in ops {
+                match o {
+                    Op::Grow(s, n) => {
+                        let before = t.seq_len(SeqId(s));
+                        let _ = t.grow(&[(SeqId(s), before + n)]);
+                    }
+                    Op::Truncate(s, n) => {
+                        let len = t.seq_len(SeqId(s));
+                        let _ = t.truncate(SeqId(s), n.min(len));
+                    }
+                    Op::Free(s) => t.free(SeqId(s)),
+                }
+                prop_assert_eq!(t.accounted_blocks(), 12);
+                for s in 0..5 {
+                    let seq = SeqId(s);
+                    prop_assert_eq!(t.blocks(seq).len(), t.seq_len(seq).div_ceil(8));
+                }
+                let mut all: Vec<u32> = (0..5).flat_map(|s| t.blocks(SeqId(s)).to_vec()).collect();
+                all.sort_unstable();
+                all.dedup();
+                prop_assert_eq!(all.len() + t.num_free_blocks(), 12);
+            }
+        }
+    }
+}

@@ -1,0 +1,474 @@
+//! LLaMA-family transformer (SmolLM2 and kin) over a ragged batch and a paged KV cache.
+//!
+//! GGUF layout notes: `attn_q`/`attn_k` rows are permuted by the converter so RoPE rotates adjacent
+//! pairs `(x[2i], x[2i+1])` by `pos·base^(−2i/head_dim)` (llama.cpp's "normal" mode); query head `h`
+//! reads KV head `h / (n_head / n_kv_head)`; the output head is tied to `token_embd` when
+//! `output.weight` is absent.
+
+use candle_core::quantized::{GgmlDType, QMatMul};
+use candle_core::{Device, Module, Tensor};
+use half::f16;
+use rayon::prelude::*;
+use serde::Serialize;
+
+use crate::batch::{Logits, LogitsRow, SeqChunk};
+use crate::error::{EngineError, Result};
+use crate::gguf::{dequantize_f32, native_block_type, GgufFile};
+use crate::kernels::{self, RowData};
+use crate::kv::PagedKvCache;
+
+/// How weights are held in memory and multiplied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightMode {
+    /// Every tensor dequantized to f32 (the cloud target).
+    F32,
+    /// Every tensor dequantized to f16 storage, f32 arithmetic.
+    F16,
+    /// Q4_0/Q4_1/Q8_0 tensors kept in their blocks and dequantized in registers against f32
+    /// activations (W4A16 / W8A16); other tensors as f32.
+    Native,
+    /// candle's quantized matmul, which quantizes activations to 8 bits (W4A8): a study variant.
+    W4A8,
+}
+
+impl std::str::FromStr for WeightMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(Self::F32),
+            "f16" => Ok(Self::F16),
+            "native" | "w4a16" => Ok(Self::Native),
+            "w4a8" => Ok(Self::W4A8),
+            _ => Err(format!(
+                "unknown weight mode `{s}` (f32, f16, native, w4a8)"
+            )),
+        }
+    }
+}
+
+/// Model hyper-parameters, read from GGUF metadata.
+#[derive(Debug, Clone, Serialize)]
+pub struct LlamaConfig {
+    pub arch: String,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub dim: usize,
+    pub ff_dim: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub context_len: usize,
+    pub rms_eps: f32,
+    pub rope_base: f32,
+}
+
+impl LlamaConfig {
+    pub fn from_gguf(g: &GgufFile) -> Result<Self> {
+        let arch = g.string("general.architecture")?.to_string();
+        let prefix = arch.clone();
+        let k = |s: &str| format!("{prefix}.{s}");
+        let n_head = g.usize(&k("attention.head_count"))?;
+        let dim = g.usize(&k("embedding_length"))?;
+        let vocab = match g.array("tokenizer.ggml.tokens") {
+            Ok(v) => v.len(),
+            Err(_) => g.usize(&k("vocab_size"))?,
+        };
+        let cfg = Self {
+            n_layer: g.usize(&k("block_count"))?,
+            n_head,
+            n_kv_head: g.usize(&k("attention.head_count_kv")).unwrap_or(n_head),
+            dim,
+            ff_dim: g.usize(&k("feed_forward_length"))?,
+            head_dim: dim / n_head.max(1),
+            vocab,
+            context_len: g.usize(&k("context_length"))?,
+            rms_eps: g.f32(&k("attention.layer_norm_rms_epsilon"))?,
+            rope_base: g.f32(&k("rope.freq_base")).unwrap_or(10_000.0),
+            arch,
+        };
+        let bad = |key: &str, message: String| EngineError::Metadata {
+            key: k(key),
+            message,
+        };
+        if cfg.n_head == 0 || cfg.dim % cfg.n_head != 0 || cfg.head_dim % 2 != 0 {
+            return Err(bad(
+                "attention.head_count",
+                format!("{} heads do not divide embedding {}", cfg.n_head, cfg.dim),
+            ));
+        }
+        if cfg.n_kv_head == 0 || cfg.n_head % cfg.n_kv_head != 0 {
+            return Err(bad(
+                "attention.head_count_kv",
+                format!(
+                    "{} KV heads do not divide {} heads",
+                    cfg.n_kv_head, cfg.n_head
+                ),
+            ));
+        }
+        if let Ok(rot) = g.usize(&k("rope.dimension_count")) {
+            if rot != cfg.head_dim {
+                return Err(bad(
+                    "rope.dimension_count",
+                    format!(
+                        "partial rotary ({rot} of {}) is not supported",
+                        cfg.head_dim
+                    ),
+                ));
+            }
+        }
+        Ok(cfg)
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_head * self.head_dim
+    }
+}
+
+/// One weight matrix `[rows, cols]`.
+pub struct Linear {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: RowData,
+    /// Set in `WeightMode::W4A8`: candle's 8-bit-activation matmul.
+    w4a8: Option<QMatMul>,
+}
+
+impl Linear {
+    fn load(
+        g: &mut GgufFile,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        mode: WeightMode,
+    ) -> Result<Self> {
+        let t = g.tensor(name, &[rows, cols])?;
+        let dtype = t.dtype();
+        let wrap = |e: candle_core::Error| EngineError::Tensor {
+            name: name.into(),
+            message: e.to_string(),
+        };
+        let raw = |t: &candle_core::quantized::QTensor| -> Result<Vec<u8>> {
+            Ok(t.data().map_err(wrap)?.into_owned())
+        };
+        let data = match (mode, dtype) {
+            (WeightMode::F16, _) => RowData::F16(
+                dequantize_f32(name, &t)?
+                    .into_iter()
+                    .map(f16::from_f32)
+                    .collect(),
+            ),
+            (WeightMode::Native | WeightMode::W4A8, GgmlDType::Q4_0) => RowData::Q4_0(raw(&t)?),
+            (WeightMode::Native | WeightMode::W4A8, GgmlDType::Q4_1) => RowData::Q4_1(raw(&t)?),
+            (WeightMode::Native | WeightMode::W4A8, GgmlDType::Q8_0) => RowData::Q8_0(raw(&t)?),
+            (WeightMode::Native | WeightMode::W4A8, GgmlDType::F16) => {
+                let b = raw(&t)?;
+                RowData::F16(
+                    b.chunks_exact(2)
+                        .map(|c| f16::from_le_bytes([c[0], c[1]]))
+                        .collect(),
+                )
+            }
+            _ => RowData::F32(dequantize_f32(name, &t)?),
+        };
+        let w4a8 = if mode == WeightMode::W4A8 && native_block_type(dtype) {
+            Some(QMatMul::from_qtensor(t).map_err(wrap)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            rows,
+            cols,
+            data,
+            w4a8,
+        })
+    }
+
+    /// `y[n_tok, rows] = x[n_tok, cols] · Wᵀ`.
+    fn forward(&self, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()> {
+        match &self.w4a8 {
+            None => kernels::matmul(&self.data, self.rows, self.cols, x, n_tok, y),
+            Some(qm) => {
+                let xt = Tensor::from_slice(x, (n_tok, self.cols), &Device::Cpu)?;
+                let out = qm.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
+                y.copy_from_slice(&out);
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes read to multiply by this matrix once.
+    pub fn bytes(&self) -> usize {
+        self.data.row_bytes(self.cols) * self.rows
+    }
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
+    ffn_norm: Vec<f32>,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// The model's weights. Immutable once loaded; share it behind an `Arc`.
+pub struct LlamaModel {
+    pub cfg: LlamaConfig,
+    pub mode: WeightMode,
+    embed: Linear,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    /// `None` when the head is tied to the embedding.
+    head: Option<Linear>,
+}
+
+impl LlamaModel {
+    pub fn load(g: &mut GgufFile, mode: WeightMode) -> Result<Self> {
+        let cfg = LlamaConfig::from_gguf(g)?;
+        let (d, kvd, ff) = (cfg.dim, cfg.kv_dim(), cfg.ff_dim);
+        let embed = Linear::load(g, "token_embd.weight", cfg.vocab, d, mode)?;
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for l in 0..cfg.n_layer {
+            let n = |s: &str| format!("blk.{l}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: g.tensor_f32(&n("attn_norm"), &[d])?,
+                wq: Linear::load(g, &n("attn_q"), d, d, mode)?,
+                wk: Linear::load(g, &n("attn_k"), kvd, d, mode)?,
+                wv: Linear::load(g, &n("attn_v"), kvd, d, mode)?,
+                wo: Linear::load(g, &n("attn_output"), d, d, mode)?,
+                ffn_norm: g.tensor_f32(&n("ffn_norm"), &[d])?,
+                gate: Linear::load(g, &n("ffn_gate"), ff, d, mode)?,
+                up: Linear::load(g, &n("ffn_up"), ff, d, mode)?,
+                down: Linear::load(g, &n("ffn_down"), d, ff, mode)?,
+            });
+        }
+        let norm = g.tensor_f32("output_norm.weight", &[d])?;
+        let head = if g.has_tensor("output.weight") {
+            Some(Linear::load(g, "output.weight", cfg.vocab, d, mode)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            cfg,
+            mode,
+            embed,
+            layers,
+            norm,
+            head,
+        })
+    }
+
+    fn head(&self) -> &Linear {
+        self.head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// Bytes of weights read for one decoded token (every matrix once, one embedding row).
+    pub fn bytes_per_token(&self) -> usize {
+        let per_layer: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .map(|w| w.bytes())
+                    .sum::<usize>()
+                    + 8 * self.cfg.dim
+            })
+            .sum();
+        per_layer + self.head().bytes() + self.embed.bytes() / self.cfg.vocab
+    }
+
+    /// Storage format name of the linear layers (`q4_0`, `f32`, ...), or `mixed`.
+    pub fn format(&self) -> String {
+        let l = &self.layers[0];
+        let names: Vec<&str> = [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]
+            .iter()
+            .map(|w| w.data.name())
+            .collect();
+        if names.iter().all(|n| *n == names[0]) {
+            names[0].to_string()
+        } else {
+            "mixed".to_string()
+        }
+    }
+
+    /// Run one ragged batch. The caller has validated the batch and grown the KV tables
+    /// (see [`crate::Engine::forward`]); `slots[t]` is the KV slot of token `t`.
+    pub(crate) fn forward(
+        &self,
+        batch: &[SeqChunk],
+        kv: &mut PagedKvCache,
+        slots: &[usize],
+    ) -> Result<Logits> {
+        let c = &self.cfg;
+        let (d, kvd, hd, ff) = (c.dim, c.kv_dim(), c.head_dim, c.ff_dim);
+        let n_tok: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        // Per token: its position and the range of KV slots it attends to.
+        let mut pos = Vec::with_capacity(n_tok);
+        let mut seq_of = Vec::with_capacity(n_tok);
+        for (i, s) in batch.iter().enumerate() {
+            for j in 0..s.tokens.len() {
+                pos.push(s.start_pos + j);
+                seq_of.push(i);
+            }
+        }
+        let rope = RopeTable::new(&pos, hd, c.rope_base);
+
+        let mut x = vec![0f32; n_tok * d]; // [n_tok, dim]
+        for (t, tok) in batch.iter().flat_map(|s| s.tokens.iter()).enumerate() {
+            kernels::dequantize_row(
+                &self.embed.data,
+                *tok as usize,
+                d,
+                &mut x[t * d..(t + 1) * d],
+            );
+        }
+        let mut h = vec![0f32; n_tok * d];
+        let mut q = vec![0f32; n_tok * d]; // [n_tok, n_head, head_dim]
+        let mut k = vec![0f32; n_tok * kvd]; // [n_tok, n_kv_head, head_dim]
+        let mut v = vec![0f32; n_tok * kvd];
+        let mut att = vec![0f32; n_tok * d];
+        let mut o = vec![0f32; n_tok * d];
+        let mut g = vec![0f32; n_tok * ff];
+        let mut u = vec![0f32; n_tok * ff];
+
+        // Each token's block table, resolved once per forward.
+        let tables: Vec<Vec<u32>> = batch
+            .iter()
+            .map(|s| kv.tables.blocks(s.seq).to_vec())
+            .collect();
+        let bs = kv.tables.block_size();
+
+        for (li, l) in self.layers.iter().enumerate() {
+            kernels::rms_norm(&x, &l.attn_norm, c.rms_eps, &mut h);
+            l.wq.forward(&h, n_tok, &mut q)?;
+            l.wk.forward(&h, n_tok, &mut k)?;
+            l.wv.forward(&h, n_tok, &mut v)?;
+            rope.apply(&mut q, c.n_head, hd);
+            rope.apply(&mut k, c.n_kv_head, hd);
+            let (ks, vs) = (&mut kv.k[li], &mut kv.v[li]);
+            for (t, &slot) in slots.iter().enumerate() {
+                ks[slot * kvd..(slot + 1) * kvd].copy_from_slice(&k[t * kvd..(t + 1) * kvd]);
+                vs[slot * kvd..(slot + 1) * kvd].copy_from_slice(&v[t * kvd..(t + 1) * kvd]);
+            }
+            let (ks, vs) = (&kv.k[li], &kv.v[li]);
+            let rep = c.n_head / c.n_kv_head;
+            let scale = 1.0 / (hd as f32).sqrt();
+            // One task per (token, query head): [n_tok * n_head, head_dim].
+            att.par_chunks_mut(hd).enumerate().for_each(|(i, out)| {
+                let (t, head) = (i / c.n_head, i % c.n_head);
+                let kvh = head / rep;
+                let qv = &q[t * d + head * hd..t * d + (head + 1) * hd];
+                let table = &tables[seq_of[t]];
+                let n_ctx = pos[t] + 1;
+                let at = |j: usize| (table[j / bs] as usize * bs + j % bs) * kvd + kvh * hd;
+                let mut scores: Vec<f32> = (0..n_ctx)
+                    .map(|j| kernels::dot(qv, &ks[at(j)..at(j) + hd]) * scale)
+                    .collect();
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f32;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                out.fill(0.0);
+                for (j, &p) in scores.iter().enumerate() {
+                    let w = p / sum;
+                    for (o, &vv) in out.iter_mut().zip(&vs[at(j)..at(j) + hd]) {
+                        *o += w * vv;
+                    }
+                }
+            });
+            l.wo.forward(&att, n_tok, &mut o)?;
+            add(&mut x, &o);
+            kernels::rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut h);
+            l.gate.forward(&h, n_tok, &mut g)?;
+            l.up.forward(&h, n_tok, &mut u)?;
+            kernels::silu_mul(&mut g, &u);
+            l.down.forward(&g, n_tok, &mut o)?;
+            add(&mut x, &o);
+        }
+
+        // Final norm and LM head only at the wanted positions.
+        let mut rows = Vec::new();
+        let mut t0 = 0;
+        for s in batch {
+            for i in s.logits.indices(s.tokens.len()) {
+                rows.push(LogitsRow {
+                    seq: s.seq,
+                    index: i,
+                    pos: s.start_pos + i,
+                    token: t0 + i,
+                });
+            }
+            t0 += s.tokens.len();
+        }
+        let n_out = rows.len();
+        let mut sel = vec![0f32; n_out * d]; // [num_wanted, dim]
+        for (r, row) in rows.iter().enumerate() {
+            sel[r * d..(r + 1) * d].copy_from_slice(&x[row.token * d..(row.token + 1) * d]);
+        }
+        let mut normed = vec![0f32; n_out * d];
+        kernels::rms_norm(&sel, &self.norm, c.rms_eps, &mut normed);
+        let mut data = vec![0f32; n_out * c.vocab]; // [num_wanted, vocab]
+        if n_out > 0 {
+            self.head().forward(&normed, n_out, &mut data)?;
+        }
+        Ok(Logits {
+            vocab: c.vocab,
+            data,
+            rows,
+        })
+    }
+}
+
+fn add(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// cos/sin of every token's position, `[n_tok, head_dim/2]`, computed in f64 then rounded.
+struct RopeTable {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    half: usize,
+}
+
+impl RopeTable {
+    fn new(pos: &[usize], head_dim: usize, base: f32) -> Self {
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(pos.len() * half);
+        let mut sin = Vec::with_capacity(pos.len() * half);
+        for &p in pos {
+            for i in 0..half {
+                let theta = (base as f64).powf(-((2 * i) as f64) / head_dim as f64);
+                let a = p as f64 * theta;
+                cos.push(a.cos() as f32);
+                sin.push(a.sin() as f32);
+            }
+        }
+        Self { cos, sin, half }
+    }
+
+    /// Rotate adjacent pairs of every head of `x: [n_tok, n_heads, head_dim]`.
+    fn apply(&self, x: &mut [f32], n_heads: usize, head_dim: usize) {
+        for (t, row) in x.chunks_exact_mut(n_heads * head_dim).enumerate() {
+            let (c, s) = (
+                &self.cos[t * self.half..(t + 1) * self.half],
+                &self.sin[t * self.half..(t + 1) * self.half],
+            );
+            for head in row.chunks_exact_mut(head_dim) {
+                for i in 0..self.half {
+                    let (x0, x1) = (head[2 * i], head[2 * i + 1]);
+                    head[2 * i] = x0 * c[i] - x1 * s[i];
+                    head[2 * i + 1] = x0 * s[i] + x1 * c[i];
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,2 @@
+//! Model architectures. One file per family.
+pub mod llama;

@@ -1,0 +1,126 @@
+//! Tiny random LLaMA models built in-process as GGUF images, for tests that need a real forward pass
+//! without the model file.
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+
+use crate::error::Result;
+use crate::gguf::GgufFile;
+
+/// Shape of a tiny model.
+#[derive(Debug, Clone, Copy)]
+pub struct TinySpec {
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub dim: usize,
+    pub ff_dim: usize,
+    pub vocab: usize,
+    pub context_len: usize,
+    /// Storage of the linear layers (F32, Q4_0, Q4_1, Q8_0...).
+    pub dtype: GgmlDType,
+    pub seed: u64,
+}
+
+impl Default for TinySpec {
+    fn default() -> Self {
+        Self {
+            n_layer: 2,
+            n_head: 4,
+            n_kv_head: 2,
+            dim: 64,
+            ff_dim: 96,
+            vocab: 96,
+            context_len: 256,
+            dtype: GgmlDType::F32,
+            seed: 1,
+        }
+    }
+}
+
+/// Deterministic pseudo-random values in [-scale, scale).
+fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| (crate::sampler::uniform(seed, i, 7) as f32 * 2.0 - 1.0) * scale)
+        .collect()
+}
+
+/// A GGUF image of a random model with `spec`'s shape.
+pub fn tiny_gguf(spec: &TinySpec) -> Result<Vec<u8>> {
+    let s = spec;
+    let hd = s.dim / s.n_head;
+    let kvd = s.n_kv_head * hd;
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let mut seed = s.seed * 1000;
+    let mut add =
+        |name: String, dims: &[usize], dtype: GgmlDType, scale: f32, offset: f32| -> Result<()> {
+            seed += 1;
+            let n: usize = dims.iter().product();
+            let v: Vec<f32> = values(seed, n, scale)
+                .into_iter()
+                .map(|x| x + offset)
+                .collect();
+            let t = Tensor::from_vec(v, dims, &Device::Cpu)?;
+            tensors.push((name, QTensor::quantize(&t, dtype)?));
+            Ok(())
+        };
+    add(
+        "token_embd.weight".into(),
+        &[s.vocab, s.dim],
+        GgmlDType::F32,
+        1.0,
+        0.0,
+    )?;
+    for l in 0..s.n_layer {
+        let n = |x: &str| format!("blk.{l}.{x}.weight");
+        let ws = 1.5 / (s.dim as f32).sqrt();
+        add(n("attn_norm"), &[s.dim], GgmlDType::F32, 0.2, 1.0)?;
+        add(n("attn_q"), &[s.dim, s.dim], s.dtype, ws, 0.0)?;
+        add(n("attn_k"), &[kvd, s.dim], s.dtype, ws, 0.0)?;
+        add(n("attn_v"), &[kvd, s.dim], s.dtype, ws, 0.0)?;
+        add(n("attn_output"), &[s.dim, s.dim], s.dtype, ws, 0.0)?;
+        add(n("ffn_norm"), &[s.dim], GgmlDType::F32, 0.2, 1.0)?;
+        add(n("ffn_gate"), &[s.ff_dim, s.dim], s.dtype, ws, 0.0)?;
+        add(n("ffn_up"), &[s.ff_dim, s.dim], s.dtype, ws, 0.0)?;
+        add(
+            n("ffn_down"),
+            &[s.dim, s.ff_dim],
+            s.dtype,
+            1.5 / (s.ff_dim as f32).sqrt(),
+            0.0,
+        )?;
+    }
+    add(
+        "output_norm.weight".into(),
+        &[s.dim],
+        GgmlDType::F32,
+        0.2,
+        1.0,
+    )?;
+    let meta: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("llama.block_count", Value::U32(s.n_layer as u32)),
+        ("llama.context_length", Value::U32(s.context_len as u32)),
+        ("llama.embedding_length", Value::U32(s.dim as u32)),
+        ("llama.feed_forward_length", Value::U32(s.ff_dim as u32)),
+        ("llama.attention.head_count", Value::U32(s.n_head as u32)),
+        (
+            "llama.attention.head_count_kv",
+            Value::U32(s.n_kv_head as u32),
+        ),
+        ("llama.rope.freq_base", Value::F32(10_000.0)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("llama.vocab_size", Value::U32(s.vocab as u32)),
+    ];
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut out = std::io::Cursor::new(Vec::new());
+    gguf_file::write(&mut out, &meta_refs, &tensor_refs)?;
+    Ok(out.into_inner())
+}
+
+/// The tiny model opened as a [`GgufFile`].
+pub fn tiny_file(spec: &TinySpec) -> Result<GgufFile> {
+    GgufFile::from_bytes("tiny.gguf", tiny_gguf(spec)?)
+}

@@ -1,0 +1,272 @@
+//! The tokenizer and chat template stored in a GGUF file.
+//!
+//! `tokenizer.ggml.model = gpt2` is a byte-level BPE (the `tokenizers` crate's BPE with the GGUF
+//! vocabulary and merges). The pre-tokenizer follows `tokenizer.ggml.pre`: `smollm` (and the
+//! StarCoder family it copies) splits every digit on its own first, then applies GPT-2's byte-level
+//! split. Control tokens (`token_type = 3`) and user-defined tokens (4) are matched whole in the
+//! input, as llama.cpp does with special tokens enabled.
+
+use std::collections::HashSet;
+
+use minijinja::{context, Environment};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{AddedToken, Tokenizer as HfTokenizer};
+
+use crate::error::{EngineError, Result};
+use crate::gguf::GgufFile;
+
+const TOKEN_TYPE_CONTROL: i32 = 3;
+const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+
+/// One chat message for the template.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+pub struct Tokenizer {
+    inner: HfTokenizer,
+    chat_template: Option<String>,
+    eog: HashSet<u32>,
+    add_bos: Option<u32>,
+    bos_text: String,
+    eos_text: String,
+    fingerprint: String,
+}
+
+fn tok_err(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Tokenizer(e.to_string())
+}
+
+impl Tokenizer {
+    pub fn from_gguf(g: &GgufFile) -> Result<Self> {
+        let model = g.string("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(EngineError::Metadata {
+                key: "tokenizer.ggml.model".into(),
+                message: format!("`{model}` is not supported (only byte-level BPE, `gpt2`)"),
+            });
+        }
+        let pre_name = g.string("tokenizer.ggml.pre").unwrap_or("default");
+        let split_digits = match pre_name {
+            "smollm" | "starcoder" | "refact" => true,
+            "gpt-2" | "gpt2" | "default" => false,
+            other => {
+                return Err(EngineError::Metadata {
+                    key: "tokenizer.ggml.pre".into(),
+                    message: format!("pre-tokenizer `{other}` is not supported (smollm, gpt-2)"),
+                })
+            }
+        };
+        let tokens: Vec<String> = g
+            .array("tokenizer.ggml.tokens")?
+            .iter()
+            .map(|v| v.to_string().cloned().map_err(tok_err))
+            .collect::<Result<_>>()?;
+        let merges: Vec<(String, String)> = g
+            .array("tokenizer.ggml.merges")?
+            .iter()
+            .map(|v| {
+                let s = v.to_string().map_err(tok_err)?;
+                let (a, b) = s
+                    .split_once(' ')
+                    .ok_or_else(|| tok_err(format!("merge `{s}` has no space")))?;
+                Ok((a.to_string(), b.to_string()))
+            })
+            .collect::<Result<_>>()?;
+        let types: Vec<i32> = match g.array("tokenizer.ggml.token_type") {
+            Ok(v) => v.iter().map(|t| t.to_i32().unwrap_or(1)).collect(),
+            Err(_) => vec![1; tokens.len()],
+        };
+        let vocab: tokenizers::models::bpe::Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges.clone())
+            .build()
+            .map_err(tok_err)?;
+        let mut inner = HfTokenizer::new(bpe);
+        let byte_level = ByteLevel::new(false, true, true);
+        let pre: PreTokenizerWrapper = if split_digits {
+            Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+        } else {
+            byte_level.into()
+        };
+        inner.with_pre_tokenizer(Some(pre));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        let special: Vec<u32> = types
+            .iter()
+            .enumerate()
+            .filter(|(_, &t)| t == TOKEN_TYPE_CONTROL || t == TOKEN_TYPE_USER_DEFINED)
+            .map(|(i, _)| i as u32)
+            .collect();
+        let added: Vec<AddedToken> = special
+            .iter()
+            .map(|&i| AddedToken::from(tokens[i as usize].clone(), true))
+            .collect();
+        inner.add_special_tokens(&added);
+
+        let id = |key: &str| g.u64(key).ok().map(|v| v as u32);
+        let (bos, eos) = (
+            id("tokenizer.ggml.bos_token_id"),
+            id("tokenizer.ggml.eos_token_id"),
+        );
+        // End of generation: the EOS id plus the chat end markers, as llama.cpp derives it.
+        let mut eog: HashSet<u32> = eos.into_iter().collect();
+        for (i, t) in tokens.iter().enumerate() {
+            if matches!(
+                t.as_str(),
+                "<|endoftext|>" | "<|im_end|>" | "<|eot_id|>" | "<|end|>"
+            ) {
+                eog.insert(i as u32);
+            }
+        }
+        let add_bos = if g.bool_or("tokenizer.ggml.add_bos_token", false) {
+            bos
+        } else {
+            None
+        };
+        let text_of = |i: Option<u32>| {
+            i.and_then(|i| tokens.get(i as usize).cloned())
+                .unwrap_or_default()
+        };
+
+        let mut h = Sha256::new();
+        h.update(b"tandem-tokenizer-v1\0");
+        h.update(model.as_bytes());
+        h.update([0]);
+        h.update(pre_name.as_bytes());
+        h.update([0]);
+        for t in &tokens {
+            h.update(t.as_bytes());
+            h.update([0]);
+        }
+        h.update([1]);
+        for (a, b) in &merges {
+            h.update(a.as_bytes());
+            h.update([b' ']);
+            h.update(b.as_bytes());
+            h.update([0]);
+        }
+        h.update([1]);
+        let mut eog_sorted: Vec<u32> = eog.iter().copied().collect();
+        eog_sorted.sort_unstable();
+        for ids in [
+            &special,
+            &eog_sorted,
+            &bos.into_iter().collect(),
+            &add_bos.into_iter().collect(),
+        ] {
+            for i in ids.iter() {
+                h.update(i.to_le_bytes());
+            }
+            h.update([2]);
+        }
+        let digest = h.finalize();
+        let fingerprint = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+
+        Ok(Self {
+            inner,
+            chat_template: g.string("tokenizer.chat_template").ok().map(str::to_string),
+            eog,
+            add_bos,
+            bos_text: text_of(bos),
+            eos_text: text_of(eos),
+            fingerprint,
+        })
+    }
+
+    /// Token ids of `text`; special tokens written in the text are matched whole.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode_fast(text, false).map_err(tok_err)?;
+        let mut ids = Vec::with_capacity(enc.get_ids().len() + 1);
+        ids.extend(self.add_bos);
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, false).map_err(tok_err)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Is `id` an end-of-generation token?
+    pub fn is_eog(&self, id: u32) -> bool {
+        self.eog.contains(&id)
+    }
+
+    /// Hex digest of vocabulary, merges, pre-tokenizer and special ids: two models whose
+    /// fingerprints differ cannot share token ids.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    /// Render `messages` with the model's chat template, ending with the assistant's turn.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
+        let src = self.chat_template.as_deref().ok_or_else(|| {
+            EngineError::ChatTemplate("the model has no tokenizer.chat_template".into())
+        })?;
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.add_template("chat", src)
+            .map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
+        env.get_template("chat")
+            .and_then(|t| {
+                t.render(context! {
+                    messages => messages,
+                    add_generation_prompt => true,
+                    bos_token => self.bos_text,
+                    eos_token => self.eos_text,
+                })
+            })
+            .map_err(|e| EngineError::ChatTemplate(e.to_string()))
+    }
+
+    /// Token ids of a single user message wrapped in the chat template.
+    pub fn encode_chat(&self, user: &str) -> Result<Vec<u32>> {
+        let text = self.render_chat(&[ChatMessage {
+            role: "user".into(),
+            content: user.into(),
+        }])?;
+        self.encode(&text)
+    }
+}
+
+/// Turns a growing list of token ids into text pieces that are safe to print: a piece is held back
+/// while it ends inside a multi-byte character.
+#[derive(Default)]
+pub struct TextStream {
+    ids: Vec<u32>,
+    printed: usize,
+}
+
+impl TextStream {
+    /// Add `id`; returns the newly printable text.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let text = tok.decode(&self.ids)?;
+        let Some(new) = text
+            .get(self.printed..)
+            .filter(|_| !text.ends_with('\u{FFFD}'))
+        else {
+            return Ok(String::new());
+        };
+        let new = new.to_string();
+        self.printed = text.len();
+        Ok(new)
+    }
+}

@@ -1,0 +1,266 @@
+//! Ragged batches and the paged KV cache on tiny random models built in-process.
+
+use std::sync::Arc;
+
+use candle_core::quantized::GgmlDType;
+use tandem_engine::testing::{tiny_file, TinySpec};
+use tandem_engine::{
+    sampler, Engine, EngineConfig, EngineError, LlamaModel, SeqChunk, SeqId, Wanted, WeightMode,
+};
+
+fn model(dtype: GgmlDType, mode: WeightMode) -> Arc<LlamaModel> {
+    let spec = TinySpec {
+        dtype,
+        ..TinySpec::default()
+    };
+    Arc::new(LlamaModel::load(&mut tiny_file(&spec).unwrap(), mode).unwrap())
+}
+
+fn engine(m: &Arc<LlamaModel>, threads: usize) -> Engine {
+    let cfg = EngineConfig {
+        threads,
+        kv_budget_bytes: 4 << 20,
+        kv_block_size: 4,
+    };
+    Engine::new(m.clone(), cfg).unwrap()
+}
+
+fn prompt(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n as u64)
+        .map(|i| (sampler::uniform(seed, i, 1) * vocab as f64) as u32)
+        .collect()
+}
+
+/// Logits of every position of `tokens`, fed in chunks of `chunk` tokens.
+fn alone(m: &Arc<LlamaModel>, tokens: &[u32], chunk: usize) -> Vec<Vec<f32>> {
+    let mut e = engine(m, 1);
+    let mut out = Vec::new();
+    for (i, c) in tokens.chunks(chunk).enumerate() {
+        let l = e
+            .forward(&[SeqChunk::new(SeqId(0), i * chunk, c.to_vec(), Wanted::All)])
+            .unwrap();
+        out.extend((0..l.rows.len()).map(|r| l.row(r).to_vec()));
+    }
+    out
+}
+
+fn assert_close(a: &[f32], b: &[f32], what: &str) {
+    let norm = b.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+    let diff = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y) * (x - y))
+        .sum::<f32>()
+        .sqrt();
+    assert!(
+        diff / norm <= 1e-4,
+        "{what}: relative error {}",
+        diff / norm
+    );
+}
+
+#[test]
+fn ragged_batch_equals_each_sequence_alone() {
+    for (dtype, mode) in [
+        (GgmlDType::F32, WeightMode::F32),
+        (GgmlDType::Q4_0, WeightMode::Native),
+        (GgmlDType::Q4_1, WeightMode::Native),
+        (GgmlDType::Q8_0, WeightMode::Native),
+        (GgmlDType::F32, WeightMode::F16),
+    ] {
+        let m = model(dtype, mode);
+        let v = m.cfg.vocab;
+        let seqs: Vec<Vec<u32>> = (0..4).map(|s| prompt(s, 7 + 5 * s as usize, v)).collect();
+        let refs: Vec<Vec<Vec<f32>>> = seqs.iter().map(|t| alone(&m, t, 64)).collect();
+        // Batched: prefill different prefix lengths, then continue each sequence with a ragged chunk.
+        let mut e = engine(&m, 2);
+        let split = [3usize, 1, 9, 12];
+        let first: Vec<SeqChunk> = (0..4)
+            .map(|s| {
+                SeqChunk::new(
+                    SeqId(s as u64),
+                    0,
+                    seqs[s][..split[s]].to_vec(),
+                    Wanted::All,
+                )
+            })
+            .collect();
+        let l1 = e.forward(&first).unwrap();
+        let rest: Vec<SeqChunk> = (0..4)
+            .map(|s| {
+                SeqChunk::new(
+                    SeqId(s as u64),
+                    split[s],
+                    seqs[s][split[s]..].to_vec(),
+                    Wanted::All,
+                )
+            })
+            .collect();
+        let l2 = e.forward(&rest).unwrap();
+        for s in 0..4 {
+            let got: Vec<Vec<f32>> = l1
+                .for_seq(SeqId(s as u64))
+                .chain(l2.for_seq(SeqId(s as u64)))
+                .map(|(_, r)| r.to_vec())
+                .collect();
+            assert_eq!(got.len(), refs[s].len());
+            for (p, (g, r)) in got.iter().zip(&refs[s]).enumerate() {
+                assert_close(g, r, &format!("{mode:?} seq {s} pos {p}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn logits_only_where_asked() {
+    let m = model(GgmlDType::F32, WeightMode::F32);
+    let mut e = engine(&m, 1);
+    let toks = prompt(3, 10, m.cfg.vocab);
+    let l = e
+        .forward(&[
+            SeqChunk::new(SeqId(1), 0, toks.clone(), Wanted::At(vec![2, 7])),
+            SeqChunk::new(SeqId(2), 0, toks[..4].to_vec(), Wanted::None),
+            SeqChunk::new(SeqId(3), 0, toks[..5].to_vec(), Wanted::Last),
+        ])
+        .unwrap();
+    assert_eq!(l.data.len(), 3 * m.cfg.vocab);
+    let pos: Vec<(u64, usize)> = l.rows.iter().map(|r| (r.seq.0, r.pos)).collect();
+    assert_eq!(pos, vec![(1, 2), (1, 7), (3, 4)]);
+    let full = alone(&m, &toks, 64);
+    assert_close(l.row(1), &full[7], "row for position 7");
+}
+
+#[test]
+fn truncate_then_continue_equals_a_fresh_run() {
+    let m = model(GgmlDType::Q4_0, WeightMode::Native);
+    let v = m.cfg.vocab;
+    let good = prompt(5, 20, v);
+    let mut e = engine(&m, 2);
+    // Feed 14 tokens of which the last 6 are a rejected draft, roll back to 8, continue correctly.
+    let mut wrong = good[..8].to_vec();
+    wrong.extend(prompt(99, 6, v));
+    e.forward(&[SeqChunk::new(SeqId(4), 0, wrong, Wanted::Last)])
+        .unwrap();
+    e.truncate(SeqId(4), 8).unwrap();
+    assert_eq!(e.seq_len(SeqId(4)), 8);
+    let l = e
+        .forward(&[SeqChunk::new(SeqId(4), 8, good[8..].to_vec(), Wanted::All)])
+        .unwrap();
+    let fresh = alone(&m, &good, 64);
+    for (i, (_, row)) in l.for_seq(SeqId(4)).enumerate() {
+        assert_eq!(row, &fresh[8 + i][..], "position {}", 8 + i);
+    }
+}
+
+#[test]
+fn greedy_decoding_is_identical_alone_or_batched() {
+    let m = model(GgmlDType::F32, WeightMode::F32);
+    let v = m.cfg.vocab;
+    let greedy = |e: &mut Engine, seqs: &[(u64, Vec<u32>)], steps: usize| -> Vec<Vec<u32>> {
+        let mut out = vec![Vec::new(); seqs.len()];
+        let mut chunks: Vec<SeqChunk> = seqs
+            .iter()
+            .map(|(s, p)| SeqChunk::new(SeqId(*s), 0, p.clone(), Wanted::Last))
+            .collect();
+        for _ in 0..steps {
+            let l = e.forward(&chunks).unwrap();
+            for (i, c) in chunks.iter_mut().enumerate() {
+                let next = sampler::argmax(l.last_for(c.seq).unwrap());
+                out[i].push(next);
+                c.start_pos += c.tokens.len();
+                c.tokens = vec![next];
+            }
+        }
+        out
+    };
+    let seqs: Vec<(u64, Vec<u32>)> = (0..5)
+        .map(|s| (s, prompt(s + 20, 3 + 4 * s as usize, v)))
+        .collect();
+    let mut batched_engine = engine(&m, 2);
+    let batched = greedy(&mut batched_engine, &seqs, 12);
+    for (i, s) in seqs.iter().enumerate() {
+        let alone = greedy(&mut engine(&m, 1), std::slice::from_ref(s), 12);
+        assert_eq!(alone[0], batched[i], "sequence {i}");
+    }
+}
+
+#[test]
+fn kv_exhaustion_is_a_typed_error_and_keeps_state() {
+    let m = model(GgmlDType::F32, WeightMode::F32);
+    // 2 layers, kv_dim 32, block of 4 tokens: 2*2*4*32*4 = 2 KiB per block; 6 blocks.
+    let cfg = EngineConfig {
+        threads: 1,
+        kv_budget_bytes: 6 * 2048,
+        kv_block_size: 4,
+    };
+    let mut e = Engine::new(m.clone(), cfg).unwrap();
+    let toks = prompt(1, 16, m.cfg.vocab);
+    e.forward(&[SeqChunk::new(SeqId(1), 0, toks.clone(), Wanted::Last)])
+        .unwrap();
+    let err = e
+        .forward(&[SeqChunk::new(
+            SeqId(2),
+            0,
+            toks[..12].to_vec(),
+            Wanted::Last,
+        )])
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::OutOfBlocks {
+                needed: 3,
+                free: 2,
+                total: 6,
+                block_size: 4
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(e.seq_len(SeqId(1)), 16);
+    assert_eq!(e.seq_len(SeqId(2)), 0);
+    assert_eq!(e.kv().tables.num_free_blocks(), 2);
+    e.free(SeqId(1));
+    e.forward(&[SeqChunk::new(
+        SeqId(2),
+        0,
+        toks[..12].to_vec(),
+        Wanted::Last,
+    )])
+    .unwrap();
+}
+
+#[test]
+fn bad_batches_are_refused_by_name() {
+    let m = model(GgmlDType::F32, WeightMode::F32);
+    let mut e = engine(&m, 1);
+    let bad_tok = SeqChunk::new(SeqId(1), 0, vec![1, 9999], Wanted::Last);
+    assert!(matches!(
+        e.forward(&[bad_tok]),
+        Err(EngineError::InvalidToken { token: 9999, .. })
+    ));
+    let gap = SeqChunk::new(SeqId(1), 3, vec![1], Wanted::Last);
+    assert!(matches!(
+        e.forward(&[gap]),
+        Err(EngineError::PositionMismatch {
+            expected: 0,
+            got: 3,
+            ..
+        })
+    ));
+    let a = SeqChunk::new(SeqId(1), 0, vec![1], Wanted::Last);
+    assert!(matches!(
+        e.forward(&[a.clone(), a]),
+        Err(EngineError::InvalidBatch(_))
+    ));
+    let long = SeqChunk::new(SeqId(1), 0, vec![1; 300], Wanted::Last);
+    assert!(matches!(
+        e.forward(&[long]),
+        Err(EngineError::ContextOverflow {
+            end: 300,
+            max: 256,
+            ..
+        })
+    ));
+    assert_eq!(e.seq_len(SeqId(1)), 0);
+}
