@@ -1,1 +1,470 @@
+//! Tandem's weight quantizer: makes the edge draft from the cloud target.
+//!
+//! **Grid.** W4A16 uses *symmetric* 4-bit groups: in each group of `g` weights the value of largest
+//! magnitude `m` fixes the scale `d = m / −8` (stored as f16), and each weight becomes
+//! `q = clamp(round(w/d) + 8, 0, 15)`, read back as `d·(q − 8)`. This is GGUF's Q4_0 layout, so a
+//! group of 32 is written as standard Q4_0 blocks that llama.cpp loads too; groups of 64 and 128 are
+//! written as Q4_0 blocks whose scales are shared within the group (the file still spends 4.5 bits
+//! per weight; the scheme's own cost is 4 + 16/g). W8A16 is symmetric 8-bit, `d = max|w| / 127`, in
+//! Q8_0 blocks. The source model's own grid (asymmetric Q4_1 with a minimum) is deliberately not
+//! offered: a draft on the target's own grid reproduces it exactly and would measure nothing.
+//!
+//! The embedding (tied to the output head) has its own precision, Q8_0 by default; norm vectors stay
+//! f32. Activations are never quantized: that is what the `A16` means.
 
+use std::collections::BTreeMap;
+use std::io::{BufWriter, Seek, Write};
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{ggml_file, GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use half::f16;
+use serde::Serialize;
+use tandem_engine::GgufFile;
+
+pub const QK: usize = 32;
+
+#[derive(Debug, thiserror::Error)]
+pub enum QuantError {
+    #[error("invalid setting `{field}`: {message}")]
+    InvalidSetting {
+        field: &'static str,
+        message: String,
+    },
+    #[error(transparent)]
+    Engine(#[from] tandem_engine::EngineError),
+    #[error("tensor `{name}`: {message}")]
+    Tensor { name: String, message: String },
+    #[error("writing {path}: {message}")]
+    Write { path: String, message: String },
+}
+
+pub type Result<T, E = QuantError> = std::result::Result<T, E>;
+
+/// Weight bits and activation bits of a draft.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scheme {
+    W4A16,
+    W8A16,
+}
+
+impl std::str::FromStr for Scheme {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "w4a16" => Ok(Self::W4A16),
+            "w8a16" => Ok(Self::W8A16),
+            _ => Err(format!("unknown scheme `{s}` (w4a16, w8a16)")),
+        }
+    }
+}
+
+impl Scheme {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::W4A16 => "w4a16",
+            Self::W8A16 => "w8a16",
+        }
+    }
+    fn bits(self) -> usize {
+        match self {
+            Self::W4A16 => 4,
+            Self::W8A16 => 8,
+        }
+    }
+    fn dtype(self) -> GgmlDType {
+        match self {
+            Self::W4A16 => GgmlDType::Q4_0,
+            Self::W8A16 => GgmlDType::Q8_0,
+        }
+    }
+}
+
+/// Storage of the embedding / tied output head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EmbedPrecision {
+    F32,
+    F16,
+    Q8_0,
+    Q4_0,
+}
+
+impl std::str::FromStr for EmbedPrecision {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(Self::F32),
+            "f16" => Ok(Self::F16),
+            "q8_0" => Ok(Self::Q8_0),
+            "q4_0" => Ok(Self::Q4_0),
+            _ => Err(format!(
+                "unknown embedding precision `{s}` (f32, f16, q8_0, q4_0)"
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct QuantConfig {
+    pub scheme: Scheme,
+    /// Weights per scale: 32, 64 or 128.
+    pub group_size: usize,
+    pub embedding: EmbedPrecision,
+}
+
+impl Default for QuantConfig {
+    fn default() -> Self {
+        Self {
+            scheme: Scheme::W4A16,
+            group_size: 32,
+            embedding: EmbedPrecision::Q8_0,
+        }
+    }
+}
+
+impl QuantConfig {
+    pub fn validate(&self) -> Result<()> {
+        if ![32, 64, 128].contains(&self.group_size) {
+            return Err(QuantError::InvalidSetting {
+                field: "group_size",
+                message: format!("{} is not one of 32, 64, 128", self.group_size),
+            });
+        }
+        Ok(())
+    }
+
+    /// Bits per weight of the scheme itself for rows of `cols` weights: payload plus one f16 scale
+    /// per group.
+    pub fn scheme_bits_per_weight(&self, cols: usize) -> f64 {
+        self.scheme.bits() as f64 + 16.0 * cols.div_ceil(self.group_size) as f64 / cols as f64
+    }
+}
+
+/// Symmetric quantization of the rows of `w` (`cols` wide, a multiple of 32) into Q4_0 (`bits = 4`)
+/// or Q8_0 (`bits = 8`) blocks. Each row is cut into groups of `group` weights (the last group of a
+/// row is shorter when `cols` is not a multiple of `group`, e.g. 576 = 4·128 + 64); every block of a
+/// group carries the group's scale.
+pub fn quantize_symmetric(w: &[f32], cols: usize, group: usize, bits: usize) -> Vec<u8> {
+    assert!(
+        group % QK == 0 && cols % QK == 0 && w.len() % cols == 0,
+        "invariant: caller checked the shapes"
+    );
+    let (block_bytes, qmax) = if bits == 4 {
+        (18, 8.0f32)
+    } else {
+        (34, 127.0f32)
+    };
+    let mut out = Vec::with_capacity(w.len() / QK * block_bytes);
+    for g in w.chunks_exact(cols).flat_map(|row| row.chunks(group)) {
+        let d = if bits == 4 {
+            // The value of largest magnitude lands exactly on −8.
+            let m = g
+                .iter()
+                .copied()
+                .fold(0f32, |a, x| if x.abs() > a.abs() { x } else { a });
+            m / -qmax
+        } else {
+            g.iter().fold(0f32, |a, x| a.max(x.abs())) / qmax
+        };
+        let d16 = f16::from_f32(d);
+        let dq = d16.to_f32();
+        let inv = if dq != 0.0 { 1.0 / dq } else { 0.0 };
+        for b in g.chunks_exact(QK) {
+            out.extend_from_slice(&d16.to_le_bytes());
+            if bits == 4 {
+                let q = |x: f32| ((x * inv).round() + 8.0).clamp(0.0, 15.0) as u8;
+                for l in 0..QK / 2 {
+                    out.push(q(b[l]) | (q(b[l + QK / 2]) << 4));
+                }
+            } else {
+                for &x in b {
+                    out.push(((x * inv).round().clamp(-127.0, 127.0) as i8) as u8);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Per-tensor result of quantization.
+#[derive(Debug, Clone, Serialize)]
+pub struct TensorReport {
+    pub name: String,
+    pub layer: Option<usize>,
+    pub format: String,
+    pub params: usize,
+    pub bytes: usize,
+    /// ‖W − Ŵ‖ / ‖W‖ over the tensor.
+    pub rel_error: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub config: QuantConfig,
+    pub scheme_bits_per_weight: f64,
+    /// Bits per weight of the quantized linear layers as stored in the file.
+    pub file_bits_per_weight: f64,
+    pub file_bytes: u64,
+    pub tensors: Vec<TensorReport>,
+}
+
+impl Report {
+    /// Mean relative weight error of each layer's linear tensors, by layer index.
+    pub fn per_layer(&self) -> BTreeMap<usize, f64> {
+        let mut acc: BTreeMap<usize, (f64, usize)> = BTreeMap::new();
+        for t in &self.tensors {
+            if let Some(l) = t.layer {
+                let e = acc.entry(l).or_default();
+                e.0 += t.rel_error;
+                e.1 += 1;
+            }
+        }
+        acc.into_iter()
+            .map(|(l, (s, n))| (l, s / n as f64))
+            .collect()
+    }
+}
+
+fn rel_error(w: &[f32], back: &[f32]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&a, &b) in w.iter().zip(back) {
+        num += (a as f64 - b as f64).powi(2);
+        den += (a as f64).powi(2);
+    }
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
+}
+
+fn qerr(name: &str) -> impl Fn(candle_core::Error) -> QuantError + '_ {
+    move |e| QuantError::Tensor {
+        name: name.into(),
+        message: e.to_string(),
+    }
+}
+
+/// Quantize the model in `src` (read as f32) and write the draft to `out`.
+pub fn quantize_file<W: Write + Seek>(
+    src: &mut GgufFile,
+    cfg: &QuantConfig,
+    out: &mut W,
+) -> Result<Report> {
+    cfg.validate()?;
+    let mut infos: Vec<(String, Vec<usize>, u64)> = src
+        .content
+        .tensor_infos
+        .iter()
+        .map(|(n, i)| (n.clone(), i.shape.dims().to_vec(), i.offset))
+        .collect();
+    infos.sort_by_key(|(_, _, off)| *off);
+    let mut tensors: Vec<(String, QTensor)> = Vec::with_capacity(infos.len());
+    let mut reports = Vec::new();
+    let mut scheme_bits = Vec::new();
+    for (name, dims, _) in &infos {
+        let w = src.tensor_f32(name, dims)?;
+        let is_embed = name == "token_embd.weight" || name == "output.weight";
+        let linear = dims.len() == 2 && !is_embed;
+        let target = if linear {
+            Some((cfg.scheme.dtype(), cfg.group_size))
+        } else if is_embed {
+            match cfg.embedding {
+                EmbedPrecision::Q8_0 => Some((GgmlDType::Q8_0, QK)),
+                EmbedPrecision::Q4_0 => Some((GgmlDType::Q4_0, QK)),
+                EmbedPrecision::F16 => Some((GgmlDType::F16, 0)),
+                EmbedPrecision::F32 => None,
+            }
+        } else {
+            None
+        };
+        let cols = *dims.last().unwrap_or(&0);
+        let qt = match target {
+            Some((dtype @ (GgmlDType::Q4_0 | GgmlDType::Q8_0), group)) => {
+                if cols % QK != 0 {
+                    return Err(QuantError::Tensor {
+                        name: name.clone(),
+                        message: format!("{cols} columns are not a multiple of {QK}"),
+                    });
+                }
+                let bits = if dtype == GgmlDType::Q4_0 { 4 } else { 8 };
+                let bytes = quantize_symmetric(&w, cols, group, bits);
+                ggml_file::qtensor_from_ggml(dtype, &bytes, dims.clone(), &Device::Cpu)
+                    .map_err(qerr(name))?
+            }
+            Some((dtype, _)) => {
+                let t =
+                    Tensor::from_slice(&w, dims.as_slice(), &Device::Cpu).map_err(qerr(name))?;
+                QTensor::quantize(&t, dtype).map_err(qerr(name))?
+            }
+            None => {
+                let t =
+                    Tensor::from_slice(&w, dims.as_slice(), &Device::Cpu).map_err(qerr(name))?;
+                QTensor::quantize(&t, GgmlDType::F32).map_err(qerr(name))?
+            }
+        };
+        if linear {
+            scheme_bits.push((cfg.scheme_bits_per_weight(cols), w.len()));
+        }
+        if dims.len() == 2 {
+            let back = tandem_engine::gguf::dequantize_f32(name, &qt)?;
+            reports.push(TensorReport {
+                name: name.clone(),
+                layer: layer_of(name),
+                format: format!("{:?}", qt.dtype()).to_lowercase(),
+                params: w.len(),
+                bytes: qt.storage_size_in_bytes(),
+                rel_error: rel_error(&w, &back),
+            });
+        }
+        tensors.push((name.clone(), qt));
+    }
+
+    let mut meta: Vec<(String, Value)> = src
+        .content
+        .metadata
+        .iter()
+        .filter(|(k, _)| !matches!(k.as_str(), "general.alignment" | "general.file_type"))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let file_type = match cfg.scheme {
+        Scheme::W4A16 => 2, // MOSTLY_Q4_0
+        Scheme::W8A16 => 7, // MOSTLY_Q8_0
+    };
+    meta.push(("general.file_type".into(), Value::U32(file_type)));
+    meta.push((
+        "tandem.quant.scheme".into(),
+        Value::String(cfg.scheme.name().into()),
+    ));
+    meta.push((
+        "tandem.quant.group_size".into(),
+        Value::U32(cfg.group_size as u32),
+    ));
+    meta.sort_by(|a, b| a.0.cmp(&b.0));
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut w = BufWriter::new(out);
+    let werr = |e: &dyn std::fmt::Display| QuantError::Write {
+        path: "output".into(),
+        message: e.to_string(),
+    };
+    gguf_file::write(&mut w, &meta_refs, &tensor_refs).map_err(|e| werr(&e))?;
+    w.flush().map_err(|e| werr(&e))?;
+    let file_bytes = w.stream_position().map_err(|e| werr(&e))?;
+
+    let (lp, lb) = reports
+        .iter()
+        .filter(|t| t.layer.is_some())
+        .fold((0usize, 0usize), |(p, b), t| (p + t.params, b + t.bytes));
+    Ok(Report {
+        config: *cfg,
+        scheme_bits_per_weight: scheme_bits.iter().map(|(b, n)| b * *n as f64).sum::<f64>()
+            / scheme_bits
+                .iter()
+                .map(|(_, n)| *n as f64)
+                .sum::<f64>()
+                .max(1.0),
+        file_bits_per_weight: lb as f64 * 8.0 / lp.max(1) as f64,
+        file_bytes,
+        tensors: reports,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use tandem_engine::kernels::{dequantize_row, RowData};
+
+    fn back(bytes: Vec<u8>, bits: usize, n: usize) -> Vec<f32> {
+        let data = if bits == 4 {
+            RowData::Q4_0(bytes)
+        } else {
+            RowData::Q8_0(bytes)
+        };
+        let mut out = vec![0f32; n];
+        dequantize_row(&data, 0, n, &mut out);
+        out
+    }
+
+    proptest! {
+        /// Every weight comes back within the grid's bound: half a step when rounded inside the
+        /// range, one step for the one value clipped at +8·d (4-bit), plus the f16 rounding of d.
+        #[test]
+        fn round_trip_error_is_within_the_scheme_bound(
+            w in proptest::collection::vec(-4.0f32..4.0, 128),
+            group in prop_oneof![Just(32usize), Just(64), Just(128)],
+            bits in prop_oneof![Just(4usize), Just(8)],
+        ) {
+            let q = quantize_symmetric(&w, 128, group, bits);
+            prop_assert_eq!(q.len(), 128 / QK * if bits == 4 { 18 } else { 34 });
+            let r = back(q, bits, 128);
+            for (g, (wg, rg)) in w.chunks(group).zip(r.chunks(group)).enumerate() {
+                let amax = wg.iter().fold(0f32, |a, x| a.max(x.abs()));
+                let d = amax / if bits == 4 { 8.0 } else { 127.0 };
+                let slack = d * 2e-3 + 1e-7;
+                for (x, y) in wg.iter().zip(rg) {
+                    let err = (x - y).abs();
+                    let bound = if bits == 4 && (x.abs() - amax).abs() < d * 0.5 { d } else { d * 0.5 };
+                    prop_assert!(err <= bound + slack, "group {} value {} -> {} (d {})", g, x, y, d);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn group_scales_are_shared_across_blocks() {
+        // Blocks of very different magnitude: one scale for all of them wastes resolution.
+        let w: Vec<f32> = (0..128)
+            .map(|i| (i as f32 * 0.37).sin() * 4f32.powi(i / 32))
+            .collect();
+        let q = quantize_symmetric(&w, 128, 128, 4);
+        let scales: Vec<[u8; 2]> = q.chunks(18).map(|b| [b[0], b[1]]).collect();
+        assert!(scales.iter().all(|s| *s == scales[0]));
+        let q32 = quantize_symmetric(&w, 128, 32, 4);
+        let r32 = back(q32, 4, 128);
+        let r128 = back(q, 4, 128);
+        assert!(
+            rel_error(&w, &r32) < rel_error(&w, &r128),
+            "smaller groups are more precise"
+        );
+    }
+
+    #[test]
+    fn tiny_model_quantizes_and_loads_back() {
+        use tandem_engine::testing::{tiny_file, TinySpec};
+        let mut src = tiny_file(&TinySpec::default()).unwrap();
+        for scheme in [Scheme::W4A16, Scheme::W8A16] {
+            // 128-wide groups on 64- and 96-wide rows: short last groups.
+            let cfg = QuantConfig {
+                scheme,
+                group_size: 128,
+                embedding: EmbedPrecision::Q8_0,
+            };
+            let mut buf = std::io::Cursor::new(Vec::new());
+            let rep = quantize_file(&mut src, &cfg, &mut buf).unwrap();
+            let bound = if scheme == Scheme::W4A16 { 0.2 } else { 0.01 };
+            for t in &rep.tensors {
+                assert!(t.rel_error < bound, "{}: {}", t.name, t.rel_error);
+            }
+            let mut g = GgufFile::from_bytes("draft.gguf", buf.into_inner()).unwrap();
+            assert_eq!(g.string("tandem.quant.scheme").unwrap(), scheme.name());
+            let m =
+                tandem_engine::LlamaModel::load(&mut g, tandem_engine::WeightMode::Native).unwrap();
+            let want = if scheme == Scheme::W4A16 {
+                "q4_0"
+            } else {
+                "q8_0"
+            };
+            assert_eq!(m.format(), want);
+        }
+        let bad = QuantConfig {
+            group_size: 48,
+            ..QuantConfig::default()
+        };
+        let err = quantize_file(&mut src, &bad, &mut std::io::Cursor::new(Vec::new())).unwrap_err();
+        assert!(err.to_string().contains("group_size"), "{err}");
+    }
+}
