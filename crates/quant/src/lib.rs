@@ -47,6 +47,8 @@ pub type Result<T, E = QuantError> = std::result::Result<T, E>;
 pub enum Scheme {
     W4A16,
     W8A16,
+    /// No quantization: the target written out as f32 (for running other engines on it).
+    F32,
 }
 
 impl std::str::FromStr for Scheme {
@@ -55,7 +57,8 @@ impl std::str::FromStr for Scheme {
         match s {
             "w4a16" => Ok(Self::W4A16),
             "w8a16" => Ok(Self::W8A16),
-            _ => Err(format!("unknown scheme `{s}` (w4a16, w8a16)")),
+            "f32" => Ok(Self::F32),
+            _ => Err(format!("unknown scheme `{s}` (w4a16, w8a16, f32)")),
         }
     }
 }
@@ -65,18 +68,21 @@ impl Scheme {
         match self {
             Self::W4A16 => "w4a16",
             Self::W8A16 => "w8a16",
+            Self::F32 => "f32",
         }
     }
     fn bits(self) -> usize {
         match self {
             Self::W4A16 => 4,
             Self::W8A16 => 8,
+            Self::F32 => 32,
         }
     }
     fn dtype(self) -> GgmlDType {
         match self {
             Self::W4A16 => GgmlDType::Q4_0,
             Self::W8A16 => GgmlDType::Q8_0,
+            Self::F32 => GgmlDType::F32,
         }
     }
 }
@@ -138,6 +144,9 @@ impl QuantConfig {
     /// Bits per weight of the scheme itself for rows of `cols` weights: payload plus one f16 scale
     /// per group.
     pub fn scheme_bits_per_weight(&self, cols: usize) -> f64 {
+        if self.scheme == Scheme::F32 {
+            return 32.0;
+        }
         self.scheme.bits() as f64 + 16.0 * cols.div_ceil(self.group_size) as f64 / cols as f64
     }
 }
@@ -268,7 +277,9 @@ pub fn quantize_file<W: Write + Seek>(
         let w = src.tensor_f32(name, dims)?;
         let is_embed = name == "token_embd.weight" || name == "output.weight";
         let linear = dims.len() == 2 && !is_embed;
-        let target = if linear {
+        let target = if linear && cfg.scheme == Scheme::F32 {
+            None
+        } else if linear {
             Some((cfg.scheme.dtype(), cfg.group_size))
         } else if is_embed {
             match cfg.embedding {
@@ -332,6 +343,7 @@ pub fn quantize_file<W: Write + Seek>(
     let file_type = match cfg.scheme {
         Scheme::W4A16 => 2, // MOSTLY_Q4_0
         Scheme::W8A16 => 7, // MOSTLY_Q8_0
+        Scheme::F32 => 0,   // ALL_F32
     };
     meta.push(("general.file_type".into(), Value::U32(file_type)));
     meta.push((

@@ -1,0 +1,304 @@
+//! `tandem bench engine`: single-stream decode, verify-chunk latency and ragged-batch throughput of
+//! the target and the draft, the machine's copy bandwidth and the bandwidth limit per weight format;
+//! llama.cpp beside them when its peer script is available. Prints a table and one JSON object.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+use serde_json::Value;
+use tandem_engine::{sampler, Engine, EngineConfig, LlamaModel, SeqChunk, SeqId, Wanted};
+
+use crate::stats::round2;
+
+#[derive(Debug, Clone)]
+pub struct BenchArgs {
+    pub threads: Vec<usize>,
+    pub decode_tokens: usize,
+    pub chunks: Vec<usize>,
+    pub batch_sizes: Vec<usize>,
+    pub repeats: usize,
+    pub peer_python: Option<PathBuf>,
+    pub peer_script: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelBench {
+    pub path: String,
+    pub format: String,
+    pub decode_tok_s: f64,
+    /// Chunk size → ms for one forward of that many new tokens after a 40-token context.
+    pub chunk_ms: BTreeMap<usize, f64>,
+    /// Sessions → committed-position throughput (tokens/s) of one ragged forward of 5 tokens each.
+    pub batch_tok_s: BTreeMap<usize, f64>,
+    pub bytes_per_token: usize,
+    pub bandwidth_limit_tok_s: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ThreadBench {
+    pub threads: usize,
+    pub target: ModelBench,
+    pub draft: ModelBench,
+    /// llama.cpp on the same files (`null` when the peer is not installed).
+    pub peer: Option<Value>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct EngineBench {
+    pub copy_bandwidth_gbs: f64,
+    pub runs: Vec<ThreadBench>,
+}
+
+/// GB/s of a large memcpy (bytes copied once per pass).
+pub fn copy_bandwidth() -> f64 {
+    let n = 256 << 20;
+    let src = vec![1u8; n];
+    let mut dst = vec![0u8; n];
+    dst.copy_from_slice(&src);
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&dst);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    n as f64 / best / 1e9
+}
+
+fn context(vocab: usize, seed: u64) -> Vec<u32> {
+    (0..40)
+        .map(|i| (sampler::uniform(seed, i, 5) * (vocab as f64 - 20.0)) as u32 + 17)
+        .collect()
+}
+
+fn bench_model(
+    model: &Arc<LlamaModel>,
+    path: &Path,
+    threads: usize,
+    a: &BenchArgs,
+    bw: f64,
+) -> Result<ModelBench> {
+    let cfg = EngineConfig {
+        threads,
+        kv_budget_bytes: 512 << 20,
+        ..EngineConfig::default()
+    };
+    let mut e = Engine::new(model.clone(), cfg)?;
+    let ctx = context(model.cfg.vocab, 1);
+    let s = SeqId(0);
+
+    let mut decode = 0f64;
+    for _ in 0..a.repeats {
+        e.free(s);
+        let l = e.forward(&[SeqChunk::new(s, 0, ctx.clone(), Wanted::Last)])?;
+        let mut next = sampler::argmax(l.row(0));
+        let t = Instant::now();
+        for i in 0..a.decode_tokens {
+            let l = e.forward(&[SeqChunk::new(s, ctx.len() + i, vec![next], Wanted::Last)])?;
+            next = sampler::argmax(l.row(0));
+        }
+        decode = decode.max(a.decode_tokens as f64 / t.elapsed().as_secs_f64());
+    }
+
+    let mut chunk_ms = BTreeMap::new();
+    e.free(s);
+    e.forward(&[SeqChunk::new(s, 0, ctx.clone(), Wanted::Last)])?;
+    for &k in &a.chunks {
+        let toks: Vec<u32> = ctx.iter().cycle().take(k).copied().collect();
+        let mut best = f64::MAX;
+        for _ in 0..a.repeats {
+            let t = Instant::now();
+            e.forward(&[SeqChunk::new(s, ctx.len(), toks.clone(), Wanted::All)])?;
+            best = best.min(t.elapsed().as_secs_f64());
+            e.truncate(s, ctx.len())?;
+        }
+        chunk_ms.insert(k, round2(best * 1e3));
+    }
+    e.free(s);
+
+    let mut batch_tok_s = BTreeMap::new();
+    for &n in &a.batch_sizes {
+        let seqs: Vec<SeqId> = (1..=n as u64).map(SeqId).collect();
+        for &q in &seqs {
+            e.free(q);
+            e.forward(&[SeqChunk::new(
+                q,
+                0,
+                context(model.cfg.vocab, q.0),
+                Wanted::None,
+            )])?;
+        }
+        let batch: Vec<SeqChunk> = seqs
+            .iter()
+            .map(|&q| {
+                SeqChunk::new(
+                    q,
+                    40,
+                    context(model.cfg.vocab, 100 + q.0)[..5].to_vec(),
+                    Wanted::All,
+                )
+            })
+            .collect();
+        let mut best = f64::MAX;
+        for _ in 0..a.repeats {
+            let t = Instant::now();
+            e.forward(&batch)?;
+            best = best.min(t.elapsed().as_secs_f64());
+            for &q in &seqs {
+                e.truncate(q, 40)?;
+            }
+        }
+        batch_tok_s.insert(n, round2((n * 5) as f64 / best));
+        for &q in &seqs {
+            e.free(q);
+        }
+    }
+    let bytes = model.bytes_per_token();
+    Ok(ModelBench {
+        path: path.display().to_string(),
+        format: model.format(),
+        decode_tok_s: round2(decode),
+        chunk_ms,
+        batch_tok_s,
+        bytes_per_token: bytes,
+        bandwidth_limit_tok_s: round2(bw * 1e9 / bytes as f64),
+    })
+}
+
+/// llama.cpp's figures for `model` through the peer script, or `None` when it is not available.
+fn peer(a: &BenchArgs, model: &Path, threads: usize) -> Option<Value> {
+    let (py, script) = (a.peer_python.as_ref()?, a.peer_script.as_ref()?);
+    let chunks: Vec<String> = a.chunks.iter().map(|c| c.to_string()).collect();
+    let out = Command::new(py)
+        .arg(script)
+        .arg(model)
+        .args([
+            "--threads",
+            &threads.to_string(),
+            "--chunks",
+            &chunks.join(","),
+        ])
+        .args(["--decode", &a.decode_tokens.to_string()])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        tracing::warn!(stderr = %String::from_utf8_lossy(&out.stderr), "peer benchmark failed");
+        return None;
+    }
+    serde_json::from_slice(out.stdout.trim_ascii()).ok()
+}
+
+pub fn run(
+    target: (&Arc<LlamaModel>, &Path),
+    draft: (&Arc<LlamaModel>, &Path),
+    target_f32_gguf: Option<&Path>,
+    a: &BenchArgs,
+) -> Result<EngineBench> {
+    let bw = copy_bandwidth();
+    let mut runs = Vec::new();
+    for &t in &a.threads {
+        tracing::info!(threads = t, "benchmarking target");
+        let tb = bench_model(target.0, target.1, t, a, bw).context("target")?;
+        tracing::info!(threads = t, "benchmarking draft");
+        let db = bench_model(draft.0, draft.1, t, a, bw).context("draft")?;
+        let peer = if a.peer_python.is_some() {
+            let d = peer(a, draft.1, t);
+            let f = target_f32_gguf.and_then(|p| peer(a, p, t));
+            Some(serde_json::json!({ "draft": d, "target_f32": f }))
+        } else {
+            None
+        };
+        runs.push(ThreadBench {
+            threads: t,
+            target: tb,
+            draft: db,
+            peer,
+        });
+    }
+    Ok(EngineBench {
+        copy_bandwidth_gbs: round2(bw),
+        runs,
+    })
+}
+
+fn peer_num(p: &Option<Value>, which: &str, path: &[&str]) -> String {
+    let mut v = match p {
+        Some(v) => &v[which],
+        None => return "-".into(),
+    };
+    for k in path {
+        v = &v[*k];
+    }
+    v.as_f64().map_or("-".into(), |x| format!("{x:.1}"))
+}
+
+/// Markdown tables of the results.
+pub fn table(b: &EngineBench) -> String {
+    let mut s = format!("copy bandwidth: {:.1} GB/s\n\n", b.copy_bandwidth_gbs);
+    s += "| threads | model | format | decode tok/s | llama.cpp tok/s | MB/token | bandwidth limit tok/s |\n";
+    s += "|---|---|---|---|---|---|---|\n";
+    for r in &b.runs {
+        for (name, m, peer_key) in [
+            ("target", &r.target, "target_f32"),
+            ("draft", &r.draft, "draft"),
+        ] {
+            s += &format!(
+                "| {} | {name} | {} | {:.1} | {} | {:.1} | {:.1} |\n",
+                r.threads,
+                m.format,
+                m.decode_tok_s,
+                peer_num(&r.peer, peer_key, &["decode_tok_s"]),
+                m.bytes_per_token as f64 / 1e6,
+                m.bandwidth_limit_tok_s
+            );
+        }
+    }
+    s += "\nForward of a chunk of k new tokens on one sequence after 40 tokens (ms; llama.cpp in brackets):\n\n";
+    if let Some(r0) = b.runs.first() {
+        s += "| threads | model |";
+        for k in r0.target.chunk_ms.keys() {
+            s += &format!(" k={k} |");
+        }
+        s += "\n|---|---|";
+        s += &"---|".repeat(r0.target.chunk_ms.len());
+        s += "\n";
+    }
+    for r in &b.runs {
+        for (name, m, peer_key) in [
+            ("target", &r.target, "target_f32"),
+            ("draft", &r.draft, "draft"),
+        ] {
+            s += &format!("| {} | {name} |", r.threads);
+            for (k, v) in &m.chunk_ms {
+                let p = peer_num(&r.peer, peer_key, &["chunk_ms", &k.to_string()]);
+                s += &format!(" {v:.1} ({p}) |");
+            }
+            s += "\n";
+        }
+    }
+    s += "\nRagged batch of n sequences × 5 new tokens, one forward (tokens/s):\n\n";
+    if let Some(r0) = b.runs.first() {
+        s += "| threads | model |";
+        for n in r0.target.batch_tok_s.keys() {
+            s += &format!(" n={n} |");
+        }
+        s += "\n|---|---|";
+        s += &"---|".repeat(r0.target.batch_tok_s.len());
+        s += "\n";
+    }
+    for r in &b.runs {
+        for (name, m) in [("target", &r.target), ("draft", &r.draft)] {
+            s += &format!("| {} | {name} |", r.threads);
+            for v in m.batch_tok_s.values() {
+                s += &format!(" {v:.0} |");
+            }
+            s += "\n";
+        }
+    }
+    s
+}

@@ -1,0 +1,115 @@
+//! Single-model generation (`tandem generate`): prefill the prompt, then decode one token per forward
+//! until an end-of-generation token or the token limit.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use serde::Serialize;
+use tandem_engine::sampler;
+use tandem_engine::tokenizer::TextStream;
+use tandem_engine::{Engine, SamplingParams, SeqChunk, SeqId, Tokenizer, Wanted};
+
+use crate::stats::{round2, Summary};
+
+/// What `generate --json` prints (one object, one line). Later modes add fields, never remove them.
+#[derive(Debug, Clone, Serialize)]
+pub struct GenOutput {
+    pub prompt_ids: Vec<u32>,
+    /// Generated ids; an end-of-generation token, when reached, is the last one.
+    pub output_ids: Vec<u32>,
+    /// Generated text, without the end-of-generation token.
+    pub text: String,
+    /// `stop` (end-of-generation token) or `length` (token limit).
+    pub finish_reason: &'static str,
+    /// From the start of the prefill to the first generated token.
+    pub ttft_ms: f64,
+    /// Between consecutive generated tokens.
+    pub itl_ms: Summary,
+    /// Decode rate: generated tokens after the first, over the time after the first.
+    pub tokens_per_s: f64,
+    pub mode: &'static str,
+    pub model: String,
+    pub weights: String,
+    pub threads: usize,
+    pub tokenizer_fingerprint: String,
+}
+
+/// Generate up to `max_tokens` after `prompt_ids` on sequence 0 of `engine`, calling `on_text` with
+/// each printable piece as it is produced.
+pub fn generate(
+    engine: &mut Engine,
+    tok: &Tokenizer,
+    prompt_ids: &[u32],
+    max_tokens: usize,
+    params: &SamplingParams,
+    mut on_text: impl FnMut(&str),
+) -> Result<GenOutput> {
+    anyhow::ensure!(
+        !prompt_ids.is_empty(),
+        "the prompt is empty: there is nothing to continue"
+    );
+    let seq = SeqId(0);
+    engine.free(seq);
+    let start = Instant::now();
+    let mut times = Vec::with_capacity(max_tokens);
+    let mut out = Vec::with_capacity(max_tokens);
+    let mut stream = TextStream::default();
+    let mut text = String::new();
+    let mut chunk = SeqChunk::new(seq, 0, prompt_ids.to_vec(), Wanted::Last);
+    let mut finish = "length";
+    while out.len() < max_tokens {
+        let logits = engine.forward(std::slice::from_ref(&chunk))?;
+        let pos = chunk.start_pos + chunk.tokens.len();
+        let next = sampler::sample(logits.row(0), params, pos as u64);
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+        out.push(next);
+        if tok.is_eog(next) {
+            finish = "stop";
+            break;
+        }
+        let piece = stream.push(tok, next)?;
+        if !piece.is_empty() {
+            on_text(&piece);
+            text.push_str(&piece);
+        }
+        chunk = SeqChunk::new(seq, pos, vec![next], Wanted::Last);
+    }
+    engine.free(seq);
+    let itl: Vec<f64> = times.windows(2).map(|w| w[1] - w[0]).collect();
+    let decode_ms = times.last().copied().unwrap_or(0.0) - times.first().copied().unwrap_or(0.0);
+    let text_all = tok.decode(
+        &out.iter()
+            .copied()
+            .filter(|&t| !tok.is_eog(t))
+            .collect::<Vec<_>>(),
+    )?;
+    if text_all.len() > text.len() {
+        on_text(&text_all[text.len()..]);
+    }
+    let model = engine.model();
+    Ok(GenOutput {
+        prompt_ids: prompt_ids.to_vec(),
+        output_ids: out,
+        text: text_all,
+        finish_reason: finish,
+        ttft_ms: round2(times.first().copied().unwrap_or(0.0)),
+        itl_ms: {
+            let s = Summary::of(&itl);
+            Summary {
+                mean: round2(s.mean),
+                p50: round2(s.p50),
+                p99: round2(s.p99),
+            }
+        },
+        tokens_per_s: if decode_ms > 0.0 {
+            round2(itl.len() as f64 / decode_ms * 1e3)
+        } else {
+            0.0
+        },
+        mode: "local",
+        model: String::new(),
+        weights: format!("{:?}/{}", model.mode, model.format()).to_lowercase(),
+        threads: engine.threads(),
+        tokenizer_fingerprint: tok.fingerprint().to_string(),
+    })
+}

@@ -1,0 +1,130 @@
+//! Which model file a command means: `target` (the pulled GGUF, dequantized to f32), `draft` (Tandem's
+//! default W4A16 group-32 requantization, made on first use) or a path to any GGUF file.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use tandem_engine::{GgufFile, LlamaModel, Tokenizer, WeightMode};
+use tandem_quant::{QuantConfig, Report};
+
+use crate::pull;
+
+pub const DRAFT_FILE: &str = "SmolLM2-135M-Instruct.w4a16-g32.gguf";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSpec {
+    Target,
+    Draft,
+    Path(PathBuf),
+}
+
+impl std::str::FromStr for ModelSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "target" => Self::Target,
+            "draft" => Self::Draft,
+            p => Self::Path(PathBuf::from(p)),
+        })
+    }
+}
+
+impl ModelSpec {
+    /// Weight mode a spec runs in unless told otherwise: the target in f32, files in their blocks.
+    pub fn default_mode(&self) -> WeightMode {
+        match self {
+            Self::Target => WeightMode::F32,
+            _ => WeightMode::Native,
+        }
+    }
+}
+
+/// A model ready to run, with its tokenizer.
+pub struct Loaded {
+    pub path: PathBuf,
+    pub model: Arc<LlamaModel>,
+    pub tokenizer: Tokenizer,
+}
+
+pub fn resolve_path(home: &Path, spec: &ModelSpec, quiet: bool) -> Result<PathBuf> {
+    match spec {
+        ModelSpec::Target => pull::ensure_model(home, quiet),
+        ModelSpec::Draft => ensure_draft(home, quiet),
+        ModelSpec::Path(p) => {
+            if !p.is_file() {
+                bail!(
+                    "--model {}: no such file (use `target`, `draft` or a GGUF path)",
+                    p.display()
+                );
+            }
+            Ok(p.clone())
+        }
+    }
+}
+
+pub fn load(
+    home: &Path,
+    spec: &ModelSpec,
+    mode: Option<WeightMode>,
+    quiet: bool,
+) -> Result<Loaded> {
+    let path = resolve_path(home, spec, quiet)?;
+    let mode = mode.unwrap_or_else(|| spec.default_mode());
+    let mut g = GgufFile::open(&path)?;
+    let tokenizer =
+        Tokenizer::from_gguf(&g).with_context(|| format!("tokenizer of {}", path.display()))?;
+    let model =
+        LlamaModel::load(&mut g, mode).with_context(|| format!("loading {}", path.display()))?;
+    Ok(Loaded {
+        path,
+        model: Arc::new(model),
+        tokenizer,
+    })
+}
+
+/// Quantize the pulled target with `cfg` into `out` (written beside, then renamed into place).
+pub fn quantize_target(home: &Path, cfg: &QuantConfig, out: &Path, quiet: bool) -> Result<Report> {
+    let src = pull::ensure_model(home, quiet)?;
+    let mut g = GgufFile::open(&src)?;
+    let dir = out
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let part = dir.join(format!(
+        ".{}.{}.part",
+        out.file_name().and_then(|n| n.to_str()).unwrap_or("draft"),
+        std::process::id()
+    ));
+    let mut f = fs::File::create(&part).with_context(|| format!("creating {}", part.display()))?;
+    let report = tandem_quant::quantize_file(&mut g, cfg, &mut f);
+    drop(f);
+    match report {
+        Ok(r) => {
+            fs::rename(&part, out).with_context(|| format!("writing {}", out.display()))?;
+            Ok(r)
+        }
+        Err(e) => {
+            let _ = fs::remove_file(&part);
+            Err(e.into())
+        }
+    }
+}
+
+/// The default draft, made from the target on first use.
+pub fn ensure_draft(home: &Path, quiet: bool) -> Result<PathBuf> {
+    let out = pull::models_dir(home).join(DRAFT_FILE);
+    if out.is_file() {
+        return Ok(out);
+    }
+    if !quiet {
+        eprintln!(
+            "making the default draft (W4A16, groups of 32): {}",
+            out.display()
+        );
+    }
+    quantize_target(home, &QuantConfig::default(), &out, quiet)?;
+    Ok(out)
+}
