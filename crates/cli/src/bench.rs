@@ -42,6 +42,8 @@ pub struct ModelBench {
 #[derive(Debug, Clone, Serialize)]
 pub struct ThreadBench {
     pub threads: usize,
+    /// GB/s of summing a 512 MiB buffer with this many threads: the ceiling of decoding.
+    pub read_bandwidth_gbs: f64,
     pub target: ModelBench,
     pub draft: ModelBench,
     /// llama.cpp on the same files (`null` when the peer is not installed).
@@ -68,6 +70,38 @@ pub fn copy_bandwidth() -> f64 {
         best = best.min(t.elapsed().as_secs_f64());
     }
     n as f64 / best / 1e9
+}
+
+/// GB/s of reading a 512 MiB buffer (an f32 sum) on `threads` threads.
+pub fn read_bandwidth(threads: usize) -> f64 {
+    use rayon::prelude::*;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("invariant: a pool of a positive number of threads");
+    let buf = vec![1f32; 128 << 20];
+    let mut best = f64::MAX;
+    for _ in 0..4 {
+        let t = Instant::now();
+        let s: f32 = pool.install(|| {
+            buf.par_chunks(1 << 16)
+                .map(|c| {
+                    c.chunks_exact(16)
+                        .fold([0f32; 16], |mut a, x| {
+                            for l in 0..16 {
+                                a[l] += x[l];
+                            }
+                            a
+                        })
+                        .iter()
+                        .sum::<f32>()
+                })
+                .sum()
+        });
+        std::hint::black_box(s);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (buf.len() * 4) as f64 / best / 1e9
 }
 
 fn context(vocab: usize, seed: u64) -> Vec<u32> {
@@ -199,9 +233,10 @@ pub fn run(
     target_f32_gguf: Option<&Path>,
     a: &BenchArgs,
 ) -> Result<EngineBench> {
-    let bw = copy_bandwidth();
+    let copy = copy_bandwidth();
     let mut runs = Vec::new();
     for &t in &a.threads {
+        let bw = read_bandwidth(t);
         tracing::info!(threads = t, "benchmarking target");
         let tb = bench_model(target.0, target.1, t, a, bw).context("target")?;
         tracing::info!(threads = t, "benchmarking draft");
@@ -215,13 +250,14 @@ pub fn run(
         };
         runs.push(ThreadBench {
             threads: t,
+            read_bandwidth_gbs: round2(bw),
             target: tb,
             draft: db,
             peer,
         });
     }
     Ok(EngineBench {
-        copy_bandwidth_gbs: round2(bw),
+        copy_bandwidth_gbs: round2(copy),
         runs,
     })
 }
@@ -248,12 +284,13 @@ pub fn table(b: &EngineBench) -> String {
             ("draft", &r.draft, "draft"),
         ] {
             s += &format!(
-                "| {} | {name} | {} | {:.1} | {} | {:.1} | {:.1} |\n",
+                "| {} | {name} | {} | {:.1} | {} | {:.1} | {:.1} | {:.1} |\n",
                 r.threads,
                 m.format,
                 m.decode_tok_s,
                 peer_num(&r.peer, peer_key, &["decode_tok_s"]),
                 m.bytes_per_token as f64 / 1e6,
+                r.read_bandwidth_gbs,
                 m.bandwidth_limit_tok_s
             );
         }

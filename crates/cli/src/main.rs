@@ -149,6 +149,9 @@ struct EngineBenchArgs {
     /// The peer's bench.py (default: ../shared/peer/bench.py if present).
     #[arg(long)]
     peer_script: Option<PathBuf>,
+    /// Do not run llama.cpp beside Tandem even when it is installed.
+    #[arg(long)]
+    no_peer: bool,
     /// Print one JSON object instead of tables.
     #[arg(long)]
     json: bool,
@@ -316,7 +319,11 @@ fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
     let default_peer = std::env::var_os("HOME")
         .map(|h| PathBuf::from(h).join(".cache/tandem-peer/venv/bin/python"))
         .filter(|p| p.is_file());
-    let peer_python = a.peer_python.clone().or(default_peer);
+    let peer_python = a
+        .peer_python
+        .clone()
+        .or(default_peer)
+        .filter(|_| !a.no_peer);
     let peer_script = a
         .peer_script
         .clone()

@@ -2,11 +2,12 @@
 //! 32-element blocks (Q4_0, Q4_1, Q8_0), dequantized in registers and multiplied with f32
 //! activations (activations are never quantized here; that is `WeightMode::W4A8`).
 //!
-//! **Batch invariance.** Every output element `y[t, r] = Σ_i W[r, i]·x[t, i]` is reduced in one fixed
+//! **Batch invariance.** Each weight row is first dequantized to f32 (`w = d·(q − 8)` etc.; a no-op
+//! for f32 rows), then every output element `y[t, r] = Σ_i W[r, i]·x[t, i]` is reduced in one fixed
 //! order that depends only on the reduction length `k`: `LANES` running sums, each walking the row
-//! with stride `LANES`, folded by a fixed pairwise tree. Tokens processed four at a time use the same
-//! per-token arithmetic as tokens processed alone, and Rust never contracts `a*b+c` into an FMA, so the
-//! AVX2 and portable paths give bitwise-equal results. A sequence's logits are therefore identical
+//! with stride `LANES`, folded by a fixed pairwise tree. Every token uses the same code whatever the
+//! number of tokens in the call, and Rust never contracts `a*b+c` into an FMA, so the AVX2 and
+//! portable paths give bitwise-equal results. A sequence's logits are therefore identical
 //! whether it runs alone or inside a ragged batch, which is what makes greedy verification exact
 //! under any batch composition.
 
@@ -76,103 +77,79 @@ fn h(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// Dot products of one stored row with `N` activation rows, each reduced in the fixed order.
+/// One stored row, as the block loop reads it (f16 rows are converted to f32 first).
+#[derive(Clone, Copy)]
+enum Row<'a> {
+    F32(&'a [f32]),
+    Q4_0(&'a [u8]),
+    Q4_1(&'a [u8]),
+    Q8_0(&'a [u8]),
+}
+
+/// The f32 values of block `b` (32 weights) of a row.
 #[inline(always)]
-fn dot_row<const N: usize>(w: &RowData, row: usize, cols: usize, xs: [&[f32]; N]) -> [f32; N] {
+fn block(row: Row, b: usize) -> [f32; QK] {
+    let mut o = [0f32; QK];
+    match row {
+        Row::F32(rowf) => o.copy_from_slice(&rowf[b * QK..b * QK + QK]),
+        Row::Q4_0(row) => {
+            let blk: &[u8; 18] = row[b * 18..b * 18 + 18]
+                .try_into()
+                .expect("invariant: block");
+            let s = h(blk, 0);
+            for l in 0..16 {
+                o[l] = s * ((blk[2 + l] & 0x0f) as f32 - 8.0);
+                o[16 + l] = s * ((blk[2 + l] >> 4) as f32 - 8.0);
+            }
+        }
+        Row::Q4_1(row) => {
+            let blk: &[u8; 20] = row[b * 20..b * 20 + 20]
+                .try_into()
+                .expect("invariant: block");
+            let (s, m) = (h(blk, 0), h(blk, 2));
+            for l in 0..16 {
+                o[l] = s * (blk[4 + l] & 0x0f) as f32 + m;
+                o[16 + l] = s * (blk[4 + l] >> 4) as f32 + m;
+            }
+        }
+        Row::Q8_0(row) => {
+            let blk: &[u8; 34] = row[b * 34..b * 34 + 34]
+                .try_into()
+                .expect("invariant: block");
+            let s = h(blk, 0);
+            for l in 0..QK {
+                o[l] = s * blk[2 + l] as i8 as f32;
+            }
+        }
+    }
+    o
+}
+
+/// Dot products of one weight row with `N` token rows. Element `i` of the row always lands in lane
+/// `i % LANES`, added in increasing `i`: the same order as [`dot`], whatever `N`.
+#[inline(always)]
+fn dot_rows<const N: usize>(row: Row, cols: usize, xs: [&[f32]; N]) -> [f32; N] {
     let mut acc = [[0f32; LANES]; N];
-    match w {
-        RowData::F32(d) => {
-            let wr = &d[row * cols..(row + 1) * cols];
-            let full = cols / LANES * LANES;
-            for c in (0..full).step_by(LANES) {
-                let ww = &wr[c..c + LANES];
-                for t in 0..N {
-                    let xx = &xs[t][c..c + LANES];
-                    for l in 0..LANES {
-                        acc[t][l] += ww[l] * xx[l];
-                    }
-                }
+    let full = cols / QK;
+    for b in 0..full {
+        let wb = block(row, b);
+        for t in 0..N {
+            let x: &[f32; QK] = xs[t][b * QK..b * QK + QK]
+                .try_into()
+                .expect("invariant: block");
+            for l in 0..LANES {
+                acc[t][l] += wb[l] * x[l];
             }
-            for i in full..cols {
-                for t in 0..N {
-                    acc[t][i - full] += wr[i] * xs[t][i];
-                }
+            for l in 0..LANES {
+                acc[t][l] += wb[LANES + l] * x[LANES + l];
             }
         }
-        RowData::F16(d) => {
-            let wr = &d[row * cols..(row + 1) * cols];
-            let full = cols / LANES * LANES;
-            let mut ww = [0f32; LANES];
-            for c in (0..full).step_by(LANES) {
-                for l in 0..LANES {
-                    ww[l] = wr[c + l].to_f32();
-                }
-                for t in 0..N {
-                    let xx = &xs[t][c..c + LANES];
-                    for l in 0..LANES {
-                        acc[t][l] += ww[l] * xx[l];
-                    }
-                }
-            }
-            for i in full..cols {
-                for t in 0..N {
-                    acc[t][i - full] += wr[i].to_f32() * xs[t][i];
-                }
-            }
-        }
-        RowData::Q4_0(d) => {
-            let rb = cols / QK * 18;
-            let wr = &d[row * rb..(row + 1) * rb];
-            for (b, blk) in wr.chunks_exact(18).enumerate() {
-                let s = h(blk, 0);
-                let (mut lo, mut hi) = ([0f32; LANES], [0f32; LANES]);
-                for l in 0..LANES {
-                    lo[l] = (blk[2 + l] & 0x0f) as f32 - 8.0;
-                    hi[l] = (blk[2 + l] >> 4) as f32 - 8.0;
-                }
-                for t in 0..N {
-                    let xx = &xs[t][b * QK..b * QK + QK];
-                    for l in 0..LANES {
-                        acc[t][l] += s * (lo[l] * xx[l] + hi[l] * xx[LANES + l]);
-                    }
-                }
-            }
-        }
-        RowData::Q4_1(d) => {
-            let rb = cols / QK * 20;
-            let wr = &d[row * rb..(row + 1) * rb];
-            for (b, blk) in wr.chunks_exact(20).enumerate() {
-                let (s, m) = (h(blk, 0), h(blk, 2));
-                let (mut lo, mut hi) = ([0f32; LANES], [0f32; LANES]);
-                for l in 0..LANES {
-                    lo[l] = (blk[4 + l] & 0x0f) as f32;
-                    hi[l] = (blk[4 + l] >> 4) as f32;
-                }
-                for t in 0..N {
-                    let xx = &xs[t][b * QK..b * QK + QK];
-                    for l in 0..LANES {
-                        acc[t][l] += s * (lo[l] * xx[l] + hi[l] * xx[LANES + l])
-                            + m * (xx[l] + xx[LANES + l]);
-                    }
-                }
-            }
-        }
-        RowData::Q8_0(d) => {
-            let rb = cols / QK * 34;
-            let wr = &d[row * rb..(row + 1) * rb];
-            for (b, blk) in wr.chunks_exact(34).enumerate() {
-                let s = h(blk, 0);
-                let (mut lo, mut hi) = ([0f32; LANES], [0f32; LANES]);
-                for l in 0..LANES {
-                    lo[l] = blk[2 + l] as i8 as f32;
-                    hi[l] = blk[2 + LANES + l] as i8 as f32;
-                }
-                for t in 0..N {
-                    let xx = &xs[t][b * QK..b * QK + QK];
-                    for l in 0..LANES {
-                        acc[t][l] += s * (lo[l] * xx[l] + hi[l] * xx[LANES + l]);
-                    }
-                }
+    }
+    // Tail (f32 rows only; quantized rows are whole blocks).
+    if let Row::F32(rowf) = row {
+        for i in full * QK..cols {
+            for t in 0..N {
+                acc[t][i % LANES] += rowf[i] * xs[t][i];
             }
         }
     }
@@ -183,29 +160,38 @@ fn dot_row<const N: usize>(w: &RowData, row: usize, cols: usize, xs: [&[f32]; N]
     out
 }
 
-/// One task: rows `r0..r0+out.len()/n_tok` of the transposed output `yt[r, t]`.
+/// One task: rows `r0..r0+yt.len()/n_tok` of the transposed output `yt[r, t]`, tokens in tiles
+/// that stay in cache, four tokens per pass over a weight row.
 #[inline(always)]
 fn rows_task(w: &RowData, cols: usize, x: &[f32], n_tok: usize, r0: usize, yt: &mut [f32]) {
     let n_rows = yt.len() / n_tok;
+    let mut conv = Vec::new();
     for t0 in (0..n_tok).step_by(TOKEN_TILE) {
         let t1 = (t0 + TOKEN_TILE).min(n_tok);
         for i in 0..n_rows {
             let r = r0 + i;
+            let rb = w.row_bytes(cols);
+            let row = match w {
+                RowData::F32(d) => Row::F32(&d[r * cols..(r + 1) * cols]),
+                RowData::F16(_) => {
+                    conv.resize(cols, 0.0);
+                    dequantize_row_inline(w, r, cols, &mut conv);
+                    Row::F32(&conv)
+                }
+                RowData::Q4_0(d) => Row::Q4_0(&d[r * rb..(r + 1) * rb]),
+                RowData::Q4_1(d) => Row::Q4_1(&d[r * rb..(r + 1) * rb]),
+                RowData::Q8_0(d) => Row::Q8_0(&d[r * rb..(r + 1) * rb]),
+            };
             let yr = &mut yt[i * n_tok..(i + 1) * n_tok];
+            let xr = |t: usize| &x[t * cols..(t + 1) * cols];
             let mut t = t0;
             while t + 4 <= t1 {
-                let xs = [
-                    &x[t * cols..(t + 1) * cols],
-                    &x[(t + 1) * cols..(t + 2) * cols],
-                    &x[(t + 2) * cols..(t + 3) * cols],
-                    &x[(t + 3) * cols..(t + 4) * cols],
-                ];
-                let o = dot_row::<4>(w, r, cols, xs);
+                let o = dot_rows::<4>(row, cols, [xr(t), xr(t + 1), xr(t + 2), xr(t + 3)]);
                 yr[t..t + 4].copy_from_slice(&o);
                 t += 4;
             }
             while t < t1 {
-                yr[t] = dot_row::<1>(w, r, cols, [&x[t * cols..(t + 1) * cols]])[0];
+                yr[t] = dot_rows::<1>(row, cols, [xr(t)])[0];
                 t += 1;
             }
         }
@@ -265,6 +251,12 @@ pub fn matmul(w: &RowData, rows: usize, cols: usize, x: &[f32], n_tok: usize, y:
 
 /// Row `row` of the matrix as f32 (embedding lookup).
 pub fn dequantize_row(w: &RowData, row: usize, cols: usize, out: &mut [f32]) {
+    dequantize_row_inline(w, row, cols, out)
+}
+
+#[inline(always)]
+fn dequantize_row_inline(w: &RowData, row: usize, cols: usize, out: &mut [f32]) {
+    let out = &mut out[..cols];
     match w {
         RowData::F32(d) => out.copy_from_slice(&d[row * cols..(row + 1) * cols]),
         RowData::F16(d) => {
@@ -274,48 +266,73 @@ pub fn dequantize_row(w: &RowData, row: usize, cols: usize, out: &mut [f32]) {
         }
         RowData::Q4_0(d) => {
             let rb = cols / QK * 18;
-            for (b, blk) in d[row * rb..(row + 1) * rb].chunks_exact(18).enumerate() {
+            for (blk, o) in d[row * rb..(row + 1) * rb]
+                .chunks_exact(18)
+                .zip(out.chunks_exact_mut(QK))
+            {
                 let s = h(blk, 0);
+                let q: &[u8; 16] = blk[2..18].try_into().expect("invariant: 18-byte block");
+                let o: &mut [f32; QK] = o.try_into().expect("invariant: 32-float block");
                 for l in 0..16 {
-                    out[b * QK + l] = s * ((blk[2 + l] & 0x0f) as f32 - 8.0);
-                    out[b * QK + 16 + l] = s * ((blk[2 + l] >> 4) as f32 - 8.0);
+                    o[l] = s * ((q[l] & 0x0f) as f32 - 8.0);
+                    o[16 + l] = s * ((q[l] >> 4) as f32 - 8.0);
                 }
             }
         }
         RowData::Q4_1(d) => {
             let rb = cols / QK * 20;
-            for (b, blk) in d[row * rb..(row + 1) * rb].chunks_exact(20).enumerate() {
+            for (blk, o) in d[row * rb..(row + 1) * rb]
+                .chunks_exact(20)
+                .zip(out.chunks_exact_mut(QK))
+            {
                 let (s, m) = (h(blk, 0), h(blk, 2));
+                let q: &[u8; 16] = blk[4..20].try_into().expect("invariant: 20-byte block");
+                let o: &mut [f32; QK] = o.try_into().expect("invariant: 32-float block");
                 for l in 0..16 {
-                    out[b * QK + l] = s * (blk[4 + l] & 0x0f) as f32 + m;
-                    out[b * QK + 16 + l] = s * (blk[4 + l] >> 4) as f32 + m;
+                    o[l] = s * (q[l] & 0x0f) as f32 + m;
+                    o[16 + l] = s * (q[l] >> 4) as f32 + m;
                 }
             }
         }
         RowData::Q8_0(d) => {
             let rb = cols / QK * 34;
-            for (b, blk) in d[row * rb..(row + 1) * rb].chunks_exact(34).enumerate() {
+            for (blk, o) in d[row * rb..(row + 1) * rb]
+                .chunks_exact(34)
+                .zip(out.chunks_exact_mut(QK))
+            {
                 let s = h(blk, 0);
+                let q: &[u8; QK] = blk[2..34].try_into().expect("invariant: 34-byte block");
+                let o: &mut [f32; QK] = o.try_into().expect("invariant: 32-float block");
                 for l in 0..QK {
-                    out[b * QK + l] = s * blk[2 + l] as i8 as f32;
+                    o[l] = s * q[l] as i8 as f32;
                 }
             }
         }
     }
 }
 
-/// `LANES`-way dot product in the same fixed order as the matmul (attention scores).
+/// `LANES`-way dot product in the fixed order every matmul output uses.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    dot_inline(a, b)
+}
+
+#[inline(always)]
+fn dot_inline(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
     let mut acc = [0f32; LANES];
-    let full = a.len() / LANES * LANES;
-    for c in (0..full).step_by(LANES) {
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        let x: &[f32; LANES] = x.try_into().expect("invariant: exact chunk");
+        let y: &[f32; LANES] = y.try_into().expect("invariant: exact chunk");
         for l in 0..LANES {
-            acc[l] += a[c + l] * b[c + l];
+            acc[l] += x[l] * y[l];
         }
     }
-    for i in full..a.len() {
-        acc[i - full] += a[i] * b[i];
+    for (l, (x, y)) in ra.iter().zip(rb).enumerate() {
+        acc[l] += x * y;
     }
     fold(&acc)
 }
