@@ -275,9 +275,12 @@ fn peer_num(p: &Option<Value>, which: &str, path: &[&str]) -> String {
 
 /// Markdown tables of the results.
 pub fn table(b: &EngineBench) -> String {
-    let mut s = format!("copy bandwidth: {:.1} GB/s\n\n", b.copy_bandwidth_gbs);
-    s += "| threads | model | format | decode tok/s | llama.cpp tok/s | MB/token | bandwidth limit tok/s |\n";
-    s += "|---|---|---|---|---|---|---|\n";
+    let mut s = format!(
+        "memcpy bandwidth: {:.1} GB/s (bytes copied once)\n\n",
+        b.copy_bandwidth_gbs
+    );
+    s += "| threads | model | format | decode tok/s | llama.cpp tok/s | MB/token | read GB/s | bandwidth limit tok/s |\n";
+    s += "|---|---|---|---|---|---|---|---|\n";
     for r in &b.runs {
         for (name, m, peer_key) in [
             ("target", &r.target, "target_f32"),

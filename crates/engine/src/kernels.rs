@@ -22,6 +22,8 @@ pub const QK: usize = 32;
 const ROWS_PER_TASK: usize = 16;
 /// Tokens kept hot in cache while a task walks its rows.
 const TOKEN_TILE: usize = 64;
+/// Tokens sharing one pass over a weight row (their accumulators stay in registers).
+const TOKENS_PER_PASS: usize = 4;
 
 /// The storage of one weight matrix `[rows, cols]`, row-major.
 #[derive(Debug, Clone)]
@@ -77,80 +79,35 @@ fn h(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// One stored row, as the block loop reads it (f16 rows are converted to f32 first).
-#[derive(Clone, Copy)]
-enum Row<'a> {
-    F32(&'a [f32]),
-    Q4_0(&'a [u8]),
-    Q4_1(&'a [u8]),
-    Q8_0(&'a [u8]),
-}
-
-/// The f32 values of block `b` (32 weights) of a row.
-#[inline(always)]
-fn block(row: Row, b: usize) -> [f32; QK] {
-    let mut o = [0f32; QK];
-    match row {
-        Row::F32(rowf) => o.copy_from_slice(&rowf[b * QK..b * QK + QK]),
-        Row::Q4_0(row) => {
-            let blk: &[u8; 18] = row[b * 18..b * 18 + 18]
-                .try_into()
-                .expect("invariant: block");
-            let s = h(blk, 0);
-            for l in 0..16 {
-                o[l] = s * ((blk[2 + l] & 0x0f) as f32 - 8.0);
-                o[16 + l] = s * ((blk[2 + l] >> 4) as f32 - 8.0);
-            }
-        }
-        Row::Q4_1(row) => {
-            let blk: &[u8; 20] = row[b * 20..b * 20 + 20]
-                .try_into()
-                .expect("invariant: block");
-            let (s, m) = (h(blk, 0), h(blk, 2));
-            for l in 0..16 {
-                o[l] = s * (blk[4 + l] & 0x0f) as f32 + m;
-                o[16 + l] = s * (blk[4 + l] >> 4) as f32 + m;
-            }
-        }
-        Row::Q8_0(row) => {
-            let blk: &[u8; 34] = row[b * 34..b * 34 + 34]
-                .try_into()
-                .expect("invariant: block");
-            let s = h(blk, 0);
-            for l in 0..QK {
-                o[l] = s * blk[2 + l] as i8 as f32;
-            }
-        }
-    }
-    o
-}
-
-/// Dot products of one weight row with `N` token rows. Element `i` of the row always lands in lane
+/// Dot products of one f32 weight row with `N` token rows. Element `i` always lands in lane
 /// `i % LANES`, added in increasing `i`: the same order as [`dot`], whatever `N`.
 #[inline(always)]
-fn dot_rows<const N: usize>(row: Row, cols: usize, xs: [&[f32]; N]) -> [f32; N] {
+fn dot_rows<const N: usize>(w: &[f32], xs: [&[f32]; N]) -> [f32; N] {
+    let cols = w.len();
+    for x in &xs {
+        assert!(
+            x.len() == cols,
+            "invariant: token rows are as wide as the weight row"
+        );
+    }
     let mut acc = [[0f32; LANES]; N];
-    let full = cols / QK;
-    for b in 0..full {
-        let wb = block(row, b);
+    let full = cols / LANES * LANES;
+    let mut c = 0;
+    while c < full {
+        let wc: &[f32; LANES] = w[c..c + LANES].try_into().expect("invariant: in bounds");
         for t in 0..N {
-            let x: &[f32; QK] = xs[t][b * QK..b * QK + QK]
+            let xc: &[f32; LANES] = xs[t][c..c + LANES]
                 .try_into()
-                .expect("invariant: block");
+                .expect("invariant: in bounds");
             for l in 0..LANES {
-                acc[t][l] += wb[l] * x[l];
-            }
-            for l in 0..LANES {
-                acc[t][l] += wb[LANES + l] * x[LANES + l];
+                acc[t][l] += wc[l] * xc[l];
             }
         }
+        c += LANES;
     }
-    // Tail (f32 rows only; quantized rows are whole blocks).
-    if let Row::F32(rowf) = row {
-        for i in full * QK..cols {
-            for t in 0..N {
-                acc[t][i % LANES] += rowf[i] * xs[t][i];
-            }
+    for i in full..cols {
+        for t in 0..N {
+            acc[t][i - full] += w[i] * xs[t][i];
         }
     }
     let mut out = [0f32; N];
@@ -160,39 +117,107 @@ fn dot_rows<const N: usize>(row: Row, cols: usize, xs: [&[f32]; N]) -> [f32; N] 
     out
 }
 
-/// One task: rows `r0..r0+yt.len()/n_tok` of the transposed output `yt[r, t]`, tokens in tiles
-/// that stay in cache, four tokens per pass over a weight row.
+/// A GGUF block layout: `BYTES` bytes decode to 32 f32 weights.
+trait Block {
+    const BYTES: usize;
+    /// The block's integer codes as exact f32 values (centred for symmetric formats), scale, minimum.
+    fn decode(b: &[u8]) -> ([f32; QK], f32, f32);
+    /// The 32 weights.
+    #[inline(always)]
+    fn deq(b: &[u8]) -> [f32; QK] {
+        let (q, s, m) = Self::decode(b);
+        let mut o = [0f32; QK];
+        for l in 0..QK {
+            o[l] = s * q[l] + m;
+        }
+        o
+    }
+}
+
+/// Q4_0: f16 scale `d`, 16 bytes of nibbles; w = d·(q − 8).
+struct BQ4_0;
+/// Q4_1: f16 scale `d`, f16 minimum `m`, 16 bytes of nibbles; w = d·q + m.
+struct BQ4_1;
+/// Q8_0: f16 scale `d`, 32 signed bytes; w = d·q.
+struct BQ8_0;
+
+impl Block for BQ4_0 {
+    const BYTES: usize = 18;
+    #[inline(always)]
+    fn decode(b: &[u8]) -> ([f32; QK], f32, f32) {
+        let b: &[u8; 18] = b.try_into().expect("invariant: whole block");
+        let mut q = [0f32; QK];
+        for l in 0..16 {
+            q[l] = (b[2 + l] & 0x0f) as f32 - 8.0;
+            q[16 + l] = (b[2 + l] >> 4) as f32 - 8.0;
+        }
+        (q, h(b, 0), 0.0)
+    }
+}
+
+impl Block for BQ4_1 {
+    const BYTES: usize = 20;
+    #[inline(always)]
+    fn decode(b: &[u8]) -> ([f32; QK], f32, f32) {
+        let b: &[u8; 20] = b.try_into().expect("invariant: whole block");
+        let mut q = [0f32; QK];
+        for l in 0..16 {
+            q[l] = (b[4 + l] & 0x0f) as f32;
+            q[16 + l] = (b[4 + l] >> 4) as f32;
+        }
+        (q, h(b, 0), h(b, 2))
+    }
+}
+
+impl Block for BQ8_0 {
+    const BYTES: usize = 34;
+    #[inline(always)]
+    fn decode(b: &[u8]) -> ([f32; QK], f32, f32) {
+        let b: &[u8; 34] = b.try_into().expect("invariant: whole block");
+        let mut q = [0f32; QK];
+        for l in 0..QK {
+            q[l] = b[2 + l] as i8 as f32;
+        }
+        (q, h(b, 0), 0.0)
+    }
+}
+
+/// Dequantize a quantized row into `out` block by block.
+#[inline(always)]
+fn deq_row<B: Block>(row: &[u8], out: &mut [f32]) {
+    for (blk, o) in row.chunks_exact(B::BYTES).zip(out.chunks_exact_mut(QK)) {
+        o.copy_from_slice(&B::deq(blk));
+    }
+}
+
+/// One task: rows `r0..r0+yt.len()/n_tok` of the transposed output `yt[r, t]`. A stored row is
+/// dequantized once into an f32 scratch row (in L1; W4A16: `w = d·(q − 8)` in f32) and dotted with
+/// the tile's tokens four at a time, so weights are read from memory once per call however many
+/// tokens share it.
 #[inline(always)]
 fn rows_task(w: &RowData, cols: usize, x: &[f32], n_tok: usize, r0: usize, yt: &mut [f32]) {
     let n_rows = yt.len() / n_tok;
-    let mut conv = Vec::new();
+    let xr = |t: usize| &x[t * cols..(t + 1) * cols];
+    let mut scratch = vec![0f32; cols];
     for t0 in (0..n_tok).step_by(TOKEN_TILE) {
         let t1 = (t0 + TOKEN_TILE).min(n_tok);
         for i in 0..n_rows {
             let r = r0 + i;
-            let rb = w.row_bytes(cols);
-            let row = match w {
-                RowData::F32(d) => Row::F32(&d[r * cols..(r + 1) * cols]),
-                RowData::F16(_) => {
-                    conv.resize(cols, 0.0);
-                    dequantize_row_inline(w, r, cols, &mut conv);
-                    Row::F32(&conv)
+            let wr: &[f32] = match w {
+                RowData::F32(d) => &d[r * cols..(r + 1) * cols],
+                _ => {
+                    dequantize_row_inline(w, r, cols, &mut scratch);
+                    &scratch
                 }
-                RowData::Q4_0(d) => Row::Q4_0(&d[r * rb..(r + 1) * rb]),
-                RowData::Q4_1(d) => Row::Q4_1(&d[r * rb..(r + 1) * rb]),
-                RowData::Q8_0(d) => Row::Q8_0(&d[r * rb..(r + 1) * rb]),
             };
             let yr = &mut yt[i * n_tok..(i + 1) * n_tok];
-            let xr = |t: usize| &x[t * cols..(t + 1) * cols];
             let mut t = t0;
-            while t + 4 <= t1 {
-                let o = dot_rows::<4>(row, cols, [xr(t), xr(t + 1), xr(t + 2), xr(t + 3)]);
-                yr[t..t + 4].copy_from_slice(&o);
-                t += 4;
-            }
             while t < t1 {
-                yr[t] = dot_rows::<1>(row, cols, [xr(t)])[0];
-                t += 1;
+                let pick = |k: usize| xr((t + k).min(t1 - 1));
+                let o = dot_rows::<TOKENS_PER_PASS>(wr, [pick(0), pick(1), pick(2), pick(3)]);
+                let n = (t1 - t).min(TOKENS_PER_PASS);
+                yr[t..t + n].copy_from_slice(&o[..n]);
+                t += TOKENS_PER_PASS;
             }
         }
     }
@@ -257,6 +282,7 @@ pub fn dequantize_row(w: &RowData, row: usize, cols: usize, out: &mut [f32]) {
 #[inline(always)]
 fn dequantize_row_inline(w: &RowData, row: usize, cols: usize, out: &mut [f32]) {
     let out = &mut out[..cols];
+    let r = row * w.row_bytes(cols)..(row + 1) * w.row_bytes(cols);
     match w {
         RowData::F32(d) => out.copy_from_slice(&d[row * cols..(row + 1) * cols]),
         RowData::F16(d) => {
@@ -264,50 +290,9 @@ fn dequantize_row_inline(w: &RowData, row: usize, cols: usize, out: &mut [f32]) 
                 *o = v.to_f32();
             }
         }
-        RowData::Q4_0(d) => {
-            let rb = cols / QK * 18;
-            for (blk, o) in d[row * rb..(row + 1) * rb]
-                .chunks_exact(18)
-                .zip(out.chunks_exact_mut(QK))
-            {
-                let s = h(blk, 0);
-                let q: &[u8; 16] = blk[2..18].try_into().expect("invariant: 18-byte block");
-                let o: &mut [f32; QK] = o.try_into().expect("invariant: 32-float block");
-                for l in 0..16 {
-                    o[l] = s * ((q[l] & 0x0f) as f32 - 8.0);
-                    o[16 + l] = s * ((q[l] >> 4) as f32 - 8.0);
-                }
-            }
-        }
-        RowData::Q4_1(d) => {
-            let rb = cols / QK * 20;
-            for (blk, o) in d[row * rb..(row + 1) * rb]
-                .chunks_exact(20)
-                .zip(out.chunks_exact_mut(QK))
-            {
-                let (s, m) = (h(blk, 0), h(blk, 2));
-                let q: &[u8; 16] = blk[4..20].try_into().expect("invariant: 20-byte block");
-                let o: &mut [f32; QK] = o.try_into().expect("invariant: 32-float block");
-                for l in 0..16 {
-                    o[l] = s * (q[l] & 0x0f) as f32 + m;
-                    o[16 + l] = s * (q[l] >> 4) as f32 + m;
-                }
-            }
-        }
-        RowData::Q8_0(d) => {
-            let rb = cols / QK * 34;
-            for (blk, o) in d[row * rb..(row + 1) * rb]
-                .chunks_exact(34)
-                .zip(out.chunks_exact_mut(QK))
-            {
-                let s = h(blk, 0);
-                let q: &[u8; QK] = blk[2..34].try_into().expect("invariant: 34-byte block");
-                let o: &mut [f32; QK] = o.try_into().expect("invariant: 32-float block");
-                for l in 0..QK {
-                    o[l] = s * q[l] as i8 as f32;
-                }
-            }
-        }
+        RowData::Q4_0(d) => deq_row::<BQ4_0>(&d[r], out),
+        RowData::Q4_1(d) => deq_row::<BQ4_1>(&d[r], out),
+        RowData::Q8_0(d) => deq_row::<BQ8_0>(&d[r], out),
     }
 }
 
