@@ -20,7 +20,6 @@ pub mod gguf;
 pub mod kernels;
 pub mod kv;
 pub mod models;
-pub mod sampler;
 pub mod testing;
 pub mod tokenizer;
 
@@ -30,5 +29,6 @@ pub use error::{EngineError, Result};
 pub use gguf::GgufFile;
 pub use kv::SeqId;
 pub use models::llama::{LlamaConfig, LlamaModel, WeightMode};
-pub use sampler::SamplingParams;
+pub use tandem_spec::sampling as sampler;
+pub use tandem_spec::sampling::SamplingParams;
 pub use tokenizer::Tokenizer;

@@ -1,0 +1,38 @@
+//! Tandem's speculation core, pure: no tensors, sockets, clocks, threads or hidden randomness.
+//!
+//! - [`pipeline`]: the edge's pipeline state machine (blocks in flight up to `depth`, epochs,
+//!   rollback, commits).
+//! - [`verifier`]: the cloud's per-session bookkeeping (pending prediction, unfed corrections,
+//!   what to feed the target, the verdict).
+//! - [`verify`]: the rules that judge a draft token against the target's logits (greedy,
+//!   sample-and-match, rejection sampling).
+//! - [`sampling`]: temperature / top-k / top-p with draws keyed by (seed, position).
+//! - [`policy`]: the analytic model of speculation and the γ / depth it recommends.
+//!
+//! Everything is driven by the IO shells (edge runtime, cloud batcher) and by simulated time in
+//! tests and the simulator.
+
+pub mod pipeline;
+pub mod policy;
+pub mod sampling;
+pub mod verifier;
+pub mod verify;
+
+pub use pipeline::{
+    Block, Next, Output, Pipeline, PipelineConfig, PipelineStats, SparseDist, Verdict,
+};
+pub use verifier::{BlockAction, Finished, ForwardPlan, VerifierSession};
+pub use verify::VerifyRule;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    #[error("invalid `{field}`: {message}")]
+    InvalidConfig {
+        field: &'static str,
+        message: String,
+    },
+    #[error("invalid block: {0}")]
+    InvalidBlock(String),
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+}

@@ -1,0 +1,445 @@
+//! The edge's speculation pipeline as a pure state machine.
+//!
+//! The edge holds one token sequence: the prompt, the committed (verified) output, then a speculative
+//! tail of drafted tokens, some of them sent as blocks that are in flight. Up to `depth` blocks are in
+//! flight at once (`depth = 1` is synchronous speculation). Every verdict names the epoch it belongs
+//! to; a rejection increments the epoch on both sides, and every block and verdict of an older epoch
+//! is dropped and counted. A verdict `{accepted: a, token: t}` for a block starting at position `s`
+//! says: the first `a` drafted tokens are the target's, and the target's token at `s + a` is `t` — a
+//! correction when `a` is short of the block, the bonus when the whole block passed.
+//!
+//! The shell around it (draft engine, network) asks [`Pipeline::next`] what to do, feeds the draft
+//! model [`Pipeline::tokens`] from [`Pipeline::draft_fed`] on, reports each drafted token with
+//! [`Pipeline::on_drafted`], each verdict with [`Pipeline::on_verdict`], and carries out the returned
+//! [`Output`]s: send a block, truncate the draft KV, show committed tokens to the user.
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+use crate::SpecError;
+
+/// A sparse draft distribution `(token, probability)` for one position (rejection sampling).
+pub type SparseDist = Vec<(u32, f32)>;
+
+/// Drafted tokens sent for verification together.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Block {
+    pub epoch: u64,
+    pub index: u64,
+    /// Position of the first drafted token.
+    pub start_pos: usize,
+    pub tokens: Vec<u32>,
+    /// The draft's distribution at each token (empty unless the verify rule needs it).
+    pub q: Vec<SparseDist>,
+}
+
+/// The cloud's answer to one block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Verdict {
+    pub epoch: u64,
+    pub block: u64,
+    /// Leading drafted tokens that the target accepted.
+    pub accepted: usize,
+    /// The target's token at `start_pos + accepted`: correction, or bonus when all were accepted.
+    pub token: u32,
+}
+
+/// What the shell must do after an event.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Output {
+    /// Send this block to the verifier.
+    Send(Block),
+    /// These tokens are verified: show them to the user as final. `pos` is the absolute position of
+    /// the first one; commits are contiguous and never repeat a position.
+    Commit { pos: usize, tokens: Vec<u32> },
+    /// Truncate the draft model's KV cache to `to` tokens.
+    Rollback { to: usize },
+}
+
+/// What the shell should do next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Draft one more token (after feeding `tokens()[draft_fed()..]`).
+    Draft,
+    /// Nothing to draft until a verdict arrives.
+    Wait,
+    /// Generation is over: the token limit or an end-of-generation token was committed.
+    Done,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PipelineConfig {
+    /// Draft tokens per block (γ).
+    pub draft_len: usize,
+    /// Blocks in flight at most.
+    pub depth: usize,
+    /// New tokens to generate at most.
+    pub max_new_tokens: usize,
+}
+
+impl PipelineConfig {
+    pub fn validate(&self) -> Result<(), SpecError> {
+        let bad = |field, message: &str| {
+            Err(SpecError::InvalidConfig {
+                field,
+                message: message.into(),
+            })
+        };
+        if self.draft_len == 0 {
+            return bad("draft_len", "must be at least 1");
+        }
+        if self.depth == 0 {
+            return bad("depth", "must be at least 1");
+        }
+        if self.max_new_tokens == 0 {
+            return bad("max_new_tokens", "must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+/// Counters of one pipeline.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PipelineStats {
+    /// Tokens the draft model produced.
+    pub drafted: usize,
+    /// Blocks sent.
+    pub blocks_sent: usize,
+    /// Verdicts applied (rounds).
+    pub verdicts: usize,
+    /// Drafted tokens the target accepted.
+    pub accepted: usize,
+    /// Tokens the cloud supplied (corrections and bonus tokens that were not drafted).
+    pub cloud_tokens: usize,
+    /// Blocks dropped because an earlier rejection made them stale.
+    pub stale_blocks: usize,
+    /// Verdicts ignored because they belonged to an older epoch.
+    pub stale_verdicts: usize,
+    /// Drafted tokens thrown away (rejected, or in stale blocks, or in the discarded tail).
+    pub wasted_draft_tokens: usize,
+}
+
+impl PipelineStats {
+    /// Accepted drafted tokens over drafted tokens that were verified or thrown away.
+    pub fn acceptance_rate(&self) -> f64 {
+        let judged = self.accepted + self.wasted_draft_tokens;
+        if judged == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / judged as f64
+        }
+    }
+    /// Mean tokens committed per verdict (accepted plus the cloud's token), E[A].
+    pub fn mean_accepted(&self) -> f64 {
+        if self.verdicts == 0 {
+            0.0
+        } else {
+            (self.accepted + self.cloud_tokens) as f64 / self.verdicts as f64
+        }
+    }
+}
+
+pub struct Pipeline {
+    cfg: PipelineConfig,
+    eog: Vec<u32>,
+    prompt_len: usize,
+    /// Prompt, committed output, speculative tail.
+    tokens: Vec<u32>,
+    /// Draft distributions of the speculative tail, by position (rejection sampling only).
+    q: VecDeque<SparseDist>,
+    committed: usize,
+    /// `tokens[..sent]` are committed or inside sent blocks.
+    sent: usize,
+    in_flight: VecDeque<Block>,
+    epoch: u64,
+    next_index: u64,
+    draft_fed: usize,
+    done: bool,
+    stats: PipelineStats,
+}
+
+impl Pipeline {
+    pub fn new(prompt: Vec<u32>, cfg: PipelineConfig, eog: Vec<u32>) -> Result<Self, SpecError> {
+        cfg.validate()?;
+        if prompt.is_empty() {
+            return Err(SpecError::InvalidConfig {
+                field: "prompt",
+                message: "must hold at least one token".into(),
+            });
+        }
+        let n = prompt.len();
+        Ok(Self {
+            cfg,
+            eog,
+            prompt_len: n,
+            tokens: prompt,
+            q: VecDeque::new(),
+            committed: n,
+            sent: n,
+            in_flight: VecDeque::new(),
+            epoch: 0,
+            next_index: 0,
+            draft_fed: 0,
+            done: false,
+            stats: PipelineStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &PipelineConfig {
+        &self.cfg
+    }
+    /// Change γ and depth (a new grant); blocks already in flight are unaffected.
+    pub fn set_shape(&mut self, draft_len: usize, depth: usize) {
+        self.cfg.draft_len = draft_len.max(1);
+        self.cfg.depth = depth.max(1);
+    }
+    pub fn stats(&self) -> &PipelineStats {
+        &self.stats
+    }
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+    /// Prompt, committed output and speculative tail.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+    /// Tokens already fed through the draft model; feed `tokens()[draft_fed()..]` before drafting.
+    pub fn draft_fed(&self) -> usize {
+        self.draft_fed
+    }
+    /// Number of verified tokens, prompt included.
+    pub fn committed_len(&self) -> usize {
+        self.committed
+    }
+    /// The verified output (prompt excluded).
+    pub fn output(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..self.committed]
+    }
+    pub fn blocks_in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    fn limit(&self) -> usize {
+        self.prompt_len + self.cfg.max_new_tokens
+    }
+
+    /// Drafting stops at the token limit and after a drafted end-of-generation token.
+    fn drafting_stopped(&self) -> bool {
+        self.tokens.len() >= self.limit()
+            || (self.tokens.len() > self.committed
+                && self.tokens.last().is_some_and(|t| self.eog.contains(t)))
+    }
+
+    pub fn next(&self) -> Next {
+        if self.done {
+            Next::Done
+        } else if self.drafting_stopped() || self.tokens.len() - self.sent >= self.cfg.draft_len {
+            Next::Wait
+        } else {
+            Next::Draft
+        }
+    }
+
+    /// The draft model produced `token` for position `tokens().len()` (having fed everything
+    /// before it); `q` is its distribution there when the verify rule needs it.
+    pub fn on_drafted(&mut self, token: u32, q: Option<SparseDist>) -> Vec<Output> {
+        debug_assert_eq!(
+            self.next(),
+            Next::Draft,
+            "invariant: the shell drafts only when told to"
+        );
+        self.draft_fed = self.tokens.len();
+        self.tokens.push(token);
+        if let Some(q) = q {
+            self.q.push_back(q);
+        }
+        self.stats.drafted += 1;
+        let mut out = Vec::new();
+        self.try_send(&mut out);
+        out
+    }
+
+    fn try_send(&mut self, out: &mut Vec<Output>) {
+        let unsent = self.tokens.len() - self.sent;
+        let full = unsent >= self.cfg.draft_len || (unsent > 0 && self.drafting_stopped());
+        if self.done || !full || self.in_flight.len() >= self.cfg.depth {
+            return;
+        }
+        let n = unsent.min(self.cfg.draft_len);
+        let tokens = self.tokens[self.sent..self.sent + n].to_vec();
+        let q_from = self.sent - self.committed.min(self.sent);
+        let q: Vec<SparseDist> = self.q.iter().skip(q_from).take(n).cloned().collect();
+        let block = Block {
+            epoch: self.epoch,
+            index: self.next_index,
+            start_pos: self.sent,
+            tokens,
+            q,
+        };
+        self.next_index += 1;
+        self.sent += n;
+        self.stats.blocks_sent += 1;
+        self.in_flight.push_back(block.clone());
+        out.push(Output::Send(block));
+    }
+
+    /// Keep `tokens[..len]`, dropping draft distributions past it (`q` is either empty or aligned
+    /// with the speculative tail `tokens[committed..]`).
+    fn cut_tail(&mut self, len: usize) {
+        self.tokens.truncate(len);
+        self.q.truncate(len.saturating_sub(self.committed));
+    }
+
+    /// Mark `tokens[self.committed..upto]` verified: trim q, apply the limit and end-of-generation.
+    fn commit_to(&mut self, upto: usize, out: &mut Vec<Output>) {
+        let upto = upto.min(self.limit());
+        if upto <= self.committed {
+            return;
+        }
+        let from = self.committed;
+        let mut end = upto;
+        if let Some(i) = self.tokens[from..upto]
+            .iter()
+            .position(|t| self.eog.contains(t))
+        {
+            end = from + i + 1;
+            self.done = true;
+        }
+        for _ in from..end {
+            self.q.pop_front();
+        }
+        self.committed = end;
+        if self.committed >= self.limit() {
+            self.done = true;
+        }
+        out.push(Output::Commit {
+            pos: from,
+            tokens: self.tokens[from..end].to_vec(),
+        });
+        if self.done {
+            // Nothing past the end is ever verified: drop it all.
+            let wasted = self.tokens.len() - self.committed;
+            self.stats.wasted_draft_tokens += wasted;
+            self.cut_tail(self.committed);
+            self.stats.stale_blocks += self.in_flight.len();
+            self.in_flight.clear();
+            self.sent = self.committed;
+            self.draft_fed = self.draft_fed.min(self.committed);
+        }
+    }
+
+    /// Replace everything from `pos` on with the cloud's `token`, dropping the blocks in flight.
+    fn replace_from(&mut self, pos: usize, token: u32, out: &mut Vec<Output>) {
+        let wasted = self.tokens.len() - pos;
+        self.stats.wasted_draft_tokens += wasted;
+        self.stats.stale_blocks += self.in_flight.len();
+        self.in_flight.clear();
+        self.cut_tail(pos);
+        self.q.clear();
+        self.tokens.push(token);
+        self.stats.cloud_tokens += 1;
+        self.sent = pos + 1;
+        if self.draft_fed > pos {
+            self.draft_fed = pos;
+            out.push(Output::Rollback { to: pos });
+        }
+        self.commit_to(pos + 1, out);
+    }
+
+    pub fn on_verdict(&mut self, v: Verdict) -> Result<Vec<Output>, SpecError> {
+        let mut out = Vec::new();
+        if v.epoch != self.epoch || self.done {
+            self.stats.stale_verdicts += 1;
+            return Ok(out);
+        }
+        let Some(front) = self.in_flight.front() else {
+            return Err(SpecError::Protocol(format!(
+                "verdict for block {} with no block in flight",
+                v.block
+            )));
+        };
+        if front.index != v.block {
+            return Err(SpecError::Protocol(format!(
+                "verdict for block {} but block {} is the oldest in flight",
+                v.block, front.index
+            )));
+        }
+        if v.accepted > front.tokens.len() {
+            return Err(SpecError::Protocol(format!(
+                "verdict accepts {} tokens of a {}-token block",
+                v.accepted,
+                front.tokens.len()
+            )));
+        }
+        if front.start_pos + v.accepted < self.committed {
+            return Err(SpecError::Protocol(format!(
+                "verdict rejects position {} which is already committed",
+                front.start_pos + v.accepted
+            )));
+        }
+        let block = self
+            .in_flight
+            .pop_front()
+            .expect("invariant: front checked");
+        self.stats.verdicts += 1;
+        let start = block.start_pos;
+        let n = block.tokens.len();
+        // The block's first token may already be committed (it matched an earlier bonus).
+        let fresh = |i: usize| start + i >= self.committed;
+        self.stats.accepted += (0..v.accepted).filter(|&i| fresh(i)).count();
+        self.commit_to(start + v.accepted, &mut out);
+        if self.done {
+            return Ok(out);
+        }
+        let pos = start + v.accepted;
+        if v.accepted < n {
+            // Rejection: the cloud moved to the next epoch; so do we.
+            self.epoch += 1;
+            self.replace_from(pos, v.token, &mut out);
+        } else if self.tokens.len() > pos {
+            if self.tokens[pos] == v.token {
+                // The next drafted token is the target's: it is verified already.
+                self.commit_to(pos + 1, &mut out);
+            } else {
+                // The next block (if sent) will be rejected at its first token: act now. The cloud
+                // moves to the next epoch when it rejects that block; a block only drafted moves
+                // nothing.
+                let sent_next = self.in_flight.front().is_some_and(|b| b.start_pos == pos);
+                if sent_next {
+                    self.epoch += 1;
+                }
+                self.replace_from(pos, v.token, &mut out);
+            }
+        } else {
+            // Nothing drafted past the block: the bonus is committed, the draft feeds it next.
+            self.tokens.push(v.token);
+            self.stats.cloud_tokens += 1;
+            self.sent = pos + 1;
+            self.commit_to(pos + 1, &mut out);
+        }
+        if !self.done {
+            self.try_send(&mut out);
+        }
+        Ok(out)
+    }
+
+    /// The connection died: every block in flight is lost. The committed history stays; the next
+    /// connection re-opens the session from it as a new session, whose epochs start again at 0
+    /// (nothing of the old stream can arrive on the new one).
+    pub fn on_connection_lost(&mut self) -> Vec<Output> {
+        let mut out = Vec::new();
+        self.stats.stale_blocks += self.in_flight.len();
+        self.stats.wasted_draft_tokens += self.tokens.len() - self.committed;
+        self.in_flight.clear();
+        self.cut_tail(self.committed);
+        self.q.clear();
+        self.sent = self.committed;
+        self.epoch = 0;
+        if self.draft_fed > self.committed {
+            self.draft_fed = self.committed;
+            out.push(Output::Rollback { to: self.committed });
+        }
+        out
+    }
+}

@@ -1,0 +1,143 @@
+//! The analytic model of distributed speculation, and the γ / depth it recommends.
+//!
+//! With per-token acceptance rate α and γ drafted tokens per block, the tokens committed per verify
+//! round are `E[A] = (1 − α^(γ+1)) / (1 − α)` (accepted prefix plus the cloud's token).
+//! Synchronous speculation pays every round in full: `T_sync = γ·T_draft + T_net + T_verify(γ)`.
+//! Asynchronous speculation overlaps the stages: while blocks are accepted whole the edge commits a
+//! block per `max(γ·T_draft, T_verify)` (with enough depth to cover the round trip); a rejection
+//! flushes the pipeline and the next verdict is a full round away again.
+
+use serde::Serialize;
+
+/// Measured inputs of the model (milliseconds).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Costs {
+    /// Greedy acceptance rate per drafted token.
+    pub alpha: f64,
+    /// Draft time per token.
+    pub draft_ms: f64,
+    /// Verify time of a block: fixed part plus per-token part.
+    pub verify_ms: f64,
+    pub verify_ms_per_token: f64,
+    /// Network round trip.
+    pub rtt_ms: f64,
+}
+
+/// Expected tokens committed per verify round with γ drafted tokens.
+pub fn expected_accepted(alpha: f64, gamma: usize) -> f64 {
+    if (1.0 - alpha).abs() < 1e-12 {
+        return gamma as f64 + 1.0;
+    }
+    (1.0 - alpha.powi(gamma as i32 + 1)) / (1.0 - alpha)
+}
+
+fn verify_time(c: &Costs, gamma: usize) -> f64 {
+    c.verify_ms + c.verify_ms_per_token * (gamma + 1) as f64
+}
+
+/// One synchronous round: draft γ, send, verify, answer.
+pub fn sync_round_ms(c: &Costs, gamma: usize) -> f64 {
+    gamma as f64 * c.draft_ms + c.rtt_ms + verify_time(c, gamma)
+}
+
+/// Expected inter-token latency of synchronous speculation.
+pub fn sync_itl_ms(c: &Costs, gamma: usize) -> f64 {
+    sync_round_ms(c, gamma) / expected_accepted(c.alpha, gamma)
+}
+
+/// Expected inter-token latency of asynchronous speculation with γ and `depth` blocks in flight.
+///
+/// Per block: with probability α^γ the whole block is accepted and costs one pipeline period
+/// `max(γ·T_draft, T_verify, round / depth)`; otherwise it commits `i + 1` tokens (i accepted, the
+/// correction) and the pipeline restarts from the correction, costing a full round.
+pub fn async_itl_ms(c: &Costs, gamma: usize, depth: usize) -> f64 {
+    let a = c.alpha;
+    let round = sync_round_ms(c, gamma);
+    let period = (gamma as f64 * c.draft_ms)
+        .max(verify_time(c, gamma))
+        .max(round / depth.max(1) as f64);
+    let p_full = a.powi(gamma as i32);
+    let tokens_reject: f64 = (0..gamma)
+        .map(|i| a.powi(i as i32) * (1.0 - a) * (i + 1) as f64)
+        .sum();
+    let tokens = p_full * gamma as f64 + tokens_reject;
+    let time = p_full * period + (1.0 - p_full) * round;
+    time / tokens.max(1e-9)
+}
+
+/// A recommended shape and its predicted inter-token latencies.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Plan {
+    pub gamma: usize,
+    pub depth: usize,
+    pub sync_gamma: usize,
+    pub predicted_async_itl_ms: f64,
+    pub predicted_sync_itl_ms: f64,
+    pub expected_accepted: f64,
+}
+
+/// The γ (≤ `max_gamma`) and depth (≤ `max_depth`) with the lowest predicted async ITL, and the
+/// best synchronous γ for comparison.
+pub fn recommend(c: &Costs, max_gamma: usize, max_depth: usize) -> Plan {
+    let mut best = (f64::MAX, 1, 1);
+    for g in 1..=max_gamma.max(1) {
+        for d in 1..=max_depth.max(1) {
+            let t = async_itl_ms(c, g, d);
+            // Prefer the shallower pipeline on ties: fewer tokens wasted on rejections.
+            if t < best.0 * (1.0 - 1e-9) {
+                best = (t, g, d);
+            }
+        }
+    }
+    let (sync_t, sync_g) = (1..=max_gamma.max(1))
+        .map(|g| (sync_itl_ms(c, g), g))
+        .fold((f64::MAX, 1), |a, b| if b.0 < a.0 { b } else { a });
+    Plan {
+        gamma: best.1,
+        depth: best.2,
+        sync_gamma: sync_g,
+        predicted_async_itl_ms: best.0,
+        predicted_sync_itl_ms: sync_t,
+        expected_accepted: expected_accepted(c.alpha, best.1),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn costs(alpha: f64, rtt: f64) -> Costs {
+        Costs {
+            alpha,
+            draft_ms: 15.0,
+            verify_ms: 30.0,
+            verify_ms_per_token: 2.0,
+            rtt_ms: rtt,
+        }
+    }
+
+    #[test]
+    fn expected_accepted_matches_the_closed_form_edges() {
+        assert!((expected_accepted(0.0, 4) - 1.0).abs() < 1e-12);
+        assert!((expected_accepted(1.0, 4) - 5.0).abs() < 1e-12);
+        assert!((expected_accepted(0.5, 1) - 1.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn depth_one_async_is_sync_when_every_block_passes_or_fails() {
+        let c = costs(0.75, 100.0);
+        // depth 1: a fully accepted block costs a full round, like sync without the bonus token.
+        assert!(async_itl_ms(&c, 4, 1) >= sync_itl_ms(&c, 4) * 0.8);
+    }
+
+    #[test]
+    fn async_beats_sync_at_high_rtt_and_high_alpha() {
+        let c = costs(0.9, 150.0);
+        let p = recommend(&c, 8, 6);
+        assert!(p.depth > 1, "{p:?}");
+        assert!(p.predicted_async_itl_ms < p.predicted_sync_itl_ms, "{p:?}");
+        // With no network and a poor draft, pipelining buys little.
+        let p0 = recommend(&costs(0.3, 0.0), 8, 6);
+        assert!(p0.gamma <= 3, "{p0:?}");
+    }
+}
