@@ -32,6 +32,9 @@ pub struct GenOutput {
     pub weights: String,
     pub threads: usize,
     pub tokenizer_fingerprint: String,
+    /// Speculative modes only.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub spec: Option<crate::speculate::SpecFields>,
 }
 
 /// Generate up to `max_tokens` after `prompt_ids` on sequence 0 of `engine`, calling `on_text` with
@@ -111,5 +114,6 @@ pub fn generate(
         weights: format!("{:?}/{}", model.mode, model.format()).to_lowercase(),
         threads: engine.threads(),
         tokenizer_fingerprint: tok.fingerprint().to_string(),
+        spec: None,
     })
 }

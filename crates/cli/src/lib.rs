@@ -5,4 +5,5 @@ pub mod bench;
 pub mod generate;
 pub mod models;
 pub mod pull;
+pub mod speculate;
 pub mod stats;

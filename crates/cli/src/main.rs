@@ -11,6 +11,16 @@ use tandem_cli::models::{self, ModelSpec};
 use tandem_cli::pull;
 use tandem_engine::{Engine, EngineConfig, SamplingParams, WeightMode};
 use tandem_quant::{EmbedPrecision, QuantConfig, Scheme};
+use tandem_spec::VerifyRule;
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Mode {
+    Local,
+    Edge,
+    Cloud,
+    Sync,
+    Async,
+}
 
 #[derive(Parser)]
 #[command(
@@ -73,9 +83,29 @@ impl EngineArgs {
 
 #[derive(Args)]
 struct GenerateArgs {
-    /// `target` (f32 cloud model), `draft` (W4A16 edge model) or a GGUF path.
+    /// local: run --model alone; edge: the draft alone; cloud: the target alone; sync / async:
+    /// speculation, the draft here and the target in an in-process verifier behind --rtt-ms.
+    #[arg(long, default_value = "local")]
+    mode: Mode,
+    /// `target` (f32 cloud model), `draft` (W4A16 edge model) or a GGUF path (local mode; the
+    /// draft in sync/async modes).
     #[arg(long, default_value = "target")]
     model: ModelSpec,
+    /// Draft tokens per block (γ), sync/async.
+    #[arg(long, default_value_t = 4)]
+    gamma: usize,
+    /// Blocks in flight (async; sync is 1).
+    #[arg(long, default_value_t = 3)]
+    depth: usize,
+    /// Emulated network round trip between edge and verifier, ms.
+    #[arg(long, default_value_t = 0.0)]
+    rtt_ms: f64,
+    /// How the verifier judges sampled drafts: sample-match or rejection (greedy when temperature is 0).
+    #[arg(long, default_value = "sample-match")]
+    verify: VerifyRule,
+    /// Threads of the verifier's engine (sync/async).
+    #[arg(long, default_value_t = 1)]
+    cloud_threads: usize,
     /// Weight handling: f32, f16, native (W4A16/W8A16 blocks) or w4a8 (8-bit activations).
     /// Default: f32 for `target`, native otherwise.
     #[arg(long)]
@@ -228,27 +258,75 @@ fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
-    let m = models::load(home, &a.model, a.weights, a.json)?;
+    let spec = match a.mode {
+        Mode::Local => a.model.clone(),
+        Mode::Edge | Mode::Sync | Mode::Async => {
+            if a.model == ModelSpec::Target {
+                ModelSpec::Draft
+            } else {
+                a.model.clone()
+            }
+        }
+        Mode::Cloud => ModelSpec::Target,
+    };
+    let m = models::load(home, &spec, a.weights, a.json)?;
     let ids = if a.chat {
         m.tokenizer.encode_chat(&a.prompt)?
     } else {
         m.tokenizer.encode(&a.prompt)?
     };
-    let mut engine = Engine::new(m.model.clone(), a.engine.config())?;
     let mut stdout = std::io::stdout();
-    let mut out = generate(
-        &mut engine,
-        &m.tokenizer,
-        &ids,
-        a.max_tokens,
-        &params,
-        |piece| {
-            if !a.json {
-                let _ = stdout.write_all(piece.as_bytes());
-                let _ = stdout.flush();
-            }
-        },
-    )?;
+    let mut print = |piece: &str| {
+        if !a.json {
+            let _ = stdout.write_all(piece.as_bytes());
+            let _ = stdout.flush();
+        }
+    };
+    let mut out = if matches!(a.mode, Mode::Sync | Mode::Async) {
+        let target = models::load(home, &ModelSpec::Target, None, a.json)?;
+        if target.tokenizer.fingerprint() != m.tokenizer.fingerprint() {
+            bail!("the draft's tokenizer differs from the target's: they cannot share token ids");
+        }
+        let run = tandem_cli::speculate::SpecRun {
+            target: target.model.clone(),
+            draft: m.model.clone(),
+            tokenizer: &m.tokenizer,
+            cloud: EngineConfig {
+                threads: a.cloud_threads,
+                ..a.engine.config()
+            },
+            edge: EngineConfig {
+                threads: a.engine.threads.unwrap_or(1),
+                ..a.engine.config()
+            },
+            spec: tandem_edge::SpecConfig {
+                draft_len: a.gamma,
+                depth: if a.mode == Mode::Sync { 1 } else { a.depth },
+                max_new_tokens: a.max_tokens,
+                rule: a.verify,
+                params,
+                q_top_k: 32,
+            },
+            rtt_ms: a.rtt_ms,
+        };
+        tandem_cli::speculate::run(&run, &ids, &mut print)?
+    } else {
+        let mut engine = Engine::new(m.model.clone(), a.engine.config())?;
+        let mut o = generate(
+            &mut engine,
+            &m.tokenizer,
+            &ids,
+            a.max_tokens,
+            &params,
+            &mut print,
+        )?;
+        o.mode = match a.mode {
+            Mode::Edge => "edge",
+            Mode::Cloud => "cloud",
+            _ => "local",
+        };
+        o
+    };
     out.model = m.path.display().to_string();
     if a.json {
         println!("{}", serde_json::to_string(&out)?);

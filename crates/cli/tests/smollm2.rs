@@ -397,3 +397,112 @@ fn w4a8_variant_runs() {
     );
     assert_eq!(out.len(), 6);
 }
+
+fn spec_run(
+    prompt: &[u32],
+    gamma: usize,
+    depth: usize,
+    rtt_ms: f64,
+    params: tandem_engine::SamplingParams,
+    rule: tandem_spec::VerifyRule,
+    max_new: usize,
+) -> Vec<u32> {
+    static DRAFT: OnceLock<(Arc<LlamaModel>, Tokenizer)> = OnceLock::new();
+    let (draft, tok) = DRAFT.get_or_init(|| load(draft_path(), WeightMode::Native));
+    let (target, _) = target();
+    let run = tandem_cli::speculate::SpecRun {
+        target: target.clone(),
+        draft: draft.clone(),
+        tokenizer: tok,
+        cloud: EngineConfig {
+            threads: 1,
+            ..EngineConfig::default()
+        },
+        edge: EngineConfig {
+            threads: 1,
+            ..EngineConfig::default()
+        },
+        spec: tandem_edge::SpecConfig {
+            draft_len: gamma,
+            depth,
+            max_new_tokens: max_new,
+            rule,
+            params,
+            q_top_k: 32,
+        },
+        rtt_ms,
+    };
+    let out = tandem_cli::speculate::run(&run, prompt, |_| {}).unwrap();
+    let s = out.spec.as_ref().unwrap();
+    eprintln!(
+        "γ={gamma} depth={depth} rtt={rtt_ms}: α={} E[A]={} rounds={} stale={} wasted={}",
+        s.acceptance_rate, s.mean_accepted, s.rounds, s.stale_blocks, s.wasted_draft_tokens
+    );
+    out.output_ids
+}
+
+/// Sync (depth 1) and async speculation commit exactly the target's greedy output, whatever γ,
+/// depth and round trip.
+#[test]
+fn speculation_is_lossless_greedy() {
+    let (m, tok) = target();
+    let prompts = [
+        tok.encode("The capital of France is").unwrap(),
+        tok.encode_chat("Explain how a bicycle stays upright while moving.")
+            .unwrap(),
+    ];
+    let n = 20;
+    for (pi, p) in prompts.iter().enumerate() {
+        let want = greedy(&mut engine(m), SeqId(5), p, n);
+        let configs: &[(usize, usize, f64)] = if pi == 0 {
+            &[
+                (1, 1, 0.0),
+                (4, 1, 50.0),
+                (8, 1, 0.0),
+                (2, 2, 0.0),
+                (4, 3, 50.0),
+                (3, 4, 150.0),
+            ]
+        } else {
+            &[(4, 1, 0.0), (5, 2, 50.0), (8, 4, 20.0)]
+        };
+        for &(g, d, rtt) in configs {
+            let got = spec_run(
+                p,
+                g,
+                d,
+                rtt,
+                tandem_engine::SamplingParams::default(),
+                tandem_spec::VerifyRule::Greedy,
+                n,
+            );
+            assert_eq!(got, want, "prompt {pi}, γ={g} depth={d} rtt={rtt}");
+        }
+    }
+}
+
+/// With sample-and-match, speculation commits exactly what the target samples by itself with the
+/// same seed: every position's draw is keyed by (seed, position).
+#[test]
+fn sample_and_match_reproduces_the_targets_own_sampling() {
+    let (m, tok) = target();
+    let p = tok.encode("Once upon a time").unwrap();
+    let params = tandem_engine::SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 11,
+    };
+    let mut e = engine(m);
+    let out = tandem_cli::generate::generate(&mut e, tok, &p, 16, &params, |_| {}).unwrap();
+    let got = spec_run(
+        &p,
+        4,
+        3,
+        20.0,
+        params,
+        tandem_spec::VerifyRule::SampleMatch,
+        16,
+    );
+    assert_eq!(got, out.output_ids);
+}

@@ -110,6 +110,8 @@ pub struct PipelineStats {
     pub verdicts: usize,
     /// Drafted tokens the target accepted.
     pub accepted: usize,
+    /// Verdicts that rejected a drafted token (each judges one position false).
+    pub rejections: usize,
     /// Tokens the cloud supplied (corrections and bonus tokens that were not drafted).
     pub cloud_tokens: usize,
     /// Blocks dropped because an earlier rejection made them stale.
@@ -121,9 +123,10 @@ pub struct PipelineStats {
 }
 
 impl PipelineStats {
-    /// Accepted drafted tokens over drafted tokens that were verified or thrown away.
+    /// Per-token acceptance rate α: accepted drafted tokens over judged positions (accepted ones
+    /// plus the rejected one of each rejecting verdict; tokens after a rejection are never judged).
     pub fn acceptance_rate(&self) -> f64 {
-        let judged = self.accepted + self.wasted_draft_tokens;
+        let judged = self.accepted + self.rejections;
         if judged == 0 {
             0.0
         } else {
@@ -160,6 +163,23 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
+    /// A pipeline whose first output token is already known: the verifier computes it while
+    /// prefilling the prompt, so it is committed at once (time to first token = one round trip plus
+    /// the prefill). Returns the pipeline and the commit of that token.
+    pub fn with_first(
+        prompt: Vec<u32>,
+        first: u32,
+        cfg: PipelineConfig,
+        eog: Vec<u32>,
+    ) -> Result<(Self, Vec<Output>), SpecError> {
+        let mut p = Self::new(prompt, cfg, eog)?;
+        p.tokens.push(first);
+        p.sent += 1;
+        let mut out = Vec::new();
+        p.commit_to(p.prompt_len + 1, &mut out);
+        Ok((p, out))
+    }
+
     pub fn new(prompt: Vec<u32>, cfg: PipelineConfig, eog: Vec<u32>) -> Result<Self, SpecError> {
         cfg.validate()?;
         if prompt.is_empty() {
@@ -395,17 +415,20 @@ impl Pipeline {
         let pos = start + v.accepted;
         if v.accepted < n {
             // Rejection: the cloud moved to the next epoch; so do we.
+            self.stats.rejections += 1;
             self.epoch += 1;
             self.replace_from(pos, v.token, &mut out);
         } else if self.tokens.len() > pos {
             if self.tokens[pos] == v.token {
                 // The next drafted token is the target's: it is verified already.
+                self.stats.accepted += 1;
                 self.commit_to(pos + 1, &mut out);
             } else {
                 // The next block (if sent) will be rejected at its first token: act now. The cloud
                 // moves to the next epoch when it rejects that block; a block only drafted moves
                 // nothing.
                 let sent_next = self.in_flight.front().is_some_and(|b| b.start_pos == pos);
+                self.stats.rejections += 1;
                 if sent_next {
                     self.epoch += 1;
                 }

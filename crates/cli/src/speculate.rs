@@ -1,0 +1,221 @@
+//! Speculative generation with an in-process verifier: the target runs in its own thread behind a
+//! delay line that emulates the network's round trip, the draft runs here and drives the pipeline.
+//! `sync` is the same code with depth 1.
+
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context, Result};
+use serde::Serialize;
+use tandem_cloud::{serve, ToCloud, ToEdge, Verifier};
+use tandem_edge::delay::delay_channel;
+use tandem_edge::{EdgeError, Link, SpecConfig};
+use tandem_engine::tokenizer::TextStream;
+use tandem_engine::{Engine, EngineConfig, LlamaModel, Tokenizer};
+use tandem_spec::{Block, Verdict};
+
+use crate::generate::GenOutput;
+use crate::stats::{round2, Summary};
+
+/// What `generate --json` adds in the speculative modes.
+#[derive(Debug, Clone, Serialize)]
+pub struct SpecFields {
+    pub acceptance_rate: f64,
+    pub mean_accepted: f64,
+    pub drafted: usize,
+    pub wasted_draft_tokens: usize,
+    pub stale_blocks: usize,
+    pub target_forwards: u64,
+    pub rounds: usize,
+    pub gamma: usize,
+    pub depth: usize,
+    pub rtt_ms: f64,
+    pub verify_rule: String,
+}
+
+struct InProcessLink {
+    session: u64,
+    tx: Sender<ToCloud>,
+    rx: Receiver<ToEdge>,
+}
+
+impl InProcessLink {
+    fn map(m: ToEdge) -> Result<Option<Verdict>, EdgeError> {
+        match m {
+            ToEdge::Verdict(v) => Ok(Some(v)),
+            ToEdge::Error { message } => Err(EdgeError::Refused(message)),
+            ToEdge::Opened { .. } => Ok(None),
+        }
+    }
+}
+
+impl Link for InProcessLink {
+    fn send(&mut self, block: Block) -> Result<(), EdgeError> {
+        self.tx
+            .send(ToCloud::Draft {
+                session: self.session,
+                block,
+            })
+            .map_err(|_| EdgeError::LinkClosed)
+    }
+
+    fn recv(&mut self, wait: bool) -> Result<Option<Verdict>, EdgeError> {
+        loop {
+            let m = if wait {
+                self.rx.recv().map_err(|_| EdgeError::LinkClosed)?
+            } else {
+                match self.rx.try_recv() {
+                    Ok(m) => m,
+                    Err(std::sync::mpsc::TryRecvError::Empty) => return Ok(None),
+                    Err(_) => return Err(EdgeError::LinkClosed),
+                }
+            };
+            if let Some(v) = Self::map(m)? {
+                return Ok(Some(v));
+            }
+        }
+    }
+}
+
+/// Everything a speculative run needs.
+pub struct SpecRun<'a> {
+    pub target: Arc<LlamaModel>,
+    pub draft: Arc<LlamaModel>,
+    pub tokenizer: &'a Tokenizer,
+    pub cloud: EngineConfig,
+    pub edge: EngineConfig,
+    pub spec: SpecConfig,
+    pub rtt_ms: f64,
+}
+
+/// Run one prompt through an in-process verifier and the edge pipeline.
+pub fn run(r: &SpecRun, prompt_ids: &[u32], mut on_text: impl FnMut(&str)) -> Result<GenOutput> {
+    let one_way = Duration::from_secs_f64(r.rtt_ms / 2e3);
+    let (to_cloud, cloud_rx) = delay_channel::<ToCloud>(one_way);
+    let (reply_tx, reply_rx) = delay_channel::<ToEdge>(one_way);
+    let target_engine = Engine::new(r.target.clone(), r.cloud).context("verifier engine")?;
+    let server = thread::Builder::new()
+        .name("tandem-verifier".into())
+        .spawn(move || serve(Verifier::new(target_engine), cloud_rx))
+        .context("starting the verifier thread")?;
+    let mut draft = Engine::new(r.draft.clone(), r.edge).context("draft engine")?;
+    let start = Instant::now();
+    let session = 1;
+    to_cloud
+        .send(ToCloud::Open {
+            session,
+            prompt: prompt_ids.to_vec(),
+            params: r.spec.params,
+            rule: r.spec.rule,
+            reply: reply_tx,
+        })
+        .map_err(|_| anyhow!("the verifier stopped"))?;
+    let first = match reply_rx.recv() {
+        Ok(ToEdge::Opened { first, .. }) => first,
+        Ok(ToEdge::Error { message }) => {
+            return Err(anyhow!("the verifier refused the session: {message}"))
+        }
+        Ok(ToEdge::Verdict(_)) | Err(_) => {
+            return Err(anyhow!("the verifier did not open the session"))
+        }
+    };
+    let mut link = InProcessLink {
+        session,
+        tx: to_cloud.clone(),
+        rx: reply_rx,
+    };
+    let tok = r.tokenizer;
+    let mut stream = TextStream::default();
+    let mut text = String::new();
+    let report = tandem_edge::run(
+        &mut draft,
+        eog_ids(tok),
+        prompt_ids,
+        first,
+        &r.spec,
+        &mut link,
+        start,
+        |ids| {
+            for &id in ids {
+                if tok.is_eog(id) {
+                    continue;
+                }
+                if let Ok(piece) = stream.push(tok, id) {
+                    if !piece.is_empty() {
+                        on_text(&piece);
+                        text.push_str(&piece);
+                    }
+                }
+            }
+        },
+    )?;
+    let _ = to_cloud.send(ToCloud::Close { session });
+    drop(link);
+    drop(to_cloud);
+    let verifier = server
+        .join()
+        .map_err(|_| anyhow!("the verifier thread panicked"))?;
+    let out = report.output_ids.clone();
+    let text_all = tok.decode(
+        &out.iter()
+            .copied()
+            .filter(|&t| !tok.is_eog(t))
+            .collect::<Vec<_>>(),
+    )?;
+    if text_all.len() > text.len() {
+        on_text(&text_all[text.len()..]);
+    }
+    let times = report.commit_ms.clone();
+    let itl: Vec<f64> = times.windows(2).map(|w| w[1] - w[0]).collect();
+    let decode_ms = times.last().copied().unwrap_or(0.0) - times.first().copied().unwrap_or(0.0);
+    let s = report.stats;
+    let itl_s = Summary::of(&itl);
+    Ok(GenOutput {
+        prompt_ids: prompt_ids.to_vec(),
+        finish_reason: if out.last().is_some_and(|&t| tok.is_eog(t)) {
+            "stop"
+        } else {
+            "length"
+        },
+        output_ids: out,
+        text: text_all,
+        ttft_ms: round2(times.first().copied().unwrap_or(0.0)),
+        itl_ms: Summary {
+            mean: round2(itl_s.mean),
+            p50: round2(itl_s.p50),
+            p99: round2(itl_s.p99),
+        },
+        tokens_per_s: if decode_ms > 0.0 {
+            round2(itl.len() as f64 / decode_ms * 1e3)
+        } else {
+            0.0
+        },
+        mode: if r.spec.depth == 1 { "sync" } else { "async" },
+        model: String::new(),
+        weights: format!("{}+{}", r.target.format(), r.draft.format()),
+        threads: r.edge.threads + r.cloud.threads,
+        tokenizer_fingerprint: tok.fingerprint().to_string(),
+        spec: Some(SpecFields {
+            acceptance_rate: round2(s.acceptance_rate() * 100.0) / 100.0,
+            mean_accepted: round2(s.mean_accepted()),
+            drafted: s.drafted,
+            wasted_draft_tokens: s.wasted_draft_tokens,
+            stale_blocks: s.stale_blocks,
+            target_forwards: verifier.stats.target_forwards,
+            rounds: s.verdicts,
+            gamma: r.spec.draft_len,
+            depth: r.spec.depth,
+            rtt_ms: r.rtt_ms,
+            verify_rule: format!("{:?}", r.spec.rule.effective(&r.spec.params)).to_lowercase(),
+        }),
+    })
+}
+
+/// End-of-generation ids of the tokenizer (the ones the pipeline stops at).
+fn eog_ids(tok: &Tokenizer) -> Vec<u32> {
+    (0..tok.vocab_size() as u32)
+        .filter(|&t| tok.is_eog(t))
+        .collect()
+}

@@ -1,0 +1,253 @@
+//! Tandem's cloud verifier core: the target engine, one [`VerifierSession`] per session, and one
+//! ragged forward per step over the blocks of every session that is ready. Transport-agnostic: the
+//! in-process link ([`serve`]) and, later, the gRPC service drive the same [`Verifier`].
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::mpsc::{Receiver, Sender};
+
+use tandem_engine::{Engine, EngineError, SamplingParams, SeqChunk, SeqId, Wanted};
+use tandem_spec::sampling::sample;
+use tandem_spec::{Block, BlockAction, SpecError, Verdict, VerifierSession, VerifyRule};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CloudError {
+    #[error("session {0} is not open")]
+    UnknownSession(u64),
+    #[error("session {0} is already open")]
+    DuplicateSession(u64),
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+/// Counters of the verifier.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct VerifierStats {
+    /// Forward passes of the target (prefills included).
+    pub target_forwards: u64,
+    /// Blocks verified in a forward, and blocks decided without one.
+    pub blocks_verified: u64,
+    pub blocks_early: u64,
+    pub blocks_stale: u64,
+    /// Largest number of sessions in one forward.
+    pub max_batch: usize,
+}
+
+pub struct Verifier {
+    engine: Engine,
+    sessions: HashMap<u64, VerifierSession>,
+    pub stats: VerifierStats,
+}
+
+impl Verifier {
+    pub fn new(engine: Engine) -> Self {
+        Self {
+            engine,
+            sessions: HashMap::new(),
+            stats: VerifierStats::default(),
+        }
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// Prefill `prompt` for a new session; returns the target's first token (its pending prediction).
+    pub fn open(
+        &mut self,
+        id: u64,
+        prompt: &[u32],
+        params: SamplingParams,
+        rule: VerifyRule,
+    ) -> Result<u32, CloudError> {
+        if self.sessions.contains_key(&id) {
+            return Err(CloudError::DuplicateSession(id));
+        }
+        let seq = SeqId(id);
+        let logits =
+            self.engine
+                .forward(&[SeqChunk::new(seq, 0, prompt.to_vec(), Wanted::Last)])?;
+        self.stats.target_forwards += 1;
+        let first = sample(logits.row(0), &params, prompt.len() as u64);
+        let max_len = self.engine.model().cfg.context_len;
+        self.sessions.insert(
+            id,
+            VerifierSession::new(rule, params, prompt.len(), first, max_len),
+        );
+        Ok(first)
+    }
+
+    pub fn close(&mut self, id: u64) {
+        self.sessions.remove(&id);
+        self.engine.free(SeqId(id));
+    }
+
+    /// Verify at most one block per session in one ragged forward. Returns each block's verdict
+    /// (`None` for a stale block) or the error that refused it; a refused block leaves its session
+    /// as it was.
+    pub fn step(
+        &mut self,
+        blocks: &[(u64, Block)],
+    ) -> Vec<(u64, Result<Option<Verdict>, CloudError>)> {
+        let mut results = Vec::with_capacity(blocks.len());
+        let mut planned = Vec::new();
+        let mut chunks = Vec::new();
+        for (id, b) in blocks {
+            let Some(s) = self.sessions.get_mut(id) else {
+                results.push((*id, Err(CloudError::UnknownSession(*id))));
+                continue;
+            };
+            let before = s.clone();
+            match s.on_block(b) {
+                Ok(BlockAction::Stale) => {
+                    self.stats.blocks_stale += 1;
+                    results.push((*id, Ok(None)));
+                }
+                Ok(BlockAction::Verdict(v)) => {
+                    self.stats.blocks_early += 1;
+                    results.push((*id, Ok(Some(v))));
+                }
+                Ok(BlockAction::Forward(plan)) => {
+                    let n = plan.tokens.len();
+                    chunks.push(SeqChunk::new(
+                        SeqId(*id),
+                        plan.start_pos,
+                        plan.tokens,
+                        Wanted::At(plan.logits_at),
+                    ));
+                    planned.push((*id, b, before, n));
+                }
+                Err(e) => {
+                    *s = before;
+                    results.push((*id, Err(e.into())));
+                }
+            }
+        }
+        if chunks.is_empty() {
+            return results;
+        }
+        self.stats.max_batch = self.stats.max_batch.max(chunks.len());
+        let logits = match self.engine.forward(&chunks) {
+            Ok(l) => l,
+            Err(e) => {
+                // Nothing was verified: put the sessions back and report the engine's error.
+                let msg = e.to_string();
+                for (id, _, before, _) in planned {
+                    self.sessions.insert(id, before);
+                    results.push((
+                        id,
+                        Err(CloudError::Engine(EngineError::InvalidBatch(msg.clone()))),
+                    ));
+                }
+                return results;
+            }
+        };
+        self.stats.target_forwards += 1;
+        for (id, b, _, _) in planned {
+            let rows: Vec<&[f32]> = logits.for_seq(SeqId(id)).map(|(_, r)| r).collect();
+            let s = self
+                .sessions
+                .get_mut(&id)
+                .expect("invariant: planned sessions exist");
+            let r = s.finish(b, &rows).map_err(CloudError::from).and_then(|f| {
+                self.engine.truncate(SeqId(id), f.kv_len)?;
+                Ok(Some(f.verdict))
+            });
+            self.stats.blocks_verified += 1;
+            results.push((id, r));
+        }
+        results
+    }
+}
+
+/// Messages from edges.
+#[derive(Debug, Clone)]
+pub enum ToCloud {
+    Open {
+        session: u64,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        rule: VerifyRule,
+        reply: Sender<ToEdge>,
+    },
+    Draft {
+        session: u64,
+        block: Block,
+    },
+    Close {
+        session: u64,
+    },
+}
+
+/// Messages to an edge.
+#[derive(Debug, Clone)]
+pub enum ToEdge {
+    Opened { session: u64, first: u32 },
+    Verdict(Verdict),
+    Error { message: String },
+}
+
+/// Serve edges over in-process channels until every sender is gone: each iteration takes all
+/// messages that have arrived, opens new sessions, then verifies the oldest queued block of every
+/// session in one ragged forward.
+pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>) -> Verifier {
+    let mut replies: HashMap<u64, Sender<ToEdge>> = HashMap::new();
+    let mut queued: HashMap<u64, VecDeque<Block>> = HashMap::new();
+    loop {
+        let idle = queued.values().all(|q| q.is_empty());
+        let first = if idle {
+            match rx.recv() {
+                Ok(m) => Some(m),
+                Err(_) => return v,
+            }
+        } else {
+            None
+        };
+        for m in first.into_iter().chain(rx.try_iter()) {
+            match m {
+                ToCloud::Open {
+                    session,
+                    prompt,
+                    params,
+                    rule,
+                    reply,
+                } => {
+                    let msg = match v.open(session, &prompt, params, rule) {
+                        Ok(first) => ToEdge::Opened { session, first },
+                        Err(e) => ToEdge::Error {
+                            message: e.to_string(),
+                        },
+                    };
+                    let _ = reply.send(msg);
+                    replies.insert(session, reply);
+                    queued.entry(session).or_default();
+                }
+                ToCloud::Draft { session, block } => {
+                    queued.entry(session).or_default().push_back(block)
+                }
+                ToCloud::Close { session } => {
+                    v.close(session);
+                    replies.remove(&session);
+                    queued.remove(&session);
+                }
+            }
+        }
+        let batch: Vec<(u64, Block)> = queued
+            .iter_mut()
+            .filter_map(|(id, q)| q.pop_front().map(|b| (*id, b)))
+            .collect();
+        for (id, r) in v.step(&batch) {
+            let msg = match r {
+                Ok(Some(verdict)) => ToEdge::Verdict(verdict),
+                Ok(None) => continue,
+                Err(e) => ToEdge::Error {
+                    message: e.to_string(),
+                },
+            };
+            if let Some(tx) = replies.get(&id) {
+                let _ = tx.send(msg);
+            }
+        }
+    }
+}
