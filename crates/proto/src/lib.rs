@@ -1,0 +1,190 @@
+//! `tandem.v1`: generated protobuf types and the gRPC service, plus conversions to the domain types
+//! of `tandem-spec`. Nothing else lives here.
+
+pub mod v1 {
+    tonic::include_proto!("tandem.v1");
+}
+
+/// The protocol version this build speaks.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+use tandem_spec::sampling::SamplingParams;
+use tandem_spec::{Block, Verdict, VerifyRule};
+
+/// A field-named reason why a message is not valid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct FieldError {
+    pub field: &'static str,
+    pub message: String,
+}
+
+fn bad(field: &'static str, message: impl Into<String>) -> FieldError {
+    FieldError {
+        field,
+        message: message.into(),
+    }
+}
+
+impl From<SamplingParams> for v1::SamplingParams {
+    fn from(p: SamplingParams) -> Self {
+        Self {
+            temperature: p.temperature,
+            top_k: p.top_k as u32,
+            top_p: p.top_p,
+            seed: p.seed,
+        }
+    }
+}
+
+/// Sampling parameters checked for range (`params` names the field).
+pub fn params_from_proto(p: Option<v1::SamplingParams>) -> Result<SamplingParams, FieldError> {
+    {
+        let p = p.unwrap_or_default();
+        let s = SamplingParams {
+            temperature: p.temperature,
+            top_k: p.top_k as usize,
+            top_p: if p.top_p == 0.0 { 1.0 } else { p.top_p },
+            seed: p.seed,
+        };
+        s.validate().map_err(|m| bad("params", m))?;
+        Ok(s)
+    }
+}
+
+pub fn rule_from_proto(r: i32) -> Result<VerifyRule, FieldError> {
+    match v1::VerifyRule::try_from(r) {
+        Ok(v1::VerifyRule::Unspecified) | Ok(v1::VerifyRule::SampleMatch) => {
+            Ok(VerifyRule::SampleMatch)
+        }
+        Ok(v1::VerifyRule::Greedy) => Ok(VerifyRule::Greedy),
+        Ok(v1::VerifyRule::Rejection) => Ok(VerifyRule::Rejection),
+        Err(_) => Err(bad("rule", format!("unknown verify rule {r}"))),
+    }
+}
+
+pub fn rule_to_proto(r: VerifyRule) -> v1::VerifyRule {
+    match r {
+        VerifyRule::Greedy => v1::VerifyRule::Greedy,
+        VerifyRule::SampleMatch => v1::VerifyRule::SampleMatch,
+        VerifyRule::Rejection => v1::VerifyRule::Rejection,
+    }
+}
+
+impl From<&Block> for v1::Draft {
+    fn from(b: &Block) -> Self {
+        Self {
+            epoch: b.epoch,
+            block: b.index,
+            start_pos: b.start_pos as u64,
+            tokens: b.tokens.clone(),
+            q: b.q
+                .iter()
+                .map(|d| v1::SparseDist {
+                    entries: d
+                        .iter()
+                        .map(|&(token, prob)| v1::TokenProb { token, prob })
+                        .collect(),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A draft block checked against the vocabulary and the granted draft length.
+pub fn block_from_proto(d: v1::Draft, vocab: usize, max_len: usize) -> Result<Block, FieldError> {
+    if d.tokens.is_empty() {
+        return Err(bad("draft.tokens", "a block needs at least one token"));
+    }
+    if d.tokens.len() > max_len {
+        return Err(bad(
+            "draft.tokens",
+            format!(
+                "{} tokens exceed the granted draft length {max_len}",
+                d.tokens.len()
+            ),
+        ));
+    }
+    if let Some(t) = d.tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(bad(
+            "draft.tokens",
+            format!("token id {t} is outside the vocabulary ({vocab})"),
+        ));
+    }
+    if !d.q.is_empty() && d.q.len() != d.tokens.len() {
+        return Err(bad(
+            "draft.q",
+            format!("{} distributions for {} tokens", d.q.len(), d.tokens.len()),
+        ));
+    }
+    let mut q = Vec::with_capacity(d.q.len());
+    for dist in d.q {
+        let mut v = Vec::with_capacity(dist.entries.len());
+        for e in dist.entries {
+            if e.token as usize >= vocab || !(e.prob.is_finite() && e.prob >= 0.0 && e.prob <= 1.0)
+            {
+                return Err(bad(
+                    "draft.q",
+                    format!("entry ({}, {}) is not a token probability", e.token, e.prob),
+                ));
+            }
+            v.push((e.token, e.prob));
+        }
+        q.push(v);
+    }
+    Ok(Block {
+        epoch: d.epoch,
+        index: d.block,
+        start_pos: d.start_pos as usize,
+        tokens: d.tokens,
+        q,
+    })
+}
+
+impl From<Verdict> for v1::Verdict {
+    fn from(v: Verdict) -> Self {
+        Self {
+            epoch: v.epoch,
+            block: v.block,
+            accepted: v.accepted as u32,
+            token: v.token,
+        }
+    }
+}
+
+impl From<v1::Verdict> for Verdict {
+    fn from(v: v1::Verdict) -> Self {
+        Self {
+            epoch: v.epoch,
+            block: v.block,
+            accepted: v.accepted as usize,
+            token: v.token,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_round_trip_and_bad_ones_name_the_field() {
+        let b = Block {
+            epoch: 2,
+            index: 7,
+            start_pos: 40,
+            tokens: vec![1, 2, 3],
+            q: vec![],
+        };
+        assert_eq!(block_from_proto(v1::Draft::from(&b), 100, 8).unwrap(), b);
+        let e = block_from_proto(v1::Draft::from(&b), 3, 8).unwrap_err();
+        assert_eq!(e.field, "draft.tokens");
+        let e = block_from_proto(v1::Draft::from(&b), 100, 2).unwrap_err();
+        assert!(e.message.contains("granted draft length"), "{e}");
+        let bad_p = v1::SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        };
+        assert_eq!(params_from_proto(Some(bad_p)).unwrap_err().field, "params");
+    }
+}
