@@ -54,6 +54,30 @@ enum Cmd {
     Info(InfoArgs),
     /// Pull the model, make the draft, and answer a question with the target and with the draft.
     Demo(DemoArgs),
+    /// The cloud verifier.
+    #[command(subcommand)]
+    Cloud(CloudCmd),
+}
+
+#[derive(Subcommand)]
+enum CloudCmd {
+    /// Serve the target as a tandem.v1 gRPC verifier.
+    Serve(ServeArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    listen: String,
+    /// Largest draft length (γ) granted to a session.
+    #[arg(long, default_value_t = 8)]
+    max_draft_len: u32,
+    /// Largest number of blocks in flight granted to a session.
+    #[arg(long, default_value_t = 4)]
+    max_depth: u32,
+    #[command(flatten)]
+    engine: EngineArgs,
 }
 
 #[derive(Args)]
@@ -106,6 +130,10 @@ struct GenerateArgs {
     /// Threads of the verifier's engine (sync/async).
     #[arg(long, default_value_t = 1)]
     cloud_threads: usize,
+    /// A running verifier (`tandem cloud serve`), e.g. http://127.0.0.1:50051. Without it, sync and
+    /// async start a verifier in-process behind an emulated --rtt-ms link.
+    #[arg(long)]
+    cloud: Option<String>,
     /// Weight handling: f32, f16, native (W4A16/W8A16 blocks) or w4a8 (8-bit activations).
     /// Default: f32 for `target`, native otherwise.
     #[arg(long)]
@@ -241,6 +269,7 @@ fn run(cli: Cli) -> Result<()> {
             println!("{}", serde_json::to_string_pretty(&info)?);
         }
         Cmd::Demo(a) => cmd_demo(&home, a)?,
+        Cmd::Cloud(CloudCmd::Serve(a)) => cmd_serve(&home, a)?,
     }
     Ok(())
 }
@@ -308,6 +337,7 @@ fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
                 q_top_k: 32,
             },
             rtt_ms: a.rtt_ms,
+            cloud_url: a.cloud.clone(),
         };
         tandem_cli::speculate::run(&run, &ids, &mut print)?
     } else {
@@ -491,5 +521,53 @@ fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
             engine.threads()
         );
     }
+    Ok(())
+}
+
+fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
+    let m = models::load(home, &ModelSpec::Target, None, false)?;
+    let engine = Engine::new(m.model.clone(), a.engine.config())?;
+    let info = tandem_cloud::grpc::ServiceInfo {
+        model: tandem_proto::v1::ModelInfo {
+            name: m
+                .path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            tokenizer_fingerprint: m.tokenizer.fingerprint().to_string(),
+            vocab_size: m.model.cfg.vocab as u32,
+            context_length: m.model.cfg.context_len as u32,
+            weights: m.model.format(),
+        },
+        max_draft_len: a.max_draft_len.max(1),
+        max_depth: a.max_depth.max(1),
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let batcher = std::thread::Builder::new()
+        .name("tandem-batcher".into())
+        .spawn(move || tandem_cloud::serve(tandem_cloud::Verifier::new(engine), rx))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&a.listen)
+            .await
+            .with_context(|| format!("--listen {}: cannot bind", a.listen))?;
+        eprintln!("tandem verifier listening on {}", listener.local_addr()?);
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+            eprintln!("shutting down");
+        };
+        tandem_cloud::grpc::serve_grpc(
+            tandem_cloud::grpc::Service::new(tx, info),
+            listener,
+            shutdown,
+        )
+        .await?;
+        anyhow::Ok(())
+    })?;
+    rt.shutdown_timeout(std::time::Duration::from_secs(2));
+    let _ = batcher.join();
     Ok(())
 }

@@ -87,11 +87,93 @@ pub struct SpecRun<'a> {
     pub cloud: EngineConfig,
     pub edge: EngineConfig,
     pub spec: SpecConfig,
+    /// Emulated round trip of the in-process link (ignored with `cloud_url`).
     pub rtt_ms: f64,
+    /// A running verifier (`tandem cloud serve`) to use instead of an in-process one.
+    pub cloud_url: Option<String>,
 }
 
-/// Run one prompt through an in-process verifier and the edge pipeline.
-pub fn run(r: &SpecRun, prompt_ids: &[u32], mut on_text: impl FnMut(&str)) -> Result<GenOutput> {
+/// Run one prompt through a verifier (in-process, or gRPC at `cloud_url`) and the edge pipeline.
+pub fn run(r: &SpecRun, prompt_ids: &[u32], on_text: impl FnMut(&str)) -> Result<GenOutput> {
+    match &r.cloud_url {
+        Some(url) => run_grpc(r, url, prompt_ids, on_text),
+        None => run_in_process(r, prompt_ids, on_text),
+    }
+}
+
+fn run_grpc(
+    r: &SpecRun,
+    url: &str,
+    prompt_ids: &[u32],
+    mut on_text: impl FnMut(&str),
+) -> Result<GenOutput> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .context("starting the gRPC client runtime")?;
+    let mut draft = Engine::new(r.draft.clone(), r.edge).context("draft engine")?;
+    let start = Instant::now();
+    let req = tandem_edge::grpc::OpenRequest {
+        tokenizer_fingerprint: r.tokenizer.fingerprint().to_string(),
+        prompt_ids: prompt_ids.to_vec(),
+        params: r.spec.params,
+        max_tokens: r.spec.max_new_tokens as u32,
+        rule: r.spec.rule,
+        want_draft_len: r.spec.draft_len as u32,
+        want_depth: r.spec.depth as u32,
+    };
+    let (mut link, opened) = tandem_edge::grpc::GrpcLink::connect(&rt, url, req)
+        .with_context(|| format!("opening a session on {url}"))?;
+    let spec = SpecConfig {
+        draft_len: opened.draft_len as usize,
+        depth: opened.depth as usize,
+        ..r.spec
+    };
+    let tok = r.tokenizer;
+    let mut stream = TextStream::default();
+    let mut text = String::new();
+    let report = tandem_edge::run(
+        &mut draft,
+        eog_ids(tok),
+        prompt_ids,
+        opened.first_token,
+        &spec,
+        &mut link,
+        start,
+        |ids| push_text(tok, &mut stream, &mut text, ids, &mut on_text),
+    )?;
+    link.close();
+    drop(link);
+    rt.shutdown_timeout(Duration::from_millis(200));
+    finish(r, &spec, prompt_ids, report, text, None, on_text)
+}
+
+fn push_text(
+    tok: &Tokenizer,
+    stream: &mut TextStream,
+    text: &mut String,
+    ids: &[u32],
+    on_text: &mut impl FnMut(&str),
+) {
+    for &id in ids {
+        if tok.is_eog(id) {
+            continue;
+        }
+        if let Ok(piece) = stream.push(tok, id) {
+            if !piece.is_empty() {
+                on_text(&piece);
+                text.push_str(&piece);
+            }
+        }
+    }
+}
+
+fn run_in_process(
+    r: &SpecRun,
+    prompt_ids: &[u32],
+    mut on_text: impl FnMut(&str),
+) -> Result<GenOutput> {
     let one_way = Duration::from_secs_f64(r.rtt_ms / 2e3);
     let (to_cloud, cloud_rx) = delay_channel::<ToCloud>(one_way);
     let (reply_tx, reply_rx) = delay_channel::<ToEdge>(one_way);
@@ -109,7 +191,7 @@ pub fn run(r: &SpecRun, prompt_ids: &[u32], mut on_text: impl FnMut(&str)) -> Re
             prompt: prompt_ids.to_vec(),
             params: r.spec.params,
             rule: r.spec.rule,
-            reply: reply_tx,
+            reply: tandem_cloud::reply_to(reply_tx),
         })
         .map_err(|_| anyhow!("the verifier stopped"))?;
     let first = match reply_rx.recv() {
@@ -137,19 +219,7 @@ pub fn run(r: &SpecRun, prompt_ids: &[u32], mut on_text: impl FnMut(&str)) -> Re
         &r.spec,
         &mut link,
         start,
-        |ids| {
-            for &id in ids {
-                if tok.is_eog(id) {
-                    continue;
-                }
-                if let Ok(piece) = stream.push(tok, id) {
-                    if !piece.is_empty() {
-                        on_text(&piece);
-                        text.push_str(&piece);
-                    }
-                }
-            }
-        },
+        |ids| push_text(tok, &mut stream, &mut text, ids, &mut on_text),
     )?;
     let _ = to_cloud.send(ToCloud::Close { session });
     drop(link);
@@ -157,6 +227,28 @@ pub fn run(r: &SpecRun, prompt_ids: &[u32], mut on_text: impl FnMut(&str)) -> Re
     let verifier = server
         .join()
         .map_err(|_| anyhow!("the verifier thread panicked"))?;
+    finish(
+        r,
+        &r.spec,
+        prompt_ids,
+        report,
+        text,
+        Some(verifier.stats.target_forwards),
+        on_text,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    r: &SpecRun,
+    spec: &SpecConfig,
+    prompt_ids: &[u32],
+    report: tandem_edge::SpecReport,
+    text: String,
+    target_forwards: Option<u64>,
+    mut on_text: impl FnMut(&str),
+) -> Result<GenOutput> {
+    let tok = r.tokenizer;
     let out = report.output_ids.clone();
     let text_all = tok.decode(
         &out.iter()
@@ -192,7 +284,7 @@ pub fn run(r: &SpecRun, prompt_ids: &[u32], mut on_text: impl FnMut(&str)) -> Re
         } else {
             0.0
         },
-        mode: if r.spec.depth == 1 { "sync" } else { "async" },
+        mode: if spec.depth == 1 { "sync" } else { "async" },
         model: String::new(),
         weights: format!("{}+{}", r.target.format(), r.draft.format()),
         threads: r.edge.threads + r.cloud.threads,
@@ -203,12 +295,13 @@ pub fn run(r: &SpecRun, prompt_ids: &[u32], mut on_text: impl FnMut(&str)) -> Re
             drafted: s.drafted,
             wasted_draft_tokens: s.wasted_draft_tokens,
             stale_blocks: s.stale_blocks,
-            target_forwards: verifier.stats.target_forwards,
+            // Counted by the in-process verifier; a remote one reports it in its metrics.
+            target_forwards: target_forwards.unwrap_or(0),
             rounds: s.verdicts,
-            gamma: r.spec.draft_len,
-            depth: r.spec.depth,
-            rtt_ms: r.rtt_ms,
-            verify_rule: format!("{:?}", r.spec.rule.effective(&r.spec.params)).to_lowercase(),
+            gamma: spec.draft_len,
+            depth: spec.depth,
+            rtt_ms: if r.cloud_url.is_some() { 0.0 } else { r.rtt_ms },
+            verify_rule: format!("{:?}", spec.rule.effective(&spec.params)).to_lowercase(),
         }),
     })
 }

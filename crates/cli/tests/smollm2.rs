@@ -431,6 +431,7 @@ fn spec_run(
             q_top_k: 32,
         },
         rtt_ms,
+        cloud_url: None,
     };
     let out = tandem_cli::speculate::run(&run, prompt, |_| {}).unwrap();
     let s = out.spec.as_ref().unwrap();
@@ -505,4 +506,168 @@ fn sample_and_match_reproduces_the_targets_own_sampling() {
         16,
     );
     assert_eq!(got, out.output_ids);
+}
+
+/// A real gRPC verifier on a loopback port, serving the f32 target; returns its URL.
+fn grpc_server() -> &'static String {
+    static URL: OnceLock<String> = OnceLock::new();
+    URL.get_or_init(|| {
+        let (m, tok) = target();
+        let engine = Engine::new(
+            m.clone(),
+            EngineConfig {
+                threads: 1,
+                ..EngineConfig::default()
+            },
+        )
+        .unwrap();
+        let info = tandem_cloud::grpc::ServiceInfo {
+            model: tandem_proto::v1::ModelInfo {
+                name: "SmolLM2-135M-Instruct".into(),
+                tokenizer_fingerprint: tok.fingerprint().to_string(),
+                vocab_size: m.cfg.vocab as u32,
+                context_length: m.cfg.context_len as u32,
+                weights: m.format(),
+            },
+            max_draft_len: 8,
+            max_depth: 4,
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tandem_cloud::serve(tandem_cloud::Verifier::new(engine), rx));
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                addr_tx.send(l.local_addr().unwrap()).unwrap();
+                let service = tandem_cloud::grpc::Service::new(tx, info);
+                tandem_cloud::grpc::serve_grpc(service, l, std::future::pending())
+                    .await
+                    .unwrap();
+            });
+        });
+        format!("http://{}", addr_rx.recv().unwrap())
+    })
+}
+
+#[test]
+fn speculation_over_real_grpc_is_lossless() {
+    let (m, tok) = target();
+    let url = grpc_server().clone();
+    let p = tok.encode_chat("What is the capital of France?").unwrap();
+    let want = greedy(&mut engine(m), SeqId(6), &p, 16);
+    static DRAFT: OnceLock<(Arc<LlamaModel>, Tokenizer)> = OnceLock::new();
+    let (draft, dtok) = DRAFT.get_or_init(|| load(draft_path(), WeightMode::Native));
+    for (g, d) in [(4, 1), (3, 3), (8, 4)] {
+        let run = tandem_cli::speculate::SpecRun {
+            target: m.clone(),
+            draft: draft.clone(),
+            tokenizer: dtok,
+            cloud: EngineConfig {
+                threads: 1,
+                ..EngineConfig::default()
+            },
+            edge: EngineConfig {
+                threads: 1,
+                ..EngineConfig::default()
+            },
+            spec: tandem_edge::SpecConfig {
+                draft_len: g,
+                depth: d,
+                max_new_tokens: 16,
+                rule: tandem_spec::VerifyRule::Greedy,
+                params: tandem_engine::SamplingParams::default(),
+                q_top_k: 32,
+            },
+            rtt_ms: 0.0,
+            cloud_url: Some(url.clone()),
+        };
+        let out = tandem_cli::speculate::run(&run, &p, |_| {}).unwrap();
+        let cut = want
+            .iter()
+            .position(|&t| tok.is_eog(t))
+            .map_or(want.len(), |i| i + 1);
+        assert_eq!(out.output_ids, want[..cut], "γ={g} depth={d}");
+    }
+}
+
+#[test]
+fn grpc_refuses_bad_sessions_and_drafts_by_name() {
+    use tandem_edge::grpc::{GrpcLink, OpenRequest};
+    use tandem_edge::Link;
+    let (_, tok) = target();
+    let url = grpc_server().clone();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let open = |fp: &str, ids: Vec<u32>| OpenRequest {
+        tokenizer_fingerprint: fp.into(),
+        prompt_ids: ids,
+        params: tandem_engine::SamplingParams::default(),
+        max_tokens: 16,
+        rule: tandem_spec::VerifyRule::Greedy,
+        want_draft_len: 4,
+        want_depth: 2,
+    };
+    let prompt = tok.encode("The capital of France is").unwrap();
+    let err = GrpcLink::connect(&rt, &url, open("0123", prompt.clone()))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("tokenizer_fingerprint"), "{err}");
+    let err = GrpcLink::connect(&rt, &url, open(tok.fingerprint(), vec![1, 999_999]))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("open.prompt_ids") && err.contains("999999"),
+        "{err}"
+    );
+    let mut long = open(tok.fingerprint(), prompt.clone());
+    long.max_tokens = 100_000;
+    let err = GrpcLink::connect(&rt, &url, long)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("context length"), "{err}");
+
+    // A bad draft is refused by name and the session goes on.
+    let (mut link, opened) =
+        GrpcLink::connect(&rt, &url, open(tok.fingerprint(), prompt.clone())).unwrap();
+    let start = prompt.len() + 1; // after the committed first token
+    let block = |tokens: Vec<u32>, index| tandem_spec::Block {
+        epoch: 0,
+        index,
+        start_pos: start,
+        tokens,
+        q: vec![],
+    };
+    link.send(block(vec![5, 999_999], 0)).unwrap();
+    let err = link.recv(true).unwrap_err().to_string();
+    assert!(
+        err.contains("draft.tokens") && err.contains("999999"),
+        "{err}"
+    );
+    link.send(block(vec![5; 9], 1)).unwrap();
+    let err = link.recv(true).unwrap_err().to_string();
+    assert!(err.contains("granted draft length"), "{err}");
+    let wrong_pos = tandem_spec::Block {
+        epoch: 0,
+        index: 2,
+        start_pos: start + 5,
+        tokens: vec![5],
+        q: vec![],
+    };
+    link.send(wrong_pos).unwrap();
+    let err = link.recv(true).unwrap_err().to_string();
+    assert!(err.contains("starts at position"), "{err}");
+    link.send(block(vec![opened.first_token, 5], 3)).unwrap();
+    let v = link.recv(true).unwrap().unwrap();
+    assert_eq!(v.block, 3);
 }

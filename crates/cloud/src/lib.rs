@@ -2,6 +2,8 @@
 //! ragged forward per step over the blocks of every session that is ready. Transport-agnostic: the
 //! in-process link ([`serve`]) and, later, the gRPC service drive the same [`Verifier`].
 
+pub mod grpc;
+
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{Receiver, Sender};
 
@@ -161,15 +163,25 @@ impl Verifier {
     }
 }
 
+/// Where the batcher sends a session's messages (a channel of the in-process link, or a gRPC
+/// stream).
+pub type Reply = Box<dyn Fn(ToEdge) + Send>;
+
+/// A [`Reply`] into a std channel.
+pub fn reply_to(tx: Sender<ToEdge>) -> Reply {
+    Box::new(move |m| {
+        let _ = tx.send(m);
+    })
+}
+
 /// Messages from edges.
-#[derive(Debug, Clone)]
 pub enum ToCloud {
     Open {
         session: u64,
         prompt: Vec<u32>,
         params: SamplingParams,
         rule: VerifyRule,
-        reply: Sender<ToEdge>,
+        reply: Reply,
     },
     Draft {
         session: u64,
@@ -192,7 +204,7 @@ pub enum ToEdge {
 /// messages that have arrived, opens new sessions, then verifies the oldest queued block of every
 /// session in one ragged forward.
 pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>) -> Verifier {
-    let mut replies: HashMap<u64, Sender<ToEdge>> = HashMap::new();
+    let mut replies: HashMap<u64, Reply> = HashMap::new();
     let mut queued: HashMap<u64, VecDeque<Block>> = HashMap::new();
     loop {
         let idle = queued.values().all(|q| q.is_empty());
@@ -219,7 +231,7 @@ pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>) -> Verifier {
                             message: e.to_string(),
                         },
                     };
-                    let _ = reply.send(msg);
+                    reply(msg);
                     replies.insert(session, reply);
                     queued.entry(session).or_default();
                 }
@@ -245,8 +257,8 @@ pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>) -> Verifier {
                     message: e.to_string(),
                 },
             };
-            if let Some(tx) = replies.get(&id) {
-                let _ = tx.send(msg);
+            if let Some(reply) = replies.get(&id) {
+                reply(msg);
             }
         }
     }

@@ -6,6 +6,7 @@
 //! flight). `depth = 1` is synchronous speculation.
 
 pub mod delay;
+pub mod grpc;
 
 use std::time::Instant;
 

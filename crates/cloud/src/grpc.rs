@@ -1,0 +1,246 @@
+//! The `tandem.v1.Verifier` gRPC service. Every incoming message is validated into a domain value or
+//! answered with an `INVALID_ARGUMENT` error naming the field before anything reaches the batcher;
+//! a bad draft is refused without ending the session.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+
+use tandem_proto::v1::verifier_server::{Verifier as VerifierRpc, VerifierServer};
+use tandem_proto::v1::{
+    cloud_message, edge_message, CloudMessage, EdgeMessage, GenerateRequest, GenerateResponse,
+    InfoRequest, InfoResponse, ModelInfo, Opened,
+};
+use tandem_proto::{block_from_proto, params_from_proto, rule_from_proto, PROTOCOL_VERSION};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::{ToCloud, ToEdge};
+
+/// What the service tells edges about itself and grants them.
+#[derive(Debug, Clone)]
+pub struct ServiceInfo {
+    pub model: ModelInfo,
+    pub max_draft_len: u32,
+    pub max_depth: u32,
+}
+
+pub struct Service {
+    batcher: Arc<Mutex<Sender<ToCloud>>>,
+    info: ServiceInfo,
+    next_session: AtomicU64,
+}
+
+const INVALID_ARGUMENT: u32 = 3;
+
+fn error(code: u32, message: impl Into<String>) -> CloudMessage {
+    CloudMessage {
+        kind: Some(cloud_message::Kind::Error(tandem_proto::v1::Error {
+            code,
+            message: message.into(),
+        })),
+    }
+}
+
+impl Service {
+    pub fn new(batcher: Sender<ToCloud>, info: ServiceInfo) -> Self {
+        Self {
+            batcher: Arc::new(Mutex::new(batcher)),
+            info,
+            next_session: AtomicU64::new(1),
+        }
+    }
+
+    pub fn into_server(self) -> VerifierServer<Self> {
+        VerifierServer::new(self)
+    }
+
+    fn send(&self, m: ToCloud) -> Result<(), Status> {
+        self.batcher
+            .lock()
+            .map_err(|_| Status::internal("batcher lock poisoned"))?
+            .send(m)
+            .map_err(|_| Status::unavailable("the verifier is shutting down"))
+    }
+
+    /// Validate an `Open` into the batcher's message, or say which field is wrong.
+    fn open(
+        &self,
+        o: tandem_proto::v1::Open,
+        session: u64,
+        out: UnboundedSender<Result<CloudMessage, Status>>,
+    ) -> Result<(ToCloud, u32, u32), String> {
+        let m = &self.info.model;
+        if o.protocol_version != PROTOCOL_VERSION {
+            return Err(format!(
+                "open.protocol_version: {} is not supported (this verifier speaks {PROTOCOL_VERSION})",
+                o.protocol_version
+            ));
+        }
+        if o.tokenizer_fingerprint != m.tokenizer_fingerprint {
+            return Err(format!(
+                "open.tokenizer_fingerprint: the edge's tokenizer {} does not match the served model's {}: \
+                 the draft and the target must share one tokenizer",
+                o.tokenizer_fingerprint, m.tokenizer_fingerprint
+            ));
+        }
+        if o.prompt_ids.is_empty() {
+            return Err("open.prompt_ids: the prompt is empty".into());
+        }
+        if let Some(t) = o.prompt_ids.iter().find(|&&t| t >= m.vocab_size) {
+            return Err(format!(
+                "open.prompt_ids: token id {t} is outside the vocabulary ({})",
+                m.vocab_size
+            ));
+        }
+        if o.max_tokens == 0 {
+            return Err("open.max_tokens: must be at least 1".into());
+        }
+        let end = o.prompt_ids.len() as u64 + o.max_tokens as u64;
+        if end > m.context_length as u64 {
+            return Err(format!(
+                "open.max_tokens: prompt ({}) plus max_tokens ({}) exceed the context length {}",
+                o.prompt_ids.len(),
+                o.max_tokens,
+                m.context_length
+            ));
+        }
+        let params = params_from_proto(o.params).map_err(|e| format!("open.{e}"))?;
+        let rule = rule_from_proto(o.rule).map_err(|e| format!("open.{e}"))?;
+        let gamma = o.want_draft_len.clamp(1, self.info.max_draft_len);
+        let depth = o.want_depth.clamp(1, self.info.max_depth);
+        let reply = Box::new(move |msg: ToEdge| {
+            let m = match msg {
+                ToEdge::Opened { session, first } => CloudMessage {
+                    kind: Some(cloud_message::Kind::Opened(Opened {
+                        session_id: session,
+                        model: None,
+                        draft_len: gamma,
+                        depth,
+                        first_token: first,
+                    })),
+                },
+                ToEdge::Verdict(v) => CloudMessage {
+                    kind: Some(cloud_message::Kind::Verdict(v.into())),
+                },
+                ToEdge::Error { message } => error(INVALID_ARGUMENT, message),
+            };
+            let _ = out.send(Ok(m));
+        });
+        Ok((
+            ToCloud::Open {
+                session,
+                prompt: o.prompt_ids,
+                params,
+                rule,
+                reply,
+            },
+            gamma,
+            depth,
+        ))
+    }
+}
+
+#[tonic::async_trait]
+impl VerifierRpc for Service {
+    type SessionStream = UnboundedReceiverStream<Result<CloudMessage, Status>>;
+    type GenerateStream = UnboundedReceiverStream<Result<GenerateResponse, Status>>;
+
+    async fn session(
+        &self,
+        req: Request<Streaming<EdgeMessage>>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        let mut inbound = req.into_inner();
+        let (tx, rx) = unbounded_channel();
+        let first = inbound
+            .message()
+            .await?
+            .ok_or_else(|| Status::invalid_argument("the session stream closed before Open"))?;
+        let Some(edge_message::Kind::Open(open)) = first.kind else {
+            return Err(Status::invalid_argument(
+                "the first message of a session must be Open",
+            ));
+        };
+        let session = self.next_session.fetch_add(1, Ordering::Relaxed);
+        let (msg, gamma, _) = self
+            .open(open, session, tx.clone())
+            .map_err(Status::invalid_argument)?;
+        self.send(msg)?;
+        let batcher = self.batcher.clone();
+        let vocab = self.info.model.vocab_size as usize;
+        tokio::spawn(async move {
+            let send = |m: ToCloud| batcher.lock().map(|b| b.send(m).is_ok()).unwrap_or(false);
+            loop {
+                match inbound.message().await {
+                    Ok(Some(EdgeMessage {
+                        kind: Some(edge_message::Kind::Draft(d)),
+                    })) => match block_from_proto(d, vocab, gamma as usize) {
+                        Ok(block) => {
+                            if !send(ToCloud::Draft { session, block }) {
+                                break;
+                            }
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Ok(error(INVALID_ARGUMENT, e.to_string())));
+                        }
+                    },
+                    Ok(Some(EdgeMessage {
+                        kind: Some(edge_message::Kind::Open(_)),
+                    })) => {
+                        let _ = tx.send(Ok(error(
+                            INVALID_ARGUMENT,
+                            "open: the session is already open",
+                        )));
+                    }
+                    Ok(Some(EdgeMessage { kind: None })) => {
+                        let _ = tx.send(Ok(error(INVALID_ARGUMENT, "kind: empty message")));
+                    }
+                    // Close, end of stream or a broken connection: free the session.
+                    _ => break,
+                }
+            }
+            send(ToCloud::Close { session });
+        });
+        Ok(Response::new(UnboundedReceiverStream::new(rx)))
+    }
+
+    async fn generate(
+        &self,
+        _req: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        Err(Status::unimplemented(
+            "Generate (cloud-only decoding) is not served yet",
+        ))
+    }
+
+    async fn info(&self, _req: Request<InfoRequest>) -> Result<Response<InfoResponse>, Status> {
+        Ok(Response::new(InfoResponse {
+            model: Some(self.info.model.clone()),
+            protocol_version: PROTOCOL_VERSION,
+            max_draft_len: self.info.max_draft_len,
+            max_depth: self.info.max_depth,
+        }))
+    }
+}
+
+/// Serve `service` on `listener` until `shutdown` resolves.
+pub async fn serve_grpc(
+    service: Service,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    tonic::transport::Server::builder()
+        .add_service(service.into_server())
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await
+}
+
+/// The address a listener is bound to, for logs and tests.
+pub fn local_addr(l: &tokio::net::TcpListener) -> Option<SocketAddr> {
+    l.local_addr().ok()
+}

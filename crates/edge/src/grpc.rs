@@ -1,0 +1,130 @@
+//! The edge's gRPC link to a `tandem.v1.Verifier`: opens a `Session` stream, sends draft blocks and
+//! hands verdicts to the (synchronous) edge runtime. The stream runs on a tokio runtime; the edge
+//! thread blocks on a channel only when its pipeline is full.
+
+use tandem_proto::v1::verifier_client::VerifierClient;
+use tandem_proto::v1::{cloud_message, edge_message, EdgeMessage, Open, Opened};
+use tandem_proto::{rule_to_proto, PROTOCOL_VERSION};
+use tandem_spec::sampling::SamplingParams;
+use tandem_spec::{Block, Verdict, VerifyRule};
+use tokio::runtime::Runtime;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use crate::{EdgeError, Link};
+
+/// What the edge asks for when it opens a session.
+#[derive(Debug, Clone)]
+pub struct OpenRequest {
+    pub tokenizer_fingerprint: String,
+    pub prompt_ids: Vec<u32>,
+    pub params: SamplingParams,
+    pub max_tokens: u32,
+    pub rule: VerifyRule,
+    pub want_draft_len: u32,
+    pub want_depth: u32,
+}
+
+pub struct GrpcLink {
+    out: UnboundedSender<EdgeMessage>,
+    verdicts: UnboundedReceiver<Result<Verdict, EdgeError>>,
+}
+
+fn refused(e: impl std::fmt::Display) -> EdgeError {
+    EdgeError::Refused(e.to_string())
+}
+
+impl GrpcLink {
+    /// Connect to `url`, open the session and wait for `Opened` (which carries the granted γ and
+    /// depth and the target's first token).
+    pub fn connect(rt: &Runtime, url: &str, req: OpenRequest) -> Result<(Self, Opened), EdgeError> {
+        rt.block_on(async {
+            let mut client = VerifierClient::connect(url.to_string())
+                .await
+                .map_err(refused)?;
+            let (out, rx) = unbounded_channel::<EdgeMessage>();
+            let open = Open {
+                protocol_version: PROTOCOL_VERSION,
+                tokenizer_fingerprint: req.tokenizer_fingerprint,
+                prompt_ids: req.prompt_ids,
+                params: Some(req.params.into()),
+                max_tokens: req.max_tokens,
+                rule: rule_to_proto(req.rule) as i32,
+                want_draft_len: req.want_draft_len,
+                want_depth: req.want_depth,
+            };
+            out.send(EdgeMessage {
+                kind: Some(edge_message::Kind::Open(open)),
+            })
+            .map_err(|_| EdgeError::LinkClosed)?;
+            let mut inbound = client
+                .session(UnboundedReceiverStream::new(rx))
+                .await
+                .map_err(|s| refused(s.message()))?
+                .into_inner();
+            let opened = match inbound.message().await.map_err(|s| refused(s.message()))? {
+                Some(m) => match m.kind {
+                    Some(cloud_message::Kind::Opened(o)) => o,
+                    Some(cloud_message::Kind::Error(e)) => return Err(refused(e.message)),
+                    _ => return Err(refused("the verifier did not open the session")),
+                },
+                None => return Err(EdgeError::LinkClosed),
+            };
+            let (vtx, verdicts) = unbounded_channel();
+            tokio::spawn(async move {
+                loop {
+                    let m = match inbound.message().await {
+                        Ok(Some(m)) => m,
+                        Ok(None) => break,
+                        Err(s) => {
+                            let _ = vtx.send(Err(refused(s.message())));
+                            break;
+                        }
+                    };
+                    let item = match m.kind {
+                        Some(cloud_message::Kind::Verdict(v)) => Ok(Verdict::from(v)),
+                        Some(cloud_message::Kind::Error(e)) => Err(refused(e.message)),
+                        _ => continue,
+                    };
+                    if vtx.send(item).is_err() {
+                        break;
+                    }
+                }
+            });
+            Ok((Self { out, verdicts }, opened))
+        })
+    }
+
+    /// End the session politely.
+    pub fn close(&self) {
+        let _ = self.out.send(EdgeMessage {
+            kind: Some(edge_message::Kind::Close(Default::default())),
+        });
+    }
+}
+
+impl Link for GrpcLink {
+    fn send(&mut self, block: Block) -> Result<(), EdgeError> {
+        self.out
+            .send(EdgeMessage {
+                kind: Some(edge_message::Kind::Draft((&block).into())),
+            })
+            .map_err(|_| EdgeError::LinkClosed)
+    }
+
+    fn recv(&mut self, wait: bool) -> Result<Option<Verdict>, EdgeError> {
+        let item = if wait {
+            self.verdicts.blocking_recv()
+        } else {
+            match self.verdicts.try_recv() {
+                Ok(v) => Some(v),
+                Err(tokio::sync::mpsc::error::TryRecvError::Empty) => return Ok(None),
+                Err(_) => None,
+            }
+        };
+        match item {
+            Some(v) => v.map(Some),
+            None => Err(EdgeError::LinkClosed),
+        }
+    }
+}
