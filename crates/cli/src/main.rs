@@ -57,6 +57,25 @@ enum Cmd {
     /// The cloud verifier.
     #[command(subcommand)]
     Cloud(CloudCmd),
+    /// A loopback TCP proxy that emulates a network link (delay, jitter, bandwidth, loss).
+    Netem(NetemArgs),
+}
+
+#[derive(Args)]
+struct NetemArgs {
+    #[arg(long)]
+    listen: String,
+    #[arg(long)]
+    upstream: String,
+    #[arg(long, default_value_t = 0.0)]
+    rtt_ms: f64,
+    #[arg(long, default_value_t = 0.0)]
+    jitter_ms: f64,
+    /// 0 is unlimited.
+    #[arg(long, default_value_t = 0.0)]
+    bandwidth_kbit: f64,
+    #[arg(long, default_value_t = 0.0)]
+    loss_pct: f64,
 }
 
 #[derive(Subcommand)]
@@ -270,6 +289,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Demo(a) => cmd_demo(&home, a)?,
         Cmd::Cloud(CloudCmd::Serve(a)) => cmd_serve(&home, a)?,
+        Cmd::Netem(a) => cmd_netem(a)?,
     }
     Ok(())
 }
@@ -570,4 +590,42 @@ fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
     rt.shutdown_timeout(std::time::Duration::from_secs(2));
     let _ = batcher.join();
     Ok(())
+}
+
+fn cmd_netem(a: NetemArgs) -> Result<()> {
+    let cfg = tandem_edge::netem::NetemConfig {
+        rtt_ms: a.rtt_ms,
+        jitter_ms: a.jitter_ms,
+        bandwidth_kbit: a.bandwidth_kbit,
+        loss_pct: a.loss_pct,
+        seed: 1,
+    };
+    cfg.validate()
+        .map_err(|e| anyhow::anyhow!("invalid netem setting: {e}"))?;
+    let upstream: std::net::SocketAddr = a.upstream.parse().with_context(|| {
+        format!(
+            "--upstream {}: not an address like 127.0.0.1:50051",
+            a.upstream
+        )
+    })?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&a.listen)
+            .await
+            .with_context(|| format!("--listen {}: cannot bind", a.listen))?;
+        eprintln!(
+            "netem {} -> {upstream}: rtt {} ms ± {} ms",
+            listener.local_addr()?,
+            a.rtt_ms,
+            a.jitter_ms
+        );
+        tokio::select! {
+            r = tandem_edge::netem::proxy(listener, upstream, cfg) => r?,
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        anyhow::Ok(())
+    })
 }

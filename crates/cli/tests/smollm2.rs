@@ -671,3 +671,69 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
     let v = link.recv(true).unwrap().unwrap();
     assert_eq!(v.block, 3);
 }
+
+/// Through the emulated link (real TCP proxy, jitter) the output is still the target's, and the
+/// first token costs at least one round trip.
+#[test]
+fn speculation_through_netem_is_lossless() {
+    let (m, tok) = target();
+    let upstream: std::net::SocketAddr =
+        grpc_server().trim_start_matches("http://").parse().unwrap();
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            addr_tx.send(l.local_addr().unwrap()).unwrap();
+            let cfg = tandem_edge::netem::NetemConfig {
+                rtt_ms: 60.0,
+                jitter_ms: 10.0,
+                ..Default::default()
+            };
+            tandem_edge::netem::proxy(l, upstream, cfg).await.unwrap();
+        });
+    });
+    let url = format!("http://{}", addr_rx.recv().unwrap());
+    let p = tok
+        .encode("The history of the printing press begins in")
+        .unwrap();
+    let want = greedy(&mut engine(m), SeqId(7), &p, 16);
+    static DRAFT: OnceLock<(Arc<LlamaModel>, Tokenizer)> = OnceLock::new();
+    let (draft, dtok) = DRAFT.get_or_init(|| load(draft_path(), WeightMode::Native));
+    for (g, d) in [(4, 1), (4, 3)] {
+        let run = tandem_cli::speculate::SpecRun {
+            target: m.clone(),
+            draft: draft.clone(),
+            tokenizer: dtok,
+            cloud: EngineConfig {
+                threads: 1,
+                ..EngineConfig::default()
+            },
+            edge: EngineConfig {
+                threads: 1,
+                ..EngineConfig::default()
+            },
+            spec: tandem_edge::SpecConfig {
+                draft_len: g,
+                depth: d,
+                max_new_tokens: 16,
+                rule: tandem_spec::VerifyRule::Greedy,
+                params: tandem_engine::SamplingParams::default(),
+                q_top_k: 32,
+            },
+            rtt_ms: 0.0,
+            cloud_url: Some(url.clone()),
+        };
+        let out = tandem_cli::speculate::run(&run, &p, |_| {}).unwrap();
+        assert_eq!(out.output_ids, want, "γ={g} depth={d}");
+        assert!(
+            out.ttft_ms >= 50.0,
+            "ttft {} ms through a 60 ms link",
+            out.ttft_ms
+        );
+    }
+}

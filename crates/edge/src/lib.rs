@@ -7,6 +7,7 @@
 
 pub mod delay;
 pub mod grpc;
+pub mod netem;
 
 use std::time::Instant;
 
