@@ -249,6 +249,13 @@ struct DemoArgs {
     prompt: String,
     #[arg(long, default_value_t = 48)]
     max_tokens: usize,
+    /// Emulated round trip between the edge and the verifier, ms.
+    #[arg(long, default_value_t = 80.0)]
+    rtt_ms: f64,
+    #[arg(long, default_value_t = 4)]
+    gamma: usize,
+    #[arg(long, default_value_t = 3)]
+    depth: usize,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -506,41 +513,83 @@ fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
 }
 
 fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
-    for spec in [ModelSpec::Target, ModelSpec::Draft] {
-        let m = models::load(home, &spec, None, false)?;
-        let ids = m.tokenizer.encode_chat(&a.prompt)?;
-        let mut engine = Engine::new(m.model.clone(), a.engine.config())?;
-        println!(
-            "── {} ({}) ──",
-            if spec == ModelSpec::Target {
-                "target, f32"
-            } else {
-                "draft, W4A16"
+    let target = models::load(home, &ModelSpec::Target, None, false)?;
+    let draft = models::load(home, &ModelSpec::Draft, None, false)?;
+    let ids = target.tokenizer.encode_chat(&a.prompt)?;
+    let params = SamplingParams::default();
+    println!("user: {}\n", a.prompt);
+    let mut rows = Vec::new();
+    let one = EngineConfig {
+        threads: 1,
+        ..a.engine.config()
+    };
+    // Speculation first, streamed: the draft here, the target behind an emulated link.
+    for (mode, depth) in [("async", a.depth), ("sync", 1)] {
+        let run = tandem_cli::speculate::SpecRun {
+            target: target.model.clone(),
+            draft: draft.model.clone(),
+            tokenizer: &draft.tokenizer,
+            cloud: one,
+            edge: one,
+            spec: tandem_edge::SpecConfig {
+                draft_len: a.gamma,
+                depth,
+                max_new_tokens: a.max_tokens,
+                rule: VerifyRule::Greedy,
+                params,
+                q_top_k: 32,
             },
-            m.path.display()
-        );
-        println!("user: {}", a.prompt);
-        print!("assistant: ");
+            rtt_ms: a.rtt_ms,
+            cloud_url: None,
+        };
+        print!("assistant ({mode}, {} ms round trip): ", a.rtt_ms);
         let mut stdout = std::io::stdout();
-        let out = generate(
+        let out = tandem_cli::speculate::run(&run, &ids, |p| {
+            let _ = stdout.write_all(p.as_bytes());
+            let _ = stdout.flush();
+        })?;
+        println!("\n");
+        rows.push((mode, out));
+    }
+    for (mode, spec) in [("cloud-only", &target), ("edge-only", &draft)] {
+        let mut engine = Engine::new(spec.model.clone(), one)?;
+        let mut out = generate(
             &mut engine,
-            &m.tokenizer,
+            &spec.tokenizer,
             &ids,
             a.max_tokens,
-            &SamplingParams::default(),
-            |p| {
-                let _ = stdout.write_all(p.as_bytes());
-                let _ = stdout.flush();
-            },
+            &params,
+            |_| {},
         )?;
+        if mode == "cloud-only" {
+            // Every streamed token crosses the link once; the first waits for the request too.
+            out.ttft_ms += a.rtt_ms;
+        }
+        rows.push((mode, out));
+    }
+    let want = rows
+        .iter()
+        .find(|r| r.0 == "cloud-only")
+        .map(|r| r.1.output_ids.clone())
+        .unwrap_or_default();
+    println!("| mode | TTFT ms | ITL mean ms | tokens/s | α | E[A] | same tokens as the target |");
+    println!("|---|---|---|---|---|---|---|");
+    for (mode, o) in &rows {
+        let (alpha, ea) = o.spec.as_ref().map_or(("-".into(), "-".into()), |s| {
+            (
+                format!("{:.2}", s.acceptance_rate),
+                format!("{:.2}", s.mean_accepted),
+            )
+        });
         println!(
-            "\n[{} tokens, ttft {:.0} ms, {:.1} tok/s on {} threads]\n",
-            out.output_ids.len(),
-            out.ttft_ms,
-            out.tokens_per_s,
-            engine.threads()
+            "| {mode} | {:.0} | {:.1} | {:.1} | {alpha} | {ea} | {} |",
+            o.ttft_ms,
+            o.itl_ms.mean,
+            o.tokens_per_s,
+            if o.output_ids == want { "yes" } else { "no" }
         );
     }
+    println!("\n(one thread each for the edge and the verifier; cloud-only includes one round trip in its TTFT)");
     Ok(())
 }
 
