@@ -9,7 +9,7 @@ use tandem_engine::sampler;
 use tandem_engine::tokenizer::TextStream;
 use tandem_engine::{Engine, SamplingParams, SeqChunk, SeqId, Tokenizer, Wanted};
 
-use crate::stats::{round2, Summary};
+use crate::stats::{StreamTiming, Summary};
 
 /// What `generate --json` prints (one object, one line). Later modes add fields, never remove them.
 #[derive(Debug, Clone, Serialize)]
@@ -78,8 +78,7 @@ pub fn generate(
         chunk = SeqChunk::new(seq, pos, vec![next], Wanted::Last);
     }
     engine.free(seq);
-    let itl: Vec<f64> = times.windows(2).map(|w| w[1] - w[0]).collect();
-    let decode_ms = times.last().copied().unwrap_or(0.0) - times.first().copied().unwrap_or(0.0);
+    let timing = StreamTiming::of(&times);
     let text_all = tok.decode(
         &out.iter()
             .copied()
@@ -95,20 +94,9 @@ pub fn generate(
         output_ids: out,
         text: text_all,
         finish_reason: finish,
-        ttft_ms: round2(times.first().copied().unwrap_or(0.0)),
-        itl_ms: {
-            let s = Summary::of(&itl);
-            Summary {
-                mean: round2(s.mean),
-                p50: round2(s.p50),
-                p99: round2(s.p99),
-            }
-        },
-        tokens_per_s: if decode_ms > 0.0 {
-            round2(itl.len() as f64 / decode_ms * 1e3)
-        } else {
-            0.0
-        },
+        ttft_ms: timing.ttft_ms,
+        itl_ms: timing.itl_ms,
+        tokens_per_s: timing.tokens_per_s,
         mode: "local",
         model: String::new(),
         weights: format!("{:?}/{}", model.mode, model.format()).to_lowercase(),

@@ -17,7 +17,7 @@ use tandem_engine::{Engine, EngineConfig, LlamaModel, Tokenizer};
 use tandem_spec::{Block, Verdict};
 
 use crate::generate::GenOutput;
-use crate::stats::{round2, Summary};
+use crate::stats::{round2, StreamTiming};
 
 /// What `generate --json` adds in the speculative modes.
 #[derive(Debug, Clone, Serialize)]
@@ -259,11 +259,8 @@ fn finish(
     if text_all.len() > text.len() {
         on_text(&text_all[text.len()..]);
     }
-    let times = report.commit_ms.clone();
-    let itl: Vec<f64> = times.windows(2).map(|w| w[1] - w[0]).collect();
-    let decode_ms = times.last().copied().unwrap_or(0.0) - times.first().copied().unwrap_or(0.0);
+    let timing = StreamTiming::of(&report.commit_ms);
     let s = report.stats;
-    let itl_s = Summary::of(&itl);
     Ok(GenOutput {
         prompt_ids: prompt_ids.to_vec(),
         finish_reason: if out.last().is_some_and(|&t| tok.is_eog(t)) {
@@ -273,17 +270,9 @@ fn finish(
         },
         output_ids: out,
         text: text_all,
-        ttft_ms: round2(times.first().copied().unwrap_or(0.0)),
-        itl_ms: Summary {
-            mean: round2(itl_s.mean),
-            p50: round2(itl_s.p50),
-            p99: round2(itl_s.p99),
-        },
-        tokens_per_s: if decode_ms > 0.0 {
-            round2(itl.len() as f64 / decode_ms * 1e3)
-        } else {
-            0.0
-        },
+        ttft_ms: timing.ttft_ms,
+        itl_ms: timing.itl_ms,
+        tokens_per_s: timing.tokens_per_s,
         mode: if spec.depth == 1 { "sync" } else { "async" },
         model: String::new(),
         weights: format!("{}+{}", r.target.format(), r.draft.format()),

@@ -30,6 +30,37 @@ pub fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
 
+/// Latency figures of a stream from each token's time (ms since the request): time to the first
+/// token, the gaps between tokens, and the decode rate after the first token.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StreamTiming {
+    pub ttft_ms: f64,
+    pub itl_ms: Summary,
+    pub tokens_per_s: f64,
+}
+
+impl StreamTiming {
+    pub fn of(times_ms: &[f64]) -> Self {
+        let itl: Vec<f64> = times_ms.windows(2).map(|w| w[1] - w[0]).collect();
+        let decode_ms =
+            times_ms.last().copied().unwrap_or(0.0) - times_ms.first().copied().unwrap_or(0.0);
+        let s = Summary::of(&itl);
+        Self {
+            ttft_ms: round2(times_ms.first().copied().unwrap_or(0.0)),
+            itl_ms: Summary {
+                mean: round2(s.mean),
+                p50: round2(s.p50),
+                p99: round2(s.p99),
+            },
+            tokens_per_s: if decode_ms > 0.0 {
+                round2(itl.len() as f64 / decode_ms * 1e3)
+            } else {
+                0.0
+            },
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -398,7 +398,14 @@ fn w4a8_variant_runs() {
     assert_eq!(out.len(), 6);
 }
 
-fn spec_run(
+fn draft() -> &'static (Arc<LlamaModel>, Tokenizer) {
+    static DRAFT: OnceLock<(Arc<LlamaModel>, Tokenizer)> = OnceLock::new();
+    DRAFT.get_or_init(|| load(draft_path(), WeightMode::Native))
+}
+
+/// One speculative run: in-process behind `rtt_ms`, or against the verifier at `cloud_url`.
+#[allow(clippy::too_many_arguments)]
+fn spec_out(
     prompt: &[u32],
     gamma: usize,
     depth: usize,
@@ -406,22 +413,20 @@ fn spec_run(
     params: tandem_engine::SamplingParams,
     rule: tandem_spec::VerifyRule,
     max_new: usize,
-) -> Vec<u32> {
-    static DRAFT: OnceLock<(Arc<LlamaModel>, Tokenizer)> = OnceLock::new();
-    let (draft, tok) = DRAFT.get_or_init(|| load(draft_path(), WeightMode::Native));
+    cloud_url: Option<String>,
+) -> tandem_cli::generate::GenOutput {
+    let (draft, tok) = draft();
     let (target, _) = target();
+    let one = EngineConfig {
+        threads: 1,
+        ..EngineConfig::default()
+    };
     let run = tandem_cli::speculate::SpecRun {
         target: target.clone(),
         draft: draft.clone(),
         tokenizer: tok,
-        cloud: EngineConfig {
-            threads: 1,
-            ..EngineConfig::default()
-        },
-        edge: EngineConfig {
-            threads: 1,
-            ..EngineConfig::default()
-        },
+        cloud: one,
+        edge: one,
         spec: tandem_edge::SpecConfig {
             draft_len: gamma,
             depth,
@@ -431,7 +436,7 @@ fn spec_run(
             q_top_k: 32,
         },
         rtt_ms,
-        cloud_url: None,
+        cloud_url,
     };
     let out = tandem_cli::speculate::run(&run, prompt, |_| {}).unwrap();
     let s = out.spec.as_ref().unwrap();
@@ -439,7 +444,19 @@ fn spec_run(
         "γ={gamma} depth={depth} rtt={rtt_ms}: α={} E[A]={} rounds={} stale={} wasted={}",
         s.acceptance_rate, s.mean_accepted, s.rounds, s.stale_blocks, s.wasted_draft_tokens
     );
-    out.output_ids
+    out
+}
+
+fn spec_run(
+    prompt: &[u32],
+    gamma: usize,
+    depth: usize,
+    rtt_ms: f64,
+    params: tandem_engine::SamplingParams,
+    rule: tandem_spec::VerifyRule,
+    max_new: usize,
+) -> Vec<u32> {
+    spec_out(prompt, gamma, depth, rtt_ms, params, rule, max_new, None).output_ids
 }
 
 /// Sync (depth 1) and async speculation commit exactly the target's greedy output, whatever γ,
@@ -560,33 +577,18 @@ fn speculation_over_real_grpc_is_lossless() {
     let url = grpc_server().clone();
     let p = tok.encode_chat("What is the capital of France?").unwrap();
     let want = greedy(&mut engine(m), SeqId(6), &p, 16);
-    static DRAFT: OnceLock<(Arc<LlamaModel>, Tokenizer)> = OnceLock::new();
-    let (draft, dtok) = DRAFT.get_or_init(|| load(draft_path(), WeightMode::Native));
     for (g, d) in [(4, 1), (3, 3), (8, 4)] {
-        let run = tandem_cli::speculate::SpecRun {
-            target: m.clone(),
-            draft: draft.clone(),
-            tokenizer: dtok,
-            cloud: EngineConfig {
-                threads: 1,
-                ..EngineConfig::default()
-            },
-            edge: EngineConfig {
-                threads: 1,
-                ..EngineConfig::default()
-            },
-            spec: tandem_edge::SpecConfig {
-                draft_len: g,
-                depth: d,
-                max_new_tokens: 16,
-                rule: tandem_spec::VerifyRule::Greedy,
-                params: tandem_engine::SamplingParams::default(),
-                q_top_k: 32,
-            },
-            rtt_ms: 0.0,
-            cloud_url: Some(url.clone()),
-        };
-        let out = tandem_cli::speculate::run(&run, &p, |_| {}).unwrap();
+        let greedy_p = tandem_engine::SamplingParams::default();
+        let out = spec_out(
+            &p,
+            g,
+            d,
+            0.0,
+            greedy_p,
+            tandem_spec::VerifyRule::Greedy,
+            16,
+            Some(url.clone()),
+        );
         let cut = want
             .iter()
             .position(|&t| tok.is_eog(t))
@@ -702,33 +704,18 @@ fn speculation_through_netem_is_lossless() {
         .encode("The history of the printing press begins in")
         .unwrap();
     let want = greedy(&mut engine(m), SeqId(7), &p, 16);
-    static DRAFT: OnceLock<(Arc<LlamaModel>, Tokenizer)> = OnceLock::new();
-    let (draft, dtok) = DRAFT.get_or_init(|| load(draft_path(), WeightMode::Native));
     for (g, d) in [(4, 1), (4, 3)] {
-        let run = tandem_cli::speculate::SpecRun {
-            target: m.clone(),
-            draft: draft.clone(),
-            tokenizer: dtok,
-            cloud: EngineConfig {
-                threads: 1,
-                ..EngineConfig::default()
-            },
-            edge: EngineConfig {
-                threads: 1,
-                ..EngineConfig::default()
-            },
-            spec: tandem_edge::SpecConfig {
-                draft_len: g,
-                depth: d,
-                max_new_tokens: 16,
-                rule: tandem_spec::VerifyRule::Greedy,
-                params: tandem_engine::SamplingParams::default(),
-                q_top_k: 32,
-            },
-            rtt_ms: 0.0,
-            cloud_url: Some(url.clone()),
-        };
-        let out = tandem_cli::speculate::run(&run, &p, |_| {}).unwrap();
+        let greedy_p = tandem_engine::SamplingParams::default();
+        let out = spec_out(
+            &p,
+            g,
+            d,
+            0.0,
+            greedy_p,
+            tandem_spec::VerifyRule::Greedy,
+            16,
+            Some(url.clone()),
+        );
         assert_eq!(out.output_ids, want, "γ={g} depth={d}");
         assert!(
             out.ttft_ms >= 50.0,

@@ -114,7 +114,7 @@ impl Tokenizer {
             .iter()
             .map(|&i| AddedToken::from(tokens[i as usize].clone(), true))
             .collect();
-        inner.add_special_tokens(&added);
+        inner.add_special_tokens(added).map_err(tok_err)?;
 
         let id = |key: &str| g.u64(key).ok().map(|v| v as u32);
         let (bos, eos) = (
