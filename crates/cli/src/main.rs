@@ -608,6 +608,7 @@ fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             context_length: m.model.cfg.context_len as u32,
             weights: m.model.format(),
         },
+        eog: m.tokenizer.eog_ids(),
         max_draft_len: a.max_draft_len.max(1),
         max_depth: a.max_depth.max(1),
     };

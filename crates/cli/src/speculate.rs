@@ -46,7 +46,7 @@ impl InProcessLink {
         match m {
             ToEdge::Verdict(v) => Ok(Some(v)),
             ToEdge::Error { message } => Err(EdgeError::Refused(message)),
-            ToEdge::Opened { .. } => Ok(None),
+            ToEdge::Opened { .. } | ToEdge::Token { .. } => Ok(None),
         }
     }
 }
@@ -135,7 +135,7 @@ fn run_grpc(
     let mut text = String::new();
     let report = tandem_edge::run(
         &mut draft,
-        eog_ids(tok),
+        tok.eog_ids(),
         prompt_ids,
         opened.first_token,
         &spec,
@@ -199,7 +199,7 @@ fn run_in_process(
         Ok(ToEdge::Error { message }) => {
             return Err(anyhow!("the verifier refused the session: {message}"))
         }
-        Ok(ToEdge::Verdict(_)) | Err(_) => {
+        Ok(ToEdge::Verdict(_) | ToEdge::Token { .. }) | Err(_) => {
             return Err(anyhow!("the verifier did not open the session"))
         }
     };
@@ -213,7 +213,7 @@ fn run_in_process(
     let mut text = String::new();
     let report = tandem_edge::run(
         &mut draft,
-        eog_ids(tok),
+        tok.eog_ids(),
         prompt_ids,
         first,
         &r.spec,
@@ -293,11 +293,4 @@ fn finish(
             verify_rule: format!("{:?}", spec.rule.effective(&spec.params)).to_lowercase(),
         }),
     })
-}
-
-/// End-of-generation ids of the tokenizer (the ones the pipeline stops at).
-fn eog_ids(tok: &Tokenizer) -> Vec<u32> {
-    (0..tok.vocab_size() as u32)
-        .filter(|&t| tok.is_eog(t))
-        .collect()
 }

@@ -546,6 +546,7 @@ fn grpc_server() -> &'static String {
                 context_length: m.cfg.context_len as u32,
                 weights: m.format(),
             },
+            eog: tok.eog_ids(),
             max_draft_len: 8,
             max_depth: 4,
         };
@@ -723,4 +724,44 @@ fn speculation_through_netem_is_lossless() {
             out.ttft_ms
         );
     }
+}
+
+/// Cloud-only generation over gRPC streams exactly the target's greedy tokens.
+#[test]
+fn grpc_generate_is_the_targets_greedy_output() {
+    use tandem_proto::v1::verifier_client::VerifierClient;
+    let (m, tok) = target();
+    let url = grpc_server().clone();
+    let p = tok.encode("The capital of France is").unwrap();
+    let want = greedy(&mut engine(m), SeqId(8), &p, 12);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let got: Vec<u32> = rt.block_on(async {
+        let mut c = VerifierClient::connect(url).await.unwrap();
+        let req = tandem_proto::v1::GenerateRequest {
+            tokenizer_fingerprint: tok.fingerprint().to_string(),
+            prompt_ids: p.clone(),
+            params: None,
+            max_tokens: 12,
+        };
+        let mut s = c.generate(req.clone()).await.unwrap().into_inner();
+        let mut out = Vec::new();
+        while let Some(r) = s.message().await.unwrap() {
+            out.extend(r.tokens);
+            if r.done {
+                break;
+            }
+        }
+        let bad = tandem_proto::v1::GenerateRequest {
+            prompt_ids: vec![],
+            ..req
+        };
+        let err = c.generate(bad).await.unwrap_err();
+        assert!(err.message().contains("prompt_ids"), "{}", err.message());
+        out
+    });
+    assert_eq!(got, want);
 }

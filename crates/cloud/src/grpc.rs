@@ -23,6 +23,8 @@ use crate::{ToCloud, ToEdge};
 #[derive(Debug, Clone)]
 pub struct ServiceInfo {
     pub model: ModelInfo,
+    /// End-of-generation ids of the served tokenizer (cloud-only generation stops at them).
+    pub eog: Vec<u32>,
     pub max_draft_len: u32,
     pub max_depth: u32,
 }
@@ -126,6 +128,7 @@ impl Service {
                     kind: Some(cloud_message::Kind::Verdict(v.into())),
                 },
                 ToEdge::Error { message } => error(INVALID_ARGUMENT, message),
+                ToEdge::Token { .. } => return,
             };
             let _ = out.send(Ok(m));
         });
@@ -208,11 +211,59 @@ impl VerifierRpc for Service {
 
     async fn generate(
         &self,
-        _req: Request<GenerateRequest>,
+        req: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        Err(Status::unimplemented(
-            "Generate (cloud-only decoding) is not served yet",
-        ))
+        let r = req.into_inner();
+        let m = &self.info.model;
+        if r.tokenizer_fingerprint != m.tokenizer_fingerprint {
+            return Err(Status::invalid_argument(format!(
+                "tokenizer_fingerprint: {} does not match the served model's {}",
+                r.tokenizer_fingerprint, m.tokenizer_fingerprint
+            )));
+        }
+        if r.prompt_ids.is_empty() {
+            return Err(Status::invalid_argument("prompt_ids: the prompt is empty"));
+        }
+        if let Some(t) = r.prompt_ids.iter().find(|&&t| t >= m.vocab_size) {
+            return Err(Status::invalid_argument(format!(
+                "prompt_ids: token id {t} is outside the vocabulary ({})",
+                m.vocab_size
+            )));
+        }
+        if r.max_tokens == 0
+            || r.prompt_ids.len() as u64 + r.max_tokens as u64 > m.context_length as u64
+        {
+            return Err(Status::invalid_argument(format!(
+                "max_tokens: {} with a prompt of {} must be at least 1 and fit the context length {}",
+                r.max_tokens,
+                r.prompt_ids.len(),
+                m.context_length
+            )));
+        }
+        let params =
+            params_from_proto(r.params).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let (tx, rx) = unbounded_channel();
+        let session = self.next_session.fetch_add(1, Ordering::Relaxed);
+        let reply = Box::new(move |msg: ToEdge| {
+            let m = match msg {
+                ToEdge::Token { token, done } => Ok(GenerateResponse {
+                    tokens: vec![token],
+                    done,
+                }),
+                ToEdge::Error { message } => Err(Status::internal(message)),
+                _ => return,
+            };
+            let _ = tx.send(m);
+        });
+        self.send(ToCloud::Generate {
+            session,
+            prompt: r.prompt_ids,
+            params,
+            max_tokens: r.max_tokens as usize,
+            eog: self.info.eog.clone(),
+            reply,
+        })?;
+        Ok(Response::new(UnboundedReceiverStream::new(rx)))
     }
 
     async fn info(&self, _req: Request<InfoRequest>) -> Result<Response<InfoResponse>, Status> {

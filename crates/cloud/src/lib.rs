@@ -36,9 +36,29 @@ pub struct VerifierStats {
     pub max_batch: usize,
 }
 
+/// A cloud-only generation (the baseline): the target decodes every token itself.
+struct Decode {
+    /// The last sampled token, fed at `pos` in the next step.
+    next: u32,
+    pos: usize,
+    produced: usize,
+    max_tokens: usize,
+    params: SamplingParams,
+    eog: Vec<u32>,
+}
+
+/// One token of a cloud-only generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decoded {
+    pub session: u64,
+    pub token: u32,
+    pub done: bool,
+}
+
 pub struct Verifier {
     engine: Engine,
     sessions: HashMap<u64, VerifierSession>,
+    decodes: HashMap<u64, Decode>,
     pub stats: VerifierStats,
 }
 
@@ -47,6 +67,7 @@ impl Verifier {
         Self {
             engine,
             sessions: HashMap::new(),
+            decodes: HashMap::new(),
             stats: VerifierStats::default(),
         }
     }
@@ -82,19 +103,69 @@ impl Verifier {
 
     pub fn close(&mut self, id: u64) {
         self.sessions.remove(&id);
+        self.decodes.remove(&id);
         self.engine.free(SeqId(id));
     }
 
-    /// Verify at most one block per session in one ragged forward. Returns each block's verdict
-    /// (`None` for a stale block) or the error that refused it; a refused block leaves its session
-    /// as it was.
-    pub fn step(
+    /// Start a cloud-only generation: prefill and the first token. Later tokens come from [`step`].
+    ///
+    /// [`step`]: Verifier::step
+    pub fn open_generate(
         &mut self,
-        blocks: &[(u64, Block)],
-    ) -> Vec<(u64, Result<Option<Verdict>, CloudError>)> {
+        id: u64,
+        prompt: &[u32],
+        params: SamplingParams,
+        max_tokens: usize,
+        eog: Vec<u32>,
+    ) -> Result<Decoded, CloudError> {
+        if self.sessions.contains_key(&id) || self.decodes.contains_key(&id) {
+            return Err(CloudError::DuplicateSession(id));
+        }
+        let seq = SeqId(id);
+        let logits =
+            self.engine
+                .forward(&[SeqChunk::new(seq, 0, prompt.to_vec(), Wanted::Last)])?;
+        self.stats.target_forwards += 1;
+        let token = sample(logits.row(0), &params, prompt.len() as u64);
+        let done = max_tokens <= 1 || eog.contains(&token);
+        if done {
+            self.engine.free(seq);
+        } else {
+            self.decodes.insert(
+                id,
+                Decode {
+                    next: token,
+                    pos: prompt.len(),
+                    produced: 1,
+                    max_tokens,
+                    params,
+                    eog,
+                },
+            );
+        }
+        Ok(Decoded {
+            session: id,
+            token,
+            done,
+        })
+    }
+
+    /// Whether any cloud-only generation is running.
+    pub fn decoding(&self) -> bool {
+        !self.decodes.is_empty()
+    }
+
+    /// Verify at most one block per session, and decode one token of every cloud-only generation,
+    /// in one ragged forward. Returns each block's verdict (`None` for a stale block) or the error
+    /// that refused it — a refused block leaves its session as it was — and the decoded tokens.
+    pub fn step(&mut self, blocks: &[(u64, Block)]) -> StepResult {
         let mut results = Vec::with_capacity(blocks.len());
         let mut planned = Vec::new();
-        let mut chunks = Vec::new();
+        let mut chunks: Vec<SeqChunk> = self
+            .decodes
+            .iter()
+            .map(|(id, d)| SeqChunk::new(SeqId(*id), d.pos, vec![d.next], Wanted::Last))
+            .collect();
         for (id, b) in blocks {
             let Some(s) = self.sessions.get_mut(id) else {
                 results.push((*id, Err(CloudError::UnknownSession(*id))));
@@ -127,7 +198,11 @@ impl Verifier {
             }
         }
         if chunks.is_empty() {
-            return results;
+            return StepResult {
+                verdicts: results,
+                decoded: Vec::new(),
+                failed: Vec::new(),
+            };
         }
         self.stats.max_batch = self.stats.max_batch.max(chunks.len());
         let logits = match self.engine.forward(&chunks) {
@@ -142,7 +217,20 @@ impl Verifier {
                         Err(CloudError::Engine(EngineError::InvalidBatch(msg.clone()))),
                     ));
                 }
-                return results;
+                // A generation that cannot step ends with the error rather than retrying forever.
+                let failed = self
+                    .decodes
+                    .drain()
+                    .map(|(id, _)| (id, msg.clone()))
+                    .collect::<Vec<_>>();
+                for (id, _) in &failed {
+                    self.engine.free(SeqId(*id));
+                }
+                return StepResult {
+                    verdicts: results,
+                    decoded: Vec::new(),
+                    failed,
+                };
             }
         };
         self.stats.target_forwards += 1;
@@ -159,7 +247,36 @@ impl Verifier {
             self.stats.blocks_verified += 1;
             results.push((id, r));
         }
-        results
+        let mut decoded = Vec::new();
+        let mut finished = Vec::new();
+        for (id, d) in self.decodes.iter_mut() {
+            let Some(row) = logits.last_for(SeqId(*id)) else {
+                continue;
+            };
+            let pos = d.pos + 1;
+            let token = sample(row, &d.params, pos as u64);
+            d.next = token;
+            d.pos = pos;
+            d.produced += 1;
+            let done = d.produced >= d.max_tokens || d.eog.contains(&token);
+            if done {
+                finished.push(*id);
+            }
+            decoded.push(Decoded {
+                session: *id,
+                token,
+                done,
+            });
+        }
+        for id in finished {
+            self.decodes.remove(&id);
+            self.engine.free(SeqId(id));
+        }
+        StepResult {
+            verdicts: results,
+            decoded,
+            failed: Vec::new(),
+        }
     }
 }
 
@@ -172,6 +289,14 @@ pub fn reply_to(tx: Sender<ToEdge>) -> Reply {
     Box::new(move |m| {
         let _ = tx.send(m);
     })
+}
+
+/// What one [`Verifier::step`] produced.
+pub struct StepResult {
+    pub verdicts: Vec<(u64, Result<Option<Verdict>, CloudError>)>,
+    pub decoded: Vec<Decoded>,
+    /// Cloud-only generations ended by an engine error.
+    pub failed: Vec<(u64, String)>,
 }
 
 /// Messages from edges.
@@ -187,6 +312,15 @@ pub enum ToCloud {
         session: u64,
         block: Block,
     },
+    /// Cloud-only generation: the verifier decodes every token.
+    Generate {
+        session: u64,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        max_tokens: usize,
+        eog: Vec<u32>,
+        reply: Reply,
+    },
     Close {
         session: u64,
     },
@@ -195,9 +329,19 @@ pub enum ToCloud {
 /// Messages to an edge.
 #[derive(Debug, Clone)]
 pub enum ToEdge {
-    Opened { session: u64, first: u32 },
+    Opened {
+        session: u64,
+        first: u32,
+    },
     Verdict(Verdict),
-    Error { message: String },
+    /// A token of a cloud-only generation.
+    Token {
+        token: u32,
+        done: bool,
+    },
+    Error {
+        message: String,
+    },
 }
 
 /// Serve edges over in-process channels until every sender is gone: each iteration takes all
@@ -207,7 +351,7 @@ pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>) -> Verifier {
     let mut replies: HashMap<u64, Reply> = HashMap::new();
     let mut queued: HashMap<u64, VecDeque<Block>> = HashMap::new();
     loop {
-        let idle = queued.values().all(|q| q.is_empty());
+        let idle = queued.values().all(|q| q.is_empty()) && !v.decoding();
         let first = if idle {
             match rx.recv() {
                 Ok(m) => Some(m),
@@ -238,6 +382,27 @@ pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>) -> Verifier {
                 ToCloud::Draft { session, block } => {
                     queued.entry(session).or_default().push_back(block)
                 }
+                ToCloud::Generate {
+                    session,
+                    prompt,
+                    params,
+                    max_tokens,
+                    eog,
+                    reply,
+                } => match v.open_generate(session, &prompt, params, max_tokens, eog) {
+                    Ok(d) => {
+                        reply(ToEdge::Token {
+                            token: d.token,
+                            done: d.done,
+                        });
+                        if !d.done {
+                            replies.insert(session, reply);
+                        }
+                    }
+                    Err(e) => reply(ToEdge::Error {
+                        message: e.to_string(),
+                    }),
+                },
                 ToCloud::Close { session } => {
                     v.close(session);
                     replies.remove(&session);
@@ -249,7 +414,24 @@ pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>) -> Verifier {
             .iter_mut()
             .filter_map(|(id, q)| q.pop_front().map(|b| (*id, b)))
             .collect();
-        for (id, r) in v.step(&batch) {
+        let step = v.step(&batch);
+        for (id, message) in step.failed {
+            if let Some(reply) = replies.remove(&id) {
+                reply(ToEdge::Error { message });
+            }
+        }
+        for d in step.decoded {
+            if let Some(reply) = replies.get(&d.session) {
+                reply(ToEdge::Token {
+                    token: d.token,
+                    done: d.done,
+                });
+            }
+            if d.done {
+                replies.remove(&d.session);
+            }
+        }
+        for (id, r) in step.verdicts {
             let msg = match r {
                 Ok(Some(verdict)) => ToEdge::Verdict(verdict),
                 Ok(None) => continue,

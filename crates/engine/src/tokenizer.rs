@@ -203,6 +203,13 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The end-of-generation ids, ascending.
+    pub fn eog_ids(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self.eog.iter().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
     /// Is `id` an end-of-generation token?
     pub fn is_eog(&self, id: u32) -> bool {
         self.eog.contains(&id)
