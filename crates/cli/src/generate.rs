@@ -79,15 +79,7 @@ pub fn generate(
     }
     engine.free(seq);
     let timing = StreamTiming::of(&times);
-    let text_all = tok.decode(
-        &out.iter()
-            .copied()
-            .filter(|&t| !tok.is_eog(t))
-            .collect::<Vec<_>>(),
-    )?;
-    if text_all.len() > text.len() {
-        on_text(&text_all[text.len()..]);
-    }
+    let text_all = final_text(tok, &out, &text, &mut on_text)?;
     let model = engine.model();
     Ok(GenOutput {
         prompt_ids: prompt_ids.to_vec(),
@@ -104,4 +96,20 @@ pub fn generate(
         tokenizer_fingerprint: tok.fingerprint().to_string(),
         spec: None,
     })
+}
+
+/// The whole output as text (end-of-generation tokens left out), passing `on_text` whatever the
+/// stream still held back (a character cut at the end).
+pub fn final_text(
+    tok: &Tokenizer,
+    out: &[u32],
+    printed: &str,
+    on_text: &mut impl FnMut(&str),
+) -> Result<String> {
+    let ids: Vec<u32> = out.iter().copied().filter(|&t| !tok.is_eog(t)).collect();
+    let text = tok.decode(&ids)?;
+    if let Some(rest) = text.get(printed.len()..).filter(|r| !r.is_empty()) {
+        on_text(rest);
+    }
+    Ok(text)
 }

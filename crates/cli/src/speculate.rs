@@ -250,15 +250,7 @@ fn finish(
 ) -> Result<GenOutput> {
     let tok = r.tokenizer;
     let out = report.output_ids.clone();
-    let text_all = tok.decode(
-        &out.iter()
-            .copied()
-            .filter(|&t| !tok.is_eog(t))
-            .collect::<Vec<_>>(),
-    )?;
-    if text_all.len() > text.len() {
-        on_text(&text_all[text.len()..]);
-    }
+    let text_all = crate::generate::final_text(tok, &out, &text, &mut on_text)?;
     let timing = StreamTiming::of(&report.commit_ms);
     let s = report.stats;
     Ok(GenOutput {
