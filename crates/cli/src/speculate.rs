@@ -130,18 +130,15 @@ fn run_grpc(
         depth: opened.depth as usize,
         ..r.spec
     };
-    let tok = r.tokenizer;
-    let mut stream = TextStream::default();
-    let mut text = String::new();
-    let report = tandem_edge::run(
+    let (report, text) = drive(
+        r,
+        &spec,
         &mut draft,
-        tok.eog_ids(),
+        &mut link,
         prompt_ids,
         opened.first_token,
-        &spec,
-        &mut link,
         start,
-        |ids| push_text(tok, &mut stream, &mut text, ids, &mut on_text),
+        &mut on_text,
     )?;
     link.close();
     drop(link);
@@ -149,24 +146,41 @@ fn run_grpc(
     finish(r, &spec, prompt_ids, report, text, None, on_text)
 }
 
-fn push_text(
-    tok: &Tokenizer,
-    stream: &mut TextStream,
-    text: &mut String,
-    ids: &[u32],
+/// Run the edge pipeline on `link`, streaming committed text; returns the report and the text shown.
+#[allow(clippy::too_many_arguments)]
+fn drive(
+    r: &SpecRun,
+    spec: &SpecConfig,
+    draft: &mut Engine,
+    link: &mut dyn Link,
+    prompt_ids: &[u32],
+    first: u32,
+    start: Instant,
     on_text: &mut impl FnMut(&str),
-) {
-    for &id in ids {
-        if tok.is_eog(id) {
-            continue;
-        }
-        if let Ok(piece) = stream.push(tok, id) {
-            if !piece.is_empty() {
-                on_text(&piece);
-                text.push_str(&piece);
+) -> Result<(tandem_edge::SpecReport, String)> {
+    let tok = r.tokenizer;
+    let mut stream = TextStream::default();
+    let mut text = String::new();
+    let report = tandem_edge::run(
+        draft,
+        tok.eog_ids(),
+        prompt_ids,
+        first,
+        spec,
+        link,
+        start,
+        |ids| {
+            for &id in ids.iter().filter(|&&id| !tok.is_eog(id)) {
+                if let Ok(piece) = stream.push(tok, id) {
+                    if !piece.is_empty() {
+                        on_text(&piece);
+                        text.push_str(&piece);
+                    }
+                }
             }
-        }
-    }
+        },
+    )?;
+    Ok((report, text))
 }
 
 fn run_in_process(
@@ -208,18 +222,15 @@ fn run_in_process(
         tx: to_cloud.clone(),
         rx: reply_rx,
     };
-    let tok = r.tokenizer;
-    let mut stream = TextStream::default();
-    let mut text = String::new();
-    let report = tandem_edge::run(
+    let (report, text) = drive(
+        r,
+        &r.spec,
         &mut draft,
-        tok.eog_ids(),
+        &mut link,
         prompt_ids,
         first,
-        &r.spec,
-        &mut link,
         start,
-        |ids| push_text(tok, &mut stream, &mut text, ids, &mut on_text),
+        &mut on_text,
     )?;
     let _ = to_cloud.send(ToCloud::Close { session });
     drop(link);

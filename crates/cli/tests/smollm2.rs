@@ -525,6 +525,28 @@ fn sample_and_match_reproduces_the_targets_own_sampling() {
     assert_eq!(got, out.output_ids);
 }
 
+/// Run `serve` on a fresh loopback listener, in a thread with its own runtime; returns the address.
+fn on_loopback<F, Fut>(serve: F) -> std::net::SocketAddr
+where
+    F: FnOnce(tokio::net::TcpListener) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            addr_tx.send(l.local_addr().unwrap()).unwrap();
+            serve(l).await;
+        });
+    });
+    addr_rx.recv().unwrap()
+}
+
 /// A real gRPC verifier on a loopback port, serving the f32 target; returns its URL.
 fn grpc_server() -> &'static String {
     static URL: OnceLock<String> = OnceLock::new();
@@ -552,23 +574,13 @@ fn grpc_server() -> &'static String {
         };
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || tandem_cloud::serve(tandem_cloud::Verifier::new(engine), rx));
-        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_all()
-                .build()
+        let addr = on_loopback(move |l| async move {
+            let service = tandem_cloud::grpc::Service::new(tx, info);
+            tandem_cloud::grpc::serve_grpc(service, l, std::future::pending())
+                .await
                 .unwrap();
-            rt.block_on(async move {
-                let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-                addr_tx.send(l.local_addr().unwrap()).unwrap();
-                let service = tandem_cloud::grpc::Service::new(tx, info);
-                tandem_cloud::grpc::serve_grpc(service, l, std::future::pending())
-                    .await
-                    .unwrap();
-            });
         });
-        format!("http://{}", addr_rx.recv().unwrap())
+        format!("http://{addr}")
     })
 }
 
@@ -682,25 +694,15 @@ fn speculation_through_netem_is_lossless() {
     let (m, tok) = target();
     let upstream: std::net::SocketAddr =
         grpc_server().trim_start_matches("http://").parse().unwrap();
-    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            addr_tx.send(l.local_addr().unwrap()).unwrap();
-            let cfg = tandem_edge::netem::NetemConfig {
-                rtt_ms: 60.0,
-                jitter_ms: 10.0,
-                ..Default::default()
-            };
-            tandem_edge::netem::proxy(l, upstream, cfg).await.unwrap();
-        });
+    let addr = on_loopback(move |l| async move {
+        let cfg = tandem_edge::netem::NetemConfig {
+            rtt_ms: 60.0,
+            jitter_ms: 10.0,
+            ..Default::default()
+        };
+        tandem_edge::netem::proxy(l, upstream, cfg).await.unwrap();
     });
-    let url = format!("http://{}", addr_rx.recv().unwrap());
+    let url = format!("http://{addr}");
     let p = tok
         .encode("The history of the printing press begins in")
         .unwrap();

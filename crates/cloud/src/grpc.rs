@@ -2,7 +2,6 @@
 //! answered with an `INVALID_ARGUMENT` error naming the field before anything reaches the batcher;
 //! a bad draft is refused without ending the session.
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
@@ -289,9 +288,4 @@ pub async fn serve_grpc(
             shutdown,
         )
         .await
-}
-
-/// The address a listener is bound to, for logs and tests.
-pub fn local_addr(l: &tokio::net::TcpListener) -> Option<SocketAddr> {
-    l.local_addr().ok()
 }

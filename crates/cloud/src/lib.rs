@@ -84,21 +84,30 @@ impl Verifier {
         params: SamplingParams,
         rule: VerifyRule,
     ) -> Result<u32, CloudError> {
-        if self.sessions.contains_key(&id) {
-            return Err(CloudError::DuplicateSession(id));
-        }
-        let seq = SeqId(id);
-        let logits =
-            self.engine
-                .forward(&[SeqChunk::new(seq, 0, prompt.to_vec(), Wanted::Last)])?;
-        self.stats.target_forwards += 1;
-        let first = sample(logits.row(0), &params, prompt.len() as u64);
+        let first = self.prefill(id, prompt, &params)?;
         let max_len = self.engine.model().cfg.context_len;
         self.sessions.insert(
             id,
             VerifierSession::new(rule, params, prompt.len(), first, max_len),
         );
         Ok(first)
+    }
+
+    /// Feed a new session's prompt; returns the target's token after it.
+    fn prefill(
+        &mut self,
+        id: u64,
+        prompt: &[u32],
+        params: &SamplingParams,
+    ) -> Result<u32, CloudError> {
+        if self.sessions.contains_key(&id) || self.decodes.contains_key(&id) {
+            return Err(CloudError::DuplicateSession(id));
+        }
+        let logits =
+            self.engine
+                .forward(&[SeqChunk::new(SeqId(id), 0, prompt.to_vec(), Wanted::Last)])?;
+        self.stats.target_forwards += 1;
+        Ok(sample(logits.row(0), params, prompt.len() as u64))
     }
 
     pub fn close(&mut self, id: u64) {
@@ -118,15 +127,8 @@ impl Verifier {
         max_tokens: usize,
         eog: Vec<u32>,
     ) -> Result<Decoded, CloudError> {
-        if self.sessions.contains_key(&id) || self.decodes.contains_key(&id) {
-            return Err(CloudError::DuplicateSession(id));
-        }
+        let token = self.prefill(id, prompt, &params)?;
         let seq = SeqId(id);
-        let logits =
-            self.engine
-                .forward(&[SeqChunk::new(seq, 0, prompt.to_vec(), Wanted::Last)])?;
-        self.stats.target_forwards += 1;
-        let token = sample(logits.row(0), &params, prompt.len() as u64);
         let done = max_tokens <= 1 || eog.contains(&token);
         if done {
             self.engine.free(seq);

@@ -209,11 +209,6 @@ impl Pipeline {
     pub fn config(&self) -> &PipelineConfig {
         &self.cfg
     }
-    /// Change γ and depth (a new grant); blocks already in flight are unaffected.
-    pub fn set_shape(&mut self, draft_len: usize, depth: usize) {
-        self.cfg.draft_len = draft_len.max(1);
-        self.cfg.depth = depth.max(1);
-    }
     pub fn stats(&self) -> &PipelineStats {
         &self.stats
     }
