@@ -9,7 +9,7 @@ use tandem_cli::bench::{self, BenchArgs};
 use tandem_cli::generate::generate;
 use tandem_cli::models::{self, ModelSpec};
 use tandem_cli::pull;
-use tandem_engine::{Engine, EngineConfig, SamplingParams, WeightMode};
+use tandem_engine::{CpuSet, Engine, EngineConfig, SamplingParams, WeightMode};
 use tandem_quant::{EmbedPrecision, QuantConfig, Scheme};
 use tandem_spec::VerifyRule;
 
@@ -110,6 +110,9 @@ struct EngineArgs {
     /// Tokens per KV cache block.
     #[arg(long, default_value_t = 16)]
     kv_block_size: usize,
+    /// Pin the engine's worker threads to these cores (a `taskset -c` list: 0, 0-1, 0,2).
+    #[arg(long)]
+    cpus: Option<CpuSet>,
 }
 
 impl EngineArgs {
@@ -120,6 +123,7 @@ impl EngineArgs {
                 .unwrap_or_else(|| EngineConfig::default().threads),
             kv_budget_bytes: self.kv_budget_mb << 20,
             kv_block_size: self.kv_block_size,
+            cpus: self.cpus.unwrap_or_default(),
         }
     }
 }
@@ -149,6 +153,9 @@ struct GenerateArgs {
     /// Threads of the verifier's engine (sync/async).
     #[arg(long, default_value_t = 1)]
     cloud_threads: usize,
+    /// Pin the in-process verifier's threads to these cores (sync/async; --cpus pins the edge's).
+    #[arg(long)]
+    cloud_cpus: Option<CpuSet>,
     /// A running verifier (`tandem cloud serve`), e.g. http://127.0.0.1:50051. Without it, sync and
     /// async start a verifier in-process behind an emulated --rtt-ms link.
     #[arg(long)]
@@ -349,6 +356,7 @@ fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
             tokenizer: &m.tokenizer,
             cloud: EngineConfig {
                 threads: a.cloud_threads,
+                cpus: a.cloud_cpus.unwrap_or_default(),
                 ..a.engine.config()
             },
             edge: EngineConfig {
@@ -612,10 +620,7 @@ fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
         max_draft_len: a.max_draft_len.max(1),
         max_depth: a.max_depth.max(1),
     };
-    let (tx, rx) = std::sync::mpsc::channel();
-    let batcher = std::thread::Builder::new()
-        .name("tandem-batcher".into())
-        .spawn(move || tandem_cloud::serve(tandem_cloud::Verifier::new(engine), rx))?;
+    let (service, batcher) = tandem_cloud::grpc::start(engine, info)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -629,12 +634,7 @@ fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             let _ = tokio::signal::ctrl_c().await;
             eprintln!("shutting down");
         };
-        tandem_cloud::grpc::serve_grpc(
-            tandem_cloud::grpc::Service::new(tx, info),
-            listener,
-            shutdown,
-        )
-        .await?;
+        tandem_cloud::grpc::serve_grpc(service, listener, shutdown).await?;
         anyhow::Ok(())
     })?;
     rt.shutdown_timeout(std::time::Duration::from_secs(2));

@@ -194,7 +194,7 @@ fn run_in_process(
     let target_engine = Engine::new(r.target.clone(), r.cloud).context("verifier engine")?;
     let server = thread::Builder::new()
         .name("tandem-verifier".into())
-        .spawn(move || serve(Verifier::new(target_engine), cloud_rx))
+        .spawn(move || serve(Verifier::new(target_engine), cloud_rx, Default::default()))
         .context("starting the verifier thread")?;
     let mut draft = Engine::new(r.draft.clone(), r.edge).context("draft engine")?;
     let start = Instant::now();

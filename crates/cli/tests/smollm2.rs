@@ -328,6 +328,11 @@ fn cli_refuses_bad_input_by_name() {
     );
     let bad = tandem(&["generate", "--prompt", "x", "--top-p", "1.5"]);
     assert!(String::from_utf8_lossy(&bad.stderr).contains("top_p"));
+    for (cpus, says) in [("255", "cpu 255 is not available"), ("1-x", "not a CPU id")] {
+        let bad = tandem(&["generate", "--prompt", "x", "--cpus", cpus]);
+        let err = String::from_utf8_lossy(&bad.stderr);
+        assert!(!bad.status.success() && err.contains(says), "{err}");
+    }
     let bad = tandem(&["quantize", "--group-size", "48"]);
     assert!(String::from_utf8_lossy(&bad.stderr).contains("group_size"));
     // No pip on PATH and an empty model directory: a message that says what is missing.
@@ -550,7 +555,12 @@ where
 /// A real gRPC verifier on a loopback port, serving the f32 target; returns its URL.
 fn grpc_server() -> &'static String {
     static URL: OnceLock<String> = OnceLock::new();
-    URL.get_or_init(|| {
+    URL.get_or_init(new_grpc_server)
+}
+
+/// A verifier of its own, for a test that reads the server's load.
+fn new_grpc_server() -> String {
+    {
         let (m, tok) = target();
         let engine = Engine::new(
             m.clone(),
@@ -572,16 +582,100 @@ fn grpc_server() -> &'static String {
             max_draft_len: 8,
             max_depth: 4,
         };
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || tandem_cloud::serve(tandem_cloud::Verifier::new(engine), rx));
+        let (service, _batcher) = tandem_cloud::grpc::start(engine, info).unwrap();
         let addr = on_loopback(move |l| async move {
-            let service = tandem_cloud::grpc::Service::new(tx, info);
             tandem_cloud::grpc::serve_grpc(service, l, std::future::pending())
                 .await
                 .unwrap();
         });
         format!("http://{addr}")
-    })
+    }
+}
+
+/// The standard health service answers; a client that hangs up in the middle of a cloud-only
+/// generation or a speculation session stops costing the verifier forwards and KV blocks.
+#[test]
+fn grpc_health_and_hung_up_clients_are_freed() {
+    use tandem_proto::v1::verifier_client::VerifierClient;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+    let (_, tok) = target();
+    let url = new_grpc_server();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let p = tok
+        .encode_chat("Write a long story about a dragon and a knight.")
+        .unwrap();
+    rt.block_on(async {
+        let ch = tonic::transport::Endpoint::from_shared(url.clone())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut h = HealthClient::new(ch.clone());
+        for service in ["", "tandem.v1.Verifier"] {
+            let r = h
+                .check(HealthCheckRequest {
+                    service: service.into(),
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(r.status, ServingStatus::Serving as i32, "{service:?}");
+        }
+        let unknown = h
+            .check(HealthCheckRequest {
+                service: "tandem.v9.Nope".into(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(unknown.code(), tonic::Code::NotFound);
+
+        let mut c = VerifierClient::new(ch);
+        let load = |mut c: VerifierClient<tonic::transport::Channel>| async move {
+            let r = c
+                .info(tandem_proto::v1::InfoRequest {})
+                .await
+                .unwrap()
+                .into_inner();
+            r.load.unwrap()
+        };
+        let mut s = c
+            .generate(tandem_proto::v1::GenerateRequest {
+                tokenizer_fingerprint: tok.fingerprint().to_string(),
+                prompt_ids: p.clone(),
+                params: None,
+                max_tokens: 500,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        for _ in 0..3 {
+            s.message().await.unwrap().unwrap();
+        }
+        let busy = load(c.clone()).await;
+        assert_eq!(busy.generations, 1, "{busy:?}");
+        assert!(busy.kv_blocks_used > 0, "{busy:?}");
+        drop(s);
+        let mut freed = None;
+        for _ in 0..100 {
+            let l = load(c.clone()).await;
+            if l.generations == 0 && l.kv_blocks_used == 0 {
+                freed = Some(l);
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let freed = freed.expect("the hung-up generation was not freed within 5 s");
+        // It stopped well short of the 500 tokens asked for.
+        assert!(
+            freed.target_forwards < busy.target_forwards + 100,
+            "{busy:?} -> {freed:?}"
+        );
+    });
 }
 
 #[test]

@@ -9,14 +9,14 @@ use std::sync::{Arc, Mutex};
 use tandem_proto::v1::verifier_server::{Verifier as VerifierRpc, VerifierServer};
 use tandem_proto::v1::{
     cloud_message, edge_message, CloudMessage, EdgeMessage, GenerateRequest, GenerateResponse,
-    InfoRequest, InfoResponse, ModelInfo, Opened,
+    InfoRequest, InfoResponse, Load, ModelInfo, Opened,
 };
 use tandem_proto::{block_from_proto, params_from_proto, rule_from_proto, PROTOCOL_VERSION};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::{ToCloud, ToEdge};
+use crate::{Gauges, ToCloud, ToEdge};
 
 /// What the service tells edges about itself and grants them.
 #[derive(Debug, Clone)]
@@ -31,6 +31,7 @@ pub struct ServiceInfo {
 pub struct Service {
     batcher: Arc<Mutex<Sender<ToCloud>>>,
     info: ServiceInfo,
+    gauges: Arc<Gauges>,
     next_session: AtomicU64,
 }
 
@@ -46,10 +47,13 @@ fn error(code: u32, message: impl Into<String>) -> CloudMessage {
 }
 
 impl Service {
-    pub fn new(batcher: Sender<ToCloud>, info: ServiceInfo) -> Self {
+    /// A service in front of the batcher fed by `batcher`; `gauges` are the ones that batcher's
+    /// [`serve`](crate::serve) updates.
+    pub fn new(batcher: Sender<ToCloud>, info: ServiceInfo, gauges: Arc<Gauges>) -> Self {
         Self {
             batcher: Arc::new(Mutex::new(batcher)),
             info,
+            gauges,
             next_session: AtomicU64::new(1),
         }
     }
@@ -127,9 +131,9 @@ impl Service {
                     kind: Some(cloud_message::Kind::Verdict(v.into())),
                 },
                 ToEdge::Error { message } => error(INVALID_ARGUMENT, message),
-                ToEdge::Token { .. } => return,
+                ToEdge::Token { .. } => return true,
             };
-            let _ = out.send(Ok(m));
+            out.send(Ok(m)).is_ok()
         });
         Ok((
             ToCloud::Open {
@@ -250,9 +254,9 @@ impl VerifierRpc for Service {
                     done,
                 }),
                 ToEdge::Error { message } => Err(Status::internal(message)),
-                _ => return,
+                _ => return true,
             };
-            let _ = tx.send(m);
+            tx.send(m).is_ok()
         });
         self.send(ToCloud::Generate {
             session,
@@ -266,22 +270,53 @@ impl VerifierRpc for Service {
     }
 
     async fn info(&self, _req: Request<InfoRequest>) -> Result<Response<InfoResponse>, Status> {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         Ok(Response::new(InfoResponse {
             model: Some(self.info.model.clone()),
             protocol_version: PROTOCOL_VERSION,
             max_draft_len: self.info.max_draft_len,
             max_depth: self.info.max_depth,
+            load: Some(Load {
+                sessions: g(&self.gauges.sessions),
+                generations: g(&self.gauges.generations),
+                kv_blocks_used: g(&self.gauges.kv_blocks_used),
+                kv_blocks_total: g(&self.gauges.kv_blocks_total),
+                target_forwards: g(&self.gauges.target_forwards),
+            }),
         }))
     }
 }
 
-/// Serve `service` on `listener` until `shutdown` resolves.
+/// Start the batcher thread over `engine` and the service in front of it. The thread ends (and
+/// hands back the verifier) when the service is dropped.
+pub fn start(
+    engine: tandem_engine::Engine,
+    info: ServiceInfo,
+) -> std::io::Result<(Service, std::thread::JoinHandle<crate::Verifier>)> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let gauges = Arc::new(Gauges::default());
+    let g = gauges.clone();
+    let batcher = std::thread::Builder::new()
+        .name("tandem-batcher".into())
+        .spawn(move || crate::serve(crate::Verifier::new(engine), rx, g))?;
+    Ok((Service::new(tx, info, gauges), batcher))
+}
+
+/// Serve `service` on `listener` until `shutdown` resolves, with the standard gRPC health service
+/// (`grpc.health.v1.Health`) reporting `tandem.v1.Verifier` (and the server as a whole, `""`) as
+/// serving.
 pub async fn serve_grpc(
     service: Service,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_serving::<VerifierServer<Service>>().await;
+    reporter
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
     tonic::transport::Server::builder()
+        .add_service(health)
         .add_service(service.into_server())
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),

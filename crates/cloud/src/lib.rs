@@ -5,7 +5,9 @@
 pub mod grpc;
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
+use std::sync::Arc;
 
 use tandem_engine::{Engine, EngineError, SamplingParams, SeqChunk, SeqId, Wanted};
 use tandem_spec::sampling::sample;
@@ -34,6 +36,31 @@ pub struct VerifierStats {
     pub blocks_stale: u64,
     /// Largest number of sessions in one forward.
     pub max_batch: usize,
+}
+
+/// Live load of a verifier, updated by [`serve`] after every step and read by the `Info` RPC.
+#[derive(Debug, Default)]
+pub struct Gauges {
+    /// Open speculation sessions.
+    pub sessions: AtomicU64,
+    /// Running cloud-only generations.
+    pub generations: AtomicU64,
+    pub kv_blocks_used: AtomicU64,
+    pub kv_blocks_total: AtomicU64,
+    pub target_forwards: AtomicU64,
+}
+
+impl Gauges {
+    fn update(&self, v: &Verifier) {
+        let t = &v.engine.kv().tables;
+        let set = |g: &AtomicU64, x: usize| g.store(x as u64, Ordering::Relaxed);
+        set(&self.sessions, v.sessions.len());
+        set(&self.generations, v.decodes.len());
+        set(&self.kv_blocks_used, t.num_blocks() - t.num_free_blocks());
+        set(&self.kv_blocks_total, t.num_blocks());
+        self.target_forwards
+            .store(v.stats.target_forwards, Ordering::Relaxed);
+    }
 }
 
 /// A cloud-only generation (the baseline): the target decodes every token itself.
@@ -207,7 +234,10 @@ impl Verifier {
             };
         }
         self.stats.max_batch = self.stats.max_batch.max(chunks.len());
-        let logits = match self.engine.forward(&chunks) {
+        let t0 = std::time::Instant::now();
+        let forward = self.engine.forward(&chunks);
+        let verify_us = t0.elapsed().as_micros().min(u32::MAX as u128) as u32;
+        let logits = match forward {
             Ok(l) => l,
             Err(e) => {
                 // Nothing was verified: put the sessions back and report the engine's error.
@@ -244,7 +274,10 @@ impl Verifier {
                 .expect("invariant: planned sessions exist");
             let r = s.finish(b, &rows).map_err(CloudError::from).and_then(|f| {
                 self.engine.truncate(SeqId(id), f.kv_len)?;
-                Ok(Some(f.verdict))
+                Ok(Some(Verdict {
+                    verify_us,
+                    ..f.verdict
+                }))
             });
             self.stats.blocks_verified += 1;
             results.push((id, r));
@@ -283,14 +316,12 @@ impl Verifier {
 }
 
 /// Where the batcher sends a session's messages (a channel of the in-process link, or a gRPC
-/// stream).
-pub type Reply = Box<dyn Fn(ToEdge) + Send>;
+/// stream). Returns false when the edge is gone: the batcher then frees the session.
+pub type Reply = Box<dyn Fn(ToEdge) -> bool + Send>;
 
 /// A [`Reply`] into a std channel.
 pub fn reply_to(tx: Sender<ToEdge>) -> Reply {
-    Box::new(move |m| {
-        let _ = tx.send(m);
-    })
+    Box::new(move |m| tx.send(m).is_ok())
 }
 
 /// What one [`Verifier::step`] produced.
@@ -349,10 +380,11 @@ pub enum ToEdge {
 /// Serve edges over in-process channels until every sender is gone: each iteration takes all
 /// messages that have arrived, opens new sessions, then verifies the oldest queued block of every
 /// session in one ragged forward.
-pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>) -> Verifier {
+pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>, gauges: Arc<Gauges>) -> Verifier {
     let mut replies: HashMap<u64, Reply> = HashMap::new();
     let mut queued: HashMap<u64, VecDeque<Block>> = HashMap::new();
     loop {
+        gauges.update(&v);
         let idle = queued.values().all(|q| q.is_empty()) && !v.decoding();
         let first = if idle {
             match rx.recv() {
@@ -377,9 +409,12 @@ pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>) -> Verifier {
                             message: e.to_string(),
                         },
                     };
-                    reply(msg);
-                    replies.insert(session, reply);
-                    queued.entry(session).or_default();
+                    if reply(msg) {
+                        replies.insert(session, reply);
+                        queued.entry(session).or_default();
+                    } else {
+                        v.close(session);
+                    }
                 }
                 ToCloud::Draft { session, block } => {
                     queued.entry(session).or_default().push_back(block)
@@ -393,17 +428,21 @@ pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>) -> Verifier {
                     reply,
                 } => match v.open_generate(session, &prompt, params, max_tokens, eog) {
                     Ok(d) => {
-                        reply(ToEdge::Token {
+                        let alive = reply(ToEdge::Token {
                             token: d.token,
                             done: d.done,
                         });
-                        if !d.done {
+                        if !alive {
+                            v.close(session);
+                        } else if !d.done {
                             replies.insert(session, reply);
                         }
                     }
-                    Err(e) => reply(ToEdge::Error {
-                        message: e.to_string(),
-                    }),
+                    Err(e) => {
+                        reply(ToEdge::Error {
+                            message: e.to_string(),
+                        });
+                    }
                 },
                 ToCloud::Close { session } => {
                     v.close(session);
@@ -422,12 +461,16 @@ pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>) -> Verifier {
                 reply(ToEdge::Error { message });
             }
         }
+        let mut gone = Vec::new();
         for d in step.decoded {
             if let Some(reply) = replies.get(&d.session) {
-                reply(ToEdge::Token {
+                let alive = reply(ToEdge::Token {
                     token: d.token,
                     done: d.done,
                 });
+                if !alive && !d.done {
+                    gone.push(d.session);
+                }
             }
             if d.done {
                 replies.remove(&d.session);
@@ -442,8 +485,17 @@ pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>) -> Verifier {
                 },
             };
             if let Some(reply) = replies.get(&id) {
-                reply(msg);
+                if !reply(msg) {
+                    gone.push(id);
+                }
             }
+        }
+        // An edge that hung up (a dropped stream, a client that went away mid-generation) frees
+        // its KV cache and stops costing forward passes.
+        for id in gone {
+            v.close(id);
+            replies.remove(&id);
+            queued.remove(&id);
         }
     }
 }

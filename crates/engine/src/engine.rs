@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use crate::affinity::{self, CpuSet};
 use crate::batch::{Logits, SeqChunk, Wanted};
 use crate::error::{EngineError, Result};
 use crate::kv::{KvConfig, PagedKvCache, SeqId};
@@ -20,6 +21,9 @@ pub struct EngineConfig {
     pub kv_budget_bytes: usize,
     /// Token slots per KV block.
     pub kv_block_size: usize,
+    /// Cores the worker threads are pinned to (empty: not pinned).
+    #[serde(skip)]
+    pub cpus: CpuSet,
 }
 
 impl Default for EngineConfig {
@@ -28,6 +32,7 @@ impl Default for EngineConfig {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             kv_budget_bytes: KvConfig::default().budget_bytes,
             kv_block_size: KvConfig::default().block_size,
+            cpus: CpuSet::default(),
         }
     }
 }
@@ -54,9 +59,20 @@ impl Engine {
                 budget_bytes: cfg.kv_budget_bytes,
             },
         )?;
+        affinity::check(&cfg.cpus).map_err(|message| EngineError::InvalidSetting {
+            field: "cpus",
+            message,
+        })?;
+        let cpus = cfg.cpus;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(cfg.threads)
             .thread_name(|i| format!("tandem-engine-{i}"))
+            .start_handler(move |_| {
+                // Checked above; a failure here can only mean the process lost the core since.
+                if let Err(e) = affinity::pin_current_thread(&cpus) {
+                    tracing::warn!("engine worker not pinned: {e}");
+                }
+            })
             .build()
             .map_err(|e| EngineError::InvalidSetting {
                 field: "threads",

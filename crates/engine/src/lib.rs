@@ -13,6 +13,7 @@
 //!   matmul (8-bit activations) for comparison.
 //! - [`tokenizer`] builds the byte-level BPE and chat template from the GGUF metadata.
 
+pub mod affinity;
 pub mod batch;
 pub mod engine;
 pub mod error;
@@ -23,6 +24,7 @@ pub mod models;
 pub mod testing;
 pub mod tokenizer;
 
+pub use affinity::CpuSet;
 pub use batch::{Logits, LogitsRow, SeqChunk, Wanted};
 pub use engine::{Engine, EngineConfig};
 pub use error::{EngineError, Result};

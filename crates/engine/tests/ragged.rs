@@ -21,6 +21,7 @@ fn engine(m: &Arc<LlamaModel>, threads: usize) -> Engine {
         threads,
         kv_budget_bytes: 4 << 20,
         kv_block_size: 4,
+        ..EngineConfig::default()
     };
     Engine::new(m.clone(), cfg).unwrap()
 }
@@ -192,6 +193,7 @@ fn kv_exhaustion_is_a_typed_error_and_keeps_state() {
         threads: 1,
         kv_budget_bytes: 6 * 2048,
         kv_block_size: 4,
+        ..EngineConfig::default()
     };
     let mut e = Engine::new(m.clone(), cfg).unwrap();
     let toks = prompt(1, 16, m.cfg.vocab);

@@ -148,6 +148,7 @@ impl From<Verdict> for v1::Verdict {
             block: v.block,
             accepted: v.accepted as u32,
             token: v.token,
+            verify_us: v.verify_us,
         }
     }
 }
@@ -159,6 +160,7 @@ impl From<v1::Verdict> for Verdict {
             block: v.block,
             accepted: v.accepted as usize,
             token: v.token,
+            verify_us: v.verify_us,
         }
     }
 }

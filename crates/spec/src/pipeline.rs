@@ -43,6 +43,10 @@ pub struct Verdict {
     pub accepted: usize,
     /// The target's token at `start_pos + accepted`: correction, or bonus when all were accepted.
     pub token: u32,
+    /// Microseconds the verifier's forward pass took for this verdict (0 when it was decided
+    /// without one); the edge's policy reads it to tell verify time from network time.
+    #[serde(default)]
+    pub verify_us: u32,
 }
 
 /// What the shell must do after an event.

@@ -163,6 +163,7 @@ impl VerifierSession {
                     block: b.index,
                     accepted: 0,
                     token: p,
+                    verify_us: 0,
                 };
                 self.pending = None;
                 self.unfed.push(p);
@@ -251,6 +252,7 @@ impl VerifierSession {
                 block: b.index,
                 accepted,
                 token,
+                verify_us: 0,
             },
             kv_len,
         })
