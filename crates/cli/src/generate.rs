@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use serde::Serialize;
 use tandem_engine::sampler;
 use tandem_engine::tokenizer::TextStream;
@@ -59,7 +59,6 @@ pub fn generate(
     let mut stream = TextStream::default();
     let mut text = String::new();
     let mut chunk = SeqChunk::new(seq, 0, prompt_ids.to_vec(), Wanted::Last);
-    let mut finish = "length";
     while out.len() < max_tokens {
         let logits = engine.forward(std::slice::from_ref(&chunk))?;
         let pos = chunk.start_pos + chunk.tokens.len();
@@ -67,7 +66,6 @@ pub fn generate(
         times.push(start.elapsed().as_secs_f64() * 1e3);
         out.push(next);
         if tok.is_eog(next) {
-            finish = "stop";
             break;
         }
         let piece = stream.push(tok, next)?;
@@ -78,24 +76,87 @@ pub fn generate(
         chunk = SeqChunk::new(seq, pos, vec![next], Wanted::Last);
     }
     engine.free(seq);
-    let timing = StreamTiming::of(&times);
-    let text_all = final_text(tok, &out, &text, &mut on_text)?;
     let model = engine.model();
+    let mut o = output(tok, prompt_ids, out, &times, &text, &mut on_text)?;
+    o.weights = format!("{:?}/{}", model.mode, model.format()).to_lowercase();
+    o.threads = engine.threads();
+    Ok(o)
+}
+
+/// The [`GenOutput`] of a finished stream: `out` the tokens, `times` their commit times (ms since
+/// the request), `printed` the text already passed to `on_text`.
+pub fn output(
+    tok: &Tokenizer,
+    prompt_ids: &[u32],
+    out: Vec<u32>,
+    times: &[f64],
+    printed: &str,
+    on_text: &mut impl FnMut(&str),
+) -> Result<GenOutput> {
+    let timing = StreamTiming::of(times);
+    let text_all = final_text(tok, &out, printed, on_text)?;
     Ok(GenOutput {
         prompt_ids: prompt_ids.to_vec(),
+        finish_reason: if out.last().is_some_and(|&t| tok.is_eog(t)) {
+            "stop"
+        } else {
+            "length"
+        },
         output_ids: out,
         text: text_all,
-        finish_reason: finish,
         ttft_ms: timing.ttft_ms,
         itl_ms: timing.itl_ms,
         tokens_per_s: timing.tokens_per_s,
         mode: "local",
         model: String::new(),
-        weights: format!("{:?}/{}", model.mode, model.format()).to_lowercase(),
-        threads: engine.threads(),
+        weights: String::new(),
+        threads: 0,
         tokenizer_fingerprint: tok.fingerprint().to_string(),
         spec: None,
     })
+}
+
+/// Cloud-only generation through a running verifier's `Generate` RPC at `url`.
+pub fn generate_remote(
+    url: &str,
+    tok: &Tokenizer,
+    prompt_ids: &[u32],
+    max_tokens: usize,
+    params: &SamplingParams,
+    mut on_text: impl FnMut(&str),
+) -> Result<GenOutput> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let start = Instant::now();
+    let (mut out, mut times) = (Vec::new(), Vec::new());
+    let mut stream = TextStream::default();
+    let mut text = String::new();
+    tandem_edge::grpc::generate_remote(
+        &rt,
+        url,
+        tok.fingerprint(),
+        prompt_ids,
+        *params,
+        max_tokens as u32,
+        |t| {
+            times.push(start.elapsed().as_secs_f64() * 1e3);
+            out.push(t);
+            if !tok.is_eog(t) {
+                if let Ok(piece) = stream.push(tok, t) {
+                    on_text(&piece);
+                    text.push_str(&piece);
+                }
+            }
+        },
+    )
+    .with_context(|| format!("cloud-only generation on {url}"))?;
+    rt.shutdown_timeout(std::time::Duration::from_millis(200));
+    let mut o = output(tok, prompt_ids, out, &times, &text, &mut on_text)?;
+    o.mode = "cloud";
+    o.model = url.to_string();
+    Ok(o)
 }
 
 /// The whole output as text (end-of-generation tokens left out), passing `on_text` whatever the

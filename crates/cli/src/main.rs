@@ -144,6 +144,14 @@ struct GenerateArgs {
     /// Blocks in flight (async; sync is 1).
     #[arg(long, default_value_t = 3)]
     depth: usize,
+    /// Let the policy choose γ and depth from what it measures (α, draft and verify time, round
+    /// trip), starting at --gamma / --depth, within --max-gamma / --max-depth and the cloud's grant.
+    #[arg(long)]
+    auto: bool,
+    #[arg(long, default_value_t = 8)]
+    max_gamma: usize,
+    #[arg(long, default_value_t = 4)]
+    max_depth: usize,
     /// Emulated network round trip between edge and verifier, ms.
     #[arg(long, default_value_t = 0.0)]
     rtt_ms: f64,
@@ -156,8 +164,9 @@ struct GenerateArgs {
     /// Pin the in-process verifier's threads to these cores (sync/async; --cpus pins the edge's).
     #[arg(long)]
     cloud_cpus: Option<CpuSet>,
-    /// A running verifier (`tandem cloud serve`), e.g. http://127.0.0.1:50051. Without it, sync and
-    /// async start a verifier in-process behind an emulated --rtt-ms link.
+    /// A running verifier (`tandem cloud serve`), e.g. http://127.0.0.1:50051: sync and async verify
+    /// there, cloud generates there (the `Generate` RPC). Without it, sync and async start a
+    /// verifier in-process behind an emulated --rtt-ms link and cloud runs the target here.
     #[arg(long)]
     cloud: Option<String>,
     /// Weight handling: f32, f16, native (W4A16/W8A16 blocks) or w4a8 (8-bit activations).
@@ -370,11 +379,29 @@ fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
                 rule: a.verify,
                 params,
                 q_top_k: 32,
+                auto: a.auto.then(|| tandem_edge::AutoShape {
+                    max_draft_len: a.max_gamma.max(1),
+                    max_depth: if a.mode == Mode::Sync {
+                        1
+                    } else {
+                        a.max_depth.max(1)
+                    },
+                    prior: tandem_edge::default_prior(a.rtt_ms),
+                }),
             },
             rtt_ms: a.rtt_ms,
             cloud_url: a.cloud.clone(),
         };
         tandem_cli::speculate::run(&run, &ids, &mut print)?
+    } else if let (Mode::Cloud, Some(url)) = (a.mode, &a.cloud) {
+        tandem_cli::generate::generate_remote(
+            url,
+            &m.tokenizer,
+            &ids,
+            a.max_tokens,
+            &params,
+            &mut print,
+        )?
     } else {
         let mut engine = Engine::new(m.model.clone(), a.engine.config())?;
         let mut o = generate(
@@ -392,7 +419,9 @@ fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
         };
         o
     };
-    out.model = m.path.display().to_string();
+    if out.model.is_empty() {
+        out.model = m.path.display().to_string();
+    }
     if a.json {
         println!("{}", serde_json::to_string(&out)?);
     } else {
@@ -546,6 +575,7 @@ fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
                 rule: VerifyRule::Greedy,
                 params,
                 q_top_k: 32,
+                auto: None,
             },
             rtt_ms: a.rtt_ms,
             cloud_url: None,

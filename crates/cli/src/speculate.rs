@@ -17,7 +17,7 @@ use tandem_engine::{Engine, EngineConfig, LlamaModel, Tokenizer};
 use tandem_spec::{Block, Verdict};
 
 use crate::generate::GenOutput;
-use crate::stats::{round2, StreamTiming};
+use crate::stats::round2;
 
 /// What `generate --json` adds in the speculative modes.
 #[derive(Debug, Clone, Serialize)]
@@ -33,6 +33,10 @@ pub struct SpecFields {
     pub depth: usize,
     pub rtt_ms: f64,
     pub verify_rule: String,
+    /// Whether the policy chose γ and depth (then `gamma` / `depth` are where it ended).
+    pub auto: bool,
+    /// Draft, verify and round-trip times the edge measured.
+    pub measured: tandem_edge::Measured,
 }
 
 struct InProcessLink {
@@ -120,14 +124,21 @@ fn run_grpc(
         params: r.spec.params,
         max_tokens: r.spec.max_new_tokens as u32,
         rule: r.spec.rule,
-        want_draft_len: r.spec.draft_len as u32,
-        want_depth: r.spec.depth as u32,
+        // With the adaptive policy, ask for its bounds; the grant caps them.
+        want_draft_len: r.spec.auto.map_or(r.spec.draft_len, |a| a.max_draft_len) as u32,
+        want_depth: r.spec.auto.map_or(r.spec.depth, |a| a.max_depth) as u32,
     };
     let (mut link, opened) = tandem_edge::grpc::GrpcLink::connect(&rt, url, req)
         .with_context(|| format!("opening a session on {url}"))?;
+    let (granted_len, granted_depth) = (opened.draft_len as usize, opened.depth as usize);
     let spec = SpecConfig {
-        draft_len: opened.draft_len as usize,
-        depth: opened.depth as usize,
+        draft_len: r.spec.draft_len.min(granted_len),
+        depth: r.spec.depth.min(granted_depth),
+        auto: r.spec.auto.map(|a| tandem_edge::AutoShape {
+            max_draft_len: granted_len,
+            max_depth: granted_depth,
+            ..a
+        }),
         ..r.spec
     };
     let (report, text) = drive(
@@ -260,40 +271,33 @@ fn finish(
     mut on_text: impl FnMut(&str),
 ) -> Result<GenOutput> {
     let tok = r.tokenizer;
-    let out = report.output_ids.clone();
-    let text_all = crate::generate::final_text(tok, &out, &text, &mut on_text)?;
-    let timing = StreamTiming::of(&report.commit_ms);
+    let mut o = crate::generate::output(
+        tok,
+        prompt_ids,
+        report.output_ids.clone(),
+        &report.commit_ms,
+        &text,
+        &mut on_text,
+    )?;
     let s = report.stats;
-    Ok(GenOutput {
-        prompt_ids: prompt_ids.to_vec(),
-        finish_reason: if out.last().is_some_and(|&t| tok.is_eog(t)) {
-            "stop"
-        } else {
-            "length"
-        },
-        output_ids: out,
-        text: text_all,
-        ttft_ms: timing.ttft_ms,
-        itl_ms: timing.itl_ms,
-        tokens_per_s: timing.tokens_per_s,
-        mode: if spec.depth == 1 { "sync" } else { "async" },
-        model: String::new(),
-        weights: format!("{}+{}", r.target.format(), r.draft.format()),
-        threads: r.edge.threads + r.cloud.threads,
-        tokenizer_fingerprint: tok.fingerprint().to_string(),
-        spec: Some(SpecFields {
-            acceptance_rate: round2(s.acceptance_rate() * 100.0) / 100.0,
-            mean_accepted: round2(s.mean_accepted()),
-            drafted: s.drafted,
-            wasted_draft_tokens: s.wasted_draft_tokens,
-            stale_blocks: s.stale_blocks,
-            // Counted by the in-process verifier; a remote one reports it in its metrics.
-            target_forwards: target_forwards.unwrap_or(0),
-            rounds: s.verdicts,
-            gamma: spec.draft_len,
-            depth: spec.depth,
-            rtt_ms: if r.cloud_url.is_some() { 0.0 } else { r.rtt_ms },
-            verify_rule: format!("{:?}", spec.rule.effective(&spec.params)).to_lowercase(),
-        }),
-    })
+    o.mode = if spec.depth == 1 { "sync" } else { "async" };
+    o.weights = format!("{}+{}", r.target.format(), r.draft.format());
+    o.threads = r.edge.threads + r.cloud.threads;
+    o.spec = Some(SpecFields {
+        acceptance_rate: round2(s.acceptance_rate() * 100.0) / 100.0,
+        mean_accepted: round2(s.mean_accepted()),
+        drafted: s.drafted,
+        wasted_draft_tokens: s.wasted_draft_tokens,
+        stale_blocks: s.stale_blocks,
+        // Counted by the in-process verifier; a remote one reports it in its metrics.
+        target_forwards: target_forwards.unwrap_or(0),
+        rounds: s.verdicts,
+        gamma: report.measured.final_draft_len,
+        depth: report.measured.final_depth,
+        rtt_ms: if r.cloud_url.is_some() { 0.0 } else { r.rtt_ms },
+        verify_rule: format!("{:?}", spec.rule.effective(&spec.params)).to_lowercase(),
+        auto: spec.auto.is_some(),
+        measured: report.measured,
+    });
+    Ok(o)
 }

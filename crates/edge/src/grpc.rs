@@ -128,3 +128,41 @@ impl Link for GrpcLink {
         }
     }
 }
+
+/// Cloud-only generation (the baseline): the verifier decodes every token itself and streams them.
+/// Calls `on_token` with each token as it arrives.
+pub fn generate_remote(
+    rt: &Runtime,
+    url: &str,
+    tokenizer_fingerprint: &str,
+    prompt_ids: &[u32],
+    params: SamplingParams,
+    max_tokens: u32,
+    mut on_token: impl FnMut(u32),
+) -> Result<(), EdgeError> {
+    rt.block_on(async {
+        let mut client = VerifierClient::connect(url.to_string())
+            .await
+            .map_err(refused)?;
+        let req = tandem_proto::v1::GenerateRequest {
+            tokenizer_fingerprint: tokenizer_fingerprint.to_string(),
+            prompt_ids: prompt_ids.to_vec(),
+            params: Some(params.into()),
+            max_tokens,
+        };
+        let mut stream = client
+            .generate(req)
+            .await
+            .map_err(|s| refused(s.message()))?
+            .into_inner();
+        while let Some(r) = stream.message().await.map_err(|s| refused(s.message()))? {
+            for t in r.tokens {
+                on_token(t);
+            }
+            if r.done {
+                break;
+            }
+        }
+        Ok(())
+    })
+}

@@ -9,10 +9,12 @@ pub mod delay;
 pub mod grpc;
 pub mod netem;
 
+use std::collections::HashMap;
 use std::time::Instant;
 
 use serde::Serialize;
 use tandem_engine::{Engine, EngineError, SamplingParams, SeqChunk, SeqId, Wanted};
+use tandem_spec::policy::{recommend, Costs, Estimator};
 use tandem_spec::sampling::sample;
 use tandem_spec::verify::{draft_sample, VerifyRule};
 use tandem_spec::{
@@ -47,6 +49,47 @@ pub struct SpecConfig {
     pub params: SamplingParams,
     /// Size of the sparse draft distribution sent for rejection sampling.
     pub q_top_k: usize,
+    /// Let the policy re-plan γ and depth as it measures (`draft_len` / `depth` are the start).
+    pub auto: Option<AutoShape>,
+}
+
+/// Bounds and starting guesses of the adaptive policy.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct AutoShape {
+    /// The cloud's grant: γ and depth never exceed these.
+    pub max_draft_len: usize,
+    pub max_depth: usize,
+    /// What the policy assumes before it has measured anything.
+    pub prior: Costs,
+}
+
+/// The policy's assumptions before it has measured anything: a draft about as good as a 4-bit
+/// copy of the target (α 0.7), a draft forward half as long as a verify.
+pub fn default_prior(rtt_ms: f64) -> Costs {
+    Costs {
+        alpha: 0.7,
+        draft_ms: 30.0,
+        verify_ms: 60.0,
+        verify_ms_per_token: 0.0,
+        rtt_ms,
+    }
+}
+
+/// What the edge measured during a run (milliseconds).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Measured {
+    /// Mean time of one draft forward.
+    pub draft_ms: f64,
+    /// Mean verifier forward time per verdict that needed one.
+    pub verify_ms: f64,
+    /// Mean time from sending a block to its verdict's arrival.
+    pub block_round_trip_ms: f64,
+    /// The round trip as the policy sees it (smallest recent arrival − send − verify).
+    pub net_ms: f64,
+    /// γ and depth at the end, and how often the policy changed them.
+    pub final_draft_len: usize,
+    pub final_depth: usize,
+    pub reshapes: usize,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -56,6 +99,7 @@ pub struct SpecReport {
     pub commit_ms: Vec<f64>,
     pub stats: PipelineStats,
     pub draft_forwards: usize,
+    pub measured: Measured,
 }
 
 /// Generate with speculation: `prompt` is already open on the verifier behind `link`, which
@@ -82,14 +126,32 @@ pub fn run(
     let rule = cfg.rule.effective(&cfg.params);
     let mut commit_ms = Vec::new();
     let mut draft_forwards = 0;
+    let mut sent_at: HashMap<u64, Instant> = HashMap::new();
+    let mut est = Estimator::new(cfg.auto.map_or(
+        Costs {
+            alpha: 0.0,
+            draft_ms: 0.0,
+            verify_ms: 0.0,
+            verify_ms_per_token: 0.0,
+            rtt_ms: 0.0,
+        },
+        |a| a.prior,
+    ));
+    let mut m = Measured::default();
+    let (mut draft_total, mut verify_total, mut verified, mut rt_total, mut arrivals) =
+        (0.0, 0.0, 0usize, 0.0, 0usize);
     let mut apply = |outs: Vec<Output>,
                      draft: &mut Engine,
                      link: &mut dyn Link,
-                     commit_ms: &mut Vec<f64>|
+                     commit_ms: &mut Vec<f64>,
+                     sent_at: &mut HashMap<u64, Instant>|
      -> Result<(), EdgeError> {
         for o in outs {
             match o {
-                Output::Send(b) => link.send(b)?,
+                Output::Send(b) => {
+                    sent_at.insert(b.index, Instant::now());
+                    link.send(b)?
+                }
                 Output::Rollback { to } => {
                     let len = draft.seq_len(seq);
                     draft.truncate(seq, to.min(len))?;
@@ -103,20 +165,56 @@ pub fn run(
         }
         Ok(())
     };
-    apply(first_out, draft, link, &mut commit_ms)?;
+    apply(first_out, draft, link, &mut commit_ms, &mut sent_at)?;
     loop {
+        let mut arrived = Vec::new();
         while let Some(v) = link.recv(false)? {
+            arrived.push(v);
+        }
+        if arrived.is_empty() && p.next() == Next::Wait {
+            arrived.push(link.recv(true)?.ok_or(EdgeError::LinkClosed)?);
+        }
+        for v in arrived {
+            let now = Instant::now();
+            if let Some(t) = sent_at.remove(&v.block) {
+                let rt = (now - t).as_secs_f64() * 1e3;
+                let vms = v.verify_us as f64 / 1e3;
+                est.on_verdict(rt, vms);
+                rt_total += rt;
+                arrivals += 1;
+                if v.verify_us > 0 {
+                    verify_total += vms;
+                    verified += 1;
+                }
+            }
             let outs = p.on_verdict(v)?;
-            apply(outs, draft, link, &mut commit_ms)?;
+            apply(outs, draft, link, &mut commit_ms, &mut sent_at)?;
+            if let Some(a) = cfg.auto {
+                let s = *p.stats();
+                let costs = est.costs(s.accepted, s.accepted + s.rejections);
+                let plan = recommend(&costs, a.max_draft_len, a.max_depth);
+                let (g, d) = (p.config().draft_len, p.config().depth);
+                // Synchronous speculation (depth 1) only chooses γ, by its own model.
+                let (want, best_ms, now_ms) = if a.max_depth <= 1 {
+                    let sync = |g| tandem_spec::policy::sync_itl_ms(&costs, g);
+                    ((plan.sync_gamma, 1), plan.predicted_sync_itl_ms, sync(g))
+                } else {
+                    let now = tandem_spec::policy::async_itl_ms(&costs, g, d);
+                    ((plan.gamma, plan.depth), plan.predicted_async_itl_ms, now)
+                };
+                // Re-plan only for a clear gain, so that noise does not make the shape flap.
+                if want != (g, d) && best_ms < 0.95 * now_ms {
+                    let outs = p.set_shape(want.0, want.1)?;
+                    m.reshapes += 1;
+                    apply(outs, draft, link, &mut commit_ms, &mut sent_at)?;
+                }
+            }
         }
         match p.next() {
             Next::Done => break,
-            Next::Wait => {
-                let v = link.recv(true)?.ok_or(EdgeError::LinkClosed)?;
-                let outs = p.on_verdict(v)?;
-                apply(outs, draft, link, &mut commit_ms)?;
-            }
+            Next::Wait => {}
             Next::Draft => {
+                let t0 = Instant::now();
                 let fed = draft.seq_len(seq);
                 let toks = p.tokens();
                 let logits = draft.forward(&[SeqChunk::new(
@@ -142,16 +240,27 @@ pub fn run(
                         (t, Some(q))
                     }
                 };
+                let ms = t0.elapsed().as_secs_f64() * 1e3;
+                est.on_draft(ms);
+                draft_total += ms;
                 let outs = p.on_drafted(t, q);
-                apply(outs, draft, link, &mut commit_ms)?;
+                apply(outs, draft, link, &mut commit_ms, &mut sent_at)?;
             }
         }
     }
+    let mean = |t: f64, n: usize| if n == 0 { 0.0 } else { t / n as f64 };
+    m.draft_ms = mean(draft_total, draft_forwards);
+    m.verify_ms = mean(verify_total, verified);
+    m.block_round_trip_ms = mean(rt_total, arrivals);
+    m.net_ms = est.costs(0, 0).rtt_ms;
+    m.final_draft_len = p.config().draft_len;
+    m.final_depth = p.config().depth;
     draft.free(seq);
     Ok(SpecReport {
         output_ids: p.output().to_vec(),
         commit_ms,
         stats: *p.stats(),
         draft_forwards,
+        measured: m,
     })
 }

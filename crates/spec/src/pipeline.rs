@@ -213,6 +213,23 @@ impl Pipeline {
     pub fn config(&self) -> &PipelineConfig {
         &self.cfg
     }
+
+    /// Change γ and depth for the blocks still to be sent (the policy re-plans as it measures).
+    /// Blocks already in flight keep their length; a smaller depth only delays the next send.
+    pub fn set_shape(&mut self, draft_len: usize, depth: usize) -> Result<Vec<Output>, SpecError> {
+        PipelineConfig {
+            draft_len,
+            depth,
+            ..self.cfg
+        }
+        .validate()?;
+        self.cfg.draft_len = draft_len;
+        self.cfg.depth = depth;
+        // A longer block or a deeper pipeline may let a waiting block go now.
+        let mut out = Vec::new();
+        self.try_send(&mut out);
+        Ok(out)
+    }
     pub fn stats(&self) -> &PipelineStats {
         &self.stats
     }
@@ -253,7 +270,13 @@ impl Pipeline {
     pub fn next(&self) -> Next {
         if self.done {
             Next::Done
-        } else if self.drafting_stopped() || self.tokens.len() - self.sent >= self.cfg.draft_len {
+        } else if self.drafting_stopped()
+            || self.in_flight.len() >= self.cfg.depth
+            || self.tokens.len() - self.sent >= self.cfg.draft_len
+        {
+            // Drafting runs only while a finished block could be sent at once: with depth 1 the
+            // edge waits for each verdict (synchronous speculation), with depth d it works on the
+            // d-th block while d − 1 are in flight.
             Next::Wait
         } else {
             Next::Draft

@@ -7,6 +7,8 @@
 //! block per `max(γ·T_draft, T_verify)` (with enough depth to cover the round trip); a rejection
 //! flushes the pipeline and the next verdict is a full round away again.
 
+use std::collections::VecDeque;
+
 use serde::Serialize;
 
 /// Measured inputs of the model (milliseconds).
@@ -47,21 +49,33 @@ pub fn sync_itl_ms(c: &Costs, gamma: usize) -> f64 {
 
 /// Expected inter-token latency of asynchronous speculation with γ and `depth` blocks in flight.
 ///
-/// Per block: with probability α^γ the whole block is accepted and costs one pipeline period
-/// `max(γ·T_draft, T_verify, round / depth)`; otherwise it commits `i + 1` tokens (i accepted, the
-/// correction) and the pipeline restarts from the correction, costing a full round.
+/// The edge drafts while fewer than `depth` blocks are in flight, so while blocks pass whole one
+/// verdict arrives per pipeline period `max(γ·T_draft, T_verify, round / depth)` and commits γ
+/// tokens (the bonus is only a prediction: the next block, already drafted, is checked against it).
+/// A block rejected at its i-th token commits i + 1 tokens and flushes the pipeline: the next
+/// verdict is a full round away, plus the rest of the draft forward the edge was running when the
+/// verdict came (half of one on average, when the edge was busy). A verdict's cost depends on the
+/// verdict before it, so per verdict the time is `p·period + (1 − p)·(round + reaction)` with
+/// `p = α^γ` the chance that a block passes whole.
 pub fn async_itl_ms(c: &Costs, gamma: usize, depth: usize) -> f64 {
     let a = c.alpha;
+    let g = gamma as f64;
     let round = sync_round_ms(c, gamma);
-    let period = (gamma as f64 * c.draft_ms)
+    let period = (g * c.draft_ms)
         .max(verify_time(c, gamma))
         .max(round / depth.max(1) as f64);
+    let busy = if depth > 1 {
+        (g * c.draft_ms / period).min(1.0)
+    } else {
+        0.0
+    };
+    let reaction = busy * c.draft_ms / 2.0;
     let p_full = a.powi(gamma as i32);
     let tokens_reject: f64 = (0..gamma)
         .map(|i| a.powi(i as i32) * (1.0 - a) * (i + 1) as f64)
         .sum();
-    let tokens = p_full * gamma as f64 + tokens_reject;
-    let time = p_full * period + (1.0 - p_full) * round;
+    let tokens = p_full * g + tokens_reject;
+    let time = p_full * period + (1.0 - p_full) * (round + reaction);
     time / tokens.max(1e-9)
 }
 
@@ -102,6 +116,80 @@ pub fn recommend(c: &Costs, max_gamma: usize, max_depth: usize) -> Plan {
     }
 }
 
+/// Running estimates of the model's inputs, from what the edge observes: its own draft forwards,
+/// and for each verdict the time from sending the block to the verdict's arrival and the verifier's
+/// forward time (`Verdict::verify_us`). Pure: the caller measures the times.
+#[derive(Debug, Clone)]
+pub struct Estimator {
+    prior: Costs,
+    draft_ms: Option<f64>,
+    verify_ms: Option<f64>,
+    /// Recent samples of (arrival − send − verify): the network plus any queueing and the edge's
+    /// reaction delay; the smallest recent one is the round trip.
+    net: VecDeque<f64>,
+}
+
+/// Weight of the newest sample in the running means.
+const EWMA: f64 = 0.2;
+/// Samples kept for the round-trip minimum.
+const NET_WINDOW: usize = 16;
+/// Pseudo-observations of the prior α (keeps the first few verdicts from swinging the plan).
+const ALPHA_PRIOR_WEIGHT: f64 = 8.0;
+
+impl Estimator {
+    pub fn new(prior: Costs) -> Self {
+        Self {
+            prior,
+            draft_ms: None,
+            verify_ms: None,
+            net: VecDeque::new(),
+        }
+    }
+
+    fn ewma(slot: &mut Option<f64>, x: f64) {
+        *slot = Some(slot.map_or(x, |m| m + EWMA * (x - m)));
+    }
+
+    /// One draft forward took `ms`.
+    pub fn on_draft(&mut self, ms: f64) {
+        Self::ewma(&mut self.draft_ms, ms);
+    }
+
+    /// A verdict arrived `round_trip_ms` after its block was sent; the verifier's forward took
+    /// `verify_ms` (0: it needed none).
+    pub fn on_verdict(&mut self, round_trip_ms: f64, verify_ms: f64) {
+        if verify_ms > 0.0 {
+            Self::ewma(&mut self.verify_ms, verify_ms);
+        }
+        if self.net.len() == NET_WINDOW {
+            self.net.pop_front();
+        }
+        self.net.push_back((round_trip_ms - verify_ms).max(0.0));
+    }
+
+    /// The current estimate; α blends the prior with the accepted / judged counts so far.
+    pub fn costs(&self, accepted: usize, judged: usize) -> Costs {
+        let alpha = (accepted as f64 + self.prior.alpha * ALPHA_PRIOR_WEIGHT)
+            / (judged as f64 + ALPHA_PRIOR_WEIGHT);
+        Costs {
+            alpha,
+            draft_ms: self.draft_ms.unwrap_or(self.prior.draft_ms),
+            verify_ms: self.verify_ms.unwrap_or(self.prior.verify_ms),
+            verify_ms_per_token: if self.verify_ms.is_some() {
+                0.0
+            } else {
+                self.prior.verify_ms_per_token
+            },
+            rtt_ms: self
+                .net
+                .iter()
+                .copied()
+                .reduce(f64::min)
+                .unwrap_or(self.prior.rtt_ms),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,6 +216,22 @@ mod tests {
         let c = costs(0.75, 100.0);
         // depth 1: a fully accepted block costs a full round, like sync without the bonus token.
         assert!(async_itl_ms(&c, 4, 1) >= sync_itl_ms(&c, 4) * 0.8);
+    }
+
+    #[test]
+    fn estimator_converges_to_what_it_observes() {
+        let mut e = Estimator::new(costs(0.5, 10.0));
+        assert_eq!(e.costs(0, 0), costs(0.5, 10.0));
+        for i in 0..50 {
+            e.on_draft(40.0);
+            // Queueing sometimes inflates a round trip; the minimum is the network.
+            e.on_verdict(80.0 + 60.0 + (i % 3) as f64 * 25.0, 60.0);
+        }
+        let c = e.costs(900, 1000);
+        assert!((c.draft_ms - 40.0).abs() < 1e-6, "{c:?}");
+        assert!((c.verify_ms - 60.0).abs() < 1e-6, "{c:?}");
+        assert!((c.rtt_ms - 80.0).abs() < 1e-6, "{c:?}");
+        assert!((c.alpha - 0.9).abs() < 0.01, "{c:?}");
     }
 
     #[test]

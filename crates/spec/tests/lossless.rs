@@ -116,6 +116,8 @@ enum Step {
     DeliverBlock,
     DeliverVerdict,
     DropConnection,
+    /// The policy changes γ and depth mid-stream.
+    Reshape(usize, usize),
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -124,6 +126,7 @@ fn step() -> impl Strategy<Value = Step> {
         3 => Just(Step::DeliverBlock),
         3 => Just(Step::DeliverVerdict),
         1 => Just(Step::DropConnection),
+        1 => (1usize..8, 1usize..5).prop_map(|(g, d)| Step::Reshape(g, d)),
     ]
 }
 
@@ -227,6 +230,12 @@ fn run(
                 let history = edge.tokens()[..edge.committed_len()].to_vec();
                 cloud = Cloud::open(&history, seed);
             }
+            Step::Reshape(g, d) => {
+                let outs = edge
+                    .set_shape(g, d)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
+            }
             _ => {}
         }
     }
@@ -274,4 +283,45 @@ fn async_pipelining_keeps_blocks_in_flight() {
     assert_eq!(sent, 3);
     assert_eq!(edge.blocks_in_flight(), 3);
     assert_eq!(edge.next(), Next::Wait);
+}
+
+#[test]
+fn depth_one_is_synchronous() {
+    // With one block in flight the edge waits for its verdict; after a whole block passes, the
+    // bonus is committed and the next block starts after it.
+    let prompt = vec![1, 2, 3];
+    let cfg = PipelineConfig {
+        draft_len: 3,
+        depth: 1,
+        max_new_tokens: 64,
+    };
+    let mut edge = Pipeline::new(prompt.clone(), cfg, vec![EOG]).unwrap();
+    let mut cloud = Cloud::open(&prompt, 5);
+    let mut block = None;
+    while edge.next() == Next::Draft {
+        let t = draft(edge.tokens(), 5, 1.0, 0);
+        for o in edge.on_drafted(t, None) {
+            if let Output::Send(b) = o {
+                block = Some(b);
+            }
+        }
+    }
+    assert_eq!(edge.next(), Next::Wait);
+    assert_eq!(
+        edge.tokens().len(),
+        prompt.len() + 3,
+        "nothing drafted past the block"
+    );
+    let v = cloud.on_block(&block.unwrap()).unwrap();
+    assert_eq!(v.accepted, 3);
+    let outs = edge.on_verdict(v).unwrap();
+    let committed: usize = outs
+        .iter()
+        .map(|o| match o {
+            Output::Commit { tokens, .. } => tokens.len(),
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(committed, 4, "three drafted tokens and the bonus");
+    assert_eq!(edge.next(), Next::Draft);
 }
