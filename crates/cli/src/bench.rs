@@ -207,7 +207,19 @@ fn bench_model(
 /// llama.cpp's figures for `model` through the peer script, or `None` when it is not available.
 fn peer(a: &BenchArgs, model: &Path, threads: usize) -> Option<Value> {
     let (py, script) = (a.peer_python.as_ref()?, a.peer_script.as_ref()?);
-    let chunks: Vec<String> = a.chunks.iter().map(|c| c.to_string()).collect();
+    peer_bench(py, script, model, threads, &a.chunks, a.decode_tokens)
+}
+
+/// Run the peer's `bench.py` on `model`: decode tokens/s and the forward time of each chunk size.
+pub fn peer_bench(
+    py: &Path,
+    script: &Path,
+    model: &Path,
+    threads: usize,
+    chunks: &[usize],
+    decode_tokens: usize,
+) -> Option<Value> {
+    let chunks: Vec<String> = chunks.iter().map(|c| c.to_string()).collect();
     let out = Command::new(py)
         .arg(script)
         .arg(model)
@@ -217,7 +229,7 @@ fn peer(a: &BenchArgs, model: &Path, threads: usize) -> Option<Value> {
             "--chunks",
             &chunks.join(","),
         ])
-        .args(["--decode", &a.decode_tokens.to_string()])
+        .args(["--decode", &decode_tokens.to_string()])
         .output()
         .ok()?;
     if !out.status.success() {

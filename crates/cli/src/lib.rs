@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod generate;
+pub mod latency;
 pub mod models;
 pub mod pull;
 pub mod speculate;

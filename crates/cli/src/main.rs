@@ -220,6 +220,53 @@ struct QuantizeArgs {
 enum BenchCmd {
     /// Decode speed, verify-chunk latency and batch throughput of the target and the draft.
     Engine(EngineBenchArgs),
+    /// TTFT / ITL / α / E[A] of edge-only, cloud-only, sync and async over emulated round trips,
+    /// with the verifier in its own process on its own cores; the analytic model beside each.
+    Latency(LatencyBenchArgs),
+}
+
+#[derive(Args)]
+struct LatencyBenchArgs {
+    /// Round trips to emulate, ms.
+    #[arg(long, value_delimiter = ',', default_value = "0,20,50,100,200")]
+    rtts: Vec<f64>,
+    /// Jitter per direction, as a percentage of the RTT.
+    #[arg(long, default_value_t = 10.0)]
+    jitter_pct: f64,
+    /// Tokens generated per prompt.
+    #[arg(long, default_value_t = 48)]
+    tokens: usize,
+    /// Chat prompts (repeat the flag for several).
+    #[arg(long = "prompt")]
+    prompts: Vec<String>,
+    /// γ values of the synchronous sweep.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,6")]
+    sync_gammas: Vec<usize>,
+    #[arg(long, default_value_t = 8)]
+    max_gamma: usize,
+    #[arg(long, default_value_t = 4)]
+    max_depth: usize,
+    /// Drafts: quantization schemes of the target (w4a16, w8a16), groups of 32.
+    #[arg(long, value_delimiter = ',', default_value = "w4a16,w8a16")]
+    drafts: Vec<Scheme>,
+    /// Cores of the edge (this process) and of the verifier process (default: the first and the
+    /// second core this process may use; with one core, no pinning).
+    #[arg(long)]
+    edge_cpus: Option<CpuSet>,
+    #[arg(long)]
+    cloud_cpus: Option<CpuSet>,
+    #[arg(long, env = "TANDEM_PEER_PYTHON")]
+    peer_python: Option<PathBuf>,
+    #[arg(long)]
+    peer_script: Option<PathBuf>,
+    #[arg(long)]
+    no_peer: bool,
+    /// Also write the JSON report to this file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print the JSON report instead of tables.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -299,6 +346,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Generate(a) => cmd_generate(&home, a)?,
         Cmd::Quantize(a) => cmd_quantize(&home, a)?,
         Cmd::Bench(BenchCmd::Engine(a)) => cmd_bench(&home, a)?,
+        Cmd::Bench(BenchCmd::Latency(a)) => cmd_latency(&home, a)?,
         Cmd::Info(a) => {
             let m = models::load(&home, &a.model, None, false)?;
             let info = serde_json::json!({
@@ -447,17 +495,7 @@ fn cmd_quantize(home: &std::path::Path, a: QuantizeArgs) -> Result<()> {
         embedding: a.embedding,
     };
     cfg.validate()?;
-    let out = a.out.unwrap_or_else(|| {
-        let name = match cfg.scheme {
-            Scheme::F32 => "SmolLM2-135M-Instruct.f32.gguf".to_string(),
-            s => format!(
-                "SmolLM2-135M-Instruct.{}-g{}.gguf",
-                s.name(),
-                cfg.group_size
-            ),
-        };
-        pull::models_dir(home).join(name)
-    });
+    let out = a.out.unwrap_or_else(|| models::quantized_path(home, &cfg));
     let r = models::quantize_target(home, &cfg, &out, a.json)?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
@@ -488,33 +526,13 @@ fn cmd_quantize(home: &std::path::Path, a: QuantizeArgs) -> Result<()> {
 fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
     let target = models::load(home, &ModelSpec::Target, None, a.json)?;
     let draft = models::load(home, &ModelSpec::Draft, None, a.json)?;
-    let default_peer = std::env::var_os("HOME")
-        .map(|h| PathBuf::from(h).join(".cache/tandem-peer/venv/bin/python"))
-        .filter(|p| p.is_file());
-    let peer_python = a
-        .peer_python
-        .clone()
-        .or(default_peer)
+    let peer = tandem_cli::latency::find_peer(a.peer_python.clone(), a.peer_script.clone())
         .filter(|_| !a.no_peer);
-    let peer_script = a
-        .peer_script
-        .clone()
-        .or_else(|| Some(PathBuf::from("../shared/peer/bench.py")).filter(|p| p.is_file()));
-    let target_f32 = if peer_python.is_some() && peer_script.is_some() {
-        let p = pull::models_dir(home).join("SmolLM2-135M-Instruct.f32.gguf");
-        if !p.is_file() {
-            let cfg = QuantConfig {
-                scheme: Scheme::F32,
-                embedding: EmbedPrecision::F32,
-                ..QuantConfig::default()
-            };
-            models::quantize_target(home, &cfg, &p, true)
-                .context("writing the f32 target for llama.cpp")?;
-        }
-        Some(p)
-    } else {
-        None
-    };
+    let target_f32 = peer
+        .as_ref()
+        .map(|_| models::ensure_f32_copy(home))
+        .transpose()?;
+    let (peer_python, peer_script) = peer.unzip();
     let args = BenchArgs {
         threads: a.threads.clone(),
         decode_tokens: a.decode_tokens,
@@ -545,6 +563,89 @@ fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&v)?);
     } else {
         print!("{}", bench::table(&r));
+    }
+    Ok(())
+}
+
+fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
+    use tandem_cli::latency;
+    let target = models::load(home, &ModelSpec::Target, None, a.json)?;
+    let mut drafts = Vec::new();
+    for scheme in &a.drafts {
+        let cfg = QuantConfig {
+            scheme: *scheme,
+            ..QuantConfig::default()
+        };
+        cfg.validate()?;
+        let path = models::ensure_quantized(home, &cfg, a.json)?;
+        drafts.push(latency::load_draft(
+            &format!("{}-g32", scheme.name()),
+            &path,
+        )?);
+    }
+    let allowed: Vec<usize> = CpuSet::allowed()
+        .map(|s| s.cpus().collect())
+        .unwrap_or_default();
+    let one = |c: Option<&usize>| -> CpuSet {
+        c.map(|c| c.to_string().parse().expect("a cpu id parses"))
+            .unwrap_or_default()
+    };
+    let (edge_default, cloud_default) = if allowed.len() >= 2 {
+        (one(allowed.first()), one(allowed.get(1)))
+    } else {
+        (CpuSet::default(), CpuSet::default())
+    };
+    let peer =
+        latency::find_peer(a.peer_python.clone(), a.peer_script.clone()).filter(|_| !a.no_peer);
+    let peer_target = peer
+        .as_ref()
+        .map(|_| models::ensure_f32_copy(home))
+        .transpose()?;
+    let prompts = if a.prompts.is_empty() {
+        vec![
+            "What is the capital of France? Answer in two sentences.".to_string(),
+            "Explain in a short paragraph why the sky is blue.".to_string(),
+        ]
+    } else {
+        a.prompts.clone()
+    };
+    let args = latency::LatencyArgs {
+        home: home.to_path_buf(),
+        rtts: a.rtts.clone(),
+        jitter_frac: a.jitter_pct / 100.0,
+        tokens: a.tokens,
+        prompts,
+        sync_gammas: a.sync_gammas.clone(),
+        max_gamma: a.max_gamma.max(1),
+        max_depth: a.max_depth.max(1),
+        edge_cpus: a.edge_cpus.unwrap_or(edge_default),
+        cloud_cpus: a.cloud_cpus.unwrap_or(cloud_default),
+        peer,
+        peer_target,
+    };
+    let quiet = a.json;
+    let r = latency::run(&args, &target.model, &target.tokenizer, &drafts, |row| {
+        if !quiet {
+            eprintln!(
+                "{} rtt {} {} γ{} d{}: itl {:.1} ms, α {:.2}",
+                row.draft,
+                row.rtt_ms,
+                row.mode,
+                row.gamma,
+                row.depth,
+                row.itl_ms.mean,
+                row.acceptance_rate
+            );
+        }
+    })?;
+    let json = serde_json::to_string(&r)?;
+    if let Some(p) = &a.out {
+        std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?;
+    }
+    if a.json {
+        println!("{json}");
+    } else {
+        print!("{}", latency::table(&r));
     }
     Ok(())
 }

@@ -11,8 +11,6 @@ use tandem_quant::{QuantConfig, Report};
 
 use crate::pull;
 
-pub const DRAFT_FILE: &str = "SmolLM2-135M-Instruct.w4a16-g32.gguf";
-
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ModelSpec {
     Target,
@@ -113,18 +111,48 @@ pub fn quantize_target(home: &Path, cfg: &QuantConfig, out: &Path, quiet: bool) 
     }
 }
 
-/// The default draft, made from the target on first use.
-pub fn ensure_draft(home: &Path, quiet: bool) -> Result<PathBuf> {
-    let out = pull::models_dir(home).join(DRAFT_FILE);
+/// Where a quantized copy of the target with `cfg` lives by default.
+pub fn quantized_path(home: &Path, cfg: &QuantConfig) -> PathBuf {
+    let name = match cfg.scheme {
+        tandem_quant::Scheme::F32 => "SmolLM2-135M-Instruct.f32.gguf".to_string(),
+        s => format!(
+            "SmolLM2-135M-Instruct.{}-g{}.gguf",
+            s.name(),
+            cfg.group_size
+        ),
+    };
+    pull::models_dir(home).join(name)
+}
+
+/// A quantized copy of the target with `cfg`, made on first use.
+pub fn ensure_quantized(home: &Path, cfg: &QuantConfig, quiet: bool) -> Result<PathBuf> {
+    let out = quantized_path(home, cfg);
     if out.is_file() {
         return Ok(out);
     }
     if !quiet {
         eprintln!(
-            "making the default draft (W4A16, groups of 32): {}",
-            out.display()
+            "making {} (scheme {}, groups of {})",
+            out.display(),
+            cfg.scheme.name(),
+            cfg.group_size
         );
     }
-    quantize_target(home, &QuantConfig::default(), &out, quiet)?;
+    quantize_target(home, cfg, &out, quiet)?;
     Ok(out)
+}
+
+/// The default draft (W4A16, groups of 32), made from the target on first use.
+pub fn ensure_draft(home: &Path, quiet: bool) -> Result<PathBuf> {
+    ensure_quantized(home, &QuantConfig::default(), quiet)
+}
+
+/// The target as an f32 GGUF (embedding included), for llama.cpp to run beside Tandem.
+pub fn ensure_f32_copy(home: &Path) -> Result<PathBuf> {
+    let cfg = QuantConfig {
+        scheme: tandem_quant::Scheme::F32,
+        embedding: tandem_quant::EmbedPrecision::F32,
+        ..QuantConfig::default()
+    };
+    ensure_quantized(home, &cfg, true).context("writing the f32 target for llama.cpp")
 }

@@ -3,15 +3,16 @@
 //! Over many seeds, the token committed at output positions 1 and 2 (both decided by judging
 //! drafted tokens) follows the target's sampling distribution there — the marginal over the earlier
 //! output tokens, computed exactly by enumerating them — by a χ² test at the 0.999 quantile, for
-//! sample-and-match and for rejection sampling, for two sets of sampling parameters and two
-//! pipeline shapes. The same counts against the draft's own distribution must fail that test, so
-//! the test can tell a wrong verifier from a right one. Seeds are fixed: every run is replayable.
+//! sample-and-match and for rejection sampling, for two sets of sampling parameters and three
+//! pipeline shapes (synchronous, blocks in flight that go stale, one-token blocks judged against
+//! the pending prediction). The same counts against the draft's own distribution must fail that
+//! test, so the test can tell a wrong verifier from a right one; under sample-and-match every run
+//! must also reproduce the target's own sample. Seeds are fixed: every run is replayable.
 
 use std::collections::VecDeque;
+use std::io::Cursor;
 use std::sync::Arc;
 use std::time::Instant;
-
-use std::io::Cursor;
 
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -450,7 +451,7 @@ fn check(rule: VerifyRule) {
             case.name
         );
         assert!(
-            case.depth == 1 || (stats.stale_blocks > some && early as usize > some),
+            case.depth == 1 || (stats.stale_blocks > some && early as usize > RUNS as usize / 100),
             "{rule:?}, {}: blocks in flight must go stale and meet the pending prediction: \
              {stats:?}, {early} decided early",
             case.name

@@ -1,0 +1,609 @@
+//! `tandem bench latency`: what a user waits for, mode by mode, over an emulated network.
+//!
+//! The verifier runs as its own process (`tandem cloud serve`), pinned to its own cores; the edge
+//! runs here, pinned to others; between them a netem proxy adds the round trip (± jitter) to every
+//! gRPC byte. For each draft and each RTT it measures edge-only (the draft alone), cloud-only (the
+//! `Generate` RPC), synchronous speculation at each γ of a sweep, asynchronous speculation at the
+//! γ / depth the policy plans from the calibration run, and the adaptive policy (`--auto`). Every
+//! speculative run is checked token for token against the cloud-only output, and its ITL is compared
+//! with the analytic model's prediction from the α, draft time, verify time and round trip measured
+//! in that same run.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde::Serialize;
+use serde_json::Value;
+use tandem_edge::netem::NetemConfig;
+use tandem_edge::{AutoShape, SpecConfig};
+use tandem_engine::{CpuSet, Engine, EngineConfig, LlamaModel, SamplingParams, Tokenizer};
+use tandem_spec::policy::{async_itl_ms, recommend, sync_itl_ms, Costs};
+use tandem_spec::VerifyRule;
+
+use crate::generate::{generate, generate_remote, GenOutput};
+use crate::speculate::SpecRun;
+use crate::stats::{round2, Summary};
+
+#[derive(Debug, Clone)]
+pub struct LatencyArgs {
+    pub home: PathBuf,
+    pub rtts: Vec<f64>,
+    /// Jitter as a fraction of the RTT (uniform ± this much per direction).
+    pub jitter_frac: f64,
+    pub tokens: usize,
+    pub prompts: Vec<String>,
+    pub sync_gammas: Vec<usize>,
+    pub max_gamma: usize,
+    pub max_depth: usize,
+    pub edge_cpus: CpuSet,
+    pub cloud_cpus: CpuSet,
+    /// llama.cpp's python and bench.py, to show its forward times beside ours.
+    pub peer: Option<(PathBuf, PathBuf)>,
+    /// The target as an f32 GGUF for llama.cpp (it cannot read the pulled file's dequantized form).
+    pub peer_target: Option<PathBuf>,
+}
+
+/// One draft under test.
+pub struct Draft {
+    pub name: String,
+    pub path: PathBuf,
+    pub model: Arc<LlamaModel>,
+}
+
+/// One mode at one RTT, over all prompts.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub draft: String,
+    pub rtt_ms: f64,
+    pub mode: String,
+    pub gamma: usize,
+    pub depth: usize,
+    pub ttft_ms: f64,
+    pub itl_ms: Summary,
+    pub acceptance_rate: f64,
+    pub mean_accepted: f64,
+    pub wasted_draft_tokens: usize,
+    pub drafted: usize,
+    pub tokens: usize,
+    /// Measured draft forward, verifier forward and round trip (ms; speculative modes).
+    pub draft_ms: f64,
+    pub verify_ms: f64,
+    pub net_ms: f64,
+    /// The analytic model's ITL from this run's own measurements, and the relative error.
+    pub predicted_itl_ms: Option<f64>,
+    pub model_error: Option<f64>,
+    /// Every prompt's output equals the cloud-only (target) output.
+    pub same_as_target: Option<bool>,
+}
+
+/// Per draft and RTT: async against the best sync.
+#[derive(Debug, Clone, Serialize)]
+pub struct Verdict {
+    pub draft: String,
+    pub rtt_ms: f64,
+    pub best_sync_gamma: usize,
+    pub best_sync_itl_ms: f64,
+    pub async_itl_ms: f64,
+    pub auto_itl_ms: f64,
+    /// Async (planned) ITL over the best sync ITL.
+    pub async_over_sync: f64,
+    pub edge_only_itl_ms: f64,
+    pub cloud_only_itl_ms: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct LatencyReport {
+    pub tokens: usize,
+    pub prompts: usize,
+    pub jitter_frac: f64,
+    pub edge_cpus: String,
+    pub cloud_cpus: String,
+    /// Per draft: the costs measured at the first RTT, from which async's γ / depth were planned.
+    pub calibration: Vec<(String, Costs)>,
+    pub rows: Vec<Row>,
+    pub summary: Vec<Verdict>,
+    /// llama.cpp on the same files, 1 thread (decode tok/s, chunk forward ms), when installed.
+    pub peer: Option<Value>,
+}
+
+/// `tandem cloud serve` in its own process; killed on drop.
+struct CloudProcess {
+    child: Child,
+    addr: String,
+}
+
+impl CloudProcess {
+    fn start(a: &LatencyArgs) -> Result<Self> {
+        let exe = std::env::current_exe().context("locating the tandem binary")?;
+        let mut cmd = Command::new(exe);
+        cmd.arg("--home")
+            .arg(&a.home)
+            .args(["cloud", "serve", "--listen", "127.0.0.1:0", "--threads"])
+            .arg(a.cloud_cpus.len().max(1).to_string())
+            .args(["--max-draft-len", &a.max_gamma.to_string()])
+            .args(["--max-depth", &a.max_depth.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        if !a.cloud_cpus.is_empty() {
+            cmd.args(["--cpus", &a.cloud_cpus.to_string()]);
+        }
+        let mut child = cmd.spawn().context("starting `tandem cloud serve`")?;
+        let stderr = child.stderr.take().expect("stderr is piped");
+        let mut lines = BufReader::new(stderr).lines();
+        let mut said = String::new();
+        let addr = loop {
+            let Some(line) = lines.next().transpose()? else {
+                let _ = child.kill();
+                bail!("the verifier process exited before listening: {said}");
+            };
+            if let Some(a) = line.strip_prefix("tandem verifier listening on ") {
+                break a.trim().to_string();
+            }
+            said.push_str(&line);
+            said.push('\n');
+        };
+        // Keep draining its stderr so that it never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines.by_ref() {});
+        Ok(Self { child, addr })
+    }
+}
+
+impl Drop for CloudProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A netem proxy in front of the verifier, on a runtime of its own.
+struct Link {
+    rt: tokio::runtime::Runtime,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Link {
+    fn new() -> Result<Self> {
+        Ok(Self {
+            rt: tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()?,
+            task: None,
+        })
+    }
+
+    /// Route a fresh loopback port to `upstream` with `rtt_ms` ± jitter; returns its URL.
+    fn set(&mut self, upstream: &str, rtt_ms: f64, jitter_ms: f64) -> Result<String> {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+        let upstream: std::net::SocketAddr = upstream.parse()?;
+        let cfg = NetemConfig {
+            rtt_ms,
+            jitter_ms,
+            bandwidth_kbit: 0.0,
+            loss_pct: 0.0,
+            seed: 7,
+        };
+        cfg.validate().map_err(|e| anyhow!("netem: {e}"))?;
+        let listener = self
+            .rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+        let addr = listener.local_addr()?;
+        self.task = Some(self.rt.spawn(async move {
+            if let Err(e) = tandem_edge::netem::proxy(listener, upstream, cfg).await {
+                tracing::warn!("netem proxy stopped: {e}");
+            }
+        }));
+        Ok(format!("http://{addr}"))
+    }
+}
+
+/// Several prompts' outputs of one mode, folded into a row.
+fn fold(draft: &str, rtt: f64, mode: &str, outs: &[GenOutput], want: &[Vec<u32>]) -> Row {
+    let n = outs.len().max(1) as f64;
+    let mean = |f: &dyn Fn(&GenOutput) -> f64| outs.iter().map(f).sum::<f64>() / n;
+    // The mean gap over all prompts weighs each prompt by its gaps; p50 is the prompts' mean p50
+    // and p99 the worst prompt's.
+    let gaps: f64 = outs
+        .iter()
+        .map(|o| o.output_ids.len().saturating_sub(1) as f64)
+        .sum();
+    let itl_mean = if gaps > 0.0 {
+        outs.iter()
+            .map(|o| o.itl_ms.mean * o.output_ids.len().saturating_sub(1) as f64)
+            .sum::<f64>()
+            / gaps
+    } else {
+        0.0
+    };
+    let spec = |f: &dyn Fn(&crate::speculate::SpecFields) -> f64| {
+        mean(&|o: &GenOutput| o.spec.as_ref().map_or(0.0, f))
+    };
+    let first = outs.first().and_then(|o| o.spec.as_ref());
+    Row {
+        draft: draft.to_string(),
+        rtt_ms: rtt,
+        mode: mode.to_string(),
+        gamma: first.map_or(0, |s| s.gamma),
+        depth: first.map_or(0, |s| s.depth),
+        ttft_ms: round2(mean(&|o| o.ttft_ms)),
+        itl_ms: Summary {
+            mean: round2(itl_mean),
+            p50: round2(mean(&|o| o.itl_ms.p50)),
+            p99: round2(outs.iter().map(|o| o.itl_ms.p99).fold(0.0, f64::max)),
+        },
+        acceptance_rate: round2(spec(&|s| s.acceptance_rate)),
+        mean_accepted: round2(spec(&|s| s.mean_accepted)),
+        wasted_draft_tokens: outs
+            .iter()
+            .filter_map(|o| o.spec.as_ref().map(|s| s.wasted_draft_tokens))
+            .sum(),
+        drafted: outs
+            .iter()
+            .filter_map(|o| o.spec.as_ref().map(|s| s.drafted))
+            .sum(),
+        tokens: outs.iter().map(|o| o.output_ids.len()).sum(),
+        draft_ms: round2(spec(&|s| s.measured.draft_ms)),
+        verify_ms: round2(spec(&|s| s.measured.verify_ms)),
+        net_ms: round2(spec(&|s| s.measured.net_ms)),
+        predicted_itl_ms: None,
+        model_error: None,
+        same_as_target: (!want.is_empty())
+            .then(|| outs.iter().zip(want).all(|(o, w)| &o.output_ids == w)),
+    }
+}
+
+/// The model's inputs as measured in `r`, with the round trip it saw.
+fn costs_of(r: &Row) -> Costs {
+    Costs {
+        alpha: r.acceptance_rate,
+        draft_ms: r.draft_ms,
+        verify_ms: r.verify_ms,
+        verify_ms_per_token: 0.0,
+        rtt_ms: r.net_ms,
+    }
+}
+
+fn predict(r: &mut Row) {
+    let c = costs_of(r);
+    let p = if r.depth <= 1 {
+        sync_itl_ms(&c, r.gamma)
+    } else {
+        async_itl_ms(&c, r.gamma, r.depth)
+    };
+    r.predicted_itl_ms = Some(round2(p));
+    r.model_error = Some(round2((r.itl_ms.mean - p) / p * 100.0) / 100.0);
+}
+
+/// Costs pooled over the sync sweep at one RTT: α and draft time averaged, verify time fitted as
+/// `fixed + per_token · (γ + 1)`.
+fn calibrate(rows: &[&Row]) -> Costs {
+    let n = rows.len().max(1) as f64;
+    let alpha = rows.iter().map(|r| r.acceptance_rate).sum::<f64>() / n;
+    let draft_ms = rows.iter().map(|r| r.draft_ms).sum::<f64>() / n;
+    let rtt_ms = rows.iter().map(|r| r.net_ms).sum::<f64>() / n;
+    let xs: Vec<f64> = rows.iter().map(|r| (r.gamma + 1) as f64).collect();
+    let ys: Vec<f64> = rows.iter().map(|r| r.verify_ms).collect();
+    let (mx, my) = (xs.iter().sum::<f64>() / n, ys.iter().sum::<f64>() / n);
+    let sxx: f64 = xs.iter().map(|x| (x - mx) * (x - mx)).sum();
+    let sxy: f64 = xs.iter().zip(&ys).map(|(x, y)| (x - mx) * (y - my)).sum();
+    let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+    Costs {
+        alpha,
+        draft_ms,
+        verify_ms: my - slope * mx,
+        verify_ms_per_token: slope,
+        rtt_ms,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn spec_runs(
+    a: &LatencyArgs,
+    target: &Arc<LlamaModel>,
+    d: &Draft,
+    tok: &Tokenizer,
+    url: &str,
+    prompts: &[Vec<u32>],
+    gamma: usize,
+    depth: usize,
+    auto: Option<AutoShape>,
+) -> Result<Vec<GenOutput>> {
+    let edge = EngineConfig {
+        threads: a.edge_cpus.len().max(1),
+        cpus: a.edge_cpus,
+        ..EngineConfig::default()
+    };
+    let run = SpecRun {
+        target: target.clone(),
+        draft: d.model.clone(),
+        tokenizer: tok,
+        // The verifier is the other process; this engine setting is unused with `cloud_url`.
+        cloud: edge,
+        edge,
+        spec: SpecConfig {
+            draft_len: gamma,
+            depth,
+            max_new_tokens: a.tokens,
+            rule: VerifyRule::Greedy,
+            params: SamplingParams::default(),
+            q_top_k: 32,
+            auto,
+        },
+        rtt_ms: 0.0,
+        cloud_url: Some(url.to_string()),
+    };
+    prompts
+        .iter()
+        .map(|p| crate::speculate::run(&run, p, |_| {}))
+        .collect()
+}
+
+/// Run the whole benchmark. `progress` hears about each finished row.
+pub fn run(
+    a: &LatencyArgs,
+    target: &Arc<LlamaModel>,
+    tok: &Tokenizer,
+    drafts: &[Draft],
+    mut progress: impl FnMut(&Row),
+) -> Result<LatencyReport> {
+    if a.rtts.is_empty() || a.prompts.is_empty() || a.sync_gammas.is_empty() {
+        bail!("--rtts, --prompts and --sync-gammas must each name at least one value");
+    }
+    let prompts: Vec<Vec<u32>> = a
+        .prompts
+        .iter()
+        .map(|p| tok.encode_chat(p))
+        .collect::<Result<_, _>>()?;
+    let cloud = CloudProcess::start(a)?;
+    let mut link = Link::new()?;
+    let mut rows: Vec<Row> = Vec::new();
+    let mut emit = |r: Row, rows: &mut Vec<Row>| {
+        progress(&r);
+        rows.push(r);
+    };
+    let edge_cfg = EngineConfig {
+        threads: a.edge_cpus.len().max(1),
+        cpus: a.edge_cpus,
+        ..EngineConfig::default()
+    };
+    // Edge-only: the draft alone, no network.
+    for d in drafts {
+        let mut e = Engine::new(d.model.clone(), edge_cfg)?;
+        let outs = prompts
+            .iter()
+            .map(|p| generate(&mut e, tok, p, a.tokens, &SamplingParams::default(), |_| {}))
+            .collect::<Result<Vec<_>>>()?;
+        emit(fold(&d.name, 0.0, "edge-only", &outs, &[]), &mut rows);
+    }
+    let mut want: Vec<Vec<u32>> = Vec::new();
+    let mut calibration: Vec<(String, Costs)> = Vec::new();
+    for &rtt in &a.rtts {
+        let url = link.set(&cloud.addr, rtt, rtt * a.jitter_frac)?;
+        let outs = prompts
+            .iter()
+            .map(|p| generate_remote(&url, tok, p, a.tokens, &SamplingParams::default(), |_| {}))
+            .collect::<Result<Vec<_>>>()?;
+        if want.is_empty() {
+            want = outs.iter().map(|o| o.output_ids.clone()).collect();
+        }
+        emit(fold("-", rtt, "cloud-only", &outs, &want), &mut rows);
+        for d in drafts {
+            let mut sync_rows = Vec::new();
+            for &g in &a.sync_gammas {
+                let outs = spec_runs(a, target, d, tok, &url, &prompts, g, 1, None)?;
+                let mut r = fold(&d.name, rtt, "sync", &outs, &want);
+                predict(&mut r);
+                sync_rows.push(r.clone());
+                emit(r, &mut rows);
+            }
+            let costs = match calibration.iter().find(|c| c.0 == d.name) {
+                Some(c) => c.1,
+                None => {
+                    let c = calibrate(&sync_rows.iter().collect::<Vec<_>>());
+                    calibration.push((d.name.clone(), c));
+                    c
+                }
+            };
+            // Plan for this RTT from the calibration's α and times and this run's round trip.
+            let net = sync_rows.iter().map(|r| r.net_ms).sum::<f64>() / sync_rows.len() as f64;
+            let plan = recommend(
+                &Costs {
+                    rtt_ms: net,
+                    ..costs
+                },
+                a.max_gamma,
+                a.max_depth,
+            );
+            let outs = spec_runs(
+                a, target, d, tok, &url, &prompts, plan.gamma, plan.depth, None,
+            )?;
+            let mut r = fold(&d.name, rtt, "async", &outs, &want);
+            predict(&mut r);
+            emit(r, &mut rows);
+            let auto = AutoShape {
+                max_draft_len: a.max_gamma,
+                max_depth: a.max_depth,
+                prior: tandem_edge::default_prior(rtt),
+            };
+            let outs = spec_runs(a, target, d, tok, &url, &prompts, 4, 2, Some(auto))?;
+            let mut r = fold(&d.name, rtt, "async-auto", &outs, &want);
+            predict(&mut r);
+            emit(r, &mut rows);
+        }
+    }
+    drop(link);
+    drop(cloud);
+    let summary = summarize(&rows, drafts, &a.rtts);
+    let peer = a.peer.as_ref().map(|(py, script)| {
+        let mut v = serde_json::Map::new();
+        let files = drafts
+            .iter()
+            .map(|d| (d.name.clone(), d.path.clone()))
+            .chain(
+                a.peer_target
+                    .iter()
+                    .map(|p| ("target f32".to_string(), p.clone())),
+            );
+        for (name, path) in files {
+            v.insert(
+                name,
+                crate::bench::peer_bench(py, script, &path, 1, &[1, 2, 3, 5, 7, 9], 32)
+                    .unwrap_or(Value::Null),
+            );
+        }
+        Value::Object(v)
+    });
+    Ok(LatencyReport {
+        tokens: a.tokens,
+        prompts: prompts.len(),
+        jitter_frac: a.jitter_frac,
+        edge_cpus: a.edge_cpus.to_string(),
+        cloud_cpus: a.cloud_cpus.to_string(),
+        calibration,
+        rows,
+        summary,
+        peer,
+    })
+}
+
+fn summarize(rows: &[Row], drafts: &[Draft], rtts: &[f64]) -> Vec<Verdict> {
+    let mut out = Vec::new();
+    let find = |d: &str, rtt: f64, mode: &str| {
+        rows.iter()
+            .filter(|r| r.draft == d && r.rtt_ms == rtt && r.mode == mode)
+            .collect::<Vec<_>>()
+    };
+    for d in drafts {
+        let edge = find(&d.name, 0.0, "edge-only")
+            .first()
+            .map_or(0.0, |r| r.itl_ms.mean);
+        for &rtt in rtts {
+            let Some(best) = find(&d.name, rtt, "sync")
+                .into_iter()
+                .min_by(|x, y| x.itl_ms.mean.total_cmp(&y.itl_ms.mean))
+            else {
+                continue;
+            };
+            let itl = |mode| {
+                find(&d.name, rtt, mode)
+                    .first()
+                    .map_or(0.0, |r| r.itl_ms.mean)
+            };
+            let asy = itl("async");
+            out.push(Verdict {
+                draft: d.name.clone(),
+                rtt_ms: rtt,
+                best_sync_gamma: best.gamma,
+                best_sync_itl_ms: best.itl_ms.mean,
+                async_itl_ms: asy,
+                auto_itl_ms: itl("async-auto"),
+                async_over_sync: round2(asy / best.itl_ms.mean),
+                edge_only_itl_ms: edge,
+                cloud_only_itl_ms: find("-", rtt, "cloud-only")
+                    .first()
+                    .map_or(0.0, |r| r.itl_ms.mean),
+            });
+        }
+    }
+    out
+}
+
+/// Markdown tables of the report.
+pub fn table(r: &LatencyReport) -> String {
+    let mut s = format!(
+        "{} prompts × {} tokens, greedy; jitter ±{:.0}% of the RTT; edge on cpus {}, verifier (own process) on cpus {}\n\n",
+        r.prompts,
+        r.tokens,
+        r.jitter_frac * 100.0,
+        if r.edge_cpus.is_empty() { "any" } else { &r.edge_cpus },
+        if r.cloud_cpus.is_empty() { "any" } else { &r.cloud_cpus },
+    );
+    s += "| draft | RTT ms | mode | γ | depth | TTFT ms | ITL mean | p50 | p99 | α | E[A] | wasted drafts | model ITL | model err | = target |\n";
+    s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    for x in &r.rows {
+        let spec = x.mode != "edge-only" && x.mode != "cloud-only";
+        let opt = |v: Option<f64>, pct: bool| match v {
+            Some(v) if pct => format!("{:+.0}%", v * 100.0),
+            Some(v) => format!("{v:.1}"),
+            None => "-".into(),
+        };
+        s += &format!(
+            "| {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} |\n",
+            x.draft,
+            if x.mode == "edge-only" { "-".into() } else { format!("{:.0}", x.rtt_ms) },
+            x.mode,
+            if spec { x.gamma.to_string() } else { "-".into() },
+            if spec { x.depth.to_string() } else { "-".into() },
+            x.ttft_ms,
+            x.itl_ms.mean,
+            x.itl_ms.p50,
+            x.itl_ms.p99,
+            if spec { format!("{:.2}", x.acceptance_rate) } else { "-".into() },
+            if spec { format!("{:.2}", x.mean_accepted) } else { "-".into() },
+            if spec { format!("{}/{}", x.wasted_draft_tokens, x.drafted) } else { "-".into() },
+            opt(x.predicted_itl_ms, false),
+            opt(x.model_error, true),
+            x.same_as_target.map_or("-", |b| if b { "yes" } else { "NO" }),
+        );
+    }
+    s += "\n| draft | RTT ms | edge-only ITL | cloud-only ITL | best sync ITL (γ) | async ITL | async / best sync | auto ITL |\n";
+    s += "|---|---|---|---|---|---|---|---|\n";
+    for v in &r.summary {
+        s += &format!(
+            "| {} | {:.0} | {:.1} | {:.1} | {:.1} ({}) | {:.1} | {:.2} | {:.1} |\n",
+            v.draft,
+            v.rtt_ms,
+            v.edge_only_itl_ms,
+            v.cloud_only_itl_ms,
+            v.best_sync_itl_ms,
+            v.best_sync_gamma,
+            v.async_itl_ms,
+            v.async_over_sync,
+            v.auto_itl_ms
+        );
+    }
+    s += "\nCalibration (first RTT, sync sweep) from which async's γ / depth are planned:\n\n";
+    for (d, c) in &r.calibration {
+        s += &format!(
+            "- {d}: α {:.2}, draft {:.1} ms/token, verify {:.1} + {:.1}·(γ+1) ms, round trip {:.1} ms\n",
+            c.alpha, c.draft_ms, c.verify_ms, c.verify_ms_per_token, c.rtt_ms
+        );
+    }
+    if let Some(Value::Object(p)) = &r.peer {
+        s += "\nllama.cpp, 1 thread, same files (decode tok/s; forward of k tokens, ms):\n\n";
+        for (d, v) in p {
+            s += &format!("- {d}: {}\n", v);
+        }
+    }
+    s
+}
+
+/// Where the peer's python and bench script are, if installed (and not turned off).
+pub fn find_peer(python: Option<PathBuf>, script: Option<PathBuf>) -> Option<(PathBuf, PathBuf)> {
+    let py = python.or_else(|| {
+        std::env::var_os("HOME")
+            .map(|h| PathBuf::from(h).join(".cache/tandem-peer/venv/bin/python"))
+            .filter(|p| p.is_file())
+    })?;
+    let script = script
+        .or_else(|| Some(PathBuf::from("../shared/peer/bench.py")).filter(|p| p.is_file()))?;
+    Some((py, script))
+}
+
+/// Check a draft file exists and load it.
+pub fn load_draft(name: &str, path: &Path) -> Result<Draft> {
+    let mut g = tandem_engine::GgufFile::open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    let model = LlamaModel::load(&mut g, tandem_engine::WeightMode::Native)
+        .with_context(|| format!("loading {}", path.display()))?;
+    Ok(Draft {
+        name: name.to_string(),
+        path: path.to_path_buf(),
+        model: Arc::new(model),
+    })
+}
