@@ -240,7 +240,7 @@ struct LatencyBenchArgs {
     #[arg(long = "prompt")]
     prompts: Vec<String>,
     /// γ values of the synchronous sweep.
-    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,6")]
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
     sync_gammas: Vec<usize>,
     #[arg(long, default_value_t = 8)]
     max_gamma: usize,
@@ -603,8 +603,8 @@ fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
         .transpose()?;
     let prompts = if a.prompts.is_empty() {
         vec![
-            "What is the capital of France? Answer in two sentences.".to_string(),
-            "Explain in a short paragraph why the sky is blue.".to_string(),
+            "Write a short story about a robot who learns to paint.".to_string(),
+            "Explain how a bicycle works, step by step.".to_string(),
         ]
     } else {
         a.prompts.clone()

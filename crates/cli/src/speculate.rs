@@ -128,8 +128,16 @@ fn run_grpc(
         want_draft_len: r.spec.auto.map_or(r.spec.draft_len, |a| a.max_draft_len) as u32,
         want_depth: r.spec.auto.map_or(r.spec.depth, |a| a.max_depth) as u32,
     };
-    let (mut link, opened) = tandem_edge::grpc::GrpcLink::connect(&rt, url, req)
+    // The draft prefills the prompt while the verifier prefills it too.
+    let (connected, prefilled) = std::thread::scope(|s| {
+        let open = s.spawn(|| tandem_edge::grpc::GrpcLink::connect(&rt, url, req));
+        let prefilled = tandem_edge::prefill_draft(&mut draft, prompt_ids);
+        (open.join(), prefilled)
+    });
+    let (mut link, opened) = connected
+        .map_err(|_| anyhow!("the gRPC connect thread panicked"))?
         .with_context(|| format!("opening a session on {url}"))?;
+    prefilled.context("draft prefill")?;
     let (granted_len, granted_depth) = (opened.draft_len as usize, opened.depth as usize);
     let spec = SpecConfig {
         draft_len: r.spec.draft_len.min(granted_len),
@@ -219,6 +227,8 @@ fn run_in_process(
             reply: tandem_cloud::reply_to(reply_tx),
         })
         .map_err(|_| anyhow!("the verifier stopped"))?;
+    // The draft prefills the prompt while the verifier prefills it too.
+    tandem_edge::prefill_draft(&mut draft, prompt_ids).context("draft prefill")?;
     let first = match reply_rx.recv() {
         Ok(ToEdge::Opened { first, .. }) => first,
         Ok(ToEdge::Error { message }) => {

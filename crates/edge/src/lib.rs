@@ -102,8 +102,20 @@ pub struct SpecReport {
     pub measured: Measured,
 }
 
+/// The sequence the edge drafts on.
+const SEQ: SeqId = SeqId(0);
+
+/// Feed `prompt` through the draft model ahead of [`run`] — while the verifier prefills the same
+/// prompt — so that the first block does not wait for the draft's own prefill.
+pub fn prefill_draft(draft: &mut Engine, prompt: &[u32]) -> Result<(), EdgeError> {
+    draft.free(SEQ);
+    draft.forward(&[SeqChunk::new(SEQ, 0, prompt.to_vec(), Wanted::Last)])?;
+    Ok(())
+}
+
 /// Generate with speculation: `prompt` is already open on the verifier behind `link`, which
-/// answered with the target's `first` token.
+/// answered with the target's `first` token. The draft's sequence holds nothing or exactly
+/// `prompt` (see [`prefill_draft`]).
 #[allow(clippy::too_many_arguments)]
 pub fn run(
     draft: &mut Engine,
@@ -115,8 +127,10 @@ pub fn run(
     start: Instant,
     mut on_commit: impl FnMut(&[u32]),
 ) -> Result<SpecReport, EdgeError> {
-    let seq = SeqId(0);
-    draft.free(seq);
+    let seq = SEQ;
+    if draft.seq_len(seq) != prompt.len() {
+        draft.free(seq);
+    }
     let pcfg = PipelineConfig {
         draft_len: cfg.draft_len,
         depth: cfg.depth,
@@ -138,8 +152,8 @@ pub fn run(
         |a| a.prior,
     ));
     let mut m = Measured::default();
-    let (mut draft_total, mut verify_total, mut verified, mut rt_total, mut arrivals) =
-        (0.0, 0.0, 0usize, 0.0, 0usize);
+    let (mut draft_total, mut draft_steps, mut verify_total, mut verified) = (0.0, 0usize, 0.0, 0);
+    let (mut rt_total, mut arrivals) = (0.0, 0usize);
     let mut apply = |outs: Vec<Output>,
                      draft: &mut Engine,
                      link: &mut dyn Link,
@@ -217,6 +231,8 @@ pub fn run(
                 let t0 = Instant::now();
                 let fed = draft.seq_len(seq);
                 let toks = p.tokens();
+                // A forward that feeds the whole prompt is a prefill, not a draft step.
+                let prefill = fed == 0;
                 let logits = draft.forward(&[SeqChunk::new(
                     seq,
                     fed,
@@ -240,16 +256,19 @@ pub fn run(
                         (t, Some(q))
                     }
                 };
-                let ms = t0.elapsed().as_secs_f64() * 1e3;
-                est.on_draft(ms);
-                draft_total += ms;
+                if !prefill {
+                    let ms = t0.elapsed().as_secs_f64() * 1e3;
+                    est.on_draft(ms);
+                    draft_total += ms;
+                    draft_steps += 1;
+                }
                 let outs = p.on_drafted(t, q);
                 apply(outs, draft, link, &mut commit_ms, &mut sent_at)?;
             }
         }
     }
     let mean = |t: f64, n: usize| if n == 0 { 0.0 } else { t / n as f64 };
-    m.draft_ms = mean(draft_total, draft_forwards);
+    m.draft_ms = mean(draft_total, draft_steps);
     m.verify_ms = mean(verify_total, verified);
     m.block_round_trip_ms = mean(rt_total, arrivals);
     m.net_ms = est.costs(0, 0).rtt_ms;

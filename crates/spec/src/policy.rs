@@ -47,36 +47,47 @@ pub fn sync_itl_ms(c: &Costs, gamma: usize) -> f64 {
     sync_round_ms(c, gamma) / expected_accepted(c.alpha, gamma)
 }
 
-/// Expected inter-token latency of asynchronous speculation with γ and `depth` blocks in flight.
+/// Expected inter-token latency of asynchronous speculation with γ and `depth` blocks in flight
+/// (`depth` 1 is synchronous speculation).
 ///
-/// The edge drafts while fewer than `depth` blocks are in flight, so while blocks pass whole one
-/// verdict arrives per pipeline period `max(γ·T_draft, T_verify, round / depth)` and commits γ
-/// tokens (the bonus is only a prediction: the next block, already drafted, is checked against it).
-/// A block rejected at its i-th token commits i + 1 tokens and flushes the pipeline: the next
-/// verdict is a full round away, plus the rest of the draft forward the edge was running when the
-/// verdict came (half of one on average, when the edge was busy). A verdict's cost depends on the
-/// verdict before it, so per verdict the time is `p·period + (1 − p)·(round + reaction)` with
-/// `p = α^γ` the chance that a block passes whole.
+/// Think in runs: a run starts when a correction is known and ends at the next rejected token.
+/// The edge drafts on without waiting, so after the run's first verdict (a full round away, plus
+/// the rest of the draft forward the edge was running when the correction came: half of one on
+/// average when it was busy) one verdict arrives per pipeline period
+/// `max(γ·T_draft, T_verify, round / depth)`. A run of K accepted tokens (K geometric with
+/// parameter α) commits K + 1 tokens and ends at the verdict of block ⌊K/γ⌋ — one block earlier
+/// when the rejected token opens its block, because the previous verdict's bonus already tells the
+/// edge that its next drafted token is wrong.
 pub fn async_itl_ms(c: &Costs, gamma: usize, depth: usize) -> f64 {
-    let a = c.alpha;
-    let g = gamma as f64;
-    let round = sync_round_ms(c, gamma);
-    let period = (g * c.draft_ms)
-        .max(verify_time(c, gamma))
-        .max(round / depth.max(1) as f64);
-    let busy = if depth > 1 {
-        (g * c.draft_ms / period).min(1.0)
-    } else {
-        0.0
-    };
+    if depth <= 1 {
+        return sync_itl_ms(c, gamma);
+    }
+    let a = c.alpha.clamp(0.0, 1.0);
+    let g = gamma.max(1);
+    let round = sync_round_ms(c, g);
+    let period = (g as f64 * c.draft_ms)
+        .max(verify_time(c, g))
+        .max(round / depth as f64);
+    if a > 1.0 - 1e-9 {
+        return period / g as f64;
+    }
+    let busy = (g as f64 * c.draft_ms / period).min(1.0);
     let reaction = busy * c.draft_ms / 2.0;
-    let p_full = a.powi(gamma as i32);
-    let tokens_reject: f64 = (0..gamma)
-        .map(|i| a.powi(i as i32) * (1.0 - a) * (i + 1) as f64)
-        .sum();
-    let tokens = p_full * g + tokens_reject;
-    let time = p_full * period + (1.0 - p_full) * (round + reaction);
-    time / tokens.max(1e-9)
+    // Expected number of periods after the run's first verdict until the rejection is seen.
+    let mut extra = 0.0;
+    let mut p_k = 1.0 - a; // P(K = k)
+    let mut k = 0usize;
+    while p_k > 1e-12 && k < 1_000_000 {
+        let mut b = k / g;
+        if k >= g && k % g == 0 {
+            b -= 1;
+        }
+        extra += p_k * b as f64;
+        p_k *= a;
+        k += 1;
+    }
+    let tokens = 1.0 / (1.0 - a);
+    (round + reaction + period * extra) / tokens
 }
 
 /// A recommended shape and its predicted inter-token latencies.
@@ -212,10 +223,16 @@ mod tests {
     }
 
     #[test]
-    fn depth_one_async_is_sync_when_every_block_passes_or_fails() {
+    fn depth_one_is_sync_and_depth_helps_only_with_a_good_draft() {
         let c = costs(0.75, 100.0);
-        // depth 1: a fully accepted block costs a full round, like sync without the bonus token.
-        assert!(async_itl_ms(&c, 4, 1) >= sync_itl_ms(&c, 4) * 0.8);
+        assert_eq!(async_itl_ms(&c, 4, 1), sync_itl_ms(&c, 4));
+        assert!(async_itl_ms(&c, 2, 3) < async_itl_ms(&c, 2, 1));
+        // A perfect draft streams one block per period.
+        let perfect = costs(1.0, 100.0);
+        assert!((async_itl_ms(&perfect, 4, 6) - 15.0).abs() < 1e-9);
+        // Monotone in α.
+        let (lo, hi) = (costs(0.5, 100.0), costs(0.9, 100.0));
+        assert!(async_itl_ms(&hi, 4, 3) < async_itl_ms(&lo, 4, 3));
     }
 
     #[test]
