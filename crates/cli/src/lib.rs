@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod generate;
 pub mod latency;
+pub mod live;
 pub mod models;
 pub mod pull;
 pub mod speculate;

@@ -567,6 +567,23 @@ fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// One core for the edge and another for the verifier: the first two this process may use (no
+/// pinning with fewer).
+fn split_cores() -> (CpuSet, CpuSet) {
+    let allowed: Vec<usize> = CpuSet::allowed()
+        .map(|s| s.cpus().collect())
+        .unwrap_or_default();
+    let one = |c: usize| -> CpuSet {
+        let mut s = CpuSet::default();
+        let _ = s.insert(c);
+        s
+    };
+    match allowed[..] {
+        [e, c, ..] => (one(e), one(c)),
+        _ => (CpuSet::default(), CpuSet::default()),
+    }
+}
+
 fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
     use tandem_cli::latency;
     let target = models::load(home, &ModelSpec::Target, None, a.json)?;
@@ -583,18 +600,7 @@ fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
             &path,
         )?);
     }
-    let allowed: Vec<usize> = CpuSet::allowed()
-        .map(|s| s.cpus().collect())
-        .unwrap_or_default();
-    let one = |c: Option<&usize>| -> CpuSet {
-        c.map(|c| c.to_string().parse().expect("a cpu id parses"))
-            .unwrap_or_default()
-    };
-    let (edge_default, cloud_default) = if allowed.len() >= 2 {
-        (one(allowed.first()), one(allowed.get(1)))
-    } else {
-        (CpuSet::default(), CpuSet::default())
-    };
+    let (edge_default, cloud_default) = split_cores();
     let peer =
         latency::find_peer(a.peer_python.clone(), a.peer_script.clone()).filter(|_| !a.no_peer);
     let peer_target = peer
@@ -661,14 +667,24 @@ fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
         threads: 1,
         ..a.engine.config()
     };
+    // The edge and the verifier each on a core of its own, when there are two.
+    let (edge_cpus, cloud_cpus) = split_cores();
+    let edge = EngineConfig {
+        cpus: edge_cpus,
+        ..one
+    };
+    let cloud = EngineConfig {
+        cpus: cloud_cpus,
+        ..one
+    };
     // Speculation first, streamed: the draft here, the target behind an emulated link.
     for (mode, depth) in [("async", a.depth), ("sync", 1)] {
         let run = tandem_cli::speculate::SpecRun {
             target: target.model.clone(),
             draft: draft.model.clone(),
             tokenizer: &draft.tokenizer,
-            cloud: one,
-            edge: one,
+            cloud,
+            edge,
             spec: tandem_edge::SpecConfig {
                 draft_len: a.gamma,
                 depth,
@@ -681,17 +697,35 @@ fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
             rtt_ms: a.rtt_ms,
             cloud_url: None,
         };
-        print!("assistant ({mode}, {} ms round trip): ", a.rtt_ms);
-        let mut stdout = std::io::stdout();
-        let out = tandem_cli::speculate::run(&run, &ids, |p| {
-            let _ = stdout.write_all(p.as_bytes());
-            let _ = stdout.flush();
-        })?;
-        println!("\n");
+        let label = format!("assistant ({mode}, {} ms round trip): ", a.rtt_ms);
+        print!("{label}");
+        let mut live = tandem_cli::live::Live::stdout().at_column(label.chars().count());
+        let out = tandem_cli::speculate::run_shown(&run, &ids, &mut |s| live.show(s))?;
+        live.finish();
+        println!();
+        if !live.corrections.is_empty() {
+            let list: Vec<String> = live
+                .corrections
+                .iter()
+                .take(8)
+                .map(|(d, t)| format!("{d:?}→{t:?}"))
+                .collect();
+            println!(
+                "  {} corrections by the target (draft→target): {}{}",
+                live.corrections.len(),
+                list.join(", "),
+                if live.corrections.len() > 8 {
+                    ", …"
+                } else {
+                    ""
+                }
+            );
+        }
+        println!();
         rows.push((mode, out));
     }
-    for (mode, spec) in [("cloud-only", &target), ("edge-only", &draft)] {
-        let mut engine = Engine::new(spec.model.clone(), one)?;
+    for (mode, spec, cfg) in [("cloud-only", &target, cloud), ("edge-only", &draft, edge)] {
+        let mut engine = Engine::new(spec.model.clone(), cfg)?;
         let mut out = generate(
             &mut engine,
             &spec.tokenizer,
@@ -728,7 +762,11 @@ fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
             if o.output_ids == want { "yes" } else { "no" }
         );
     }
-    println!("\n(one thread each for the edge and the verifier; cloud-only includes one round trip in its TTFT)");
+    println!(
+        "\n(one thread each for the edge (cpus {}) and the verifier (cpus {}); cloud-only includes one round trip in its TTFT)",
+        if edge_cpus.is_empty() { "any".into() } else { edge_cpus.to_string() },
+        if cloud_cpus.is_empty() { "any".into() } else { cloud_cpus.to_string() },
+    );
     Ok(())
 }
 

@@ -97,11 +97,36 @@ pub struct SpecRun<'a> {
     pub cloud_url: Option<String>,
 }
 
-/// Run one prompt through a verifier (in-process, or gRPC at `cloud_url`) and the edge pipeline.
-pub fn run(r: &SpecRun, prompt_ids: &[u32], on_text: impl FnMut(&str)) -> Result<GenOutput> {
+/// What a speculative run shows as it goes.
+#[derive(Debug, Clone, Copy)]
+pub enum Shown<'a> {
+    /// Verified text: final.
+    Committed(&'a str),
+    /// The whole unverified tail as it stands now (replaces the previous one).
+    Tentative(&'a str),
+    /// The target replaced the draft's token.
+    Correction { draft: &'a str, target: &'a str },
+}
+
+/// Run one prompt through a verifier (in-process, or gRPC at `cloud_url`) and the edge pipeline,
+/// passing verified text to `on_text`.
+pub fn run(r: &SpecRun, prompt_ids: &[u32], mut on_text: impl FnMut(&str)) -> Result<GenOutput> {
+    run_shown(r, prompt_ids, &mut |s| {
+        if let Shown::Committed(t) = s {
+            on_text(t)
+        }
+    })
+}
+
+/// [`run`], showing tentative tokens and corrections too.
+pub fn run_shown(
+    r: &SpecRun,
+    prompt_ids: &[u32],
+    on_show: &mut dyn FnMut(Shown<'_>),
+) -> Result<GenOutput> {
     match &r.cloud_url {
-        Some(url) => run_grpc(r, url, prompt_ids, on_text),
-        None => run_in_process(r, prompt_ids, on_text),
+        Some(url) => run_grpc(r, url, prompt_ids, on_show),
+        None => run_in_process(r, prompt_ids, on_show),
     }
 }
 
@@ -109,7 +134,7 @@ fn run_grpc(
     r: &SpecRun,
     url: &str,
     prompt_ids: &[u32],
-    mut on_text: impl FnMut(&str),
+    on_show: &mut dyn FnMut(Shown<'_>),
 ) -> Result<GenOutput> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -157,12 +182,12 @@ fn run_grpc(
         prompt_ids,
         opened.first_token,
         start,
-        &mut on_text,
+        on_show,
     )?;
     link.close();
     drop(link);
     rt.shutdown_timeout(Duration::from_millis(200));
-    finish(r, &spec, prompt_ids, report, text, None, on_text)
+    finish(r, &spec, prompt_ids, report, text, None, on_show)
 }
 
 /// Run the edge pipeline on `link`, streaming committed text; returns the report and the text shown.
@@ -175,7 +200,7 @@ fn drive(
     prompt_ids: &[u32],
     first: u32,
     start: Instant,
-    on_text: &mut impl FnMut(&str),
+    on_show: &mut dyn FnMut(Shown<'_>),
 ) -> Result<(tandem_edge::SpecReport, String)> {
     let tok = r.tokenizer;
     let mut stream = TextStream::default();
@@ -188,15 +213,31 @@ fn drive(
         spec,
         link,
         start,
-        |ids| {
-            for &id in ids.iter().filter(|&&id| !tok.is_eog(id)) {
+        |u| {
+            let say = |ids: &[u32]| {
+                let ids: Vec<u32> = ids.iter().copied().filter(|&t| !tok.is_eog(t)).collect();
+                tok.decode(&ids).unwrap_or_default()
+            };
+            let n = u.committed.len();
+            for (i, &id) in u.committed.iter().enumerate() {
+                // A rejecting verdict's last committed token is the correction.
+                if let (Some((d, t)), true) = (u.correction, i + 1 == n) {
+                    on_show(Shown::Correction {
+                        draft: &say(&[d]),
+                        target: &say(&[t]),
+                    });
+                }
+                if tok.is_eog(id) {
+                    continue;
+                }
                 if let Ok(piece) = stream.push(tok, id) {
                     if !piece.is_empty() {
-                        on_text(&piece);
+                        on_show(Shown::Committed(&piece));
                         text.push_str(&piece);
                     }
                 }
             }
+            on_show(Shown::Tentative(&say(u.tentative)));
         },
     )?;
     Ok((report, text))
@@ -205,7 +246,7 @@ fn drive(
 fn run_in_process(
     r: &SpecRun,
     prompt_ids: &[u32],
-    mut on_text: impl FnMut(&str),
+    on_show: &mut dyn FnMut(Shown<'_>),
 ) -> Result<GenOutput> {
     let one_way = Duration::from_secs_f64(r.rtt_ms / 2e3);
     let (to_cloud, cloud_rx) = delay_channel::<ToCloud>(one_way);
@@ -244,14 +285,7 @@ fn run_in_process(
         rx: reply_rx,
     };
     let (report, text) = drive(
-        r,
-        &r.spec,
-        &mut draft,
-        &mut link,
-        prompt_ids,
-        first,
-        start,
-        &mut on_text,
+        r, &r.spec, &mut draft, &mut link, prompt_ids, first, start, on_show,
     )?;
     let _ = to_cloud.send(ToCloud::Close { session });
     drop(link);
@@ -266,7 +300,7 @@ fn run_in_process(
         report,
         text,
         Some(verifier.stats.target_forwards),
-        on_text,
+        on_show,
     )
 }
 
@@ -278,7 +312,7 @@ fn finish(
     report: tandem_edge::SpecReport,
     text: String,
     target_forwards: Option<u64>,
-    mut on_text: impl FnMut(&str),
+    on_show: &mut dyn FnMut(Shown<'_>),
 ) -> Result<GenOutput> {
     let tok = r.tokenizer;
     let mut o = crate::generate::output(
@@ -287,7 +321,7 @@ fn finish(
         report.output_ids.clone(),
         &report.commit_ms,
         &text,
-        &mut on_text,
+        &mut |t: &str| on_show(Shown::Committed(t)),
     )?;
     let s = report.stats;
     o.mode = if spec.depth == 1 { "sync" } else { "async" };

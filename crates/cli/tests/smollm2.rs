@@ -439,6 +439,7 @@ fn spec_out(
             rule,
             params,
             q_top_k: 32,
+            auto: None,
         },
         rtt_ms,
         cloud_url,
@@ -501,6 +502,59 @@ fn speculation_is_lossless_greedy() {
             );
             assert_eq!(got, want, "prompt {pi}, γ={g} depth={d} rtt={rtt}");
         }
+    }
+}
+
+/// The adaptive policy re-plans γ and depth from what it measures; the output stays the target's,
+/// and what it measured is what the link and the models cost.
+#[test]
+fn adaptive_policy_is_lossless_and_measures_the_link() {
+    let (m, tok) = target();
+    let (d, _) = draft();
+    let p = tok
+        .encode_chat("Explain how a bicycle stays upright while moving.")
+        .unwrap();
+    let n = 40;
+    let want = greedy(&mut engine(m), SeqId(6), &p, n);
+    let one = EngineConfig {
+        threads: 1,
+        ..EngineConfig::default()
+    };
+    for (depth, rtt) in [(1, 60.0), (2, 60.0)] {
+        let run = tandem_cli::speculate::SpecRun {
+            target: m.clone(),
+            draft: d.clone(),
+            tokenizer: tok,
+            cloud: one,
+            edge: one,
+            spec: tandem_edge::SpecConfig {
+                draft_len: 8,
+                depth,
+                max_new_tokens: n,
+                rule: tandem_spec::VerifyRule::Greedy,
+                params: tandem_engine::SamplingParams::default(),
+                q_top_k: 32,
+                auto: Some(tandem_edge::AutoShape {
+                    max_draft_len: 8,
+                    max_depth: depth,
+                    prior: tandem_edge::default_prior(rtt),
+                }),
+            },
+            rtt_ms: rtt,
+            cloud_url: None,
+        };
+        let out = tandem_cli::speculate::run(&run, &p, |_| {}).unwrap();
+        assert_eq!(out.output_ids, want, "depth {depth}");
+        let s = out.spec.unwrap();
+        let mm = s.measured;
+        eprintln!("auto depth ≤ {depth}: {mm:?}");
+        assert!(s.auto);
+        assert!(mm.draft_ms > 1.0 && mm.verify_ms > 1.0, "{mm:?}");
+        // The delay line adds the round trip; the policy sees at least that.
+        assert!(mm.net_ms >= rtt * 0.95 && mm.net_ms < rtt + 100.0, "{mm:?}");
+        assert!(mm.final_depth <= depth && mm.final_draft_len <= 8, "{mm:?}");
+        // Starting at γ = 8 with an α ≈ 0.7 draft, it shortens the blocks.
+        assert!(mm.reshapes >= 1 && mm.final_draft_len < 8, "{mm:?}");
     }
 }
 

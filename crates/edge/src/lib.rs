@@ -102,6 +102,17 @@ pub struct SpecReport {
     pub measured: Measured,
 }
 
+/// What the user can be shown after each step of the edge.
+#[derive(Debug, Clone, Copy)]
+pub struct Update<'a> {
+    /// Tokens verified by this step (final: show them as the answer).
+    pub committed: &'a [u32],
+    /// The whole speculative tail after this step: drafted, not yet verified (tentative).
+    pub tentative: &'a [u32],
+    /// The target rejected the draft's token here: `(draft's token, target's token)`.
+    pub correction: Option<(u32, u32)>,
+}
+
 /// The sequence the edge drafts on.
 const SEQ: SeqId = SeqId(0);
 
@@ -125,7 +136,7 @@ pub fn run(
     cfg: &SpecConfig,
     link: &mut dyn Link,
     start: Instant,
-    mut on_commit: impl FnMut(&[u32]),
+    mut on_update: impl FnMut(Update<'_>),
 ) -> Result<SpecReport, EdgeError> {
     let seq = SEQ;
     if draft.seq_len(seq) != prompt.len() {
@@ -154,11 +165,12 @@ pub fn run(
     let mut m = Measured::default();
     let (mut draft_total, mut draft_steps, mut verify_total, mut verified) = (0.0, 0usize, 0.0, 0);
     let (mut rt_total, mut arrivals) = (0.0, 0usize);
-    let mut apply = |outs: Vec<Output>,
-                     draft: &mut Engine,
-                     link: &mut dyn Link,
-                     commit_ms: &mut Vec<f64>,
-                     sent_at: &mut HashMap<u64, Instant>|
+    let apply = |outs: Vec<Output>,
+                 draft: &mut Engine,
+                 link: &mut dyn Link,
+                 commit_ms: &mut Vec<f64>,
+                 sent_at: &mut HashMap<u64, Instant>,
+                 fresh: &mut Vec<u32>|
      -> Result<(), EdgeError> {
         for o in outs {
             match o {
@@ -173,13 +185,27 @@ pub fn run(
                 Output::Commit { tokens, .. } => {
                     let t = start.elapsed().as_secs_f64() * 1e3;
                     commit_ms.extend(std::iter::repeat_n(t, tokens.len()));
-                    on_commit(&tokens);
+                    fresh.extend(tokens);
                 }
             }
         }
         Ok(())
     };
-    apply(first_out, draft, link, &mut commit_ms, &mut sent_at)?;
+    let mut fresh = Vec::new();
+    apply(
+        first_out,
+        draft,
+        link,
+        &mut commit_ms,
+        &mut sent_at,
+        &mut fresh,
+    )?;
+    on_update(Update {
+        committed: &fresh,
+        tentative: &[],
+        correction: None,
+    });
+    fresh.clear();
     loop {
         let mut arrived = Vec::new();
         while let Some(v) = link.recv(false)? {
@@ -201,8 +227,26 @@ pub fn run(
                     verified += 1;
                 }
             }
+            let (from, rejections) = (p.committed_len(), p.stats().rejections);
+            let before = p.tokens()[from..].to_vec();
             let outs = p.on_verdict(v)?;
-            apply(outs, draft, link, &mut commit_ms, &mut sent_at)?;
+            apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
+            let correction = (p.stats().rejections > rejections)
+                .then(|| {
+                    let now = &p.tokens()[from..];
+                    before
+                        .iter()
+                        .zip(now)
+                        .find(|(b, n)| b != n)
+                        .map(|(&b, &n)| (b, n))
+                })
+                .flatten();
+            on_update(Update {
+                committed: &fresh,
+                tentative: &p.tokens()[p.committed_len()..],
+                correction,
+            });
+            fresh.clear();
             if let Some(a) = cfg.auto {
                 let s = *p.stats();
                 let costs = est.costs(s.accepted, s.accepted + s.rejections);
@@ -220,7 +264,7 @@ pub fn run(
                 if want != (g, d) && best_ms < 0.95 * now_ms {
                     let outs = p.set_shape(want.0, want.1)?;
                     m.reshapes += 1;
-                    apply(outs, draft, link, &mut commit_ms, &mut sent_at)?;
+                    apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
                 }
             }
         }
@@ -263,7 +307,13 @@ pub fn run(
                     draft_steps += 1;
                 }
                 let outs = p.on_drafted(t, q);
-                apply(outs, draft, link, &mut commit_ms, &mut sent_at)?;
+                apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
+                on_update(Update {
+                    committed: &fresh,
+                    tentative: &p.tokens()[p.committed_len()..],
+                    correction: None,
+                });
+                fresh.clear();
             }
         }
     }
