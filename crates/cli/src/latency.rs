@@ -20,7 +20,7 @@ use serde_json::Value;
 use tandem_edge::netem::NetemConfig;
 use tandem_edge::{AutoShape, SpecConfig};
 use tandem_engine::{CpuSet, Engine, EngineConfig, LlamaModel, SamplingParams, Tokenizer};
-use tandem_spec::policy::{async_itl_ms, recommend, sync_itl_ms, Costs};
+use tandem_spec::policy::{async_itl_ms, sync_itl_ms, Costs};
 use tandem_spec::VerifyRule;
 
 use crate::generate::{generate, generate_remote, GenOutput};
@@ -107,6 +107,84 @@ pub struct LatencyReport {
     pub summary: Vec<Verdict>,
     /// llama.cpp on the same files, 1 thread (decode tok/s, chunk forward ms), when installed.
     pub peer: Option<Value>,
+    /// The analytic model with llama.cpp's forward times and the calibration's α: where the same
+    /// protocol would land on a faster engine.
+    pub peer_model: Vec<PeerModel>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PeerModel {
+    pub draft: String,
+    pub rtt_ms: f64,
+    pub edge_only_itl_ms: f64,
+    pub cloud_only_itl_ms: f64,
+    pub best_sync_itl_ms: f64,
+    pub best_async_itl_ms: f64,
+}
+
+/// Least-squares `fixed + slope · k` through llama.cpp's chunk times.
+fn fit_chunks(chunk_ms: &Value) -> Option<(f64, f64)> {
+    let pts: Vec<(f64, f64)> = chunk_ms
+        .as_object()?
+        .iter()
+        .filter_map(|(k, v)| Some((k.parse::<f64>().ok()?, v.as_f64()?)))
+        .collect();
+    let n = pts.len() as f64;
+    if pts.len() < 2 {
+        return None;
+    }
+    let (mx, my) = (
+        pts.iter().map(|p| p.0).sum::<f64>() / n,
+        pts.iter().map(|p| p.1).sum::<f64>() / n,
+    );
+    let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let slope = (sxy / sxx).max(0.0);
+    Some((my - slope * mx, slope))
+}
+
+fn peer_model(
+    peer: &Value,
+    calibration: &[(String, Costs)],
+    rtts: &[f64],
+    max_gamma: usize,
+    max_depth: usize,
+) -> Vec<PeerModel> {
+    let mut out = Vec::new();
+    let target = &peer["target f32"];
+    let (Some(t_tok_s), Some((v0, v1))) = (
+        target["decode_tok_s"].as_f64(),
+        fit_chunks(&target["chunk_ms"]),
+    ) else {
+        return out;
+    };
+    for (name, c) in calibration {
+        let Some(d_tok_s) = peer[name]["decode_tok_s"].as_f64() else {
+            continue;
+        };
+        for &rtt in rtts {
+            let costs = Costs {
+                alpha: c.alpha,
+                draft_ms: 1e3 / d_tok_s,
+                verify_ms: v0,
+                verify_ms_per_token: v1,
+                rtt_ms: rtt + c.rtt_ms,
+            };
+            let sync = (1..=max_gamma)
+                .map(|g| sync_itl_ms(&costs, g))
+                .fold(f64::MAX, f64::min);
+            let (g, d) = plan_pipelined(&costs, max_gamma, max_depth);
+            out.push(PeerModel {
+                draft: name.clone(),
+                rtt_ms: rtt,
+                edge_only_itl_ms: round2(1e3 / d_tok_s),
+                cloud_only_itl_ms: round2(1e3 / t_tok_s),
+                best_sync_itl_ms: round2(sync),
+                best_async_itl_ms: round2(async_itl_ms(&costs, g, d)),
+            });
+        }
+    }
+    out
 }
 
 /// `tandem cloud serve` in its own process; killed on drop.
@@ -411,7 +489,7 @@ pub fn run(
             };
             // Plan for this RTT from the calibration's α and times and this run's round trip.
             let net = sync_rows.iter().map(|r| r.net_ms).sum::<f64>() / sync_rows.len() as f64;
-            let plan = recommend(
+            let (gamma, depth) = plan_pipelined(
                 &Costs {
                     rtt_ms: net,
                     ..costs
@@ -419,9 +497,7 @@ pub fn run(
                 a.max_gamma,
                 a.max_depth,
             );
-            let outs = spec_runs(
-                a, target, d, tok, &url, &prompts, plan.gamma, plan.depth, None,
-            )?;
+            let outs = spec_runs(a, target, d, tok, &url, &prompts, gamma, depth, None)?;
             let mut r = fold(&d.name, rtt, "async", &outs, &want);
             predict(&mut r);
             emit(r, &mut rows);
@@ -458,7 +534,11 @@ pub fn run(
         }
         Value::Object(v)
     });
+    let peer_model = peer.as_ref().map_or(Vec::new(), |p| {
+        peer_model(p, &calibration, &a.rtts, a.max_gamma, a.max_depth)
+    });
     Ok(LatencyReport {
+        peer_model,
         tokens: a.tokens,
         prompts: prompts.len(),
         jitter_frac: a.jitter_frac,
@@ -469,6 +549,21 @@ pub fn run(
         summary,
         peer,
     })
+}
+
+/// The γ and depth (≥ 2: this row measures pipelining even where the policy would not pipeline)
+/// with the lowest predicted async ITL.
+fn plan_pipelined(c: &Costs, max_gamma: usize, max_depth: usize) -> (usize, usize) {
+    let mut best = (f64::MAX, 1, 2);
+    for g in 1..=max_gamma.max(1) {
+        for d in 2..=max_depth.max(2) {
+            let t = async_itl_ms(c, g, d);
+            if t < best.0 * (1.0 - 1e-9) {
+                best = (t, g, d);
+            }
+        }
+    }
+    (best.1, best.2)
 }
 
 fn summarize(rows: &[Row], drafts: &[Draft], rtts: &[f64]) -> Vec<Verdict> {
@@ -567,7 +662,8 @@ pub fn table(r: &LatencyReport) -> String {
             v.auto_itl_ms
         );
     }
-    s += "\nCalibration (first RTT, sync sweep) from which async's γ / depth are planned:\n\n";
+    s +=
+        "\nCalibration (first RTT, sync sweep) from which async's γ / depth (≥ 2) are planned:\n\n";
     for (d, c) in &r.calibration {
         s += &format!(
             "- {d}: α {:.2}, draft {:.1} ms/token, verify {:.1} + {:.1}·(γ+1) ms, round trip {:.1} ms\n",
@@ -575,9 +671,32 @@ pub fn table(r: &LatencyReport) -> String {
         );
     }
     if let Some(Value::Object(p)) = &r.peer {
-        s += "\nllama.cpp, 1 thread, same files (decode tok/s; forward of k tokens, ms):\n\n";
+        s += "\nllama.cpp 0.3.36 (`../shared/peer`), 1 thread, same files:\n\n";
         for (d, v) in p {
-            s += &format!("- {d}: {}\n", v);
+            let chunks: Vec<String> = v["chunk_ms"]
+                .as_object()
+                .map(|c| c.iter().map(|(k, ms)| format!("k={k} {ms}")).collect())
+                .unwrap_or_default();
+            s += &format!(
+                "- {d}: decode {} tok/s; forward of k tokens (ms): {}\n",
+                v["decode_tok_s"],
+                chunks.join(", ")
+            );
+        }
+    }
+    if !r.peer_model.is_empty() {
+        s += "\nThe same model with llama.cpp's forward times and the measured α (ITL ms):\n\n";
+        s += "| draft | RTT ms | edge-only | cloud-only | best sync | best async |\n|---|---|---|---|---|---|\n";
+        for m in &r.peer_model {
+            s += &format!(
+                "| {} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} |\n",
+                m.draft,
+                m.rtt_ms,
+                m.edge_only_itl_ms,
+                m.cloud_only_itl_ms,
+                m.best_sync_itl_ms,
+                m.best_async_itl_ms
+            );
         }
     }
     s
@@ -606,4 +725,35 @@ pub fn load_draft(name: &str, path: &Path) -> Result<Draft> {
         path: path.to_path_buf(),
         model: Arc::new(model),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunk_times_fit_a_line_and_pipelined_plans_have_depth() {
+        let v = serde_json::json!({"1": 20.0, "3": 30.0, "5": 40.0});
+        let (fixed, slope) = fit_chunks(&v).unwrap();
+        assert!((fixed - 15.0).abs() < 1e-9 && (slope - 5.0).abs() < 1e-9);
+        assert!(fit_chunks(&serde_json::json!({"1": 2.0})).is_none());
+        let c = Costs {
+            alpha: 0.3,
+            draft_ms: 60.0,
+            verify_ms: 80.0,
+            verify_ms_per_token: 8.0,
+            rtt_ms: 0.0,
+        };
+        let (_, d) = plan_pipelined(&c, 8, 4);
+        assert!(d >= 2);
+        let peer = serde_json::json!({
+            "target f32": {"decode_tok_s": 10.0, "chunk_ms": v},
+            "d": {"decode_tok_s": 50.0},
+        });
+        let m = peer_model(&peer, &[("d".into(), c)], &[0.0, 100.0], 8, 4);
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[0].edge_only_itl_ms, 20.0);
+        assert_eq!(m[0].cloud_only_itl_ms, 100.0);
+        assert!(m[1].best_sync_itl_ms > m[0].best_sync_itl_ms);
+    }
 }

@@ -118,7 +118,8 @@ pub struct PipelineStats {
     pub rejections: usize,
     /// Tokens the cloud supplied (corrections and bonus tokens that were not drafted).
     pub cloud_tokens: usize,
-    /// Blocks dropped because an earlier rejection made them stale.
+    /// Blocks dropped unanswered: made stale by an earlier rejection, lost with a connection, or
+    /// still in flight when the generation ended.
     pub stale_blocks: usize,
     /// Verdicts ignored because they belonged to an older epoch.
     pub stale_verdicts: usize,
