@@ -413,6 +413,7 @@ fn spec_runs(
             auto,
         },
         rtt_ms: 0.0,
+        jitter_ms: 0.0,
         cloud_url: Some(url.to_string()),
     };
     prompts

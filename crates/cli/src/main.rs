@@ -155,6 +155,9 @@ struct GenerateArgs {
     /// Emulated network round trip between edge and verifier, ms.
     #[arg(long, default_value_t = 0.0)]
     rtt_ms: f64,
+    /// Jitter of the emulated link, ± ms per direction (at most half the RTT).
+    #[arg(long, default_value_t = 0.0)]
+    jitter_ms: f64,
     /// How the verifier judges sampled drafts: sample-match or rejection (greedy when temperature is 0).
     #[arg(long, default_value = "sample-match")]
     verify: VerifyRule,
@@ -165,8 +168,9 @@ struct GenerateArgs {
     #[arg(long)]
     cloud_cpus: Option<CpuSet>,
     /// A running verifier (`tandem cloud serve`), e.g. http://127.0.0.1:50051: sync and async verify
-    /// there, cloud generates there (the `Generate` RPC). Without it, sync and async start a
-    /// verifier in-process behind an emulated --rtt-ms link and cloud runs the target here.
+    /// there, cloud generates there (the `Generate` RPC). Without it, sync and async start a gRPC
+    /// verifier in this process on a loopback port behind an emulated --rtt-ms link, and cloud runs
+    /// the target here.
     #[arg(long)]
     cloud: Option<String>,
     /// Weight handling: f32, f16, native (W4A16/W8A16 blocks) or w4a8 (8-bit activations).
@@ -438,6 +442,7 @@ fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
                 }),
             },
             rtt_ms: a.rtt_ms,
+            jitter_ms: a.jitter_ms,
             cloud_url: a.cloud.clone(),
         };
         tandem_cli::speculate::run(&run, &ids, &mut print)?
@@ -695,6 +700,7 @@ fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
                 auto: None,
             },
             rtt_ms: a.rtt_ms,
+            jitter_ms: a.rtt_ms / 10.0,
             cloud_url: None,
         };
         let label = format!("assistant ({mode}, {} ms round trip): ", a.rtt_ms);
@@ -773,22 +779,18 @@ fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
 fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
     let m = models::load(home, &ModelSpec::Target, None, false)?;
     let engine = Engine::new(m.model.clone(), a.engine.config())?;
-    let info = tandem_cloud::grpc::ServiceInfo {
-        model: tandem_proto::v1::ModelInfo {
-            name: m
-                .path
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-            tokenizer_fingerprint: m.tokenizer.fingerprint().to_string(),
-            vocab_size: m.model.cfg.vocab as u32,
-            context_length: m.model.cfg.context_len as u32,
-            weights: m.model.format(),
-        },
-        eog: m.tokenizer.eog_ids(),
-        max_draft_len: a.max_draft_len.max(1),
-        max_depth: a.max_depth.max(1),
-    };
+    let name = m
+        .path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let info = tandem_cloud::grpc::ServiceInfo::new(
+        &name,
+        &m.model,
+        &m.tokenizer,
+        a.max_draft_len,
+        a.max_depth,
+    );
     let (service, batcher) = tandem_cloud::grpc::start(engine, info)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

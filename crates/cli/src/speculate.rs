@@ -1,20 +1,17 @@
-//! Speculative generation with an in-process verifier: the target runs in its own thread behind a
-//! delay line that emulates the network's round trip, the draft runs here and drives the pipeline.
-//! `sync` is the same code with depth 1.
+//! Speculative generation: the draft runs here and drives the pipeline over a real `tandem.v1` gRPC
+//! session — to a running verifier (`--cloud URL`), or to one started in this process on a loopback
+//! port behind a netem proxy that adds the round trip. `sync` is the same code with depth 1.
 
-use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
 use serde::Serialize;
-use tandem_cloud::{serve, ToCloud, ToEdge, Verifier};
-use tandem_edge::delay::delay_channel;
-use tandem_edge::{EdgeError, Link, SpecConfig};
+use tandem_edge::netem::NetemConfig;
+use tandem_edge::{Link, SpecConfig};
 use tandem_engine::tokenizer::TextStream;
 use tandem_engine::{Engine, EngineConfig, LlamaModel, Tokenizer};
-use tandem_spec::{Block, Verdict};
 
 use crate::generate::GenOutput;
 use crate::stats::round2;
@@ -39,50 +36,6 @@ pub struct SpecFields {
     pub measured: tandem_edge::Measured,
 }
 
-struct InProcessLink {
-    session: u64,
-    tx: Sender<ToCloud>,
-    rx: Receiver<ToEdge>,
-}
-
-impl InProcessLink {
-    fn map(m: ToEdge) -> Result<Option<Verdict>, EdgeError> {
-        match m {
-            ToEdge::Verdict(v) => Ok(Some(v)),
-            ToEdge::Error { message } => Err(EdgeError::Refused(message)),
-            ToEdge::Opened { .. } | ToEdge::Token { .. } => Ok(None),
-        }
-    }
-}
-
-impl Link for InProcessLink {
-    fn send(&mut self, block: Block) -> Result<(), EdgeError> {
-        self.tx
-            .send(ToCloud::Draft {
-                session: self.session,
-                block,
-            })
-            .map_err(|_| EdgeError::LinkClosed)
-    }
-
-    fn recv(&mut self, wait: bool) -> Result<Option<Verdict>, EdgeError> {
-        loop {
-            let m = if wait {
-                self.rx.recv().map_err(|_| EdgeError::LinkClosed)?
-            } else {
-                match self.rx.try_recv() {
-                    Ok(m) => m,
-                    Err(std::sync::mpsc::TryRecvError::Empty) => return Ok(None),
-                    Err(_) => return Err(EdgeError::LinkClosed),
-                }
-            };
-            if let Some(v) = Self::map(m)? {
-                return Ok(Some(v));
-            }
-        }
-    }
-}
-
 /// Everything a speculative run needs.
 pub struct SpecRun<'a> {
     pub target: Arc<LlamaModel>,
@@ -91,8 +44,10 @@ pub struct SpecRun<'a> {
     pub cloud: EngineConfig,
     pub edge: EngineConfig,
     pub spec: SpecConfig,
-    /// Emulated round trip of the in-process link (ignored with `cloud_url`).
+    /// Emulated round trip (± jitter per direction) to the in-process verifier (ignored with
+    /// `cloud_url`).
     pub rtt_ms: f64,
+    pub jitter_ms: f64,
     /// A running verifier (`tandem cloud serve`) to use instead of an in-process one.
     pub cloud_url: Option<String>,
 }
@@ -126,7 +81,16 @@ pub fn run_shown(
 ) -> Result<GenOutput> {
     match &r.cloud_url {
         Some(url) => run_grpc(r, url, prompt_ids, on_show),
-        None => run_in_process(r, prompt_ids, on_show),
+        None => {
+            let local = LocalVerifier::start(r)?;
+            let mut out = run_grpc(r, &local.url, prompt_ids, on_show)?;
+            let stats = local.stop()?;
+            if let Some(s) = out.spec.as_mut() {
+                s.target_forwards = stats.target_forwards;
+                s.rtt_ms = r.rtt_ms;
+            }
+            Ok(out)
+        }
     }
 }
 
@@ -187,7 +151,7 @@ fn run_grpc(
     link.close();
     drop(link);
     rt.shutdown_timeout(Duration::from_millis(200));
-    finish(r, &spec, prompt_ids, report, text, None, on_show)
+    finish(r, &spec, prompt_ids, report, text, on_show)
 }
 
 /// Run the edge pipeline on `link`, streaming committed text; returns the report and the text shown.
@@ -243,65 +207,90 @@ fn drive(
     Ok((report, text))
 }
 
-fn run_in_process(
-    r: &SpecRun,
-    prompt_ids: &[u32],
-    on_show: &mut dyn FnMut(Shown<'_>),
-) -> Result<GenOutput> {
-    let one_way = Duration::from_secs_f64(r.rtt_ms / 2e3);
-    let (to_cloud, cloud_rx) = delay_channel::<ToCloud>(one_way);
-    let (reply_tx, reply_rx) = delay_channel::<ToEdge>(one_way);
-    let target_engine = Engine::new(r.target.clone(), r.cloud).context("verifier engine")?;
-    let server = thread::Builder::new()
-        .name("tandem-verifier".into())
-        .spawn(move || serve(Verifier::new(target_engine), cloud_rx, Default::default()))
-        .context("starting the verifier thread")?;
-    let mut draft = Engine::new(r.draft.clone(), r.edge).context("draft engine")?;
-    let start = Instant::now();
-    let session = 1;
-    to_cloud
-        .send(ToCloud::Open {
-            session,
-            prompt: prompt_ids.to_vec(),
-            params: r.spec.params,
-            rule: r.spec.rule,
-            reply: tandem_cloud::reply_to(reply_tx),
+/// A verifier in this process: the batcher on its own thread, the gRPC service on a loopback port,
+/// and a netem proxy in front when there is a round trip to emulate.
+struct LocalVerifier {
+    rt: tokio::runtime::Runtime,
+    url: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    server: tokio::task::JoinHandle<Result<(), tandem_cloud::grpc::TransportError>>,
+    batcher: thread::JoinHandle<tandem_cloud::Verifier>,
+}
+
+impl LocalVerifier {
+    fn start(r: &SpecRun) -> Result<Self> {
+        let engine = Engine::new(r.target.clone(), r.cloud).context("verifier engine")?;
+        // Grant whatever this edge may ask for.
+        let (len, depth) = r.spec.auto.map_or((r.spec.draft_len, r.spec.depth), |a| {
+            (
+                a.max_draft_len.max(r.spec.draft_len),
+                a.max_depth.max(r.spec.depth),
+            )
+        });
+        let info = tandem_cloud::grpc::ServiceInfo::new(
+            "in-process",
+            &r.target,
+            r.tokenizer,
+            len as u32,
+            depth as u32,
+        );
+        let (service, batcher) =
+            tandem_cloud::grpc::start(engine, info).context("starting the verifier")?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .context("starting the verifier's runtime")?;
+        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+        let addr = listener.local_addr()?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = rt.spawn(tandem_cloud::grpc::serve_grpc(service, listener, async {
+            let _ = stopped.await;
+        }));
+        let url = if r.rtt_ms > 0.0 {
+            let cfg = NetemConfig {
+                rtt_ms: r.rtt_ms,
+                jitter_ms: r.jitter_ms,
+                ..NetemConfig::default()
+            };
+            cfg.validate()
+                .map_err(|e| anyhow!("invalid emulated link: {e}"))?;
+            let proxy = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+            let paddr = proxy.local_addr()?;
+            rt.spawn(async move {
+                if let Err(e) = tandem_edge::netem::proxy(proxy, addr, cfg).await {
+                    tracing::warn!("netem proxy stopped: {e}");
+                }
+            });
+            format!("http://{paddr}")
+        } else {
+            format!("http://{addr}")
+        };
+        Ok(Self {
+            rt,
+            url,
+            stop: Some(stop),
+            server,
+            batcher,
         })
-        .map_err(|_| anyhow!("the verifier stopped"))?;
-    // The draft prefills the prompt while the verifier prefills it too.
-    tandem_edge::prefill_draft(&mut draft, prompt_ids).context("draft prefill")?;
-    let first = match reply_rx.recv() {
-        Ok(ToEdge::Opened { first, .. }) => first,
-        Ok(ToEdge::Error { message }) => {
-            return Err(anyhow!("the verifier refused the session: {message}"))
+    }
+
+    /// Shut the service down and return the verifier's counters.
+    fn stop(mut self) -> Result<tandem_cloud::VerifierStats> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
         }
-        Ok(ToEdge::Verdict(_) | ToEdge::Token { .. }) | Err(_) => {
-            return Err(anyhow!("the verifier did not open the session"))
-        }
-    };
-    let mut link = InProcessLink {
-        session,
-        tx: to_cloud.clone(),
-        rx: reply_rx,
-    };
-    let (report, text) = drive(
-        r, &r.spec, &mut draft, &mut link, prompt_ids, first, start, on_show,
-    )?;
-    let _ = to_cloud.send(ToCloud::Close { session });
-    drop(link);
-    drop(to_cloud);
-    let verifier = server
-        .join()
-        .map_err(|_| anyhow!("the verifier thread panicked"))?;
-    finish(
-        r,
-        &r.spec,
-        prompt_ids,
-        report,
-        text,
-        Some(verifier.stats.target_forwards),
-        on_show,
-    )
+        let _ = self.rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(2), &mut self.server).await
+        });
+        // Dropping the runtime drops every session task and with them the batcher's senders.
+        self.rt.shutdown_timeout(Duration::from_millis(200));
+        let v = self
+            .batcher
+            .join()
+            .map_err(|_| anyhow!("the verifier thread panicked"))?;
+        Ok(v.stats)
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -311,7 +300,6 @@ fn finish(
     prompt_ids: &[u32],
     report: tandem_edge::SpecReport,
     text: String,
-    target_forwards: Option<u64>,
     on_show: &mut dyn FnMut(Shown<'_>),
 ) -> Result<GenOutput> {
     let tok = r.tokenizer;
@@ -333,12 +321,12 @@ fn finish(
         drafted: s.drafted,
         wasted_draft_tokens: s.wasted_draft_tokens,
         stale_blocks: s.stale_blocks,
-        // Counted by the in-process verifier; a remote one reports it in its metrics.
-        target_forwards: target_forwards.unwrap_or(0),
+        // Known for the in-process verifier; a shared remote one counts all its tenants'.
+        target_forwards: 0,
         rounds: s.verdicts,
         gamma: report.measured.final_draft_len,
         depth: report.measured.final_depth,
-        rtt_ms: if r.cloud_url.is_some() { 0.0 } else { r.rtt_ms },
+        rtt_ms: 0.0,
         verify_rule: format!("{:?}", spec.rule.effective(&spec.params)).to_lowercase(),
         auto: spec.auto.is_some(),
         measured: report.measured,

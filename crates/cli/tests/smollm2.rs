@@ -442,6 +442,7 @@ fn spec_out(
             auto: None,
         },
         rtt_ms,
+        jitter_ms: rtt_ms / 10.0,
         cloud_url,
     };
     let out = tandem_cli::speculate::run(&run, prompt, |_| {}).unwrap();
@@ -541,6 +542,7 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
                 }),
             },
             rtt_ms: rtt,
+            jitter_ms: 0.0,
             cloud_url: None,
         };
         let out = tandem_cli::speculate::run(&run, &p, |_| {}).unwrap();
@@ -624,18 +626,7 @@ fn new_grpc_server() -> String {
             },
         )
         .unwrap();
-        let info = tandem_cloud::grpc::ServiceInfo {
-            model: tandem_proto::v1::ModelInfo {
-                name: "SmolLM2-135M-Instruct".into(),
-                tokenizer_fingerprint: tok.fingerprint().to_string(),
-                vocab_size: m.cfg.vocab as u32,
-                context_length: m.cfg.context_len as u32,
-                weights: m.format(),
-            },
-            eog: tok.eog_ids(),
-            max_draft_len: 8,
-            max_depth: 4,
-        };
+        let info = tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4);
         let (service, _batcher) = tandem_cloud::grpc::start(engine, info).unwrap();
         let addr = on_loopback(move |l| async move {
             tandem_cloud::grpc::serve_grpc(service, l, std::future::pending())

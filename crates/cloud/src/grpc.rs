@@ -28,6 +28,34 @@ pub struct ServiceInfo {
     pub max_depth: u32,
 }
 
+impl ServiceInfo {
+    /// What a verifier serving `model` (with its `tokenizer`) tells edges, granting at most
+    /// `max_draft_len` and `max_depth`.
+    pub fn new(
+        name: &str,
+        model: &tandem_engine::LlamaModel,
+        tokenizer: &tandem_engine::Tokenizer,
+        max_draft_len: u32,
+        max_depth: u32,
+    ) -> Self {
+        Self {
+            model: ModelInfo {
+                name: name.to_string(),
+                tokenizer_fingerprint: tokenizer.fingerprint().to_string(),
+                vocab_size: model.cfg.vocab as u32,
+                context_length: model.cfg.context_len as u32,
+                weights: model.format(),
+            },
+            eog: tokenizer.eog_ids(),
+            max_draft_len: max_draft_len.max(1),
+            max_depth: max_depth.max(1),
+        }
+    }
+}
+
+/// What [`serve_grpc`] fails with.
+pub type TransportError = tonic::transport::Error;
+
 pub struct Service {
     batcher: Arc<Mutex<Sender<ToCloud>>>,
     info: ServiceInfo,

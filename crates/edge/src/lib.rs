@@ -5,7 +5,6 @@
 //! have arrived, and the edge blocks on the link only when the pipeline is full (`depth` blocks in
 //! flight). `depth = 1` is synchronous speculation.
 
-pub mod delay;
 pub mod grpc;
 pub mod netem;
 
