@@ -637,6 +637,56 @@ fn new_grpc_server() -> String {
     }
 }
 
+/// A TCP relay to `upstream` that severs its first connection after `cut_ms`; later ones pass.
+fn cutting_relay(upstream: std::net::SocketAddr, cut_ms: u64) -> std::net::SocketAddr {
+    on_loopback(move |l| async move {
+        let mut first = true;
+        loop {
+            let (mut c, _) = l.accept().await.unwrap();
+            let cut = std::mem::take(&mut first);
+            tokio::spawn(async move {
+                let mut u = tokio::net::TcpStream::connect(upstream).await.unwrap();
+                let relay = tokio::io::copy_bidirectional(&mut c, &mut u);
+                if cut {
+                    // Dropping both sockets mid-stream is the dropped network.
+                    let _ =
+                        tokio::time::timeout(std::time::Duration::from_millis(cut_ms), relay).await;
+                } else {
+                    let _ = relay.await;
+                }
+            });
+        }
+    })
+}
+
+/// The network drops in the middle of a generation: the edge keeps what was verified, opens a new
+/// session over the committed history, and the output is still exactly the target's.
+#[test]
+fn a_dropped_connection_is_reopened_and_the_output_stays_the_targets() {
+    let (m, tok) = target();
+    let upstream: std::net::SocketAddr =
+        grpc_server().trim_start_matches("http://").parse().unwrap();
+    let relay = cutting_relay(upstream, 1000);
+    let p = tok
+        .encode_chat("Explain how a bicycle stays upright while moving.")
+        .unwrap();
+    let n = 64;
+    let want = greedy(&mut engine(m), SeqId(9), &p, n);
+    let out = spec_out(
+        &p,
+        3,
+        2,
+        0.0,
+        tandem_engine::SamplingParams::default(),
+        tandem_spec::VerifyRule::Greedy,
+        n,
+        Some(format!("http://{relay}")),
+    );
+    assert_eq!(out.output_ids, want);
+    let s = out.spec.unwrap();
+    assert!(s.measured.reconnects >= 1, "{:?}", s.measured);
+}
+
 /// The standard health service answers; a client that hangs up in the middle of a cloud-only
 /// generation or a speculation session stops costing the verifier forwards and KV blocks.
 #[test]

@@ -28,6 +28,10 @@ pub struct OpenRequest {
 pub struct GrpcLink {
     out: UnboundedSender<EdgeMessage>,
     verdicts: UnboundedReceiver<Result<Verdict, EdgeError>>,
+    /// What reopening a session after a lost connection needs.
+    rt: tokio::runtime::Handle,
+    url: String,
+    req: OpenRequest,
 }
 
 fn refused(e: impl std::fmt::Display) -> EdgeError {
@@ -38,7 +42,17 @@ impl GrpcLink {
     /// Connect to `url`, open the session and wait for `Opened` (which carries the granted γ and
     /// depth and the target's first token).
     pub fn connect(rt: &Runtime, url: &str, req: OpenRequest) -> Result<(Self, Opened), EdgeError> {
-        rt.block_on(async {
+        Self::open(rt.handle().clone(), url, req)
+    }
+
+    fn open(
+        rt: tokio::runtime::Handle,
+        url: &str,
+        req: OpenRequest,
+    ) -> Result<(Self, Opened), EdgeError> {
+        let keep = req.clone();
+        let handle = rt.clone();
+        rt.block_on(async move {
             let mut client = VerifierClient::connect(url.to_string())
                 .await
                 .map_err(refused)?;
@@ -76,8 +90,10 @@ impl GrpcLink {
                     let m = match inbound.message().await {
                         Ok(Some(m)) => m,
                         Ok(None) => break,
+                        // A broken stream: the verifier's own refusals come as messages.
                         Err(s) => {
-                            let _ = vtx.send(Err(refused(s.message())));
+                            tracing::warn!("the session stream broke: {}", s.message());
+                            let _ = vtx.send(Err(EdgeError::LinkClosed));
                             break;
                         }
                     };
@@ -91,7 +107,16 @@ impl GrpcLink {
                     }
                 }
             });
-            Ok((Self { out, verdicts }, opened))
+            Ok((
+                Self {
+                    out,
+                    verdicts,
+                    rt: handle,
+                    url: url.to_string(),
+                    req: keep,
+                },
+                opened,
+            ))
         })
     }
 
@@ -110,6 +135,17 @@ impl Link for GrpcLink {
                 kind: Some(edge_message::Kind::Draft((&block).into())),
             })
             .map_err(|_| EdgeError::LinkClosed)
+    }
+
+    fn reopen(&mut self, history: &[u32], max_tokens: usize) -> Result<u32, EdgeError> {
+        let req = OpenRequest {
+            prompt_ids: history.to_vec(),
+            max_tokens: max_tokens as u32,
+            ..self.req.clone()
+        };
+        let (fresh, opened) = Self::open(self.rt.clone(), &self.url, req)?;
+        *self = fresh;
+        Ok(opened.first_token)
     }
 
     fn recv(&mut self, wait: bool) -> Result<Option<Verdict>, EdgeError> {

@@ -37,7 +37,16 @@ pub trait Link {
     fn send(&mut self, block: Block) -> Result<(), EdgeError>;
     /// The next verdict: waits for one when `wait`, else returns `None` if none has arrived.
     fn recv(&mut self, wait: bool) -> Result<Option<Verdict>, EdgeError>;
+    /// After [`EdgeError::LinkClosed`]: open a new session whose prompt is the committed `history`
+    /// (for at most `max_tokens` more), returning the target's token after it. A link that cannot
+    /// reconnect says `LinkClosed`.
+    fn reopen(&mut self, _history: &[u32], _max_tokens: usize) -> Result<u32, EdgeError> {
+        Err(EdgeError::LinkClosed)
+    }
 }
+
+/// Attempts to reopen a session after the connection is lost, 100 ms apart, doubling.
+const REOPEN_ATTEMPTS: u32 = 4;
 
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct SpecConfig {
@@ -89,6 +98,8 @@ pub struct Measured {
     pub final_draft_len: usize,
     pub final_depth: usize,
     pub reshapes: usize,
+    /// Sessions reopened after a lost connection.
+    pub reconnects: usize,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -206,114 +217,155 @@ pub fn run(
     });
     fresh.clear();
     loop {
-        let mut arrived = Vec::new();
-        while let Some(v) = link.recv(false)? {
-            arrived.push(v);
-        }
-        if arrived.is_empty() && p.next() == Next::Wait {
-            arrived.push(link.recv(true)?.ok_or(EdgeError::LinkClosed)?);
-        }
-        for v in arrived {
-            let now = Instant::now();
-            if let Some(t) = sent_at.remove(&v.block) {
-                let rt = (now - t).as_secs_f64() * 1e3;
-                let vms = v.verify_us as f64 / 1e3;
-                est.on_verdict(rt, vms);
-                rt_total += rt;
-                arrivals += 1;
-                if v.verify_us > 0 {
-                    verify_total += vms;
-                    verified += 1;
-                }
+        // One step; a lost connection anywhere in it is recovered below.
+        let step = (|| -> Result<bool, EdgeError> {
+            let mut arrived = Vec::new();
+            while let Some(v) = link.recv(false)? {
+                arrived.push(v);
             }
-            let (from, rejections) = (p.committed_len(), p.stats().rejections);
-            let before = p.tokens()[from..].to_vec();
-            let outs = p.on_verdict(v)?;
-            apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
-            let correction = (p.stats().rejections > rejections)
-                .then(|| {
-                    let now = &p.tokens()[from..];
-                    before
-                        .iter()
-                        .zip(now)
-                        .find(|(b, n)| b != n)
-                        .map(|(&b, &n)| (b, n))
-                })
-                .flatten();
-            on_update(Update {
-                committed: &fresh,
-                tentative: &p.tokens()[p.committed_len()..],
-                correction,
-            });
-            fresh.clear();
-            if let Some(a) = cfg.auto {
-                let s = *p.stats();
-                let costs = est.costs(s.accepted, s.accepted + s.rejections);
-                let plan = recommend(&costs, a.max_draft_len, a.max_depth);
-                let (g, d) = (p.config().draft_len, p.config().depth);
-                // Synchronous speculation (depth 1) only chooses γ, by its own model.
-                let (want, best_ms, now_ms) = if a.max_depth <= 1 {
-                    let sync = |g| tandem_spec::policy::sync_itl_ms(&costs, g);
-                    ((plan.sync_gamma, 1), plan.predicted_sync_itl_ms, sync(g))
-                } else {
-                    let now = tandem_spec::policy::async_itl_ms(&costs, g, d);
-                    ((plan.gamma, plan.depth), plan.predicted_async_itl_ms, now)
-                };
-                // Re-plan only for a clear gain, so that noise does not make the shape flap.
-                if want != (g, d) && best_ms < 0.95 * now_ms {
-                    let outs = p.set_shape(want.0, want.1)?;
-                    m.reshapes += 1;
-                    apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
-                }
+            if arrived.is_empty() && p.next() == Next::Wait {
+                arrived.push(link.recv(true)?.ok_or(EdgeError::LinkClosed)?);
             }
-        }
-        match p.next() {
-            Next::Done => break,
-            Next::Wait => {}
-            Next::Draft => {
-                let t0 = Instant::now();
-                let fed = draft.seq_len(seq);
-                let toks = p.tokens();
-                // A forward that feeds the whole prompt is a prefill, not a draft step.
-                let prefill = fed == 0;
-                let logits = draft.forward(&[SeqChunk::new(
-                    seq,
-                    fed,
-                    toks[fed..].to_vec(),
-                    Wanted::Last,
-                )])?;
-                draft_forwards += 1;
-                let pos = toks.len() as u64;
-                let row = logits.row(0);
-                let (t, q) = match rule {
-                    VerifyRule::Greedy => (sample(row, &SamplingParams::default(), pos), None),
-                    VerifyRule::SampleMatch => {
-                        let dp = SamplingParams {
-                            seed: cfg.params.seed ^ 0xed6e,
-                            ..cfg.params
-                        };
-                        (sample(row, &dp, pos), None)
+            for v in arrived {
+                let now = Instant::now();
+                if let Some(t) = sent_at.remove(&v.block) {
+                    let rt = (now - t).as_secs_f64() * 1e3;
+                    let vms = v.verify_us as f64 / 1e3;
+                    est.on_verdict(rt, vms);
+                    rt_total += rt;
+                    arrivals += 1;
+                    if v.verify_us > 0 {
+                        verify_total += vms;
+                        verified += 1;
                     }
-                    VerifyRule::Rejection => {
-                        let (t, q) = draft_sample(row, &cfg.params, pos, cfg.q_top_k);
-                        (t, Some(q))
-                    }
-                };
-                if !prefill {
-                    let ms = t0.elapsed().as_secs_f64() * 1e3;
-                    est.on_draft(ms);
-                    draft_total += ms;
-                    draft_steps += 1;
                 }
-                let outs = p.on_drafted(t, q);
+                let (from, rejections) = (p.committed_len(), p.stats().rejections);
+                let before = p.tokens()[from..].to_vec();
+                let outs = p.on_verdict(v)?;
                 apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
+                let correction = (p.stats().rejections > rejections)
+                    .then(|| {
+                        let now = &p.tokens()[from..];
+                        before
+                            .iter()
+                            .zip(now)
+                            .find(|(b, n)| b != n)
+                            .map(|(&b, &n)| (b, n))
+                    })
+                    .flatten();
                 on_update(Update {
                     committed: &fresh,
                     tentative: &p.tokens()[p.committed_len()..],
+                    correction,
+                });
+                fresh.clear();
+                if let Some(a) = cfg.auto {
+                    let s = *p.stats();
+                    let costs = est.costs(s.accepted, s.accepted + s.rejections);
+                    let plan = recommend(&costs, a.max_draft_len, a.max_depth);
+                    let (g, d) = (p.config().draft_len, p.config().depth);
+                    // Synchronous speculation (depth 1) only chooses γ, by its own model.
+                    let (want, best_ms, now_ms) = if a.max_depth <= 1 {
+                        let sync = |g| tandem_spec::policy::sync_itl_ms(&costs, g);
+                        ((plan.sync_gamma, 1), plan.predicted_sync_itl_ms, sync(g))
+                    } else {
+                        let now = tandem_spec::policy::async_itl_ms(&costs, g, d);
+                        ((plan.gamma, plan.depth), plan.predicted_async_itl_ms, now)
+                    };
+                    // Re-plan only for a clear gain, so that noise does not make the shape flap.
+                    if want != (g, d) && best_ms < 0.95 * now_ms {
+                        let outs = p.set_shape(want.0, want.1)?;
+                        m.reshapes += 1;
+                        apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
+                    }
+                }
+            }
+            match p.next() {
+                Next::Done => return Ok(true),
+                Next::Wait => {}
+                Next::Draft => {
+                    let t0 = Instant::now();
+                    let fed = draft.seq_len(seq);
+                    let toks = p.tokens();
+                    // A forward that feeds the whole prompt is a prefill, not a draft step.
+                    let prefill = fed == 0;
+                    let logits = draft.forward(&[SeqChunk::new(
+                        seq,
+                        fed,
+                        toks[fed..].to_vec(),
+                        Wanted::Last,
+                    )])?;
+                    draft_forwards += 1;
+                    let pos = toks.len() as u64;
+                    let row = logits.row(0);
+                    let (t, q) = match rule {
+                        VerifyRule::Greedy => (sample(row, &SamplingParams::default(), pos), None),
+                        VerifyRule::SampleMatch => {
+                            let dp = SamplingParams {
+                                seed: cfg.params.seed ^ 0xed6e,
+                                ..cfg.params
+                            };
+                            (sample(row, &dp, pos), None)
+                        }
+                        VerifyRule::Rejection => {
+                            let (t, q) = draft_sample(row, &cfg.params, pos, cfg.q_top_k);
+                            (t, Some(q))
+                        }
+                    };
+                    if !prefill {
+                        let ms = t0.elapsed().as_secs_f64() * 1e3;
+                        est.on_draft(ms);
+                        draft_total += ms;
+                        draft_steps += 1;
+                    }
+                    let outs = p.on_drafted(t, q);
+                    apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
+                    on_update(Update {
+                        committed: &fresh,
+                        tentative: &p.tokens()[p.committed_len()..],
+                        correction: None,
+                    });
+                    fresh.clear();
+                }
+            }
+            Ok(false)
+        })();
+        match step {
+            Ok(true) => break,
+            Ok(false) => {}
+            Err(EdgeError::LinkClosed) => {
+                // Keep what is verified, drop the rest, and reopen over the committed history.
+                let outs = p.on_connection_lost();
+                apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
+                sent_at.clear();
+                let mut first = None;
+                for attempt in 0..REOPEN_ATTEMPTS {
+                    std::thread::sleep(std::time::Duration::from_millis(100 << attempt));
+                    let left = cfg.max_new_tokens - p.output().len();
+                    match link.reopen(&p.tokens()[..p.committed_len()], left) {
+                        Ok(t) => {
+                            first = Some(t);
+                            break;
+                        }
+                        Err(EdgeError::LinkClosed | EdgeError::Refused(_)) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                let first = first.ok_or(EdgeError::LinkClosed)?;
+                m.reconnects += 1;
+                let outs = p.on_reopened(first);
+                apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
+                on_update(Update {
+                    committed: &fresh,
+                    tentative: &[],
                     correction: None,
                 });
                 fresh.clear();
+                if p.next() == Next::Done {
+                    break;
+                }
             }
+            Err(e) => return Err(e),
         }
     }
     let mean = |t: f64, n: usize| if n == 0 { 0.0 } else { t / n as f64 };

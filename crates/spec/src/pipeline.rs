@@ -473,6 +473,21 @@ impl Pipeline {
     /// The connection died: every block in flight is lost. The committed history stays; the next
     /// connection re-opens the session from it as a new session, whose epochs start again at 0
     /// (nothing of the old stream can arrive on the new one).
+    /// A new session, opened over the committed history after a lost connection, answered with
+    /// the target's token after that history: commit it (as [`Pipeline::with_first`] does) and
+    /// draft on from there. Optional: the verifier also accepts a block that starts with it.
+    pub fn on_reopened(&mut self, first: u32) -> Vec<Output> {
+        let mut out = Vec::new();
+        if self.done || self.tokens.len() != self.committed {
+            return out;
+        }
+        self.tokens.push(first);
+        self.stats.cloud_tokens += 1;
+        self.sent = self.committed + 1;
+        self.commit_to(self.committed + 1, &mut out);
+        out
+    }
+
     pub fn on_connection_lost(&mut self) -> Vec<Output> {
         let mut out = Vec::new();
         self.stats.stale_blocks += self.in_flight.len();
