@@ -1,0 +1,107 @@
+//! Under any sequence of opens, verify blocks, verdicts (with any truncation) and closes, the
+//! scheduler never exceeds the token budget or the block pool, keeps every block owned once, gives
+//! each chunk a block table that holds it, and never loses a session's known tokens.
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+use tandem_sched::{SchedConfig, Scheduler, WorkKind};
+
+#[derive(Debug, Clone)]
+enum Op {
+    Open { tenant: u32, prompt: usize },
+    Verify { session: usize, len: usize },
+    Step { reject: Vec<usize> },
+    Close { session: usize },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        2 => (1u32..4, 1usize..60).prop_map(|(tenant, prompt)| Op::Open { tenant, prompt }),
+        4 => (0usize..12, 1usize..9).prop_map(|(session, len)| Op::Verify { session, len }),
+        5 => proptest::collection::vec(0usize..9, 0..12).prop_map(|reject| Op::Step { reject }),
+        1 => (0usize..12).prop_map(|session| Op::Close { session }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    #[test]
+    fn budget_pool_and_tables_hold(
+        budget in 8usize..40,
+        block_size in 1usize..9,
+        num_blocks in 4usize..40,
+        ops in proptest::collection::vec(op(), 1..120),
+    ) {
+        let mut s = Scheduler::new(SchedConfig { token_budget: budget, block_size, num_blocks }).unwrap();
+        for t in 1..4 {
+            s.set_tenant(t, t as f64).unwrap();
+        }
+        let mut open: Vec<u64> = Vec::new();
+        // What the shell knows of each session: tokens known to the cloud after the last verdict.
+        let mut known: BTreeMap<u64, usize> = BTreeMap::new();
+        let mut next_id = 0u64;
+        for o in ops {
+            match o {
+                Op::Open { tenant, prompt } => {
+                    if s.open(next_id, tenant, prompt).is_ok() {
+                        open.push(next_id);
+                        known.insert(next_id, prompt);
+                    }
+                    next_id += 1;
+                }
+                Op::Verify { session, len } => {
+                    if let Some(&id) = open.get(session) {
+                        let _ = s.enqueue_verify(id, len.min(budget));
+                    }
+                }
+                Op::Close { session } => {
+                    if session < open.len() {
+                        let id = open.remove(session);
+                        s.close(id);
+                        known.remove(&id);
+                    }
+                }
+                Op::Step { reject } => {
+                    let p = s.schedule();
+                    prop_assert!(p.tokens() <= budget, "{} > {budget}", p.tokens());
+                    prop_assert!(s.pool().conserved());
+                    let mut seen = std::collections::BTreeSet::new();
+                    for c in &p.chunks {
+                        prop_assert!(seen.insert(c.session), "one chunk per session");
+                        prop_assert!(c.len > 0);
+                        prop_assert!(c.blocks.len() * block_size >= c.start + c.len);
+                        if c.kind == WorkKind::Prefill {
+                            prop_assert!(c.start + c.len <= known[&c.session]);
+                        } else {
+                            prop_assert_eq!(c.start, known[&c.session]);
+                        }
+                    }
+                    // Verdicts: each verify chunk keeps `len - r` of its positions (r rejected).
+                    let kv: Vec<(u64, usize)> = p
+                        .chunks
+                        .iter()
+                        .filter(|c| c.kind == WorkKind::Verify)
+                        .enumerate()
+                        .map(|(i, c)| {
+                            let r = reject.get(i).copied().unwrap_or(0).min(c.len - 1);
+                            (c.session, c.start + c.len - r)
+                        })
+                        .collect();
+                    s.update(&p, &kv);
+                    for &(id, k) in &kv {
+                        known.insert(id, k);
+                    }
+                    prop_assert!(s.pool().conserved());
+                    for &id in &open {
+                        prop_assert!(s.pool().held(id) <= s.pool().blocks_for(known[&id]));
+                    }
+                }
+            }
+        }
+        for id in open {
+            s.close(id);
+        }
+        prop_assert_eq!(s.pool().num_free(), num_blocks);
+    }
+}
