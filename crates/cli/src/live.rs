@@ -13,8 +13,9 @@ pub struct Live<W: Write> {
     width: usize,
     /// Column after the last verified character.
     col: usize,
-    /// Columns of tentative text on screen now.
+    /// Columns of tentative text on screen now, and that text.
     shown: usize,
+    shown_text: String,
     next_is_correction: bool,
     pub corrections: Vec<(String, String)>,
 }
@@ -40,6 +41,7 @@ impl<W: Write> Live<W> {
             width: width.max(20),
             col: 0,
             shown: 0,
+            shown_text: String::new(),
             next_is_correction: false,
             corrections: Vec::new(),
         }
@@ -55,6 +57,7 @@ impl<W: Write> Live<W> {
         if self.shown > 0 {
             let _ = write!(self.out, "\x1b[{}D\x1b[K", self.shown);
             self.shown = 0;
+            self.shown_text.clear();
         }
     }
 
@@ -92,15 +95,16 @@ impl<W: Write> Live<W> {
                 }
             }
             Shown::Tentative(t) => {
-                if self.tty {
+                // Only what fits on this line, so that erasing it never has to cross lines.
+                let room = self.width.saturating_sub(self.col + 1);
+                let t: String = t.replace('\n', "⏎").chars().take(room).collect();
+                if self.tty && t != self.shown_text {
                     self.erase();
-                    // Only what fits on this line, so that erasing it never has to cross lines.
-                    let room = self.width.saturating_sub(self.col + 1);
-                    let t: String = t.replace('\n', "⏎").chars().take(room).collect();
                     let n = t.chars().count();
                     if n > 0 {
                         let _ = write!(self.out, "{DIM}{t}{RESET}");
                         self.shown = n;
+                        self.shown_text = t;
                     }
                 }
             }
