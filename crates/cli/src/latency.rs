@@ -262,21 +262,13 @@ impl Link {
         let cfg = NetemConfig {
             rtt_ms,
             jitter_ms,
-            bandwidth_kbit: 0.0,
-            loss_pct: 0.0,
             seed: 7,
+            ..NetemConfig::default()
         };
-        cfg.validate().map_err(|e| anyhow!("netem: {e}"))?;
-        let listener = self
-            .rt
-            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
-        let addr = listener.local_addr()?;
-        self.task = Some(self.rt.spawn(async move {
-            if let Err(e) = tandem_edge::netem::proxy(listener, upstream, cfg).await {
-                tracing::warn!("netem proxy stopped: {e}");
-            }
-        }));
-        Ok(format!("http://{addr}"))
+        let (url, task) = tandem_edge::netem::spawn_front(self.rt.handle(), upstream, cfg)
+            .map_err(|e| anyhow!("netem: {e}"))?;
+        self.task = Some(task);
+        Ok(url)
     }
 }
 

@@ -169,8 +169,8 @@ struct GenerateArgs {
     cloud_cpus: Option<CpuSet>,
     /// A running verifier (`tandem cloud serve`), e.g. http://127.0.0.1:50051: sync and async verify
     /// there, cloud generates there (the `Generate` RPC). Without it, sync and async start a gRPC
-    /// verifier in this process on a loopback port behind an emulated --rtt-ms link, and cloud runs
-    /// the target here.
+    /// verifier in this process on a loopback port, and cloud runs the target here. Either way
+    /// --rtt-ms puts an emulated link in front (sync/async).
     #[arg(long)]
     cloud: Option<String>,
     /// Weight handling: f32, f16, native (W4A16/W8A16 blocks) or w4a8 (8-bit activations).

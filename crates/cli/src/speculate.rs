@@ -44,8 +44,8 @@ pub struct SpecRun<'a> {
     pub cloud: EngineConfig,
     pub edge: EngineConfig,
     pub spec: SpecConfig,
-    /// Emulated round trip (± jitter per direction) to the in-process verifier (ignored with
-    /// `cloud_url`).
+    /// Emulated round trip (± jitter per direction) to the verifier: a netem proxy in front of the
+    /// in-process one, or of `cloud_url`.
     pub rtt_ms: f64,
     pub jitter_ms: f64,
     /// A running verifier (`tandem cloud serve`) to use instead of an in-process one.
@@ -80,6 +80,24 @@ pub fn run_shown(
     on_show: &mut dyn FnMut(Shown<'_>),
 ) -> Result<GenOutput> {
     match &r.cloud_url {
+        Some(url) if r.rtt_ms > 0.0 => {
+            // An emulated link in front of a remote verifier: many edge processes can share one
+            // `tandem cloud serve`, each behind its own round trip.
+            let upstream = tandem_edge::netem::resolve(url).map_err(|e| anyhow!("--cloud {e}"))?;
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()?;
+            let (front, task) = tandem_edge::netem::spawn_front(rt.handle(), upstream, link_of(r))
+                .map_err(|e| anyhow!("invalid emulated link: {e}"))?;
+            let mut out = run_grpc(r, &front, prompt_ids, on_show);
+            task.abort();
+            rt.shutdown_timeout(Duration::from_millis(200));
+            if let Ok(Some(s)) = out.as_mut().map(|o| o.spec.as_mut()) {
+                s.rtt_ms = r.rtt_ms;
+            }
+            out
+        }
         Some(url) => run_grpc(r, url, prompt_ids, on_show),
         None => {
             let local = LocalVerifier::start(r)?;
@@ -207,6 +225,15 @@ fn drive(
     Ok((report, text))
 }
 
+/// The emulated link `r` asks for.
+fn link_of(r: &SpecRun) -> NetemConfig {
+    NetemConfig {
+        rtt_ms: r.rtt_ms,
+        jitter_ms: r.jitter_ms,
+        ..NetemConfig::default()
+    }
+}
+
 /// A verifier in this process: the batcher on its own thread, the gRPC service on a loopback port,
 /// and a netem proxy in front when there is a round trip to emulate.
 struct LocalVerifier {
@@ -248,21 +275,9 @@ impl LocalVerifier {
             let _ = stopped.await;
         }));
         let url = if r.rtt_ms > 0.0 {
-            let cfg = NetemConfig {
-                rtt_ms: r.rtt_ms,
-                jitter_ms: r.jitter_ms,
-                ..NetemConfig::default()
-            };
-            cfg.validate()
-                .map_err(|e| anyhow!("invalid emulated link: {e}"))?;
-            let proxy = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
-            let paddr = proxy.local_addr()?;
-            rt.spawn(async move {
-                if let Err(e) = tandem_edge::netem::proxy(proxy, addr, cfg).await {
-                    tracing::warn!("netem proxy stopped: {e}");
-                }
-            });
-            format!("http://{paddr}")
+            tandem_edge::netem::spawn_front(rt.handle(), addr, link_of(r))
+                .map_err(|e| anyhow!("invalid emulated link: {e}"))?
+                .0
         } else {
             format!("http://{addr}")
         };

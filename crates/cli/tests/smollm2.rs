@@ -896,19 +896,23 @@ fn speculation_through_netem_is_lossless() {
         .encode("The history of the printing press begins in")
         .unwrap();
     let want = greedy(&mut engine(m), SeqId(7), &p, 16);
-    for (g, d) in [(4, 1), (4, 3)] {
+    // Through a proxy the test runs, and (last) through the one the edge puts in front of a
+    // remote verifier when given both --cloud and --rtt-ms.
+    let direct = grpc_server().clone();
+    for (g, d, via, rtt) in [(4, 1, &url, 0.0), (4, 3, &url, 0.0), (3, 2, &direct, 60.0)] {
         let greedy_p = tandem_engine::SamplingParams::default();
         let out = spec_out(
             &p,
             g,
             d,
-            0.0,
+            rtt,
             greedy_p,
             tandem_spec::VerifyRule::Greedy,
             16,
-            Some(url.clone()),
+            Some(via.clone()),
         );
         assert_eq!(out.output_ids, want, "γ={g} depth={d}");
+        assert_eq!(out.spec.as_ref().unwrap().rtt_ms, rtt);
         assert!(
             out.ttft_ms >= 50.0,
             "ttft {} ms through a 60 ms link",

@@ -117,6 +117,42 @@ async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, cfg: NetemConfig,
 
 /// Accept connections on `listener` and relay each to `upstream` through the emulated link, until
 /// the task is dropped.
+/// Start a proxy with `cfg` in front of `upstream` on a fresh loopback port, on `rt`; returns its
+/// `http://` URL and the task (abort it to stop the link).
+pub fn spawn_front(
+    rt: &tokio::runtime::Handle,
+    upstream: SocketAddr,
+    cfg: NetemConfig,
+) -> Result<(String, tokio::task::JoinHandle<()>), String> {
+    cfg.validate()?;
+    let listener = rt
+        .block_on(TcpListener::bind("127.0.0.1:0"))
+        .map_err(|e| format!("binding the emulated link: {e}"))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| format!("binding the emulated link: {e}"))?;
+    let task = rt.spawn(async move {
+        if let Err(e) = proxy(listener, upstream, cfg).await {
+            tracing::warn!("netem proxy stopped: {e}");
+        }
+    });
+    Ok((format!("http://{addr}"), task))
+}
+
+/// The socket address behind an `http://host:port` URL.
+pub fn resolve(url: &str) -> Result<SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    let hostport = url
+        .trim_start_matches("http://")
+        .trim_start_matches("https://")
+        .trim_end_matches('/');
+    hostport
+        .to_socket_addrs()
+        .map_err(|e| format!("{url}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{url}: resolves to no address"))
+}
+
 pub async fn proxy(
     listener: TcpListener,
     upstream: SocketAddr,
