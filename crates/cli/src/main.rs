@@ -95,6 +95,10 @@ struct ServeArgs {
     /// Largest number of blocks in flight granted to a session.
     #[arg(long, default_value_t = 4)]
     max_depth: u32,
+    /// Tokens per forward at which the target is saturated: grants to new sessions shrink (γ
+    /// halves, depth drops by one per step) as the mean load nears it, and grow back below half.
+    #[arg(long, default_value_t = tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS)]
+    saturation_tokens: f64,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -784,13 +788,22 @@ fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let info = tandem_cloud::grpc::ServiceInfo::new(
-        &name,
-        &m.model,
-        &m.tokenizer,
-        a.max_draft_len,
-        a.max_depth,
-    );
+    if !(a.saturation_tokens.is_finite() && a.saturation_tokens >= 1.0) {
+        bail!(
+            "--saturation-tokens must be at least 1, got {}",
+            a.saturation_tokens
+        );
+    }
+    let info = tandem_cloud::grpc::ServiceInfo {
+        saturation_tokens: a.saturation_tokens,
+        ..tandem_cloud::grpc::ServiceInfo::new(
+            &name,
+            &m.model,
+            &m.tokenizer,
+            a.max_draft_len,
+            a.max_depth,
+        )
+    };
     let (service, batcher) = tandem_cloud::grpc::start(engine, info)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

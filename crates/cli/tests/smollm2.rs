@@ -611,11 +611,11 @@ where
 /// A real gRPC verifier on a loopback port, serving the f32 target; returns its URL.
 fn grpc_server() -> &'static String {
     static URL: OnceLock<String> = OnceLock::new();
-    URL.get_or_init(new_grpc_server)
+    URL.get_or_init(|| new_grpc_server(tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS))
 }
 
 /// A verifier of its own, for a test that reads the server's load.
-fn new_grpc_server() -> String {
+fn new_grpc_server(saturation_tokens: f64) -> String {
     {
         let (m, tok) = target();
         let engine = Engine::new(
@@ -626,7 +626,10 @@ fn new_grpc_server() -> String {
             },
         )
         .unwrap();
-        let info = tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4);
+        let info = tandem_cloud::grpc::ServiceInfo {
+            saturation_tokens,
+            ..tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4)
+        };
         let (service, _batcher) = tandem_cloud::grpc::start(engine, info).unwrap();
         let addr = on_loopback(move |l| async move {
             tandem_cloud::grpc::serve_grpc(service, l, std::future::pending())
@@ -635,6 +638,59 @@ fn new_grpc_server() -> String {
         });
         format!("http://{addr}")
     }
+}
+
+/// Grants follow the load: while a generation keeps a verifier (saturated at 1 token per forward)
+/// busy, each new session is granted a shorter γ and a shallower pipeline; once it is idle again,
+/// grants grow back.
+#[test]
+fn grants_shrink_under_load_and_grow_back() {
+    use tandem_proto::v1::verifier_client::VerifierClient;
+    let (_, tok) = target();
+    let url = new_grpc_server(1.0);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let p = tok
+        .encode_chat("Write a long story about a dragon.")
+        .unwrap();
+    let open = |rt: &tokio::runtime::Runtime| {
+        let req = tandem_edge::grpc::OpenRequest {
+            tokenizer_fingerprint: tok.fingerprint().to_string(),
+            prompt_ids: p.clone(),
+            params: tandem_engine::SamplingParams::default(),
+            max_tokens: 8,
+            rule: tandem_spec::VerifyRule::Greedy,
+            want_draft_len: 8,
+            want_depth: 4,
+        };
+        let (link, o) = tandem_edge::grpc::GrpcLink::connect(rt, &url, req).unwrap();
+        link.close();
+        (o.draft_len, o.depth)
+    };
+    assert_eq!(open(&rt), (8, 4), "idle");
+    let mut c = rt.block_on(VerifierClient::connect(url.clone())).unwrap();
+    let mut stream = rt
+        .block_on(c.generate(tandem_proto::v1::GenerateRequest {
+            tokenizer_fingerprint: tok.fingerprint().to_string(),
+            prompt_ids: p.clone(),
+            params: None,
+            max_tokens: 400,
+        }))
+        .unwrap()
+        .into_inner();
+    // Let the running mean of tokens per forward settle near 1.
+    for _ in 0..16 {
+        rt.block_on(stream.message()).unwrap().unwrap();
+    }
+    let busy: Vec<(u32, u32)> = (0..3).map(|_| open(&rt)).collect();
+    assert_eq!(busy, vec![(4, 3), (2, 2), (1, 1)], "under load");
+    drop(stream);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let idle: Vec<(u32, u32)> = (0..3).map(|_| open(&rt)).collect();
+    assert_eq!(idle, vec![(2, 2), (4, 3), (8, 4)], "idle again");
 }
 
 /// A TCP relay to `upstream` that severs its first connection after `cut_ms`; later ones pass.
@@ -695,7 +751,7 @@ fn grpc_health_and_hung_up_clients_are_freed() {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
     let (_, tok) = target();
-    let url = new_grpc_server();
+    let url = new_grpc_server(tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()

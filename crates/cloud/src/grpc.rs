@@ -16,6 +16,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use tandem_sched::GrantPolicy;
+
 use crate::{Gauges, ToCloud, ToEdge};
 
 /// What the service tells edges about itself and grants them.
@@ -26,6 +28,9 @@ pub struct ServiceInfo {
     pub eog: Vec<u32>,
     pub max_draft_len: u32,
     pub max_depth: u32,
+    /// Tokens per forward at which the target turns compute-bound: new sessions get smaller
+    /// grants as the load nears it ([`GrantPolicy`]).
+    pub saturation_tokens: f64,
 }
 
 impl ServiceInfo {
@@ -49,9 +54,14 @@ impl ServiceInfo {
             eog: tokenizer.eog_ids(),
             max_draft_len: max_draft_len.max(1),
             max_depth: max_depth.max(1),
+            saturation_tokens: DEFAULT_SATURATION_TOKENS,
         }
     }
 }
+
+/// Where the SmolLM2 target turns compute-bound on a 2-vCPU machine (`bench engine`: a ragged
+/// forward stops gaining throughput beyond about 4 sessions × 5 tokens).
+pub const DEFAULT_SATURATION_TOKENS: f64 = 32.0;
 
 /// What [`serve_grpc`] fails with.
 pub type TransportError = tonic::transport::Error;
@@ -61,6 +71,7 @@ pub struct Service {
     info: ServiceInfo,
     gauges: Arc<Gauges>,
     next_session: AtomicU64,
+    grant: Mutex<GrantPolicy>,
 }
 
 const INVALID_ARGUMENT: u32 = 3;
@@ -80,6 +91,11 @@ impl Service {
     pub fn new(batcher: Sender<ToCloud>, info: ServiceInfo, gauges: Arc<Gauges>) -> Self {
         Self {
             batcher: Arc::new(Mutex::new(batcher)),
+            grant: Mutex::new(GrantPolicy::new(
+                info.max_draft_len,
+                info.max_depth,
+                info.saturation_tokens,
+            )),
             info,
             gauges,
             next_session: AtomicU64::new(1),
@@ -142,8 +158,14 @@ impl Service {
         }
         let params = params_from_proto(o.params).map_err(|e| format!("open.{e}"))?;
         let rule = rule_from_proto(o.rule).map_err(|e| format!("open.{e}"))?;
-        let gamma = o.want_draft_len.clamp(1, self.info.max_draft_len);
-        let depth = o.want_depth.clamp(1, self.info.max_depth);
+        let load = self.gauges.tokens_per_forward_x100.load(Ordering::Relaxed) as f64 / 100.0;
+        let (max_gamma, max_depth) = self
+            .grant
+            .lock()
+            .map(|mut g| g.grant(load))
+            .unwrap_or((1, 1));
+        let gamma = o.want_draft_len.clamp(1, max_gamma);
+        let depth = o.want_depth.clamp(1, max_depth);
         let reply = Box::new(move |msg: ToEdge| {
             let m = match msg {
                 ToEdge::Opened { session, first } => CloudMessage {
@@ -310,6 +332,7 @@ impl VerifierRpc for Service {
                 kv_blocks_used: g(&self.gauges.kv_blocks_used),
                 kv_blocks_total: g(&self.gauges.kv_blocks_total),
                 target_forwards: g(&self.gauges.target_forwards),
+                tokens_per_forward: g(&self.gauges.tokens_per_forward_x100) as f64 / 100.0,
             }),
         }))
     }

@@ -36,6 +36,8 @@ pub struct VerifierStats {
     pub blocks_stale: u64,
     /// Largest number of sessions in one forward.
     pub max_batch: usize,
+    /// Running mean of the tokens per step forward (0 once the verifier goes idle): its load.
+    pub tokens_per_forward: f64,
 }
 
 /// Live load of a verifier, updated by [`serve`] after every step and read by the `Info` RPC.
@@ -48,6 +50,8 @@ pub struct Gauges {
     pub kv_blocks_used: AtomicU64,
     pub kv_blocks_total: AtomicU64,
     pub target_forwards: AtomicU64,
+    /// Tokens per step forward (running mean), in hundredths.
+    pub tokens_per_forward_x100: AtomicU64,
 }
 
 impl Gauges {
@@ -60,6 +64,10 @@ impl Gauges {
         set(&self.kv_blocks_total, t.num_blocks());
         self.target_forwards
             .store(v.stats.target_forwards, Ordering::Relaxed);
+        self.tokens_per_forward_x100.store(
+            (v.stats.tokens_per_forward * 100.0).round() as u64,
+            Ordering::Relaxed,
+        );
     }
 }
 
@@ -234,6 +242,9 @@ impl Verifier {
             };
         }
         self.stats.max_batch = self.stats.max_batch.max(chunks.len());
+        let n: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+        let avg = &mut self.stats.tokens_per_forward;
+        *avg += 0.2 * (n as f64 - *avg);
         let t0 = std::time::Instant::now();
         let forward = self.engine.forward(&chunks);
         let verify_us = t0.elapsed().as_micros().min(u32::MAX as u128) as u32;
@@ -387,6 +398,8 @@ pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>, gauges: Arc<Gauges>) -> Ver
         gauges.update(&v);
         let idle = queued.values().all(|q| q.is_empty()) && !v.decoding();
         let first = if idle {
+            v.stats.tokens_per_forward = 0.0;
+            gauges.update(&v);
             match rx.recv() {
                 Ok(m) => Some(m),
                 Err(_) => return v,

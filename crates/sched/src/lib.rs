@@ -14,12 +14,14 @@
 //! and reports each session's KV length after it (a rejection truncates) with
 //! [`Scheduler::update`].
 
+pub mod grant;
 pub mod pool;
 
 use std::collections::{BTreeMap, VecDeque};
 
 use serde::Serialize;
 
+pub use grant::GrantPolicy;
 pub use pool::BlockPool;
 
 pub type SessionId = u64;
