@@ -89,6 +89,9 @@ struct ServeArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:50051")]
     listen: String,
+    /// Serve Prometheus metrics on `GET /metrics` at this address too.
+    #[arg(long)]
+    metrics_listen: Option<String>,
     /// Largest draft length (γ) granted to a session.
     #[arg(long, default_value_t = 8)]
     max_draft_len: u32,
@@ -813,6 +816,20 @@ fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(&a.listen)
             .await
             .with_context(|| format!("--listen {}: cannot bind", a.listen))?;
+        if let Some(addr) = &a.metrics_listen {
+            let ml = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("--metrics-listen {addr}: cannot bind"))?;
+            eprintln!("metrics on http://{}/metrics", ml.local_addr()?);
+            let g = service.gauges();
+            tokio::spawn(async move {
+                if let Err(e) =
+                    tandem_cloud::metrics::serve_metrics(ml, g, std::future::pending()).await
+                {
+                    eprintln!("metrics server stopped: {e}");
+                }
+            });
+        }
         eprintln!("tandem verifier listening on {}", listener.local_addr()?);
         let shutdown = async {
             let _ = tokio::signal::ctrl_c().await;

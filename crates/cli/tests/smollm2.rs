@@ -693,6 +693,76 @@ fn grants_shrink_under_load_and_grow_back() {
     assert_eq!(idle, vec![(2, 2), (4, 3), (8, 4)], "idle again");
 }
 
+/// `/metrics` is served over real HTTP, parses as Prometheus text, and counts what a speculative
+/// session did.
+#[test]
+fn metrics_are_scraped_over_http_and_parse() {
+    use std::io::{Read, Write};
+    let (m, tok) = target();
+    let engine = Engine::new(
+        m.clone(),
+        EngineConfig {
+            threads: 1,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    let info = tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4);
+    let (service, _batcher) = tandem_cloud::grpc::start(engine, info).unwrap();
+    let g = service.gauges();
+    let maddr = on_loopback(move |l| async move {
+        tandem_cloud::metrics::serve_metrics(l, g, std::future::pending())
+            .await
+            .unwrap();
+    });
+    let addr = on_loopback(move |l| async move {
+        tandem_cloud::grpc::serve_grpc(service, l, std::future::pending())
+            .await
+            .unwrap();
+    });
+    let p = tok.encode("The capital of France is").unwrap();
+    let out = spec_out(
+        &p,
+        4,
+        2,
+        0.0,
+        tandem_engine::SamplingParams::default(),
+        tandem_spec::VerifyRule::Greedy,
+        16,
+        Some(format!("http://{addr}")),
+    );
+    let mut c = std::net::TcpStream::connect(maddr).unwrap();
+    c.write_all(b"GET /metrics HTTP/1.1\r\nHost: tandem\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut resp = String::new();
+    c.read_to_string(&mut resp).unwrap();
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let mut values = std::collections::HashMap::new();
+    for line in body
+        .lines()
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
+        let (name, value) = line.rsplit_once(' ').unwrap();
+        let v: f64 = value
+            .parse()
+            .unwrap_or_else(|_| panic!("not a value: {line}"));
+        values.insert(name.to_string(), v);
+    }
+    let s = out.spec.unwrap();
+    // Every verdict the edge applied was a verified draft (some it found stale on arrival).
+    let drafts = values["tandem:spec_decode_num_drafts_total"];
+    assert!(
+        drafts >= s.rounds as f64 && drafts <= (s.rounds + s.stale_blocks + 2) as f64,
+        "{drafts} drafts for {} rounds: {body}",
+        s.rounds
+    );
+    assert!(values["tandem:spec_decode_num_accepted_tokens_total"] >= 1.0);
+    assert!(values["tandem:time_to_first_token_seconds_count"] >= 1.0);
+    assert!(values["tandem:target_forwards_total"] >= 2.0);
+    assert!(values.contains_key("tandem:spec_decode_num_accepted_tokens_per_pos{position=\"0\"}"));
+}
+
 /// A TCP relay to `upstream` that severs its first connection after `cut_ms`; later ones pass.
 fn cutting_relay(upstream: std::net::SocketAddr, cut_ms: u64) -> std::net::SocketAddr {
     on_loopback(move |l| async move {

@@ -102,6 +102,11 @@ impl Service {
         }
     }
 
+    /// The load gauges and metrics the batcher behind this service updates.
+    pub fn gauges(&self) -> Arc<Gauges> {
+        self.gauges.clone()
+    }
+
     pub fn into_server(self) -> VerifierServer<Self> {
         VerifierServer::new(self)
     }

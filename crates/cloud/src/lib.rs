@@ -3,11 +3,13 @@
 //! in-process link ([`serve`]) and, later, the gRPC service drive the same [`Verifier`].
 
 pub mod grpc;
+pub mod metrics;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
+use std::time::Instant;
 
 use tandem_engine::{Engine, EngineError, SamplingParams, SeqChunk, SeqId, Wanted};
 use tandem_spec::sampling::sample;
@@ -38,11 +40,15 @@ pub struct VerifierStats {
     pub max_batch: usize,
     /// Running mean of the tokens per step forward (0 once the verifier goes idle): its load.
     pub tokens_per_forward: f64,
+    /// Sessions and tokens of the last step forward.
+    pub last_batch: (usize, usize),
 }
 
-/// Live load of a verifier, updated by [`serve`] after every step and read by the `Info` RPC.
-#[derive(Debug, Default)]
+/// Live load of a verifier, updated by [`serve`] after every step and read by the `Info` RPC, and
+/// its Prometheus metrics.
+#[derive(Default)]
 pub struct Gauges {
+    pub metrics: metrics::Metrics,
     /// Open speculation sessions.
     pub sessions: AtomicU64,
     /// Running cloud-only generations.
@@ -243,6 +249,7 @@ impl Verifier {
         }
         self.stats.max_batch = self.stats.max_batch.max(chunks.len());
         let n: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+        self.stats.last_batch = (chunks.len(), n);
         let avg = &mut self.stats.tokens_per_forward;
         *avg += 0.2 * (n as f64 - *avg);
         let t0 = std::time::Instant::now();
@@ -393,7 +400,19 @@ pub enum ToEdge {
 /// session in one ragged forward.
 pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>, gauges: Arc<Gauges>) -> Verifier {
     let mut replies: HashMap<u64, Reply> = HashMap::new();
-    let mut queued: HashMap<u64, VecDeque<Block>> = HashMap::new();
+    let mut queued: HashMap<u64, VecDeque<(Block, Instant)>> = HashMap::new();
+    // When each session last got tokens (for the inter-token latency).
+    let mut last_commit: HashMap<u64, Instant> = HashMap::new();
+    let mx = &gauges.metrics;
+    let itl = |id: u64, tokens: usize, last_commit: &mut HashMap<u64, Instant>| {
+        let now = Instant::now();
+        if let Some(t) = last_commit.insert(id, now) {
+            let gap = (now - t).as_secs_f64() / tokens.max(1) as f64;
+            for _ in 0..tokens.max(1) {
+                mx.itl.observe(gap);
+            }
+        }
+    };
     loop {
         gauges.update(&v);
         let idle = queued.values().all(|q| q.is_empty()) && !v.decoding();
@@ -416,8 +435,14 @@ pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>, gauges: Arc<Gauges>) -> Ver
                     rule,
                     reply,
                 } => {
+                    let t0 = Instant::now();
                     let msg = match v.open(session, &prompt, params, rule) {
-                        Ok(first) => ToEdge::Opened { session, first },
+                        Ok(first) => {
+                            mx.ttft.observe(t0.elapsed().as_secs_f64());
+                            mx.forwards.inc();
+                            last_commit.insert(session, Instant::now());
+                            ToEdge::Opened { session, first }
+                        }
                         Err(e) => ToEdge::Error {
                             message: e.to_string(),
                         },
@@ -429,9 +454,10 @@ pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>, gauges: Arc<Gauges>) -> Ver
                         v.close(session);
                     }
                 }
-                ToCloud::Draft { session, block } => {
-                    queued.entry(session).or_default().push_back(block)
-                }
+                ToCloud::Draft { session, block } => queued
+                    .entry(session)
+                    .or_default()
+                    .push_back((block, Instant::now())),
                 ToCloud::Generate {
                     session,
                     prompt,
@@ -439,36 +465,58 @@ pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>, gauges: Arc<Gauges>) -> Ver
                     max_tokens,
                     eog,
                     reply,
-                } => match v.open_generate(session, &prompt, params, max_tokens, eog) {
-                    Ok(d) => {
-                        let alive = reply(ToEdge::Token {
-                            token: d.token,
-                            done: d.done,
-                        });
-                        if !alive {
-                            v.close(session);
-                        } else if !d.done {
-                            replies.insert(session, reply);
+                } => {
+                    let t0 = Instant::now();
+                    let started = v.open_generate(session, &prompt, params, max_tokens, eog);
+                    if started.is_ok() {
+                        mx.ttft.observe(t0.elapsed().as_secs_f64());
+                        mx.forwards.inc();
+                        last_commit.insert(session, Instant::now());
+                    }
+                    match started {
+                        Ok(d) => {
+                            let alive = reply(ToEdge::Token {
+                                token: d.token,
+                                done: d.done,
+                            });
+                            if !alive {
+                                v.close(session);
+                            } else if !d.done {
+                                replies.insert(session, reply);
+                            }
+                        }
+                        Err(e) => {
+                            reply(ToEdge::Error {
+                                message: e.to_string(),
+                            });
                         }
                     }
-                    Err(e) => {
-                        reply(ToEdge::Error {
-                            message: e.to_string(),
-                        });
-                    }
-                },
+                }
                 ToCloud::Close { session } => {
                     v.close(session);
                     replies.remove(&session);
                     queued.remove(&session);
+                    last_commit.remove(&session);
                 }
             }
         }
+        let now = Instant::now();
         let batch: Vec<(u64, Block)> = queued
             .iter_mut()
-            .filter_map(|(id, q)| q.pop_front().map(|b| (*id, b)))
+            .filter_map(|(id, q)| {
+                q.pop_front().map(|(b, at)| {
+                    mx.queue_time.observe((now - at).as_secs_f64());
+                    (*id, b)
+                })
+            })
             .collect();
+        let forwards = v.stats.target_forwards;
         let step = v.step(&batch);
+        if v.stats.target_forwards > forwards {
+            mx.forwards.inc();
+            mx.batch_size.observe(v.stats.last_batch.0 as f64);
+            mx.tokens_per_forward.observe(v.stats.last_batch.1 as f64);
+        }
         for (id, message) in step.failed {
             if let Some(reply) = replies.remove(&id) {
                 reply(ToEdge::Error { message });
@@ -476,6 +524,7 @@ pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>, gauges: Arc<Gauges>) -> Ver
         }
         let mut gone = Vec::new();
         for d in step.decoded {
+            itl(d.session, 1, &mut last_commit);
             if let Some(reply) = replies.get(&d.session) {
                 let alive = reply(ToEdge::Token {
                     token: d.token,
@@ -491,7 +540,21 @@ pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>, gauges: Arc<Gauges>) -> Ver
         }
         for (id, r) in step.verdicts {
             let msg = match r {
-                Ok(Some(verdict)) => ToEdge::Verdict(verdict),
+                Ok(Some(verdict)) => {
+                    if let Some((_, b)) = batch.iter().find(|(s, _)| *s == id) {
+                        let accepted = verdict.accepted.min(b.tokens.len());
+                        mx.drafts.inc();
+                        mx.draft_tokens.inc_by(b.tokens.len() as u64);
+                        mx.accepted_tokens.inc_by(accepted as u64);
+                        for pos in 0..accepted {
+                            mx.accepted_per_pos
+                                .with_label_values(&[&pos.to_string()])
+                                .inc();
+                        }
+                        itl(id, accepted + 1, &mut last_commit);
+                    }
+                    ToEdge::Verdict(verdict)
+                }
                 Ok(None) => continue,
                 Err(e) => ToEdge::Error {
                     message: e.to_string(),
@@ -509,6 +572,7 @@ pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>, gauges: Arc<Gauges>) -> Ver
             v.close(id);
             replies.remove(&id);
             queued.remove(&id);
+            last_commit.remove(&id);
         }
     }
 }

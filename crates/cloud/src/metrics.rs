@@ -1,0 +1,170 @@
+//! Prometheus metrics of the verifier, served as text on `GET /metrics`. Names follow vLLM's where
+//! they exist (`time_to_first_token_seconds`, `inter_token_latency_seconds`,
+//! `spec_decode_num_drafts_total`, `spec_decode_num_draft_tokens_total`,
+//! `spec_decode_num_accepted_tokens_total`, accepted tokens per position), under a `tandem:` prefix
+//! as vLLM's are under `vllm:`; Tandem's own add batch size, tokens per forward, queue time and the
+//! KV cache.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+
+use crate::Gauges;
+
+pub struct Metrics {
+    registry: Registry,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub queue_time: Histogram,
+    pub batch_size: Histogram,
+    pub tokens_per_forward: Histogram,
+    pub drafts: IntCounter,
+    pub draft_tokens: IntCounter,
+    pub accepted_tokens: IntCounter,
+    pub accepted_per_pos: IntCounterVec,
+    pub forwards: IntCounter,
+    sessions: IntGauge,
+    generations: IntGauge,
+    kv_used: IntGauge,
+    kv_total: IntGauge,
+}
+
+fn seconds(name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
+    Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
+        .expect("a valid histogram")
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let latency = vec![
+            0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+            10.0,
+        ];
+        let counts = vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
+        let m = Self {
+            registry: Registry::new(),
+            ttft: seconds(
+                "tandem:time_to_first_token_seconds",
+                "From a session's Open (or Generate) to its first token, in the verifier.",
+                latency.clone(),
+            ),
+            itl: seconds(
+                "tandem:inter_token_latency_seconds",
+                "Between committed tokens of a session, as the verifier sends them.",
+                latency.clone(),
+            ),
+            queue_time: seconds(
+                "tandem:queue_time_seconds",
+                "From a draft block's arrival to the forward that verifies it.",
+                latency,
+            ),
+            batch_size: seconds(
+                "tandem:batch_size",
+                "Sessions in one forward.",
+                counts.clone(),
+            ),
+            tokens_per_forward: seconds(
+                "tandem:tokens_per_forward",
+                "Tokens computed in one forward, all sessions together.",
+                counts,
+            ),
+            drafts: IntCounter::new(
+                "tandem:spec_decode_num_drafts_total",
+                "Draft blocks verified.",
+            )
+            .expect("valid"),
+            draft_tokens: IntCounter::new(
+                "tandem:spec_decode_num_draft_tokens_total",
+                "Drafted tokens in verified blocks.",
+            )
+            .expect("valid"),
+            accepted_tokens: IntCounter::new(
+                "tandem:spec_decode_num_accepted_tokens_total",
+                "Drafted tokens the target accepted.",
+            )
+            .expect("valid"),
+            accepted_per_pos: IntCounterVec::new(
+                Opts::new(
+                    "tandem:spec_decode_num_accepted_tokens_per_pos",
+                    "Accepted drafted tokens by position in their block.",
+                ),
+                &["position"],
+            )
+            .expect("valid"),
+            forwards: IntCounter::new(
+                "tandem:target_forwards_total",
+                "Forward passes of the target.",
+            )
+            .expect("valid"),
+            sessions: IntGauge::new("tandem:sessions", "Open speculation sessions.")
+                .expect("valid"),
+            generations: IntGauge::new("tandem:generations", "Running cloud-only generations.")
+                .expect("valid"),
+            kv_used: IntGauge::new("tandem:kv_blocks_used", "KV cache blocks in use.")
+                .expect("valid"),
+            kv_total: IntGauge::new("tandem:kv_blocks_total", "KV cache blocks in all.")
+                .expect("valid"),
+        };
+        let r = &m.registry;
+        for c in [
+            Box::new(m.ttft.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(m.itl.clone()),
+            Box::new(m.queue_time.clone()),
+            Box::new(m.batch_size.clone()),
+            Box::new(m.tokens_per_forward.clone()),
+            Box::new(m.drafts.clone()),
+            Box::new(m.draft_tokens.clone()),
+            Box::new(m.accepted_tokens.clone()),
+            Box::new(m.accepted_per_pos.clone()),
+            Box::new(m.forwards.clone()),
+            Box::new(m.sessions.clone()),
+            Box::new(m.generations.clone()),
+            Box::new(m.kv_used.clone()),
+            Box::new(m.kv_total.clone()),
+        ] {
+            r.register(c).expect("metric names are unique");
+        }
+        m
+    }
+}
+
+impl Metrics {
+    /// The text exposition of every metric, gauges refreshed from `g`.
+    pub fn render(&self, g: &Gauges) -> String {
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as i64;
+        self.sessions.set(get(&g.sessions));
+        self.generations.set(get(&g.generations));
+        self.kv_used.set(get(&g.kv_blocks_used));
+        self.kv_total.set(get(&g.kv_blocks_total));
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+/// Serve `GET /metrics` on `listener` until `shutdown` resolves.
+pub async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    gauges: Arc<Gauges>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let g = gauges.clone();
+            async move {
+                (
+                    [("content-type", "text/plain; version=0.0.4")],
+                    g.metrics.render(&g),
+                )
+            }
+        }),
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
