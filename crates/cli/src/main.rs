@@ -266,12 +266,8 @@ struct LatencyBenchArgs {
     edge_cpus: Option<CpuSet>,
     #[arg(long)]
     cloud_cpus: Option<CpuSet>,
-    #[arg(long, env = "TANDEM_PEER_PYTHON")]
-    peer_python: Option<PathBuf>,
-    #[arg(long)]
-    peer_script: Option<PathBuf>,
-    #[arg(long)]
-    no_peer: bool,
+    #[command(flatten)]
+    peer: PeerArgs,
     /// Also write the JSON report to this file.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -294,6 +290,16 @@ struct EngineBenchArgs {
     /// Repetitions per measurement (the best is kept).
     #[arg(long, default_value_t = 3)]
     repeats: usize,
+    #[command(flatten)]
+    peer: PeerArgs,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    json: bool,
+}
+
+/// llama.cpp beside Tandem (`../shared/peer`), when installed.
+#[derive(Args)]
+struct PeerArgs {
     /// Python with llama-cpp-python (../shared/peer/setup.sh prints it); default: the peer venv if present.
     #[arg(long, env = "TANDEM_PEER_PYTHON")]
     peer_python: Option<PathBuf>,
@@ -303,9 +309,13 @@ struct EngineBenchArgs {
     /// Do not run llama.cpp beside Tandem even when it is installed.
     #[arg(long)]
     no_peer: bool,
-    /// Print one JSON object instead of tables.
-    #[arg(long)]
-    json: bool,
+}
+
+impl PeerArgs {
+    fn find(&self) -> Option<(PathBuf, PathBuf)> {
+        tandem_cli::latency::find_peer(self.peer_python.clone(), self.peer_script.clone())
+            .filter(|_| !self.no_peer)
+    }
 }
 
 #[derive(Args)]
@@ -538,8 +548,7 @@ fn cmd_quantize(home: &std::path::Path, a: QuantizeArgs) -> Result<()> {
 fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
     let target = models::load(home, &ModelSpec::Target, None, a.json)?;
     let draft = models::load(home, &ModelSpec::Draft, None, a.json)?;
-    let peer = tandem_cli::latency::find_peer(a.peer_python.clone(), a.peer_script.clone())
-        .filter(|_| !a.no_peer);
+    let peer = a.peer.find();
     let target_f32 = peer
         .as_ref()
         .map(|_| models::ensure_f32_copy(home))
@@ -613,8 +622,7 @@ fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
         )?);
     }
     let (edge_default, cloud_default) = split_cores();
-    let peer =
-        latency::find_peer(a.peer_python.clone(), a.peer_script.clone()).filter(|_| !a.no_peer);
+    let peer = a.peer.find();
     let peer_target = peer
         .as_ref()
         .map(|_| models::ensure_f32_copy(home))

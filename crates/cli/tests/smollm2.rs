@@ -611,11 +611,11 @@ where
 /// A real gRPC verifier on a loopback port, serving the f32 target; returns its URL.
 fn grpc_server() -> &'static String {
     static URL: OnceLock<String> = OnceLock::new();
-    URL.get_or_init(|| new_grpc_server(tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS))
+    URL.get_or_init(|| new_grpc_server(tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS).0)
 }
 
-/// A verifier of its own, for a test that reads the server's load.
-fn new_grpc_server(saturation_tokens: f64) -> String {
+/// A verifier of its own, for a test that reads the server's load: its URL and its gauges.
+fn new_grpc_server(saturation_tokens: f64) -> (String, std::sync::Arc<tandem_cloud::Gauges>) {
     {
         let (m, tok) = target();
         let engine = Engine::new(
@@ -631,12 +631,13 @@ fn new_grpc_server(saturation_tokens: f64) -> String {
             ..tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4)
         };
         let (service, _batcher) = tandem_cloud::grpc::start(engine, info).unwrap();
+        let gauges = service.gauges();
         let addr = on_loopback(move |l| async move {
             tandem_cloud::grpc::serve_grpc(service, l, std::future::pending())
                 .await
                 .unwrap();
         });
-        format!("http://{addr}")
+        (format!("http://{addr}"), gauges)
     }
 }
 
@@ -647,7 +648,7 @@ fn new_grpc_server(saturation_tokens: f64) -> String {
 fn grants_shrink_under_load_and_grow_back() {
     use tandem_proto::v1::verifier_client::VerifierClient;
     let (_, tok) = target();
-    let url = new_grpc_server(1.0);
+    let url = new_grpc_server(1.0).0;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -698,25 +699,10 @@ fn grants_shrink_under_load_and_grow_back() {
 #[test]
 fn metrics_are_scraped_over_http_and_parse() {
     use std::io::{Read, Write};
-    let (m, tok) = target();
-    let engine = Engine::new(
-        m.clone(),
-        EngineConfig {
-            threads: 1,
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
-    let info = tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4);
-    let (service, _batcher) = tandem_cloud::grpc::start(engine, info).unwrap();
-    let g = service.gauges();
+    let (_, tok) = target();
+    let (url, g) = new_grpc_server(tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS);
     let maddr = on_loopback(move |l| async move {
         tandem_cloud::metrics::serve_metrics(l, g, std::future::pending())
-            .await
-            .unwrap();
-    });
-    let addr = on_loopback(move |l| async move {
-        tandem_cloud::grpc::serve_grpc(service, l, std::future::pending())
             .await
             .unwrap();
     });
@@ -729,7 +715,7 @@ fn metrics_are_scraped_over_http_and_parse() {
         tandem_engine::SamplingParams::default(),
         tandem_spec::VerifyRule::Greedy,
         16,
-        Some(format!("http://{addr}")),
+        Some(url),
     );
     let mut c = std::net::TcpStream::connect(maddr).unwrap();
     c.write_all(b"GET /metrics HTTP/1.1\r\nHost: tandem\r\nConnection: close\r\n\r\n")
@@ -821,7 +807,7 @@ fn grpc_health_and_hung_up_clients_are_freed() {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
     let (_, tok) = target();
-    let url = new_grpc_server(tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS);
+    let url = new_grpc_server(tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS).0;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
