@@ -328,7 +328,7 @@ struct InfoArgs {
 struct DemoArgs {
     #[arg(
         long,
-        default_value = "What is the capital of France? Answer in one sentence."
+        default_value = "Explain how a bicycle works in three sentences."
     )]
     prompt: String,
     #[arg(long, default_value_t = 48)]
@@ -336,7 +336,8 @@ struct DemoArgs {
     /// Emulated round trip between the edge and the verifier, ms.
     #[arg(long, default_value_t = 80.0)]
     rtt_ms: f64,
-    #[arg(long, default_value_t = 4)]
+    /// Draft tokens per block (the 4-bit draft's α ≈ 0.7 favours short blocks: `bench latency`).
+    #[arg(long, default_value_t = 2)]
     gamma: usize,
     #[arg(long, default_value_t = 3)]
     depth: usize,

@@ -204,9 +204,16 @@ fn drive(
             for (i, &id) in u.committed.iter().enumerate() {
                 // A rejecting verdict's last committed token is the correction.
                 if let (Some((d, t)), true) = (u.correction, i + 1 == n) {
+                    let name = |t: u32| {
+                        if tok.is_eog(t) {
+                            "⟨end⟩".to_string()
+                        } else {
+                            say(&[t])
+                        }
+                    };
                     on_show(Shown::Correction {
-                        draft: &say(&[d]),
-                        target: &say(&[t]),
+                        draft: &name(d),
+                        target: &name(t),
                     });
                 }
                 if tok.is_eog(id) {
