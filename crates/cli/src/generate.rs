@@ -125,10 +125,7 @@ pub fn generate_remote(
     params: &SamplingParams,
     mut on_text: impl FnMut(&str),
 ) -> Result<GenOutput> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()?;
+    let rt = crate::runtime()?;
     let start = Instant::now();
     let (mut out, mut times) = (Vec::new(), Vec::new());
     let mut stream = TextStream::default();

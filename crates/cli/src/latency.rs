@@ -245,10 +245,7 @@ struct Link {
 impl Link {
     fn new() -> Result<Self> {
         Ok(Self {
-            rt: tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_all()
-                .build()?,
+            rt: crate::runtime()?,
             task: None,
         })
     }

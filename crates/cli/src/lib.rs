@@ -9,3 +9,12 @@ pub mod models;
 pub mod pull;
 pub mod speculate;
 pub mod stats;
+
+/// The small tokio runtime every network piece of the CLI runs on (gRPC clients and servers, the
+/// emulated link): one worker, so it never competes with an engine for a core.
+pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+}

@@ -722,7 +722,7 @@ fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
         let label = format!("assistant ({mode}, {} ms round trip): ", a.rtt_ms);
         print!("{label}");
         let mut live = tandem_cli::live::Live::stdout().at_column(label.chars().count());
-        let out = tandem_cli::speculate::run_shown(&run, &ids, &mut |s| live.show(s))?;
+        let out = tandem_cli::speculate::run_shown(&run, &ids, true, &mut |s| live.show(s))?;
         live.finish();
         println!();
         if !live.corrections.is_empty() {
@@ -817,10 +817,7 @@ fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
         )
     };
     let (service, batcher) = tandem_cloud::grpc::start(engine, info)?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()?;
+    let rt = tandem_cli::runtime()?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(&a.listen)
             .await
@@ -868,10 +865,7 @@ fn cmd_netem(a: NetemArgs) -> Result<()> {
             a.upstream
         )
     })?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()?;
+    let rt = tandem_cli::runtime()?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(&a.listen)
             .await

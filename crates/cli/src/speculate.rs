@@ -66,17 +66,19 @@ pub enum Shown<'a> {
 /// Run one prompt through a verifier (in-process, or gRPC at `cloud_url`) and the edge pipeline,
 /// passing verified text to `on_text`.
 pub fn run(r: &SpecRun, prompt_ids: &[u32], mut on_text: impl FnMut(&str)) -> Result<GenOutput> {
-    run_shown(r, prompt_ids, &mut |s| {
+    run_shown(r, prompt_ids, false, &mut |s| {
         if let Shown::Committed(t) = s {
             on_text(t)
         }
     })
 }
 
-/// [`run`], showing tentative tokens and corrections too.
+/// [`run`], showing corrections too, and with `tentative` the unverified tail after every step
+/// (decoded only then: it is work on the edge's loop).
 pub fn run_shown(
     r: &SpecRun,
     prompt_ids: &[u32],
+    tentative: bool,
     on_show: &mut dyn FnMut(Shown<'_>),
 ) -> Result<GenOutput> {
     match &r.cloud_url {
@@ -84,28 +86,21 @@ pub fn run_shown(
             // An emulated link in front of a remote verifier: many edge processes can share one
             // `tandem cloud serve`, each behind its own round trip.
             let upstream = tandem_edge::netem::resolve(url).map_err(|e| anyhow!("--cloud {e}"))?;
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_all()
-                .build()?;
+            let rt = crate::runtime()?;
             let (front, task) = tandem_edge::netem::spawn_front(rt.handle(), upstream, link_of(r))
                 .map_err(|e| anyhow!("invalid emulated link: {e}"))?;
-            let mut out = run_grpc(r, &front, prompt_ids, on_show);
+            let out = run_grpc(r, &front, prompt_ids, tentative, on_show);
             task.abort();
             rt.shutdown_timeout(Duration::from_millis(200));
-            if let Ok(Some(s)) = out.as_mut().map(|o| o.spec.as_mut()) {
-                s.rtt_ms = r.rtt_ms;
-            }
             out
         }
-        Some(url) => run_grpc(r, url, prompt_ids, on_show),
+        Some(url) => run_grpc(r, url, prompt_ids, tentative, on_show),
         None => {
             let local = LocalVerifier::start(r)?;
-            let mut out = run_grpc(r, &local.url, prompt_ids, on_show)?;
+            let mut out = run_grpc(r, &local.url, prompt_ids, tentative, on_show)?;
             let stats = local.stop()?;
             if let Some(s) = out.spec.as_mut() {
                 s.target_forwards = stats.target_forwards;
-                s.rtt_ms = r.rtt_ms;
             }
             Ok(out)
         }
@@ -116,13 +111,10 @@ fn run_grpc(
     r: &SpecRun,
     url: &str,
     prompt_ids: &[u32],
+    tentative: bool,
     on_show: &mut dyn FnMut(Shown<'_>),
 ) -> Result<GenOutput> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .context("starting the gRPC client runtime")?;
+    let rt = crate::runtime().context("starting the gRPC client runtime")?;
     let mut draft = Engine::new(r.draft.clone(), r.edge).context("draft engine")?;
     let start = Instant::now();
     let req = tandem_edge::grpc::OpenRequest {
@@ -164,6 +156,7 @@ fn run_grpc(
         prompt_ids,
         opened.first_token,
         start,
+        tentative,
         on_show,
     )?;
     link.close();
@@ -182,6 +175,7 @@ fn drive(
     prompt_ids: &[u32],
     first: u32,
     start: Instant,
+    tentative: bool,
     on_show: &mut dyn FnMut(Shown<'_>),
 ) -> Result<(tandem_edge::SpecReport, String)> {
     let tok = r.tokenizer;
@@ -226,7 +220,9 @@ fn drive(
                     }
                 }
             }
-            on_show(Shown::Tentative(&say(u.tentative)));
+            if tentative {
+                on_show(Shown::Tentative(&say(u.tentative)));
+            }
         },
     )?;
     Ok((report, text))
@@ -270,11 +266,7 @@ impl LocalVerifier {
         );
         let (service, batcher) =
             tandem_cloud::grpc::start(engine, info).context("starting the verifier")?;
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .context("starting the verifier's runtime")?;
+        let rt = crate::runtime().context("starting the verifier's runtime")?;
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
         let addr = listener.local_addr()?;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -348,7 +340,7 @@ fn finish(
         rounds: s.verdicts,
         gamma: report.measured.final_draft_len,
         depth: report.measured.final_depth,
-        rtt_ms: 0.0,
+        rtt_ms: r.rtt_ms,
         verify_rule: format!("{:?}", spec.rule.effective(&spec.params)).to_lowercase(),
         auto: spec.auto.is_some(),
         measured: report.measured,

@@ -414,11 +414,12 @@ pub fn serve(mut v: Verifier, rx: Receiver<ToCloud>, gauges: Arc<Gauges>) -> Ver
         }
     };
     loop {
-        gauges.update(&v);
         let idle = queued.values().all(|q| q.is_empty()) && !v.decoding();
-        let first = if idle {
+        if idle {
             v.stats.tokens_per_forward = 0.0;
-            gauges.update(&v);
+        }
+        gauges.update(&v);
+        let first = if idle {
             match rx.recv() {
                 Ok(m) => Some(m),
                 Err(_) => return v,

@@ -306,10 +306,11 @@ impl Scheduler {
         let mut taken: Vec<SessionId> = Vec::new();
         // Verify comes first, but while prompts wait it leaves them a quarter of the budget, so a
         // busy verifier still admits new sessions (a lone block that needs more still goes).
-        let reserve = if self.candidates(WorkKind::Prefill).is_empty() {
-            0
-        } else {
+        let prompts_wait = self.sessions.values().any(|s| s.computed < s.known);
+        let reserve = if prompts_wait {
             self.cfg.token_budget / PREFILL_RESERVE_DIV
+        } else {
+            0
         };
         // Verify blocks first, whole, one per session, in fair order (re-sorted after each charge).
         loop {
