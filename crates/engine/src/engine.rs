@@ -112,6 +112,78 @@ impl Engine {
     /// (`start_pos == seq_len`); a sequence the cache has not seen starts at 0. Nothing changes
     /// when the batch is refused (bad token, position, duplicate sequence, or no KV blocks left).
     pub fn forward(&mut self, batch: &[SeqChunk]) -> Result<Logits> {
+        self.check(batch)?;
+        for s in batch {
+            let expected = self.kv.tables.seq_len(s.seq);
+            if s.start_pos != expected {
+                return Err(EngineError::PositionMismatch {
+                    seq: s.seq,
+                    expected,
+                    got: s.start_pos,
+                });
+            }
+        }
+        let plan: Vec<(SeqId, usize)> = batch
+            .iter()
+            .map(|s| (s.seq, s.start_pos + s.tokens.len()))
+            .collect();
+        self.kv.tables.grow(&plan)?;
+        let tables: Vec<Vec<u32>> = batch
+            .iter()
+            .map(|s| self.kv.tables.blocks(s.seq).to_vec())
+            .collect();
+        let out = self.run(batch, &tables);
+        if out.is_err() {
+            for s in batch {
+                let _ = self.kv.tables.truncate(s.seq, s.start_pos);
+            }
+        }
+        out
+    }
+
+    /// Run one ragged batch over block tables that a scheduler allocated (`tables[i]` holds chunk
+    /// `i`'s KV blocks, ids below [`num_blocks`](crate::kv::BlockTables::num_blocks) of this
+    /// engine's cache). The caller owns the allocation and the sequences' lengths: the engine only
+    /// checks that the tables are in range, disjoint and long enough. An engine driven this way
+    /// must not also allocate through [`forward`](Engine::forward).
+    pub fn forward_paged(&mut self, batch: &[SeqChunk], tables: &[Vec<u32>]) -> Result<Logits> {
+        self.check(batch)?;
+        if self.kv.tables.num_seqs() > 0 {
+            return Err(EngineError::InvalidBatch(
+                "this engine allocates its own KV blocks; it cannot also take a scheduler's".into(),
+            ));
+        }
+        if tables.len() != batch.len() {
+            return Err(EngineError::InvalidBatch(format!(
+                "{} block tables for {} sequences",
+                tables.len(),
+                batch.len()
+            )));
+        }
+        let (bs, nb) = (self.kv.tables.block_size(), self.kv.tables.num_blocks());
+        let mut used = HashSet::new();
+        for (s, t) in batch.iter().zip(tables) {
+            let need = (s.start_pos + s.tokens.len()).div_ceil(bs);
+            if t.len() < need {
+                return Err(EngineError::InvalidBatch(format!(
+                    "sequence {}: {} KV blocks cannot hold {} positions",
+                    s.seq,
+                    t.len(),
+                    s.start_pos + s.tokens.len()
+                )));
+            }
+            if let Some(b) = t.iter().find(|&&b| b as usize >= nb || !used.insert(b)) {
+                return Err(EngineError::InvalidBatch(format!(
+                    "sequence {}: KV block {b} is out of range ({nb}) or shared",
+                    s.seq
+                )));
+            }
+        }
+        self.run(batch, tables)
+    }
+
+    /// Checks that do not depend on who allocates the KV blocks.
+    fn check(&self, batch: &[SeqChunk]) -> Result<()> {
         let cfg = &self.model.cfg;
         let mut seen = HashSet::new();
         for s in batch {
@@ -134,14 +206,6 @@ impl Engine {
                     vocab: cfg.vocab,
                 });
             }
-            let expected = self.kv.tables.seq_len(s.seq);
-            if s.start_pos != expected {
-                return Err(EngineError::PositionMismatch {
-                    seq: s.seq,
-                    expected,
-                    got: s.start_pos,
-                });
-            }
             let end = s.start_pos + s.tokens.len();
             if end > cfg.context_len {
                 return Err(EngineError::ContextOverflow {
@@ -160,26 +224,23 @@ impl Engine {
                 }
             }
         }
-        let plan: Vec<(SeqId, usize)> = batch
-            .iter()
-            .map(|s| (s.seq, s.start_pos + s.tokens.len()))
-            .collect();
-        self.kv.tables.grow(&plan)?;
+        Ok(())
+    }
+
+    fn run(&mut self, batch: &[SeqChunk], tables: &[Vec<u32>]) -> Result<Logits> {
+        let bs = self.kv.tables.block_size();
         let slots: Vec<usize> = batch
             .iter()
-            .flat_map(|s| {
-                let t = &self.kv.tables;
-                (s.start_pos..s.start_pos + s.tokens.len()).map(move |p| t.slot(s.seq, p))
+            .zip(tables)
+            .flat_map(|(s, t)| {
+                (s.start_pos..s.start_pos + s.tokens.len())
+                    .map(move |p| t[p / bs] as usize * bs + p % bs)
             })
             .collect();
+        let tables: Vec<&[u32]> = tables.iter().map(|t| t.as_slice()).collect();
         let model = Arc::clone(&self.model);
         let kv = &mut self.kv;
-        let out = self.pool.install(|| model.forward(batch, kv, &slots));
-        if out.is_err() {
-            for s in batch {
-                let _ = self.kv.tables.truncate(s.seq, s.start_pos);
-            }
-        }
-        out
+        self.pool
+            .install(|| model.forward(batch, kv, &tables, &slots))
     }
 }

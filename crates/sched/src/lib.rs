@@ -19,7 +19,7 @@ pub mod pool;
 
 use std::collections::{BTreeMap, VecDeque};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 pub use grant::GrantPolicy;
 pub use pool::BlockPool;
@@ -46,6 +46,18 @@ pub enum SchedError {
     BlockTooLarge { len: usize, budget: usize },
     #[error("a prompt of {len} tokens cannot fit the KV pool ({capacity} token slots)")]
     PromptTooLarge { len: usize, capacity: usize },
+    /// The verifier is saturated: try again after about `retry_iterations` iterations.
+    #[error("the verifier is saturated ({reason}); retry in about {retry_iterations} iterations")]
+    Saturated {
+        reason: String,
+        retry_iterations: u64,
+    },
+    #[error("tenant {tenant} is at its quota of {limit} {what}")]
+    QuotaExceeded {
+        tenant: TenantId,
+        what: &'static str,
+        limit: usize,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -54,6 +66,59 @@ pub struct SchedConfig {
     pub token_budget: usize,
     pub block_size: usize,
     pub num_blocks: usize,
+    /// Admission: open sessions (all tenants) beyond which new ones are refused.
+    pub max_sessions: usize,
+    /// Admission: prompt tokens waiting for prefill beyond which new sessions are refused.
+    pub max_waiting_tokens: usize,
+}
+
+impl SchedConfig {
+    /// A budget and a pool, with admission limits that refuse only a verifier that is clearly
+    /// behind: 1024 sessions, eight iterations' worth of waiting prompt tokens.
+    pub fn new(token_budget: usize, block_size: usize, num_blocks: usize) -> Self {
+        Self {
+            token_budget,
+            block_size,
+            num_blocks,
+            max_sessions: 1024,
+            max_waiting_tokens: 8 * token_budget,
+        }
+    }
+}
+
+/// A tenant's share and limits.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TenantConfig {
+    /// Share of the verifier under saturation, relative to other tenants' weights.
+    pub weight: f64,
+    /// Open sessions at once.
+    pub max_sessions: Option<usize>,
+    /// KV blocks held by all its sessions; past it the tenant's own least recently active
+    /// session is preempted, never another tenant's.
+    pub max_kv_blocks: Option<usize>,
+    /// Positions computed per second (verify and prefill), a token bucket with one second of burst.
+    pub tokens_per_s: Option<f64>,
+}
+
+impl Default for TenantConfig {
+    fn default() -> Self {
+        Self {
+            weight: 1.0,
+            max_sessions: None,
+            max_kv_blocks: None,
+            tokens_per_s: None,
+        }
+    }
+}
+
+impl TenantConfig {
+    pub fn weight(weight: f64) -> Self {
+        Self {
+            weight,
+            ..Self::default()
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -105,7 +170,10 @@ struct Session {
 
 #[derive(Debug, Clone)]
 struct Tenant {
-    weight: f64,
+    cfg: TenantConfig,
+    /// Token bucket of the rate quota, and when it was last filled (ms).
+    bucket: f64,
+    filled_at: Option<u64>,
     /// Virtual time: computed positions charged to the tenant over its weight.
     vtime: f64,
     /// Positions computed for the tenant in all.
@@ -119,6 +187,8 @@ pub struct SchedStats {
     pub preemptions: u64,
     /// Most iterations a verify block waited between arriving and being scheduled.
     pub max_verify_wait: u64,
+    /// Sessions refused at admission (saturated or over quota).
+    pub refused: u64,
 }
 
 pub struct Scheduler {
@@ -157,19 +227,91 @@ impl Scheduler {
         self.cfg
     }
 
-    /// Add (or reweigh) a tenant. Weights must be positive and finite.
-    pub fn set_tenant(&mut self, id: TenantId, weight: f64) -> Result<(), SchedError> {
-        if !(weight.is_finite() && weight > 0.0) {
+    /// Add a tenant or change its share and limits. Weights and rates must be positive and finite.
+    pub fn set_tenant(&mut self, id: TenantId, cfg: TenantConfig) -> Result<(), SchedError> {
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        if !positive(cfg.weight) {
             return Err(SchedError::InvalidConfig(format!(
-                "tenant {id}: weight must be positive, got {weight}"
+                "tenant {id}: weight must be positive, got {}",
+                cfg.weight
+            )));
+        }
+        if let Some(r) = cfg.tokens_per_s.filter(|&r| !positive(r)) {
+            return Err(SchedError::InvalidConfig(format!(
+                "tenant {id}: tokens_per_s must be positive, got {r}"
             )));
         }
         let t = self.tenants.entry(id).or_insert(Tenant {
-            weight,
+            cfg,
+            bucket: 0.0,
+            filled_at: None,
             vtime: 0.0,
             positions: 0,
         });
-        t.weight = weight;
+        t.cfg = cfg;
+        Ok(())
+    }
+
+    /// Open sessions of `tenant`.
+    pub fn tenant_sessions(&self, tenant: TenantId) -> usize {
+        self.sessions.values().filter(|s| s.tenant == tenant).count()
+    }
+
+    /// KV blocks held by `tenant`'s sessions.
+    pub fn tenant_blocks(&self, tenant: TenantId) -> usize {
+        self.sessions
+            .iter()
+            .filter(|(_, s)| s.tenant == tenant)
+            .map(|(id, _)| self.pool.held(*id))
+            .sum()
+    }
+
+    /// Open sessions, all tenants.
+    pub fn num_sessions(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// Prompt (and recompute) tokens not yet computed.
+    pub fn waiting_tokens(&self) -> usize {
+        self.sessions.values().map(|s| s.known - s.computed).sum()
+    }
+
+    /// Whether a session of `tenant` with a `prompt_len`-token prompt would be admitted now.
+    pub fn admit(&self, tenant: TenantId, prompt_len: usize) -> Result<(), SchedError> {
+        let t = self
+            .tenants
+            .get(&tenant)
+            .ok_or(SchedError::UnknownTenant(tenant))?;
+        let capacity = self.pool.num_blocks() * self.pool.block_size();
+        if prompt_len == 0 || prompt_len > capacity {
+            return Err(SchedError::PromptTooLarge {
+                len: prompt_len,
+                capacity,
+            });
+        }
+        if let Some(limit) = t.cfg.max_sessions {
+            if self.tenant_sessions(tenant) >= limit {
+                return Err(SchedError::QuotaExceeded {
+                    tenant,
+                    what: "sessions",
+                    limit,
+                });
+            }
+        }
+        let waiting = self.waiting_tokens();
+        let budget = self.cfg.token_budget as u64;
+        if self.sessions.len() >= self.cfg.max_sessions {
+            return Err(SchedError::Saturated {
+                reason: format!("{} sessions open", self.sessions.len()),
+                retry_iterations: 1 + waiting as u64 / budget,
+            });
+        }
+        if waiting > 0 && waiting + prompt_len > self.cfg.max_waiting_tokens {
+            return Err(SchedError::Saturated {
+                reason: format!("{waiting} prompt tokens wait for prefill"),
+                retry_iterations: 1 + (waiting + prompt_len - self.cfg.max_waiting_tokens) as u64 / budget,
+            });
+        }
         Ok(())
     }
 
@@ -188,15 +330,14 @@ impl Scheduler {
         if self.sessions.contains_key(&id) {
             return Err(SchedError::DuplicateSession(id));
         }
-        if !self.tenants.contains_key(&tenant) {
-            return Err(SchedError::UnknownTenant(tenant));
-        }
-        let capacity = self.pool.num_blocks() * self.pool.block_size();
-        if prompt_len == 0 || prompt_len > capacity {
-            return Err(SchedError::PromptTooLarge {
-                len: prompt_len,
-                capacity,
-            });
+        if let Err(e) = self.admit(tenant, prompt_len) {
+            if matches!(
+                e,
+                SchedError::Saturated { .. } | SchedError::QuotaExceeded { .. }
+            ) {
+                self.stats.refused += 1;
+            }
+            return Err(e);
         }
         // A tenant that was idle does not bank credit: it rejoins at the busiest tenants' time.
         let floor = self.min_active_vtime();
@@ -249,17 +390,54 @@ impl Scheduler {
 
     fn charge(&mut self, tenant: TenantId, positions: usize) {
         if let Some(t) = self.tenants.get_mut(&tenant) {
-            t.vtime += positions as f64 / t.weight;
+            t.vtime += positions as f64 / t.cfg.weight;
             t.positions += positions as u64;
+            if t.cfg.tokens_per_s.is_some() {
+                t.bucket -= positions as f64;
+            }
         }
     }
 
-    /// Drop the KV of the least recently active session not in `keep` that holds blocks.
-    fn preempt_one(&mut self, keep: &[SessionId]) -> Option<SessionId> {
+    /// Refill the rate quotas' buckets up to `now_ms`.
+    fn refill(&mut self, now_ms: u64) {
+        let burst_floor = self.cfg.token_budget as f64;
+        for t in self.tenants.values_mut() {
+            let Some(rate) = t.cfg.tokens_per_s else {
+                continue;
+            };
+            let burst = rate.max(burst_floor);
+            t.bucket = match t.filled_at {
+                None => burst,
+                Some(at) => (t.bucket + rate * now_ms.saturating_sub(at) as f64 / 1000.0).min(burst),
+            };
+            t.filled_at = Some(now_ms);
+        }
+    }
+
+    /// Whether `tenant` may compute now (its rate quota has tokens left).
+    fn within_rate(&self, tenant: TenantId) -> bool {
+        self.tenants
+            .get(&tenant)
+            .is_none_or(|t| t.cfg.tokens_per_s.is_none() || t.bucket > 0.0)
+    }
+
+    /// KV blocks `tenant` may still take under its quota.
+    fn tenant_room(&self, tenant: TenantId) -> usize {
+        match self.tenants.get(&tenant).and_then(|t| t.cfg.max_kv_blocks) {
+            Some(limit) => limit.saturating_sub(self.tenant_blocks(tenant)),
+            None => usize::MAX,
+        }
+    }
+
+    /// Drop the KV of the least recently active session not in `keep` that holds blocks (of
+    /// `tenant` only, when given).
+    fn preempt_one(&mut self, keep: &[SessionId], tenant: Option<TenantId>) -> Option<SessionId> {
         let victim = self
             .sessions
             .iter()
-            .filter(|(id, s)| !keep.contains(id) && s.computed > 0)
+            .filter(|(id, s)| {
+                !keep.contains(id) && s.computed > 0 && tenant.is_none_or(|t| s.tenant == t)
+            })
             .min_by_key(|(id, s)| (s.last_active, std::cmp::Reverse(s.arrival), **id))
             .map(|(id, _)| *id)?;
         self.pool.free_all(victim);
@@ -294,8 +472,9 @@ impl Scheduler {
         v.into_iter().map(|x| x.2).collect()
     }
 
-    /// Plan the next iteration.
-    pub fn schedule(&mut self) -> StepPlan {
+    /// Plan the next iteration; `now_ms` is the shell's clock, for the rate quotas.
+    pub fn schedule(&mut self, now_ms: u64) -> StepPlan {
+        self.refill(now_ms);
         self.iteration += 1;
         self.stats.iterations += 1;
         let mut plan = StepPlan {
@@ -330,10 +509,30 @@ impl Scheduler {
             }
             let start = s.computed;
             let tenant = s.tenant;
+            if !self.within_rate(tenant) {
+                taken.push(id);
+                continue;
+            }
+            // Over its KV quota a tenant preempts its own sessions, never another tenant's.
+            while self.pool.shortfall(id, start + len) > self.tenant_room(tenant) {
+                let mut keep = taken.clone();
+                keep.push(id);
+                match self.preempt_one(&keep, Some(tenant)) {
+                    Some(v) => {
+                        plan.preempted.push(v);
+                        taken.push(v);
+                    }
+                    None => break,
+                }
+            }
+            if self.pool.shortfall(id, start + len) > self.tenant_room(tenant) {
+                taken.push(id);
+                continue;
+            }
             while self.pool.shortfall(id, start + len) > self.pool.num_free() {
                 let mut keep = taken.clone();
                 keep.push(id);
-                match self.preempt_one(&keep) {
+                match self.preempt_one(&keep, None) {
                     Some(v) => {
                         plan.preempted.push(v);
                         // It recomputes in a later iteration, not in the one that evicted it.
@@ -369,14 +568,17 @@ impl Scheduler {
                 continue;
             }
             let s = &self.sessions[&id];
-            let start = s.computed;
-            let room = self.pool.num_free() * self.pool.block_size()
+            let (start, known, tenant) = (s.computed, s.known, s.tenant);
+            if !self.within_rate(tenant) {
+                continue;
+            }
+            let free = self.pool.num_free().min(self.tenant_room(tenant));
+            let room = free * self.pool.block_size()
                 + (self.pool.held(id) * self.pool.block_size()).saturating_sub(start);
-            let len = (s.known - start).min(budget).min(room);
+            let len = (known - start).min(budget).min(room);
             if len == 0 {
                 continue;
             }
-            let tenant = s.tenant;
             if self.pool.grow(id, start + len).is_err() {
                 continue;
             }
@@ -424,13 +626,12 @@ mod tests {
 
     fn sched(budget: usize, blocks: usize) -> Scheduler {
         let mut s = Scheduler::new(SchedConfig {
-            token_budget: budget,
-            block_size: 4,
-            num_blocks: blocks,
+            max_waiting_tokens: 10_000,
+            ..SchedConfig::new(budget, 4, blocks)
         })
         .unwrap();
-        s.set_tenant(1, 1.0).unwrap();
-        s.set_tenant(2, 3.0).unwrap();
+        s.set_tenant(1, TenantConfig::weight(1.0)).unwrap();
+        s.set_tenant(2, TenantConfig::weight(3.0)).unwrap();
         s
     }
 
@@ -441,14 +642,14 @@ mod tests {
         s.open(2, 1, 4).unwrap();
         // Prefill takes turns: session 2's short prompt is done by the second iteration.
         for _ in 0..2 {
-            let p = s.schedule();
+            let p = s.schedule(0);
             s.update(&p, &[]);
         }
         assert_eq!(s.sessions[&2].computed, 4);
         assert!(s.sessions[&1].computed < 200);
         for _ in 0..5 {
             s.enqueue_verify(2, 5).unwrap();
-            let p = s.schedule();
+            let p = s.schedule(0);
             assert_eq!(p.chunks[0].session, 2, "{p:?}");
             assert_eq!(p.chunks[0].kind, WorkKind::Verify);
             assert!(p.tokens() <= 16);
@@ -471,7 +672,7 @@ mod tests {
                     s.enqueue_verify(id, 4).unwrap();
                 }
             }
-            let p = s.schedule();
+            let p = s.schedule(0);
             let kv: Vec<_> = p
                 .chunks
                 .iter()
@@ -490,17 +691,17 @@ mod tests {
         let mut s = sched(32, 4);
         s.open(1, 1, 8).unwrap();
         s.open(2, 1, 8).unwrap();
-        let p = s.schedule();
+        let p = s.schedule(0);
         s.update(&p, &[]);
         assert_eq!(s.pool().num_free(), 0);
         s.enqueue_verify(2, 4).unwrap();
-        let p = s.schedule();
+        let p = s.schedule(0);
         assert_eq!(p.preempted, vec![1]);
         assert_eq!(p.chunks.len(), 1);
         s.update(&p, &[(2, 12)]);
         // Session 1 recomputes its 8 known tokens once there is room again.
         s.close(2);
-        let p = s.schedule();
+        let p = s.schedule(0);
         assert_eq!(
             (p.chunks[0].session, p.chunks[0].start, p.chunks[0].len),
             (1, 0, 8)
@@ -509,6 +710,103 @@ mod tests {
         s.update(&p, &[]);
         assert_eq!(s.sessions[&1].computed, 8);
         assert!(s.pool().conserved());
+    }
+
+    #[test]
+    fn admission_refuses_a_saturated_verifier_and_enforces_session_quotas() {
+        let mut s = Scheduler::new(SchedConfig {
+            max_sessions: 3,
+            max_waiting_tokens: 20,
+            ..SchedConfig::new(8, 4, 64)
+        })
+        .unwrap();
+        s.set_tenant(1, TenantConfig::weight(1.0)).unwrap();
+        let quota = TenantConfig {
+            max_sessions: Some(1),
+            ..TenantConfig::default()
+        };
+        s.set_tenant(2, quota).unwrap();
+        s.open(1, 1, 16).unwrap();
+        // 16 tokens wait; 8 more would pass 20.
+        let e = s.open(2, 1, 8).unwrap_err();
+        assert!(
+            matches!(e, SchedError::Saturated { retry_iterations: 1, .. }),
+            "{e}"
+        );
+        s.open(2, 1, 4).unwrap();
+        let p = s.schedule(0);
+        s.update(&p, &[]);
+        s.open(3, 2, 4).unwrap();
+        assert_eq!(
+            s.open(4, 2, 4),
+            Err(SchedError::QuotaExceeded {
+                tenant: 2,
+                what: "sessions",
+                limit: 1
+            })
+        );
+        for _ in 0..4 {
+            let p = s.schedule(0);
+            s.update(&p, &[]);
+        }
+        assert_eq!(s.waiting_tokens(), 0);
+        assert!(matches!(s.open(5, 1, 4), Err(SchedError::Saturated { .. })));
+        assert_eq!(s.stats().refused, 3);
+        s.close(1);
+        s.open(5, 1, 4).unwrap();
+    }
+
+    #[test]
+    fn a_tenant_over_its_kv_quota_preempts_only_its_own_sessions() {
+        let mut s = sched(64, 64);
+        let quota = TenantConfig {
+            max_kv_blocks: Some(3),
+            ..TenantConfig::default()
+        };
+        s.set_tenant(2, quota).unwrap();
+        s.open(1, 1, 4).unwrap(); // tenant 1: one block, the least recently active
+        s.open(2, 2, 4).unwrap();
+        s.open(3, 2, 8).unwrap(); // tenant 2: three blocks, its quota
+        let p = s.schedule(0);
+        s.update(&p, &[]);
+        assert_eq!(s.tenant_blocks(2), 3);
+        s.enqueue_verify(3, 4).unwrap(); // needs a fourth block
+        let p = s.schedule(0);
+        assert_eq!(p.preempted, vec![2], "{p:?}");
+        s.update(&p, &[(3, 12)]);
+        assert_eq!(s.tenant_blocks(2), 3);
+        assert_eq!(s.pool().held(1), 1);
+        // Session 2 cannot come back while session 3 holds the quota.
+        let p = s.schedule(0);
+        assert!(p.chunks.is_empty(), "{p:?}");
+        assert!(s.pool().conserved());
+    }
+
+    #[test]
+    fn a_rate_quota_holds_a_tenant_to_its_tokens_per_second() {
+        let mut s = sched(16, 1000);
+        let quota = TenantConfig {
+            tokens_per_s: Some(100.0),
+            ..TenantConfig::default()
+        };
+        s.set_tenant(2, quota).unwrap();
+        s.open(1, 1, 4).unwrap();
+        s.open(2, 2, 4).unwrap();
+        // Ten simulated seconds, an iteration every 10 ms, both sessions always with a block.
+        for i in 0..1000u64 {
+            for id in [1, 2] {
+                if s.sessions[&id].verifies.is_empty() && s.sessions[&id].computed > 0 {
+                    s.enqueue_verify(id, 4).unwrap();
+                }
+            }
+            let p = s.schedule(i * 10);
+            let kv: Vec<_> = p.chunks.iter().map(|c| (c.session, c.start + 1)).collect();
+            s.update(&p, &kv);
+        }
+        // 100/s for 10 s, plus a first burst of one second and one block of overdraft.
+        let limited = s.tenant_positions(2);
+        assert!((990..=100 * 11 + 4).contains(&limited), "{limited}");
+        assert!(s.tenant_positions(1) > 3 * limited);
     }
 
     #[test]
@@ -526,6 +824,6 @@ mod tests {
             s.open(2, 1, 17),
             Err(SchedError::PromptTooLarge { .. })
         ));
-        assert!(s.set_tenant(3, 0.0).is_err());
+        assert!(s.set_tenant(3, TenantConfig::weight(0.0)).is_err());
     }
 }

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use proptest::prelude::*;
-use tandem_sched::{SchedConfig, Scheduler, WorkKind};
+use tandem_sched::{SchedConfig, Scheduler, TenantConfig, WorkKind};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -33,9 +33,9 @@ proptest! {
         num_blocks in 4usize..40,
         ops in proptest::collection::vec(op(), 1..120),
     ) {
-        let mut s = Scheduler::new(SchedConfig { token_budget: budget, block_size, num_blocks }).unwrap();
+        let mut s = Scheduler::new(SchedConfig::new(budget, block_size, num_blocks)).unwrap();
         for t in 1..4 {
-            s.set_tenant(t, t as f64).unwrap();
+            s.set_tenant(t, TenantConfig::weight(t as f64)).unwrap();
         }
         let mut open: Vec<u64> = Vec::new();
         // What the shell knows of each session: tokens known to the cloud after the last verdict.
@@ -63,7 +63,7 @@ proptest! {
                     }
                 }
                 Op::Step { reject } => {
-                    let p = s.schedule();
+                    let p = s.schedule(0);
                     prop_assert!(p.tokens() <= budget, "{} > {budget}", p.tokens());
                     prop_assert!(s.pool().conserved());
                     let mut seen = std::collections::BTreeSet::new();

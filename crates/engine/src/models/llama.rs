@@ -296,12 +296,14 @@ impl LlamaModel {
         }
     }
 
-    /// Run one ragged batch. The caller has validated the batch and grown the KV tables
-    /// (see [`crate::Engine::forward`]); `slots[t]` is the KV slot of token `t`.
+    /// Run one ragged batch. The caller has validated the batch and the block tables (see
+    /// [`crate::Engine::forward`]): `tables[i]` holds chunk `i`'s KV blocks, `slots[t]` is the KV
+    /// slot of token `t`.
     pub(crate) fn forward(
         &self,
         batch: &[SeqChunk],
         kv: &mut PagedKvCache,
+        tables: &[&[u32]],
         slots: &[usize],
     ) -> Result<Logits> {
         let c = &self.cfg;
@@ -336,11 +338,6 @@ impl LlamaModel {
         let mut g = vec![0f32; n_tok * ff];
         let mut u = vec![0f32; n_tok * ff];
 
-        // Each token's block table, resolved once per forward.
-        let tables: Vec<Vec<u32>> = batch
-            .iter()
-            .map(|s| kv.tables.blocks(s.seq).to_vec())
-            .collect();
         let bs = kv.tables.block_size();
 
         for (li, l) in self.layers.iter().enumerate() {
@@ -363,7 +360,7 @@ impl LlamaModel {
                 let (t, head) = (i / c.n_head, i % c.n_head);
                 let kvh = head / rep;
                 let qv = &q[t * d + head * hd..t * d + (head + 1) * hd];
-                let table = &tables[seq_of[t]];
+                let table = tables[seq_of[t]];
                 let n_ctx = pos[t] + 1;
                 let at = |j: usize| (table[j / bs] as usize * bs + j % bs) * kvd + kvh * hd;
                 let mut scores: Vec<f32> = (0..n_ctx)
