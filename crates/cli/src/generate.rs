@@ -119,6 +119,7 @@ pub fn output(
 /// Cloud-only generation through a running verifier's `Generate` RPC at `url`.
 pub fn generate_remote(
     url: &str,
+    api_key: Option<&str>,
     tok: &Tokenizer,
     prompt_ids: &[u32],
     max_tokens: usize,
@@ -133,6 +134,7 @@ pub fn generate_remote(
     tandem_edge::grpc::generate_remote(
         &rt,
         url,
+        api_key,
         tok.fingerprint(),
         prompt_ids,
         *params,

@@ -199,7 +199,14 @@ impl CloudProcess {
         let mut cmd = Command::new(exe);
         cmd.arg("--home")
             .arg(&a.home)
-            .args(["cloud", "serve", "--listen", "127.0.0.1:0", "--threads"])
+            .args([
+                "cloud",
+                "serve",
+                "--no-auth",
+                "--listen",
+                "127.0.0.1:0",
+                "--threads",
+            ])
             .arg(a.cloud_cpus.len().max(1).to_string())
             .args(["--max-draft-len", &a.max_gamma.to_string()])
             .args(["--max-depth", &a.max_depth.to_string()])
@@ -218,7 +225,7 @@ impl CloudProcess {
                 bail!("the verifier process exited before listening: {said}");
             };
             if let Some(a) = line.strip_prefix("tandem verifier listening on ") {
-                break a.trim().to_string();
+                break a.split_whitespace().next().unwrap_or_default().to_string();
             }
             said.push_str(&line);
             said.push('\n');
@@ -404,6 +411,7 @@ fn spec_runs(
         rtt_ms: 0.0,
         jitter_ms: 0.0,
         cloud_url: Some(url.to_string()),
+        api_key: None,
     };
     prompts
         .iter()
@@ -454,7 +462,17 @@ pub fn run(
         let url = link.set(&cloud.addr, rtt, rtt * a.jitter_frac)?;
         let outs = prompts
             .iter()
-            .map(|p| generate_remote(&url, tok, p, a.tokens, &SamplingParams::default(), |_| {}))
+            .map(|p| {
+                generate_remote(
+                    &url,
+                    None,
+                    tok,
+                    p,
+                    a.tokens,
+                    &SamplingParams::default(),
+                    |_| {},
+                )
+            })
             .collect::<Result<Vec<_>>>()?;
         if want.is_empty() {
             want = outs.iter().map(|o| o.output_ids.clone()).collect();

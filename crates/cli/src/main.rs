@@ -102,6 +102,26 @@ struct ServeArgs {
     /// halves, depth drops by one per step) as the mean load nears it, and grow back below half.
     #[arg(long, default_value_t = tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS)]
     saturation_tokens: f64,
+    /// Tenants and their API keys (TOML: [[tenant]] name, keys, weight, max_sessions,
+    /// max_kv_blocks, tokens_per_s). Every RPC must then carry `authorization: Bearer <key>`.
+    #[arg(long)]
+    tenants: Option<std::path::PathBuf>,
+    /// Serve without API keys (one tenant, `default`): only on a loopback address.
+    #[arg(long)]
+    no_auth: bool,
+    /// Tokens one forward may compute, all sessions together (verify blocks first, then chunks
+    /// of prompt prefill).
+    #[arg(long, default_value_t = tandem_cloud::VerifierConfig::default().token_budget)]
+    token_budget: usize,
+    /// Admission: open sessions beyond which new ones are refused (RESOURCE_EXHAUSTED).
+    #[arg(long, default_value_t = tandem_cloud::VerifierConfig::default().max_sessions)]
+    max_sessions: usize,
+    /// Admission: prompt tokens waiting for prefill beyond which new sessions are refused.
+    #[arg(long, default_value_t = tandem_cloud::VerifierConfig::default().max_waiting_tokens)]
+    max_waiting_tokens: usize,
+    /// On ctrl-c or SIGTERM, let open sessions finish for up to this many seconds.
+    #[arg(long, default_value_t = 30.0)]
+    drain_timeout_s: f64,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -180,6 +200,9 @@ struct GenerateArgs {
     /// --rtt-ms puts an emulated link in front (sync/async).
     #[arg(long)]
     cloud: Option<String>,
+    /// The tenant's API key for --cloud (a verifier started with --tenants needs one).
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// Weight handling: f32, f16, native (W4A16/W8A16 blocks) or w4a8 (8-bit activations).
     /// Default: f32 for `target`, native otherwise.
     #[arg(long)]
@@ -462,11 +485,13 @@ fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
             rtt_ms: a.rtt_ms,
             jitter_ms: a.jitter_ms,
             cloud_url: a.cloud.clone(),
+            api_key: a.api_key.clone(),
         };
         tandem_cli::speculate::run(&run, &ids, &mut print)?
     } else if let (Mode::Cloud, Some(url)) = (a.mode, &a.cloud) {
         tandem_cli::generate::generate_remote(
             url,
+            a.api_key.as_deref(),
             &m.tokenizer,
             &ids,
             a.max_tokens,
@@ -718,6 +743,7 @@ fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
             rtt_ms: a.rtt_ms,
             jitter_ms: a.rtt_ms / 10.0,
             cloud_url: None,
+            api_key: None,
         };
         let label = format!("assistant ({mode}, {} ms round trip): ", a.rtt_ms);
         print!("{label}");
@@ -793,6 +819,40 @@ fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
 }
 
 fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
+    let addr: std::net::SocketAddr = a
+        .listen
+        .parse()
+        .with_context(|| format!("--listen {}: not an address (ip:port)", a.listen))?;
+    let tenants = match (&a.tenants, a.no_auth) {
+        (Some(_), true) => bail!("--tenants and --no-auth exclude each other"),
+        (Some(path), false) => tandem_cloud::tenants::Tenants::load(path)?,
+        (None, true) if addr.ip().is_loopback() => tandem_cloud::tenants::Tenants::open(),
+        (None, true) => bail!(
+            "--no-auth is allowed only on a loopback address, not {addr}: give --tenants FILE"
+        ),
+        (None, false) => bail!(
+            "the verifier needs API keys: give --tenants FILE, or --no-auth on a loopback address"
+        ),
+    };
+    if !(a.saturation_tokens.is_finite() && a.saturation_tokens >= 1.0) {
+        bail!(
+            "--saturation-tokens must be at least 1, got {}",
+            a.saturation_tokens
+        );
+    }
+    if !(a.drain_timeout_s.is_finite() && a.drain_timeout_s >= 0.0) {
+        bail!(
+            "--drain-timeout-s must be 0 or more, got {}",
+            a.drain_timeout_s
+        );
+    }
+    if a.token_budget <= a.max_draft_len as usize {
+        bail!(
+            "--token-budget {} must exceed --max-draft-len {} (a block and its correction go in one forward)",
+            a.token_budget,
+            a.max_draft_len
+        );
+    }
     let m = models::load(home, &ModelSpec::Target, None, false)?;
     let engine = Engine::new(m.model.clone(), a.engine.config())?;
     let name = m
@@ -800,12 +860,6 @@ fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    if !(a.saturation_tokens.is_finite() && a.saturation_tokens >= 1.0) {
-        bail!(
-            "--saturation-tokens must be at least 1, got {}",
-            a.saturation_tokens
-        );
-    }
     let info = tandem_cloud::grpc::ServiceInfo {
         saturation_tokens: a.saturation_tokens,
         ..tandem_cloud::grpc::ServiceInfo::new(
@@ -816,12 +870,19 @@ fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             a.max_depth,
         )
     };
-    let (service, batcher) = tandem_cloud::grpc::start(engine, info)?;
+    let cfg = tandem_cloud::VerifierConfig {
+        token_budget: a.token_budget,
+        max_sessions: a.max_sessions,
+        max_waiting_tokens: a.max_waiting_tokens,
+    };
+    let verifier = tandem_cloud::Verifier::new(engine, cfg)?;
+    let auth = tenants.auth_required();
+    let (service, batcher) = tandem_cloud::grpc::start(verifier, info, tenants)?;
     let rt = tandem_cli::runtime()?;
     rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind(&a.listen)
+        let listener = tokio::net::TcpListener::bind(addr)
             .await
-            .with_context(|| format!("--listen {}: cannot bind", a.listen))?;
+            .with_context(|| format!("--listen {addr}: cannot bind"))?;
         if let Some(addr) = &a.metrics_listen {
             let ml = tokio::net::TcpListener::bind(addr)
                 .await
@@ -836,17 +897,45 @@ fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
                 }
             });
         }
-        eprintln!("tandem verifier listening on {}", listener.local_addr()?);
-        let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
-            eprintln!("shutting down");
+        eprintln!(
+            "tandem verifier listening on {} ({})",
+            listener.local_addr()?,
+            if auth { "API keys required" } else { "no auth" }
+        );
+        let drain = std::time::Duration::from_secs_f64(a.drain_timeout_s);
+        let shutdown = async move {
+            shutdown_signal().await;
+            eprintln!("draining (up to {:.0} s)", drain.as_secs_f64());
         };
-        tandem_cloud::grpc::serve_grpc(service, listener, shutdown).await?;
+        tandem_cloud::grpc::serve_grpc(service, listener, shutdown, drain).await?;
         anyhow::Ok(())
     })?;
     rt.shutdown_timeout(std::time::Duration::from_secs(2));
     let _ = batcher.join();
+    eprintln!("stopped");
     Ok(())
+}
+
+/// Ctrl-c or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
 }
 
 fn cmd_netem(a: NetemArgs) -> Result<()> {

@@ -50,6 +50,8 @@ pub struct SpecRun<'a> {
     pub jitter_ms: f64,
     /// A running verifier (`tandem cloud serve`) to use instead of an in-process one.
     pub cloud_url: Option<String>,
+    /// The tenant's API key for `cloud_url` (None: a verifier without tenants).
+    pub api_key: Option<String>,
 }
 
 /// What a speculative run shows as it goes.
@@ -126,6 +128,7 @@ fn run_grpc(
         // With the adaptive policy, ask for its bounds; the grant caps them.
         want_draft_len: r.spec.auto.map_or(r.spec.draft_len, |a| a.max_draft_len) as u32,
         want_depth: r.spec.auto.map_or(r.spec.depth, |a| a.max_depth) as u32,
+        api_key: r.api_key.clone(),
     };
     // The draft prefills the prompt while the verifier prefills it too.
     let (connected, prefilled) = std::thread::scope(|s| {
@@ -264,15 +267,23 @@ impl LocalVerifier {
             len as u32,
             depth as u32,
         );
+        let verifier = tandem_cloud::Verifier::new(engine, tandem_cloud::VerifierConfig::default())
+            .context("verifier")?;
         let (service, batcher) =
-            tandem_cloud::grpc::start(engine, info).context("starting the verifier")?;
+            tandem_cloud::grpc::start(verifier, info, tandem_cloud::tenants::Tenants::open())
+                .context("starting the verifier")?;
         let rt = crate::runtime().context("starting the verifier's runtime")?;
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
         let addr = listener.local_addr()?;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = rt.spawn(tandem_cloud::grpc::serve_grpc(service, listener, async {
-            let _ = stopped.await;
-        }));
+        let server = rt.spawn(tandem_cloud::grpc::serve_grpc(
+            service,
+            listener,
+            async {
+                let _ = stopped.await;
+            },
+            Duration::ZERO,
+        ));
         let url = if r.rtt_ms > 0.0 {
             tandem_edge::netem::spawn_front(rt.handle(), addr, link_of(r))
                 .map_err(|e| anyhow!("invalid emulated link: {e}"))?

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use serde_json::Value;
 use tandem_cli::{models, pull};
@@ -444,6 +445,7 @@ fn spec_out(
         rtt_ms,
         jitter_ms: rtt_ms / 10.0,
         cloud_url,
+        api_key: None,
     };
     let out = tandem_cli::speculate::run(&run, prompt, |_| {}).unwrap();
     let s = out.spec.as_ref().unwrap();
@@ -544,6 +546,7 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
             rtt_ms: rtt,
             jitter_ms: 0.0,
             cloud_url: None,
+            api_key: None,
         };
         let out = tandem_cli::speculate::run(&run, &p, |_| {}).unwrap();
         assert_eq!(out.output_ids, want, "depth {depth}");
@@ -616,12 +619,28 @@ fn grpc_server() -> &'static String {
 
 /// A verifier of its own, for a test that reads the server's load: its URL and its gauges.
 fn new_grpc_server(saturation_tokens: f64) -> (String, std::sync::Arc<tandem_cloud::Gauges>) {
+    grpc_server_with(
+        saturation_tokens,
+        tandem_cloud::tenants::Tenants::open(),
+        tandem_cloud::VerifierConfig::default(),
+        256 << 20,
+    )
+}
+
+/// A verifier with these tenants, scheduler settings and KV cache size.
+fn grpc_server_with(
+    saturation_tokens: f64,
+    tenants: tandem_cloud::tenants::Tenants,
+    cfg: tandem_cloud::VerifierConfig,
+    kv_budget_bytes: usize,
+) -> (String, std::sync::Arc<tandem_cloud::Gauges>) {
     {
         let (m, tok) = target();
         let engine = Engine::new(
             m.clone(),
             EngineConfig {
                 threads: 1,
+                kv_budget_bytes,
                 ..EngineConfig::default()
             },
         )
@@ -630,10 +649,11 @@ fn new_grpc_server(saturation_tokens: f64) -> (String, std::sync::Arc<tandem_clo
             saturation_tokens,
             ..tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4)
         };
-        let (service, _batcher) = tandem_cloud::grpc::start(engine, info).unwrap();
+        let verifier = tandem_cloud::Verifier::new(engine, cfg).unwrap();
+        let (service, _batcher) = tandem_cloud::grpc::start(verifier, info, tenants).unwrap();
         let gauges = service.gauges();
         let addr = on_loopback(move |l| async move {
-            tandem_cloud::grpc::serve_grpc(service, l, std::future::pending())
+            tandem_cloud::grpc::serve_grpc(service, l, std::future::pending(), Duration::ZERO)
                 .await
                 .unwrap();
         });
@@ -666,6 +686,7 @@ fn grants_shrink_under_load_and_grow_back() {
             rule: tandem_spec::VerifyRule::Greedy,
             want_draft_len: 8,
             want_depth: 4,
+            api_key: None,
         };
         let (link, o) = tandem_edge::grpc::GrpcLink::connect(rt, &url, req).unwrap();
         link.close();
@@ -930,6 +951,7 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
         rule: tandem_spec::VerifyRule::Greedy,
         want_draft_len: 4,
         want_depth: 2,
+        api_key: None,
     };
     let prompt = tok.encode("The capital of France is").unwrap();
     let err = GrpcLink::connect(&rt, &url, open("0123", prompt.clone()))

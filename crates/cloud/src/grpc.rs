@@ -1,24 +1,30 @@
-//! The `tandem.v1.Verifier` gRPC service. Every incoming message is validated into a domain value or
-//! answered with an `INVALID_ARGUMENT` error naming the field before anything reaches the batcher;
-//! a bad draft is refused without ending the session.
+//! The `tandem.v1.Verifier` gRPC service. Each RPC authenticates its caller (an API key names the
+//! tenant, [`Tenants`]), validates every message ([`validation`](crate::validation)) before
+//! anything reaches the batcher, and binds a session to the tenant that opened it: another
+//! tenant's key finds nothing. A session refused for load ends its RPC with `RESOURCE_EXHAUSTED`
+//! and a `retry-after-ms` trailer; a bad draft is refused without ending the session; shutting
+//! down drains: no new sessions, open ones finish (up to a timeout).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tandem_proto::v1::verifier_server::{Verifier as VerifierRpc, VerifierServer};
 use tandem_proto::v1::{
-    cloud_message, edge_message, CloudMessage, EdgeMessage, GenerateRequest, GenerateResponse,
-    InfoRequest, InfoResponse, Load, ModelInfo, Opened,
+    cloud_message, edge_message, Cancelled, CloudMessage, EdgeMessage, GenerateRequest,
+    GenerateResponse, InfoRequest, InfoResponse, Load, ModelInfo, Opened, SessionRef, SessionState,
 };
-use tandem_proto::{block_from_proto, params_from_proto, rule_from_proto, PROTOCOL_VERSION};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
-use tokio_stream::wrappers::UnboundedReceiverStream;
+use tandem_proto::PROTOCOL_VERSION;
+use tandem_sched::{GrantPolicy, SessionId, TenantId};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
-use tandem_sched::GrantPolicy;
-
-use crate::{Gauges, ToCloud, ToEdge};
+use crate::tenants::Tenants;
+use crate::{validation, Gauges, ToCloud, ToEdge};
 
 /// What the service tells edges about itself and grants them.
 #[derive(Debug, Clone)]
@@ -66,29 +72,71 @@ pub const DEFAULT_SATURATION_TOKENS: f64 = 32.0;
 /// What [`serve_grpc`] fails with.
 pub type TransportError = tonic::transport::Error;
 
+type Outbox = UnboundedSender<Result<CloudMessage, Status>>;
+
+/// An open speculation session as the service sees it: its tenant and its stream.
+struct Owned {
+    tenant: TenantId,
+    out: Outbox,
+}
+
 pub struct Service {
     batcher: Arc<Mutex<Sender<ToCloud>>>,
     info: ServiceInfo,
     gauges: Arc<Gauges>,
+    tenants: Arc<Tenants>,
     next_session: AtomicU64,
     grant: Mutex<GrantPolicy>,
+    sessions: Arc<Mutex<HashMap<SessionId, Owned>>>,
+    draining: Arc<AtomicBool>,
 }
 
-const INVALID_ARGUMENT: u32 = 3;
-
-fn error(code: u32, message: impl Into<String>) -> CloudMessage {
+fn error(code: tonic::Code, message: impl Into<String>) -> CloudMessage {
     CloudMessage {
         kind: Some(cloud_message::Kind::Error(tandem_proto::v1::Error {
-            code,
+            code: code as u32,
             message: message.into(),
         })),
     }
 }
 
+/// A session-ending error as a status, with the retry hint as a `retry-after-ms` trailer.
+fn status(code: tonic::Code, message: String, retry_after_ms: Option<u64>) -> Status {
+    let mut s = Status::new(code, message);
+    if let Some(ms) = retry_after_ms {
+        if let Ok(v) = ms.to_string().parse() {
+            s.metadata_mut().insert("retry-after-ms", v);
+        }
+    }
+    s
+}
+
+/// Wait for the batcher's first answer: a refusal becomes the RPC's error, anything else starts
+/// the response stream.
+async fn first_answer<T: Send + 'static>(
+    mut rx: UnboundedReceiver<Result<T, Status>>,
+) -> Result<Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>, Status> {
+    let first = match rx.recv().await {
+        Some(Err(s)) => return Err(s),
+        Some(Ok(m)) => m,
+        None => return Err(Status::unavailable("the verifier is shutting down")),
+    };
+    let rest = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
+    Ok(Box::pin(tokio_stream::StreamExt::chain(
+        tokio_stream::once(Ok(first)),
+        rest,
+    )))
+}
+
 impl Service {
     /// A service in front of the batcher fed by `batcher`; `gauges` are the ones that batcher's
-    /// [`serve`](crate::serve) updates.
-    pub fn new(batcher: Sender<ToCloud>, info: ServiceInfo, gauges: Arc<Gauges>) -> Self {
+    /// [`serve`](crate::serve) updates; `tenants` authenticates callers.
+    pub fn new(
+        batcher: Sender<ToCloud>,
+        info: ServiceInfo,
+        gauges: Arc<Gauges>,
+        tenants: Arc<Tenants>,
+    ) -> Self {
         Self {
             batcher: Arc::new(Mutex::new(batcher)),
             grant: Mutex::new(GrantPolicy::new(
@@ -98,7 +146,10 @@ impl Service {
             )),
             info,
             gauges,
+            tenants,
             next_session: AtomicU64::new(1),
+            sessions: Arc::new(Mutex::new(HashMap::new())),
+            draining: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -119,50 +170,63 @@ impl Service {
             .map_err(|_| Status::unavailable("the verifier is shutting down"))
     }
 
-    /// Validate an `Open` into the batcher's message, or say which field is wrong.
-    fn open(
+    /// The caller's tenant, from its `authorization` header.
+    fn tenant<T>(&self, req: &Request<T>) -> Result<TenantId, Status> {
+        let header = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok());
+        self.tenants
+            .authenticate(header)
+            .map_err(|e| Status::unauthenticated(e.to_string()))
+    }
+
+    fn admitting(&self) -> Result<(), Status> {
+        if self.draining.load(Ordering::Relaxed) {
+            return Err(Status::unavailable(
+                "the verifier is draining for shutdown: open the session on another replica",
+            ));
+        }
+        Ok(())
+    }
+
+    /// One of `tenant`'s open sessions, or NOT_FOUND (whether it is another tenant's or none).
+    fn owned(&self, tenant: TenantId, id: SessionId) -> Result<Outbox, Status> {
+        let sessions = self
+            .sessions
+            .lock()
+            .map_err(|_| Status::internal("session table lock poisoned"))?;
+        match sessions.get(&id) {
+            Some(o) if o.tenant == tenant => Ok(o.out.clone()),
+            _ => Err(Status::not_found(format!(
+                "session_id: no open session {id} for this caller"
+            ))),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl VerifierRpc for Service {
+    type SessionStream = Pin<Box<dyn Stream<Item = Result<CloudMessage, Status>> + Send>>;
+    type GenerateStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;
+
+    async fn session(
         &self,
-        o: tandem_proto::v1::Open,
-        session: u64,
-        out: UnboundedSender<Result<CloudMessage, Status>>,
-    ) -> Result<(ToCloud, u32, u32), String> {
-        let m = &self.info.model;
-        if o.protocol_version != PROTOCOL_VERSION {
-            return Err(format!(
-                "open.protocol_version: {} is not supported (this verifier speaks {PROTOCOL_VERSION})",
-                o.protocol_version
+        req: Request<Streaming<EdgeMessage>>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        let tenant = self.tenant(&req)?;
+        self.admitting()?;
+        let mut inbound = req.into_inner();
+        let first = inbound
+            .message()
+            .await?
+            .ok_or_else(|| Status::invalid_argument("the session stream closed before Open"))?;
+        let Some(edge_message::Kind::Open(open)) = first.kind else {
+            return Err(Status::invalid_argument(
+                "kind: the first message of a session must be Open",
             ));
-        }
-        if o.tokenizer_fingerprint != m.tokenizer_fingerprint {
-            return Err(format!(
-                "open.tokenizer_fingerprint: the edge's tokenizer {} does not match the served model's {}: \
-                 the draft and the target must share one tokenizer",
-                o.tokenizer_fingerprint, m.tokenizer_fingerprint
-            ));
-        }
-        if o.prompt_ids.is_empty() {
-            return Err("open.prompt_ids: the prompt is empty".into());
-        }
-        if let Some(t) = o.prompt_ids.iter().find(|&&t| t >= m.vocab_size) {
-            return Err(format!(
-                "open.prompt_ids: token id {t} is outside the vocabulary ({})",
-                m.vocab_size
-            ));
-        }
-        if o.max_tokens == 0 {
-            return Err("open.max_tokens: must be at least 1".into());
-        }
-        let end = o.prompt_ids.len() as u64 + o.max_tokens as u64;
-        if end > m.context_length as u64 {
-            return Err(format!(
-                "open.max_tokens: prompt ({}) plus max_tokens ({}) exceed the context length {}",
-                o.prompt_ids.len(),
-                o.max_tokens,
-                m.context_length
-            ));
-        }
-        let params = params_from_proto(o.params).map_err(|e| format!("open.{e}"))?;
-        let rule = rule_from_proto(o.rule).map_err(|e| format!("open.{e}"))?;
+        };
+        let o = validation::open(open, &self.info.model)?;
         let load = self.gauges.tokens_per_forward_x100.load(Ordering::Relaxed) as f64 / 100.0;
         let (max_gamma, max_depth) = self
             .grant
@@ -171,9 +235,12 @@ impl Service {
             .unwrap_or((1, 1));
         let gamma = o.want_draft_len.clamp(1, max_gamma);
         let depth = o.want_depth.clamp(1, max_depth);
+        let session = self.next_session.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = unbounded_channel();
+        let out = tx.clone();
         let reply = Box::new(move |msg: ToEdge| {
             let m = match msg {
-                ToEdge::Opened { session, first } => CloudMessage {
+                ToEdge::Opened { session, first } => Ok(CloudMessage {
                     kind: Some(cloud_message::Kind::Opened(Opened {
                         session_id: session,
                         model: None,
@@ -181,125 +248,103 @@ impl Service {
                         depth,
                         first_token: first,
                     })),
-                },
-                ToEdge::Verdict(v) => CloudMessage {
+                }),
+                ToEdge::Verdict(v) => Ok(CloudMessage {
                     kind: Some(cloud_message::Kind::Verdict(v.into())),
-                },
-                ToEdge::Error { message } => error(INVALID_ARGUMENT, message),
+                }),
+                ToEdge::Error {
+                    code,
+                    message,
+                    retry_after_ms,
+                    fatal,
+                } => {
+                    if fatal {
+                        Err(status(code, message, retry_after_ms))
+                    } else {
+                        Ok(error(code, message))
+                    }
+                }
                 ToEdge::Token { .. } => return true,
             };
-            out.send(Ok(m)).is_ok()
+            out.send(m).is_ok()
         });
-        Ok((
-            ToCloud::Open {
+        self.sessions
+            .lock()
+            .map_err(|_| Status::internal("session table lock poisoned"))?
+            .insert(
                 session,
-                prompt: o.prompt_ids,
-                params,
-                rule,
-                reply,
-            },
-            gamma,
-            depth,
-        ))
-    }
-}
-
-#[tonic::async_trait]
-impl VerifierRpc for Service {
-    type SessionStream = UnboundedReceiverStream<Result<CloudMessage, Status>>;
-    type GenerateStream = UnboundedReceiverStream<Result<GenerateResponse, Status>>;
-
-    async fn session(
-        &self,
-        req: Request<Streaming<EdgeMessage>>,
-    ) -> Result<Response<Self::SessionStream>, Status> {
-        let mut inbound = req.into_inner();
-        let (tx, rx) = unbounded_channel();
-        let first = inbound
-            .message()
-            .await?
-            .ok_or_else(|| Status::invalid_argument("the session stream closed before Open"))?;
-        let Some(edge_message::Kind::Open(open)) = first.kind else {
-            return Err(Status::invalid_argument(
-                "the first message of a session must be Open",
-            ));
-        };
-        let session = self.next_session.fetch_add(1, Ordering::Relaxed);
-        let (msg, gamma, _) = self
-            .open(open, session, tx.clone())
-            .map_err(Status::invalid_argument)?;
-        self.send(msg)?;
+                Owned {
+                    tenant,
+                    out: tx.clone(),
+                },
+            );
+        self.send(ToCloud::Open {
+            session,
+            tenant,
+            prompt: o.prompt,
+            params: o.params,
+            rule: o.rule,
+            reply,
+        })?;
         let batcher = self.batcher.clone();
+        let sessions = self.sessions.clone();
         let vocab = self.info.model.vocab_size as usize;
+        let stream = first_answer(rx).await;
+        if stream.is_err() {
+            if let Ok(mut s) = sessions.lock() {
+                s.remove(&session);
+            }
+        }
+        let stream = stream?;
         tokio::spawn(async move {
             let send = |m: ToCloud| batcher.lock().map(|b| b.send(m).is_ok()).unwrap_or(false);
             loop {
                 match inbound.message().await {
                     Ok(Some(EdgeMessage {
                         kind: Some(edge_message::Kind::Draft(d)),
-                    })) => match block_from_proto(d, vocab, gamma as usize) {
+                    })) => match validation::draft(d, session, vocab, gamma as usize) {
                         Ok(block) => {
                             if !send(ToCloud::Draft { session, block }) {
                                 break;
                             }
                         }
                         Err(e) => {
-                            let _ = tx.send(Ok(error(INVALID_ARGUMENT, e.to_string())));
+                            let _ = tx.send(Ok(error(e.code(), e.message())));
                         }
                     },
                     Ok(Some(EdgeMessage {
                         kind: Some(edge_message::Kind::Open(_)),
                     })) => {
                         let _ = tx.send(Ok(error(
-                            INVALID_ARGUMENT,
+                            tonic::Code::InvalidArgument,
                             "open: the session is already open",
                         )));
                     }
                     Ok(Some(EdgeMessage { kind: None })) => {
-                        let _ = tx.send(Ok(error(INVALID_ARGUMENT, "kind: empty message")));
+                        let _ = tx.send(Ok(error(
+                            tonic::Code::InvalidArgument,
+                            "kind: empty message",
+                        )));
                     }
                     // Close, end of stream or a broken connection: free the session.
                     _ => break,
                 }
             }
+            if let Ok(mut s) = sessions.lock() {
+                s.remove(&session);
+            }
             send(ToCloud::Close { session });
         });
-        Ok(Response::new(UnboundedReceiverStream::new(rx)))
+        Ok(Response::new(stream))
     }
 
     async fn generate(
         &self,
         req: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let r = req.into_inner();
-        let m = &self.info.model;
-        if r.tokenizer_fingerprint != m.tokenizer_fingerprint {
-            return Err(Status::invalid_argument(format!(
-                "tokenizer_fingerprint: {} does not match the served model's {}",
-                r.tokenizer_fingerprint, m.tokenizer_fingerprint
-            )));
-        }
-        if r.prompt_ids.is_empty() {
-            return Err(Status::invalid_argument("prompt_ids: the prompt is empty"));
-        }
-        if let Some(t) = r.prompt_ids.iter().find(|&&t| t >= m.vocab_size) {
-            return Err(Status::invalid_argument(format!(
-                "prompt_ids: token id {t} is outside the vocabulary ({})",
-                m.vocab_size
-            )));
-        }
-        if r.max_tokens == 0
-            || r.prompt_ids.len() as u64 + r.max_tokens as u64 > m.context_length as u64
-        {
-            return Err(Status::invalid_argument(format!(
-                "max_tokens: {} with a prompt of {} must be at least 1 and fit the context length {}",
-                r.max_tokens,
-                r.prompt_ids.len(),
-                m.context_length
-            )));
-        }
-        let params =
-            params_from_proto(r.params).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let tenant = self.tenant(&req)?;
+        self.admitting()?;
+        let g = validation::generate(req.into_inner(), &self.info.model)?;
         let (tx, rx) = unbounded_channel();
         let session = self.next_session.fetch_add(1, Ordering::Relaxed);
         let reply = Box::new(move |msg: ToEdge| {
@@ -308,23 +353,30 @@ impl VerifierRpc for Service {
                     tokens: vec![token],
                     done,
                 }),
-                ToEdge::Error { message } => Err(Status::internal(message)),
+                ToEdge::Error {
+                    code,
+                    message,
+                    retry_after_ms,
+                    ..
+                } => Err(status(code, message, retry_after_ms)),
                 _ => return true,
             };
             tx.send(m).is_ok()
         });
         self.send(ToCloud::Generate {
             session,
-            prompt: r.prompt_ids,
-            params,
-            max_tokens: r.max_tokens as usize,
+            tenant,
+            prompt: g.prompt,
+            params: g.params,
+            max_tokens: g.max_tokens,
             eog: self.info.eog.clone(),
             reply,
         })?;
-        Ok(Response::new(UnboundedReceiverStream::new(rx)))
+        Ok(Response::new(first_answer(rx).await?))
     }
 
-    async fn info(&self, _req: Request<InfoRequest>) -> Result<Response<InfoResponse>, Status> {
+    async fn info(&self, req: Request<InfoRequest>) -> Result<Response<InfoResponse>, Status> {
+        self.tenant(&req)?;
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         Ok(Response::new(InfoResponse {
             model: Some(self.info.model.clone()),
@@ -341,42 +393,123 @@ impl VerifierRpc for Service {
             }),
         }))
     }
+
+    async fn get_session(
+        &self,
+        req: Request<SessionRef>,
+    ) -> Result<Response<SessionState>, Status> {
+        let tenant = self.tenant(&req)?;
+        let id = req.into_inner().session_id;
+        self.owned(tenant, id)?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.send(ToCloud::Query {
+            session: id,
+            reply: Box::new(move |s| {
+                let _ = tx.send(s);
+            }),
+        })?;
+        let s = rx
+            .await
+            .map_err(|_| Status::unavailable("the verifier is shutting down"))?
+            .filter(|s| s.tenant == tenant)
+            .ok_or_else(|| Status::not_found(format!("session_id: no open session {id}")))?;
+        Ok(Response::new(SessionState {
+            session_id: id,
+            committed_len: s.committed_len as u64,
+            epoch: s.epoch,
+            verified_positions: s.verified_positions,
+            queued_blocks: s.queued_blocks as u32,
+            prefilled: s.prefilled,
+        }))
+    }
+
+    async fn cancel(&self, req: Request<SessionRef>) -> Result<Response<Cancelled>, Status> {
+        let tenant = self.tenant(&req)?;
+        let id = req.into_inner().session_id;
+        let out = self.owned(tenant, id)?;
+        if let Ok(mut s) = self.sessions.lock() {
+            s.remove(&id);
+        }
+        self.send(ToCloud::Close { session: id })?;
+        let _ = out.send(Err(Status::cancelled(format!(
+            "session {id} was cancelled by its tenant"
+        ))));
+        Ok(Response::new(Cancelled {}))
+    }
 }
 
-/// Start the batcher thread over `engine` and the service in front of it. The thread ends (and
-/// hands back the verifier) when the service is dropped.
+/// Start the batcher thread over `verifier` and the service in front of it, serving `tenants`
+/// (their weights and quotas are set on the verifier). The thread ends (and hands back the
+/// verifier) when the service is dropped.
 pub fn start(
-    engine: tandem_engine::Engine,
+    mut verifier: crate::Verifier,
     info: ServiceInfo,
-) -> std::io::Result<(Service, std::thread::JoinHandle<crate::Verifier>)> {
+    tenants: Tenants,
+) -> Result<(Service, std::thread::JoinHandle<crate::Verifier>), crate::CloudError> {
+    for (id, cfg) in tenants.configs() {
+        verifier.set_tenant(id, cfg)?;
+    }
     let (tx, rx) = std::sync::mpsc::channel();
     let gauges = Arc::new(Gauges::default());
     let g = gauges.clone();
+    let names = tenants.names().to_vec();
     let batcher = std::thread::Builder::new()
         .name("tandem-batcher".into())
-        .spawn(move || crate::serve(crate::Verifier::new(engine), rx, g))?;
-    Ok((Service::new(tx, info, gauges), batcher))
+        .spawn(move || crate::serve(verifier, rx, g, names))
+        .map_err(|e| crate::CloudError::Engine(format!("starting the batcher: {e}")))?;
+    Ok((Service::new(tx, info, gauges, Arc::new(tenants)), batcher))
 }
 
-/// Serve `service` on `listener` until `shutdown` resolves, with the standard gRPC health service
-/// (`grpc.health.v1.Health`) reporting `tandem.v1.Verifier` (and the server as a whole, `""`) as
-/// serving.
+/// Serve `service` on `listener` with the standard gRPC health service (`grpc.health.v1.Health`:
+/// `""` and `tandem.v1.Verifier` SERVING). When `shutdown` resolves it drains: health turns
+/// NOT_SERVING, new sessions are refused with UNAVAILABLE, open ones run until they end or
+/// `drain_timeout` passes (then their streams end with UNAVAILABLE), and the server stops.
 pub async fn serve_grpc(
     service: Service,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
+    drain_timeout: Duration,
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<VerifierServer<Service>>().await;
     reporter
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
+    let (draining, sessions, gauges) = (
+        service.draining.clone(),
+        service.sessions.clone(),
+        service.gauges.clone(),
+    );
+    let drain = async move {
+        shutdown.await;
+        draining.store(true, Ordering::Relaxed);
+        reporter.set_not_serving::<VerifierServer<Service>>().await;
+        reporter
+            .set_service_status("", tonic_health::ServingStatus::NotServing)
+            .await;
+        let deadline = tokio::time::Instant::now() + drain_timeout;
+        let busy = || {
+            gauges.sessions.load(Ordering::Relaxed) + gauges.generations.load(Ordering::Relaxed) > 0
+                || sessions.lock().map(|s| !s.is_empty()).unwrap_or(false)
+        };
+        while busy() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if let Ok(mut s) = sessions.lock() {
+            for (_, o) in s.drain() {
+                let _ = o.out.send(Err(Status::unavailable(
+                    "the verifier shut down: re-open the session on another replica",
+                )));
+            }
+        }
+        tracing::info!("drained");
+    };
     tonic::transport::Server::builder()
         .add_service(health)
         .add_service(service.into_server())
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown,
+            drain,
         )
         .await
 }

@@ -2,8 +2,9 @@
 //! they exist (`time_to_first_token_seconds`, `inter_token_latency_seconds`,
 //! `spec_decode_num_drafts_total`, `spec_decode_num_draft_tokens_total`,
 //! `spec_decode_num_accepted_tokens_total`, accepted tokens per position), under a `tandem:` prefix
-//! as vLLM's are under `vllm:`; Tandem's own add batch size, tokens per forward, queue time and the
-//! KV cache.
+//! as vLLM's are under `vllm:`; Tandem's own add batch size, tokens per forward, queue time, the
+//! KV cache, preemptions, refused sessions, prompt tokens waiting, and per tenant: verified
+//! positions, drafted and accepted tokens (α = accepted / drafted).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -27,6 +28,13 @@ pub struct Metrics {
     pub accepted_tokens: IntCounter,
     pub accepted_per_pos: IntCounterVec,
     pub forwards: IntCounter,
+    pub preemptions: IntCounter,
+    pub refused: IntCounter,
+    /// Per tenant (label `tenant`, its name).
+    pub tenant_verified: IntCounterVec,
+    pub tenant_drafted: IntCounterVec,
+    pub tenant_accepted: IntCounterVec,
+    waiting: IntGauge,
     sessions: IntGauge,
     generations: IntGauge,
     kv_used: IntGauge,
@@ -100,6 +108,45 @@ impl Default for Metrics {
                 "Forward passes of the target.",
             )
             .expect("valid"),
+            preemptions: IntCounter::new(
+                "tandem:preemptions_total",
+                "Sessions whose KV was dropped to make room (recomputed later).",
+            )
+            .expect("valid"),
+            refused: IntCounter::new(
+                "tandem:refused_sessions_total",
+                "Sessions refused at admission (saturated or over a tenant quota).",
+            )
+            .expect("valid"),
+            tenant_verified: IntCounterVec::new(
+                Opts::new(
+                    "tandem:tenant_verified_positions_total",
+                    "Drafted positions the target verified, by tenant (what fairness charges).",
+                ),
+                &["tenant"],
+            )
+            .expect("valid"),
+            tenant_drafted: IntCounterVec::new(
+                Opts::new(
+                    "tandem:tenant_draft_tokens_total",
+                    "Drafted tokens verified, by tenant.",
+                ),
+                &["tenant"],
+            )
+            .expect("valid"),
+            tenant_accepted: IntCounterVec::new(
+                Opts::new(
+                    "tandem:tenant_accepted_tokens_total",
+                    "Drafted tokens accepted, by tenant.",
+                ),
+                &["tenant"],
+            )
+            .expect("valid"),
+            waiting: IntGauge::new(
+                "tandem:waiting_prompt_tokens",
+                "Prompt and recompute tokens not yet prefilled.",
+            )
+            .expect("valid"),
             sessions: IntGauge::new("tandem:sessions", "Open speculation sessions.")
                 .expect("valid"),
             generations: IntGauge::new("tandem:generations", "Running cloud-only generations.")
@@ -121,6 +168,12 @@ impl Default for Metrics {
             Box::new(m.accepted_tokens.clone()),
             Box::new(m.accepted_per_pos.clone()),
             Box::new(m.forwards.clone()),
+            Box::new(m.preemptions.clone()),
+            Box::new(m.refused.clone()),
+            Box::new(m.tenant_verified.clone()),
+            Box::new(m.tenant_drafted.clone()),
+            Box::new(m.tenant_accepted.clone()),
+            Box::new(m.waiting.clone()),
             Box::new(m.sessions.clone()),
             Box::new(m.generations.clone()),
             Box::new(m.kv_used.clone()),
@@ -140,6 +193,7 @@ impl Metrics {
         self.generations.set(get(&g.generations));
         self.kv_used.set(get(&g.kv_blocks_used));
         self.kv_total.set(get(&g.kv_blocks_total));
+        self.waiting.set(get(&g.waiting_tokens));
         let mut buf = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         String::from_utf8(buf).unwrap_or_default()

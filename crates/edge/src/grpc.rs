@@ -23,6 +23,26 @@ pub struct OpenRequest {
     pub rule: VerifyRule,
     pub want_draft_len: u32,
     pub want_depth: u32,
+    /// The tenant's API key, sent as `authorization: Bearer <key>` (None: a verifier without
+    /// tenants).
+    pub api_key: Option<String>,
+}
+
+/// `msg` as a request that carries `api_key`.
+pub fn authorized<T>(msg: T, api_key: Option<&str>) -> Result<tonic::Request<T>, EdgeError> {
+    let mut r = tonic::Request::new(msg);
+    if let Some(k) = api_key {
+        let v = format!("Bearer {k}")
+            .parse()
+            .map_err(|_| refused("the API key is not a valid header value"))?;
+        r.metadata_mut().insert("authorization", v);
+    }
+    Ok(r)
+}
+
+/// A refusal that keeps the status code's name (e.g. `ResourceExhausted: ... retry after ...`).
+fn status(s: tonic::Status) -> EdgeError {
+    EdgeError::Refused(format!("{:?}: {}", s.code(), s.message()))
 }
 
 pub struct GrpcLink {
@@ -71,12 +91,9 @@ impl GrpcLink {
                 kind: Some(edge_message::Kind::Open(open)),
             })
             .map_err(|_| EdgeError::LinkClosed)?;
-            let mut inbound = client
-                .session(UnboundedReceiverStream::new(rx))
-                .await
-                .map_err(|s| refused(s.message()))?
-                .into_inner();
-            let opened = match inbound.message().await.map_err(|s| refused(s.message()))? {
+            let stream = authorized(UnboundedReceiverStream::new(rx), req.api_key.as_deref())?;
+            let mut inbound = client.session(stream).await.map_err(status)?.into_inner();
+            let opened = match inbound.message().await.map_err(status)? {
                 Some(m) => match m.kind {
                     Some(cloud_message::Kind::Opened(o)) => o,
                     Some(cloud_message::Kind::Error(e)) => return Err(refused(e.message)),
@@ -167,9 +184,11 @@ impl Link for GrpcLink {
 
 /// Cloud-only generation (the baseline): the verifier decodes every token itself and streams them.
 /// Calls `on_token` with each token as it arrives.
+#[allow(clippy::too_many_arguments)]
 pub fn generate_remote(
     rt: &Runtime,
     url: &str,
+    api_key: Option<&str>,
     tokenizer_fingerprint: &str,
     prompt_ids: &[u32],
     params: SamplingParams,
@@ -187,11 +206,11 @@ pub fn generate_remote(
             max_tokens,
         };
         let mut stream = client
-            .generate(req)
+            .generate(authorized(req, api_key)?)
             .await
-            .map_err(|s| refused(s.message()))?
+            .map_err(status)?
             .into_inner();
-        while let Some(r) = stream.message().await.map_err(|s| refused(s.message()))? {
+        while let Some(r) = stream.message().await.map_err(status)? {
             for t in r.tokens {
                 on_token(t);
             }

@@ -17,7 +17,7 @@ use std::time::Instant;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use tandem_cloud::Verifier;
+use tandem_cloud::{Event, Verifier, VerifierConfig};
 use tandem_edge::{EdgeError, Link, SpecConfig};
 use tandem_engine::testing::{tiny_gguf, TinySpec};
 use tandem_engine::{
@@ -190,13 +190,13 @@ struct Local<'a> {
 
 impl Local<'_> {
     fn verify(&mut self, block: Block) -> Result<(), EdgeError> {
-        let r = self.verifier.step(&[(self.session, block)]);
-        assert!(r.decoded.is_empty() && r.failed.is_empty());
-        for (_, v) in r.verdicts {
-            match v {
-                Ok(Some(v)) => self.verdicts.push_back(v),
-                Ok(None) => {} // stale: the verifier answers nothing
-                Err(e) => return Err(EdgeError::Refused(e.to_string())),
+        let mut events = self.verifier.draft(self.session, block);
+        events.extend(self.verifier.run_until_idle(0));
+        for e in events {
+            match e {
+                Event::Verdict { verdict, .. } => self.verdicts.push_back(verdict),
+                Event::Error { error, .. } => return Err(EdgeError::Refused(error.to_string())),
+                other => panic!("unexpected {other:?}"),
             }
         }
         Ok(())
@@ -349,7 +349,11 @@ fn committed_counts(
             q_top_k: Q_TOP_K,
             auto: None,
         };
-        let first = verifier.open(run, &PROMPT, params, rule).unwrap();
+        verifier.open(run, 0, &PROMPT, params, rule).unwrap();
+        let first = match verifier.run_until_idle(0).as_slice() {
+            [Event::Opened { first, .. }] => *first,
+            other => panic!("expected the session to open: {other:?}"),
+        };
         let mut link = Local {
             verifier,
             session: run,
@@ -395,7 +399,7 @@ fn check(rule: VerifyRule) {
     let started = Instant::now();
     let (tm, dm) = (target_model(), draft_model());
     let (target, draft_tree) = (Tree::new(&tm), Tree::new(&dm));
-    let mut verifier = Verifier::new(engine(&tm));
+    let mut verifier = Verifier::new(engine(&tm), VerifierConfig::default()).unwrap();
     let mut draft = engine(&dm);
     for (ix, case) in cases().iter().enumerate() {
         let want = target.marginals(&case.params);

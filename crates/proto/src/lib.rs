@@ -78,6 +78,7 @@ impl From<&Block> for v1::Draft {
             block: b.index,
             start_pos: b.start_pos as u64,
             tokens: b.tokens.clone(),
+            session_id: 0,
             q: b.q
                 .iter()
                 .map(|d| v1::SparseDist {

@@ -70,6 +70,9 @@ pub struct SchedConfig {
     pub max_sessions: usize,
     /// Admission: prompt tokens waiting for prefill beyond which new sessions are refused.
     pub max_waiting_tokens: usize,
+    /// A session idle this long (ms: nothing queued since its last computed chunk) gives its KV
+    /// to sessions that wait for room; so does one idle since before they started waiting.
+    pub idle_evict_ms: u64,
 }
 
 impl SchedConfig {
@@ -82,6 +85,7 @@ impl SchedConfig {
             num_blocks,
             max_sessions: 1024,
             max_waiting_tokens: 8 * token_budget,
+            idle_evict_ms: 500,
         }
     }
 }
@@ -165,7 +169,20 @@ struct Session {
     verifies: VecDeque<(usize, u64)>,
     /// Last iteration this session was scheduled or given work (for preemption order).
     last_active: u64,
+    /// When (ms) it last had a chunk planned.
+    last_planned_ms: u64,
+    /// Its prompt was computed once: after preemption it is recomputed only when it has a verify
+    /// block again (an idle session costs nothing).
+    prefilled: bool,
     arrival: u64,
+}
+
+impl Session {
+    /// Tokens to compute before anything else: the prompt, or a preempted history that a queued
+    /// verify block needs.
+    fn needs_compute(&self) -> bool {
+        self.computed < self.known && (!self.prefilled || !self.verifies.is_empty())
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -197,6 +214,8 @@ pub struct Scheduler {
     sessions: BTreeMap<SessionId, Session>,
     tenants: BTreeMap<TenantId, Tenant>,
     iteration: u64,
+    /// The clock of the last `schedule` call.
+    now_ms: u64,
     stats: SchedStats,
 }
 
@@ -213,6 +232,7 @@ impl Scheduler {
             sessions: BTreeMap::new(),
             tenants: BTreeMap::new(),
             iteration: 0,
+            now_ms: 0,
             stats: SchedStats::default(),
         })
     }
@@ -254,7 +274,10 @@ impl Scheduler {
 
     /// Open sessions of `tenant`.
     pub fn tenant_sessions(&self, tenant: TenantId) -> usize {
-        self.sessions.values().filter(|s| s.tenant == tenant).count()
+        self.sessions
+            .values()
+            .filter(|s| s.tenant == tenant)
+            .count()
     }
 
     /// KV blocks held by `tenant`'s sessions.
@@ -271,9 +294,20 @@ impl Scheduler {
         self.sessions.len()
     }
 
+    /// Whether any session has work to plan: tokens to (re)compute or a verify block.
+    pub fn has_work(&self) -> bool {
+        self.sessions
+            .values()
+            .any(|s| s.needs_compute() || !s.verifies.is_empty())
+    }
+
     /// Prompt (and recompute) tokens not yet computed.
     pub fn waiting_tokens(&self) -> usize {
-        self.sessions.values().map(|s| s.known - s.computed).sum()
+        self.sessions
+            .values()
+            .filter(|s| s.needs_compute())
+            .map(|s| s.known - s.computed)
+            .sum()
     }
 
     /// Whether a session of `tenant` with a `prompt_len`-token prompt would be admitted now.
@@ -309,7 +343,8 @@ impl Scheduler {
         if waiting > 0 && waiting + prompt_len > self.cfg.max_waiting_tokens {
             return Err(SchedError::Saturated {
                 reason: format!("{waiting} prompt tokens wait for prefill"),
-                retry_iterations: 1 + (waiting + prompt_len - self.cfg.max_waiting_tokens) as u64 / budget,
+                retry_iterations: 1
+                    + (waiting + prompt_len - self.cfg.max_waiting_tokens) as u64 / budget,
             });
         }
         Ok(())
@@ -352,6 +387,8 @@ impl Scheduler {
                 computed: 0,
                 verifies: VecDeque::new(),
                 last_active: self.iteration,
+                last_planned_ms: self.now_ms,
+                prefilled: false,
                 arrival: self.iteration,
             },
         );
@@ -408,7 +445,9 @@ impl Scheduler {
             let burst = rate.max(burst_floor);
             t.bucket = match t.filled_at {
                 None => burst,
-                Some(at) => (t.bucket + rate * now_ms.saturating_sub(at) as f64 / 1000.0).min(burst),
+                Some(at) => {
+                    (t.bucket + rate * now_ms.saturating_sub(at) as f64 / 1000.0).min(burst)
+                }
             };
             t.filled_at = Some(now_ms);
         }
@@ -448,6 +487,36 @@ impl Scheduler {
         Some(victim)
     }
 
+    /// Drop the KV of the session idle the longest (no queued verify, nothing to compute), if it
+    /// has been idle since before iteration `since` or for `idle_evict_ms`.
+    fn preempt_idle(
+        &mut self,
+        keep: &[SessionId],
+        since: u64,
+        tenant: Option<TenantId>,
+    ) -> Option<SessionId> {
+        let victim = self
+            .sessions
+            .iter()
+            .filter(|(id, s)| {
+                !keep.contains(id)
+                    && s.computed > 0
+                    && s.computed == s.known
+                    && s.verifies.is_empty()
+                    && (s.last_active < since
+                        || self.now_ms.saturating_sub(s.last_planned_ms) >= self.cfg.idle_evict_ms)
+                    && tenant.is_none_or(|t| s.tenant == t)
+            })
+            .min_by_key(|(id, s)| (s.last_active, **id))
+            .map(|(id, _)| *id)?;
+        self.pool.free_all(victim);
+        if let Some(s) = self.sessions.get_mut(&victim) {
+            s.computed = 0;
+        }
+        self.stats.preemptions += 1;
+        Some(victim)
+    }
+
     /// Sessions with work of `kind`, in fair order: lowest tenant virtual time, then oldest.
     fn candidates(&self, kind: WorkKind) -> Vec<SessionId> {
         let mut v: Vec<(f64, u64, SessionId)> = self
@@ -455,7 +524,7 @@ impl Scheduler {
             .iter()
             .filter(|(_, s)| match kind {
                 WorkKind::Verify => s.computed == s.known && !s.verifies.is_empty(),
-                WorkKind::Prefill => s.computed < s.known,
+                WorkKind::Prefill => s.needs_compute(),
             })
             .map(|(id, s)| {
                 let vt = self.tenants.get(&s.tenant).map_or(0.0, |t| t.vtime);
@@ -475,6 +544,7 @@ impl Scheduler {
     /// Plan the next iteration; `now_ms` is the shell's clock, for the rate quotas.
     pub fn schedule(&mut self, now_ms: u64) -> StepPlan {
         self.refill(now_ms);
+        self.now_ms = self.now_ms.max(now_ms);
         self.iteration += 1;
         self.stats.iterations += 1;
         let mut plan = StepPlan {
@@ -485,7 +555,7 @@ impl Scheduler {
         let mut taken: Vec<SessionId> = Vec::new();
         // Verify comes first, but while prompts wait it leaves them a quarter of the budget, so a
         // busy verifier still admits new sessions (a lone block that needs more still goes).
-        let prompts_wait = self.sessions.values().any(|s| s.computed < s.known);
+        let prompts_wait = self.sessions.values().any(|s| s.needs_compute());
         let reserve = if prompts_wait {
             self.cfg.token_budget / PREFILL_RESERVE_DIV
         } else {
@@ -548,6 +618,7 @@ impl Scheduler {
             let s = self.sessions.get_mut(&id).expect("exists");
             s.verifies.pop_front();
             s.last_active = self.iteration;
+            s.last_planned_ms = self.now_ms;
             self.stats.max_verify_wait = self.stats.max_verify_wait.max(self.iteration - since);
             budget -= len;
             self.charge(tenant, len);
@@ -559,7 +630,9 @@ impl Scheduler {
                 blocks: self.pool.table(id).to_vec(),
             });
         }
-        // Prefill (and recompute) with what is left, in chunks; it never preempts.
+        // Prefill (and recompute) with what is left, in chunks. It preempts only idle sessions
+        // (nothing queued) that have been idle since before it started waiting: a session whose
+        // edge went quiet does not keep its KV from those with work.
         for id in self.candidates(WorkKind::Prefill) {
             if budget == 0 {
                 break;
@@ -569,8 +642,26 @@ impl Scheduler {
             }
             let s = &self.sessions[&id];
             let (start, known, tenant) = (s.computed, s.known, s.tenant);
+            let since = s.verifies.front().map_or(s.last_active, |v| v.1);
             if !self.within_rate(tenant) {
                 continue;
+            }
+            let bs = self.pool.block_size();
+            let want = (known - start).min(budget);
+            loop {
+                let free = self.pool.num_free().min(self.tenant_room(tenant));
+                let room = free * bs + (self.pool.held(id) * bs).saturating_sub(start);
+                if room >= want {
+                    break;
+                }
+                // Over its own quota only its own idle sessions can make room.
+                let own = self.tenant_room(tenant) < self.pool.num_free();
+                let mut keep = taken.clone();
+                keep.push(id);
+                match self.preempt_idle(&keep, since, own.then_some(tenant)) {
+                    Some(v) => plan.preempted.push(v),
+                    None => break,
+                }
             }
             let free = self.pool.num_free().min(self.tenant_room(tenant));
             let room = free * self.pool.block_size()
@@ -587,6 +678,7 @@ impl Scheduler {
             self.charge(tenant, len);
             if let Some(s) = self.sessions.get_mut(&id) {
                 s.last_active = self.iteration;
+                s.last_planned_ms = self.now_ms;
             }
             plan.chunks.push(Chunk {
                 session: id,
@@ -615,6 +707,7 @@ impl Scheduler {
                 s.known = end;
             }
             s.computed = end;
+            s.prefilled |= end >= s.known;
             self.pool.truncate(c.session, end);
         }
     }
@@ -699,8 +792,11 @@ mod tests {
         assert_eq!(p.preempted, vec![1]);
         assert_eq!(p.chunks.len(), 1);
         s.update(&p, &[(2, 12)]);
-        // Session 1 recomputes its 8 known tokens once there is room again.
+        // Idle, session 1 costs nothing; once its edge sends a block it recomputes its 8 known
+        // tokens (there is room again), then verifies.
         s.close(2);
+        assert!(!s.has_work());
+        s.enqueue_verify(1, 2).unwrap();
         let p = s.schedule(0);
         assert_eq!(
             (p.chunks[0].session, p.chunks[0].start, p.chunks[0].len),
@@ -709,6 +805,8 @@ mod tests {
         assert_eq!(p.chunks[0].kind, WorkKind::Prefill);
         s.update(&p, &[]);
         assert_eq!(s.sessions[&1].computed, 8);
+        let p = s.schedule(0);
+        assert_eq!((p.chunks[0].kind, p.chunks[0].start), (WorkKind::Verify, 8));
         assert!(s.pool().conserved());
     }
 
@@ -730,7 +828,13 @@ mod tests {
         // 16 tokens wait; 8 more would pass 20.
         let e = s.open(2, 1, 8).unwrap_err();
         assert!(
-            matches!(e, SchedError::Saturated { retry_iterations: 1, .. }),
+            matches!(
+                e,
+                SchedError::Saturated {
+                    retry_iterations: 1,
+                    ..
+                }
+            ),
             "{e}"
         );
         s.open(2, 1, 4).unwrap();
@@ -807,6 +911,35 @@ mod tests {
         let limited = s.tenant_positions(2);
         assert!((990..=100 * 11 + 4).contains(&limited), "{limited}");
         assert!(s.tenant_positions(1) > 3 * limited);
+    }
+
+    #[test]
+    fn an_idle_session_gives_its_kv_to_a_waiting_prompt() {
+        // 4 blocks of 4 tokens; session 1 takes three and goes quiet.
+        let mut s = sched(32, 4);
+        s.open(1, 1, 12).unwrap();
+        let p = s.schedule(0);
+        s.update(&p, &[]);
+        assert_eq!(s.pool().num_free(), 1);
+        s.open(2, 2, 8).unwrap();
+        // Quiet for less than idle_evict_ms: the new prompt takes the free block and waits.
+        let p = s.schedule(100);
+        assert!(p.preempted.is_empty(), "{p:?}");
+        assert_eq!((p.chunks[0].session, p.chunks[0].len), (2, 4));
+        s.update(&p, &[]);
+        let p = s.schedule(600);
+        assert_eq!(p.preempted, vec![1]);
+        assert_eq!((p.chunks[0].session, p.chunks[0].start), (2, 4));
+        s.update(&p, &[]);
+        // Session 1's edge sends a block: it recomputes when there is room, then verifies.
+        s.enqueue_verify(1, 2).unwrap();
+        s.close(2);
+        let p = s.schedule(0);
+        assert_eq!((p.chunks[0].session, p.chunks[0].len), (1, 12));
+        s.update(&p, &[]);
+        let p = s.schedule(0);
+        assert_eq!(p.chunks[0].kind, WorkKind::Verify);
+        assert!(s.pool().conserved());
     }
 
     #[test]

@@ -1,0 +1,235 @@
+//! Tenants and their API keys. A verifier serving more than its own machine reads them from a TOML
+//! file (`cloud serve --tenants FILE`):
+//!
+//! ```toml
+//! [[tenant]]
+//! name = "acme"
+//! keys = ["acme-7c1f0a9e2b44d3e8"]
+//! weight = 3.0          # share under saturation (default 1)
+//! max_sessions = 64     # optional quotas
+//! max_kv_blocks = 2000
+//! tokens_per_s = 5000.0
+//! ```
+//!
+//! Every RPC then carries `authorization: Bearer <key>`; the key names the tenant, and a session is
+//! bound to the tenant that opened it. Without a file, one tenant (`default`) and no keys: allowed
+//! only on a loopback address and only when asked for explicitly.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde::Deserialize;
+use tandem_sched::{TenantConfig, TenantId};
+
+/// Shortest accepted API key.
+pub const MIN_KEY_LEN: usize = 16;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TenantsError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("tenants file: {0}")]
+    Parse(String),
+    #[error("tenant {tenant:?}: {message}")]
+    Invalid { tenant: String, message: String },
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Entry {
+    name: String,
+    keys: Vec<String>,
+    #[serde(default = "one")]
+    weight: f64,
+    max_sessions: Option<usize>,
+    max_kv_blocks: Option<usize>,
+    tokens_per_s: Option<f64>,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    tenant: Vec<Entry>,
+}
+
+/// Why a caller was not let in (answered `UNAUTHENTICATED`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("authorization: {0}")]
+pub struct AuthError(pub String);
+
+#[derive(Debug, Clone)]
+pub struct Tenants {
+    names: Vec<String>,
+    configs: Vec<TenantConfig>,
+    by_key: HashMap<String, TenantId>,
+    auth: bool,
+}
+
+impl Tenants {
+    /// One tenant, `default`, and no authentication.
+    pub fn open() -> Self {
+        Self {
+            names: vec!["default".into()],
+            configs: vec![TenantConfig::default()],
+            by_key: HashMap::new(),
+            auth: false,
+        }
+    }
+
+    pub fn from_toml(text: &str) -> Result<Self, TenantsError> {
+        let f: File = toml::from_str(text).map_err(|e| TenantsError::Parse(e.to_string()))?;
+        if f.tenant.is_empty() {
+            return Err(TenantsError::Parse("no [[tenant]] entries".into()));
+        }
+        let mut t = Self {
+            names: Vec::new(),
+            configs: Vec::new(),
+            by_key: HashMap::new(),
+            auth: true,
+        };
+        for (i, e) in f.tenant.into_iter().enumerate() {
+            let bad = |message: String| TenantsError::Invalid {
+                tenant: e.name.clone(),
+                message,
+            };
+            if e.name.is_empty() || t.names.contains(&e.name) {
+                return Err(bad("name: empty or used twice".into()));
+            }
+            if e.keys.is_empty() {
+                return Err(bad("keys: at least one API key is needed".into()));
+            }
+            for k in &e.keys {
+                if k.len() < MIN_KEY_LEN || !k.chars().all(|c| c.is_ascii_graphic()) {
+                    return Err(bad(format!(
+                        "keys: a key must be at least {MIN_KEY_LEN} printable ASCII characters"
+                    )));
+                }
+                if t.by_key.insert(k.clone(), i as TenantId).is_some() {
+                    return Err(bad("keys: a key is used twice".into()));
+                }
+            }
+            let cfg = TenantConfig {
+                weight: e.weight,
+                max_sessions: e.max_sessions,
+                max_kv_blocks: e.max_kv_blocks,
+                tokens_per_s: e.tokens_per_s,
+            };
+            if !(cfg.weight.is_finite() && cfg.weight > 0.0) {
+                return Err(bad(format!("weight: must be positive, got {}", cfg.weight)));
+            }
+            if cfg
+                .tokens_per_s
+                .is_some_and(|r| !(r.is_finite() && r > 0.0))
+            {
+                return Err(bad("tokens_per_s: must be positive".into()));
+            }
+            t.names.push(e.name);
+            t.configs.push(cfg);
+        }
+        Ok(t)
+    }
+
+    pub fn load(path: &Path) -> Result<Self, TenantsError> {
+        let text = std::fs::read_to_string(path).map_err(|source| TenantsError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_toml(&text)
+    }
+
+    pub fn auth_required(&self) -> bool {
+        self.auth
+    }
+
+    /// Tenant names, indexed by [`TenantId`].
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    pub fn configs(&self) -> impl Iterator<Item = (TenantId, TenantConfig)> + '_ {
+        self.configs
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (i as TenantId, *c))
+    }
+
+    /// The tenant an `authorization` header value (`Bearer <key>`) names.
+    pub fn authenticate(&self, header: Option<&str>) -> Result<TenantId, AuthError> {
+        if !self.auth {
+            return Ok(0);
+        }
+        let Some(h) = header else {
+            return Err(AuthError(
+                "missing API key (send `authorization: Bearer <key>`)".into(),
+            ));
+        };
+        let key = h
+            .strip_prefix("Bearer ")
+            .ok_or_else(|| AuthError("expected `Bearer <key>`".into()))?;
+        self.by_key
+            .get(key.trim())
+            .copied()
+            .ok_or_else(|| AuthError("unknown API key".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILE: &str = r#"
+[[tenant]]
+name = "acme"
+keys = ["acme-0123456789abcdef"]
+weight = 3.0
+max_sessions = 4
+
+[[tenant]]
+name = "beta"
+keys = ["beta-0123456789abcdef", "beta-fedcba9876543210"]
+"#;
+
+    #[test]
+    fn keys_name_their_tenant() {
+        let t = Tenants::from_toml(FILE).unwrap();
+        assert_eq!(t.names(), ["acme", "beta"]);
+        assert_eq!(t.authenticate(Some("Bearer acme-0123456789abcdef")), Ok(0));
+        assert_eq!(t.authenticate(Some("Bearer beta-fedcba9876543210")), Ok(1));
+        assert!(t
+            .authenticate(Some("Bearer nope-0123456789abcdef"))
+            .is_err());
+        assert!(t.authenticate(Some("acme-0123456789abcdef")).is_err());
+        assert!(t.authenticate(None).unwrap_err().0.contains("missing"));
+        let c: Vec<_> = t.configs().collect();
+        assert_eq!(c[0].1.weight, 3.0);
+        assert_eq!(c[0].1.max_sessions, Some(4));
+        assert_eq!(c[1].1.weight, 1.0);
+        assert_eq!(Tenants::open().authenticate(None), Ok(0));
+    }
+
+    #[test]
+    fn bad_files_say_what_is_wrong() {
+        let e = |s: &str| Tenants::from_toml(s).unwrap_err().to_string();
+        assert!(e("[[tenant]]\nname = \"a\"\nkeys = [\"short\"]").contains("at least 16"));
+        assert!(e("[[tenant]]\nname = \"a\"\nkeys = []").contains("keys"));
+        assert!(e(&format!(
+            "{FILE}\n[[tenant]]\nname = \"acme\"\nkeys = [\"x123456789abcdefgh\"]"
+        ))
+        .contains("used twice"));
+        assert!(
+            e("[[tenant]]\nname = \"a\"\nkeys = [\"0123456789abcdefg\"]\nwieght = 2")
+                .contains("wieght")
+        );
+        assert!(
+            e("[[tenant]]\nname = \"a\"\nkeys = [\"0123456789abcdefg\"]\nweight = -1")
+                .contains("weight")
+        );
+    }
+}

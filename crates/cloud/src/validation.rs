@@ -1,0 +1,236 @@
+//! Every message from an edge becomes a valid domain value, or a `tonic::Status` that names the
+//! offending field, before anything reaches the batcher. What needs the session's state (positions,
+//! epochs, block order) is checked by the session itself (`tandem_spec::VerifierSession`) and
+//! refused the same way, without touching any other session.
+
+use tandem_proto::v1::{self, ModelInfo};
+use tandem_proto::{block_from_proto, params_from_proto, rule_from_proto, PROTOCOL_VERSION};
+use tandem_spec::sampling::SamplingParams;
+use tandem_spec::{Block, VerifyRule};
+use tonic::Status;
+
+fn invalid(field: &str, message: impl std::fmt::Display) -> Status {
+    Status::invalid_argument(format!("{field}: {message}"))
+}
+
+/// A prompt of known tokens that, with `max_tokens` more, fits the context.
+fn prompt(field: &str, ids: Vec<u32>, max_tokens: u32, m: &ModelInfo) -> Result<Vec<u32>, Status> {
+    if ids.is_empty() {
+        return Err(invalid(
+            &format!("{field}.prompt_ids"),
+            "the prompt is empty",
+        ));
+    }
+    if let Some(t) = ids.iter().find(|&&t| t >= m.vocab_size) {
+        return Err(invalid(
+            &format!("{field}.prompt_ids"),
+            format!("token id {t} is outside the vocabulary ({})", m.vocab_size),
+        ));
+    }
+    if max_tokens == 0 {
+        return Err(invalid(
+            &format!("{field}.max_tokens"),
+            "must be at least 1",
+        ));
+    }
+    if ids.len() as u64 + max_tokens as u64 > m.context_length as u64 {
+        return Err(invalid(
+            &format!("{field}.max_tokens"),
+            format!(
+                "prompt ({}) plus max_tokens ({max_tokens}) exceed the context length {}",
+                ids.len(),
+                m.context_length
+            ),
+        ));
+    }
+    Ok(ids)
+}
+
+fn fingerprint(field: &str, got: &str, m: &ModelInfo) -> Result<(), Status> {
+    if got != m.tokenizer_fingerprint {
+        return Err(invalid(
+            &format!("{field}.tokenizer_fingerprint"),
+            format!(
+                "the edge's tokenizer {got} does not match the served model's {}: the draft and \
+                 the target must share one tokenizer",
+                m.tokenizer_fingerprint
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone)]
+pub struct ValidOpen {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub rule: VerifyRule,
+    pub max_tokens: usize,
+    pub want_draft_len: u32,
+    pub want_depth: u32,
+}
+
+pub fn open(o: v1::Open, m: &ModelInfo) -> Result<ValidOpen, Status> {
+    if o.protocol_version != PROTOCOL_VERSION {
+        return Err(invalid(
+            "open.protocol_version",
+            format!(
+                "{} is not supported (this verifier speaks {PROTOCOL_VERSION})",
+                o.protocol_version
+            ),
+        ));
+    }
+    fingerprint("open", &o.tokenizer_fingerprint, m)?;
+    let prompt = prompt("open", o.prompt_ids, o.max_tokens, m)?;
+    Ok(ValidOpen {
+        prompt,
+        params: params_from_proto(o.params).map_err(|e| invalid("open.params", e.message))?,
+        rule: rule_from_proto(o.rule).map_err(|e| invalid("open.rule", e.message))?,
+        max_tokens: o.max_tokens as usize,
+        want_draft_len: o.want_draft_len,
+        want_depth: o.want_depth,
+    })
+}
+
+#[derive(Debug, Clone)]
+pub struct ValidGenerate {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub max_tokens: usize,
+}
+
+pub fn generate(r: v1::GenerateRequest, m: &ModelInfo) -> Result<ValidGenerate, Status> {
+    fingerprint("generate", &r.tokenizer_fingerprint, m)?;
+    let prompt = prompt("generate", r.prompt_ids, r.max_tokens, m)?;
+    Ok(ValidGenerate {
+        prompt,
+        params: params_from_proto(r.params).map_err(|e| invalid("generate.params", e.message))?,
+        max_tokens: r.max_tokens as usize,
+    })
+}
+
+/// A draft block on the stream of `session`, with at most `max_len` (the granted γ) tokens.
+pub fn draft(d: v1::Draft, session: u64, vocab: usize, max_len: usize) -> Result<Block, Status> {
+    if d.session_id != 0 && d.session_id != session {
+        return Err(Status::not_found(format!(
+            "draft.session_id: {} is not this stream's session; blocks go on their own session's stream",
+            d.session_id
+        )));
+    }
+    block_from_proto(d, vocab, max_len).map_err(|e| Status::invalid_argument(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> ModelInfo {
+        ModelInfo {
+            name: "m".into(),
+            tokenizer_fingerprint: "abc".into(),
+            vocab_size: 100,
+            context_length: 64,
+            weights: "f32".into(),
+        }
+    }
+
+    fn good() -> v1::Open {
+        v1::Open {
+            protocol_version: PROTOCOL_VERSION,
+            tokenizer_fingerprint: "abc".into(),
+            prompt_ids: vec![1, 2, 3],
+            params: None,
+            max_tokens: 8,
+            rule: 0,
+            want_draft_len: 4,
+            want_depth: 2,
+        }
+    }
+
+    #[test]
+    fn each_bad_field_is_named() {
+        let m = model();
+        assert!(open(good(), &m).is_ok());
+        let cases: Vec<(v1::Open, &str)> = vec![
+            (
+                v1::Open {
+                    protocol_version: 9,
+                    ..good()
+                },
+                "open.protocol_version",
+            ),
+            (
+                v1::Open {
+                    tokenizer_fingerprint: "x".into(),
+                    ..good()
+                },
+                "open.tokenizer_fingerprint",
+            ),
+            (
+                v1::Open {
+                    prompt_ids: vec![],
+                    ..good()
+                },
+                "open.prompt_ids",
+            ),
+            (
+                v1::Open {
+                    prompt_ids: vec![100],
+                    ..good()
+                },
+                "open.prompt_ids",
+            ),
+            (
+                v1::Open {
+                    max_tokens: 0,
+                    ..good()
+                },
+                "open.max_tokens",
+            ),
+            (
+                v1::Open {
+                    max_tokens: 62,
+                    ..good()
+                },
+                "open.max_tokens",
+            ),
+            (v1::Open { rule: 77, ..good() }, "open.rule"),
+            (
+                v1::Open {
+                    params: Some(v1::SamplingParams {
+                        temperature: -1.0,
+                        ..Default::default()
+                    }),
+                    ..good()
+                },
+                "open.params",
+            ),
+        ];
+        for (o, field) in cases {
+            let e = open(o, &m).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument);
+            assert!(e.message().starts_with(field), "{field}: {}", e.message());
+        }
+        let d = v1::Draft {
+            tokens: vec![5],
+            session_id: 3,
+            ..Default::default()
+        };
+        assert_eq!(
+            draft(d.clone(), 4, 100, 4).unwrap_err().code(),
+            tonic::Code::NotFound
+        );
+        assert!(draft(d.clone(), 3, 100, 4).is_ok());
+        let e = draft(
+            v1::Draft {
+                tokens: vec![1; 5],
+                ..d
+            },
+            3,
+            100,
+            4,
+        )
+        .unwrap_err();
+        assert!(e.message().starts_with("draft.tokens"), "{}", e.message());
+    }
+}
