@@ -1,0 +1,194 @@
+//! Helpers shared by the SmolLM2 integration tests: the model files (pulled and made on first use),
+//! a reference greedy decoder, and real gRPC verifiers on loopback ports.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use tandem_cli::{models, pull};
+use tandem_engine::{
+    sampler, Engine, EngineConfig, GgufFile, LlamaModel, SeqChunk, SeqId, Tokenizer, Wanted,
+    WeightMode,
+};
+
+pub fn home() -> PathBuf {
+    pull::home_dir(None)
+}
+
+pub fn model_path() -> &'static PathBuf {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| pull::ensure_model(&home(), true).expect("pull the model"))
+}
+
+pub fn draft_path() -> &'static PathBuf {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| models::ensure_draft(&home(), true).expect("make the draft"))
+}
+
+pub fn load(path: &Path, mode: WeightMode) -> (Arc<LlamaModel>, Tokenizer) {
+    let mut g = GgufFile::open(path).unwrap();
+    let tok = Tokenizer::from_gguf(&g).unwrap();
+    (Arc::new(LlamaModel::load(&mut g, mode).unwrap()), tok)
+}
+
+pub fn target() -> &'static (Arc<LlamaModel>, Tokenizer) {
+    static T: OnceLock<(Arc<LlamaModel>, Tokenizer)> = OnceLock::new();
+    T.get_or_init(|| load(model_path(), WeightMode::F32))
+}
+
+pub fn engine(m: &Arc<LlamaModel>) -> Engine {
+    Engine::new(
+        m.clone(),
+        EngineConfig {
+            threads: 2,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap()
+}
+
+pub fn greedy(e: &mut Engine, seq: SeqId, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut chunk = SeqChunk::new(seq, 0, prompt.to_vec(), Wanted::Last);
+    for _ in 0..n {
+        let l = e.forward(std::slice::from_ref(&chunk)).unwrap();
+        let next = sampler::argmax(l.row(0));
+        out.push(next);
+        chunk = SeqChunk::new(
+            seq,
+            chunk.start_pos + chunk.tokens.len(),
+            vec![next],
+            Wanted::Last,
+        );
+    }
+    e.free(seq);
+    out
+}
+
+pub fn draft() -> &'static (Arc<LlamaModel>, Tokenizer) {
+    static DRAFT: OnceLock<(Arc<LlamaModel>, Tokenizer)> = OnceLock::new();
+    DRAFT.get_or_init(|| load(draft_path(), WeightMode::Native))
+}
+
+/// Run `serve` on a fresh loopback listener, in a thread with its own runtime; returns the address.
+pub fn on_loopback<F, Fut>(serve: F) -> std::net::SocketAddr
+where
+    F: FnOnce(tokio::net::TcpListener) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            addr_tx.send(l.local_addr().unwrap()).unwrap();
+            serve(l).await;
+        });
+    });
+    addr_rx.recv().unwrap()
+}
+
+/// A verifier with these tenants, scheduler settings and KV cache size.
+pub fn grpc_server_with(
+    saturation_tokens: f64,
+    tenants: tandem_cloud::tenants::Tenants,
+    cfg: tandem_cloud::VerifierConfig,
+    kv_budget_bytes: usize,
+) -> (String, std::sync::Arc<tandem_cloud::Gauges>) {
+    {
+        let (m, tok) = target();
+        let engine = Engine::new(
+            m.clone(),
+            EngineConfig {
+                threads: 1,
+                kv_budget_bytes,
+                ..EngineConfig::default()
+            },
+        )
+        .unwrap();
+        let info = tandem_cloud::grpc::ServiceInfo {
+            saturation_tokens,
+            ..tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4)
+        };
+        let verifier = tandem_cloud::Verifier::new(engine, cfg).unwrap();
+        let (service, _batcher) = tandem_cloud::grpc::start(verifier, info, tenants).unwrap();
+        let gauges = service.gauges();
+        let addr = on_loopback(move |l| async move {
+            tandem_cloud::grpc::serve_grpc(service, l, std::future::pending(), Duration::ZERO)
+                .await
+                .unwrap();
+        });
+        (format!("http://{addr}"), gauges)
+    }
+}
+
+/// One speculative run: in-process behind `rtt_ms`, or against the verifier at `cloud_url`.
+#[allow(clippy::too_many_arguments)]
+pub fn spec_out(
+    prompt: &[u32],
+    gamma: usize,
+    depth: usize,
+    rtt_ms: f64,
+    params: tandem_engine::SamplingParams,
+    rule: tandem_spec::VerifyRule,
+    max_new: usize,
+    cloud_url: Option<String>,
+) -> tandem_cli::generate::GenOutput {
+    spec_out_as(
+        None, prompt, gamma, depth, rtt_ms, params, rule, max_new, cloud_url,
+    )
+}
+
+/// [`spec_out`] as the tenant whose API key is `api_key`.
+#[allow(clippy::too_many_arguments)]
+pub fn spec_out_as(
+    api_key: Option<String>,
+    prompt: &[u32],
+    gamma: usize,
+    depth: usize,
+    rtt_ms: f64,
+    params: tandem_engine::SamplingParams,
+    rule: tandem_spec::VerifyRule,
+    max_new: usize,
+    cloud_url: Option<String>,
+) -> tandem_cli::generate::GenOutput {
+    let (draft, tok) = draft();
+    let (target, _) = target();
+    let one = EngineConfig {
+        threads: 1,
+        kv_budget_bytes: 32 << 20,
+        ..EngineConfig::default()
+    };
+    let run = tandem_cli::speculate::SpecRun {
+        target: target.clone(),
+        draft: draft.clone(),
+        tokenizer: tok,
+        cloud: one,
+        edge: one,
+        spec: tandem_edge::SpecConfig {
+            draft_len: gamma,
+            depth,
+            max_new_tokens: max_new,
+            rule,
+            params,
+            q_top_k: 32,
+            auto: None,
+        },
+        rtt_ms,
+        jitter_ms: rtt_ms / 10.0,
+        cloud_url,
+        api_key,
+    };
+    let out = tandem_cli::speculate::run(&run, prompt, |_| {}).unwrap();
+    let s = out.spec.as_ref().unwrap();
+    eprintln!(
+        "γ={gamma} depth={depth} rtt={rtt_ms}: α={} E[A]={} rounds={} stale={} wasted={}",
+        s.acceptance_rate, s.mean_accepted, s.rounds, s.stale_blocks, s.wasted_draft_tokens
+    );
+    out
+}

@@ -1,0 +1,492 @@
+//! One verifier, many tenants, for real: SmolLM2 behind a gRPC server with API keys. Concurrent
+//! sessions each get exactly the target's output; a tenant cannot read, draft into or close
+//! another's session, and its malformed messages get the documented statuses without changing
+//! anyone else's output; a saturated verifier refuses with RESOURCE_EXHAUSTED and a retry hint; a
+//! draining one finishes its sessions and refuses new ones.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use tandem_cloud::tenants::Tenants;
+use tandem_cloud::VerifierConfig;
+use tandem_engine::{Engine, EngineConfig, SamplingParams, SeqId};
+use tandem_proto::v1::verifier_client::VerifierClient;
+use tandem_proto::v1::{
+    cloud_message, edge_message, CloudMessage, Draft, EdgeMessage, Open, SessionRef,
+};
+use tandem_spec::VerifyRule;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+use tonic::{Code, Request, Status, Streaming};
+
+const KEY_A: &str = "tenant-a-0123456789abcdef";
+const KEY_B: &str = "tenant-b-0123456789abcdef";
+
+fn tenants(extra: &str) -> Tenants {
+    Tenants::from_toml(&format!(
+        "[[tenant]]\nname = \"a\"\nkeys = [\"{KEY_A}\"]\n\n\
+         [[tenant]]\nname = \"b\"\nkeys = [\"{KEY_B}\"]\n{extra}"
+    ))
+    .unwrap()
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn authorized<T>(msg: T, key: Option<&str>) -> Request<T> {
+    let mut r = Request::new(msg);
+    if let Some(k) = key {
+        r.metadata_mut()
+            .insert("authorization", format!("Bearer {k}").parse().unwrap());
+    }
+    r
+}
+
+/// The target's greedy continuation of `prompt`, cut after its first end-of-generation token.
+fn want(prompt: &[u32], n: usize, seq: u64) -> Vec<u32> {
+    let (m, tok) = target();
+    let mut e = Engine::new(
+        m.clone(),
+        EngineConfig {
+            threads: 1,
+            kv_budget_bytes: 32 << 20,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    let out = greedy(&mut e, SeqId(seq), prompt, n);
+    let cut = out
+        .iter()
+        .position(|&t| tok.is_eog(t))
+        .map_or(out.len(), |i| i + 1);
+    out[..cut].to_vec()
+}
+
+/// A session driven by hand over a raw stream.
+struct Raw {
+    out: UnboundedSender<EdgeMessage>,
+    inbound: Streaming<CloudMessage>,
+    session: u64,
+    first: u32,
+    start: usize,
+}
+
+async fn open_raw(url: &str, key: Option<&str>, prompt: &[u32]) -> Result<Raw, Status> {
+    let (_, tok) = target();
+    let mut c = VerifierClient::connect(url.to_string()).await.unwrap();
+    let (out, rx) = unbounded_channel();
+    out.send(EdgeMessage {
+        kind: Some(edge_message::Kind::Open(Open {
+            protocol_version: tandem_proto::PROTOCOL_VERSION,
+            tokenizer_fingerprint: tok.fingerprint().to_string(),
+            prompt_ids: prompt.to_vec(),
+            params: None,
+            max_tokens: 32,
+            rule: 0,
+            want_draft_len: 4,
+            want_depth: 2,
+        })),
+    })
+    .unwrap();
+    let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
+    let mut inbound = c.session(authorized(stream, key)).await?.into_inner();
+    match inbound.message().await?.and_then(|m| m.kind) {
+        Some(cloud_message::Kind::Opened(o)) => Ok(Raw {
+            out,
+            inbound,
+            session: o.session_id,
+            first: o.first_token,
+            start: prompt.len() + 1,
+        }),
+        other => panic!("expected Opened, got {other:?}"),
+    }
+}
+
+impl Raw {
+    fn draft(&self, d: Draft) {
+        self.out
+            .send(EdgeMessage {
+                kind: Some(edge_message::Kind::Draft(d)),
+            })
+            .unwrap();
+    }
+
+    /// The next message: a verdict (Ok) or a refusal (its code and text).
+    async fn next(&mut self) -> Result<tandem_proto::v1::Verdict, (Code, String)> {
+        match tokio::time::timeout(Duration::from_secs(60), self.inbound.message()).await {
+            Ok(Ok(Some(CloudMessage {
+                kind: Some(cloud_message::Kind::Verdict(v)),
+            }))) => Ok(v),
+            Ok(Ok(Some(CloudMessage {
+                kind: Some(cloud_message::Kind::Error(e)),
+            }))) => Err((Code::from_i32(e.code as i32), e.message)),
+            Ok(Err(s)) => Err((s.code(), s.message().to_string())),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+fn prompts(n: usize) -> Vec<Vec<u32>> {
+    let (_, tok) = target();
+    let topics = [
+        "the moon",
+        "rivers",
+        "honey bees",
+        "volcanoes",
+        "the piano",
+        "glass",
+        "owls",
+        "tea",
+        "bridges",
+        "snow",
+        "maps",
+        "copper",
+        "whales",
+        "clocks",
+        "deserts",
+        "paper",
+    ];
+    topics
+        .iter()
+        .cycle()
+        .take(n)
+        .map(|t| {
+            tok.encode_chat(&format!("Tell me one fact about {t}."))
+                .unwrap()
+        })
+        .collect()
+}
+
+/// Sixteen edges, each with its own draft engine and gRPC stream, share one verifier: every one
+/// commits exactly the target's greedy output, and the verifier batched them.
+#[test]
+fn sixteen_concurrent_sessions_each_get_the_targets_output() {
+    let n = 16;
+    let max_new = 24;
+    let ps = prompts(n);
+    let wants: Vec<Vec<u32>> = ps
+        .iter()
+        .enumerate()
+        .map(|(i, p)| want(p, max_new, i as u64))
+        .collect();
+    let (url, gauges) =
+        grpc_server_with(32.0, Tenants::open(), VerifierConfig::default(), 256 << 20);
+    let outs: Vec<Vec<u32>> = std::thread::scope(|s| {
+        let handles: Vec<_> = ps
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let url = url.clone();
+                s.spawn(move || {
+                    spec_out(
+                        p,
+                        2 + i % 3,
+                        1 + i % 3,
+                        0.0,
+                        SamplingParams::default(),
+                        VerifyRule::Greedy,
+                        max_new,
+                        Some(url),
+                    )
+                    .output_ids
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (o, w)) in outs.iter().zip(&wants).enumerate() {
+        assert_eq!(o, w, "session {i}");
+    }
+    let m = gauges.metrics.render(&gauges);
+    let batched = m
+        .lines()
+        .find(|l| l.starts_with("tandem:batch_size_bucket{le=\"1\"}"))
+        .and_then(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .unwrap();
+    let forwards = m
+        .lines()
+        .find(|l| l.starts_with("tandem:batch_size_count"))
+        .and_then(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .unwrap();
+    println!("{forwards} forwards, {batched} with one session");
+    assert!(
+        batched < forwards,
+        "some forwards must batch several sessions"
+    );
+}
+
+/// Tenant B holds a key of its own and tries everything against tenant A's session while A
+/// generates: B cannot read it, draft into it or close it; B's own malformed messages get the
+/// documented statuses; A's output is the target's, token for token.
+#[test]
+fn a_hostile_tenant_cannot_touch_or_disturb_another() {
+    let (url, _) = grpc_server_with(32.0, tenants(""), VerifierConfig::default(), 256 << 20);
+    let ps = prompts(2);
+    let max_new = 32;
+    let want_a = want(&ps[0], max_new, 0);
+    let rt = rt();
+    // A's probe session, held open (for B to aim at).
+    let mut a = rt.block_on(open_raw(&url, Some(KEY_A), &ps[1])).unwrap();
+    let a_id = a.session;
+    let mut c = rt.block_on(VerifierClient::connect(url.clone())).unwrap();
+    let get = |c: &mut VerifierClient<_>, key: Option<&str>, id: u64| {
+        rt.block_on(c.get_session(authorized(SessionRef { session_id: id }, key)))
+    };
+
+    // Missing and unknown keys.
+    assert_eq!(
+        get(&mut c, None, a_id).unwrap_err().code(),
+        Code::Unauthenticated
+    );
+    assert_eq!(
+        get(&mut c, Some("tenant-x-0123456789abcdef"), a_id)
+            .unwrap_err()
+            .code(),
+        Code::Unauthenticated
+    );
+    let e = rt.block_on(open_raw(&url, None, &ps[1])).err().unwrap();
+    assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
+
+    // A, meanwhile, generates through a real edge.
+    let url_a = url.clone();
+    let p0 = ps[0].clone();
+    let gen_a = std::thread::spawn(move || {
+        spec_out_as(
+            Some(KEY_A.into()),
+            &p0,
+            4,
+            2,
+            0.0,
+            SamplingParams::default(),
+            VerifyRule::Greedy,
+            max_new,
+            Some(url_a),
+        )
+        .output_ids
+    });
+
+    // B cannot read or close A's session: it does not exist for B.
+    let e = get(&mut c, Some(KEY_B), a_id).unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    let e = rt
+        .block_on(c.cancel(authorized(SessionRef { session_id: a_id }, Some(KEY_B))))
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    assert_eq!(
+        get(&mut c, Some(KEY_B), 999_999).unwrap_err().code(),
+        Code::NotFound
+    );
+
+    // B's own session: a block aimed at A's session, then every kind of malformed block.
+    let mut b = rt.block_on(open_raw(&url, Some(KEY_B), &ps[1])).unwrap();
+    let ok = |index: u64, epoch: u64, start: usize, tokens: Vec<u32>| Draft {
+        epoch,
+        block: index,
+        start_pos: start as u64,
+        tokens,
+        q: vec![],
+        session_id: 0,
+    };
+    let first = b.first;
+    let start = b.start;
+    let cases: Vec<(Draft, Code, &str)> = vec![
+        (
+            Draft {
+                session_id: a_id,
+                ..ok(0, 0, start, vec![first])
+            },
+            Code::NotFound,
+            "draft.session_id",
+        ),
+        (
+            ok(1, 0, start, vec![999_999]),
+            Code::InvalidArgument,
+            "draft.tokens",
+        ),
+        (
+            ok(2, 0, start, vec![first; 9]),
+            Code::InvalidArgument,
+            "granted draft length",
+        ),
+        (
+            ok(3, 0, start, vec![]),
+            Code::InvalidArgument,
+            "draft.tokens",
+        ),
+        (
+            ok(4, 0, start + 7, vec![first]),
+            Code::InvalidArgument,
+            "starts at position",
+        ),
+        (ok(5, 3, start, vec![first]), Code::InvalidArgument, "epoch"),
+    ];
+    for (d, code, text) in cases {
+        b.draft(d);
+        let (got, msg) = rt.block_on(b.next()).unwrap_err();
+        assert_eq!(got, code, "{text}: {msg}");
+        assert!(msg.contains(text), "{text}: {msg}");
+    }
+    // A block in place of the first token that contradicts it is rejected at once (the pending
+    // prediction), with the first token as the correction, moving B to epoch 1...
+    b.draft(ok(6, 0, start - 1, vec![(first + 1) % 1000]));
+    let v = rt.block_on(b.next()).unwrap();
+    assert_eq!((v.epoch, v.accepted, v.token), (0, 0, first));
+    // ...so a block of epoch 0 is stale: dropped without an answer; block order is kept.
+    b.draft(ok(7, 0, start, vec![first]));
+    b.draft(ok(6, 1, start, vec![1]));
+    let (code, msg) = rt.block_on(b.next()).unwrap_err();
+    assert_eq!(code, Code::InvalidArgument);
+    assert!(msg.contains("does not follow"), "{msg}");
+    b.draft(ok(8, 1, start, vec![1]));
+    let v = rt.block_on(b.next()).unwrap();
+    assert_eq!(
+        (v.epoch, v.block),
+        (1, 8),
+        "a block of the current epoch is answered"
+    );
+    // An empty message and a second Open are refused; the session goes on.
+    b.out.send(EdgeMessage { kind: None }).unwrap();
+    assert_eq!(rt.block_on(b.next()).unwrap_err().0, Code::InvalidArgument);
+
+    // A still owns its probe: B drafted nothing into it, A can read and cancel it.
+    let s = get(&mut c, Some(KEY_A), a_id).unwrap().into_inner();
+    assert_eq!((s.verified_positions, s.queued_blocks), (0, 0));
+    rt.block_on(c.cancel(authorized(SessionRef { session_id: a_id }, Some(KEY_A))))
+        .unwrap();
+    let (code, _) = rt.block_on(a.next()).unwrap_err();
+    assert_eq!(code, Code::Cancelled);
+    assert_eq!(
+        get(&mut c, Some(KEY_A), a_id).unwrap_err().code(),
+        Code::NotFound
+    );
+
+    assert_eq!(gen_a.join().unwrap(), want_a, "A's output changed");
+}
+
+/// Admission: past the verifier's session limit, or a tenant's quota, a new session is refused
+/// with RESOURCE_EXHAUSTED and a `retry-after-ms` trailer; a freed slot admits again.
+#[test]
+fn a_saturated_verifier_refuses_with_a_retry_hint() {
+    let cfg = VerifierConfig {
+        max_sessions: 2,
+        ..VerifierConfig::default()
+    };
+    let (url, _) = grpc_server_with(32.0, tenants("max_sessions = 1"), cfg, 256 << 20);
+    let p = &prompts(1)[0];
+    let rt = rt();
+    let b1 = rt.block_on(open_raw(&url, Some(KEY_B), p)).unwrap();
+    let e = rt.block_on(open_raw(&url, Some(KEY_B), p)).err().unwrap();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("quota"), "{}", e.message());
+    let a1 = rt.block_on(open_raw(&url, Some(KEY_A), p)).unwrap();
+    let e = rt.block_on(open_raw(&url, Some(KEY_A), p)).err().unwrap();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("saturated"), "{}", e.message());
+    let retry: u64 = e
+        .metadata()
+        .get("retry-after-ms")
+        .expect("a retry hint")
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(retry >= 1, "{retry}");
+    drop(b1);
+    drop(a1);
+    // The closes reach the batcher; then there is room again.
+    let mut admitted = None;
+    for _ in 0..50 {
+        std::thread::sleep(Duration::from_millis(100));
+        if let Ok(r) = rt.block_on(open_raw(&url, Some(KEY_A), p)) {
+            admitted = Some(r);
+            break;
+        }
+    }
+    assert!(admitted.is_some(), "freed slots admit again");
+}
+
+/// Shutdown drains: health turns NOT_SERVING, a new session is refused with UNAVAILABLE, an open
+/// one keeps getting verdicts until it closes, and then the server stops.
+#[test]
+fn shutdown_drains_open_sessions_and_refuses_new_ones() {
+    let (m, tok) = target();
+    let engine = Engine::new(
+        m.clone(),
+        EngineConfig {
+            threads: 1,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    let info = tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4);
+    let verifier = tandem_cloud::Verifier::new(engine, VerifierConfig::default()).unwrap();
+    let (service, _batcher) = tandem_cloud::grpc::start(verifier, info, Tenants::open()).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (done_tx, done) = std::sync::mpsc::channel();
+    let addr = on_loopback(move |l| async move {
+        let r = tandem_cloud::grpc::serve_grpc(
+            service,
+            l,
+            async {
+                let _ = stopped.await;
+            },
+            Duration::from_secs(30),
+        )
+        .await;
+        done_tx.send(r.is_ok()).unwrap();
+    });
+    let url = format!("http://{addr}");
+    let p = &prompts(1)[0];
+    let rt = rt();
+    let mut s = rt.block_on(open_raw(&url, None, p)).unwrap();
+    stop.send(()).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let e = rt.block_on(open_raw(&url, None, p)).err().unwrap();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    let ch = rt
+        .block_on(
+            tonic::transport::Endpoint::from_shared(url.clone())
+                .unwrap()
+                .connect(),
+        )
+        .unwrap();
+    let mut h = tonic_health::pb::health_client::HealthClient::new(ch);
+    let status = rt
+        .block_on(h.check(tonic_health::pb::HealthCheckRequest {
+            service: String::new(),
+        }))
+        .unwrap()
+        .into_inner()
+        .status;
+    assert_eq!(
+        status,
+        tonic_health::pb::health_check_response::ServingStatus::NotServing as i32
+    );
+    // The open session still verifies (a block that drafts the first token is accepted).
+    s.draft(Draft {
+        epoch: 0,
+        block: 0,
+        start_pos: s.start as u64 - 1,
+        tokens: vec![s.first],
+        q: vec![],
+        session_id: 0,
+    });
+    let v = rt.block_on(s.next()).unwrap();
+    assert_eq!(v.accepted, 1);
+    assert!(done.try_recv().is_err(), "the server waits for the session");
+    s.out
+        .send(EdgeMessage {
+            kind: Some(edge_message::Kind::Close(Default::default())),
+        })
+        .unwrap();
+    drop(s);
+    assert!(done.recv_timeout(Duration::from_secs(10)).unwrap());
+    let _ = Arc::clone(m);
+}
