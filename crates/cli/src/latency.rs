@@ -9,20 +9,18 @@
 //! with the analytic model's prediction from the α, draft time, verify time and round trip measured
 //! in that same run.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use serde_json::Value;
-use tandem_edge::netem::NetemConfig;
 use tandem_edge::{AutoShape, SpecConfig};
 use tandem_engine::{CpuSet, Engine, EngineConfig, LlamaModel, SamplingParams, Tokenizer};
 use tandem_spec::policy::{async_itl_ms, sync_itl_ms, Costs};
 use tandem_spec::VerifyRule;
 
+use crate::cloudproc::{CloudProcess, Link};
 use crate::generate::{generate, generate_remote, GenOutput};
 use crate::speculate::SpecRun;
 use crate::stats::{round2, Summary};
@@ -187,95 +185,6 @@ fn peer_model(
     out
 }
 
-/// `tandem cloud serve` in its own process; killed on drop.
-struct CloudProcess {
-    child: Child,
-    addr: String,
-}
-
-impl CloudProcess {
-    fn start(a: &LatencyArgs) -> Result<Self> {
-        let exe = std::env::current_exe().context("locating the tandem binary")?;
-        let mut cmd = Command::new(exe);
-        cmd.arg("--home")
-            .arg(&a.home)
-            .args([
-                "cloud",
-                "serve",
-                "--no-auth",
-                "--listen",
-                "127.0.0.1:0",
-                "--threads",
-            ])
-            .arg(a.cloud_cpus.len().max(1).to_string())
-            .args(["--max-draft-len", &a.max_gamma.to_string()])
-            .args(["--max-depth", &a.max_depth.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        if !a.cloud_cpus.is_empty() {
-            cmd.args(["--cpus", &a.cloud_cpus.to_string()]);
-        }
-        let mut child = cmd.spawn().context("starting `tandem cloud serve`")?;
-        let stderr = child.stderr.take().expect("stderr is piped");
-        let mut lines = BufReader::new(stderr).lines();
-        let mut said = String::new();
-        let addr = loop {
-            let Some(line) = lines.next().transpose()? else {
-                let _ = child.kill();
-                bail!("the verifier process exited before listening: {said}");
-            };
-            if let Some(a) = line.strip_prefix("tandem verifier listening on ") {
-                break a.split_whitespace().next().unwrap_or_default().to_string();
-            }
-            said.push_str(&line);
-            said.push('\n');
-        };
-        // Keep draining its stderr so that it never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines.by_ref() {});
-        Ok(Self { child, addr })
-    }
-}
-
-impl Drop for CloudProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A netem proxy in front of the verifier, on a runtime of its own.
-struct Link {
-    rt: tokio::runtime::Runtime,
-    task: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl Link {
-    fn new() -> Result<Self> {
-        Ok(Self {
-            rt: crate::runtime()?,
-            task: None,
-        })
-    }
-
-    /// Route a fresh loopback port to `upstream` with `rtt_ms` ± jitter; returns its URL.
-    fn set(&mut self, upstream: &str, rtt_ms: f64, jitter_ms: f64) -> Result<String> {
-        if let Some(t) = self.task.take() {
-            t.abort();
-        }
-        let upstream: std::net::SocketAddr = upstream.parse()?;
-        let cfg = NetemConfig {
-            rtt_ms,
-            jitter_ms,
-            seed: 7,
-            ..NetemConfig::default()
-        };
-        let (url, task) = tandem_edge::netem::spawn_front(self.rt.handle(), upstream, cfg)
-            .map_err(|e| anyhow!("netem: {e}"))?;
-        self.task = Some(task);
-        Ok(url)
-    }
-}
-
 /// Several prompts' outputs of one mode, folded into a row.
 fn fold(draft: &str, rtt: f64, mode: &str, outs: &[GenOutput], want: &[Vec<u32>]) -> Row {
     let n = outs.len().max(1) as f64;
@@ -407,6 +316,7 @@ fn spec_runs(
             params: SamplingParams::default(),
             q_top_k: 32,
             auto,
+            granted: None,
         },
         rtt_ms: 0.0,
         jitter_ms: 0.0,
@@ -435,7 +345,16 @@ pub fn run(
         .iter()
         .map(|p| tok.encode_chat(p))
         .collect::<Result<_, _>>()?;
-    let cloud = CloudProcess::start(a)?;
+    let cloud = CloudProcess::start(
+        &a.home,
+        &a.cloud_cpus,
+        &[
+            "--max-draft-len".into(),
+            a.max_gamma.to_string(),
+            "--max-depth".into(),
+            a.max_depth.to_string(),
+        ],
+    )?;
     let mut link = Link::new()?;
     let mut rows: Vec<Row> = Vec::new();
     let mut emit = |r: Row, rows: &mut Vec<Row>| {

@@ -2,9 +2,11 @@
 //! the engine benchmark. `main.rs` only parses flags and prints.
 
 pub mod bench;
+pub mod cloudproc;
 pub mod generate;
 pub mod latency;
 pub mod live;
+pub mod load;
 pub mod models;
 pub mod pull;
 pub mod speculate;

@@ -98,8 +98,9 @@ struct ServeArgs {
     /// Largest number of blocks in flight granted to a session.
     #[arg(long, default_value_t = 4)]
     max_depth: u32,
-    /// Tokens per forward at which the target is saturated: grants to new sessions shrink (γ
-    /// halves, depth drops by one per step) as the mean load nears it, and grow back below half.
+    /// Tokens per forward at which the target is saturated: grants shrink (γ halves, depth drops
+    /// by one per step) as the mean load nears it, and grow back below half; open sessions learn
+    /// the new grant with their next verdict.
     #[arg(long, default_value_t = tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS)]
     saturation_tokens: f64,
     /// Tenants and their API keys (TOML: [[tenant]] name, keys, weight, max_sessions,
@@ -257,6 +258,63 @@ enum BenchCmd {
     /// TTFT / ITL / α / E[A] of edge-only, cloud-only, sync and async over emulated round trips,
     /// with the verifier in its own process on its own cores; the analytic model beside each.
     Latency(LatencyBenchArgs),
+    /// One verifier, many edges: N synthetic edges (right with probability α, D ms per token)
+    /// speaking the real protocol over an emulated link, beside N cloud-only clients; throughput,
+    /// ITL, batch size and queue time per N and α, and the target's roofline.
+    Load(LoadBenchArgs),
+}
+
+#[derive(Args)]
+struct LoadBenchArgs {
+    /// Concurrent sessions (users), one row each.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+    sessions: Vec<usize>,
+    /// Acceptance rates of the synthetic drafts.
+    #[arg(long, value_delimiter = ',', default_value = "0.6,0.8,0.95")]
+    alpha: Vec<f64>,
+    #[arg(long, default_value_t = 50.0)]
+    rtt_ms: f64,
+    /// Jitter per direction, as a percentage of the RTT.
+    #[arg(long, default_value_t = 10.0)]
+    jitter_pct: f64,
+    /// Time a synthetic draft takes per token.
+    #[arg(long, default_value_t = 20.0)]
+    draft_ms: f64,
+    /// Seconds measured per row, after --warmup seconds of load that are not measured.
+    #[arg(long, default_value_t = 20.0)]
+    duration: f64,
+    #[arg(long, default_value_t = 10.0)]
+    warmup: f64,
+    /// γ and depth each edge asks for (the verifier's load-aware grant may give less).
+    #[arg(long, default_value_t = 4)]
+    gamma: usize,
+    #[arg(long, default_value_t = 2)]
+    depth: usize,
+    /// Tokens per session.
+    #[arg(long, default_value_t = 48)]
+    max_new: usize,
+    /// The verifier's token budget per forward.
+    #[arg(long, default_value_t = tandem_cloud::VerifierConfig::default().token_budget)]
+    token_budget: usize,
+    /// Grants shrink as tokens per forward near this (default: twice the measured ridge).
+    #[arg(long)]
+    saturation_tokens: Option<f64>,
+    /// Skip the cloud-only baseline.
+    #[arg(long)]
+    no_cloud_only: bool,
+    /// Chat prompts (repeat the flag for several).
+    #[arg(long = "prompt")]
+    prompts: Vec<String>,
+    #[arg(long)]
+    edge_cpus: Option<CpuSet>,
+    #[arg(long)]
+    cloud_cpus: Option<CpuSet>,
+    /// Also write the JSON report to this file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print the JSON report instead of tables.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -392,6 +450,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Quantize(a) => cmd_quantize(&home, a)?,
         Cmd::Bench(BenchCmd::Engine(a)) => cmd_bench(&home, a)?,
         Cmd::Bench(BenchCmd::Latency(a)) => cmd_latency(&home, a)?,
+        Cmd::Bench(BenchCmd::Load(a)) => cmd_load(&home, a)?,
         Cmd::Info(a) => {
             let m = models::load(&home, &a.model, None, false)?;
             let info = serde_json::json!({
@@ -481,6 +540,7 @@ fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
                     },
                     prior: tandem_edge::default_prior(a.rtt_ms),
                 }),
+                granted: None,
             },
             rtt_ms: a.rtt_ms,
             jitter_ms: a.jitter_ms,
@@ -631,6 +691,80 @@ fn split_cores() -> (CpuSet, CpuSet) {
     }
 }
 
+fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
+    use tandem_cli::load;
+    let target = models::load(home, &ModelSpec::Target, None, a.json)?;
+    let mut drafts = Vec::new();
+    for scheme in [Scheme::W4A16, Scheme::W8A16] {
+        let cfg = QuantConfig {
+            scheme,
+            ..QuantConfig::default()
+        };
+        let path = models::ensure_quantized(home, &cfg, a.json)?;
+        let d = tandem_cli::latency::load_draft(&format!("{}-g32", scheme.name()), &path)?;
+        drafts.push((d.name, d.model));
+    }
+    let (edge_default, cloud_default) = split_cores();
+    let prompts = if a.prompts.is_empty() {
+        [
+            "Write a short story about a lighthouse keeper.",
+            "Explain how a bicycle works, step by step.",
+            "Describe a walk through a forest in autumn.",
+            "Write a letter to a friend about learning to cook.",
+        ]
+        .map(String::from)
+        .to_vec()
+    } else {
+        a.prompts.clone()
+    };
+    let args = load::LoadArgs {
+        home: home.to_path_buf(),
+        sessions: a.sessions.clone(),
+        alphas: a.alpha.clone(),
+        rtt_ms: a.rtt_ms,
+        jitter_frac: a.jitter_pct / 100.0,
+        draft_ms: a.draft_ms,
+        duration_s: a.duration,
+        warmup_s: a.warmup,
+        gamma: a.gamma.max(1),
+        depth: a.depth.max(1),
+        max_new: a.max_new,
+        prompts,
+        token_budget: a.token_budget,
+        cloud_only: !a.no_cloud_only,
+        edge_cpus: a.edge_cpus.unwrap_or(edge_default),
+        cloud_cpus: a.cloud_cpus.unwrap_or(cloud_default),
+        saturation_tokens: a.saturation_tokens,
+    };
+    let quiet = a.json;
+    let r = load::run(&args, &target.model, &target.tokenizer, &drafts, |row| {
+        if !quiet {
+            eprintln!(
+                "{} N={} α={:?}: {:.1} tok/s, ITL p50 {:.1} p99 {:.1} ms, batch {:.1}, {} sessions, {} wrong",
+                row.mode,
+                row.sessions,
+                row.alpha,
+                row.throughput_tok_s,
+                row.itl_ms.p50,
+                row.itl_ms.p99,
+                row.mean_batch_sessions,
+                row.sessions_run,
+                row.mismatches + row.failures
+            );
+        }
+    })?;
+    let json = serde_json::to_string(&r)?;
+    if let Some(p) = &a.out {
+        std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?;
+    }
+    if a.json {
+        println!("{json}");
+    } else {
+        print!("{}", load::table(&r));
+    }
+    Ok(())
+}
+
 fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
     use tandem_cli::latency;
     let target = models::load(home, &ModelSpec::Target, None, a.json)?;
@@ -739,6 +873,7 @@ fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
                 params,
                 q_top_k: 32,
                 auto: None,
+                granted: None,
             },
             rtt_ms: a.rtt_ms,
             jitter_ms: a.rtt_ms / 10.0,

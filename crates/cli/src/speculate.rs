@@ -142,13 +142,7 @@ fn run_grpc(
     prefilled.context("draft prefill")?;
     let (granted_len, granted_depth) = (opened.draft_len as usize, opened.depth as usize);
     let spec = SpecConfig {
-        draft_len: r.spec.draft_len.min(granted_len),
-        depth: r.spec.depth.min(granted_depth),
-        auto: r.spec.auto.map(|a| tandem_edge::AutoShape {
-            max_draft_len: granted_len,
-            max_depth: granted_depth,
-            ..a
-        }),
+        granted: Some((granted_len, granted_depth)),
         ..r.spec
     };
     let (report, text) = drive(

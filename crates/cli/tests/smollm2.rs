@@ -434,6 +434,7 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
                     max_depth: depth,
                     prior: tandem_edge::default_prior(rtt),
                 }),
+                granted: None,
             },
             rtt_ms: rtt,
             jitter_ms: 0.0,
@@ -498,10 +499,12 @@ fn new_grpc_server(saturation_tokens: f64) -> (String, std::sync::Arc<tandem_clo
 }
 
 /// Grants follow the load: while a generation keeps a verifier (saturated at 1 token per forward)
-/// busy, each new session is granted a shorter γ and a shallower pipeline; once it is idle again,
-/// grants grow back.
+/// busy, the grant shrinks a level every few forwards — a new session gets γ 1 and depth 1, and a
+/// session opened before learns its smaller grant with its next verdict; once the verifier is idle
+/// again, grants grow back a level at a time.
 #[test]
 fn grants_shrink_under_load_and_grow_back() {
+    use tandem_edge::Link;
     use tandem_proto::v1::verifier_client::VerifierClient;
     let (_, tok) = target();
     let url = new_grpc_server(1.0).0;
@@ -513,7 +516,7 @@ fn grants_shrink_under_load_and_grow_back() {
     let p = tok
         .encode_chat("Write a long story about a dragon.")
         .unwrap();
-    let open = |rt: &tokio::runtime::Runtime| {
+    let connect = |rt: &tokio::runtime::Runtime| {
         let req = tandem_edge::grpc::OpenRequest {
             tokenizer_fingerprint: tok.fingerprint().to_string(),
             prompt_ids: p.clone(),
@@ -524,11 +527,15 @@ fn grants_shrink_under_load_and_grow_back() {
             want_depth: 4,
             api_key: None,
         };
-        let (link, o) = tandem_edge::grpc::GrpcLink::connect(rt, &url, req).unwrap();
+        tandem_edge::grpc::GrpcLink::connect(rt, &url, req).unwrap()
+    };
+    let open = |rt: &tokio::runtime::Runtime| {
+        let (link, o) = connect(rt);
         link.close();
         (o.draft_len, o.depth)
     };
-    assert_eq!(open(&rt), (8, 4), "idle");
+    let (mut early, opened) = connect(&rt);
+    assert_eq!((opened.draft_len, opened.depth), (8, 4), "idle");
     let mut c = rt.block_on(VerifierClient::connect(url.clone())).unwrap();
     let mut stream = rt
         .block_on(c.generate(tandem_proto::v1::GenerateRequest {
@@ -539,16 +546,34 @@ fn grants_shrink_under_load_and_grow_back() {
         }))
         .unwrap()
         .into_inner();
-    // Let the running mean of tokens per forward settle near 1.
-    for _ in 0..16 {
+    // 40 forwards at about one token each: three levels down.
+    for _ in 0..40 {
         rt.block_on(stream.message()).unwrap().unwrap();
     }
-    let busy: Vec<(u32, u32)> = (0..3).map(|_| open(&rt)).collect();
-    assert_eq!(busy, vec![(4, 3), (2, 2), (1, 1)], "under load");
+    assert_eq!(open(&rt), (1, 1), "under load");
+    // The session opened at (8, 4) is told with its next verdict.
+    early
+        .send(tandem_spec::Block {
+            epoch: 0,
+            index: 0,
+            start_pos: p.len(),
+            tokens: vec![opened.first_token],
+            q: vec![],
+        })
+        .unwrap();
+    let v = early.recv(true).unwrap().unwrap();
+    assert_eq!(v.grant, Some((1, 1)), "{v:?}");
+    early.close();
     drop(stream);
     std::thread::sleep(std::time::Duration::from_millis(500));
     let idle: Vec<(u32, u32)> = (0..3).map(|_| open(&rt)).collect();
-    assert_eq!(idle, vec![(2, 2), (4, 3), (8, 4)], "idle again");
+    // One level per turn of the idle batcher (each open and close is a turn): growing, not all
+    // at once, back to the full grant.
+    assert!(idle.windows(2).all(|w| w[0] <= w[1]), "{idle:?}");
+    assert!(
+        idle[0] < (8, 4) && idle[2] == (8, 4),
+        "idle again: {idle:?}"
+    );
 }
 
 /// `/metrics` is served over real HTTP, parses as Prometheus text, and counts what a speculative

@@ -8,7 +8,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tandem_sched::{SchedError, SessionId, TenantId};
+use tandem_sched::{GrantPolicy, SchedError, SessionId, TenantId};
 
 use crate::verifier::Event;
 use crate::{CloudError, Gauges, Reply, ToCloud, ToEdge, Verifier};
@@ -17,9 +17,15 @@ use crate::{CloudError, Gauges, Reply, ToCloud, ToEdge, Verifier};
 /// waits before planning again.
 const THROTTLED_WAIT: Duration = Duration::from_millis(2);
 
+/// Forwards between two looks at the load by the grant policy (each moves one level at most).
+const GRANT_EVERY: u64 = 2;
+
 struct Live {
     reply: Reply,
     tenant: TenantId,
+    /// What a speculation session asked for, and what it was last told it may use.
+    want: Option<(u32, u32)>,
+    granted: (u32, u32),
     /// When the session was admitted (for the time to first token), and when it last got tokens.
     opened_at: Instant,
     last_commit: Option<Instant>,
@@ -28,12 +34,14 @@ struct Live {
 }
 
 /// Serve until every sender of `rx` is gone; returns the verifier. `tenant_names[t]` labels tenant
-/// `t` in the metrics.
+/// `t` in the metrics. `grants` follows the load (tokens per forward): a session learns of a new
+/// grant with its next verdict.
 pub fn serve(
     mut v: Verifier,
     rx: Receiver<ToCloud>,
     gauges: Arc<Gauges>,
     tenant_names: Vec<String>,
+    mut grants: GrantPolicy,
 ) -> Verifier {
     let started = Instant::now();
     let mut live: HashMap<SessionId, Live> = HashMap::new();
@@ -47,10 +55,18 @@ pub fn serve(
     // Mean wall time of an iteration (for the retry hint of a refused session).
     let mut iteration_ms = 50.0f64;
     let mut throttled = false;
+    let mut graded_at = 0u64;
     loop {
         if !v.has_work() {
             v.stats.tokens_per_forward = 0.0;
+            // Idle: the grant relaxes one level per turn of the loop.
+            grants.grant(0.0);
+        } else if v.stats.target_forwards >= graded_at + GRANT_EVERY {
+            graded_at = v.stats.target_forwards;
+            grants.grant(v.stats.tokens_per_forward);
         }
+        let (grant_g, grant_d) = grants.current();
+        let grant_for = |want: (u32, u32)| (want.0.min(grant_g).max(1), want.1.min(grant_d).max(1));
         gauges.update(&v);
         let first = if !v.has_work() {
             match rx.recv() {
@@ -75,10 +91,20 @@ pub fn serve(
                     prompt,
                     params,
                     rule,
+                    want,
                     reply,
                 } => {
                     let r = v.open(session, tenant, &prompt, params, rule);
-                    admitted(session, tenant, r, reply, &mut live, mx, iteration_ms);
+                    admitted(
+                        session,
+                        tenant,
+                        Some(want),
+                        r,
+                        reply,
+                        &mut live,
+                        mx,
+                        iteration_ms,
+                    );
                 }
                 ToCloud::Generate {
                     session,
@@ -90,7 +116,7 @@ pub fn serve(
                     reply,
                 } => {
                     let r = v.open_generate(session, tenant, &prompt, params, max_tokens, eog);
-                    admitted(session, tenant, r, reply, &mut live, mx, iteration_ms);
+                    admitted(session, tenant, None, r, reply, &mut live, mx, iteration_ms);
                 }
                 ToCloud::Draft { session, block } => {
                     if let Some(l) = live.get_mut(&session) {
@@ -128,18 +154,36 @@ pub fn serve(
         for e in events {
             let (session, msg, fatal) = match e {
                 Event::Opened { session, first } => {
+                    let mut grant = (1, 1);
                     if let Some(l) = live.get_mut(&session) {
                         mx.ttft.observe(l.opened_at.elapsed().as_secs_f64());
                         l.last_commit = Some(Instant::now());
+                        grant = grant_for(l.want.unwrap_or((1, 1)));
+                        l.granted = grant;
                     }
-                    (session, ToEdge::Opened { session, first }, false)
+                    (
+                        session,
+                        ToEdge::Opened {
+                            session,
+                            first,
+                            grant,
+                        },
+                        false,
+                    )
                 }
                 Event::Verdict {
                     session,
-                    verdict,
+                    mut verdict,
                     drafted,
                 } => {
                     if let Some(l) = live.get_mut(&session) {
+                        if let Some(want) = l.want {
+                            let now = grant_for(want);
+                            if now != l.granted {
+                                verdict.grant = Some(now);
+                                l.granted = now;
+                            }
+                        }
                         // Blocks before this one were answered or went stale.
                         while let Some(&(b, at)) = l.arrivals.front() {
                             if b > verdict.block {
@@ -220,9 +264,11 @@ pub fn serve(
 }
 
 /// Register an admitted session, or answer the refusal (with a retry hint when it is for load).
+#[allow(clippy::too_many_arguments)]
 fn admitted(
     session: SessionId,
     tenant: TenantId,
+    want: Option<(u32, u32)>,
     r: Result<(), CloudError>,
     reply: Reply,
     live: &mut HashMap<SessionId, Live>,
@@ -236,6 +282,8 @@ fn admitted(
                 Live {
                     reply,
                     tenant,
+                    want,
+                    granted: (0, 0),
                     opened_at: Instant::now(),
                     last_commit: None,
                     arrivals: Default::default(),

@@ -34,8 +34,8 @@ pub struct ServiceInfo {
     pub eog: Vec<u32>,
     pub max_draft_len: u32,
     pub max_depth: u32,
-    /// Tokens per forward at which the target turns compute-bound: new sessions get smaller
-    /// grants as the load nears it ([`GrantPolicy`]).
+    /// Tokens per forward at which the target is saturated: sessions get smaller grants as the
+    /// load nears it ([`GrantPolicy`]), told with their next verdict.
     pub saturation_tokens: f64,
 }
 
@@ -65,9 +65,10 @@ impl ServiceInfo {
     }
 }
 
-/// Where the SmolLM2 target turns compute-bound on a 2-vCPU machine (`bench engine`: a ragged
-/// forward stops gaining throughput beyond about 4 sessions × 5 tokens).
-pub const DEFAULT_SATURATION_TOKENS: f64 = 32.0;
+/// Tokens per forward at which grants start shrinking, for the SmolLM2 target on one core of a
+/// 2-vCPU machine: twice its measured ridge (`bench load`: a one-token forward costs what about 7
+/// tokens of compute do, so a forward of 14 tokens takes about twice as long as one of 1).
+pub const DEFAULT_SATURATION_TOKENS: f64 = 14.0;
 
 /// What [`serve_grpc`] fails with.
 pub type TransportError = tonic::transport::Error;
@@ -86,7 +87,6 @@ pub struct Service {
     gauges: Arc<Gauges>,
     tenants: Arc<Tenants>,
     next_session: AtomicU64,
-    grant: Mutex<GrantPolicy>,
     sessions: Arc<Mutex<HashMap<SessionId, Owned>>>,
     draining: Arc<AtomicBool>,
 }
@@ -139,11 +139,6 @@ impl Service {
     ) -> Self {
         Self {
             batcher: Arc::new(Mutex::new(batcher)),
-            grant: Mutex::new(GrantPolicy::new(
-                info.max_draft_len,
-                info.max_depth,
-                info.saturation_tokens,
-            )),
             info,
             gauges,
             tenants,
@@ -227,25 +222,24 @@ impl VerifierRpc for Service {
             ));
         };
         let o = validation::open(open, &self.info.model)?;
-        let load = self.gauges.tokens_per_forward_x100.load(Ordering::Relaxed) as f64 / 100.0;
-        let (max_gamma, max_depth) = self
-            .grant
-            .lock()
-            .map(|mut g| g.grant(load))
-            .unwrap_or((1, 1));
-        let gamma = o.want_draft_len.clamp(1, max_gamma);
-        let depth = o.want_depth.clamp(1, max_depth);
+        // The batcher grants within what the edge asks for, as its load allows.
+        let gamma = o.want_draft_len.clamp(1, self.info.max_draft_len);
+        let depth = o.want_depth.clamp(1, self.info.max_depth);
         let session = self.next_session.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = unbounded_channel();
         let out = tx.clone();
         let reply = Box::new(move |msg: ToEdge| {
             let m = match msg {
-                ToEdge::Opened { session, first } => Ok(CloudMessage {
+                ToEdge::Opened {
+                    session,
+                    first,
+                    grant,
+                } => Ok(CloudMessage {
                     kind: Some(cloud_message::Kind::Opened(Opened {
                         session_id: session,
                         model: None,
-                        draft_len: gamma,
-                        depth,
+                        draft_len: grant.0,
+                        depth: grant.1,
                         first_token: first,
                     })),
                 }),
@@ -284,6 +278,7 @@ impl VerifierRpc for Service {
             prompt: o.prompt,
             params: o.params,
             rule: o.rule,
+            want: (gamma, depth),
             reply,
         })?;
         let batcher = self.batcher.clone();
@@ -453,9 +448,10 @@ pub fn start(
     let gauges = Arc::new(Gauges::default());
     let g = gauges.clone();
     let names = tenants.names().to_vec();
+    let grants = GrantPolicy::new(info.max_draft_len, info.max_depth, info.saturation_tokens);
     let batcher = std::thread::Builder::new()
         .name("tandem-batcher".into())
-        .spawn(move || crate::serve(verifier, rx, g, names))
+        .spawn(move || crate::serve(verifier, rx, g, names, grants))
         .map_err(|e| crate::CloudError::Engine(format!("starting the batcher: {e}")))?;
     Ok((Service::new(tx, info, gauges, Arc::new(tenants)), batcher))
 }

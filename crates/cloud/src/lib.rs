@@ -126,6 +126,9 @@ pub enum ToCloud {
         prompt: Vec<u32>,
         params: SamplingParams,
         rule: VerifyRule,
+        /// The γ and depth the edge asked for (within the service's limits): its grants never
+        /// exceed them.
+        want: (u32, u32),
         reply: Reply,
     },
     Draft {
@@ -158,6 +161,8 @@ pub enum ToEdge {
     Opened {
         session: SessionId,
         first: u32,
+        /// The γ and depth granted now.
+        grant: (u32, u32),
     },
     Verdict(Verdict),
     /// A token of a cloud-only generation.

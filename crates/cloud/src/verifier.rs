@@ -38,7 +38,7 @@ pub struct VerifierConfig {
 impl Default for VerifierConfig {
     fn default() -> Self {
         Self {
-            token_budget: 256,
+            token_budget: 64,
             max_sessions: 1024,
             max_waiting_tokens: 4096,
         }

@@ -5,6 +5,7 @@
 //! have arrived, and the edge blocks on the link only when the pipeline is full (`depth` blocks in
 //! flight). `depth = 1` is synchronous speculation.
 
+pub mod drafter;
 pub mod grpc;
 pub mod netem;
 
@@ -12,13 +13,14 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use serde::Serialize;
-use tandem_engine::{Engine, EngineError, SamplingParams, SeqChunk, SeqId, Wanted};
+use tandem_engine::{Engine, EngineError, SamplingParams};
 use tandem_spec::policy::{recommend, Costs, Estimator};
-use tandem_spec::sampling::sample;
-use tandem_spec::verify::{draft_sample, VerifyRule};
+use tandem_spec::verify::VerifyRule;
 use tandem_spec::{
     Block, Next, Output, Pipeline, PipelineConfig, PipelineStats, SpecError, Verdict,
 };
+
+pub use drafter::{Drafter, EngineDrafter, Proposal, SyntheticDrafter};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EdgeError {
@@ -59,6 +61,10 @@ pub struct SpecConfig {
     pub q_top_k: usize,
     /// Let the policy re-plan γ and depth as it measures (`draft_len` / `depth` are the start).
     pub auto: Option<AutoShape>,
+    /// The verifier's grant at Open (γ, depth): the shape stays within it, and within each later
+    /// grant that verdicts bring as the verifier's load changes. `draft_len`, `depth` and the
+    /// auto bounds are what the edge wants; None: no limit.
+    pub granted: Option<(usize, usize)>,
 }
 
 /// Bounds and starting guesses of the adaptive policy.
@@ -123,20 +129,11 @@ pub struct Update<'a> {
     pub correction: Option<(u32, u32)>,
 }
 
-/// The sequence the edge drafts on.
-const SEQ: SeqId = SeqId(0);
+pub use drafter::prefill_draft;
 
-/// Feed `prompt` through the draft model ahead of [`run`] — while the verifier prefills the same
-/// prompt — so that the first block does not wait for the draft's own prefill.
-pub fn prefill_draft(draft: &mut Engine, prompt: &[u32]) -> Result<(), EdgeError> {
-    draft.free(SEQ);
-    draft.forward(&[SeqChunk::new(SEQ, 0, prompt.to_vec(), Wanted::Last)])?;
-    Ok(())
-}
-
-/// Generate with speculation: `prompt` is already open on the verifier behind `link`, which
-/// answered with the target's `first` token. The draft's sequence holds nothing or exactly
-/// `prompt` (see [`prefill_draft`]).
+/// Generate with speculation, drafting with the model in `draft`: `prompt` is already open on the
+/// verifier behind `link`, which answered with the target's `first` token. The draft's sequence
+/// holds nothing or exactly `prompt` (see [`prefill_draft`]).
 #[allow(clippy::too_many_arguments)]
 pub fn run(
     draft: &mut Engine,
@@ -146,19 +143,31 @@ pub fn run(
     cfg: &SpecConfig,
     link: &mut dyn Link,
     start: Instant,
+    on_update: impl FnMut(Update<'_>),
+) -> Result<SpecReport, EdgeError> {
+    let mut d = EngineDrafter::new(draft, prompt.len(), cfg);
+    run_with(&mut d, eog, prompt, first, cfg, link, start, on_update)
+}
+
+/// [`run`] with any [`Drafter`] (a model, or the load generator's synthetic edge).
+#[allow(clippy::too_many_arguments)]
+pub fn run_with(
+    draft: &mut dyn Drafter,
+    eog: Vec<u32>,
+    prompt: &[u32],
+    first: u32,
+    cfg: &SpecConfig,
+    link: &mut dyn Link,
+    start: Instant,
     mut on_update: impl FnMut(Update<'_>),
 ) -> Result<SpecReport, EdgeError> {
-    let seq = SEQ;
-    if draft.seq_len(seq) != prompt.len() {
-        draft.free(seq);
-    }
+    let mut cap = cfg.granted.unwrap_or((usize::MAX, usize::MAX));
     let pcfg = PipelineConfig {
-        draft_len: cfg.draft_len,
-        depth: cfg.depth,
+        draft_len: cfg.draft_len.min(cap.0).max(1),
+        depth: cfg.depth.min(cap.1).max(1),
         max_new_tokens: cfg.max_new_tokens,
     };
     let (mut p, first_out) = Pipeline::with_first(prompt.to_vec(), first, pcfg, eog)?;
-    let rule = cfg.rule.effective(&cfg.params);
     let mut commit_ms = Vec::new();
     let mut draft_forwards = 0;
     let mut sent_at: HashMap<u64, Instant> = HashMap::new();
@@ -176,7 +185,7 @@ pub fn run(
     let (mut draft_total, mut draft_steps, mut verify_total, mut verified) = (0.0, 0usize, 0.0, 0);
     let (mut rt_total, mut arrivals) = (0.0, 0usize);
     let apply = |outs: Vec<Output>,
-                 draft: &mut Engine,
+                 draft: &mut dyn Drafter,
                  link: &mut dyn Link,
                  commit_ms: &mut Vec<f64>,
                  sent_at: &mut HashMap<u64, Instant>,
@@ -188,10 +197,7 @@ pub fn run(
                     sent_at.insert(b.index, Instant::now());
                     link.send(b)?
                 }
-                Output::Rollback { to } => {
-                    let len = draft.seq_len(seq);
-                    draft.truncate(seq, to.min(len))?;
-                }
+                Output::Rollback { to } => draft.rollback(to)?,
                 Output::Commit { tokens, .. } => {
                     let t = start.elapsed().as_secs_f64() * 1e3;
                     commit_ms.extend(std::iter::repeat_n(t, tokens.len()));
@@ -243,6 +249,21 @@ pub fn run(
                 let before = p.tokens()[from..].to_vec();
                 let outs = p.on_verdict(v)?;
                 apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
+                // The verifier's load changed its grant: keep within it (and grow back into it).
+                if let Some((g, d)) = v.grant {
+                    cap = (g.max(1) as usize, d.max(1) as usize);
+                    let (want_g, want_d) = match cfg.auto {
+                        // The policy re-plans within the new bounds below.
+                        Some(_) => (p.config().draft_len, p.config().depth),
+                        None => (cfg.draft_len, cfg.depth),
+                    };
+                    let shape = (want_g.min(cap.0).max(1), want_d.min(cap.1).max(1));
+                    if shape != (p.config().draft_len, p.config().depth) {
+                        let outs = p.set_shape(shape.0, shape.1)?;
+                        m.reshapes += 1;
+                        apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
+                    }
+                }
                 let correction = (p.stats().rejections > rejections)
                     .then(|| {
                         let now = &p.tokens()[from..];
@@ -262,10 +283,11 @@ pub fn run(
                 if let Some(a) = cfg.auto {
                     let s = *p.stats();
                     let costs = est.costs(s.accepted, s.accepted + s.rejections);
-                    let plan = recommend(&costs, a.max_draft_len, a.max_depth);
+                    let (max_g, max_d) = (a.max_draft_len.min(cap.0), a.max_depth.min(cap.1));
+                    let plan = recommend(&costs, max_g.max(1), max_d.max(1));
                     let (g, d) = (p.config().draft_len, p.config().depth);
                     // Synchronous speculation (depth 1) only chooses γ, by its own model.
-                    let (want, best_ms, now_ms) = if a.max_depth <= 1 {
+                    let (want, best_ms, now_ms) = if max_d <= 1 {
                         let sync = |g| tandem_spec::policy::sync_itl_ms(&costs, g);
                         ((plan.sync_gamma, 1), plan.predicted_sync_itl_ms, sync(g))
                     } else {
@@ -285,33 +307,12 @@ pub fn run(
                 Next::Wait => {}
                 Next::Draft => {
                     let t0 = Instant::now();
-                    let fed = draft.seq_len(seq);
-                    let toks = p.tokens();
-                    // A forward that feeds the whole prompt is a prefill, not a draft step.
-                    let prefill = fed == 0;
-                    let logits = draft.forward(&[SeqChunk::new(
-                        seq,
-                        fed,
-                        toks[fed..].to_vec(),
-                        Wanted::Last,
-                    )])?;
+                    let Proposal {
+                        token: t,
+                        q,
+                        prefill,
+                    } = draft.propose(p.tokens())?;
                     draft_forwards += 1;
-                    let pos = toks.len() as u64;
-                    let row = logits.row(0);
-                    let (t, q) = match rule {
-                        VerifyRule::Greedy => (sample(row, &SamplingParams::default(), pos), None),
-                        VerifyRule::SampleMatch => {
-                            let dp = SamplingParams {
-                                seed: cfg.params.seed ^ 0xed6e,
-                                ..cfg.params
-                            };
-                            (sample(row, &dp, pos), None)
-                        }
-                        VerifyRule::Rejection => {
-                            let (t, q) = draft_sample(row, &cfg.params, pos, cfg.q_top_k);
-                            (t, Some(q))
-                        }
-                    };
                     if !prefill {
                         let ms = t0.elapsed().as_secs_f64() * 1e3;
                         est.on_draft(ms);
@@ -375,7 +376,7 @@ pub fn run(
     m.net_ms = est.costs(0, 0).rtt_ms;
     m.final_draft_len = p.config().draft_len;
     m.final_depth = p.config().depth;
-    draft.free(seq);
+    draft.rollback(0)?;
     Ok(SpecReport {
         output_ids: p.output().to_vec(),
         commit_ms,

@@ -348,6 +348,7 @@ fn committed_counts(
             params,
             q_top_k: Q_TOP_K,
             auto: None,
+            granted: None,
         };
         verifier.open(run, 0, &PROMPT, params, rule).unwrap();
         let first = match verifier.run_until_idle(0).as_slice() {

@@ -150,6 +150,8 @@ impl From<Verdict> for v1::Verdict {
             accepted: v.accepted as u32,
             token: v.token,
             verify_us: v.verify_us,
+            grant_draft_len: v.grant.map_or(0, |g| g.0),
+            grant_depth: v.grant.map_or(0, |g| g.1),
         }
     }
 }
@@ -162,6 +164,8 @@ impl From<v1::Verdict> for Verdict {
             accepted: v.accepted as usize,
             token: v.token,
             verify_us: v.verify_us,
+            grant: (v.grant_draft_len > 0 && v.grant_depth > 0)
+                .then_some((v.grant_draft_len, v.grant_depth)),
         }
     }
 }

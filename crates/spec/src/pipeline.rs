@@ -47,6 +47,9 @@ pub struct Verdict {
     /// without one); the edge's policy reads it to tell verify time from network time.
     #[serde(default)]
     pub verify_us: u32,
+    /// A new grant from a verifier whose load changed: from now on at most this γ and depth.
+    #[serde(default)]
+    pub grant: Option<(u32, u32)>,
 }
 
 /// What the shell must do after an event.

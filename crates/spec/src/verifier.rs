@@ -164,6 +164,7 @@ impl VerifierSession {
                     accepted: 0,
                     token: p,
                     verify_us: 0,
+                    grant: None,
                 };
                 self.pending = None;
                 self.unfed.push(p);
@@ -253,6 +254,7 @@ impl VerifierSession {
                 accepted,
                 token,
                 verify_us: 0,
+                grant: None,
             },
             kv_len,
         })

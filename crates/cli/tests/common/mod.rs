@@ -178,6 +178,7 @@ pub fn spec_out_as(
             params,
             q_top_k: 32,
             auto: None,
+            granted: None,
         },
         rtt_ms,
         jitter_ms: rtt_ms / 10.0,

@@ -1,0 +1,126 @@
+//! The benchmarks' verifier: `tandem cloud serve` as a process of its own, pinned to its cores, and
+//! a netem proxy in front of it.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+
+use anyhow::{anyhow, bail, Context, Result};
+use tandem_edge::netem::NetemConfig;
+use tandem_engine::CpuSet;
+
+/// `tandem cloud serve --no-auth` on a loopback port; killed on drop.
+pub struct CloudProcess {
+    child: Child,
+    /// Its gRPC address, and its `/metrics` address when asked for.
+    pub addr: String,
+    pub metrics_addr: Option<String>,
+}
+
+impl CloudProcess {
+    /// Start it on `cpus` (one engine thread each; any core when empty) with `extra` flags.
+    pub fn start(home: &Path, cpus: &CpuSet, extra: &[String]) -> Result<Self> {
+        let exe = std::env::current_exe().context("locating the tandem binary")?;
+        let mut cmd = Command::new(exe);
+        cmd.arg("--home")
+            .arg(home)
+            .args([
+                "cloud",
+                "serve",
+                "--no-auth",
+                "--listen",
+                "127.0.0.1:0",
+                "--threads",
+            ])
+            .arg(cpus.len().max(1).to_string())
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        if !cpus.is_empty() {
+            cmd.args(["--cpus", &cpus.to_string()]);
+        }
+        let mut child = cmd.spawn().context("starting `tandem cloud serve`")?;
+        let stderr = child.stderr.take().expect("stderr is piped");
+        let mut lines = BufReader::new(stderr).lines();
+        let mut said = String::new();
+        let mut metrics_addr = None;
+        let addr = loop {
+            let Some(line) = lines.next().transpose()? else {
+                let _ = child.kill();
+                bail!("the verifier process exited before listening: {said}");
+            };
+            if let Some(a) = line.strip_prefix("metrics on http://") {
+                metrics_addr = a.strip_suffix("/metrics").map(str::to_string);
+            }
+            if let Some(a) = line.strip_prefix("tandem verifier listening on ") {
+                break a.split_whitespace().next().unwrap_or_default().to_string();
+            }
+            said.push_str(&line);
+            said.push('\n');
+        };
+        // Keep draining its stderr so that it never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines.by_ref() {});
+        Ok(Self {
+            child,
+            addr,
+            metrics_addr,
+        })
+    }
+
+    /// The text of its `/metrics` page.
+    pub fn scrape(&self) -> Result<String> {
+        use std::io::{Read, Write};
+        let addr = self
+            .metrics_addr
+            .as_ref()
+            .ok_or_else(|| anyhow!("the verifier was started without --metrics-listen"))?;
+        let mut c = std::net::TcpStream::connect(addr)?;
+        c.write_all(b"GET /metrics HTTP/1.1\r\nHost: tandem\r\nConnection: close\r\n\r\n")?;
+        let mut resp = String::new();
+        c.read_to_string(&mut resp)?;
+        let (_, body) = resp
+            .split_once("\r\n\r\n")
+            .ok_or_else(|| anyhow!("a malformed /metrics response"))?;
+        Ok(body.to_string())
+    }
+}
+
+impl Drop for CloudProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A netem proxy in front of the verifier, on a runtime of its own.
+pub struct Link {
+    rt: tokio::runtime::Runtime,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Link {
+    pub fn new() -> Result<Self> {
+        Ok(Self {
+            rt: crate::runtime()?,
+            task: None,
+        })
+    }
+
+    /// Route a fresh loopback port to `upstream` with `rtt_ms` ± jitter; returns its URL.
+    pub fn set(&mut self, upstream: &str, rtt_ms: f64, jitter_ms: f64) -> Result<String> {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+        let upstream: std::net::SocketAddr = upstream.parse()?;
+        let cfg = NetemConfig {
+            rtt_ms,
+            jitter_ms,
+            seed: 7,
+            ..NetemConfig::default()
+        };
+        let (url, task) = tandem_edge::netem::spawn_front(self.rt.handle(), upstream, cfg)
+            .map_err(|e| anyhow!("netem: {e}"))?;
+        self.task = Some(task);
+        Ok(url)
+    }
+}
