@@ -753,16 +753,7 @@ fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
             );
         }
     })?;
-    let json = serde_json::to_string(&r)?;
-    if let Some(p) = &a.out {
-        std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?;
-    }
-    if a.json {
-        println!("{json}");
-    } else {
-        print!("{}", load::table(&r));
-    }
-    Ok(())
+    report(&r, a.out.as_deref(), a.json, load::table)
 }
 
 fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
@@ -824,14 +815,24 @@ fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
             );
         }
     })?;
-    let json = serde_json::to_string(&r)?;
-    if let Some(p) = &a.out {
-        std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?;
+    report(&r, a.out.as_deref(), a.json, latency::table)
+}
+
+/// A benchmark's report: JSON to `out` when given, and JSON or the tables on stdout.
+fn report<R: serde::Serialize>(
+    r: &R,
+    out: Option<&std::path::Path>,
+    json: bool,
+    table: impl Fn(&R) -> String,
+) -> Result<()> {
+    let text = serde_json::to_string(r)?;
+    if let Some(p) = out {
+        std::fs::write(p, &text).with_context(|| format!("writing {}", p.display()))?;
     }
-    if a.json {
-        println!("{json}");
+    if json {
+        println!("{text}");
     } else {
-        print!("{}", latency::table(&r));
+        print!("{}", table(r));
     }
     Ok(())
 }

@@ -101,12 +101,11 @@ struct Edge {
 }
 
 impl Edge {
-    fn block(&mut self, prompt_len: usize) -> Option<Block> {
-        if self.waiting || self.committed.len() >= self.want.len() {
-            return None;
-        }
+    /// The block it drafts after what it has committed: up to 3 tokens, every `wrong_every`-th
+    /// position wrong.
+    fn drafted(&self) -> Vec<u32> {
         let at = self.committed.len();
-        let tokens: Vec<u32> = (at..(at + 3).min(self.want.len()))
+        (at..(at + 3).min(self.want.len()))
             .map(|p| {
                 if (p + self.session as usize) % self.wrong_every == 0 {
                     (self.want[p] + 1) % 90
@@ -114,7 +113,15 @@ impl Edge {
                     self.want[p]
                 }
             })
-            .collect();
+            .collect()
+    }
+
+    fn block(&mut self, prompt_len: usize) -> Option<Block> {
+        if self.waiting || self.committed.len() >= self.want.len() {
+            return None;
+        }
+        let at = self.committed.len();
+        let tokens = self.drafted();
         self.waiting = true;
         self.index += 1;
         Some(Block {
@@ -182,16 +189,7 @@ fn preempted_speculation_sessions_resume_identically() {
                 } => {
                     verdicts += 1;
                     let e = &mut edges[session as usize];
-                    let at = e.committed.len();
-                    let drafted: Vec<u32> = (at..(at + 3).min(e.want.len()))
-                        .map(|p| {
-                            if (p + e.session as usize) % e.wrong_every == 0 {
-                                (e.want[p] + 1) % 90
-                            } else {
-                                e.want[p]
-                            }
-                        })
-                        .collect();
+                    let drafted = e.drafted();
                     e.committed
                         .extend_from_slice(&drafted[..verdict.accepted.min(drafted.len())]);
                     e.committed.push(verdict.token);
