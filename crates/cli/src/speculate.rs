@@ -261,8 +261,14 @@ impl LocalVerifier {
             len as u32,
             depth as u32,
         );
-        let verifier = tandem_cloud::Verifier::new(engine, tandem_cloud::VerifierConfig::default())
-            .context("verifier")?;
+        // The budget holds any block this edge may send, with its correction in front.
+        let cfg = tandem_cloud::VerifierConfig {
+            token_budget: tandem_cloud::VerifierConfig::default()
+                .token_budget
+                .max(len + 1),
+            ..tandem_cloud::VerifierConfig::default()
+        };
+        let verifier = tandem_cloud::Verifier::new(engine, cfg).context("verifier")?;
         let (service, batcher) =
             tandem_cloud::grpc::start(verifier, info, tandem_cloud::tenants::Tenants::open())
                 .context("starting the verifier")?;

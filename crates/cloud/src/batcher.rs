@@ -20,6 +20,9 @@ const THROTTLED_WAIT: Duration = Duration::from_millis(2);
 /// Forwards between two looks at the load by the grant policy (each moves one level at most).
 const GRANT_EVERY: u64 = 2;
 
+/// Messages taken per turn at most, so that a flood of them cannot keep the forward from running.
+const MESSAGES_PER_TURN: usize = 4096;
+
 struct Live {
     reply: Reply,
     tenant: TenantId,
@@ -83,7 +86,10 @@ pub fn serve(
             None
         };
         let mut events = Vec::new();
-        for m in first.into_iter().chain(rx.try_iter()) {
+        for m in first
+            .into_iter()
+            .chain(rx.try_iter().take(MESSAGES_PER_TURN))
+        {
             match m {
                 ToCloud::Open {
                     session,
@@ -175,6 +181,7 @@ pub fn serve(
                     session,
                     mut verdict,
                     drafted,
+                    positions,
                 } => {
                     if let Some(l) = live.get_mut(&session) {
                         if let Some(want) = l.want {
@@ -207,7 +214,7 @@ pub fn serve(
                             }
                             mx.tenant_verified
                                 .with_label_values(&[&t])
-                                .inc_by(drafted as u64);
+                                .inc_by(positions as u64);
                             mx.tenant_drafted
                                 .with_label_values(&[&t])
                                 .inc_by(drafted as u64);

@@ -81,13 +81,30 @@ struct Owned {
     out: Outbox,
 }
 
+type SessionTable = Arc<Mutex<HashMap<SessionId, Owned>>>;
+
+/// A session's entry in the table, removed when this is dropped — also when the RPC is cancelled
+/// while it waits for the prefill, or fails on the way.
+struct Registered {
+    table: SessionTable,
+    id: SessionId,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        if let Ok(mut t) = self.table.lock() {
+            t.remove(&self.id);
+        }
+    }
+}
+
 pub struct Service {
     batcher: Arc<Mutex<Sender<ToCloud>>>,
     info: ServiceInfo,
     gauges: Arc<Gauges>,
     tenants: Arc<Tenants>,
     next_session: AtomicU64,
-    sessions: Arc<Mutex<HashMap<SessionId, Owned>>>,
+    sessions: SessionTable,
     draining: Arc<AtomicBool>,
 }
 
@@ -262,16 +279,26 @@ impl VerifierRpc for Service {
             };
             out.send(m).is_ok()
         });
-        self.sessions
-            .lock()
-            .map_err(|_| Status::internal("session table lock poisoned"))?
-            .insert(
+        {
+            let mut table = self
+                .sessions
+                .lock()
+                .map_err(|_| Status::internal("session table lock poisoned"))?;
+            // Checked again under the lock the drain empties the table with: a session is either
+            // refused here or seen (and ended) by the drain.
+            self.admitting()?;
+            table.insert(
                 session,
                 Owned {
                     tenant,
                     out: tx.clone(),
                 },
             );
+        }
+        let registered = Registered {
+            table: self.sessions.clone(),
+            id: session,
+        };
         self.send(ToCloud::Open {
             session,
             tenant,
@@ -282,15 +309,8 @@ impl VerifierRpc for Service {
             reply,
         })?;
         let batcher = self.batcher.clone();
-        let sessions = self.sessions.clone();
         let vocab = self.info.model.vocab_size as usize;
-        let stream = first_answer(rx).await;
-        if stream.is_err() {
-            if let Ok(mut s) = sessions.lock() {
-                s.remove(&session);
-            }
-        }
-        let stream = stream?;
+        let stream = first_answer(rx).await?;
         tokio::spawn(async move {
             let send = |m: ToCloud| batcher.lock().map(|b| b.send(m).is_ok()).unwrap_or(false);
             loop {
@@ -325,9 +345,7 @@ impl VerifierRpc for Service {
                     _ => break,
                 }
             }
-            if let Ok(mut s) = sessions.lock() {
-                s.remove(&session);
-            }
+            drop(registered);
             send(ToCloud::Close { session });
         });
         Ok(Response::new(stream))

@@ -58,9 +58,11 @@ impl CloudError {
             CloudError::UnknownSession(_) => Code::NotFound,
             CloudError::DuplicateSession(_) => Code::AlreadyExists,
             CloudError::Invalid(_) | CloudError::Spec(_) => Code::InvalidArgument,
-            CloudError::Sched(SchedError::Saturated { .. } | SchedError::QuotaExceeded { .. }) => {
-                Code::ResourceExhausted
-            }
+            CloudError::Sched(
+                SchedError::Saturated { .. }
+                | SchedError::QuotaExceeded { .. }
+                | SchedError::CannotFit { .. },
+            ) => Code::ResourceExhausted,
             CloudError::Sched(
                 SchedError::PromptTooLarge { .. } | SchedError::BlockTooLarge { .. },
             ) => Code::InvalidArgument,

@@ -121,7 +121,7 @@ impl Default for Metrics {
             tenant_verified: IntCounterVec::new(
                 Opts::new(
                     "tandem:tenant_verified_positions_total",
-                    "Drafted positions the target verified, by tenant (what fairness charges).",
+                    "Positions the target computed to verify the tenant's blocks: drafted tokens plus an unfed correction or bonus in front.",
                 ),
                 &["tenant"],
             )

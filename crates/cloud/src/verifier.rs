@@ -50,11 +50,13 @@ impl Default for VerifierConfig {
 pub enum Event {
     /// A speculation session's prompt is prefilled; `first` is the target's first token.
     Opened { session: SessionId, first: u32 },
-    /// A block's verdict; `drafted` tokens were judged (0 for a verdict decided without compute).
+    /// A block's verdict; `drafted` tokens were judged (0 for a verdict decided without compute)
+    /// in a forward over `positions` positions (with an unfed correction or bonus in front).
     Verdict {
         session: SessionId,
         verdict: Verdict,
         drafted: usize,
+        positions: usize,
     },
     /// A token of a cloud-only generation.
     Token {
@@ -371,6 +373,7 @@ impl Verifier {
                         session: id,
                         verdict: v,
                         drafted: 0,
+                        positions: 0,
                     });
                 }
                 Ok(BlockAction::Forward(plan)) => {
@@ -382,9 +385,12 @@ impl Verifier {
                         ))));
                         continue;
                     }
-                    self.sched
-                        .enqueue_verify(id, plan.tokens.len())
-                        .expect("invariant: open session, length within the budget");
+                    if let Err(e) = self.sched.enqueue_verify(id, plan.tokens.len()) {
+                        // It could never be computed (the session outgrew the KV cache).
+                        *vs = before;
+                        events.push(refuse(e.into()));
+                        continue;
+                    }
                     *inflight = Some((b, plan, before));
                 }
                 Err(e) => {
@@ -503,7 +509,14 @@ impl Verifier {
                     let first = sample(row, &s.params, s.prompt_len as u64);
                     match work {
                         Work::Spec { rule, vs, .. } => {
-                            let max_len = self.engine.model().cfg.context_len;
+                            // Positions end at the context, or where the KV pool ends.
+                            let pool = self.sched.pool();
+                            let max_len = self
+                                .engine
+                                .model()
+                                .cfg
+                                .context_len
+                                .min(pool.num_blocks() * pool.block_size());
                             *vs = Some(VerifierSession::new(
                                 *rule,
                                 s.params,
@@ -557,6 +570,7 @@ impl Verifier {
                                     ..f.verdict
                                 },
                                 drafted: b.tokens.len(),
+                                positions: p.tokens.len(),
                             });
                         }
                         Err(e) => {
@@ -605,9 +619,15 @@ impl Verifier {
             self.advance(id, events);
         }
         for id in enqueue {
-            self.sched
-                .enqueue_verify(id, 1)
-                .expect("invariant: open session");
+            // A generation that outgrew the KV cache ends with the reason.
+            if let Err(e) = self.sched.enqueue_verify(id, 1) {
+                events.push(Event::Error {
+                    session: id,
+                    error: e.into(),
+                    fatal: true,
+                });
+                finished.push(id);
+            }
         }
         for id in finished {
             self.close(id);
@@ -621,7 +641,7 @@ impl Verifier {
         let kv_len: Vec<(SessionId, usize)> =
             plan.chunks.iter().map(|c| (c.session, c.start)).collect();
         self.sched.update(plan, &kv_len);
-        let mut ended = Vec::new();
+        let (mut ended, mut follow) = (Vec::new(), Vec::new());
         for c in &plan.chunks {
             let Some(s) = self.sessions.get_mut(&c.session) else {
                 continue;
@@ -637,6 +657,7 @@ impl Verifier {
                         error,
                         fatal: false,
                     });
+                    follow.push(c.session);
                 }
                 Work::Decode { .. } => {
                     events.push(Event::Error {
@@ -646,8 +667,11 @@ impl Verifier {
                     });
                     ended.push(c.session);
                 }
-                Work::Spec { .. } => {} // a prefill chunk is planned again
+                Work::Spec { .. } => {} // its prefill chunk is planned again
             }
+        }
+        for id in follow {
+            self.advance(id, events);
         }
         for id in ended {
             self.close(id);

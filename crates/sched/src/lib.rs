@@ -44,6 +44,13 @@ pub enum SchedError {
     UnknownTenant(TenantId),
     #[error("a verify block of {len} tokens exceeds the token budget {budget}")]
     BlockTooLarge { len: usize, budget: usize },
+    /// The session would outgrow every block it may ever hold (the pool, or its tenant's quota).
+    #[error("the session has outgrown the KV cache: {tokens} tokens need {needed} blocks, at most {capacity} are available to it")]
+    CannotFit {
+        tokens: usize,
+        needed: usize,
+        capacity: usize,
+    },
     #[error("a prompt of {len} tokens cannot fit the KV pool ({capacity} token slots)")]
     PromptTooLarge { len: usize, capacity: usize },
     /// The verifier is saturated: try again after about `retry_iterations` iterations.
@@ -323,6 +330,13 @@ impl Scheduler {
                 capacity,
             });
         }
+        if self.pool.blocks_for(prompt_len) > self.block_capacity(tenant) {
+            return Err(SchedError::QuotaExceeded {
+                tenant,
+                what: "KV blocks (for this prompt)",
+                limit: self.block_capacity(tenant),
+            });
+        }
         if let Some(limit) = t.cfg.max_sessions {
             if self.tenant_sessions(tenant) >= limit {
                 return Err(SchedError::QuotaExceeded {
@@ -395,12 +409,33 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Blocks a session of `tenant` may ever hold: the pool, or less under its quota.
+    fn block_capacity(&self, tenant: TenantId) -> usize {
+        let quota = self.tenants.get(&tenant).and_then(|t| t.cfg.max_kv_blocks);
+        quota.map_or(self.pool.num_blocks(), |q| q.min(self.pool.num_blocks()))
+    }
+
     /// A verify block of `len` tokens arrived for `id` (to be computed whole, after what is known).
+    /// Refused when it exceeds the token budget or the session could never hold it.
     pub fn enqueue_verify(&mut self, id: SessionId, len: usize) -> Result<(), SchedError> {
         if len > self.cfg.token_budget {
             return Err(SchedError::BlockTooLarge {
                 len,
                 budget: self.cfg.token_budget,
+            });
+        }
+        let s = self
+            .sessions
+            .get(&id)
+            .ok_or(SchedError::UnknownSession(id))?;
+        let queued: usize = s.verifies.iter().map(|v| v.0).sum();
+        let tokens = s.known + queued + len;
+        let (needed, capacity) = (self.pool.blocks_for(tokens), self.block_capacity(s.tenant));
+        if needed > capacity {
+            return Err(SchedError::CannotFit {
+                tokens,
+                needed,
+                capacity,
             });
         }
         let it = self.iteration;
@@ -692,7 +727,8 @@ impl Scheduler {
     }
 
     /// The plan ran. `kv_len` gives, for verify chunks, each session's KV length after its verdict
-    /// (a rejection truncates); prefill chunks computed what they were given. Whatever the cloud
+    /// (a rejection truncates), and for a chunk whose forward failed, its start (nothing was
+    /// computed); prefill chunks not listed computed what they were given. Whatever the cloud
     /// committed is then known.
     pub fn update(&mut self, plan: &StepPlan, kv_len: &[(SessionId, usize)]) {
         for c in &plan.chunks {
@@ -700,10 +736,10 @@ impl Scheduler {
                 continue; // closed meanwhile
             };
             let mut end = c.start + c.len;
+            if let Some(&(_, kv)) = kv_len.iter().find(|(id, _)| *id == c.session) {
+                end = end.min(kv);
+            }
             if c.kind == WorkKind::Verify {
-                if let Some(&(_, kv)) = kv_len.iter().find(|(id, _)| *id == c.session) {
-                    end = end.min(kv);
-                }
                 s.known = end;
             }
             s.computed = end;
@@ -939,6 +975,46 @@ mod tests {
         s.update(&p, &[]);
         let p = s.schedule(0);
         assert_eq!(p.chunks[0].kind, WorkKind::Verify);
+        assert!(s.pool().conserved());
+    }
+
+    #[test]
+    fn a_block_that_could_never_fit_is_refused_and_a_failed_forward_computes_nothing() {
+        // 4 blocks of 4 tokens: a session at 14 tokens can take 2 more, never 3.
+        let mut s = sched(32, 4);
+        s.open(1, 1, 14).unwrap();
+        let p = s.schedule(0);
+        assert_eq!((p.chunks[0].start, p.chunks[0].len), (0, 14));
+        // The forward failed: nothing is computed and the same chunk is planned again.
+        s.update(&p, &[(1, 0)]);
+        assert!(s.has_work());
+        let again = s.schedule(0);
+        assert_eq!(again.chunks, p.chunks);
+        s.update(&again, &[]);
+        assert!(matches!(
+            s.enqueue_verify(1, 3),
+            Err(SchedError::CannotFit {
+                tokens: 17,
+                needed: 5,
+                capacity: 4
+            })
+        ));
+        s.enqueue_verify(1, 2).unwrap();
+        // A tenant quota caps it the same way, and a prompt past the quota is refused.
+        let quota = TenantConfig {
+            max_kv_blocks: Some(2),
+            ..TenantConfig::default()
+        };
+        s.set_tenant(2, quota).unwrap();
+        assert!(matches!(
+            s.open(2, 2, 9),
+            Err(SchedError::QuotaExceeded { what, .. }) if what.starts_with("KV blocks")
+        ));
+        s.open(2, 2, 8).unwrap();
+        assert!(matches!(
+            s.enqueue_verify(2, 1),
+            Err(SchedError::CannotFit { .. })
+        ));
         assert!(s.pool().conserved());
     }
 
