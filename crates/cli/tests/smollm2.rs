@@ -499,9 +499,10 @@ fn new_grpc_server(saturation_tokens: f64) -> (String, std::sync::Arc<tandem_clo
 }
 
 /// Grants follow the load: while a generation keeps a verifier (saturated at 1 token per forward)
-/// busy, the grant shrinks a level every few forwards — a new session gets γ 1 and depth 1, and a
-/// session opened before learns its smaller grant with its next verdict; once the verifier is idle
-/// again, grants grow back a level at a time.
+/// busy, the grant shrinks a level every few forwards down to γ 0 — the verifier decodes sessions
+/// itself: a new session is granted γ 0, and a session opened before gets the target's tokens
+/// streamed instead of verdicts; once the verifier is idle again, grants grow back a level at a
+/// time.
 #[test]
 fn grants_shrink_under_load_and_grow_back() {
     use tandem_edge::Link;
@@ -546,12 +547,13 @@ fn grants_shrink_under_load_and_grow_back() {
         }))
         .unwrap()
         .into_inner();
-    // 40 forwards at about one token each: three levels down.
+    // 40 forwards at about one token each: all four levels down.
     for _ in 0..40 {
         rt.block_on(stream.message()).unwrap().unwrap();
     }
-    assert_eq!(open(&rt), (1, 1), "under load");
-    // The session opened at (8, 4) is told with its next verdict.
+    assert_eq!(open(&rt), (0, 1), "under load");
+    // The session opened at (8, 4) is taken over: its block goes stale and the target's own
+    // tokens come instead, in order, after the first.
     early
         .send(tandem_spec::Block {
             epoch: 0,
@@ -561,17 +563,29 @@ fn grants_shrink_under_load_and_grow_back() {
             q: vec![],
         })
         .unwrap();
-    let v = early.recv(true).unwrap().unwrap();
-    assert_eq!(v.grant, Some((1, 1)), "{v:?}");
+    let mut decoded = Vec::new();
+    while decoded.len() < 3 {
+        match early.recv(true).unwrap() {
+            Some(tandem_edge::Incoming::Decoded(d)) => decoded.push(d),
+            other => panic!("expected decoded tokens, got {other:?}"),
+        }
+    }
+    let positions: Vec<usize> = decoded.iter().map(|d| d.pos).collect();
+    assert_eq!(
+        positions,
+        vec![p.len(), p.len() + 1, p.len() + 2],
+        "{decoded:?}"
+    );
+    assert_eq!(decoded[0].token, opened.first_token);
     early.close();
     drop(stream);
     std::thread::sleep(std::time::Duration::from_millis(500));
-    let idle: Vec<(u32, u32)> = (0..3).map(|_| open(&rt)).collect();
+    let idle: Vec<(u32, u32)> = (0..5).map(|_| open(&rt)).collect();
     // One level per turn of the idle batcher (each open and close is a turn): growing, not all
     // at once, back to the full grant.
     assert!(idle.windows(2).all(|w| w[0] <= w[1]), "{idle:?}");
     assert!(
-        idle[0] < (8, 4) && idle[2] == (8, 4),
+        idle[0] < (8, 4) && idle[4] == (8, 4),
         "idle again: {idle:?}"
     );
 }
@@ -867,7 +881,9 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
     let err = link.recv(true).unwrap_err().to_string();
     assert!(err.contains("starts at position"), "{err}");
     link.send(block(vec![opened.first_token, 5], 3)).unwrap();
-    let v = link.recv(true).unwrap().unwrap();
+    let Some(tandem_edge::Incoming::Verdict(v)) = link.recv(true).unwrap() else {
+        panic!("expected a verdict");
+    };
     assert_eq!(v.block, 3);
 }
 

@@ -29,6 +29,8 @@ struct Live {
     /// What a speculation session asked for, and what it was last told it may use.
     want: Option<(u32, u32)>,
     granted: (u32, u32),
+    /// The verifier decodes this session itself (its grant is γ 0).
+    cloud: bool,
     /// When the session was admitted (for the time to first token), and when it last got tokens.
     opened_at: Instant,
     last_commit: Option<Instant>,
@@ -69,7 +71,21 @@ pub fn serve(
             grants.grant(v.stats.tokens_per_forward);
         }
         let (grant_g, grant_d) = grants.current();
-        let grant_for = |want: (u32, u32)| (want.0.min(grant_g).max(1), want.1.min(grant_d).max(1));
+        // γ 0: the verifier decodes the session itself.
+        let grant_for = |want: (u32, u32)| {
+            if grant_g == 0 {
+                (0, 1)
+            } else {
+                (want.0.min(grant_g).max(1), want.1.min(grant_d).max(1))
+            }
+        };
+        let mut events = Vec::new();
+        for (id, l) in live.iter_mut() {
+            if l.want.is_some() && l.cloud != (grant_g == 0) {
+                l.cloud = grant_g == 0;
+                events.extend(v.set_cloud_decode(*id, l.cloud));
+            }
+        }
         gauges.update(&v);
         let first = if !v.has_work() {
             match rx.recv() {
@@ -85,7 +101,6 @@ pub fn serve(
         } else {
             None
         };
-        let mut events = Vec::new();
         for m in first
             .into_iter()
             .chain(rx.try_iter().take(MESSAGES_PER_TURN))
@@ -98,9 +113,11 @@ pub fn serve(
                     params,
                     rule,
                     want,
+                    max_tokens,
+                    eog,
                     reply,
                 } => {
-                    let r = v.open(session, tenant, &prompt, params, rule);
+                    let r = v.open(session, tenant, &prompt, params, rule, max_tokens, eog);
                     admitted(
                         session,
                         tenant,
@@ -250,6 +267,21 @@ pub fn serve(
                     mx.preemptions.inc();
                     continue;
                 }
+                Event::Decoded {
+                    session,
+                    mut decoded,
+                    handback,
+                } => {
+                    if let Some(l) = live.get_mut(&session) {
+                        inter_token(mx, &mut l.last_commit, 1);
+                        if handback {
+                            let (g, d) = grant_for(l.want.unwrap_or((1, 1)));
+                            decoded.resume = Some((g.max(1), d.max(1)));
+                            l.granted = (g.max(1), d.max(1));
+                        }
+                    }
+                    (session, ToEdge::Decoded(decoded), false)
+                }
             };
             let Some(l) = live.get(&session) else {
                 continue;
@@ -291,6 +323,7 @@ fn admitted(
                     tenant,
                     want,
                     granted: (0, 0),
+                    cloud: false,
                     opened_at: Instant::now(),
                     last_commit: None,
                     arrivals: Default::default(),

@@ -263,6 +263,9 @@ impl VerifierRpc for Service {
                 ToEdge::Verdict(v) => Ok(CloudMessage {
                     kind: Some(cloud_message::Kind::Verdict(v.into())),
                 }),
+                ToEdge::Decoded(d) => Ok(CloudMessage {
+                    kind: Some(cloud_message::Kind::Decoded(d.into())),
+                }),
                 ToEdge::Error {
                     code,
                     message,
@@ -306,6 +309,8 @@ impl VerifierRpc for Service {
             params: o.params,
             rule: o.rule,
             want: (gamma, depth),
+            max_tokens: o.max_tokens,
+            eog: self.info.eog.clone(),
             reply,
         })?;
         let batcher = self.batcher.clone();
@@ -466,7 +471,8 @@ pub fn start(
     let gauges = Arc::new(Gauges::default());
     let g = gauges.clone();
     let names = tenants.names().to_vec();
-    let grants = GrantPolicy::new(info.max_draft_len, info.max_depth, info.saturation_tokens);
+    let grants = GrantPolicy::new(info.max_draft_len, info.max_depth, info.saturation_tokens)
+        .with_cloud_decode();
     let batcher = std::thread::Builder::new()
         .name("tandem-batcher".into())
         .spawn(move || crate::serve(verifier, rx, g, names, grants))

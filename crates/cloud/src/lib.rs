@@ -22,7 +22,7 @@ use std::sync::mpsc::Sender;
 
 use tandem_engine::{EngineError, SamplingParams};
 use tandem_sched::{SchedError, SessionId, TenantId};
-use tandem_spec::{Block, SpecError, Verdict, VerifyRule};
+use tandem_spec::{Block, Decoded, SpecError, Verdict, VerifyRule};
 
 pub use batcher::serve;
 pub use verifier::{Event, SessionState, TenantStats, Verifier, VerifierConfig, VerifierStats};
@@ -131,6 +131,9 @@ pub enum ToCloud {
         /// The γ and depth the edge asked for (within the service's limits): its grants never
         /// exceed them.
         want: (u32, u32),
+        /// New tokens at most, and the end-of-generation ids (for when the verifier decodes it).
+        max_tokens: usize,
+        eog: Vec<u32>,
         reply: Reply,
     },
     Draft {
@@ -167,6 +170,9 @@ pub enum ToEdge {
         grant: (u32, u32),
     },
     Verdict(Verdict),
+    /// A token the verifier decoded itself for a speculation session it took over (`resume`: the
+    /// last one, with the grant to draft again with).
+    Decoded(Decoded),
     /// A token of a cloud-only generation.
     Token {
         token: u32,

@@ -15,7 +15,9 @@ use tandem_sched::{
     SchedConfig, SchedError, Scheduler, SessionId, StepPlan, TenantConfig, TenantId, WorkKind,
 };
 use tandem_spec::sampling::sample;
-use tandem_spec::{Block, BlockAction, ForwardPlan, Verdict, VerifierSession, VerifyRule};
+use tandem_spec::{
+    Block, BlockAction, DecodeAction, Decoded, ForwardPlan, Verdict, VerifierSession, VerifyRule,
+};
 
 use crate::CloudError;
 
@@ -72,6 +74,21 @@ pub enum Event {
     },
     /// The session's KV was dropped to make room; it is recomputed before its next verify.
     Preempted { session: SessionId },
+    /// A token of a speculation session the verifier decodes itself ([`Verifier::set_cloud_decode`]);
+    /// `handback`: the last one, the edge drafts again from here.
+    Decoded {
+        session: SessionId,
+        decoded: Decoded,
+        handback: bool,
+    },
+}
+
+/// A speculation session the verifier has taken over.
+struct CloudDecode {
+    /// Hand it back after the next token.
+    stop: bool,
+    /// The decode step planned for a forward, and the session as it was before.
+    step: Option<(ForwardPlan, VerifierSession)>,
 }
 
 /// Counters of the verifier.
@@ -112,6 +129,11 @@ enum Work {
         queue: VecDeque<Block>,
         /// The block planned for a forward, its plan and the session as it was before.
         inflight: Option<(Block, ForwardPlan, VerifierSession)>,
+        /// Set while the verifier decodes the session itself.
+        cloud: Option<CloudDecode>,
+        /// Committed tokens (prompt included) at which it ends, and its end-of-generation ids.
+        limit: usize,
+        eog: Vec<u32>,
     },
     Decode {
         /// The last sampled token, fed next; None until the prompt is prefilled.
@@ -261,8 +283,11 @@ impl Verifier {
         Ok(())
     }
 
-    /// Admit a speculation session; its prompt is prefilled by later steps, which report
-    /// [`Event::Opened`]. Refused with [`CloudError::Sched`] when saturated or over quota.
+    /// Admit a speculation session of at most `max_tokens` new tokens (ending at `eog`, which
+    /// matters when the verifier decodes it itself); its prompt is prefilled by later steps,
+    /// which report [`Event::Opened`]. Refused with [`CloudError::Sched`] when saturated or over
+    /// quota.
+    #[allow(clippy::too_many_arguments)]
     pub fn open(
         &mut self,
         id: SessionId,
@@ -270,12 +295,17 @@ impl Verifier {
         prompt: &[u32],
         params: SamplingParams,
         rule: VerifyRule,
+        max_tokens: usize,
+        eog: Vec<u32>,
     ) -> Result<(), CloudError> {
         let work = Work::Spec {
             rule,
             vs: None,
             queue: VecDeque::new(),
             inflight: None,
+            cloud: None,
+            limit: prompt.len() + max_tokens.max(1),
+            eog,
         };
         self.admit(id, tenant, prompt, params, work)
     }
@@ -352,6 +382,7 @@ impl Verifier {
             vs: Some(vs),
             queue,
             inflight,
+            cloud: None,
             ..
         } = &mut s.work
         else {
@@ -401,6 +432,127 @@ impl Verifier {
         }
     }
 
+    /// Move a speculation session on: its next block, or its next decoded token when the verifier
+    /// has taken it over.
+    fn proceed(&mut self, id: SessionId, events: &mut Vec<Event>) {
+        let cloud = matches!(
+            self.sessions.get(&id).map(|s| &s.work),
+            Some(Work::Spec { cloud: Some(_), .. })
+        );
+        if cloud {
+            self.decode_next(id, events);
+        } else {
+            self.advance(id, events);
+        }
+    }
+
+    /// Take a speculation session over (`on`) and decode it like a cloud-only generation, each
+    /// token an [`Event::Decoded`] — what a saturated verifier does, since a verified position
+    /// costs it as much as a decoded one and rejected ones are waste — or hand it back after the
+    /// next token (`!on`). A session not yet prefilled is taken over once it is.
+    pub fn set_cloud_decode(&mut self, id: SessionId, on: bool) -> Vec<Event> {
+        let mut events = Vec::new();
+        let Some(s) = self.sessions.get_mut(&id) else {
+            return events;
+        };
+        let Work::Spec {
+            cloud, inflight, ..
+        } = &mut s.work
+        else {
+            return events;
+        };
+        match (on, cloud.as_mut()) {
+            (true, Some(c)) => c.stop = false,
+            (true, None) => {
+                *cloud = Some(CloudDecode {
+                    stop: false,
+                    step: None,
+                });
+                // A block already planned is verified first; the takeover follows its verdict.
+                if inflight.is_none() {
+                    self.decode_next(id, &mut events);
+                }
+            }
+            (false, Some(c)) => c.stop = true,
+            (false, None) => {}
+        }
+        events
+    }
+
+    /// The next step of a session the verifier decodes: tokens known at once are sent at once,
+    /// then one forward is enqueued. Hands the session back when asked to, and ends it at its
+    /// limit or end-of-generation token.
+    fn decode_next(&mut self, id: SessionId, events: &mut Vec<Event>) {
+        let Some(s) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let Work::Spec {
+            vs: Some(vs),
+            inflight: None,
+            cloud: Some(c),
+            limit,
+            eog,
+            ..
+        } = &mut s.work
+        else {
+            return;
+        };
+        if c.step.is_some() {
+            return;
+        }
+        let handed_back = loop {
+            if vs.committed_len() >= *limit {
+                return; // the edge has every token it asked for and closes
+            }
+            let before = vs.clone();
+            match vs.decode() {
+                Ok(DecodeAction::Ready(d)) => {
+                    let end = eog.contains(&d.token) || vs.committed_len() >= *limit;
+                    let handback = c.stop && !end;
+                    events.push(Event::Decoded {
+                        session: id,
+                        decoded: d,
+                        handback,
+                    });
+                    if end {
+                        return;
+                    }
+                    if handback {
+                        break true;
+                    }
+                }
+                Ok(DecodeAction::Forward(plan)) => {
+                    if let Err(e) = self.sched.enqueue_verify(id, plan.tokens.len()) {
+                        *vs = before;
+                        events.push(Event::Error {
+                            session: id,
+                            error: e.into(),
+                            fatal: true,
+                        });
+                        return;
+                    }
+                    c.step = Some((plan, before));
+                    return;
+                }
+                Err(e) => {
+                    *vs = before;
+                    events.push(Event::Error {
+                        session: id,
+                        error: e.into(),
+                        fatal: true,
+                    });
+                    return;
+                }
+            }
+        };
+        if handed_back {
+            if let Work::Spec { cloud, .. } = &mut s.work {
+                *cloud = None;
+            }
+            self.advance(id, events);
+        }
+    }
+
     /// Whether any session has work the scheduler could plan.
     pub fn has_work(&self) -> bool {
         self.sched.has_work()
@@ -440,6 +592,23 @@ impl Verifier {
                         Wanted::None
                     };
                     SeqChunk::new(seq, c.start, s.history[c.start..end].to_vec(), wanted)
+                }
+                (
+                    WorkKind::Verify,
+                    Work::Spec {
+                        cloud:
+                            Some(CloudDecode {
+                                step: Some((p, _)), ..
+                            }),
+                        ..
+                    },
+                ) => {
+                    assert_eq!(
+                        (p.start_pos, p.tokens.len()),
+                        (c.start, c.len),
+                        "invariant: the scheduler's decode step matches the session's plan"
+                    );
+                    SeqChunk::new(seq, c.start, p.tokens.clone(), Wanted::Last)
                 }
                 (WorkKind::Verify, Work::Spec { inflight, .. }) => {
                     let (_, p, _) = inflight.as_ref().expect("invariant: a verify has a block");
@@ -491,6 +660,7 @@ impl Verifier {
     ) {
         let mut kv_len = Vec::new();
         let mut follow = Vec::new();
+        let mut decode_follow = Vec::new();
         let mut enqueue = Vec::new();
         let mut finished = Vec::new();
         for c in &plan.chunks {
@@ -549,7 +719,47 @@ impl Verifier {
                         }
                     }
                 }
-                (WorkKind::Verify, Work::Spec { vs, inflight, .. }) => {
+                (
+                    WorkKind::Verify,
+                    Work::Spec {
+                        vs,
+                        cloud: Some(cd),
+                        limit,
+                        eog,
+                        ..
+                    },
+                ) if cd.step.is_some() => {
+                    let (p, _) = cd.step.take().expect("invariant: checked");
+                    let vs = vs.as_mut().expect("invariant: prefilled");
+                    let row = logits.last_for(seq).expect("invariant: asked for");
+                    let d = vs.finish_decode(row);
+                    s.history.truncate(p.start_pos);
+                    s.history.extend_from_slice(&p.tokens);
+                    kv_len.push((id, p.start_pos + p.tokens.len()));
+                    let end = eog.contains(&d.token) || vs.committed_len() >= *limit;
+                    let handback = cd.stop && !end;
+                    events.push(Event::Decoded {
+                        session: id,
+                        decoded: d,
+                        handback,
+                    });
+                    if let (true, Work::Spec { cloud, .. }) = (handback, &mut s.work) {
+                        *cloud = None;
+                        follow.push(id);
+                    } else if !end {
+                        decode_follow.push(id);
+                    }
+                }
+                (
+                    WorkKind::Verify,
+                    Work::Spec {
+                        vs,
+                        inflight,
+                        cloud,
+                        ..
+                    },
+                ) => {
+                    let taken_over = cloud.is_some();
                     let (b, p, before) = inflight.take().expect("invariant: planned");
                     let vs = vs.as_mut().expect("invariant: prefilled");
                     let rows: Vec<&[f32]> = logits.for_seq(seq).map(|(_, r)| r).collect();
@@ -583,7 +793,11 @@ impl Verifier {
                             });
                         }
                     }
-                    follow.push(id);
+                    if taken_over {
+                        decode_follow.push(id);
+                    } else {
+                        follow.push(id);
+                    }
                 }
                 (
                     WorkKind::Verify,
@@ -615,8 +829,8 @@ impl Verifier {
             }
         }
         self.sched.update(plan, &kv_len);
-        for id in follow {
-            self.advance(id, events);
+        for id in follow.into_iter().chain(decode_follow) {
+            self.proceed(id, events);
         }
         for id in enqueue {
             // A generation that outgrew the KV cache ends with the reason.
@@ -641,13 +855,24 @@ impl Verifier {
         let kv_len: Vec<(SessionId, usize)> =
             plan.chunks.iter().map(|c| (c.session, c.start)).collect();
         self.sched.update(plan, &kv_len);
-        let (mut ended, mut follow) = (Vec::new(), Vec::new());
+        let (mut ended, mut follow, mut decode_follow) = (Vec::new(), Vec::new(), Vec::new());
         for c in &plan.chunks {
             let Some(s) = self.sessions.get_mut(&c.session) else {
                 continue;
             };
             let error = CloudError::Engine(msg.clone());
             match &mut s.work {
+                Work::Spec {
+                    vs: Some(vs),
+                    cloud: Some(cd),
+                    ..
+                } if c.kind == WorkKind::Verify && cd.step.is_some() => {
+                    // Decoded again next turn.
+                    if let Some((_, before)) = cd.step.take() {
+                        *vs = before;
+                    }
+                    decode_follow.push(c.session);
+                }
                 Work::Spec { vs, inflight, .. } if c.kind == WorkKind::Verify => {
                     if let (Some(vs), Some((_, _, before))) = (vs.as_mut(), inflight.take()) {
                         *vs = before;
@@ -670,8 +895,8 @@ impl Verifier {
                 Work::Spec { .. } => {} // its prefill chunk is planned again
             }
         }
-        for id in follow {
-            self.advance(id, events);
+        for id in follow.into_iter().chain(decode_follow) {
+            self.proceed(id, events);
         }
         for id in ended {
             self.close(id);

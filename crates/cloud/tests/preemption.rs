@@ -160,6 +160,8 @@ fn preempted_speculation_sessions_resume_identically() {
             &prompt(i),
             SamplingParams::default(),
             VerifyRule::Greedy,
+            n,
+            vec![],
         )
         .unwrap();
     }

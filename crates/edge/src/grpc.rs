@@ -11,7 +11,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use crate::{EdgeError, Link};
+use crate::{EdgeError, Incoming, Link};
 
 /// What the edge asks for when it opens a session.
 #[derive(Debug, Clone)]
@@ -47,7 +47,7 @@ fn status(s: tonic::Status) -> EdgeError {
 
 pub struct GrpcLink {
     out: UnboundedSender<EdgeMessage>,
-    verdicts: UnboundedReceiver<Result<Verdict, EdgeError>>,
+    verdicts: UnboundedReceiver<Result<Incoming, EdgeError>>,
     /// What reopening a session after a lost connection needs.
     rt: tokio::runtime::Handle,
     url: String,
@@ -115,7 +115,12 @@ impl GrpcLink {
                         }
                     };
                     let item = match m.kind {
-                        Some(cloud_message::Kind::Verdict(v)) => Ok(Verdict::from(v)),
+                        Some(cloud_message::Kind::Verdict(v)) => {
+                            Ok(Incoming::Verdict(Verdict::from(v)))
+                        }
+                        Some(cloud_message::Kind::Decoded(d)) => {
+                            Ok(Incoming::Decoded(tandem_spec::Decoded::from(d)))
+                        }
                         Some(cloud_message::Kind::Error(e)) => Err(refused(e.message)),
                         _ => continue,
                     };
@@ -165,7 +170,7 @@ impl Link for GrpcLink {
         Ok(opened.first_token)
     }
 
-    fn recv(&mut self, wait: bool) -> Result<Option<Verdict>, EdgeError> {
+    fn recv(&mut self, wait: bool) -> Result<Option<Incoming>, EdgeError> {
         let item = if wait {
             self.verdicts.blocking_recv()
         } else {

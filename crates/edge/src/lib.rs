@@ -17,7 +17,7 @@ use tandem_engine::{Engine, EngineError, SamplingParams};
 use tandem_spec::policy::{recommend, Costs, Estimator};
 use tandem_spec::verify::VerifyRule;
 use tandem_spec::{
-    Block, Next, Output, Pipeline, PipelineConfig, PipelineStats, SpecError, Verdict,
+    Block, Decoded, Next, Output, Pipeline, PipelineConfig, PipelineStats, SpecError, Verdict,
 };
 
 pub use drafter::{Drafter, EngineDrafter, Proposal, SyntheticDrafter};
@@ -34,11 +34,19 @@ pub enum EdgeError {
     Engine(#[from] EngineError),
 }
 
+/// What the verifier sends a session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Incoming {
+    Verdict(Verdict),
+    /// A token it decoded itself, having taken the session over.
+    Decoded(Decoded),
+}
+
 /// The edge's side of a connection to a verifier session.
 pub trait Link {
     fn send(&mut self, block: Block) -> Result<(), EdgeError>;
-    /// The next verdict: waits for one when `wait`, else returns `None` if none has arrived.
-    fn recv(&mut self, wait: bool) -> Result<Option<Verdict>, EdgeError>;
+    /// The next message: waits for one when `wait`, else returns `None` if none has arrived.
+    fn recv(&mut self, wait: bool) -> Result<Option<Incoming>, EdgeError>;
     /// After [`EdgeError::LinkClosed`]: open a new session whose prompt is the committed `history`
     /// (for at most `max_tokens` more), returning the target's token after it. A link that cannot
     /// reconnect says `LinkClosed`.
@@ -106,6 +114,8 @@ pub struct Measured {
     pub reshapes: usize,
     /// Sessions reopened after a lost connection.
     pub reconnects: usize,
+    /// Tokens the verifier decoded itself, having taken the session over under load.
+    pub cloud_decoded: usize,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -233,6 +243,32 @@ pub fn run_with(
                 arrived.push(link.recv(true)?.ok_or(EdgeError::LinkClosed)?);
             }
             for v in arrived {
+                let v = match v {
+                    Incoming::Verdict(v) => v,
+                    Incoming::Decoded(d) => {
+                        let outs = p.on_decoded(d)?;
+                        apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
+                        m.cloud_decoded += 1;
+                        if let Some((g, dp)) = d.resume {
+                            // Handed back: draft again within the grant.
+                            cap = (g.max(1) as usize, dp.max(1) as usize);
+                            let shape =
+                                (cfg.draft_len.min(cap.0).max(1), cfg.depth.min(cap.1).max(1));
+                            if shape != (p.config().draft_len, p.config().depth) {
+                                let outs = p.set_shape(shape.0, shape.1)?;
+                                m.reshapes += 1;
+                                apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
+                            }
+                        }
+                        on_update(Update {
+                            committed: &fresh,
+                            tentative: &p.tokens()[p.committed_len()..],
+                            correction: None,
+                        });
+                        fresh.clear();
+                        continue;
+                    }
+                };
                 let now = Instant::now();
                 if let Some(t) = sent_at.remove(&v.block) {
                     let rt = (now - t).as_secs_f64() * 1e3;

@@ -213,14 +213,17 @@ impl Link for Local<'_> {
         }
     }
 
-    fn recv(&mut self, wait: bool) -> Result<Option<Verdict>, EdgeError> {
+    fn recv(&mut self, wait: bool) -> Result<Option<tandem_edge::Incoming>, EdgeError> {
         while wait && self.verdicts.is_empty() {
             let Some(b) = self.blocks.pop_front() else {
                 break;
             };
             self.verify(b)?;
         }
-        Ok(self.verdicts.pop_front())
+        Ok(self
+            .verdicts
+            .pop_front()
+            .map(tandem_edge::Incoming::Verdict))
     }
 }
 
@@ -350,7 +353,9 @@ fn committed_counts(
             auto: None,
             granted: None,
         };
-        verifier.open(run, 0, &PROMPT, params, rule).unwrap();
+        verifier
+            .open(run, 0, &PROMPT, params, rule, case.max_new_tokens, vec![])
+            .unwrap();
         let first = match verifier.run_until_idle(0).as_slice() {
             [Event::Opened { first, .. }] => *first,
             other => panic!("expected the session to open: {other:?}"),

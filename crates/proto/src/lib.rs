@@ -9,7 +9,7 @@ pub mod v1 {
 pub const PROTOCOL_VERSION: u32 = 1;
 
 use tandem_spec::sampling::SamplingParams;
-use tandem_spec::{Block, Verdict, VerifyRule};
+use tandem_spec::{Block, Decoded, Verdict, VerifyRule};
 
 /// A field-named reason why a message is not valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -166,6 +166,29 @@ impl From<v1::Verdict> for Verdict {
             verify_us: v.verify_us,
             grant: (v.grant_draft_len > 0 && v.grant_depth > 0)
                 .then_some((v.grant_draft_len, v.grant_depth)),
+        }
+    }
+}
+
+impl From<Decoded> for v1::Decoded {
+    fn from(d: Decoded) -> Self {
+        Self {
+            epoch: d.epoch,
+            position: d.pos as u64,
+            token: d.token,
+            resume_draft_len: d.resume.map_or(0, |r| r.0),
+            resume_depth: d.resume.map_or(0, |r| r.1),
+        }
+    }
+}
+
+impl From<v1::Decoded> for Decoded {
+    fn from(d: v1::Decoded) -> Self {
+        Self {
+            epoch: d.epoch,
+            pos: d.position as usize,
+            token: d.token,
+            resume: (d.resume_draft_len > 0).then_some((d.resume_draft_len, d.resume_depth.max(1))),
         }
     }
 }

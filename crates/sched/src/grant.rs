@@ -13,6 +13,9 @@ pub struct GrantPolicy {
     /// Shrink one level above this fraction of saturation, grow one below `grow_below`.
     pub shrink_above: f64,
     pub grow_below: f64,
+    /// One level past γ 1, depth 1: γ 0, the verifier decodes the sessions itself (past the
+    /// ridge a verified position costs as much as a decoded one, and a rejected one is waste).
+    pub cloud_decode: bool,
     level: u32,
 }
 
@@ -24,18 +27,34 @@ impl GrantPolicy {
             saturation_tokens: saturation_tokens.max(1.0),
             shrink_above: 0.75,
             grow_below: 0.5,
+            cloud_decode: false,
             level: 0,
         }
     }
 
-    /// The deepest level: γ 1 and depth 1.
-    fn max_level(&self) -> u32 {
+    /// With the last level, γ 0: the verifier takes sessions over.
+    pub fn with_cloud_decode(mut self) -> Self {
+        self.cloud_decode = true;
+        self
+    }
+
+    /// The level of γ 1 and depth 1.
+    fn speculative_levels(&self) -> u32 {
         let halvings = 32 - self.max_draft_len.leading_zeros() - 1;
         halvings.max(self.max_depth - 1)
     }
 
-    /// The grant at the current level: each level halves γ and takes one block of depth away.
+    /// The deepest level: γ 1 and depth 1, or γ 0 with `cloud_decode`.
+    fn max_level(&self) -> u32 {
+        self.speculative_levels() + self.cloud_decode as u32
+    }
+
+    /// The grant at the current level: each level halves γ and takes one block of depth away;
+    /// γ 0 (with `cloud_decode`) means the verifier decodes the session itself.
     pub fn current(&self) -> (u32, u32) {
+        if self.level > self.speculative_levels() {
+            return (0, 1);
+        }
         let g = (self.max_draft_len >> self.level.min(31)).max(1);
         let d = self.max_depth.saturating_sub(self.level).max(1);
         (g, d)
@@ -72,5 +91,12 @@ mod tests {
         assert_eq!(p.grant(10.0), (4, 3));
         assert_eq!(p.grant(10.0), (8, 4));
         assert_eq!(p.grant(0.0), (8, 4));
+        // With cloud decoding, one level more.
+        let mut p = GrantPolicy::new(2, 2, 10.0).with_cloud_decode();
+        assert_eq!(p.grant(9.0), (1, 1));
+        assert_eq!(p.grant(9.0), (0, 1));
+        assert_eq!(p.grant(9.0), (0, 1));
+        assert_eq!(p.grant(6.0), (0, 1), "hysteresis");
+        assert_eq!(p.grant(1.0), (1, 1));
     }
 }

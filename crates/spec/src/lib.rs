@@ -19,9 +19,9 @@ pub mod verifier;
 pub mod verify;
 
 pub use pipeline::{
-    Block, Next, Output, Pipeline, PipelineConfig, PipelineStats, SparseDist, Verdict,
+    Block, Decoded, Next, Output, Pipeline, PipelineConfig, PipelineStats, SparseDist, Verdict,
 };
-pub use verifier::{BlockAction, Finished, ForwardPlan, VerifierSession};
+pub use verifier::{BlockAction, DecodeAction, Finished, ForwardPlan, VerifierSession};
 pub use verify::VerifyRule;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

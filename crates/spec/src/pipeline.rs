@@ -52,6 +52,20 @@ pub struct Verdict {
     pub grant: Option<(u32, u32)>,
 }
 
+/// A token the verifier decoded itself: under load it may take a session over and decode it like
+/// a cloud-only generation (no drafts, no verify), streaming each token. Every decoded token moves
+/// the verifier to the next epoch, so blocks still in flight go stale. `resume` (γ, depth) on the
+/// last one hands the session back: draft again from here, within that grant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Decoded {
+    /// The verifier's epoch before this token.
+    pub epoch: u64,
+    /// Absolute position of the token.
+    pub pos: usize,
+    pub token: u32,
+    pub resume: Option<(u32, u32)>,
+}
+
 /// What the shell must do after an event.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Output {
@@ -167,6 +181,8 @@ pub struct Pipeline {
     next_index: u64,
     draft_fed: usize,
     done: bool,
+    /// The verifier is decoding this session itself: nothing to draft until it hands it back.
+    cloud_decoding: bool,
     stats: PipelineStats,
 }
 
@@ -210,6 +226,7 @@ impl Pipeline {
             next_index: 0,
             draft_fed: 0,
             done: false,
+            cloud_decoding: false,
             stats: PipelineStats::default(),
         })
     }
@@ -274,7 +291,8 @@ impl Pipeline {
     pub fn next(&self) -> Next {
         if self.done {
             Next::Done
-        } else if self.drafting_stopped()
+        } else if self.cloud_decoding
+            || self.drafting_stopped()
             || self.in_flight.len() >= self.cfg.depth
             || self.tokens.len() - self.sent >= self.cfg.draft_len
         {
@@ -473,6 +491,59 @@ impl Pipeline {
         Ok(out)
     }
 
+    /// Whether the verifier is decoding this session itself.
+    pub fn cloud_decoding(&self) -> bool {
+        self.cloud_decoding
+    }
+
+    /// A token the verifier decoded itself ([`Decoded`]): commit it (dropping the speculative
+    /// tail and every block in flight), follow the verifier's epoch, and stop drafting until a
+    /// decoded token hands the session back (`resume`).
+    pub fn on_decoded(&mut self, d: Decoded) -> Result<Vec<Output>, SpecError> {
+        let mut out = Vec::new();
+        if self.done {
+            return Ok(out);
+        }
+        if d.pos < self.committed {
+            // Already committed here (the bonus of the last verdict, or the first token).
+            if self.tokens[d.pos] != d.token {
+                return Err(SpecError::Protocol(format!(
+                    "decoded token {} at position {} contradicts the committed {}",
+                    d.token, d.pos, self.tokens[d.pos]
+                )));
+            }
+        }
+        if d.pos < self.committed && self.epoch <= d.epoch {
+            // The verifier moved past our epoch: whatever is in flight is stale. (Blocks of a
+            // later epoch — sent after we foresaw its rejection of an earlier one — are not.)
+            self.stats.stale_blocks += self.in_flight.len();
+            self.stats.wasted_draft_tokens += self.tokens.len() - self.committed;
+            self.in_flight.clear();
+            self.cut_tail(self.committed);
+            self.q.clear();
+            self.sent = self.committed;
+            if self.draft_fed > self.committed {
+                self.draft_fed = self.committed;
+                out.push(Output::Rollback { to: self.committed });
+            }
+        } else if d.pos < self.committed {
+            // Known, and our blocks in flight are of a later epoch: they stand.
+        } else if d.pos > self.committed {
+            return Err(SpecError::Protocol(format!(
+                "decoded token at position {} but {} tokens are committed",
+                d.pos, self.committed
+            )));
+        } else {
+            self.replace_from(d.pos, d.token, &mut out);
+        }
+        self.epoch = self.epoch.max(d.epoch + 1);
+        self.cloud_decoding = d.resume.is_none();
+        if !self.done && !self.cloud_decoding {
+            self.try_send(&mut out);
+        }
+        Ok(out)
+    }
+
     /// The connection died: every block in flight is lost. The committed history stays; the next
     /// connection re-opens the session from it as a new session, whose epochs start again at 0
     /// (nothing of the old stream can arrive on the new one).
@@ -493,6 +564,7 @@ impl Pipeline {
 
     pub fn on_connection_lost(&mut self) -> Vec<Output> {
         let mut out = Vec::new();
+        self.cloud_decoding = false;
         self.stats.stale_blocks += self.in_flight.len();
         self.stats.wasted_draft_tokens += self.tokens.len() - self.committed;
         self.in_flight.clear();

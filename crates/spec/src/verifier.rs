@@ -9,7 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::pipeline::{Block, Verdict};
+use crate::pipeline::{Block, Decoded, Verdict};
 use crate::sampling::SamplingParams;
 use crate::verify::{judge, target_token, VerifyRule};
 use crate::SpecError;
@@ -33,6 +33,15 @@ pub enum BlockAction {
     /// Decided without the target (the first token contradicts the pending prediction).
     Verdict(Verdict),
     /// Run this forward, then call [`VerifierSession::finish`].
+    Forward(ForwardPlan),
+}
+
+/// The next token of a session the verifier decodes itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecodeAction {
+    /// Known without a forward (the pending prediction): committed now.
+    Ready(Decoded),
+    /// Feed these (the last committed token) and call [`VerifierSession::finish_decode`].
     Forward(ForwardPlan),
 }
 
@@ -100,6 +109,57 @@ impl VerifierSession {
     }
     pub fn pending(&self) -> Option<u32> {
         self.pending
+    }
+
+    /// Decode the next token itself (the verifier took the session over): the pending prediction
+    /// when there is one, else a forward over the unfed committed token. Each decoded token moves
+    /// the session to the next epoch, so the edge's blocks in flight go stale.
+    pub fn decode(&mut self) -> Result<DecodeAction, SpecError> {
+        if self.committed_len >= self.max_len {
+            return Err(SpecError::Protocol(format!(
+                "the session reached the context limit {}",
+                self.max_len
+            )));
+        }
+        if let Some(p) = self.pending.take() {
+            let d = Decoded {
+                epoch: self.epoch,
+                pos: self.committed_len,
+                token: p,
+                resume: None,
+            };
+            self.unfed.push(p);
+            self.committed_len += 1;
+            self.epoch += 1;
+            return Ok(DecodeAction::Ready(d));
+        }
+        if self.unfed.is_empty() {
+            return Err(SpecError::Protocol(
+                "nothing to decode from: no committed token waits to be fed".into(),
+            ));
+        }
+        Ok(DecodeAction::Forward(ForwardPlan {
+            start_pos: self.kv_len,
+            tokens: self.unfed.clone(),
+            logits_at: vec![self.unfed.len() - 1],
+        }))
+    }
+
+    /// The target's logits after the plan of [`decode`](Self::decode): the next token, committed.
+    pub fn finish_decode(&mut self, row: &[f32]) -> Decoded {
+        self.kv_len += self.unfed.len();
+        let pos = self.committed_len;
+        let token = target_token(row, &self.params, pos as u64);
+        let d = Decoded {
+            epoch: self.epoch,
+            pos,
+            token,
+            resume: None,
+        };
+        self.unfed = vec![token];
+        self.committed_len += 1;
+        self.epoch += 1;
+        d
     }
 
     /// Judge an incoming block: stale, decided at once, or a forward to run.

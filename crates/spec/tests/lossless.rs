@@ -1,5 +1,6 @@
 //! The edge pipeline against the real verifier bookkeeping, with a fake target and draft, under
-//! arbitrary interleavings of drafting, block delivery, verdict delivery and dropped connections:
+//! arbitrary interleavings of drafting, block delivery, verdict delivery, dropped connections,
+//! reshapes and the verifier taking the session over (decoding it itself) and handing it back:
 //! the committed sequence is exactly the target's greedy continuation, no unverified token is ever
 //! committed, none twice, and stale blocks are dropped.
 
@@ -8,8 +9,8 @@ use std::collections::VecDeque;
 use proptest::prelude::*;
 use tandem_spec::sampling::{uniform, SamplingParams};
 use tandem_spec::{
-    Block, BlockAction, Next, Output, Pipeline, PipelineConfig, Verdict, VerifierSession,
-    VerifyRule,
+    Block, BlockAction, DecodeAction, Decoded, Next, Output, Pipeline, PipelineConfig, Verdict,
+    VerifierSession, VerifyRule,
 };
 
 const VOCAB: usize = 8;
@@ -62,6 +63,16 @@ struct Cloud {
     session: VerifierSession,
     kv: Vec<u32>,
     seed: u64,
+    /// Decoding the session itself, and whether to hand it back after the next token.
+    taken_over: bool,
+    stop: bool,
+}
+
+/// What the verifier sends the edge.
+#[derive(Debug, Clone, Copy)]
+enum ToEdge {
+    Verdict(Verdict),
+    Decoded(Decoded),
 }
 
 impl Cloud {
@@ -79,7 +90,37 @@ impl Cloud {
             session,
             kv: history.to_vec(),
             seed,
+            taken_over: false,
+            stop: false,
         }
+    }
+
+    /// One token decoded by the verifier itself (it has taken the session over).
+    fn decode(&mut self) -> Decoded {
+        let mut d = match self
+            .session
+            .decode()
+            .expect("a committed token to decode from")
+        {
+            DecodeAction::Ready(d) => d,
+            DecodeAction::Forward(plan) => {
+                assert_eq!(
+                    self.kv.len(),
+                    plan.start_pos,
+                    "plan starts at the KV length"
+                );
+                self.kv.extend_from_slice(&plan.tokens);
+                let p = self.kv.len() - 1;
+                let row = logits_for(target(self.kv[p], p + 1, self.seed));
+                self.session.finish_decode(&row)
+            }
+        };
+        if self.stop {
+            self.taken_over = false;
+            self.stop = false;
+            d.resume = Some((2, 2));
+        }
+        d
     }
 
     fn on_block(&mut self, b: &Block) -> Option<Verdict> {
@@ -118,6 +159,10 @@ enum Step {
     DropConnection,
     /// The policy changes γ and depth mid-stream.
     Reshape(usize, usize),
+    /// The verifier takes the session over, decodes a token, hands it back after the next one.
+    TakeOver,
+    CloudDecode,
+    HandBack,
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -127,6 +172,9 @@ fn step() -> impl Strategy<Value = Step> {
         3 => Just(Step::DeliverVerdict),
         1 => Just(Step::DropConnection),
         1 => (1usize..8, 1usize..5).prop_map(|(g, d)| Step::Reshape(g, d)),
+        1 => Just(Step::TakeOver),
+        2 => Just(Step::CloudDecode),
+        1 => Just(Step::HandBack),
     ]
 }
 
@@ -147,7 +195,8 @@ fn run(
     };
     let mut edge = Pipeline::new(prompt.clone(), cfg, vec![EOG]).unwrap();
     let mut cloud = Cloud::open(&prompt, seed);
-    let (mut to_cloud, mut to_edge) = (VecDeque::<Block>::new(), VecDeque::<Verdict>::new());
+    let (mut to_cloud, mut to_edge) = (VecDeque::<Block>::new(), VecDeque::<ToEdge>::new());
+    let limit = prompt.len() + max_new;
     let mut committed: Vec<u32> = Vec::new();
     let mut draft_kv = 0usize;
     let mut salt = 0u64;
@@ -191,10 +240,12 @@ fn run(
         steps += 1;
         prop_assert!(steps < 20_000, "no progress");
         // Follow the schedule, then a fair round-robin.
-        let s = schedule.get(i).copied().unwrap_or(match steps % 3 {
+        let s = schedule.get(i).copied().unwrap_or(match steps % 4 {
             0 => Step::Draft,
             1 => Step::DeliverBlock,
-            _ => Step::DeliverVerdict,
+            2 => Step::DeliverVerdict,
+            _ if cloud.taken_over && !cloud.stop => Step::HandBack,
+            _ => Step::CloudDecode,
         });
         i += 1;
         match s {
@@ -207,20 +258,28 @@ fn run(
                 prop_assert_eq!(edge.draft_fed() + 1, edge.tokens().len());
                 handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
             }
-            Step::DeliverBlock => {
+            // While the verifier decodes the session, blocks wait in its queue.
+            Step::DeliverBlock if !cloud.taken_over => {
                 if let Some(b) = to_cloud.pop_front() {
                     if let Some(v) = cloud.on_block(&b) {
-                        to_edge.push_back(v);
+                        to_edge.push_back(ToEdge::Verdict(v));
                     }
                 }
             }
             Step::DeliverVerdict => {
-                if let Some(v) = to_edge.pop_front() {
-                    let outs = edge
-                        .on_verdict(v)
-                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
-                    handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
+                let outs = match to_edge.pop_front() {
+                    Some(ToEdge::Verdict(v)) => edge.on_verdict(v),
+                    Some(ToEdge::Decoded(d)) => edge.on_decoded(d),
+                    None => Ok(Vec::new()),
                 }
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
+            }
+            Step::TakeOver => cloud.taken_over = true,
+            Step::HandBack if cloud.taken_over => cloud.stop = true,
+            Step::CloudDecode if cloud.taken_over && cloud.session.committed_len() < limit => {
+                let d = cloud.decode();
+                to_edge.push_back(ToEdge::Decoded(d));
             }
             Step::DropConnection => {
                 to_cloud.clear();

@@ -1,0 +1,187 @@
+//! A saturated verifier takes a speculation session over — decodes it itself, streaming tokens —
+//! and later hands it back; the real edge runtime follows along (stale blocks dropped, drafting
+//! paused and resumed) and commits exactly the target's greedy output. Tiny random model, real
+//! verifier and scheduler, real pipeline.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tandem_cloud::{Event, Verifier, VerifierConfig};
+use tandem_edge::{EdgeError, Incoming, Link, SpecConfig, SyntheticDrafter};
+use tandem_engine::testing::{tiny_file, TinySpec};
+use tandem_engine::{Engine, EngineConfig, LlamaModel, SamplingParams, WeightMode};
+use tandem_spec::{Block, VerifyRule};
+
+const SESSION: u64 = 7;
+
+fn verifier() -> Verifier {
+    let mut f = tiny_file(&TinySpec::default()).unwrap();
+    let m = Arc::new(LlamaModel::load(&mut f, WeightMode::F32).unwrap());
+    let e = Engine::new(
+        m,
+        EngineConfig {
+            threads: 1,
+            kv_budget_bytes: 1 << 20,
+            kv_block_size: 4,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    Verifier::new(e, VerifierConfig::default()).unwrap()
+}
+
+/// The verifier behind a link that takes the session over after `take_after` verdicts and hands
+/// it back after `give_after` decoded tokens.
+struct Local {
+    v: Verifier,
+    inbox: VecDeque<Incoming>,
+    verdicts: usize,
+    decoded: usize,
+    take_after: usize,
+    give_after: usize,
+    taken: bool,
+    giving: bool,
+    handed_back: bool,
+}
+
+impl Local {
+    fn absorb(&mut self, events: Vec<Event>) -> Result<(), EdgeError> {
+        for e in events {
+            match e {
+                Event::Verdict { verdict, .. } => {
+                    self.verdicts += 1;
+                    self.inbox.push_back(Incoming::Verdict(verdict));
+                }
+                Event::Decoded {
+                    mut decoded,
+                    handback,
+                    ..
+                } => {
+                    self.decoded += 1;
+                    if handback {
+                        decoded.resume = Some((3, 2));
+                        self.handed_back = true;
+                    }
+                    self.inbox.push_back(Incoming::Decoded(decoded));
+                }
+                Event::Error { error, .. } => return Err(EdgeError::Refused(error.to_string())),
+                _ => {}
+            }
+        }
+        if !self.taken && self.verdicts >= self.take_after {
+            self.taken = true;
+            let e = self.v.set_cloud_decode(SESSION, true);
+            self.absorb(e)?;
+        }
+        if self.taken && !self.giving && self.decoded >= self.give_after {
+            self.giving = true;
+            let e = self.v.set_cloud_decode(SESSION, false);
+            self.absorb(e)?;
+        }
+        Ok(())
+    }
+}
+
+impl Link for Local {
+    fn send(&mut self, block: Block) -> Result<(), EdgeError> {
+        let e = self.v.draft(SESSION, block);
+        self.absorb(e)
+    }
+
+    fn recv(&mut self, wait: bool) -> Result<Option<Incoming>, EdgeError> {
+        while wait && self.inbox.is_empty() && self.v.has_work() {
+            let e = self.v.step(0);
+            self.absorb(e)?;
+        }
+        Ok(self.inbox.pop_front())
+    }
+}
+
+#[test]
+fn a_session_taken_over_and_handed_back_is_the_targets() {
+    let prompt: Vec<u32> = (0..8).map(|i| (i * 11 + 5) % 90).collect();
+    let n = 40;
+    // The target's own greedy answer: a cloud-only generation on the same verifier.
+    let mut v = verifier();
+    v.open_generate(1, 0, &prompt, SamplingParams::default(), n, vec![])
+        .unwrap();
+    let want: Vec<u32> = v
+        .run_until_idle(0)
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Token { token, .. } => Some(token),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(want.len(), n);
+    for (take_after, give_after, alpha, depth) in [(2, 5, 0.7, 2), (1, 1, 0.5, 3), (4, 12, 0.9, 1)]
+    {
+        v.open(
+            SESSION,
+            0,
+            &prompt,
+            SamplingParams::default(),
+            VerifyRule::Greedy,
+            n,
+            vec![],
+        )
+        .unwrap();
+        let first = v
+            .run_until_idle(0)
+            .into_iter()
+            .find_map(|e| match e {
+                Event::Opened { first, .. } => Some(first),
+                _ => None,
+            })
+            .unwrap();
+        let mut link = Local {
+            v,
+            inbox: VecDeque::new(),
+            verdicts: 0,
+            decoded: 0,
+            take_after,
+            give_after,
+            taken: false,
+            giving: false,
+            handed_back: false,
+        };
+        let cfg = SpecConfig {
+            draft_len: 3,
+            depth,
+            max_new_tokens: n,
+            rule: VerifyRule::Greedy,
+            params: SamplingParams::default(),
+            q_top_k: 0,
+            auto: None,
+            granted: None,
+        };
+        let mut d = SyntheticDrafter::new(prompt.len(), want.clone(), alpha, 0.0, 96, 3);
+        let r = tandem_edge::run_with(
+            &mut d,
+            vec![],
+            &prompt,
+            first,
+            &cfg,
+            &mut link,
+            Instant::now(),
+            |_| {},
+        )
+        .unwrap();
+        assert_eq!(
+            r.output_ids, want,
+            "take after {take_after}, give after {give_after}"
+        );
+        assert!(
+            link.taken && link.handed_back,
+            "it was taken over and handed back"
+        );
+        assert!(r.measured.cloud_decoded >= give_after, "{:?}", r.measured);
+        println!(
+            "take after {take_after} verdicts, hand back after {give_after}: {} decoded by the verifier, {} verdicts in all, {} stale blocks",
+            link.decoded, link.verdicts, r.stats.stale_blocks
+        );
+        v = link.v;
+        v.close(SESSION);
+    }
+}
