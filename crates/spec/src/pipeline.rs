@@ -516,16 +516,7 @@ impl Pipeline {
         if d.pos < self.committed && self.epoch <= d.epoch {
             // The verifier moved past our epoch: whatever is in flight is stale. (Blocks of a
             // later epoch — sent after we foresaw its rejection of an earlier one — are not.)
-            self.stats.stale_blocks += self.in_flight.len();
-            self.stats.wasted_draft_tokens += self.tokens.len() - self.committed;
-            self.in_flight.clear();
-            self.cut_tail(self.committed);
-            self.q.clear();
-            self.sent = self.committed;
-            if self.draft_fed > self.committed {
-                self.draft_fed = self.committed;
-                out.push(Output::Rollback { to: self.committed });
-            }
+            self.drop_speculation(&mut out);
         } else if d.pos < self.committed {
             // Known, and our blocks in flight are of a later epoch: they stand.
         } else if d.pos > self.committed {
@@ -565,17 +556,23 @@ impl Pipeline {
     pub fn on_connection_lost(&mut self) -> Vec<Output> {
         let mut out = Vec::new();
         self.cloud_decoding = false;
+        self.drop_speculation(&mut out);
+        self.epoch = 0;
+        out
+    }
+
+    /// Forget every block in flight and the speculative tail; the draft rolls back to the
+    /// committed sequence.
+    fn drop_speculation(&mut self, out: &mut Vec<Output>) {
         self.stats.stale_blocks += self.in_flight.len();
         self.stats.wasted_draft_tokens += self.tokens.len() - self.committed;
         self.in_flight.clear();
         self.cut_tail(self.committed);
         self.q.clear();
         self.sent = self.committed;
-        self.epoch = 0;
         if self.draft_fed > self.committed {
             self.draft_fed = self.committed;
             out.push(Output::Rollback { to: self.committed });
         }
-        out
     }
 }
