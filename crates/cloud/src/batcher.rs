@@ -20,6 +20,11 @@ const THROTTLED_WAIT: Duration = Duration::from_millis(2);
 /// Forwards between two looks at the load by the grant policy (each moves one level at most).
 const GRANT_EVERY: u64 = 2;
 
+/// Idle this long, the verifier counts as unloaded and the grant relaxes a level (per turn of the
+/// loop). Shorter gaps are normal between rounds of speculation (edges drafting, blocks on the
+/// wire) and do not count.
+const IDLE_RELAX: Duration = Duration::from_millis(250);
+
 /// Messages taken per turn at most, so that a flood of them cannot keep the forward from running.
 const MESSAGES_PER_TURN: usize = 4096;
 
@@ -61,31 +66,9 @@ pub fn serve(
     let mut iteration_ms = 50.0f64;
     let mut throttled = false;
     let mut graded_at = 0u64;
+    let mut last_forward = Instant::now();
     loop {
-        if !v.has_work() {
-            v.stats.tokens_per_forward = 0.0;
-            // Idle: the grant relaxes one level per turn of the loop.
-            grants.grant(0.0);
-        } else if v.stats.target_forwards >= graded_at + GRANT_EVERY {
-            graded_at = v.stats.target_forwards;
-            grants.grant(v.stats.tokens_per_forward);
-        }
-        let (grant_g, grant_d) = grants.current();
-        // γ 0: the verifier decodes the session itself.
-        let grant_for = |want: (u32, u32)| {
-            if grant_g == 0 {
-                (0, 1)
-            } else {
-                (want.0.min(grant_g).max(1), want.1.min(grant_d).max(1))
-            }
-        };
         let mut events = Vec::new();
-        for (id, l) in live.iter_mut() {
-            if l.want.is_some() && l.cloud != (grant_g == 0) {
-                l.cloud = grant_g == 0;
-                events.extend(v.set_cloud_decode(*id, l.cloud));
-            }
-        }
         gauges.update(&v);
         let first = if !v.has_work() {
             match rx.recv() {
@@ -157,12 +140,38 @@ pub fn serve(
                 ToCloud::Query { session, reply } => reply(v.session(session)),
             }
         }
+        // The load, looked at once the turn's messages are in: no forward for IDLE_RELAX means
+        // the verifier sat idle (it relaxes a level), else every GRANT_EVERY forwards.
+        if last_forward.elapsed() >= IDLE_RELAX {
+            last_forward = Instant::now();
+            v.stats.tokens_per_forward = 0.0;
+            grants.grant(0.0);
+        } else if v.stats.target_forwards >= graded_at + GRANT_EVERY {
+            graded_at = v.stats.target_forwards;
+            grants.grant(v.stats.tokens_per_forward);
+        }
+        let (grant_g, grant_d) = grants.current();
+        // γ 0: the verifier decodes the session itself.
+        let grant_for = |want: (u32, u32)| {
+            if grant_g == 0 {
+                (0, 1)
+            } else {
+                (want.0.min(grant_g).max(1), want.1.min(grant_d).max(1))
+            }
+        };
+        for (id, l) in live.iter_mut() {
+            if l.want.is_some() && l.cloud != (grant_g == 0) {
+                l.cloud = grant_g == 0;
+                events.extend(v.set_cloud_decode(*id, l.cloud));
+            }
+        }
         throttled = false;
         if v.has_work() {
             let forwards = v.stats.target_forwards;
             let t0 = Instant::now();
             let e = v.step(started.elapsed().as_millis() as u64);
             if v.stats.target_forwards > forwards {
+                last_forward = Instant::now();
                 let ms = t0.elapsed().as_secs_f64() * 1e3;
                 iteration_ms += 0.1 * (ms - iteration_ms);
                 mx.forwards.inc();
