@@ -141,6 +141,21 @@ pub struct Update<'a> {
 
 pub use drafter::prefill_draft;
 
+/// Show the user the tokens `fresh` committed (then forget them) and the tail as it stands.
+fn show(
+    on_update: &mut impl FnMut(Update<'_>),
+    fresh: &mut Vec<u32>,
+    tentative: &[u32],
+    correction: Option<(u32, u32)>,
+) {
+    on_update(Update {
+        committed: fresh,
+        tentative,
+        correction,
+    });
+    fresh.clear();
+}
+
 /// Generate with speculation, drafting with the model in `draft`: `prompt` is already open on the
 /// verifier behind `link`, which answered with the target's `first` token. The draft's sequence
 /// holds nothing or exactly `prompt` (see [`prefill_draft`]).
@@ -226,12 +241,7 @@ pub fn run_with(
         &mut sent_at,
         &mut fresh,
     )?;
-    on_update(Update {
-        committed: &fresh,
-        tentative: &[],
-        correction: None,
-    });
-    fresh.clear();
+    show(&mut on_update, &mut fresh, &[], None);
     loop {
         // One step; a lost connection anywhere in it is recovered below.
         let step = (|| -> Result<bool, EdgeError> {
@@ -260,12 +270,12 @@ pub fn run_with(
                                 apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
                             }
                         }
-                        on_update(Update {
-                            committed: &fresh,
-                            tentative: &p.tokens()[p.committed_len()..],
-                            correction: None,
-                        });
-                        fresh.clear();
+                        show(
+                            &mut on_update,
+                            &mut fresh,
+                            &p.tokens()[p.committed_len()..],
+                            None,
+                        );
                         continue;
                     }
                 };
@@ -310,12 +320,12 @@ pub fn run_with(
                             .map(|(&b, &n)| (b, n))
                     })
                     .flatten();
-                on_update(Update {
-                    committed: &fresh,
-                    tentative: &p.tokens()[p.committed_len()..],
+                show(
+                    &mut on_update,
+                    &mut fresh,
+                    &p.tokens()[p.committed_len()..],
                     correction,
-                });
-                fresh.clear();
+                );
                 if let Some(a) = cfg.auto {
                     let s = *p.stats();
                     let costs = est.costs(s.accepted, s.accepted + s.rejections);
@@ -357,12 +367,12 @@ pub fn run_with(
                     }
                     let outs = p.on_drafted(t, q);
                     apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
-                    on_update(Update {
-                        committed: &fresh,
-                        tentative: &p.tokens()[p.committed_len()..],
-                        correction: None,
-                    });
-                    fresh.clear();
+                    show(
+                        &mut on_update,
+                        &mut fresh,
+                        &p.tokens()[p.committed_len()..],
+                        None,
+                    );
                 }
             }
             Ok(false)
@@ -392,12 +402,7 @@ pub fn run_with(
                 m.reconnects += 1;
                 let outs = p.on_reopened(first);
                 apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
-                on_update(Update {
-                    committed: &fresh,
-                    tentative: &[],
-                    correction: None,
-                });
-                fresh.clear();
+                show(&mut on_update, &mut fresh, &[], None);
                 if p.next() == Next::Done {
                     break;
                 }
