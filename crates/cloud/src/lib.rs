@@ -87,7 +87,6 @@ pub struct Gauges {
     pub tokens_per_forward_x100: AtomicU64,
     /// Prompt (and recompute) tokens waiting for prefill.
     pub waiting_tokens: AtomicU64,
-    pub preemptions: AtomicU64,
 }
 
 impl Gauges {
@@ -100,8 +99,6 @@ impl Gauges {
         set(&self.kv_blocks_used, pool.num_blocks() - pool.num_free());
         set(&self.kv_blocks_total, pool.num_blocks());
         set(&self.waiting_tokens, v.scheduler().waiting_tokens());
-        self.preemptions
-            .store(v.scheduler().stats().preemptions, Ordering::Relaxed);
         self.target_forwards
             .store(v.stats.target_forwards, Ordering::Relaxed);
         self.tokens_per_forward_x100.store(

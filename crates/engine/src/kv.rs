@@ -132,13 +132,6 @@ impl BlockTables {
         }
     }
 
-    /// Index of the slot that holds position `pos` of `seq`, counted in token slots over the pool.
-    #[inline]
-    pub fn slot(&self, seq: SeqId, pos: usize) -> usize {
-        let blocks = &self.seqs[&seq].blocks;
-        blocks[pos / self.block_size] as usize * self.block_size + pos % self.block_size
-    }
-
     /// Blocks held by sequences plus free blocks; equals `num_blocks` at all times.
     pub fn accounted_blocks(&self) -> usize {
         self.free.len() + self.seqs.values().map(|s| s.blocks.len()).sum::<usize>()
