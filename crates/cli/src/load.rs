@@ -42,6 +42,7 @@ pub struct LoadArgs {
     pub max_new: usize,
     pub prompts: Vec<String>,
     pub token_budget: usize,
+    pub kv_budget_mb: usize,
     pub cloud_only: bool,
     pub edge_cpus: CpuSet,
     pub cloud_cpus: CpuSet,
@@ -53,6 +54,8 @@ pub struct LoadArgs {
 /// Target forward time against tokens per forward, on the verifier's cores.
 #[derive(Debug, Clone, Serialize)]
 pub struct Roofline {
+    /// The time of a one-token forward (the weights read once).
+    pub one_token_ms: f64,
     /// (tokens per forward, ms).
     pub points: Vec<(usize, f64)>,
     /// ms per extra token once compute-bound (the slope over the largest sizes).
@@ -82,6 +85,12 @@ pub struct LoadRow {
     /// 1 / E[A] at the measured α and the mean granted γ (speculation only).
     pub forwards_per_token_bound: Option<f64>,
     pub mean_granted_gamma: f64,
+    /// Share of the sessions' tokens the verifier decoded itself (1 for cloud-only).
+    pub cloud_decoded_share: f64,
+    /// Within the window: sessions whose KV was dropped for room (recomputed later), and
+    /// speculation sessions the verifier took over.
+    pub preemptions: f64,
+    pub takeovers: f64,
     pub sessions_run: usize,
     /// Sessions whose output differed from the target's (must be 0), and refused or failed ones.
     pub mismatches: usize,
@@ -133,35 +142,12 @@ pub fn roofline(target: &Arc<LlamaModel>, cpus: &CpuSet) -> Result<Roofline> {
             ..EngineConfig::default()
         },
     )?;
-    let sizes = [1usize, 2, 4, 8, 16, 32, 64, 128];
-    let mut points = Vec::new();
-    for &n in &sizes {
-        let tokens: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
-        let mut t = Vec::new();
-        for _ in 0..3 {
-            let t0 = Instant::now();
-            e.forward(&[SeqChunk::new(SeqId(1), 0, tokens.clone(), Wanted::Last)])?;
-            t.push(t0.elapsed().as_secs_f64() * 1e3);
-            e.free(SeqId(1));
-        }
-        t.sort_by(f64::total_cmp);
-        points.push((n, t[1]));
-    }
-    // Least squares over the three largest sizes.
-    let tail = &points[points.len() - 3..];
-    let (mx, my) = (
-        tail.iter().map(|p| p.0 as f64).sum::<f64>() / 3.0,
-        tail.iter().map(|p| p.1).sum::<f64>() / 3.0,
-    );
-    let slope = tail
-        .iter()
-        .map(|p| (p.0 as f64 - mx) * (p.1 - my))
-        .sum::<f64>()
-        / tail.iter().map(|p| (p.0 as f64 - mx).powi(2)).sum::<f64>();
-    let ms_per_token = slope.max(1e-6);
+    let (points, cost) =
+        tandem_cloud::measure_forward_cost(&mut e, &[1, 2, 4, 8, 16, 32, 64, 128], 3)?;
     Ok(Roofline {
-        ridge_tokens: round2(points[0].1 / ms_per_token),
-        ms_per_token: round2(ms_per_token),
+        one_token_ms: round2(cost.one_token_ms),
+        ridge_tokens: round2(cost.ridge_tokens()),
+        ms_per_token: round2(cost.ms_per_token),
         points: points.into_iter().map(|(n, t)| (n, round2(t))).collect(),
     })
 }
@@ -213,6 +199,9 @@ struct SessionOut {
     /// Drafted tokens the target accepted, and rejections (the edge's own counts).
     accepted: usize,
     rejections: usize,
+    /// Tokens the verifier decoded itself (taken over), and all the session's tokens.
+    cloud_decoded: usize,
+    tokens: usize,
 }
 
 /// Per-token gaps of the commits inside `window`: a commit of k tokens after a gap g counts k
@@ -263,30 +252,43 @@ struct Job<'a> {
     a: &'a LoadArgs,
 }
 
-/// One synthetic speculative session.
-fn spec_session(
-    j: &Job<'_>,
+/// What one synthetic edge asks the verifier for, and how it drafts.
+#[derive(Debug, Clone, Copy)]
+pub struct SyntheticEdge {
+    pub alpha: f64,
+    pub draft_ms: f64,
+    pub gamma: usize,
+    pub depth: usize,
+    pub seed: u64,
+    /// The target's vocabulary size (a wrong guess is a token id below it).
+    pub vocab: u32,
+}
+
+/// One synthetic speculation session against the verifier at `url`: `want` is the target's greedy
+/// continuation of `prompt` (the session asks for that many tokens). Returns the edge's run.
+pub fn synthetic_session(
     rt: &tokio::runtime::Runtime,
-    k: usize,
-    alpha: f64,
-    seed: u64,
-) -> Result<SessionOut> {
-    let (prompt, want) = (&j.prompts[k], &j.wants[k]);
+    url: &str,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    want: &[u32],
+    edge: SyntheticEdge,
+) -> Result<tandem_edge::SpecReport> {
     let start = Instant::now();
     let req = OpenRequest {
-        tokenizer_fingerprint: j.tok.fingerprint().to_string(),
-        prompt_ids: prompt.clone(),
+        tokenizer_fingerprint: tok.fingerprint().to_string(),
+        prompt_ids: prompt.to_vec(),
         params: SamplingParams::default(),
         max_tokens: want.len() as u32,
         rule: VerifyRule::Greedy,
-        want_draft_len: j.a.gamma as u32,
-        want_depth: j.a.depth as u32,
+        want_draft_len: edge.gamma as u32,
+        want_depth: edge.depth as u32,
         api_key: None,
     };
-    let (mut link, opened) = GrpcLink::connect(rt, j.url, req)?;
+    let (mut link, opened) = GrpcLink::connect(rt, url, req)?;
     let cfg = SpecConfig {
-        draft_len: j.a.gamma,
-        depth: j.a.depth,
+        draft_len: edge.gamma,
+        depth: edge.depth,
         max_new_tokens: want.len(),
         rule: VerifyRule::Greedy,
         params: SamplingParams::default(),
@@ -296,15 +298,15 @@ fn spec_session(
     };
     let mut d = SyntheticDrafter::new(
         prompt.len(),
-        want.clone(),
-        alpha,
-        j.a.draft_ms,
-        j.vocab,
-        seed,
+        want.to_vec(),
+        edge.alpha,
+        edge.draft_ms,
+        edge.vocab,
+        edge.seed,
     );
     let r = tandem_edge::run_with(
         &mut d,
-        j.tok.eog_ids(),
+        tok.eog_ids(),
         prompt,
         opened.first_token,
         &cfg,
@@ -313,6 +315,28 @@ fn spec_session(
         |_| {},
     )?;
     link.close();
+    Ok(r)
+}
+
+/// One synthetic speculative session of the sweep.
+fn spec_session(
+    j: &Job<'_>,
+    rt: &tokio::runtime::Runtime,
+    k: usize,
+    alpha: f64,
+    seed: u64,
+) -> Result<SessionOut> {
+    let (prompt, want) = (&j.prompts[k], &j.wants[k]);
+    let start = Instant::now();
+    let edge = SyntheticEdge {
+        alpha,
+        draft_ms: j.a.draft_ms,
+        gamma: j.a.gamma,
+        depth: j.a.depth,
+        seed,
+        vocab: j.vocab,
+    };
+    let r = synthetic_session(rt, j.url, j.tok, prompt, want, edge)?;
     Ok(SessionOut {
         start,
         commits: commits_of(start, &r.commit_ms),
@@ -320,6 +344,8 @@ fn spec_session(
         gamma: r.measured.final_draft_len,
         accepted: r.stats.accepted,
         rejections: r.stats.rejections,
+        cloud_decoded: r.measured.cloud_decoded,
+        tokens: r.output_ids.len(),
     })
 }
 
@@ -349,6 +375,8 @@ fn cloud_session(j: &Job<'_>, rt: &tokio::runtime::Runtime, k: usize) -> Result<
         gamma: 0,
         accepted: 0,
         rejections: 0,
+        cloud_decoded: out.len(),
+        tokens: out.len(),
     })
 }
 
@@ -480,6 +508,14 @@ fn drive(j: &Job<'_>, n: usize, alpha: Option<f64>, cloud: &CloudProcess) -> Res
             round2((1.0 - a) / (1.0 - a.powf(g + 1.0)))
         }),
         mean_granted_gamma: round2(gamma),
+        cloud_decoded_share: {
+            let (c, t) = outs
+                .iter()
+                .fold((0, 0), |s, o| (s.0 + o.cloud_decoded, s.1 + o.tokens));
+            round2(c as f64 / t.max(1) as f64)
+        },
+        preemptions: delta("tandem:preemptions_total"),
+        takeovers: delta("tandem:takeovers_total"),
         sessions_run: outs.len(),
         mismatches: outs.iter().filter(|o| !o.ok).count(),
         failures,
@@ -514,12 +550,16 @@ pub fn run(
             a.token_budget.to_string(),
             "--saturation-tokens".into(),
             saturation.to_string(),
+            "--forward-cost".into(),
+            format!("{},{}", roof.one_token_ms, roof.ms_per_token),
             "--max-draft-len".into(),
             a.gamma.to_string(),
             "--max-depth".into(),
             a.depth.to_string(),
             "--max-waiting-tokens".into(),
             "100000".into(),
+            "--kv-budget-mb".into(),
+            a.kv_budget_mb.to_string(),
         ],
     )?;
     let prompts: Vec<Vec<u32>> = a
@@ -658,8 +698,8 @@ pub fn table(r: &LoadReport) -> String {
         "\nRTT {} ms, synthetic draft {} ms/token, γ ≤ {}, depth ≤ {}, token budget {}, {} s measured per row; SLOs: p99 ITL ≤ {:.1} ms, mean ITL ≤ {:.1} ms (3× and 1.5× the single-session cloud-only mean).\n\n",
         r.rtt_ms, r.draft_ms, r.gamma, r.depth, r.token_budget, r.duration_s, r.slo_ms, r.mean_slo_ms
     ));
-    s.push_str("| mode | N | α (set / measured) | tok/s | ITL mean | ITL p50 | ITL p99 | TTFT p50 | batch | tokens/fwd | queue ms | fwd/token (bound) | γ granted | sessions | wrong |\n");
-    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    s.push_str("| mode | N | α (set / measured) | tok/s | ITL mean | ITL p50 | ITL p99 | TTFT p50 | batch | tokens/fwd | queue ms | fwd/token (bound) | γ granted | cloud-decoded | ÷ cloud-only | sessions | wrong |\n");
+    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for x in &r.rows {
         let alpha = x
             .alpha
@@ -667,8 +707,16 @@ pub fn table(r: &LoadReport) -> String {
         let bound = x
             .forwards_per_token_bound
             .map_or(String::new(), |b| format!(" ({b:.2})"));
+        let base = r
+            .rows
+            .iter()
+            .find(|c| c.alpha.is_none() && c.sessions == x.sessions)
+            .filter(|c| c.throughput_tok_s > 0.0);
+        let ratio = base.map_or("-".into(), |c| {
+            format!("{:.2}", x.throughput_tok_s / c.throughput_tok_s)
+        });
         s.push_str(&format!(
-            "| {} | {} | {alpha} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} | {:.2}{bound} | {:.1} | {} | {} |\n",
+            "| {} | {} | {alpha} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} | {:.2}{bound} | {:.1} | {:.0}% | {ratio} | {} | {} |\n",
             x.mode,
             x.sessions,
             x.throughput_tok_s,
@@ -681,6 +729,7 @@ pub fn table(r: &LoadReport) -> String {
             x.queue_ms_mean,
             x.forwards_per_token,
             x.mean_granted_gamma,
+            100.0 * x.cloud_decoded_share,
             x.sessions_run,
             x.mismatches + x.failures,
         ));
@@ -712,6 +761,8 @@ mod tests {
             gamma: 2,
             accepted: 0,
             rejections: 0,
+            cloud_decoded: 0,
+            tokens: 5,
         };
         let (itl, ttft) = gaps(&[o], (t0, t0 + Duration::from_secs(1)));
         assert_eq!(ttft.len(), 1);

@@ -99,10 +99,17 @@ struct ServeArgs {
     #[arg(long, default_value_t = 4)]
     max_depth: u32,
     /// Tokens per forward at which the target is saturated: grants shrink (γ halves, depth drops
-    /// by one per step) as the mean load nears it, and grow back below half; open sessions learn
-    /// the new grant with their next verdict.
-    #[arg(long, default_value_t = tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS)]
-    saturation_tokens: f64,
+    /// by one per step, then γ 0: the verifier decodes the sessions itself) as the mean load
+    /// nears it, and grow back below half; open sessions learn the new grant with their next
+    /// verdict. Default: twice the ridge of the target's forward cost.
+    #[arg(long)]
+    saturation_tokens: Option<f64>,
+    /// The target's forward cost as `ONE_TOKEN_MS,MS_PER_TOKEN` (a forward takes the larger of
+    /// the one-token time and MS_PER_TOKEN per token). Default: measured at start-up (about a
+    /// second). With it, a session whose speculation commits slower than cloud decoding would at
+    /// the current load is taken over by the verifier on its own.
+    #[arg(long, value_parser = parse_forward_cost)]
+    forward_cost: Option<tandem_cloud::ForwardCost>,
     /// Tenants and their API keys (TOML: [[tenant]] name, keys, weight, max_sessions,
     /// max_kv_blocks, tokens_per_s). Every RPC must then carry `authorization: Bearer <key>`.
     #[arg(long)]
@@ -299,6 +306,10 @@ struct LoadBenchArgs {
     /// Grants shrink as tokens per forward near this (default: twice the measured ridge).
     #[arg(long)]
     saturation_tokens: Option<f64>,
+    /// The verifier's KV cache in MiB (large enough by default that 64 sessions run without
+    /// preemption: the sweep measures compute, not memory pressure).
+    #[arg(long, default_value_t = 2048)]
+    kv_budget_mb: usize,
     /// Skip the cloud-only baseline.
     #[arg(long)]
     no_cloud_only: bool,
@@ -731,6 +742,7 @@ fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
         max_new: a.max_new,
         prompts,
         token_budget: a.token_budget,
+        kv_budget_mb: a.kv_budget_mb,
         cloud_only: !a.no_cloud_only,
         edge_cpus: a.edge_cpus.unwrap_or(edge_default),
         cloud_cpus: a.cloud_cpus.unwrap_or(cloud_default),
@@ -954,6 +966,24 @@ fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
     Ok(())
 }
 
+/// `ONE_TOKEN_MS,MS_PER_TOKEN`, both positive.
+fn parse_forward_cost(s: &str) -> Result<tandem_cloud::ForwardCost, String> {
+    let (a, b) = s
+        .split_once(',')
+        .ok_or_else(|| format!("{s:?}: give ONE_TOKEN_MS,MS_PER_TOKEN (e.g. 100,12.5)"))?;
+    let num = |x: &str, what: &str| {
+        x.trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .ok_or_else(|| format!("{what} {x:?} is not a positive number of milliseconds"))
+    };
+    Ok(tandem_cloud::ForwardCost {
+        one_token_ms: num(a, "ONE_TOKEN_MS")?,
+        ms_per_token: num(b, "MS_PER_TOKEN")?,
+    })
+}
+
 fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
     let addr: std::net::SocketAddr = a
         .listen
@@ -970,11 +1000,11 @@ fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             "the verifier needs API keys: give --tenants FILE, or --no-auth on a loopback address"
         ),
     };
-    if !(a.saturation_tokens.is_finite() && a.saturation_tokens >= 1.0) {
-        bail!(
-            "--saturation-tokens must be at least 1, got {}",
-            a.saturation_tokens
-        );
+    if let Some(x) = a
+        .saturation_tokens
+        .filter(|x| !(x.is_finite() && *x >= 1.0))
+    {
+        bail!("--saturation-tokens must be at least 1, got {x}");
     }
     if !(a.drain_timeout_s.is_finite() && a.drain_timeout_s >= 0.0) {
         bail!(
@@ -990,14 +1020,27 @@ fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
         );
     }
     let m = models::load(home, &ModelSpec::Target, None, false)?;
-    let engine = Engine::new(m.model.clone(), a.engine.config())?;
+    let mut engine = Engine::new(m.model.clone(), a.engine.config())?;
+    let cost = match a.forward_cost {
+        Some(c) => c,
+        None => tandem_cloud::measure_forward_cost(&mut engine, &[1, 8, 32], 3)?.1,
+    };
+    eprintln!(
+        "target forward: {:.1} ms for one token, {:.2} ms per token past the ridge (≈ {:.1} tokens)",
+        cost.one_token_ms,
+        cost.ms_per_token,
+        cost.ridge_tokens()
+    );
     let name = m
         .path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let info = tandem_cloud::grpc::ServiceInfo {
-        saturation_tokens: a.saturation_tokens,
+        saturation_tokens: a
+            .saturation_tokens
+            .unwrap_or(2.0 * cost.ridge_tokens().max(1.0)),
+        forward_cost: Some(cost),
         ..tandem_cloud::grpc::ServiceInfo::new(
             &name,
             &m.model,

@@ -176,8 +176,13 @@ fn sixteen_concurrent_sessions_each_get_the_targets_output() {
         .enumerate()
         .map(|(i, p)| want(p, max_new, i as u64))
         .collect();
-    let (url, gauges) =
-        grpc_server_with(32.0, Tenants::open(), VerifierConfig::default(), 256 << 20);
+    let (url, gauges) = grpc_server_with(
+        32.0,
+        false,
+        Tenants::open(),
+        VerifierConfig::default(),
+        256 << 20,
+    );
     let outs: Vec<Vec<u32>> = std::thread::scope(|s| {
         let handles: Vec<_> = ps
             .iter()
@@ -227,7 +232,13 @@ fn sixteen_concurrent_sessions_each_get_the_targets_output() {
 /// documented statuses; A's output is the target's, token for token.
 #[test]
 fn a_hostile_tenant_cannot_touch_or_disturb_another() {
-    let (url, _) = grpc_server_with(32.0, tenants(""), VerifierConfig::default(), 256 << 20);
+    let (url, _) = grpc_server_with(
+        32.0,
+        false,
+        tenants(""),
+        VerifierConfig::default(),
+        256 << 20,
+    );
     let ps = prompts(2);
     let max_new = 32;
     let want_a = want(&ps[0], max_new, 0);
@@ -372,13 +383,55 @@ fn a_hostile_tenant_cannot_touch_or_disturb_another() {
 
 /// Admission: past the verifier's session limit, or a tenant's quota, a new session is refused
 /// with RESOURCE_EXHAUSTED and a `retry-after-ms` trailer; a freed slot admits again.
+/// Takeover by pace, on an unloaded verifier: an edge whose drafts are always wrong and slow
+/// commits a token per round, slower than the verifier decodes one on its own, so the verifier
+/// takes that session over; an edge whose drafts are right and fast keeps speculating. Both get
+/// exactly the target's output.
+#[test]
+fn a_slow_speculation_session_is_taken_over_and_a_fast_one_is_not() {
+    let (m, tok) = target();
+    // Grants never shrink for load here (saturation far away): only pace decides.
+    let (url, _) = grpc_server_with(
+        1000.0,
+        true,
+        Tenants::open(),
+        VerifierConfig::default(),
+        256 << 20,
+    );
+    let p = &prompts(1)[0];
+    let n = 24;
+    let w = want(p, n, 1);
+    let rt = rt();
+    let run = |alpha: f64, draft_ms: f64| {
+        let edge = tandem_cli::load::SyntheticEdge {
+            alpha,
+            draft_ms,
+            gamma: 4,
+            depth: 2,
+            seed: 7,
+            vocab: m.cfg.vocab as u32,
+        };
+        tandem_cli::load::synthetic_session(&rt, &url, tok, p, &w, edge).unwrap()
+    };
+    let slow = run(0.0, 40.0);
+    assert_eq!(slow.output_ids, w, "slow session");
+    assert!(
+        slow.measured.cloud_decoded >= w.len() / 2,
+        "the verifier should have decoded most of the slow session: {:?}",
+        slow.measured
+    );
+    let fast = run(1.0, 1.0);
+    assert_eq!(fast.output_ids, w, "fast session");
+    assert_eq!(fast.measured.cloud_decoded, 0, "{:?}", fast.measured);
+}
+
 #[test]
 fn a_saturated_verifier_refuses_with_a_retry_hint() {
     let cfg = VerifierConfig {
         max_sessions: 2,
         ..VerifierConfig::default()
     };
-    let (url, _) = grpc_server_with(32.0, tenants("max_sessions = 1"), cfg, 256 << 20);
+    let (url, _) = grpc_server_with(32.0, false, tenants("max_sessions = 1"), cfg, 256 << 20);
     let p = &prompts(1)[0];
     let rt = rt();
     let b1 = rt.block_on(open_raw(&url, Some(KEY_B), p)).unwrap();

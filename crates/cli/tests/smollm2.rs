@@ -492,6 +492,7 @@ fn grpc_server() -> &'static String {
 fn new_grpc_server(saturation_tokens: f64) -> (String, std::sync::Arc<tandem_cloud::Gauges>) {
     grpc_server_with(
         saturation_tokens,
+        false,
         tandem_cloud::tenants::Tenants::open(),
         tandem_cloud::VerifierConfig::default(),
         256 << 20,

@@ -8,7 +8,8 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tandem_sched::{GrantPolicy, SchedError, SessionId, TenantId};
+use tandem_sched::pace::prefer_cloud;
+use tandem_sched::{GrantPolicy, Pace, SchedError, SessionId, TenantId};
 
 use crate::verifier::Event;
 use crate::{CloudError, Gauges, Reply, ToCloud, ToEdge, Verifier};
@@ -36,6 +37,8 @@ struct Live {
     granted: (u32, u32),
     /// The verifier decodes this session itself (its grant is γ 0).
     cloud: bool,
+    /// Its speculative pace (ms per committed token), for a takeover of its own.
+    pace: Pace,
     /// When the session was admitted (for the time to first token), and when it last got tokens.
     opened_at: Instant,
     last_commit: Option<Instant>,
@@ -159,10 +162,22 @@ pub fn serve(
                 (want.0.min(grant_g).max(1), want.1.min(grant_d).max(1))
             }
         };
+        // Past the ridge every session is taken over (γ 0); below it, each one whose speculation
+        // commits slower than cloud decoding would at this load.
+        let cloud_itl = grants.cloud_itl_ms(live.len());
         for (id, l) in live.iter_mut() {
-            if l.want.is_some() && l.cloud != (grant_g == 0) {
-                l.cloud = grant_g == 0;
-                events.extend(v.set_cloud_decode(*id, l.cloud));
+            if l.want.is_none() {
+                continue;
+            }
+            let cloud = grant_g == 0
+                || cloud_itl.is_some_and(|c| prefer_cloud(l.pace.ms_per_token(), c, l.cloud));
+            if l.cloud != cloud {
+                l.cloud = cloud;
+                l.pace.restart();
+                if cloud {
+                    mx.takeovers.inc();
+                }
+                events.extend(v.set_cloud_decode(*id, cloud));
             }
         }
         throttled = false;
@@ -249,6 +264,10 @@ pub fn serve(
                                 .inc_by(accepted as u64);
                         }
                         inter_token(mx, &mut l.last_commit, accepted + 1);
+                        if !l.cloud {
+                            l.pace
+                                .on_commit(started.elapsed().as_millis() as u64, accepted + 1);
+                        }
                     }
                     (session, ToEdge::Verdict(verdict), false)
                 }
@@ -333,6 +352,7 @@ fn admitted(
                     want,
                     granted: (0, 0),
                     cloud: false,
+                    pace: Pace::default(),
                     opened_at: Instant::now(),
                     last_commit: None,
                     arrivals: Default::default(),

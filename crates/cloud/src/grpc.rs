@@ -37,6 +37,9 @@ pub struct ServiceInfo {
     /// Tokens per forward at which the target is saturated: sessions get smaller grants as the
     /// load nears it ([`GrantPolicy`]), told with their next verdict.
     pub saturation_tokens: f64,
+    /// The target's measured forward cost: with it, a session whose speculation commits slower
+    /// than cloud decoding at this load is taken over on its own ([`tandem_sched::pace`]).
+    pub forward_cost: Option<tandem_sched::ForwardCost>,
 }
 
 impl ServiceInfo {
@@ -61,6 +64,7 @@ impl ServiceInfo {
             max_draft_len: max_draft_len.max(1),
             max_depth: max_depth.max(1),
             saturation_tokens: DEFAULT_SATURATION_TOKENS,
+            forward_cost: None,
         }
     }
 }
@@ -471,8 +475,11 @@ pub fn start(
     let gauges = Arc::new(Gauges::default());
     let g = gauges.clone();
     let names = tenants.names().to_vec();
-    let grants = GrantPolicy::new(info.max_draft_len, info.max_depth, info.saturation_tokens)
+    let mut grants = GrantPolicy::new(info.max_draft_len, info.max_depth, info.saturation_tokens)
         .with_cloud_decode();
+    if let Some(cost) = info.forward_cost {
+        grants = grants.with_pace(cost);
+    }
     let batcher = std::thread::Builder::new()
         .name("tandem-batcher".into())
         .spawn(move || crate::serve(verifier, rx, g, names, grants))

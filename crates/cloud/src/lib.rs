@@ -25,6 +25,7 @@ use tandem_sched::{SchedError, SessionId, TenantId};
 use tandem_spec::{Block, Decoded, SpecError, Verdict, VerifyRule};
 
 pub use batcher::serve;
+pub use tandem_sched::ForwardCost;
 pub use verifier::{Event, SessionState, TenantStats, Verifier, VerifierConfig, VerifierStats};
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -194,4 +195,36 @@ impl ToEdge {
             fatal,
         }
     }
+}
+
+/// Time the target's forward of a chunk of `n` new tokens for each of `sizes` (ascending; the
+/// median of `reps` runs each) and fit its roofline ([`tandem_sched::ForwardCost`]). The engine
+/// is left as it was found (the scratch sequence is freed).
+pub fn measure_forward_cost(
+    engine: &mut tandem_engine::Engine,
+    sizes: &[usize],
+    reps: usize,
+) -> Result<(Vec<(usize, f64)>, tandem_sched::ForwardCost), CloudError> {
+    use tandem_engine::{SeqChunk, SeqId, Wanted};
+    let scratch = SeqId(u64::MAX);
+    let mut points = Vec::new();
+    for &n in sizes {
+        let tokens: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
+        let mut t = Vec::new();
+        for _ in 0..reps.max(1) {
+            let t0 = std::time::Instant::now();
+            let r = engine.forward(&[SeqChunk::new(scratch, 0, tokens.clone(), Wanted::Last)]);
+            t.push(t0.elapsed().as_secs_f64() * 1e3);
+            engine.free(scratch);
+            r?;
+        }
+        t.sort_by(f64::total_cmp);
+        points.push((n, t[t.len() / 2]));
+    }
+    let cost = tandem_sched::ForwardCost::fit(&points).ok_or_else(|| {
+        CloudError::Engine(format!(
+            "cannot fit a roofline to the forward times {points:?}"
+        ))
+    })?;
+    Ok((points, cost))
 }

@@ -29,6 +29,7 @@ pub struct Metrics {
     pub accepted_per_pos: IntCounterVec,
     pub forwards: IntCounter,
     pub preemptions: IntCounter,
+    pub takeovers: IntCounter,
     pub refused: IntCounter,
     /// Per tenant (label `tenant`, its name).
     pub tenant_verified: IntCounterVec,
@@ -113,6 +114,11 @@ impl Default for Metrics {
                 "Sessions whose KV was dropped to make room (recomputed later).",
             )
             .expect("valid"),
+            takeovers: IntCounter::new(
+                "tandem:takeovers_total",
+                "Speculation sessions the verifier took over to decode itself (for load or pace).",
+            )
+            .expect("valid"),
             refused: IntCounter::new(
                 "tandem:refused_sessions_total",
                 "Sessions refused at admission (saturated or over a tenant quota).",
@@ -169,6 +175,7 @@ impl Default for Metrics {
             Box::new(m.accepted_per_pos.clone()),
             Box::new(m.forwards.clone()),
             Box::new(m.preemptions.clone()),
+            Box::new(m.takeovers.clone()),
             Box::new(m.refused.clone()),
             Box::new(m.tenant_verified.clone()),
             Box::new(m.tenant_drafted.clone()),

@@ -4,6 +4,8 @@
 
 use serde::Serialize;
 
+use crate::pace::ForwardCost;
+
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct GrantPolicy {
     pub max_draft_len: u32,
@@ -16,6 +18,9 @@ pub struct GrantPolicy {
     /// One level past γ 1, depth 1: γ 0, the verifier decodes the sessions itself (past the
     /// ridge a verified position costs as much as a decoded one, and a rejected one is waste).
     pub cloud_decode: bool,
+    /// With the target's forward cost, each session is also taken over on its own when its
+    /// speculation is slower than cloud decoding at this load ([`crate::pace`]).
+    pub pace: Option<ForwardCost>,
     level: u32,
 }
 
@@ -28,6 +33,7 @@ impl GrantPolicy {
             shrink_above: 0.75,
             grow_below: 0.5,
             cloud_decode: false,
+            pace: None,
             level: 0,
         }
     }
@@ -36,6 +42,18 @@ impl GrantPolicy {
     pub fn with_cloud_decode(mut self) -> Self {
         self.cloud_decode = true;
         self
+    }
+
+    /// Take sessions over one by one by their pace, with the target's forward cost.
+    pub fn with_pace(mut self, cost: ForwardCost) -> Self {
+        self.pace = Some(cost);
+        self
+    }
+
+    /// The cloud decoding ITL with `sessions` open: one forward of a token each (what cloud-only
+    /// serving would give at this load). `None` without a forward cost.
+    pub fn cloud_itl_ms(&self, sessions: usize) -> Option<f64> {
+        self.pace.map(|c| c.ms(sessions.max(1) as f64))
     }
 
     /// The level of γ 1 and depth 1.

@@ -15,6 +15,7 @@
 //! [`Scheduler::update`].
 
 pub mod grant;
+pub mod pace;
 pub mod pool;
 
 use std::collections::{BTreeMap, VecDeque};
@@ -22,6 +23,7 @@ use std::collections::{BTreeMap, VecDeque};
 use serde::{Deserialize, Serialize};
 
 pub use grant::GrantPolicy;
+pub use pace::{ForwardCost, Pace};
 pub use pool::BlockPool;
 
 pub type SessionId = u64;

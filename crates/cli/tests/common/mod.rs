@@ -93,16 +93,18 @@ where
     addr_rx.recv().unwrap()
 }
 
-/// A verifier with these tenants, scheduler settings and KV cache size.
+/// A verifier with these tenants, scheduler settings and KV cache size; with `pace`, it measures
+/// its forward cost first and takes slow speculation sessions over on their own.
 pub fn grpc_server_with(
     saturation_tokens: f64,
+    pace: bool,
     tenants: tandem_cloud::tenants::Tenants,
     cfg: tandem_cloud::VerifierConfig,
     kv_budget_bytes: usize,
 ) -> (String, std::sync::Arc<tandem_cloud::Gauges>) {
     {
         let (m, tok) = target();
-        let engine = Engine::new(
+        let mut engine = Engine::new(
             m.clone(),
             EngineConfig {
                 threads: 1,
@@ -111,8 +113,14 @@ pub fn grpc_server_with(
             },
         )
         .unwrap();
+        let forward_cost = pace.then(|| {
+            tandem_cloud::measure_forward_cost(&mut engine, &[1, 8, 32], 3)
+                .unwrap()
+                .1
+        });
         let info = tandem_cloud::grpc::ServiceInfo {
             saturation_tokens,
+            forward_cost,
             ..tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4)
         };
         let verifier = tandem_cloud::Verifier::new(engine, cfg).unwrap();
