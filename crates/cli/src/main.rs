@@ -105,8 +105,8 @@ struct ServeArgs {
     #[arg(long)]
     saturation_tokens: Option<f64>,
     /// The target's forward cost as `ONE_TOKEN_MS,MS_PER_TOKEN` (a forward takes the larger of
-    /// the one-token time and MS_PER_TOKEN per token). Default: measured at start-up (about a
-    /// second). With it, a session whose speculation commits slower than cloud decoding would at
+    /// the one-token time and MS_PER_TOKEN per token). Default: measured at start-up (a few
+    /// seconds). With it, a session whose speculation commits slower than cloud decoding would at
     /// the current load is taken over by the verifier on its own.
     #[arg(long, value_parser = parse_forward_cost)]
     forward_cost: Option<tandem_cloud::ForwardCost>,
@@ -1023,7 +1023,9 @@ fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
     let mut engine = Engine::new(m.model.clone(), a.engine.config())?;
     let cost = match a.forward_cost {
         Some(c) => c,
-        None => tandem_cloud::measure_forward_cost(&mut engine, &[1, 8, 32], 3)?.1,
+        None => {
+            tandem_cloud::measure_forward_cost(&mut engine, &tandem_cloud::CALIBRATION_SIZES, 3)?.1
+        }
     };
     eprintln!(
         "target forward: {:.1} ms for one token, {:.2} ms per token past the ridge (≈ {:.1} tokens)",

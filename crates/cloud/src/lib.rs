@@ -228,3 +228,7 @@ pub fn measure_forward_cost(
     })?;
     Ok((points, cost))
 }
+
+/// Forward sizes `cloud serve` times at start-up: three memory-bound ones for the one-token time,
+/// two compute-bound ones for the slope (about 3 s for SmolLM2 on one core).
+pub const CALIBRATION_SIZES: [usize; 5] = [1, 2, 4, 24, 48];

@@ -29,17 +29,24 @@ pub struct ForwardCost {
 }
 
 impl ForwardCost {
-    /// Fit to measured `(tokens, ms)` points, smallest first: the one-token time is the first
-    /// point's, the slope the least-squares slope over the largest sizes (the last three, or the
-    /// last two when there are fewer than four points). `None` unless there are two sizes.
+    /// Fit to measured `(tokens, ms)` points, smallest first: the slope by least squares over the
+    /// large sizes (at least a quarter of the largest; the last two if fewer qualify), the
+    /// one-token time the median over the sizes up to 4 below them (all memory-bound, so one
+    /// noisy run does not set it). `None` unless there are two sizes.
     pub fn fit(points: &[(usize, f64)]) -> Option<Self> {
         if points.len() < 2 || points.iter().any(|p| !(p.1.is_finite() && p.1 > 0.0)) {
             return None;
         }
-        let k = if points.len() >= 4 { 3 } else { 2 };
-        let tail = &points[points.len() - k..];
-        let mx = tail.iter().map(|p| p.0 as f64).sum::<f64>() / k as f64;
-        let my = tail.iter().map(|p| p.1).sum::<f64>() / k as f64;
+        let largest = points[points.len() - 1].0;
+        let from = points
+            .iter()
+            .position(|p| p.0 * 4 >= largest)
+            .unwrap_or(0)
+            .min(points.len() - 2);
+        let tail = &points[from..];
+        let k = tail.len() as f64;
+        let mx = tail.iter().map(|p| p.0 as f64).sum::<f64>() / k;
+        let my = tail.iter().map(|p| p.1).sum::<f64>() / k;
         let den = tail.iter().map(|p| (p.0 as f64 - mx).powi(2)).sum::<f64>();
         if den == 0.0 {
             return None;
@@ -49,8 +56,17 @@ impl ForwardCost {
             .map(|p| (p.0 as f64 - mx) * (p.1 - my))
             .sum::<f64>()
             / den;
+        let mut small: Vec<f64> = points[..from]
+            .iter()
+            .filter(|p| p.0 <= 4)
+            .map(|p| p.1)
+            .collect();
+        if small.is_empty() {
+            small.push(points[0].1);
+        }
+        small.sort_by(f64::total_cmp);
         Some(Self {
-            one_token_ms: points[0].1,
+            one_token_ms: small[(small.len() - 1) / 2],
             ms_per_token: slope.max(1e-6),
         })
     }
@@ -134,6 +150,12 @@ mod tests {
         assert!((c.ridge_tokens() - 10.0).abs() < 1e-9);
         assert_eq!(c.ms(4.0), 100.0);
         assert!((c.ms(40.0) - 400.0).abs() < 1e-9);
+        // The one-token time is the median of the small sizes; the slope ignores them.
+        let noisy =
+            ForwardCost::fit(&[(1, 130.0), (2, 95.0), (4, 100.0), (32, 320.0), (64, 640.0)])
+                .unwrap();
+        assert_eq!(noisy.one_token_ms, 100.0);
+        assert!((noisy.ms_per_token - 10.0).abs() < 1e-9);
         let two = ForwardCost::fit(&[(1, 100.0), (32, 320.0)]).unwrap();
         assert!((two.ms_per_token - 220.0 / 31.0).abs() < 1e-9);
         assert!(ForwardCost::fit(&[(1, 100.0)]).is_none());

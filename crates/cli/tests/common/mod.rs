@@ -114,7 +114,7 @@ pub fn grpc_server_with(
         )
         .unwrap();
         let forward_cost = pace.then(|| {
-            tandem_cloud::measure_forward_cost(&mut engine, &[1, 8, 32], 3)
+            tandem_cloud::measure_forward_cost(&mut engine, &tandem_cloud::CALIBRATION_SIZES, 3)
                 .unwrap()
                 .1
         });
