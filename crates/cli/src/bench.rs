@@ -11,6 +11,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use serde::Serialize;
 use serde_json::Value;
+use tandem_engine::kernels::{self, RowData};
 use tandem_engine::{sampler, Engine, EngineConfig, LlamaModel, SeqChunk, SeqId, Wanted};
 
 use crate::stats::round2;
@@ -37,11 +38,17 @@ pub struct ModelBench {
     pub batch_tok_s: BTreeMap<usize, f64>,
     pub bytes_per_token: usize,
     pub bandwidth_limit_tok_s: f64,
+    /// GFLOP/s of the matmul kernels on a cache-resident block of this model's layer format,
+    /// 64 tokens at once, and the tokens/s that rate allows (the compute roofline of a batch).
+    pub kernel_gflops: f64,
+    pub compute_limit_tok_s: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ThreadBench {
     pub threads: usize,
+    /// The matmul path (`portable`, `avx2`, `avx512`).
+    pub kernels: &'static str,
     /// GB/s of summing a 512 MiB buffer with this many threads: the ceiling of decoding.
     pub read_bandwidth_gbs: f64,
     pub target: ModelBench,
@@ -102,6 +109,49 @@ pub fn read_bandwidth(threads: usize) -> f64 {
         best = best.min(t.elapsed().as_secs_f64());
     }
     (buf.len() * 4) as f64 / best / 1e9
+}
+
+/// The first `rows` rows of `w` (`cols` wide).
+fn first_rows(w: &RowData, rows: usize, cols: usize) -> RowData {
+    let bytes = rows * w.row_bytes(cols);
+    match w {
+        RowData::F32(v) => RowData::F32(v[..rows * cols].to_vec()),
+        RowData::F16(v) => RowData::F16(v[..rows * cols].to_vec()),
+        RowData::Q4_0(b) => RowData::Q4_0(b[..bytes].to_vec()),
+        RowData::Q4_1(b) => RowData::Q4_1(b[..bytes].to_vec()),
+        RowData::Q8_0(b) => RowData::Q8_0(b[..bytes].to_vec()),
+    }
+}
+
+/// GFLOP/s of the selected matmul kernels on `threads` threads: the first 256 rows of the
+/// model's first FFN up-projection (cache-resident) times 64 tokens, best of 5.
+pub fn kernel_gflops(model: &LlamaModel, threads: usize) -> f64 {
+    let Some(up) = model.ffn_up(0) else {
+        return 0.0;
+    };
+    let (rows, cols, n_tok, reps) = (256.min(up.rows), up.cols, 64, 8);
+    let w = first_rows(&up.data, rows, cols);
+    let x: Vec<f32> = (0..n_tok * cols)
+        .map(|i| sampler::uniform(3, i as u64, 1) as f32 - 0.5)
+        .collect();
+    let mut y = vec![0f32; n_tok * rows];
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("invariant: a pool of a positive number of threads");
+    let mut best = f64::MAX;
+    pool.install(|| {
+        kernels::matmul(&w, rows, cols, &x, n_tok, &mut y);
+        for _ in 0..5 {
+            let t = Instant::now();
+            for _ in 0..reps {
+                kernels::matmul(&w, rows, cols, &x, n_tok, &mut y);
+            }
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+    });
+    std::hint::black_box(&y);
+    (2 * rows * cols * n_tok * reps) as f64 / best / 1e9
 }
 
 fn context(vocab: usize, seed: u64) -> Vec<u32> {
@@ -193,6 +243,7 @@ fn bench_model(
         }
     }
     let bytes = model.bytes_per_token();
+    let gflops = kernel_gflops(model, threads);
     Ok(ModelBench {
         path: path.display().to_string(),
         format: model.format(),
@@ -201,6 +252,8 @@ fn bench_model(
         batch_tok_s,
         bytes_per_token: bytes,
         bandwidth_limit_tok_s: round2(bw * 1e9 / bytes as f64),
+        kernel_gflops: round2(gflops),
+        compute_limit_tok_s: round2(gflops * 1e9 / model.flops_per_token() as f64),
     })
 }
 
@@ -262,6 +315,7 @@ pub fn run(
         };
         runs.push(ThreadBench {
             threads: t,
+            kernels: kernels::Isa::selected().name(),
             read_bandwidth_gbs: round2(bw),
             target: tb,
             draft: db,
@@ -288,8 +342,9 @@ fn peer_num(p: &Option<Value>, which: &str, path: &[&str]) -> String {
 /// Markdown tables of the results.
 pub fn table(b: &EngineBench) -> String {
     let mut s = format!(
-        "memcpy bandwidth: {:.1} GB/s (bytes copied once)\n\n",
-        b.copy_bandwidth_gbs
+        "memcpy bandwidth: {:.1} GB/s (bytes copied once); matmul kernels: {}\n\n",
+        b.copy_bandwidth_gbs,
+        b.runs.first().map_or("-", |r| r.kernels)
     );
     s += "| threads | model | format | decode tok/s | llama.cpp tok/s | MB/token | read GB/s | bandwidth limit tok/s |\n";
     s += "|---|---|---|---|---|---|---|---|\n";
@@ -339,8 +394,9 @@ pub fn table(b: &EngineBench) -> String {
         for n in r0.target.batch_tok_s.keys() {
             s += &format!(" n={n} |");
         }
+        s += " compute limit (kernel GFLOP/s) |";
         s += "\n|---|---|";
-        s += &"---|".repeat(r0.target.batch_tok_s.len());
+        s += &"---|".repeat(r0.target.batch_tok_s.len() + 1);
         s += "\n";
     }
     for r in &b.runs {
@@ -349,7 +405,10 @@ pub fn table(b: &EngineBench) -> String {
             for v in m.batch_tok_s.values() {
                 s += &format!(" {v:.0} |");
             }
-            s += "\n";
+            s += &format!(
+                " {:.0} ({:.1}) |\n",
+                m.compute_limit_tok_s, m.kernel_gflops
+            );
         }
     }
     s

@@ -670,6 +670,7 @@ fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
         let first = &r.runs[0];
         let v = serde_json::json!({
             "threads": first.threads,
+            "kernels": first.kernels,
             "draft_path": draft.path,
             "draft_decode_tok_s": first.draft.decode_tok_s,
             "target_decode_tok_s": first.target.decode_tok_s,

@@ -26,6 +26,9 @@ const GRANT_EVERY: u64 = 2;
 /// wire) and do not count.
 const IDLE_RELAX: Duration = Duration::from_millis(250);
 
+/// Decay per verdict of the accepted and judged counts behind the grant's α.
+const ALPHA_DECAY: f64 = 0.99;
+
 /// Messages taken per turn at most, so that a flood of them cannot keep the forward from running.
 const MESSAGES_PER_TURN: usize = 4096;
 
@@ -70,6 +73,8 @@ pub fn serve(
     let mut throttled = false;
     let mut graded_at = 0u64;
     let mut last_forward = Instant::now();
+    // Accepted and judged draft tokens over recent verdicts (decaying): the α the grant plans with.
+    let (mut accepted_recent, mut judged_recent) = (0.0f64, 0.0f64);
     loop {
         let mut events = Vec::new();
         gauges.update(&v);
@@ -151,7 +156,13 @@ pub fn serve(
             grants.grant(0.0);
         } else if v.stats.target_forwards >= graded_at + GRANT_EVERY {
             graded_at = v.stats.target_forwards;
-            grants.grant(v.stats.tokens_per_forward);
+            // Before any verdict, plan with α 0.8 (about the W4A16 draft's).
+            let alpha = if judged_recent > 0.0 {
+                accepted_recent / judged_recent
+            } else {
+                0.8
+            };
+            grants.grant_by_model(live.len(), alpha, v.stats.tokens_per_forward);
         }
         let (grant_g, grant_d) = grants.current();
         // γ 0: the verifier decodes the session itself.
@@ -189,6 +200,7 @@ pub fn serve(
                 last_forward = Instant::now();
                 let ms = t0.elapsed().as_secs_f64() * 1e3;
                 iteration_ms += 0.1 * (ms - iteration_ms);
+                grants.observe_forward(v.stats.last_batch.1, ms);
                 mx.forwards.inc();
                 mx.batch_size.observe(v.stats.last_batch.0 as f64);
                 mx.tokens_per_forward.observe(v.stats.last_batch.1 as f64);
@@ -244,6 +256,9 @@ pub fn serve(
                         }
                         let accepted = verdict.accepted.min(drafted);
                         if drafted > 0 {
+                            let judged = accepted + usize::from(accepted < drafted);
+                            accepted_recent = ALPHA_DECAY * accepted_recent + accepted as f64;
+                            judged_recent = ALPHA_DECAY * judged_recent + judged as f64;
                             let t = name(l.tenant);
                             mx.drafts.inc();
                             mx.draft_tokens.inc_by(drafted as u64);

@@ -6,6 +6,9 @@ use serde::Serialize;
 
 use crate::pace::ForwardCost;
 
+/// [`GrantPolicy::grant_by_model`] changes level only for this gain in predicted rate.
+pub const MODEL_GAIN: f64 = 1.05;
+
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct GrantPolicy {
     pub max_draft_len: u32,
@@ -50,6 +53,13 @@ impl GrantPolicy {
         self
     }
 
+    /// A forward of `tokens` tokens took `ms` (refines the forward cost: [`ForwardCost::observe`]).
+    pub fn observe_forward(&mut self, tokens: usize, ms: f64) {
+        if let Some(c) = &mut self.pace {
+            c.observe(tokens, ms);
+        }
+    }
+
     /// The cloud decoding ITL with `sessions` open: one forward of a token each (what cloud-only
     /// serving would give at this load). `None` without a forward cost.
     pub fn cloud_itl_ms(&self, sessions: usize) -> Option<f64> {
@@ -70,12 +80,57 @@ impl GrantPolicy {
     /// The grant at the current level: each level halves γ and takes one block of depth away;
     /// γ 0 (with `cloud_decode`) means the verifier decodes the session itself.
     pub fn current(&self) -> (u32, u32) {
-        if self.level > self.speculative_levels() {
+        self.at(self.level)
+    }
+
+    /// The grant at `level` (see [`GrantPolicy::current`]).
+    fn at(&self, level: u32) -> (u32, u32) {
+        if level > self.speculative_levels() {
             return (0, 1);
         }
-        let g = (self.max_draft_len >> self.level.min(31)).max(1);
-        let d = self.max_depth.saturating_sub(self.level).max(1);
+        let g = (self.max_draft_len >> level.min(31)).max(1);
+        let d = self.max_depth.saturating_sub(level).max(1);
         (g, d)
+    }
+
+    /// Predicted committed tokens per millisecond of verifier time at `level`, with `sessions`
+    /// sessions whose drafts are accepted at `alpha` per token, all at that level's γ: each
+    /// forward verifies N blocks of γ + 1 positions and commits N·E[A](γ) tokens (γ 0: N tokens
+    /// for N positions). `None` without a forward cost.
+    pub fn predicted_rate(&self, level: u32, sessions: usize, alpha: f64) -> Option<f64> {
+        let cost = self.pace?;
+        let (g, _) = self.at(level);
+        let n = sessions.max(1) as f64;
+        let a = alpha.clamp(0.0, 1.0);
+        let e = if a > 1.0 - 1e-9 {
+            g as f64 + 1.0
+        } else {
+            (1.0 - a.powi(g as i32 + 1)) / (1.0 - a)
+        };
+        Some(n * e / cost.ms(n * (g as f64 + 1.0)))
+    }
+
+    /// With a forward cost: the level whose batches would commit the most tokens per unit of
+    /// verifier time ([`GrantPolicy::predicted_rate`]), taken when it beats the current level by
+    /// [`MODEL_GAIN`] (hysteresis). Past the ridge a verified position costs as much as a decoded
+    /// token, so a rejected one is waste; below it, positions are nearly free. Without a forward
+    /// cost: [`GrantPolicy::grant`] by tokens per forward.
+    pub fn grant_by_model(
+        &mut self,
+        sessions: usize,
+        alpha: f64,
+        tokens_per_forward: f64,
+    ) -> (u32, u32) {
+        let Some(here) = self.predicted_rate(self.level, sessions, alpha) else {
+            return self.grant(tokens_per_forward);
+        };
+        let best = (0..=self.max_level())
+            .filter_map(|l| Some((l, self.predicted_rate(l, sessions, alpha)?)))
+            .fold((self.level, here), |b, x| if x.1 > b.1 { x } else { b });
+        if best.1 > here * MODEL_GAIN {
+            self.level = best.0;
+        }
+        self.current()
     }
 
     /// Move at most one level for the observed load (tokens per forward, averaged), and return the
@@ -94,6 +149,44 @@ impl GrantPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_model_grant_follows_sessions_and_alpha() {
+        // One-token forward 100 ms, 10 ms per token past a ridge of 10 tokens.
+        let cost = ForwardCost {
+            one_token_ms: 100.0,
+            ms_per_token: 10.0,
+        };
+        let settle = |sessions: usize, alpha: f64| {
+            let mut p = GrantPolicy::new(4, 2, 20.0)
+                .with_cloud_decode()
+                .with_pace(cost);
+            for _ in 0..10 {
+                p.grant_by_model(sessions, alpha, 0.0);
+            }
+            p.current()
+        };
+        // Alone, positions are free: the longest blocks.
+        assert_eq!(settle(1, 0.8), (4, 2));
+        assert_eq!(settle(3, 0.95), (4, 2));
+        // Five users at α 0.95: 5 × 5 positions is past the ridge; γ 1 commits the most.
+        assert_eq!(settle(5, 0.95), (1, 1));
+        // Past the ridge with cloud decoding alone (32 users), every rejected position is waste.
+        assert_eq!(settle(32, 0.95), (0, 1));
+        assert_eq!(settle(32, 0.6), (0, 1));
+        // At 4 users γ 2 beats γ 4 by just over the hysteresis.
+        let mut p = GrantPolicy::new(4, 2, 20.0)
+            .with_cloud_decode()
+            .with_pace(cost);
+        let r = |p: &GrantPolicy, l| p.predicted_rate(l, 4, 0.95).unwrap();
+        assert!(r(&p, 1) > r(&p, 0) * MODEL_GAIN);
+        assert_eq!(p.grant_by_model(4, 0.95, 0.0), (2, 1));
+        // Asked again at the same load, it stays.
+        assert_eq!(p.grant_by_model(4, 0.95, 0.0), (2, 1));
+        // Without a forward cost it falls back to tokens per forward.
+        let mut p = GrantPolicy::new(4, 2, 20.0).with_cloud_decode();
+        assert_eq!(p.grant_by_model(32, 0.95, 30.0), (2, 1));
+    }
 
     #[test]
     fn grants_shrink_under_load_and_recover_with_hysteresis() {

@@ -10,9 +10,12 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Take a session over when its pace is this much slower than cloud decoding, hand it back when
+/// Take a session over as soon as its pace is slower than cloud decoding; hand it back only when
 /// cloud decoding is this much slower than its pace (hysteresis: no flapping at the boundary).
-pub const PACE_MARGIN: f64 = 1.1;
+pub const HANDBACK_MARGIN: f64 = 1.2;
+
+/// Weight of a new memory-bound forward's time in the one-token time ([`ForwardCost::observe`]).
+const OBSERVE_SMOOTHING: f64 = 0.05;
 
 /// Verdict gaps needed before a session's pace counts.
 pub const MIN_PACE_GAPS: u32 = 3;
@@ -69,6 +72,16 @@ impl ForwardCost {
             one_token_ms: small[(small.len() - 1) / 2],
             ms_per_token: slope.max(1e-6),
         })
+    }
+
+    /// A forward of `tokens` tokens took `ms`: one well below the ridge (memory-bound, so its
+    /// time is the one-token time) moves the one-token time towards it. The start-up calibration
+    /// runs cold and alone; this follows the time forwards take while serving.
+    pub fn observe(&mut self, tokens: usize, ms: f64) {
+        let below = tokens >= 1 && (tokens as f64) * 2.0 <= self.ridge_tokens();
+        if below && ms.is_finite() && ms > 0.0 {
+            self.one_token_ms += OBSERVE_SMOOTHING * (ms - self.one_token_ms);
+        }
     }
 
     /// Predicted time of a forward of `tokens` tokens.
@@ -128,9 +141,9 @@ pub fn prefer_cloud(pace_ms_per_token: Option<f64>, cloud_itl_ms: f64, now_cloud
         return false;
     };
     if now_cloud {
-        cloud_itl_ms <= PACE_MARGIN * p
+        cloud_itl_ms <= HANDBACK_MARGIN * p
     } else {
-        p > PACE_MARGIN * cloud_itl_ms
+        p > cloud_itl_ms
     }
 }
 
@@ -158,6 +171,17 @@ mod tests {
         assert!((noisy.ms_per_token - 10.0).abs() < 1e-9);
         let two = ForwardCost::fit(&[(1, 100.0), (32, 320.0)]).unwrap();
         assert!((two.ms_per_token - 220.0 / 31.0).abs() < 1e-9);
+        // Serving refines the one-token time from memory-bound forwards only.
+        let mut c = ForwardCost {
+            one_token_ms: 100.0,
+            ms_per_token: 10.0,
+        };
+        c.observe(30, 50.0);
+        assert_eq!(c.one_token_ms, 100.0, "past the ridge: not a one-token time");
+        for _ in 0..200 {
+            c.observe(2, 80.0);
+        }
+        assert!((c.one_token_ms - 80.0).abs() < 0.1);
         assert!(ForwardCost::fit(&[(1, 100.0)]).is_none());
         assert!(ForwardCost::fit(&[(1, 100.0), (1, 100.0)]).is_none());
         assert!(ForwardCost::fit(&[(1, f64::NAN), (8, 100.0)]).is_none());
@@ -188,16 +212,9 @@ mod tests {
     fn takeover_and_handback_have_hysteresis() {
         assert!(!prefer_cloud(None, 10.0, false), "unmeasured: speculate");
         assert!(!prefer_cloud(None, 10.0, true));
-        assert!(prefer_cloud(Some(120.0), 100.0, false));
-        assert!(
-            !prefer_cloud(Some(105.0), 100.0, false),
-            "inside the margin"
-        );
-        assert!(prefer_cloud(Some(105.0), 100.0, true), "inside the margin");
-        assert!(prefer_cloud(Some(95.0), 100.0, true));
-        assert!(
-            !prefer_cloud(Some(80.0), 100.0, true),
-            "the load grew: hand back"
-        );
+        assert!(prefer_cloud(Some(101.0), 100.0, false), "slower than the cloud");
+        assert!(!prefer_cloud(Some(99.0), 100.0, false));
+        assert!(prefer_cloud(Some(90.0), 100.0, true), "inside the margin");
+        assert!(!prefer_cloud(Some(80.0), 100.0, true), "the load grew: hand back");
     }
 }

@@ -262,6 +262,11 @@ impl LlamaModel {
         })
     }
 
+    /// Layer `layer`'s FFN up-projection (a matrix in the layers' storage format).
+    pub fn ffn_up(&self, layer: usize) -> Option<&Linear> {
+        self.layers.get(layer).map(|l| &l.up)
+    }
+
     fn head(&self) -> &Linear {
         self.head.as_ref().unwrap_or(&self.embed)
     }
@@ -280,6 +285,22 @@ impl LlamaModel {
             })
             .sum();
         per_layer + self.head().bytes() + self.embed.bytes() / self.cfg.vocab
+    }
+
+    /// Multiply-add FLOPs of the weight matmuls for one token (2 per weight; attention over the
+    /// context is extra).
+    pub fn flops_per_token(&self) -> usize {
+        let per_layer: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .map(|w| 2 * w.rows * w.cols)
+                    .sum::<usize>()
+            })
+            .sum();
+        per_layer + 2 * self.head().rows * self.head().cols
     }
 
     /// Storage format name of the linear layers (`q4_0`, `f32`, ...), or `mixed`.

@@ -11,6 +11,9 @@
 //! whether it runs alone or inside a ragged batch, which is what makes greedy verification exact
 //! under any batch composition.
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
 use half::f16;
 use rayon::prelude::*;
 
@@ -213,10 +216,17 @@ fn rows_task(w: &RowData, cols: usize, x: &[f32], n_tok: usize, r0: usize, yt: &
             let yr = &mut yt[i * n_tok..(i + 1) * n_tok];
             let mut t = t0;
             while t < t1 {
-                let pick = |k: usize| xr((t + k).min(t1 - 1));
-                let o = dot_rows::<TOKENS_PER_PASS>(wr, [pick(0), pick(1), pick(2), pick(3)]);
-                let n = (t1 - t).min(TOKENS_PER_PASS);
-                yr[t..t + n].copy_from_slice(&o[..n]);
+                // Only the tokens there are (a lone token costs one dot, not four).
+                match (t1 - t).min(TOKENS_PER_PASS) {
+                    1 => yr[t..t + 1].copy_from_slice(&dot_rows::<1>(wr, [xr(t)])),
+                    2 => yr[t..t + 2].copy_from_slice(&dot_rows::<2>(wr, [xr(t), xr(t + 1)])),
+                    3 => yr[t..t + 3]
+                        .copy_from_slice(&dot_rows::<3>(wr, [xr(t), xr(t + 1), xr(t + 2)])),
+                    _ => yr[t..t + 4].copy_from_slice(&dot_rows::<4>(
+                        wr,
+                        [xr(t), xr(t + 1), xr(t + 2), xr(t + 3)],
+                    )),
+                }
                 t += TOKENS_PER_PASS;
             }
         }
@@ -236,7 +246,71 @@ unsafe fn rows_task_avx2(
     rows_task(w, cols, x, n_tok, r0, yt)
 }
 
-fn rows_task_dispatch(
+/// The instruction sets the matmul kernels have a path for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Isa {
+    /// Plain Rust (auto-vectorized for the build target).
+    Portable,
+    /// The portable code compiled for AVX2: bitwise the same results as `Portable`.
+    Avx2,
+    /// AVX-512F with fused multiply-adds, 4×4 register tiles.
+    Avx512,
+}
+
+impl Isa {
+    /// Every path this CPU can run, slowest first.
+    pub fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                v.push(Isa::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+
+    /// The path matmuls take: the fastest available, or the one named by `TANDEM_KERNELS`
+    /// (`portable`, `avx2`, `avx512`) when this CPU can run it. Fixed for the process, so that
+    /// every forward computes every output the same way.
+    pub fn selected() -> Isa {
+        static SELECTED: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *SELECTED.get_or_init(|| {
+            let avail = Isa::available();
+            let best = *avail.last().expect("invariant: portable is always there");
+            match std::env::var("TANDEM_KERNELS").ok().as_deref() {
+                None | Some("") => best,
+                Some(name) => match avail.iter().find(|i| i.name() == name) {
+                    Some(&i) => i,
+                    None => {
+                        tracing::warn!(
+                            "TANDEM_KERNELS={name}: not a kernel path this CPU runs (have {:?}); using {}",
+                            avail, best.name()
+                        );
+                        best
+                    }
+                },
+            }
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+}
+
+fn rows_task_on(
+    isa: Isa,
     w: &RowData,
     cols: usize,
     x: &[f32],
@@ -245,28 +319,58 @@ fn rows_task_dispatch(
     yt: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2 (checked just above).
-        return unsafe { rows_task_avx2(w, cols, x, n_tok, r0, yt) };
+    match isa {
+        Isa::Avx512 => {
+            assert!(
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("fma"),
+                "invariant: AVX-512 chosen on a CPU with it"
+            );
+            // SAFETY: the CPU supports AVX-512F and FMA (checked just above).
+            return unsafe { avx512::rows_task(w, cols, x, n_tok, r0, yt) };
+        }
+        Isa::Avx2 => {
+            assert!(
+                std::arch::is_x86_feature_detected!("avx2"),
+                "invariant: AVX2 chosen on a CPU with it"
+            );
+            // SAFETY: the CPU supports AVX2 (checked just above).
+            return unsafe { rows_task_avx2(w, cols, x, n_tok, r0, yt) };
+        }
+        Isa::Portable => {}
     }
+    let _ = isa;
     rows_task(w, cols, x, n_tok, r0, yt)
 }
 
 /// `y[t, r] = Σ_i W[r, i]·x[t, i]` for `x: [n_tok, cols]`, `W: [rows, cols]`, `y: [n_tok, rows]`.
-/// Runs on the current rayon pool, parallel over output rows.
+/// Runs on the current rayon pool, parallel over output rows, on the [`Isa::selected`] path.
 pub fn matmul(w: &RowData, rows: usize, cols: usize, x: &[f32], n_tok: usize, y: &mut [f32]) {
+    matmul_on(Isa::selected(), w, rows, cols, x, n_tok, y)
+}
+
+/// [`matmul`] on a given path (which this CPU must run: see [`Isa::available`]).
+pub fn matmul_on(
+    isa: Isa,
+    w: &RowData,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n_tok: usize,
+    y: &mut [f32],
+) {
     debug_assert_eq!(x.len(), n_tok * cols);
     debug_assert_eq!(y.len(), n_tok * rows);
     if n_tok == 1 {
         y.par_chunks_mut(ROWS_PER_TASK)
             .enumerate()
-            .for_each(|(c, yc)| rows_task_dispatch(w, cols, x, 1, c * ROWS_PER_TASK, yc));
+            .for_each(|(c, yc)| rows_task_on(isa, w, cols, x, 1, c * ROWS_PER_TASK, yc));
         return;
     }
     let mut yt = vec![0f32; rows * n_tok];
     yt.par_chunks_mut(ROWS_PER_TASK * n_tok)
         .enumerate()
-        .for_each(|(c, yc)| rows_task_dispatch(w, cols, x, n_tok, c * ROWS_PER_TASK, yc));
+        .for_each(|(c, yc)| rows_task_on(isa, w, cols, x, n_tok, c * ROWS_PER_TASK, yc));
     for r in 0..rows {
         for t in 0..n_tok {
             y[t * rows + r] = yt[r * n_tok + t];
@@ -388,6 +492,7 @@ mod tests {
     }
 
     fn run(
+        isa: Isa,
         threads: usize,
         w: &RowData,
         rows: usize,
@@ -400,12 +505,20 @@ mod tests {
             .build()
             .unwrap();
         let mut y = vec![0f32; n_tok * rows];
-        pool.install(|| matmul(w, rows, cols, x, n_tok, &mut y));
+        pool.install(|| matmul_on(isa, w, rows, cols, x, n_tok, &mut y));
         y
     }
 
+    const DTYPES: [GgmlDType; 5] = [
+        GgmlDType::F32,
+        GgmlDType::F16,
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q8_0,
+    ];
+
     #[test]
-    fn matmul_matches_reference_on_odd_shapes_and_threads() {
+    fn matmul_matches_reference_on_odd_shapes_every_path_and_threads() {
         let shapes = [
             (576, 576),
             (37, 1536),
@@ -413,30 +526,56 @@ mod tests {
             (49, 17),
             (21, 100),
             (130, 64),
+            (6, 40),
+            (49152, 32),
         ];
-        for (si, &(rows, cols)) in shapes.iter().enumerate() {
-            for dtype in [
-                GgmlDType::F32,
-                GgmlDType::F16,
-                GgmlDType::Q4_0,
-                GgmlDType::Q4_1,
-                GgmlDType::Q8_0,
-            ] {
-                if dtype != GgmlDType::F32 && dtype != GgmlDType::F16 && cols % QK != 0 {
-                    continue;
+        for isa in Isa::available() {
+            for (si, &(rows, cols)) in shapes.iter().enumerate() {
+                for dtype in DTYPES {
+                    if dtype != GgmlDType::F32 && dtype != GgmlDType::F16 && cols % QK != 0 {
+                        continue;
+                    }
+                    let w = stored(dtype, &rand(si as u64, rows * cols), rows, cols);
+                    for n_tok in [1, 2, 3, 5, 9] {
+                        let x = rand(100 + si as u64, n_tok * cols);
+                        let want = reference(&w, rows, cols, &x, n_tok);
+                        let scale = (cols as f64).sqrt();
+                        for threads in [1, 2, 3] {
+                            let got = run(isa, threads, &w, rows, cols, &x, n_tok);
+                            for (g, r) in got.iter().zip(&want) {
+                                let err = (*g as f64 - r).abs() / scale;
+                                assert!(
+                                    err < 1e-5,
+                                    "{isa:?} {dtype:?} {rows}x{cols} n_tok={n_tok} t={threads}: {g} vs {r}"
+                                );
+                            }
+                        }
+                    }
                 }
-                let w = stored(dtype, &rand(si as u64, rows * cols), rows, cols);
-                for n_tok in [1, 3, 5, 9] {
-                    let x = rand(100 + si as u64, n_tok * cols);
-                    let want = reference(&w, rows, cols, &x, n_tok);
-                    let scale = (cols as f64).sqrt();
-                    for threads in [1, 2, 3] {
-                        let got = run(threads, &w, rows, cols, &x, n_tok);
-                        for (g, r) in got.iter().zip(&want) {
-                            let err = (*g as f64 - r).abs() / scale;
-                            assert!(
-                                err < 1e-5,
-                                "{dtype:?} {rows}x{cols} n_tok={n_tok} t={threads}: {g} vs {r}"
+            }
+        }
+    }
+
+    #[test]
+    fn each_row_is_the_same_whatever_the_batch_or_threads() {
+        for (rows, cols) in [(70, 576), (9, 40)] {
+            for isa in Isa::available() {
+                for dtype in DTYPES {
+                    if dtype != GgmlDType::F32 && dtype != GgmlDType::F16 && cols % QK != 0 {
+                        continue;
+                    }
+                    let w = stored(dtype, &rand(9, rows * cols), rows, cols);
+                    let x = rand(10, 11 * cols);
+                    let batched = run(isa, 2, &w, rows, cols, &x, 11);
+                    for n in [1, 2, 3, 5] {
+                        for t0 in (0..11 - n).step_by(3) {
+                            let part =
+                                run(isa, 1, &w, rows, cols, &x[t0 * cols..(t0 + n) * cols], n);
+                            assert_eq!(
+                                &batched[t0 * rows..(t0 + n) * rows],
+                                &part[..],
+                                "{isa:?} {dtype:?} {rows}x{cols}: tokens {t0}..{}",
+                                t0 + n
                             );
                         }
                     }
@@ -446,32 +585,36 @@ mod tests {
     }
 
     #[test]
-    fn each_row_is_the_same_whatever_the_batch_or_isa() {
+    fn the_avx2_path_gives_the_portable_bits() {
         let (rows, cols) = (70, 576);
-        for dtype in [
-            GgmlDType::F32,
-            GgmlDType::Q4_0,
-            GgmlDType::Q4_1,
-            GgmlDType::Q8_0,
-        ] {
+        if !Isa::available().contains(&Isa::Avx2) {
+            return;
+        }
+        for dtype in DTYPES {
             let w = stored(dtype, &rand(9, rows * cols), rows, cols);
             let x = rand(10, 11 * cols);
-            let batched = run(2, &w, rows, cols, &x, 11);
-            for t in 0..11 {
-                let alone = run(1, &w, rows, cols, &x[t * cols..(t + 1) * cols], 1);
-                assert_eq!(
-                    &batched[t * rows..(t + 1) * rows],
-                    &alone[..],
-                    "{dtype:?} token {t}"
-                );
+            assert_eq!(
+                run(Isa::Portable, 1, &w, rows, cols, &x, 11),
+                run(Isa::Avx2, 2, &w, rows, cols, &x, 11),
+                "{dtype:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_path_dequantizes_to_the_same_weights() {
+        // A row times one-hot tokens reads the weights back: the AVX-512 dequantization must give
+        // the portable path's values (only the reductions may round differently).
+        let (rows, cols) = (8, 64);
+        for dtype in DTYPES {
+            let w = stored(dtype, &rand(3, rows * cols), rows, cols);
+            let mut x = vec![0f32; cols * cols];
+            for i in 0..cols {
+                x[i * cols + i] = 1.0;
             }
-            // The portable path gives the same bits as the dispatched (AVX2 where present) one.
-            let mut portable = vec![0f32; rows * 11];
-            rows_task(&w, cols, &x, 11, 0, &mut portable);
-            for t in 0..11 {
-                for r in 0..rows {
-                    assert_eq!(portable[r * 11 + t], batched[t * rows + r]);
-                }
+            let want = run(Isa::Portable, 1, &w, rows, cols, &x, cols);
+            for isa in Isa::available() {
+                assert_eq!(run(isa, 1, &w, rows, cols, &x, cols), want, "{isa:?} {dtype:?}");
             }
         }
     }
