@@ -405,10 +405,7 @@ pub fn table(b: &EngineBench) -> String {
             for v in m.batch_tok_s.values() {
                 s += &format!(" {v:.0} |");
             }
-            s += &format!(
-                " {:.0} ({:.1}) |\n",
-                m.compute_limit_tok_s, m.kernel_gflops
-            );
+            s += &format!(" {:.0} ({:.1}) |\n", m.compute_limit_tok_s, m.kernel_gflops);
         }
     }
     s

@@ -177,7 +177,10 @@ mod tests {
             ms_per_token: 10.0,
         };
         c.observe(30, 50.0);
-        assert_eq!(c.one_token_ms, 100.0, "past the ridge: not a one-token time");
+        assert_eq!(
+            c.one_token_ms, 100.0,
+            "past the ridge: not a one-token time"
+        );
         for _ in 0..200 {
             c.observe(2, 80.0);
         }
@@ -212,9 +215,15 @@ mod tests {
     fn takeover_and_handback_have_hysteresis() {
         assert!(!prefer_cloud(None, 10.0, false), "unmeasured: speculate");
         assert!(!prefer_cloud(None, 10.0, true));
-        assert!(prefer_cloud(Some(101.0), 100.0, false), "slower than the cloud");
+        assert!(
+            prefer_cloud(Some(101.0), 100.0, false),
+            "slower than the cloud"
+        );
         assert!(!prefer_cloud(Some(99.0), 100.0, false));
         assert!(prefer_cloud(Some(90.0), 100.0, true), "inside the margin");
-        assert!(!prefer_cloud(Some(80.0), 100.0, true), "the load grew: hand back");
+        assert!(
+            !prefer_cloud(Some(80.0), 100.0, true),
+            "the load grew: hand back"
+        );
     }
 }

@@ -2,10 +2,11 @@
 //! `i` of a reduction lands in lane `i % 16`, the lanes fold by the same pairwise tree — with a
 //! fused multiply-add per step (so its bits differ from the portable path's, which rounds the
 //! product and the sum apart; within this path every output is computed one way whatever the
-//! batch). Quantized rows are dequantized with vector code into an L1 scratch four rows at a
-//! time (`w = d·(q − 8)` etc. in f32, the same values as the portable path), then a register tile
-//! of 4 rows × up to 4 tokens multiplies them: each weight is loaded once per 4 tokens and each
-//! activation once per 4 rows.
+//! batch). A register tile of 4 rows × up to 4 tokens: each weight is loaded once per 4 tokens
+//! and each activation once per 4 rows. Quantized blocks (W4A16 and W8A16) are decoded in
+//! registers, 32 weights at a time (`w = d·(q − 8)` etc. in f32, the same values as the portable
+//! path's dequantization), and used for every token of the tile; f16 rows are converted into an
+//! L1 scratch four rows at a time.
 
 use std::arch::x86_64::*;
 
@@ -80,99 +81,155 @@ unsafe fn tile<const R: usize, const T: usize>(
     out
 }
 
-/// The f16 scale at `b[at..at + 2]`.
+/// Row `row` of f16 weights (`cols` wide) as f32 into `out` (exact).
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+fn f16_row(d: &[half::f16], row: usize, cols: usize, out: &mut [f32]) {
+    let (src, out) = (&d[row * cols..(row + 1) * cols], &mut out[..cols]);
+    let full = cols / 16 * 16;
+    for c in (0..full).step_by(16) {
+        // SAFETY: c + 16 <= cols for both slices; f16 is two bytes.
+        unsafe {
+            let v = _mm256_loadu_si256(src.as_ptr().add(c) as *const __m256i);
+            _mm512_storeu_ps(out.as_mut_ptr().add(c), _mm512_cvtph_ps(v));
+        }
+    }
+    for c in full..cols {
+        out[c] = src[c].to_f32();
+    }
+}
+
+/// A quantized block format, decoded in registers: its 32 weights as two vectors (elements 0..16
+/// and 16..32 of the block: element `i` in lane `i % 16`), with the scratch path's values.
+trait QBlock {
+    const BYTES: usize;
+    /// # Safety
+    /// `b` must point at `BYTES` readable bytes.
+    unsafe fn weights(b: *const u8) -> (__m512, __m512);
+}
+
+struct Q4_0;
+struct Q4_1;
+struct Q8_0;
+
+/// The f16 at `p` as f32.
 #[inline(always)]
-fn h(b: &[u8], at: usize) -> f32 {
-    half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+unsafe fn scale(p: *const u8) -> f32 {
+    // SAFETY: the caller's block has two bytes at `p`.
+    half::f16::from_le_bytes(unsafe { [*p, *p.add(1)] }).to_f32()
 }
 
-/// 16 codes (bytes) as f32.
+/// The 32 nibbles of 16 bytes as two vectors of 32-bit indices (low nibbles, then high).
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
-fn u8x16_to_ps(v: __m128i) -> __m512 {
-    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v))
+unsafe fn nibbles(p: *const u8) -> (__m512i, __m512i) {
+    let low = _mm_set1_epi8(0x0f);
+    // SAFETY: the caller's block has 16 bytes of nibbles at `p`.
+    let q = unsafe { _mm_loadu_si128(p as *const __m128i) };
+    (
+        _mm512_cvtepu8_epi32(_mm_and_si128(q, low)),
+        _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16::<4>(q), low)),
+    )
 }
 
-/// Dequantize row `row` of `w` (`cols` wide) into `out`, with the portable path's values.
+impl QBlock for Q4_0 {
+    const BYTES: usize = 18;
+    #[inline]
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn weights(b: *const u8) -> (__m512, __m512) {
+        // q − 8 for q = 0..16, looked up by nibble: exact, as the scratch path's subtraction.
+        let codes = _mm512_setr_ps(
+            -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
+        );
+        // SAFETY: an 18-byte block: scale, then 16 bytes of nibbles.
+        let (s, (lo, hi)) = unsafe { (_mm512_set1_ps(scale(b)), nibbles(b.add(2))) };
+        (
+            _mm512_mul_ps(s, _mm512_permutexvar_ps(lo, codes)),
+            _mm512_mul_ps(s, _mm512_permutexvar_ps(hi, codes)),
+        )
+    }
+}
+
+impl QBlock for Q4_1 {
+    const BYTES: usize = 20;
+    #[inline]
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn weights(b: *const u8) -> (__m512, __m512) {
+        // SAFETY: a 20-byte block: scale, minimum, then 16 bytes of nibbles.
+        let (s, m, (lo, hi)) = unsafe {
+            (
+                _mm512_set1_ps(scale(b)),
+                _mm512_set1_ps(scale(b.add(2))),
+                nibbles(b.add(4)),
+            )
+        };
+        // d·q + m rounded twice, as the portable path does.
+        (
+            _mm512_add_ps(_mm512_mul_ps(s, _mm512_cvtepi32_ps(lo)), m),
+            _mm512_add_ps(_mm512_mul_ps(s, _mm512_cvtepi32_ps(hi)), m),
+        )
+    }
+}
+
+impl QBlock for Q8_0 {
+    const BYTES: usize = 34;
+    #[inline]
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn weights(b: *const u8) -> (__m512, __m512) {
+        // SAFETY: a 34-byte block: scale, then 32 signed bytes.
+        let (s, q0, q1) = unsafe {
+            (
+                _mm512_set1_ps(scale(b)),
+                _mm_loadu_si128(b.add(2) as *const __m128i),
+                _mm_loadu_si128(b.add(18) as *const __m128i),
+            )
+        };
+        (
+            _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0))),
+            _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1))),
+        )
+    }
+}
+
+/// Dot products of `R` quantized rows (`cols / 32` blocks each) with `T` tokens: each block is
+/// decoded in registers once per tile and multiplied with every token, in the order and with the
+/// values of [`tile`] over dequantized rows (so the bits are the same).
+///
+/// # Safety
+/// Row pointers valid for `cols / 32` blocks, token pointers for `cols` floats; `cols % 32 == 0`.
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
-fn dequantize_row(w: &RowData, row: usize, cols: usize, out: &mut [f32]) {
-    let out = &mut out[..cols];
-    let rb = w.row_bytes(cols);
-    match w {
-        RowData::F32(d) => out.copy_from_slice(&d[row * cols..(row + 1) * cols]),
-        RowData::F16(d) => {
-            let src = &d[row * cols..(row + 1) * cols];
-            let full = cols / 16 * 16;
-            for c in (0..full).step_by(16) {
-                // SAFETY: c + 16 <= cols for both slices; f16 is two bytes.
-                unsafe {
-                    let v = _mm256_loadu_si256(src.as_ptr().add(c) as *const __m256i);
-                    _mm512_storeu_ps(out.as_mut_ptr().add(c), _mm512_cvtph_ps(v));
-                }
-            }
-            for c in full..cols {
-                out[c] = src[c].to_f32();
+unsafe fn qtile<B: QBlock, const R: usize, const T: usize>(
+    w: [*const u8; R],
+    x: [*const f32; T],
+    cols: usize,
+) -> [[f32; T]; R] {
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    let (mut x0, mut x1) = ([_mm512_setzero_ps(); T], [_mm512_setzero_ps(); T]);
+    for b in 0..cols / QK {
+        for t in 0..T {
+            // SAFETY: block b's 32 activations are within `cols`.
+            unsafe {
+                x0[t] = _mm512_loadu_ps(x[t].add(b * QK));
+                x1[t] = _mm512_loadu_ps(x[t].add(b * QK + 16));
             }
         }
-        RowData::Q4_0(d) => {
-            let low = _mm_set1_epi8(0x0f);
-            let eight = _mm512_set1_ps(8.0);
-            for (b, o) in d[row * rb..(row + 1) * rb]
-                .chunks_exact(18)
-                .zip(out.chunks_exact_mut(QK))
-            {
-                let s = _mm512_set1_ps(h(b, 0));
-                // SAFETY: 16 bytes of nibbles after the scale; 32 outputs.
-                unsafe {
-                    let q = _mm_loadu_si128(b.as_ptr().add(2) as *const __m128i);
-                    let lo = u8x16_to_ps(_mm_and_si128(q, low));
-                    let hi = u8x16_to_ps(_mm_and_si128(_mm_srli_epi16::<4>(q), low));
-                    let lo = _mm512_mul_ps(s, _mm512_sub_ps(lo, eight));
-                    let hi = _mm512_mul_ps(s, _mm512_sub_ps(hi, eight));
-                    _mm512_storeu_ps(o.as_mut_ptr(), lo);
-                    _mm512_storeu_ps(o.as_mut_ptr().add(16), hi);
-                }
-            }
-        }
-        RowData::Q4_1(d) => {
-            let low = _mm_set1_epi8(0x0f);
-            for (b, o) in d[row * rb..(row + 1) * rb]
-                .chunks_exact(20)
-                .zip(out.chunks_exact_mut(QK))
-            {
-                let (s, m) = (_mm512_set1_ps(h(b, 0)), _mm512_set1_ps(h(b, 2)));
-                // SAFETY: 16 bytes of nibbles after scale and minimum; 32 outputs.
-                unsafe {
-                    let q = _mm_loadu_si128(b.as_ptr().add(4) as *const __m128i);
-                    let lo = u8x16_to_ps(_mm_and_si128(q, low));
-                    let hi = u8x16_to_ps(_mm_and_si128(_mm_srli_epi16::<4>(q), low));
-                    // d·q + m rounded twice, as the portable path does.
-                    let lo = _mm512_add_ps(_mm512_mul_ps(s, lo), m);
-                    let hi = _mm512_add_ps(_mm512_mul_ps(s, hi), m);
-                    _mm512_storeu_ps(o.as_mut_ptr(), lo);
-                    _mm512_storeu_ps(o.as_mut_ptr().add(16), hi);
-                }
-            }
-        }
-        RowData::Q8_0(d) => {
-            for (b, o) in d[row * rb..(row + 1) * rb]
-                .chunks_exact(34)
-                .zip(out.chunks_exact_mut(QK))
-            {
-                let s = _mm512_set1_ps(h(b, 0));
-                // SAFETY: 32 signed bytes after the scale; 32 outputs.
-                unsafe {
-                    let q0 = _mm_loadu_si128(b.as_ptr().add(2) as *const __m128i);
-                    let q1 = _mm_loadu_si128(b.as_ptr().add(18) as *const __m128i);
-                    let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0));
-                    let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1));
-                    _mm512_storeu_ps(o.as_mut_ptr(), _mm512_mul_ps(s, lo));
-                    _mm512_storeu_ps(o.as_mut_ptr().add(16), _mm512_mul_ps(s, hi));
-                }
+        for r in 0..R {
+            // SAFETY: block b of row r is within the row.
+            let (w0, w1) = unsafe { B::weights(w[r].add(b * B::BYTES)) };
+            for t in 0..T {
+                acc[r][t] = _mm512_fmadd_ps(w0, x0[t], acc[r][t]);
+                acc[r][t] = _mm512_fmadd_ps(w1, x1[t], acc[r][t]);
             }
         }
     }
+    let mut out = [[0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            out[r][t] = fold16(acc[r][t]);
+        }
+    }
+    out
 }
 
 /// `R` rows × `nt` (1..=4) tokens.
@@ -209,22 +266,117 @@ unsafe fn tile_tokens<const R: usize>(
     }
 }
 
+/// [`qtile`] for `R` rows × `nt` (1..=4) tokens.
+///
+/// # Safety
+/// As [`qtile`].
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn qtile_tokens<B: QBlock, const R: usize>(
+    w: [*const u8; R],
+    x: [*const f32; TILE_TOKENS],
+    nt: usize,
+    cols: usize,
+    mut put: impl FnMut(usize, usize, f32),
+) {
+    macro_rules! run {
+        ($t:literal) => {{
+            let mut xs = [std::ptr::null::<f32>(); $t];
+            xs.copy_from_slice(&x[..$t]);
+            // SAFETY: the caller's pointers are valid for the whole rows.
+            let o = unsafe { qtile::<B, R, $t>(w, xs, cols) };
+            for (r, row) in o.iter().enumerate() {
+                for (t, &v) in row.iter().enumerate() {
+                    put(r, t, v);
+                }
+            }
+        }};
+    }
+    match nt {
+        1 => run!(1),
+        2 => run!(2),
+        3 => run!(3),
+        _ => run!(4),
+    }
+}
+
+/// [`rows_task`] for a quantized format: blocks decoded in registers, no scratch.
+///
+/// # Safety
+/// The CPU must support AVX-512F and FMA; `bytes` holds the stored rows, `cols % 32 == 0`.
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn qrows_task<B: QBlock>(
+    bytes: &[u8],
+    cols: usize,
+    x: &[f32],
+    n_tok: usize,
+    r0: usize,
+    yt: &mut [f32],
+) {
+    let rb = cols / QK * B::BYTES;
+    let n_rows = yt.len() / n_tok;
+    assert!(
+        (r0 + n_rows) * rb <= bytes.len() && x.len() >= n_tok * cols && cols % QK == 0,
+        "invariant: rows and tokens in bounds"
+    );
+    let mut i = 0;
+    while i < n_rows {
+        let nr = (n_rows - i).min(TILE_ROWS);
+        let wp: [*const u8; TILE_ROWS] =
+            std::array::from_fn(|k| bytes[(r0 + i + k.min(nr - 1)) * rb..].as_ptr());
+        let yi = &mut yt[i * n_tok..];
+        let mut t = 0;
+        while t < n_tok {
+            let nt = (n_tok - t).min(TILE_TOKENS);
+            let xp: [*const f32; TILE_TOKENS] =
+                std::array::from_fn(|k| x[(t + k.min(nt - 1)) * cols..].as_ptr());
+            // SAFETY: every row pointer covers a stored row, every token pointer `cols` floats.
+            unsafe {
+                qtile_tokens::<B, TILE_ROWS>(wp, xp, nt, cols, |r, k, v| {
+                    if r < nr {
+                        yi[r * n_tok + t + k] = v;
+                    }
+                })
+            };
+            t += TILE_TOKENS;
+        }
+        i += nr;
+    }
+}
+
 /// One task of [`super::matmul`]: rows `r0..r0 + yt.len() / n_tok` of the transposed output
 /// `yt[r, t]`.
 ///
 /// # Safety
 /// The CPU must support AVX-512F and FMA.
 #[target_feature(enable = "avx512f,fma")]
-pub unsafe fn rows_task(w: &RowData, cols: usize, x: &[f32], n_tok: usize, r0: usize, yt: &mut [f32]) {
+pub unsafe fn rows_task(
+    w: &RowData,
+    cols: usize,
+    x: &[f32],
+    n_tok: usize,
+    r0: usize,
+    yt: &mut [f32],
+) {
     assert!(x.len() >= n_tok * cols, "invariant: x holds n_tok rows");
+    // SAFETY (all three): this function's own contract.
+    match w {
+        RowData::Q4_0(b) => return unsafe { qrows_task::<Q4_0>(b, cols, x, n_tok, r0, yt) },
+        RowData::Q4_1(b) => return unsafe { qrows_task::<Q4_1>(b, cols, x, n_tok, r0, yt) },
+        RowData::Q8_0(b) => return unsafe { qrows_task::<Q8_0>(b, cols, x, n_tok, r0, yt) },
+        RowData::F32(_) | RowData::F16(_) => {}
+    }
     let n_rows = yt.len() / n_tok;
-    let mut scratch = vec![0f32; TILE_ROWS * cols];
+    let mut scratch = match w {
+        RowData::F16(_) => vec![0f32; TILE_ROWS * cols],
+        _ => Vec::new(),
+    };
     let mut i = 0;
     while i < n_rows {
         let nr = (n_rows - i).min(TILE_ROWS);
-        if !matches!(w, RowData::F32(_)) {
+        if let RowData::F16(d) = w {
             for (k, s) in scratch.chunks_exact_mut(cols).take(nr).enumerate() {
-                dequantize_row(w, r0 + i + k, cols, s);
+                f16_row(d, r0 + i + k, cols, s);
             }
         }
         // Row pointers; a short group repeats its last row (its results are dropped).

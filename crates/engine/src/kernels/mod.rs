@@ -614,7 +614,11 @@ mod tests {
             }
             let want = run(Isa::Portable, 1, &w, rows, cols, &x, cols);
             for isa in Isa::available() {
-                assert_eq!(run(isa, 1, &w, rows, cols, &x, cols), want, "{isa:?} {dtype:?}");
+                assert_eq!(
+                    run(isa, 1, &w, rows, cols, &x, cols),
+                    want,
+                    "{isa:?} {dtype:?}"
+                );
             }
         }
     }
