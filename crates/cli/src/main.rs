@@ -375,7 +375,7 @@ struct EngineBenchArgs {
     threads: Vec<usize>,
     #[arg(long, default_value_t = 48)]
     decode_tokens: usize,
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+    #[arg(long, value_delimiter = ',', default_value = "1,2,5,8,16")]
     chunks: Vec<usize>,
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
     batch: Vec<usize>,

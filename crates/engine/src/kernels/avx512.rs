@@ -29,19 +29,33 @@ fn fold16(v: __m512) -> f32 {
     _mm_cvtss_f32(s1)
 }
 
-/// Dot products of `R` rows with `T` tokens, all `cols` long (any `cols`: the tail is masked).
+/// Dot products of 4 rows with `T` tokens, all `cols` long (any `cols`: the tail is masked). The
+/// rows are unrolled by hand so that the 4·T accumulators stay in registers.
 ///
 /// # Safety
 /// Every pointer must be valid for `cols` reads.
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn tile<const R: usize, const T: usize>(
-    w: [*const f32; R],
+unsafe fn tile<const T: usize>(
+    w: [*const f32; TILE_ROWS],
     x: [*const f32; T],
     cols: usize,
-) -> [[f32; T]; R] {
-    let mut acc = [[_mm512_setzero_ps(); T]; R];
+) -> [[f32; T]; TILE_ROWS] {
+    let (mut a0, mut a1, mut a2, mut a3) = (
+        [_mm512_setzero_ps(); T],
+        [_mm512_setzero_ps(); T],
+        [_mm512_setzero_ps(); T],
+        [_mm512_setzero_ps(); T],
+    );
     let mut xv = [_mm512_setzero_ps(); T];
+    macro_rules! row {
+        ($acc:ident, $r:literal, $load:expr) => {{
+            let wv = $load(w[$r]);
+            for t in 0..T {
+                $acc[t] = _mm512_fmadd_ps(wv, xv[t], $acc[t]);
+            }
+        }};
+    }
     let full = cols / 16 * 16;
     let mut c = 0;
     while c < full {
@@ -49,13 +63,12 @@ unsafe fn tile<const R: usize, const T: usize>(
             // SAFETY: c + 16 <= cols.
             xv[t] = unsafe { _mm512_loadu_ps(x[t].add(c)) };
         }
-        for r in 0..R {
-            // SAFETY: as above.
-            let wv = unsafe { _mm512_loadu_ps(w[r].add(c)) };
-            for t in 0..T {
-                acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
-            }
-        }
+        // SAFETY (each row): as above.
+        let load = |p: *const f32| unsafe { _mm512_loadu_ps(p.add(c)) };
+        row!(a0, 0, load);
+        row!(a1, 1, load);
+        row!(a2, 2, load);
+        row!(a3, 3, load);
         c += 16;
     }
     if full < cols {
@@ -64,19 +77,19 @@ unsafe fn tile<const R: usize, const T: usize>(
             // SAFETY: the mask reads only the `cols - full` elements left.
             xv[t] = unsafe { _mm512_maskz_loadu_ps(m, x[t].add(full)) };
         }
-        for r in 0..R {
-            // SAFETY: as above.
-            let wv = unsafe { _mm512_maskz_loadu_ps(m, w[r].add(full)) };
-            for t in 0..T {
-                acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
-            }
-        }
+        // SAFETY (each row): as above.
+        let load = |p: *const f32| unsafe { _mm512_maskz_loadu_ps(m, p.add(full)) };
+        row!(a0, 0, load);
+        row!(a1, 1, load);
+        row!(a2, 2, load);
+        row!(a3, 3, load);
     }
-    let mut out = [[0f32; T]; R];
-    for r in 0..R {
-        for t in 0..T {
-            out[r][t] = fold16(acc[r][t]);
-        }
+    let mut out = [[0f32; T]; TILE_ROWS];
+    for t in 0..T {
+        out[0][t] = fold16(a0[t]);
+        out[1][t] = fold16(a1[t]);
+        out[2][t] = fold16(a2[t]);
+        out[3][t] = fold16(a3[t]);
     }
     out
 }
@@ -112,11 +125,13 @@ struct Q4_0;
 struct Q4_1;
 struct Q8_0;
 
-/// The f16 at `p` as f32.
-#[inline(always)]
-unsafe fn scale(p: *const u8) -> f32 {
+/// The f16 at `p`, as f32 in every lane.
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn scale(p: *const u8) -> __m512 {
     // SAFETY: the caller's block has two bytes at `p`.
-    half::f16::from_le_bytes(unsafe { [*p, *p.add(1)] }).to_f32()
+    let bits = unsafe { (p as *const u16).read_unaligned() };
+    _mm512_cvtph_ps(_mm256_set1_epi16(bits as i16))
 }
 
 /// The 32 nibbles of 16 bytes as two vectors of 32-bit indices (low nibbles, then high).
@@ -142,7 +157,7 @@ impl QBlock for Q4_0 {
             -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
         );
         // SAFETY: an 18-byte block: scale, then 16 bytes of nibbles.
-        let (s, (lo, hi)) = unsafe { (_mm512_set1_ps(scale(b)), nibbles(b.add(2))) };
+        let (s, (lo, hi)) = unsafe { (scale(b), nibbles(b.add(2))) };
         (
             _mm512_mul_ps(s, _mm512_permutexvar_ps(lo, codes)),
             _mm512_mul_ps(s, _mm512_permutexvar_ps(hi, codes)),
@@ -156,13 +171,7 @@ impl QBlock for Q4_1 {
     #[target_feature(enable = "avx512f,fma")]
     unsafe fn weights(b: *const u8) -> (__m512, __m512) {
         // SAFETY: a 20-byte block: scale, minimum, then 16 bytes of nibbles.
-        let (s, m, (lo, hi)) = unsafe {
-            (
-                _mm512_set1_ps(scale(b)),
-                _mm512_set1_ps(scale(b.add(2))),
-                nibbles(b.add(4)),
-            )
-        };
+        let (s, m, (lo, hi)) = unsafe { (scale(b), scale(b.add(2)), nibbles(b.add(4))) };
         // d·q + m rounded twice, as the portable path does.
         (
             _mm512_add_ps(_mm512_mul_ps(s, _mm512_cvtepi32_ps(lo)), m),
@@ -179,7 +188,7 @@ impl QBlock for Q8_0 {
         // SAFETY: a 34-byte block: scale, then 32 signed bytes.
         let (s, q0, q1) = unsafe {
             (
-                _mm512_set1_ps(scale(b)),
+                scale(b),
                 _mm_loadu_si128(b.add(2) as *const __m128i),
                 _mm_loadu_si128(b.add(18) as *const __m128i),
             )
@@ -191,20 +200,26 @@ impl QBlock for Q8_0 {
     }
 }
 
-/// Dot products of `R` quantized rows (`cols / 32` blocks each) with `T` tokens: each block is
+/// Dot products of 4 quantized rows (`cols / 32` blocks each) with `T` tokens: each block is
 /// decoded in registers once per tile and multiplied with every token, in the order and with the
-/// values of [`tile`] over dequantized rows (so the bits are the same).
+/// values of [`tile`] over dequantized rows (so the bits are the same). The rows are unrolled by
+/// hand so that the 4·T accumulators stay in registers.
 ///
 /// # Safety
 /// Row pointers valid for `cols / 32` blocks, token pointers for `cols` floats; `cols % 32 == 0`.
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn qtile<B: QBlock, const R: usize, const T: usize>(
-    w: [*const u8; R],
+unsafe fn qtile<B: QBlock, const T: usize>(
+    w: [*const u8; TILE_ROWS],
     x: [*const f32; T],
     cols: usize,
-) -> [[f32; T]; R] {
-    let mut acc = [[_mm512_setzero_ps(); T]; R];
+) -> [[f32; T]; TILE_ROWS] {
+    let (mut a0, mut a1, mut a2, mut a3) = (
+        [_mm512_setzero_ps(); T],
+        [_mm512_setzero_ps(); T],
+        [_mm512_setzero_ps(); T],
+        [_mm512_setzero_ps(); T],
+    );
     let (mut x0, mut x1) = ([_mm512_setzero_ps(); T], [_mm512_setzero_ps(); T]);
     for b in 0..cols / QK {
         for t in 0..T {
@@ -214,32 +229,39 @@ unsafe fn qtile<B: QBlock, const R: usize, const T: usize>(
                 x1[t] = _mm512_loadu_ps(x[t].add(b * QK + 16));
             }
         }
-        for r in 0..R {
-            // SAFETY: block b of row r is within the row.
-            let (w0, w1) = unsafe { B::weights(w[r].add(b * B::BYTES)) };
-            for t in 0..T {
-                acc[r][t] = _mm512_fmadd_ps(w0, x0[t], acc[r][t]);
-                acc[r][t] = _mm512_fmadd_ps(w1, x1[t], acc[r][t]);
-            }
+        macro_rules! row {
+            ($acc:ident, $r:literal) => {{
+                // SAFETY: block b of row $r is within the row.
+                let (w0, w1) = unsafe { B::weights(w[$r].add(b * B::BYTES)) };
+                for t in 0..T {
+                    $acc[t] = _mm512_fmadd_ps(w0, x0[t], $acc[t]);
+                    $acc[t] = _mm512_fmadd_ps(w1, x1[t], $acc[t]);
+                }
+            }};
         }
+        row!(a0, 0);
+        row!(a1, 1);
+        row!(a2, 2);
+        row!(a3, 3);
     }
-    let mut out = [[0f32; T]; R];
-    for r in 0..R {
-        for t in 0..T {
-            out[r][t] = fold16(acc[r][t]);
-        }
+    let mut out = [[0f32; T]; TILE_ROWS];
+    for t in 0..T {
+        out[0][t] = fold16(a0[t]);
+        out[1][t] = fold16(a1[t]);
+        out[2][t] = fold16(a2[t]);
+        out[3][t] = fold16(a3[t]);
     }
     out
 }
 
-/// `R` rows × `nt` (1..=4) tokens.
+/// [`tile`] for 4 rows × `nt` (1..=4) tokens.
 ///
 /// # Safety
 /// As [`tile`].
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn tile_tokens<const R: usize>(
-    w: [*const f32; R],
+unsafe fn tile_tokens(
+    w: [*const f32; TILE_ROWS],
     x: [*const f32; TILE_TOKENS],
     nt: usize,
     cols: usize,
@@ -250,7 +272,7 @@ unsafe fn tile_tokens<const R: usize>(
             let mut xs = [std::ptr::null::<f32>(); $t];
             xs.copy_from_slice(&x[..$t]);
             // SAFETY: the caller's pointers are valid for `cols` reads.
-            let o = unsafe { tile::<R, $t>(w, xs, cols) };
+            let o = unsafe { tile::<$t>(w, xs, cols) };
             for (r, row) in o.iter().enumerate() {
                 for (t, &v) in row.iter().enumerate() {
                     put(r, t, v);
@@ -266,14 +288,14 @@ unsafe fn tile_tokens<const R: usize>(
     }
 }
 
-/// [`qtile`] for `R` rows × `nt` (1..=4) tokens.
+/// [`qtile`] for 4 rows × `nt` (1..=4) tokens.
 ///
 /// # Safety
 /// As [`qtile`].
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn qtile_tokens<B: QBlock, const R: usize>(
-    w: [*const u8; R],
+unsafe fn qtile_tokens<B: QBlock>(
+    w: [*const u8; TILE_ROWS],
     x: [*const f32; TILE_TOKENS],
     nt: usize,
     cols: usize,
@@ -284,7 +306,7 @@ unsafe fn qtile_tokens<B: QBlock, const R: usize>(
             let mut xs = [std::ptr::null::<f32>(); $t];
             xs.copy_from_slice(&x[..$t]);
             // SAFETY: the caller's pointers are valid for the whole rows.
-            let o = unsafe { qtile::<B, R, $t>(w, xs, cols) };
+            let o = unsafe { qtile::<B, $t>(w, xs, cols) };
             for (r, row) in o.iter().enumerate() {
                 for (t, &v) in row.iter().enumerate() {
                     put(r, t, v);
@@ -332,7 +354,7 @@ unsafe fn qrows_task<B: QBlock>(
                 std::array::from_fn(|k| x[(t + k.min(nt - 1)) * cols..].as_ptr());
             // SAFETY: every row pointer covers a stored row, every token pointer `cols` floats.
             unsafe {
-                qtile_tokens::<B, TILE_ROWS>(wp, xp, nt, cols, |r, k, v| {
+                qtile_tokens::<B>(wp, xp, nt, cols, |r, k, v| {
                     if r < nr {
                         yi[r * n_tok + t + k] = v;
                     }
@@ -396,7 +418,7 @@ pub unsafe fn rows_task(
             // SAFETY: every row pointer covers `cols` weights (a stored row or a scratch row),
             // every token pointer `cols` activations.
             unsafe {
-                tile_tokens::<TILE_ROWS>(wp, xp, nt, cols, |r, k, v| {
+                tile_tokens(wp, xp, nt, cols, |r, k, v| {
                     if r < nr {
                         yi[r * n_tok + t + k] = v;
                     }
