@@ -107,7 +107,7 @@ impl Edge {
         let at = self.committed.len();
         (at..(at + 3).min(self.want.len()))
             .map(|p| {
-                if (p + self.session as usize) % self.wrong_every == 0 {
+                if (p + self.session as usize).is_multiple_of(self.wrong_every) {
                     (self.want[p] + 1) % 90
                 } else {
                     self.want[p]

@@ -157,7 +157,7 @@ impl QuantConfig {
 /// group carries the group's scale.
 pub fn quantize_symmetric(w: &[f32], cols: usize, group: usize, bits: usize) -> Vec<u8> {
     assert!(
-        group % QK == 0 && cols % QK == 0 && w.len() % cols == 0,
+        group.is_multiple_of(QK) && cols.is_multiple_of(QK) && w.len().is_multiple_of(cols),
         "invariant: caller checked the shapes"
     );
     let (block_bytes, qmax) = if bits == 4 {

@@ -79,7 +79,7 @@ pub fn async_itl_ms(c: &Costs, gamma: usize, depth: usize) -> f64 {
     let mut k = 0usize;
     while p_k > 1e-12 && k < 1_000_000 {
         let mut b = k / g;
-        if k >= g && k % g == 0 {
+        if k >= g && k.is_multiple_of(g) {
             b -= 1;
         }
         extra += p_k * b as f64;

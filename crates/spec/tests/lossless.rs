@@ -290,7 +290,7 @@ fn run(
                 cloud = Cloud::open(&history, seed);
                 // The edge either commits the new session's first token at once or lets its next
                 // block be judged against it; both must stay exact.
-                if salt % 2 == 0 {
+                if salt.is_multiple_of(2) {
                     let first = target(*history.last().unwrap(), history.len(), seed);
                     let outs = edge.on_reopened(first);
                     handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;

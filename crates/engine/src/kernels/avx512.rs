@@ -338,7 +338,7 @@ unsafe fn qrows_task<B: QBlock>(
     let rb = cols / QK * B::BYTES;
     let n_rows = yt.len() / n_tok;
     assert!(
-        (r0 + n_rows) * rb <= bytes.len() && x.len() >= n_tok * cols && cols % QK == 0,
+        (r0 + n_rows) * rb <= bytes.len() && x.len() >= n_tok * cols && cols.is_multiple_of(QK),
         "invariant: rows and tokens in bounds"
     );
     let mut i = 0;

@@ -91,13 +91,14 @@ impl LlamaConfig {
             key: k(key),
             message,
         };
-        if cfg.n_head == 0 || cfg.dim % cfg.n_head != 0 || cfg.head_dim % 2 != 0 {
+        if cfg.n_head == 0 || !cfg.dim.is_multiple_of(cfg.n_head) || !cfg.head_dim.is_multiple_of(2)
+        {
             return Err(bad(
                 "attention.head_count",
                 format!("{} heads do not divide embedding {}", cfg.n_head, cfg.dim),
             ));
         }
-        if cfg.n_kv_head == 0 || cfg.n_head % cfg.n_kv_head != 0 {
+        if cfg.n_kv_head == 0 || !cfg.n_head.is_multiple_of(cfg.n_kv_head) {
             return Err(bad(
                 "attention.head_count_kv",
                 format!(
