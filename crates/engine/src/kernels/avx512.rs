@@ -29,6 +29,19 @@ fn fold16(v: __m512) -> f32 {
     _mm_cvtss_f32(s1)
 }
 
+/// A tile's accumulators folded to its sums.
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+fn fold_tile<const T: usize>(acc: [[__m512; T]; TILE_ROWS]) -> [[f32; T]; TILE_ROWS] {
+    let mut out = [[0f32; T]; TILE_ROWS];
+    for (o, a) in out.iter_mut().zip(&acc) {
+        for t in 0..T {
+            o[t] = fold16(a[t]);
+        }
+    }
+    out
+}
+
 /// Dot products of 4 rows with `T` tokens, all `cols` long (any `cols`: the tail is masked). The
 /// rows are unrolled by hand so that the 4·T accumulators stay in registers.
 ///
@@ -84,14 +97,7 @@ unsafe fn tile<const T: usize>(
         row!(a2, 2, load);
         row!(a3, 3, load);
     }
-    let mut out = [[0f32; T]; TILE_ROWS];
-    for t in 0..T {
-        out[0][t] = fold16(a0[t]);
-        out[1][t] = fold16(a1[t]);
-        out[2][t] = fold16(a2[t]);
-        out[3][t] = fold16(a3[t]);
-    }
-    out
+    fold_tile([a0, a1, a2, a3])
 }
 
 /// Row `row` of f16 weights (`cols` wide) as f32 into `out` (exact).
@@ -244,122 +250,99 @@ unsafe fn qtile<B: QBlock, const T: usize>(
         row!(a2, 2);
         row!(a3, 3);
     }
-    let mut out = [[0f32; T]; TILE_ROWS];
-    for t in 0..T {
-        out[0][t] = fold16(a0[t]);
-        out[1][t] = fold16(a1[t]);
-        out[2][t] = fold16(a2[t]);
-        out[3][t] = fold16(a3[t]);
-    }
-    out
+    fold_tile([a0, a1, a2, a3])
 }
 
-/// [`tile`] for 4 rows × `nt` (1..=4) tokens.
+/// Four rows of one storage kind, ready to multiply with up to 4 tokens.
+trait Rows {
+    /// # Safety
+    /// The rows' pointers cover whole rows of `cols` weights; the tokens' `cols` floats each.
+    unsafe fn tile<const T: usize>(&self, x: [*const f32; T], cols: usize)
+        -> [[f32; T]; TILE_ROWS];
+}
+
+/// Rows of f32 weights (stored, or converted into a scratch).
+struct F32Rows([*const f32; TILE_ROWS]);
+
+/// Rows of quantized blocks, decoded in registers.
+struct QRows<B>([*const u8; TILE_ROWS], std::marker::PhantomData<B>);
+
+impl Rows for F32Rows {
+    #[inline]
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn tile<const T: usize>(
+        &self,
+        x: [*const f32; T],
+        cols: usize,
+    ) -> [[f32; T]; TILE_ROWS] {
+        // SAFETY: the caller's contract.
+        unsafe { tile::<T>(self.0, x, cols) }
+    }
+}
+
+impl<B: QBlock> Rows for QRows<B> {
+    #[inline]
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn tile<const T: usize>(
+        &self,
+        x: [*const f32; T],
+        cols: usize,
+    ) -> [[f32; T]; TILE_ROWS] {
+        // SAFETY: the caller's contract.
+        unsafe { qtile::<B, T>(self.0, x, cols) }
+    }
+}
+
+/// `yt[r, t]` for `n_rows` rows (groups of 4: `rows_of(i, nr)` gives group `i`'s `nr` rows, a
+/// short group repeating its last row, whose results are dropped) and every token of `x`, in
+/// tiles of up to 4 tokens.
 ///
 /// # Safety
-/// As [`tile`].
+/// `rows_of` must give pointers that cover whole rows; `x` holds `n_tok` rows of `cols`.
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn tile_tokens(
-    w: [*const f32; TILE_ROWS],
-    x: [*const f32; TILE_TOKENS],
-    nt: usize,
-    cols: usize,
-    mut put: impl FnMut(usize, usize, f32),
-) {
-    macro_rules! run {
-        ($t:literal) => {{
-            let mut xs = [std::ptr::null::<f32>(); $t];
-            xs.copy_from_slice(&x[..$t]);
-            // SAFETY: the caller's pointers are valid for `cols` reads.
-            let o = unsafe { tile::<$t>(w, xs, cols) };
-            for (r, row) in o.iter().enumerate() {
-                for (t, &v) in row.iter().enumerate() {
-                    put(r, t, v);
-                }
-            }
-        }};
-    }
-    match nt {
-        1 => run!(1),
-        2 => run!(2),
-        3 => run!(3),
-        _ => run!(4),
-    }
-}
-
-/// [`qtile`] for 4 rows × `nt` (1..=4) tokens.
-///
-/// # Safety
-/// As [`qtile`].
-#[inline]
-#[target_feature(enable = "avx512f,fma")]
-unsafe fn qtile_tokens<B: QBlock>(
-    w: [*const u8; TILE_ROWS],
-    x: [*const f32; TILE_TOKENS],
-    nt: usize,
-    cols: usize,
-    mut put: impl FnMut(usize, usize, f32),
-) {
-    macro_rules! run {
-        ($t:literal) => {{
-            let mut xs = [std::ptr::null::<f32>(); $t];
-            xs.copy_from_slice(&x[..$t]);
-            // SAFETY: the caller's pointers are valid for the whole rows.
-            let o = unsafe { qtile::<B, $t>(w, xs, cols) };
-            for (r, row) in o.iter().enumerate() {
-                for (t, &v) in row.iter().enumerate() {
-                    put(r, t, v);
-                }
-            }
-        }};
-    }
-    match nt {
-        1 => run!(1),
-        2 => run!(2),
-        3 => run!(3),
-        _ => run!(4),
-    }
-}
-
-/// [`rows_task`] for a quantized format: blocks decoded in registers, no scratch.
-///
-/// # Safety
-/// The CPU must support AVX-512F and FMA; `bytes` holds the stored rows, `cols % 32 == 0`.
-#[target_feature(enable = "avx512f,fma")]
-unsafe fn qrows_task<B: QBlock>(
-    bytes: &[u8],
+unsafe fn tiles<R: Rows>(
     cols: usize,
     x: &[f32],
     n_tok: usize,
-    r0: usize,
     yt: &mut [f32],
+    mut rows_of: impl FnMut(usize, usize) -> R,
 ) {
-    let rb = cols / QK * B::BYTES;
     let n_rows = yt.len() / n_tok;
-    assert!(
-        (r0 + n_rows) * rb <= bytes.len() && x.len() >= n_tok * cols && cols.is_multiple_of(QK),
-        "invariant: rows and tokens in bounds"
-    );
     let mut i = 0;
     while i < n_rows {
         let nr = (n_rows - i).min(TILE_ROWS);
-        let wp: [*const u8; TILE_ROWS] =
-            std::array::from_fn(|k| bytes[(r0 + i + k.min(nr - 1)) * rb..].as_ptr());
+        let rows = rows_of(i, nr);
         let yi = &mut yt[i * n_tok..];
         let mut t = 0;
         while t < n_tok {
             let nt = (n_tok - t).min(TILE_TOKENS);
             let xp: [*const f32; TILE_TOKENS] =
                 std::array::from_fn(|k| x[(t + k.min(nt - 1)) * cols..].as_ptr());
-            // SAFETY: every row pointer covers a stored row, every token pointer `cols` floats.
-            unsafe {
-                qtile_tokens::<B>(wp, xp, nt, cols, |r, k, v| {
-                    if r < nr {
-                        yi[r * n_tok + t + k] = v;
-                    }
-                })
+            let mut put = |r: usize, k: usize, v: f32| {
+                if r < nr {
+                    yi[r * n_tok + t + k] = v;
+                }
             };
+            macro_rules! run {
+                ($t:literal) => {{
+                    let mut xs = [std::ptr::null::<f32>(); $t];
+                    xs.copy_from_slice(&xp[..$t]);
+                    // SAFETY: the caller's row pointers, token pointers `cols` floats each.
+                    let o = unsafe { rows.tile::<$t>(xs, cols) };
+                    for (r, row) in o.iter().enumerate() {
+                        for (k, &v) in row.iter().enumerate() {
+                            put(r, k, v);
+                        }
+                    }
+                }};
+            }
+            match nt {
+                1 => run!(1),
+                2 => run!(2),
+                3 => run!(3),
+                _ => run!(4),
+            }
             t += TILE_TOKENS;
         }
         i += nr;
@@ -380,52 +363,52 @@ pub unsafe fn rows_task(
     r0: usize,
     yt: &mut [f32],
 ) {
-    assert!(x.len() >= n_tok * cols, "invariant: x holds n_tok rows");
-    // SAFETY (all three): this function's own contract.
-    match w {
-        RowData::Q4_0(b) => return unsafe { qrows_task::<Q4_0>(b, cols, x, n_tok, r0, yt) },
-        RowData::Q4_1(b) => return unsafe { qrows_task::<Q4_1>(b, cols, x, n_tok, r0, yt) },
-        RowData::Q8_0(b) => return unsafe { qrows_task::<Q8_0>(b, cols, x, n_tok, r0, yt) },
-        RowData::F32(_) | RowData::F16(_) => {}
-    }
     let n_rows = yt.len() / n_tok;
-    let mut scratch = match w {
-        RowData::F16(_) => vec![0f32; TILE_ROWS * cols],
-        _ => Vec::new(),
-    };
-    let mut i = 0;
-    while i < n_rows {
-        let nr = (n_rows - i).min(TILE_ROWS);
-        if let RowData::F16(d) = w {
-            for (k, s) in scratch.chunks_exact_mut(cols).take(nr).enumerate() {
-                f16_row(d, r0 + i + k, cols, s);
-            }
+    assert!(x.len() >= n_tok * cols, "invariant: x holds n_tok rows");
+    fn quantized<B: QBlock>(
+        b: &[u8],
+        cols: usize,
+        r0: usize,
+        n_rows: usize,
+    ) -> impl FnMut(usize, usize) -> QRows<B> + '_ {
+        let rb = cols / QK * B::BYTES;
+        assert!(
+            (r0 + n_rows) * rb <= b.len() && cols.is_multiple_of(QK),
+            "invariant: whole rows of whole blocks"
+        );
+        move |i, nr| {
+            QRows(
+                std::array::from_fn(|k| b[(r0 + i + k.min(nr - 1)) * rb..].as_ptr()),
+                std::marker::PhantomData,
+            )
         }
-        // Row pointers; a short group repeats its last row (its results are dropped).
-        let wp: [*const f32; TILE_ROWS] = std::array::from_fn(|k| {
-            let k = k.min(nr - 1);
-            match w {
-                RowData::F32(d) => d[(r0 + i + k) * cols..].as_ptr(),
-                _ => scratch[k * cols..].as_ptr(),
-            }
-        });
-        let yi = &mut yt[i * n_tok..];
-        let mut t = 0;
-        while t < n_tok {
-            let nt = (n_tok - t).min(TILE_TOKENS);
-            let xp: [*const f32; TILE_TOKENS] =
-                std::array::from_fn(|k| x[(t + k.min(nt - 1)) * cols..].as_ptr());
-            // SAFETY: every row pointer covers `cols` weights (a stored row or a scratch row),
-            // every token pointer `cols` activations.
-            unsafe {
-                tile_tokens(wp, xp, nt, cols, |r, k, v| {
-                    if r < nr {
-                        yi[r * n_tok + t + k] = v;
-                    }
+    }
+    // SAFETY (each arm): the row pointers cover whole stored (or scratch) rows, and `x` holds
+    // `n_tok` rows (asserted above).
+    unsafe {
+        match w {
+            RowData::Q4_0(b) => tiles(cols, x, n_tok, yt, quantized::<Q4_0>(b, cols, r0, n_rows)),
+            RowData::Q4_1(b) => tiles(cols, x, n_tok, yt, quantized::<Q4_1>(b, cols, r0, n_rows)),
+            RowData::Q8_0(b) => tiles(cols, x, n_tok, yt, quantized::<Q8_0>(b, cols, r0, n_rows)),
+            RowData::F32(d) => {
+                assert!((r0 + n_rows) * cols <= d.len(), "invariant: whole rows");
+                tiles(cols, x, n_tok, yt, |i, nr| {
+                    F32Rows(std::array::from_fn(|k| {
+                        d[(r0 + i + k.min(nr - 1)) * cols..].as_ptr()
+                    }))
                 })
-            };
-            t += TILE_TOKENS;
+            }
+            RowData::F16(d) => {
+                let mut scratch = vec![0f32; TILE_ROWS * cols];
+                tiles(cols, x, n_tok, yt, |i, nr| {
+                    for (k, s) in scratch.chunks_exact_mut(cols).take(nr).enumerate() {
+                        f16_row(d, r0 + i + k, cols, s);
+                    }
+                    F32Rows(std::array::from_fn(|k| {
+                        scratch[k.min(nr - 1) * cols..].as_ptr()
+                    }))
+                })
+            }
         }
-        i += nr;
     }
 }

@@ -274,34 +274,28 @@ impl LlamaModel {
 
     /// Bytes of weights read for one decoded token (every matrix once, one embedding row).
     pub fn bytes_per_token(&self) -> usize {
-        let per_layer: usize = self
-            .layers
+        let weights: usize = self.layer_linears().map(|w| w.bytes()).sum();
+        weights
+            + self.layers.len() * 8 * self.cfg.dim
+            + self.head().bytes()
+            + self.embed.bytes() / self.cfg.vocab
+    }
+
+    /// Every weight matrix of every layer.
+    fn layer_linears(&self) -> impl Iterator<Item = &Linear> {
+        self.layers
             .iter()
-            .map(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]
-                    .iter()
-                    .map(|w| w.bytes())
-                    .sum::<usize>()
-                    + 8 * self.cfg.dim
-            })
-            .sum();
-        per_layer + self.head().bytes() + self.embed.bytes() / self.cfg.vocab
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down])
     }
 
     /// Multiply-add FLOPs of the weight matmuls for one token (2 per weight; attention over the
     /// context is extra).
     pub fn flops_per_token(&self) -> usize {
-        let per_layer: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]
-                    .iter()
-                    .map(|w| 2 * w.rows * w.cols)
-                    .sum::<usize>()
-            })
-            .sum();
-        per_layer + 2 * self.head().rows * self.head().cols
+        let head = self.head();
+        self.layer_linears()
+            .map(|w| 2 * w.rows * w.cols)
+            .sum::<usize>()
+            + 2 * head.rows * head.cols
     }
 
     /// Storage format name of the linear layers (`q4_0`, `f32`, ...), or `mixed`.
