@@ -53,6 +53,8 @@ pub struct ThreadBench {
     pub read_bandwidth_gbs: f64,
     pub target: ModelBench,
     pub draft: ModelBench,
+    /// The same draft file with 8-bit activations (candle's W4A8 matmul): decode and chunks.
+    pub draft_w4a8: Option<ModelBench>,
     /// llama.cpp on the same files (`null` when the peer is not installed).
     pub peer: Option<Value>,
 }
@@ -160,12 +162,14 @@ fn context(vocab: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
+/// Decode, verify chunks and (with `batches`) ragged batches and the kernels' compute rate.
 fn bench_model(
     model: &Arc<LlamaModel>,
     path: &Path,
     threads: usize,
     a: &BenchArgs,
     bw: f64,
+    batches: bool,
 ) -> Result<ModelBench> {
     let cfg = EngineConfig {
         threads,
@@ -206,7 +210,7 @@ fn bench_model(
     e.free(s);
 
     let mut batch_tok_s = BTreeMap::new();
-    for &n in &a.batch_sizes {
+    for &n in a.batch_sizes.iter().filter(|_| batches) {
         let seqs: Vec<SeqId> = (1..=n as u64).map(SeqId).collect();
         for &q in &seqs {
             e.free(q);
@@ -243,7 +247,11 @@ fn bench_model(
         }
     }
     let bytes = model.bytes_per_token();
-    let gflops = kernel_gflops(model, threads);
+    let gflops = if batches {
+        kernel_gflops(model, threads)
+    } else {
+        0.0
+    };
     Ok(ModelBench {
         path: path.display().to_string(),
         format: model.format(),
@@ -295,6 +303,7 @@ pub fn peer_bench(
 pub fn run(
     target: (&Arc<LlamaModel>, &Path),
     draft: (&Arc<LlamaModel>, &Path),
+    draft_w4a8: Option<&Arc<LlamaModel>>,
     target_f32_gguf: Option<&Path>,
     a: &BenchArgs,
 ) -> Result<EngineBench> {
@@ -303,9 +312,16 @@ pub fn run(
     for &t in &a.threads {
         let bw = read_bandwidth(t);
         tracing::info!(threads = t, "benchmarking target");
-        let tb = bench_model(target.0, target.1, t, a, bw).context("target")?;
+        let tb = bench_model(target.0, target.1, t, a, bw, true).context("target")?;
         tracing::info!(threads = t, "benchmarking draft");
-        let db = bench_model(draft.0, draft.1, t, a, bw).context("draft")?;
+        let db = bench_model(draft.0, draft.1, t, a, bw, true).context("draft")?;
+        let w4a8 = draft_w4a8
+            .map(|m| -> Result<ModelBench> {
+                let mut b = bench_model(m, draft.1, t, a, bw, false).context("draft w4a8")?;
+                b.format = format!("{} w4a8", b.format);
+                Ok(b)
+            })
+            .transpose()?;
         let peer = if a.peer_python.is_some() {
             let d = peer(a, draft.1, t);
             let f = target_f32_gguf.and_then(|p| peer(a, p, t));
@@ -319,6 +335,7 @@ pub fn run(
             read_bandwidth_gbs: round2(bw),
             target: tb,
             draft: db,
+            draft_w4a8: w4a8,
             peer,
         });
     }
@@ -339,6 +356,18 @@ fn peer_num(p: &Option<Value>, which: &str, path: &[&str]) -> String {
     v.as_f64().map_or("-".into(), |x| format!("{x:.1}"))
 }
 
+/// The models of a run with their labels and their llama.cpp counterparts.
+fn models_of(r: &ThreadBench) -> Vec<(&'static str, &ModelBench, &'static str)> {
+    let mut v = vec![
+        ("target", &r.target, "target_f32"),
+        ("draft", &r.draft, "draft"),
+    ];
+    if let Some(w) = &r.draft_w4a8 {
+        v.push(("draft w4a8", w, "draft"));
+    }
+    v
+}
+
 /// Markdown tables of the results.
 pub fn table(b: &EngineBench) -> String {
     let mut s = format!(
@@ -349,10 +378,7 @@ pub fn table(b: &EngineBench) -> String {
     s += "| threads | model | format | decode tok/s | llama.cpp tok/s | MB/token | read GB/s | bandwidth limit tok/s |\n";
     s += "|---|---|---|---|---|---|---|---|\n";
     for r in &b.runs {
-        for (name, m, peer_key) in [
-            ("target", &r.target, "target_f32"),
-            ("draft", &r.draft, "draft"),
-        ] {
+        for (name, m, peer_key) in models_of(r) {
             s += &format!(
                 "| {} | {name} | {} | {:.1} | {} | {:.1} | {:.1} | {:.1} |\n",
                 r.threads,
@@ -376,10 +402,7 @@ pub fn table(b: &EngineBench) -> String {
         s += "\n";
     }
     for r in &b.runs {
-        for (name, m, peer_key) in [
-            ("target", &r.target, "target_f32"),
-            ("draft", &r.draft, "draft"),
-        ] {
+        for (name, m, peer_key) in models_of(r) {
             s += &format!("| {} | {name} |", r.threads);
             for (k, v) in &m.chunk_ms {
                 let p = peer_num(&r.peer, peer_key, &["chunk_ms", &k.to_string()]);

@@ -660,9 +660,11 @@ fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
         peer_python,
         peer_script,
     };
+    let w4a8 = models::load(home, &ModelSpec::Draft, Some(WeightMode::W4A8), true)?;
     let r = bench::run(
         (&target.model, &target.path),
         (&draft.model, &draft.path),
+        Some(&w4a8.model),
         target_f32.as_deref(),
         &args,
     )?;
@@ -674,6 +676,7 @@ fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
             "draft_path": draft.path,
             "draft_decode_tok_s": first.draft.decode_tok_s,
             "target_decode_tok_s": first.target.decode_tok_s,
+            "draft_w4a8_decode_tok_s": first.draft_w4a8.as_ref().map(|m| m.decode_tok_s),
             "verify_chunk_ms": { "target": first.target.chunk_ms, "draft": first.draft.chunk_ms },
             "batch_throughput_tok_s": first.target.batch_tok_s,
             "bandwidth_gbs": r.copy_bandwidth_gbs,
