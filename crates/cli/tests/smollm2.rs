@@ -177,6 +177,59 @@ fn tandem(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// `bench engine --json` prints one JSON object with the engine-speed keys (a tiny run: one thread,
+/// a few tokens, no llama.cpp).
+#[test]
+fn cli_bench_engine_json_contract() {
+    model_path();
+    draft_path();
+    let out = tandem(&[
+        "bench",
+        "engine",
+        "--threads",
+        "1",
+        "--repeats",
+        "1",
+        "--decode-tokens",
+        "2",
+        "--chunks",
+        "1,5",
+        "--batch",
+        "2",
+        "--no-peer",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    for key in [
+        "draft_decode_tok_s",
+        "target_decode_tok_s",
+        "draft_w4a8_decode_tok_s",
+        "bandwidth_gbs",
+    ] {
+        assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {v}");
+    }
+    assert!(
+        v["draft_path"]
+            .as_str()
+            .is_some_and(|p| p.ends_with(".gguf")),
+        "{v}"
+    );
+    assert!(["portable", "avx2", "avx512"].contains(&v["kernels"].as_str().unwrap()));
+    for model in ["target", "draft"] {
+        assert!(v["verify_chunk_ms"][model]["5"].as_f64().is_some(), "{v}");
+    }
+    assert!(v["batch_throughput_tok_s"]["2"].as_f64().is_some(), "{v}");
+    let run = &v["runs"][0];
+    assert!(run["target"]["compute_limit_tok_s"]
+        .as_f64()
+        .is_some_and(|x| x > 0.0));
+}
+
 #[test]
 fn cli_generate_json_contract() {
     model_path();
