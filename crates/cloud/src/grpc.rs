@@ -69,10 +69,11 @@ impl ServiceInfo {
     }
 }
 
-/// Tokens per forward at which grants start shrinking, for the SmolLM2 target on one core of a
-/// 2-vCPU machine: twice its measured ridge (`bench load`: a one-token forward costs what about 7
-/// tokens of compute do, so a forward of 14 tokens takes about twice as long as one of 1).
-pub const DEFAULT_SATURATION_TOKENS: f64 = 14.0;
+/// Tokens per forward at which grants start shrinking when no forward cost is known, for the
+/// SmolLM2 target on one core of a 2-vCPU machine: twice its measured ridge (`bench load` with the
+/// AVX-512 kernels: a one-token forward costs what about 10 tokens of compute do, so a forward of
+/// 20 tokens takes about twice as long as one of 1). `cloud serve` measures its own.
+pub const DEFAULT_SATURATION_TOKENS: f64 = 20.0;
 
 /// What [`serve_grpc`] fails with.
 pub type TransportError = tonic::transport::Error;
