@@ -174,6 +174,21 @@ pub fn run(
     run_with(&mut d, eog, prompt, first, cfg, link, start, on_update)
 }
 
+/// Keep the pipeline's shape within the grant `cap`, aiming at `want`: the outputs of the reshape
+/// (none when the shape already fits).
+fn fit_shape(
+    p: &mut Pipeline,
+    want: (usize, usize),
+    cap: (usize, usize),
+    m: &mut Measured,
+) -> Result<Vec<Output>, EdgeError> {
+    let shape = (want.0.min(cap.0).max(1), want.1.min(cap.1).max(1));
+    if shape == (p.config().draft_len, p.config().depth) {
+        return Ok(Vec::new());
+    }
+    m.reshapes += 1;
+    Ok(p.set_shape(shape.0, shape.1)?)
+}
 /// [`run`] with any [`Drafter`] (a model, or the load generator's synthetic edge).
 #[allow(clippy::too_many_arguments)]
 pub fn run_with(
@@ -262,13 +277,8 @@ pub fn run_with(
                         if let Some((g, dp)) = d.resume {
                             // Handed back: draft again within the grant.
                             cap = (g.max(1) as usize, dp.max(1) as usize);
-                            let shape =
-                                (cfg.draft_len.min(cap.0).max(1), cfg.depth.min(cap.1).max(1));
-                            if shape != (p.config().draft_len, p.config().depth) {
-                                let outs = p.set_shape(shape.0, shape.1)?;
-                                m.reshapes += 1;
-                                apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
-                            }
+                            let outs = fit_shape(&mut p, (cfg.draft_len, cfg.depth), cap, &mut m)?;
+                            apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
                         }
                         show(
                             &mut on_update,
@@ -298,17 +308,13 @@ pub fn run_with(
                 // The verifier's load changed its grant: keep within it (and grow back into it).
                 if let Some((g, d)) = v.grant {
                     cap = (g.max(1) as usize, d.max(1) as usize);
-                    let (want_g, want_d) = match cfg.auto {
+                    let want = match cfg.auto {
                         // The policy re-plans within the new bounds below.
                         Some(_) => (p.config().draft_len, p.config().depth),
                         None => (cfg.draft_len, cfg.depth),
                     };
-                    let shape = (want_g.min(cap.0).max(1), want_d.min(cap.1).max(1));
-                    if shape != (p.config().draft_len, p.config().depth) {
-                        let outs = p.set_shape(shape.0, shape.1)?;
-                        m.reshapes += 1;
-                        apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
-                    }
+                    let outs = fit_shape(&mut p, want, cap, &mut m)?;
+                    apply(outs, draft, link, &mut commit_ms, &mut sent_at, &mut fresh)?;
                 }
                 let correction = (p.stats().rejections > rejections)
                     .then(|| {

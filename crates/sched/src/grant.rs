@@ -181,8 +181,10 @@ mod tests {
         let r = |p: &GrantPolicy, l| p.predicted_rate(l, 4, 0.95).unwrap();
         assert!(r(&p, 1) > r(&p, 0) * MODEL_GAIN);
         assert_eq!(p.grant_by_model(4, 0.95, 0.0), (2, 1));
-        // Asked again at the same load, it stays.
-        assert_eq!(p.grant_by_model(4, 0.95, 0.0), (2, 1));
+        // Hysteresis: at 3 users and α 0.93, γ 4 would be better than γ 2, but by less than 5%.
+        let rate = |p: &GrantPolicy, l| p.predicted_rate(l, 3, 0.93).unwrap();
+        assert!(rate(&p, 0) > rate(&p, 1) && rate(&p, 0) < rate(&p, 1) * MODEL_GAIN);
+        assert_eq!(p.grant_by_model(3, 0.93, 0.0), (2, 1));
         // Without a forward cost it falls back to tokens per forward.
         let mut p = GrantPolicy::new(4, 2, 20.0).with_cloud_decode();
         assert_eq!(p.grant_by_model(32, 0.95, 30.0), (2, 1));
