@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use serde::Serialize;
 use serde_json::Value;
-use tandem_engine::kernels::{self, RowData};
+use tandem_engine::kernels;
 use tandem_engine::{sampler, Engine, EngineConfig, LlamaModel, SeqChunk, SeqId, Wanted};
 
 use crate::stats::round2;
@@ -113,18 +113,6 @@ pub fn read_bandwidth(threads: usize) -> f64 {
     (buf.len() * 4) as f64 / best / 1e9
 }
 
-/// The first `rows` rows of `w` (`cols` wide).
-fn first_rows(w: &RowData, rows: usize, cols: usize) -> RowData {
-    let bytes = rows * w.row_bytes(cols);
-    match w {
-        RowData::F32(v) => RowData::F32(v[..rows * cols].to_vec()),
-        RowData::F16(v) => RowData::F16(v[..rows * cols].to_vec()),
-        RowData::Q4_0(b) => RowData::Q4_0(b[..bytes].to_vec()),
-        RowData::Q4_1(b) => RowData::Q4_1(b[..bytes].to_vec()),
-        RowData::Q8_0(b) => RowData::Q8_0(b[..bytes].to_vec()),
-    }
-}
-
 /// GFLOP/s of the selected matmul kernels on `threads` threads: the first 256 rows of the
 /// model's first FFN up-projection (cache-resident) times 64 tokens, best of 5.
 pub fn kernel_gflops(model: &LlamaModel, threads: usize) -> f64 {
@@ -132,7 +120,7 @@ pub fn kernel_gflops(model: &LlamaModel, threads: usize) -> f64 {
         return 0.0;
     };
     let (rows, cols, n_tok, reps) = (256.min(up.rows), up.cols, 64, 8);
-    let w = first_rows(&up.data, rows, cols);
+    let w = up.data.first_rows(rows, cols);
     let x: Vec<f32> = (0..n_tok * cols)
         .map(|i| sampler::uniform(3, i as u64, 1) as f32 - 0.5)
         .collect();

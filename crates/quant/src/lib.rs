@@ -392,9 +392,9 @@ mod tests {
 
     fn back(bytes: Vec<u8>, bits: usize, n: usize) -> Vec<f32> {
         let data = if bits == 4 {
-            RowData::Q4_0(bytes)
+            RowData::q4_0(&bytes)
         } else {
-            RowData::Q8_0(bytes)
+            RowData::q8_0(&bytes)
         };
         let mut out = vec![0f32; n];
         dequantize_row(&data, 0, n, &mut out);

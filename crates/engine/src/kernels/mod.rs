@@ -33,15 +33,79 @@ const TOKENS_PER_PASS: usize = 4;
 pub enum RowData {
     F32(Vec<f32>),
     F16(Vec<f16>),
-    /// GGUF Q4_0 blocks: f16 scale `d`, 16 bytes of nibbles; w = d·(q − 8).
-    Q4_0(Vec<u8>),
-    /// GGUF Q4_1 blocks: f16 scale `d`, f16 minimum `m`, 16 bytes of nibbles; w = d·q + m.
-    Q4_1(Vec<u8>),
-    /// GGUF Q8_0 blocks: f16 scale `d`, 32 signed bytes; w = d·q.
-    Q8_0(Vec<u8>),
+    /// GGUF Q4_0 blocks: f16 scale `d`, 32 nibbles `q`; w = d·(q − 8).
+    Q4_0(Blocks),
+    /// GGUF Q4_1 blocks: f16 scale `d`, f16 minimum `m`, 32 nibbles `q`; w = d·q + m.
+    Q4_1(Blocks),
+    /// GGUF Q8_0 blocks: f16 scale `d`, 32 signed bytes `q`; w = d·q.
+    Q8_0(Blocks),
+}
+
+/// Quantized rows in GGUF's 32-weight blocks, repacked at load: the f16 scales (and Q4_1's
+/// minimums) in arrays of their own, apart from the quants, so that a kernel converts 16 scales
+/// in one instruction and streams the quants without gaps. Block `k` of the matrix (row-major,
+/// `cols / 32` per row) has scale `d[k]` and quants `qs[k·Q..(k + 1)·Q]` (`Q` = 16 bytes of
+/// nibbles, or 32 signed bytes); the values are exactly GGUF's.
+#[derive(Debug, Clone)]
+pub struct Blocks {
+    d: Vec<f16>,
+    m: Vec<f16>,
+    qs: Vec<u8>,
+}
+
+impl Blocks {
+    /// Split GGUF blocks: a 2-byte scale, with `min` a 2-byte minimum, then `quant_bytes` bytes.
+    fn from_gguf(bytes: &[u8], min: bool, quant_bytes: usize) -> Blocks {
+        let head = if min { 4 } else { 2 };
+        let block = head + quant_bytes;
+        assert!(
+            bytes.len().is_multiple_of(block),
+            "invariant: GGUF data of whole {block}-byte blocks ({} bytes)",
+            bytes.len()
+        );
+        let n = bytes.len() / block;
+        let mut b = Blocks {
+            d: Vec::with_capacity(n),
+            m: Vec::with_capacity(if min { n } else { 0 }),
+            qs: Vec::with_capacity(n * quant_bytes),
+        };
+        for blk in bytes.chunks_exact(block) {
+            b.d.push(f16::from_le_bytes([blk[0], blk[1]]));
+            if min {
+                b.m.push(f16::from_le_bytes([blk[2], blk[3]]));
+            }
+            b.qs.extend_from_slice(&blk[head..]);
+        }
+        b
+    }
+
+    /// The first `n` blocks.
+    fn first(&self, n: usize) -> Blocks {
+        let q = self.qs.len() / self.d.len().max(1);
+        Blocks {
+            d: self.d[..n].to_vec(),
+            m: self.m[..n.min(self.m.len())].to_vec(),
+            qs: self.qs[..n * q].to_vec(),
+        }
+    }
 }
 
 impl RowData {
+    /// Q4_0 rows from GGUF's 18-byte blocks.
+    pub fn q4_0(gguf: &[u8]) -> RowData {
+        RowData::Q4_0(Blocks::from_gguf(gguf, false, 16))
+    }
+
+    /// Q4_1 rows from GGUF's 20-byte blocks.
+    pub fn q4_1(gguf: &[u8]) -> RowData {
+        RowData::Q4_1(Blocks::from_gguf(gguf, true, 16))
+    }
+
+    /// Q8_0 rows from GGUF's 34-byte blocks.
+    pub fn q8_0(gguf: &[u8]) -> RowData {
+        RowData::Q8_0(Blocks::from_gguf(gguf, false, 32))
+    }
+
     /// Bytes of one stored row of `cols` weights.
     pub fn row_bytes(&self, cols: usize) -> usize {
         match self {
@@ -62,6 +126,18 @@ impl RowData {
             RowData::Q8_0(_) => "q8_0",
         }
     }
+
+    /// The first `rows` rows (`cols` wide).
+    pub fn first_rows(&self, rows: usize, cols: usize) -> RowData {
+        let (n, b) = (rows * cols, rows * cols / QK);
+        match self {
+            RowData::F32(v) => RowData::F32(v[..n].to_vec()),
+            RowData::F16(v) => RowData::F16(v[..n].to_vec()),
+            RowData::Q4_0(q) => RowData::Q4_0(q.first(b)),
+            RowData::Q4_1(q) => RowData::Q4_1(q.first(b)),
+            RowData::Q8_0(q) => RowData::Q8_0(q.first(b)),
+        }
+    }
 }
 
 #[inline(always)]
@@ -75,11 +151,6 @@ fn fold(acc: &[f32; LANES]) -> f32 {
         w /= 2;
     }
     a[0]
-}
-
-#[inline(always)]
-fn h(b: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
 /// Dot products of one f32 weight row with `N` token rows. Element `i` always lands in lane
@@ -120,76 +191,75 @@ fn dot_rows<const N: usize>(w: &[f32], xs: [&[f32]; N]) -> [f32; N] {
     out
 }
 
-/// A GGUF block layout: `BYTES` bytes decode to 32 f32 weights.
+/// The quants of one block format: `QBYTES` bytes decode to 32 integer codes.
 trait Block {
-    const BYTES: usize;
-    /// The block's integer codes as exact f32 values (centred for symmetric formats), scale, minimum.
-    fn decode(b: &[u8]) -> ([f32; QK], f32, f32);
-    /// The 32 weights.
-    #[inline(always)]
-    fn deq(b: &[u8]) -> [f32; QK] {
-        let (q, s, m) = Self::decode(b);
-        let mut o = [0f32; QK];
-        for l in 0..QK {
-            o[l] = s * q[l] + m;
-        }
-        o
-    }
+    const QBYTES: usize;
+    /// The block's integer codes as exact f32 values (centred for symmetric formats).
+    fn codes(q: &[u8]) -> [f32; QK];
 }
 
-/// Q4_0: f16 scale `d`, 16 bytes of nibbles; w = d·(q − 8).
+/// Q4_0: 16 bytes of nibbles, element `l` in the low nibble of byte `l`, element `16 + l` in its
+/// high nibble; centred by 8.
 struct BQ4_0;
-/// Q4_1: f16 scale `d`, f16 minimum `m`, 16 bytes of nibbles; w = d·q + m.
+/// Q4_1: the nibbles as Q4_0, not centred.
 struct BQ4_1;
-/// Q8_0: f16 scale `d`, 32 signed bytes; w = d·q.
+/// Q8_0: 32 signed bytes.
 struct BQ8_0;
 
 impl Block for BQ4_0 {
-    const BYTES: usize = 18;
+    const QBYTES: usize = 16;
     #[inline(always)]
-    fn decode(b: &[u8]) -> ([f32; QK], f32, f32) {
-        let b: &[u8; 18] = b.try_into().expect("invariant: whole block");
+    fn codes(b: &[u8]) -> [f32; QK] {
+        let b: &[u8; 16] = b.try_into().expect("invariant: whole block");
         let mut q = [0f32; QK];
         for l in 0..16 {
-            q[l] = (b[2 + l] & 0x0f) as f32 - 8.0;
-            q[16 + l] = (b[2 + l] >> 4) as f32 - 8.0;
+            q[l] = (b[l] & 0x0f) as f32 - 8.0;
+            q[16 + l] = (b[l] >> 4) as f32 - 8.0;
         }
-        (q, h(b, 0), 0.0)
+        q
     }
 }
 
 impl Block for BQ4_1 {
-    const BYTES: usize = 20;
+    const QBYTES: usize = 16;
     #[inline(always)]
-    fn decode(b: &[u8]) -> ([f32; QK], f32, f32) {
-        let b: &[u8; 20] = b.try_into().expect("invariant: whole block");
+    fn codes(b: &[u8]) -> [f32; QK] {
+        let b: &[u8; 16] = b.try_into().expect("invariant: whole block");
         let mut q = [0f32; QK];
         for l in 0..16 {
-            q[l] = (b[4 + l] & 0x0f) as f32;
-            q[16 + l] = (b[4 + l] >> 4) as f32;
+            q[l] = (b[l] & 0x0f) as f32;
+            q[16 + l] = (b[l] >> 4) as f32;
         }
-        (q, h(b, 0), h(b, 2))
+        q
     }
 }
 
 impl Block for BQ8_0 {
-    const BYTES: usize = 34;
+    const QBYTES: usize = 32;
     #[inline(always)]
-    fn decode(b: &[u8]) -> ([f32; QK], f32, f32) {
-        let b: &[u8; 34] = b.try_into().expect("invariant: whole block");
+    fn codes(b: &[u8]) -> [f32; QK] {
+        let b: &[u8; 32] = b.try_into().expect("invariant: whole block");
         let mut q = [0f32; QK];
         for l in 0..QK {
-            q[l] = b[2 + l] as i8 as f32;
+            q[l] = b[l] as i8 as f32;
         }
-        (q, h(b, 0), 0.0)
+        q
     }
 }
 
-/// Dequantize a quantized row into `out` block by block.
+/// Dequantize row `row` (`cols` wide) into `out` block by block: `w = d·q + m` in f32 (`m` = 0
+/// for the formats without a minimum).
 #[inline(always)]
-fn deq_row<B: Block>(row: &[u8], out: &mut [f32]) {
-    for (blk, o) in row.chunks_exact(B::BYTES).zip(out.chunks_exact_mut(QK)) {
-        o.copy_from_slice(&B::deq(blk));
+fn deq_row<B: Block>(b: &Blocks, row: usize, cols: usize, out: &mut [f32]) {
+    let k0 = row * (cols / QK);
+    for (j, o) in out[..cols].chunks_exact_mut(QK).enumerate() {
+        let k = k0 + j;
+        let q = B::codes(&b.qs[k * B::QBYTES..(k + 1) * B::QBYTES]);
+        let s = b.d[k].to_f32();
+        let m = b.m.get(k).map_or(0.0, |m| m.to_f32());
+        for l in 0..QK {
+            o[l] = s * q[l] + m;
+        }
     }
 }
 
@@ -386,7 +456,6 @@ pub fn dequantize_row(w: &RowData, row: usize, cols: usize, out: &mut [f32]) {
 #[inline(always)]
 fn dequantize_row_inline(w: &RowData, row: usize, cols: usize, out: &mut [f32]) {
     let out = &mut out[..cols];
-    let r = row * w.row_bytes(cols)..(row + 1) * w.row_bytes(cols);
     match w {
         RowData::F32(d) => out.copy_from_slice(&d[row * cols..(row + 1) * cols]),
         RowData::F16(d) => {
@@ -394,9 +463,9 @@ fn dequantize_row_inline(w: &RowData, row: usize, cols: usize, out: &mut [f32]) 
                 *o = v.to_f32();
             }
         }
-        RowData::Q4_0(d) => deq_row::<BQ4_0>(&d[r], out),
-        RowData::Q4_1(d) => deq_row::<BQ4_1>(&d[r], out),
-        RowData::Q8_0(d) => deq_row::<BQ8_0>(&d[r], out),
+        RowData::Q4_0(b) => deq_row::<BQ4_0>(b, row, cols, out),
+        RowData::Q4_1(b) => deq_row::<BQ4_1>(b, row, cols, out),
+        RowData::Q8_0(b) => deq_row::<BQ8_0>(b, row, cols, out),
     }
 }
 
@@ -466,9 +535,9 @@ mod tests {
                 let q = QTensor::quantize(&t, dtype).unwrap();
                 let b = q.data().unwrap().into_owned();
                 match dtype {
-                    GgmlDType::Q4_0 => RowData::Q4_0(b),
-                    GgmlDType::Q4_1 => RowData::Q4_1(b),
-                    _ => RowData::Q8_0(b),
+                    GgmlDType::Q4_0 => RowData::q4_0(&b),
+                    GgmlDType::Q4_1 => RowData::q4_1(&b),
+                    _ => RowData::q8_0(&b),
                 }
             }
         }

@@ -159,9 +159,9 @@ impl Linear {
                     .map(f16::from_f32)
                     .collect(),
             ),
-            (WeightMode::Native | WeightMode::W4A8, GgmlDType::Q4_0) => RowData::Q4_0(raw(&t)?),
-            (WeightMode::Native | WeightMode::W4A8, GgmlDType::Q4_1) => RowData::Q4_1(raw(&t)?),
-            (WeightMode::Native | WeightMode::W4A8, GgmlDType::Q8_0) => RowData::Q8_0(raw(&t)?),
+            (WeightMode::Native | WeightMode::W4A8, GgmlDType::Q4_0) => RowData::q4_0(&raw(&t)?),
+            (WeightMode::Native | WeightMode::W4A8, GgmlDType::Q4_1) => RowData::q4_1(&raw(&t)?),
+            (WeightMode::Native | WeightMode::W4A8, GgmlDType::Q8_0) => RowData::q8_0(&raw(&t)?),
             (WeightMode::Native | WeightMode::W4A8, GgmlDType::F16) => {
                 let b = raw(&t)?;
                 RowData::F16(
