@@ -13,7 +13,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Blocks, RowData, QK};
+use super::{Blocks, Panels, RowData, RowsOut, PANEL, QK};
 
 /// Rows and tokens of one register tile.
 const TILE_ROWS: usize = 4;
@@ -357,7 +357,7 @@ impl<B: QBlock> Rows for QRows<B> {
     }
 }
 
-/// `yt[r, t]` for `n_rows` rows (groups of 4: `rows_of(i, nr)` gives group `i`'s `nr` rows, a
+/// The task's rows of the output (groups of 4: `rows_of(i, nr)` gives group `i`'s `nr` rows, a
 /// short group repeating its last row, whose results are dropped) and every token of `x`, in
 /// tiles of up to 4 tokens.
 ///
@@ -368,16 +368,14 @@ impl<B: QBlock> Rows for QRows<B> {
 unsafe fn tiles<R: Rows>(
     cols: usize,
     x: &[f32],
-    n_tok: usize,
-    yt: &mut [f32],
+    out: &mut RowsOut,
     mut rows_of: impl FnMut(usize, usize) -> R,
 ) {
-    let n_rows = yt.len() / n_tok;
+    let (n_rows, n_tok) = (out.n_rows(), out.n_tok());
     let mut i = 0;
     while i < n_rows {
         let nr = (n_rows - i).min(TILE_ROWS);
         let rows = rows_of(i, nr);
-        let yi = &mut yt[i * n_tok..];
         let mut t = 0;
         while t < n_tok {
             let nt = (n_tok - t).min(TILE_TOKENS);
@@ -385,7 +383,7 @@ unsafe fn tiles<R: Rows>(
                 std::array::from_fn(|k| x[(t + k.min(nt - 1)) * cols..].as_ptr());
             let mut put = |r: usize, k: usize, v: f32| {
                 if r < nr {
-                    yi[r * n_tok + t + k] = v;
+                    out.put(i + r, t + k, v);
                 }
             };
             macro_rules! run {
@@ -413,21 +411,128 @@ unsafe fn tiles<R: Rows>(
     }
 }
 
-/// One task of [`super::matmul`]: rows `r0..r0 + yt.len() / n_tok` of the transposed output
-/// `yt[r, t]`.
+/// Tokens of one panel tile: 2 × 12 accumulators, two weight columns and a broadcast activation
+/// fill the 32 vector registers.
+const PANEL_TOKENS: usize = 12;
+/// Columns of a panel pair kept in L1 (32 KiB) while every token tile walks them.
+const PANEL_COLS: usize = 256;
+
+/// Two panels (32 rows) times `T` tokens over columns `k0..k1`, continuing the running sums in
+/// `acc`: for each output one fused multiply-add per column, in column order, whatever `T` or
+/// the column blocking (so the bits never depend on the batch).
+///
+/// With `PF`, each column is also asked of L2 [`PREFETCH_BYTES`] ahead: the first tile over a
+/// block streams it from memory, the later ones find it in L1 and skip the extra instructions.
+///
+/// # Safety
+/// Each panel pointer must cover `k1` columns, each token pointer `k1` floats.
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn panel_tile<const T: usize, const PF: bool>(
+    w: [*const f32; 2],
+    x: [*const f32; T],
+    k0: usize,
+    k1: usize,
+    acc: &mut [[__m512; 2]],
+) {
+    let mut a0: [__m512; T] = std::array::from_fn(|t| acc[t][0]);
+    let mut a1: [__m512; T] = std::array::from_fn(|t| acc[t][1]);
+    for k in k0..k1 {
+        let (p0, p1) = (w[0].wrapping_add(k * PANEL), w[1].wrapping_add(k * PANEL));
+        if PF {
+            _mm_prefetch::<_MM_HINT_T1>(p0.wrapping_byte_add(PREFETCH_BYTES) as *const i8);
+            _mm_prefetch::<_MM_HINT_T1>(p1.wrapping_byte_add(PREFETCH_BYTES) as *const i8);
+        }
+        // SAFETY: column k of both panels is within them (aligned: one cache line each).
+        let (w0, w1) = unsafe { (_mm512_load_ps(p0), _mm512_load_ps(p1)) };
+        for t in 0..T {
+            // SAFETY: k < k1.
+            let xb = _mm512_set1_ps(unsafe { x[t].add(k).read() });
+            a0[t] = _mm512_fmadd_ps(w0, xb, a0[t]);
+            a1[t] = _mm512_fmadd_ps(w1, xb, a1[t]);
+        }
+    }
+    for t in 0..T {
+        acc[t] = [a0[t], a1[t]];
+    }
+}
+
+/// [`rows_task`] over f32 panels: two panels at a time (a lone last panel is paired with
+/// itself, its copy dropped); columns in blocks that stay in L1 while tiles of up to 12 tokens
+/// walk them, the running sums kept between blocks.
+#[target_feature(enable = "avx512f,fma")]
+fn panels(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
+    let (n_rows, n_tok, r0) = (out.n_rows(), out.n_tok(), out.r0());
+    let n_panels = n_rows.div_ceil(PANEL);
+    assert!(
+        r0.is_multiple_of(PANEL) && x.len() >= n_tok * cols,
+        "invariant: tasks start at a panel; x holds n_tok rows"
+    );
+    let panel_at = |i: usize| p.panel(r0 + i * PANEL, cols).as_ptr() as *const f32;
+    let mut acc = vec![[_mm512_setzero_ps(); 2]; n_tok];
+    let mut i = 0;
+    while i < n_panels {
+        let np = (n_panels - i).min(2);
+        let w = [panel_at(i), panel_at(i + np - 1)];
+        acc.fill([_mm512_setzero_ps(); 2]);
+        for k0 in (0..cols).step_by(PANEL_COLS) {
+            let k1 = (k0 + PANEL_COLS).min(cols);
+            let mut t = 0;
+            while t < n_tok {
+                let nt = (n_tok - t).min(PANEL_TOKENS);
+                macro_rules! run {
+                    ($t:literal) => {{
+                        let xs: [*const f32; $t] =
+                            std::array::from_fn(|k| x[(t + k) * cols..].as_ptr());
+                        let a = &mut acc[t..t + $t];
+                        // SAFETY: the panels hold `cols` columns (`panel` checks the bounds),
+                        // the tokens `cols` floats each.
+                        unsafe {
+                            if t == 0 {
+                                panel_tile::<$t, true>(w, xs, k0, k1, a)
+                            } else {
+                                panel_tile::<$t, false>(w, xs, k0, k1, a)
+                            }
+                        }
+                    }};
+                }
+                match nt {
+                    1 => run!(1),
+                    2 => run!(2),
+                    3 => run!(3),
+                    4 => run!(4),
+                    5 => run!(5),
+                    6 => run!(6),
+                    7 => run!(7),
+                    8 => run!(8),
+                    9 => run!(9),
+                    10 => run!(10),
+                    11 => run!(11),
+                    _ => run!(12),
+                }
+                t += nt;
+            }
+        }
+        for (t, a) in acc.iter().enumerate() {
+            for (q, v) in a.iter().enumerate().take(np) {
+                let r = (i + q) * PANEL;
+                let n = PANEL.min(n_rows - r);
+                let at = out.span(r, t, n);
+                // SAFETY: `span` gave room for `n` floats; the mask writes only those.
+                unsafe { _mm512_mask_storeu_ps(at, ((1u32 << n) - 1) as u16, *v) };
+            }
+        }
+        i += np;
+    }
+}
+
+/// One task of [`super::matmul`]: its rows of the output.
 ///
 /// # Safety
 /// The CPU must support AVX-512F and FMA.
 #[target_feature(enable = "avx512f,fma")]
-pub unsafe fn rows_task(
-    w: &RowData,
-    cols: usize,
-    x: &[f32],
-    n_tok: usize,
-    r0: usize,
-    yt: &mut [f32],
-) {
-    let n_rows = yt.len() / n_tok;
+pub(super) unsafe fn rows_task(w: &RowData, cols: usize, x: &[f32], out: &mut RowsOut) {
+    let (n_rows, n_tok, r0) = (out.n_rows(), out.n_tok(), out.r0());
     assert!(x.len() >= n_tok * cols, "invariant: x holds n_tok rows");
     fn quantized<B: QBlock>(
         b: &Blocks,
@@ -457,20 +562,13 @@ pub unsafe fn rows_task(
     // `n_tok` rows (asserted above).
     unsafe {
         match w {
-            RowData::Q4_0(b) => tiles(cols, x, n_tok, yt, quantized::<Q4_0>(b, cols, r0, n_rows)),
-            RowData::Q4_1(b) => tiles(cols, x, n_tok, yt, quantized::<Q4_1>(b, cols, r0, n_rows)),
-            RowData::Q8_0(b) => tiles(cols, x, n_tok, yt, quantized::<Q8_0>(b, cols, r0, n_rows)),
-            RowData::F32(d) => {
-                assert!((r0 + n_rows) * cols <= d.len(), "invariant: whole rows");
-                tiles(cols, x, n_tok, yt, |i, nr| {
-                    F32Rows(std::array::from_fn(|k| {
-                        d[(r0 + i + k.min(nr - 1)) * cols..].as_ptr()
-                    }))
-                })
-            }
+            RowData::Q4_0(b) => tiles(cols, x, out, quantized::<Q4_0>(b, cols, r0, n_rows)),
+            RowData::Q4_1(b) => tiles(cols, x, out, quantized::<Q4_1>(b, cols, r0, n_rows)),
+            RowData::Q8_0(b) => tiles(cols, x, out, quantized::<Q8_0>(b, cols, r0, n_rows)),
+            RowData::F32(p) => panels(p, cols, x, out),
             RowData::F16(d) => {
                 let mut scratch = vec![0f32; TILE_ROWS * cols];
-                tiles(cols, x, n_tok, yt, |i, nr| {
+                tiles(cols, x, out, |i, nr| {
                     for (k, s) in scratch.chunks_exact_mut(cols).take(nr).enumerate() {
                         f16_row(d, r0 + i + k, cols, s);
                     }

@@ -21,8 +21,10 @@ use rayon::prelude::*;
 pub const LANES: usize = 16;
 /// Elements per GGUF quant block (Q4_0, Q4_1, Q8_0).
 pub const QK: usize = 32;
-/// Output rows per parallel task.
-const ROWS_PER_TASK: usize = 16;
+/// Output rows per parallel task (a multiple of [`PANEL`]).
+const ROWS_PER_TASK: usize = 32;
+/// Rows of an f32 weight panel.
+pub const PANEL: usize = 16;
 /// Tokens kept hot in cache while a task walks its rows.
 const TOKEN_TILE: usize = 64;
 /// Tokens sharing one pass over a weight row (their accumulators stay in registers).
@@ -31,7 +33,7 @@ const TOKENS_PER_PASS: usize = 4;
 /// The storage of one weight matrix `[rows, cols]`, row-major.
 #[derive(Debug, Clone)]
 pub enum RowData {
-    F32(Vec<f32>),
+    F32(Panels),
     F16(Vec<f16>),
     /// GGUF Q4_0 blocks: f16 scale `d`, 32 nibbles `q`; w = d·(q − 8).
     Q4_0(Blocks),
@@ -39,6 +41,50 @@ pub enum RowData {
     Q4_1(Blocks),
     /// GGUF Q8_0 blocks: f16 scale `d`, 32 signed bytes `q`; w = d·q.
     Q8_0(Blocks),
+}
+
+/// f32 rows repacked at load into panels of [`PANEL`] rows stored column by column: weight
+/// `(r, k)` is at `(r / 16)·16·cols + k·16 + r % 16`, the last panel padded with zero rows. A
+/// kernel reads one 16-row column per step and multiplies it with one activation broadcast to
+/// every lane, so each output is a plain running sum over `k` in order, the same for any number
+/// of tokens, with no fold across lanes.
+#[derive(Debug, Clone)]
+pub struct Panels(Vec<Column>);
+
+/// One column of a panel: 16 weights on a cache line of their own.
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C, align(64))]
+struct Column([f32; PANEL]);
+
+impl Panels {
+    /// Repack row-major `w: [rows, cols]`.
+    pub fn from_rows(w: &[f32], rows: usize, cols: usize) -> Panels {
+        assert_eq!(
+            w.len(),
+            rows * cols,
+            "invariant: a whole [rows, cols] matrix"
+        );
+        let mut out = vec![Column::default(); rows.div_ceil(PANEL) * cols];
+        for (r, row) in w.chunks_exact(cols.max(1)).enumerate() {
+            let panel = &mut out[r / PANEL * cols..];
+            for (k, &v) in row.iter().enumerate() {
+                panel[k].0[r % PANEL] = v;
+            }
+        }
+        Panels(out)
+    }
+
+    /// The columns of the panel holding row `r` (a multiple of 16).
+    fn panel(&self, r: usize, cols: usize) -> &[Column] {
+        &self.0[r / PANEL * cols..(r / PANEL + 1) * cols]
+    }
+
+    /// Row `r` (`cols` wide) into `out`.
+    fn row(&self, r: usize, cols: usize, out: &mut [f32]) {
+        for (o, c) in out[..cols].iter_mut().zip(self.panel(r, cols)) {
+            *o = c.0[r % PANEL];
+        }
+    }
 }
 
 /// Quantized rows in GGUF's 32-weight blocks, repacked at load: the f16 scales (and Q4_1's
@@ -91,6 +137,11 @@ impl Blocks {
 }
 
 impl RowData {
+    /// f32 rows from row-major `w: [rows, cols]`.
+    pub fn f32(w: &[f32], rows: usize, cols: usize) -> RowData {
+        RowData::F32(Panels::from_rows(w, rows, cols))
+    }
+
     /// Q4_0 rows from GGUF's 18-byte blocks.
     pub fn q4_0(gguf: &[u8]) -> RowData {
         RowData::Q4_0(Blocks::from_gguf(gguf, false, 16))
@@ -131,7 +182,7 @@ impl RowData {
     pub fn first_rows(&self, rows: usize, cols: usize) -> RowData {
         let (n, b) = (rows * cols, rows * cols / QK);
         match self {
-            RowData::F32(v) => RowData::F32(v[..n].to_vec()),
+            RowData::F32(p) => RowData::F32(Panels(p.0[..rows.div_ceil(PANEL) * cols].to_vec())),
             RowData::F16(v) => RowData::F16(v[..n].to_vec()),
             RowData::Q4_0(q) => RowData::Q4_0(q.first(b)),
             RowData::Q4_1(q) => RowData::Q4_1(q.first(b)),
@@ -263,41 +314,129 @@ fn deq_row<B: Block>(b: &Blocks, row: usize, cols: usize, out: &mut [f32]) {
     }
 }
 
-/// One task: rows `r0..r0+yt.len()/n_tok` of the transposed output `yt[r, t]`. A stored row is
-/// dequantized once into an f32 scratch row (in L1; W4A16: `w = d·(q − 8)` in f32) and dotted with
-/// the tile's tokens four at a time, so weights are read from memory once per call however many
-/// tokens share it.
+/// One task's share of a matmul's output `y[t, r]` (`rows` wide, `n_tok` tokens): rows
+/// `r0..r0 + n`. The tasks of one matmul write disjoint rows of the same buffer, in place, so
+/// this holds a pointer; [`RowsOut::put`] checks every write against the task's rows.
+pub(crate) struct RowsOut<'a> {
+    y: *mut f32,
+    rows: usize,
+    n_tok: usize,
+    r0: usize,
+    n: usize,
+    _y: std::marker::PhantomData<&'a mut [f32]>,
+}
+
+impl RowsOut<'_> {
+    /// First output row.
+    fn r0(&self) -> usize {
+        self.r0
+    }
+
+    /// Output rows of this task.
+    fn n_rows(&self) -> usize {
+        self.n
+    }
+
+    fn n_tok(&self) -> usize {
+        self.n_tok
+    }
+
+    /// Where `y[t, r0 + i .. r0 + i + n]` lies, to be written (`n` floats, contiguous).
+    #[inline(always)]
+    fn span(&mut self, i: usize, t: usize, n: usize) -> *mut f32 {
+        assert!(
+            i + n <= self.n && t < self.n_tok,
+            "invariant: a task writes its own rows"
+        );
+        // SAFETY: in bounds of `y` (checked against the task's rows).
+        unsafe { self.y.add(t * self.rows + self.r0 + i) }
+    }
+
+    /// `y[t, r0 + i] = v`.
+    #[inline(always)]
+    fn put(&mut self, i: usize, t: usize, v: f32) {
+        assert!(
+            i < self.n && t < self.n_tok,
+            "invariant: a task writes its own rows"
+        );
+        // SAFETY: in bounds (checked), and no other task writes row r0 + i (`matmul_on`).
+        unsafe { *self.y.add(t * self.rows + self.r0 + i) = v };
+    }
+}
+
+/// `y`'s base pointer, shared by the tasks of one matmul (see [`RowsOut`]).
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: the tasks that share it write disjoint rows.
+unsafe impl Send for SharedOut {}
+// SAFETY: as above.
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// The pointer (a method, so that closures capture the whole `Sync` wrapper).
+    fn ptr(&self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// One task: rows `out.r0()..` of the output. f32 panels are
+/// summed column by column (see [`Panels`]). Any other stored row is dequantized once into an
+/// f32 scratch row (in L1; W4A16: `w = d·(q − 8)` in f32) and dotted with the tile's tokens four
+/// at a time, so weights are read from memory once per call however many tokens share it.
 #[inline(always)]
-fn rows_task(w: &RowData, cols: usize, x: &[f32], n_tok: usize, r0: usize, yt: &mut [f32]) {
-    let n_rows = yt.len() / n_tok;
+fn rows_task(w: &RowData, cols: usize, x: &[f32], out: &mut RowsOut) {
+    let (n_rows, n_tok, r0) = (out.n_rows(), out.n_tok(), out.r0());
     let xr = |t: usize| &x[t * cols..(t + 1) * cols];
+    if let RowData::F32(p) = w {
+        return panel_rows(p, cols, x, out);
+    }
     let mut scratch = vec![0f32; cols];
     for t0 in (0..n_tok).step_by(TOKEN_TILE) {
         let t1 = (t0 + TOKEN_TILE).min(n_tok);
         for i in 0..n_rows {
-            let r = r0 + i;
-            let wr: &[f32] = match w {
-                RowData::F32(d) => &d[r * cols..(r + 1) * cols],
-                _ => {
-                    dequantize_row_inline(w, r, cols, &mut scratch);
-                    &scratch
-                }
-            };
-            let yr = &mut yt[i * n_tok..(i + 1) * n_tok];
+            dequantize_row_inline(w, r0 + i, cols, &mut scratch);
+            let wr: &[f32] = &scratch;
             let mut t = t0;
             while t < t1 {
                 // Only the tokens there are (a lone token costs one dot, not four).
-                match (t1 - t).min(TOKENS_PER_PASS) {
-                    1 => yr[t..t + 1].copy_from_slice(&dot_rows::<1>(wr, [xr(t)])),
-                    2 => yr[t..t + 2].copy_from_slice(&dot_rows::<2>(wr, [xr(t), xr(t + 1)])),
-                    3 => yr[t..t + 3]
-                        .copy_from_slice(&dot_rows::<3>(wr, [xr(t), xr(t + 1), xr(t + 2)])),
-                    _ => yr[t..t + 4].copy_from_slice(&dot_rows::<4>(
-                        wr,
-                        [xr(t), xr(t + 1), xr(t + 2), xr(t + 3)],
-                    )),
+                let (n, v) = match (t1 - t).min(TOKENS_PER_PASS) {
+                    1 => (1, dot_rows::<1>(wr, [xr(t)]).to_vec()),
+                    2 => (2, dot_rows::<2>(wr, [xr(t), xr(t + 1)]).to_vec()),
+                    3 => (3, dot_rows::<3>(wr, [xr(t), xr(t + 1), xr(t + 2)]).to_vec()),
+                    _ => (
+                        4,
+                        dot_rows::<4>(wr, [xr(t), xr(t + 1), xr(t + 2), xr(t + 3)]).to_vec(),
+                    ),
+                };
+                for (k, v) in v.into_iter().enumerate() {
+                    out.put(i, t + k, v);
                 }
-                t += TOKENS_PER_PASS;
+                t += n;
+            }
+        }
+    }
+}
+
+/// [`rows_task`] over f32 panels: for each panel and token, 16 running sums over `k` in order
+/// (a multiply, then an add: never fused, so the AVX2 build gives the same bits).
+#[inline(always)]
+fn panel_rows(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
+    let (n_rows, n_tok, r0) = (out.n_rows(), out.n_tok(), out.r0());
+    assert!(
+        r0.is_multiple_of(PANEL) && (r0 + n_rows).div_ceil(PANEL) * cols <= p.0.len(),
+        "invariant: tasks start at a panel, within the matrix"
+    );
+    for pr in (0..n_rows).step_by(PANEL) {
+        let panel = p.panel(r0 + pr, cols);
+        for t in 0..n_tok {
+            let mut acc = [0f32; PANEL];
+            for (wk, &xv) in panel.iter().zip(&x[t * cols..(t + 1) * cols]) {
+                for (a, &w) in acc.iter_mut().zip(&wk.0) {
+                    *a += w * xv;
+                }
+            }
+            for (j, &v) in acc.iter().enumerate().take(n_rows - pr) {
+                out.put(pr + j, t, v);
             }
         }
     }
@@ -305,15 +444,8 @@ fn rows_task(w: &RowData, cols: usize, x: &[f32], n_tok: usize, r0: usize, yt: &
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn rows_task_avx2(
-    w: &RowData,
-    cols: usize,
-    x: &[f32],
-    n_tok: usize,
-    r0: usize,
-    yt: &mut [f32],
-) {
-    rows_task(w, cols, x, n_tok, r0, yt)
+unsafe fn rows_task_avx2(w: &RowData, cols: usize, x: &[f32], out: &mut RowsOut) {
+    rows_task(w, cols, x, out)
 }
 
 /// The instruction sets the matmul kernels have a path for.
@@ -379,15 +511,7 @@ impl Isa {
     }
 }
 
-fn rows_task_on(
-    isa: Isa,
-    w: &RowData,
-    cols: usize,
-    x: &[f32],
-    n_tok: usize,
-    r0: usize,
-    yt: &mut [f32],
-) {
+fn rows_task_on(isa: Isa, w: &RowData, cols: usize, x: &[f32], out: &mut RowsOut) {
     #[cfg(target_arch = "x86_64")]
     match isa {
         Isa::Avx512 => {
@@ -397,7 +521,7 @@ fn rows_task_on(
                 "invariant: AVX-512 chosen on a CPU with it"
             );
             // SAFETY: the CPU supports AVX-512F and FMA (checked just above).
-            return unsafe { avx512::rows_task(w, cols, x, n_tok, r0, yt) };
+            return unsafe { avx512::rows_task(w, cols, x, out) };
         }
         Isa::Avx2 => {
             assert!(
@@ -405,12 +529,12 @@ fn rows_task_on(
                 "invariant: AVX2 chosen on a CPU with it"
             );
             // SAFETY: the CPU supports AVX2 (checked just above).
-            return unsafe { rows_task_avx2(w, cols, x, n_tok, r0, yt) };
+            return unsafe { rows_task_avx2(w, cols, x, out) };
         }
         Isa::Portable => {}
     }
     let _ = isa;
-    rows_task(w, cols, x, n_tok, r0, yt)
+    rows_task(w, cols, x, out)
 }
 
 /// `y[t, r] = Σ_i W[r, i]·x[t, i]` for `x: [n_tok, cols]`, `W: [rows, cols]`, `y: [n_tok, rows]`.
@@ -429,23 +553,26 @@ pub fn matmul_on(
     n_tok: usize,
     y: &mut [f32],
 ) {
-    debug_assert_eq!(x.len(), n_tok * cols);
-    debug_assert_eq!(y.len(), n_tok * rows);
-    if n_tok == 1 {
-        y.par_chunks_mut(ROWS_PER_TASK)
-            .enumerate()
-            .for_each(|(c, yc)| rows_task_on(isa, w, cols, x, 1, c * ROWS_PER_TASK, yc));
-        return;
-    }
-    let mut yt = vec![0f32; rows * n_tok];
-    yt.par_chunks_mut(ROWS_PER_TASK * n_tok)
-        .enumerate()
-        .for_each(|(c, yc)| rows_task_on(isa, w, cols, x, n_tok, c * ROWS_PER_TASK, yc));
-    for r in 0..rows {
-        for t in 0..n_tok {
-            y[t * rows + r] = yt[r * n_tok + t];
-        }
-    }
+    assert!(
+        x.len() == n_tok * cols && y.len() == n_tok * rows,
+        "invariant: x is [n_tok, cols] and y [n_tok, rows]"
+    );
+    let shared = SharedOut(y.as_mut_ptr());
+    (0..rows.div_ceil(ROWS_PER_TASK))
+        .into_par_iter()
+        .for_each(|c| {
+            let r0 = c * ROWS_PER_TASK;
+            // Each task writes rows r0..r0 + n only; `y` stays borrowed until they all return.
+            let mut out = RowsOut {
+                y: shared.ptr(),
+                rows,
+                n_tok,
+                r0,
+                n: ROWS_PER_TASK.min(rows - r0),
+                _y: std::marker::PhantomData,
+            };
+            rows_task_on(isa, w, cols, x, &mut out)
+        });
 }
 
 /// Row `row` of the matrix as f32 (embedding lookup).
@@ -457,7 +584,7 @@ pub fn dequantize_row(w: &RowData, row: usize, cols: usize, out: &mut [f32]) {
 fn dequantize_row_inline(w: &RowData, row: usize, cols: usize, out: &mut [f32]) {
     let out = &mut out[..cols];
     match w {
-        RowData::F32(d) => out.copy_from_slice(&d[row * cols..(row + 1) * cols]),
+        RowData::F32(p) => p.row(row, cols, out),
         RowData::F16(d) => {
             for (o, v) in out.iter_mut().zip(&d[row * cols..(row + 1) * cols]) {
                 *o = v.to_f32();
@@ -470,7 +597,7 @@ fn dequantize_row_inline(w: &RowData, row: usize, cols: usize, out: &mut [f32]) 
 }
 
 /// `LANES`-way dot product in the fixed order every matmul output uses.
-#[inline]
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_inline(a, b)
 }
@@ -496,6 +623,7 @@ fn dot_inline(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// RMS norm of each row of `x: [n, dim]` times `weight`, written to `out`.
+#[inline(always)]
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let dim = weight.len();
     for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
@@ -508,9 +636,47 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 }
 
 /// `gate ← silu(gate) · up`, elementwise.
+#[inline(always)]
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+        *g = *g / (1.0 + exp(-*g)) * u;
+    }
+}
+
+/// `e^x` in f32, within 2 ulp for normal results; 0 below −87.3, `e^88` (finite) above 88;
+/// NaN stays NaN. Branch-free plain arithmetic, so a loop of it vectorizes, and every
+/// build computes the same bits (no library call whose version could differ).
+///
+/// `x = n·ln 2 + r` with `|r| ≤ ln 2 / 2` (ln 2 in two parts, so `r` is exact), `e^r` by a
+/// degree-7 polynomial (Taylor's to `r⁷/7!`), and `2^n` put in the exponent bits.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4; // ln 2 rounded to 12 bits: n·LN2_HI is exact
+    const LN2_LO: f32 = -2.121_944_4e-4; // ln 2 − LN2_HI
+                                         // Adding then subtracting 1.5·2^23 rounds to the nearest integer (|v| < 2^22).
+    const ROUND: f32 = 12_582_912.0;
+    let under = x < -87.3;
+    let x = x.clamp(-87.3, 88.0);
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let mut p = 1.0 / 5040.0;
+    for c in [
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ] {
+        p = p * r + c;
+    }
+    let two_n = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    if under {
+        0.0
+    } else {
+        p * two_n
     }
 }
 
@@ -528,7 +694,7 @@ mod tests {
 
     fn stored(dtype: GgmlDType, w: &[f32], rows: usize, cols: usize) -> RowData {
         match dtype {
-            GgmlDType::F32 => RowData::F32(w.to_vec()),
+            GgmlDType::F32 => RowData::f32(w, rows, cols),
             GgmlDType::F16 => RowData::F16(w.iter().map(|&x| f16::from_f32(x)).collect()),
             _ => {
                 let t = Tensor::from_slice(w, (rows, cols), &Device::Cpu).unwrap();
@@ -651,6 +817,24 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn exp_is_within_two_ulp_of_f64() {
+        let mut worst = 0f64;
+        for i in 0..=2_000_000 {
+            let x = -87.0 + 175.0 * i as f32 / 2_000_000.0;
+            let (got, want) = (exp(x) as f64, (x as f64).exp());
+            let ulp = (want as f32).to_bits();
+            let ulp = (f32::from_bits(ulp + 1) - want as f32) as f64;
+            worst = worst.max((got - want).abs() / ulp);
+        }
+        assert!(worst <= 2.0, "exp is {worst} ulp off");
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(-100.0), 0.0);
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert!(exp(100.0).is_finite() && exp(100.0) > 1e38);
+        assert!(exp(f32::NAN).is_nan());
     }
 
     #[test]

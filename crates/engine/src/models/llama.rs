@@ -170,7 +170,7 @@ impl Linear {
                         .collect(),
                 )
             }
-            _ => RowData::F32(dequantize_f32(name, &t)?),
+            _ => RowData::f32(&dequantize_f32(name, &t)?, rows, cols),
         };
         let w4a8 = if mode == WeightMode::W4A8 && native_block_type(dtype) {
             Some(QMatMul::from_qtensor(t).map_err(wrap)?)
@@ -322,6 +322,37 @@ impl LlamaModel {
         tables: &[&[u32]],
         slots: &[usize],
     ) -> Result<Logits> {
+        #[cfg(target_arch = "x86_64")]
+        if kernels::Isa::selected() == kernels::Isa::Avx512 {
+            // SAFETY: the AVX-512 path is selected only on a CPU that runs it.
+            return unsafe { self.forward_avx512(batch, kv, tables, slots) };
+        }
+        self.forward_with(batch, kv, tables, slots)
+    }
+
+    /// [`Self::forward`] with the code around the matmuls (norms, RoPE, attention, activations)
+    /// compiled for AVX-512: the same operations in the same order (Rust never fuses a multiply
+    /// and an add by itself), so the same bits as the baseline build, in fewer instructions.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]
+    fn forward_avx512(
+        &self,
+        batch: &[SeqChunk],
+        kv: &mut PagedKvCache,
+        tables: &[&[u32]],
+        slots: &[usize],
+    ) -> Result<Logits> {
+        self.forward_with(batch, kv, tables, slots)
+    }
+
+    #[inline(always)]
+    fn forward_with(
+        &self,
+        batch: &[SeqChunk],
+        kv: &mut PagedKvCache,
+        tables: &[&[u32]],
+        slots: &[usize],
+    ) -> Result<Logits> {
         let c = &self.cfg;
         let (d, kvd, hd, ff) = (c.dim, c.kv_dim(), c.head_dim, c.ff_dim);
         let n_tok: usize = batch.iter().map(|s| s.tokens.len()).sum();
@@ -355,6 +386,7 @@ impl LlamaModel {
         let mut u = vec![0f32; n_tok * ff];
 
         let bs = kv.tables.block_size();
+        let avx512 = kernels::Isa::selected() == kernels::Isa::Avx512;
 
         for (li, l) in self.layers.iter().enumerate() {
             kernels::rms_norm(&x, &l.attn_norm, c.rms_eps, &mut h);
@@ -379,22 +411,12 @@ impl LlamaModel {
                 let table = tables[seq_of[t]];
                 let n_ctx = pos[t] + 1;
                 let at = |j: usize| (table[j / bs] as usize * bs + j % bs) * kvd + kvh * hd;
-                let mut scores: Vec<f32> = (0..n_ctx)
-                    .map(|j| kernels::dot(qv, &ks[at(j)..at(j) + hd]) * scale)
-                    .collect();
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
+                #[cfg(target_arch = "x86_64")]
+                if avx512 {
+                    // SAFETY: the AVX-512 path is selected only on a CPU that runs it.
+                    return unsafe { attend_avx512(qv, ks, vs, n_ctx, scale, at, out) };
                 }
-                out.fill(0.0);
-                for (j, &p) in scores.iter().enumerate() {
-                    let w = p / sum;
-                    for (o, &vv) in out.iter_mut().zip(&vs[at(j)..at(j) + hd]) {
-                        *o += w * vv;
-                    }
-                }
+                attend(qv, ks, vs, n_ctx, scale, at, out)
             });
             l.wo.forward(&att, n_tok, &mut o)?;
             add(&mut x, &o);
@@ -439,6 +461,100 @@ impl LlamaModel {
     }
 }
 
+/// One query head's attention over its context, `softmax(q·Kᵀ·scale)·V`, with K and V read in
+/// place from the paged cache: position `j`'s head starts at `at(j)` in `ks` and `vs`.
+#[inline(always)]
+fn attend(
+    qv: &[f32],
+    ks: &[f32],
+    vs: &[f32],
+    n_ctx: usize,
+    scale: f32,
+    at: impl Fn(usize) -> usize,
+    out: &mut [f32],
+) {
+    let hd = qv.len();
+    let mut scores = vec![0f32; n_ctx];
+    for (j, s) in scores.iter_mut().enumerate() {
+        let a = at(j);
+        *s = kernels::dot(qv, &ks[a..a + hd]) * scale;
+    }
+    let mut max = f32::NEG_INFINITY;
+    for &s in &scores {
+        max = max.max(s);
+    }
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = kernels::exp(*s - max);
+        sum += *s;
+    }
+    out.fill(0.0);
+    for (j, &p) in scores.iter().enumerate() {
+        let (w, a) = (p / sum, at(j));
+        for (o, &vv) in out.iter_mut().zip(&vs[a..a + hd]) {
+            *o += w * vv;
+        }
+    }
+}
+
+/// [`attend`] on AVX-512: each score a fused dot product of 16-lane vectors, the exponentials
+/// vectorized, the weighted sum of V rows in vector registers. Its bits differ from the portable
+/// path's, but depend only on the query and its context, never on the batch around them.
+/// Heads whose size is not a multiple of 16 take the portable code, compiled for AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]
+fn attend_avx512(
+    qv: &[f32],
+    ks: &[f32],
+    vs: &[f32],
+    n_ctx: usize,
+    scale: f32,
+    at: impl Fn(usize) -> usize,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let hd = qv.len();
+    if !hd.is_multiple_of(16) || hd > 256 {
+        return attend(qv, ks, vs, n_ctx, scale, at, out);
+    }
+    let nv = hd / 16;
+    let load = |s: &[f32], i: usize| {
+        let s = &s[i * 16..(i + 1) * 16];
+        // SAFETY: 16 floats.
+        unsafe { _mm512_loadu_ps(s.as_ptr()) }
+    };
+    let mut q = [_mm512_setzero_ps(); 16];
+    for (i, v) in q.iter_mut().enumerate().take(nv) {
+        *v = load(qv, i);
+    }
+    let mut scores = vec![0f32; n_ctx];
+    for (j, s) in scores.iter_mut().enumerate() {
+        let k = &ks[at(j)..at(j) + hd];
+        let mut acc = _mm512_mul_ps(q[0], load(k, 0));
+        for (i, &qi) in q.iter().enumerate().take(nv).skip(1) {
+            acc = _mm512_fmadd_ps(qi, load(k, i), acc);
+        }
+        *s = _mm512_reduce_add_ps(acc) * scale;
+    }
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    for s in scores.iter_mut() {
+        *s = kernels::exp(*s - max);
+    }
+    let sum: f32 = scores.iter().sum();
+    let mut o = [_mm512_setzero_ps(); 16];
+    for (j, &p) in scores.iter().enumerate() {
+        let (w, v) = (_mm512_set1_ps(p / sum), &vs[at(j)..at(j) + hd]);
+        for (i, oi) in o.iter_mut().enumerate().take(nv) {
+            *oi = _mm512_fmadd_ps(w, load(v, i), *oi);
+        }
+    }
+    for (i, oi) in o.iter().enumerate().take(nv) {
+        // SAFETY: 16 floats of `out` (hd long) at i·16.
+        unsafe { _mm512_storeu_ps(out[i * 16..(i + 1) * 16].as_mut_ptr(), *oi) };
+    }
+}
+
+#[inline(always)]
 fn add(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a += b;
@@ -469,6 +585,7 @@ impl RopeTable {
     }
 
     /// Rotate adjacent pairs of every head of `x: [n_tok, n_heads, head_dim]`.
+    #[inline(always)]
     fn apply(&self, x: &mut [f32], n_heads: usize, head_dim: usize) {
         for (t, row) in x.chunks_exact_mut(n_heads * head_dim).enumerate() {
             let (c, s) = (
