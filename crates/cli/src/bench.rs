@@ -113,13 +113,14 @@ pub fn read_bandwidth(threads: usize) -> f64 {
     (buf.len() * 4) as f64 / best / 1e9
 }
 
-/// GFLOP/s of the selected matmul kernels on `threads` threads: the first 256 rows of the
-/// model's first FFN up-projection (cache-resident) times 64 tokens, best of 5.
+/// GFLOP/s of the selected matmul kernels on `threads` threads: the first 1024 rows of the
+/// model's first FFN up-projection (in this host's caches) times 64 tokens, best of 5. Enough
+/// work per call (≈ 75 M multiply-adds) that starting the threads does not count.
 pub fn kernel_gflops(model: &LlamaModel, threads: usize) -> f64 {
     let Some(up) = model.ffn_up(0) else {
         return 0.0;
     };
-    let (rows, cols, n_tok, reps) = (256.min(up.rows), up.cols, 64, 8);
+    let (rows, cols, n_tok, reps) = (1024.min(up.rows), up.cols, 64, 4);
     let w = up.data.first_rows(rows, cols);
     let x: Vec<f32> = (0..n_tok * cols)
         .map(|i| sampler::uniform(3, i as u64, 1) as f32 - 0.5)

@@ -384,6 +384,9 @@ struct EngineBenchArgs {
     repeats: usize,
     #[command(flatten)]
     peer: PeerArgs,
+    /// Also write the JSON report to this file.
+    #[arg(long)]
+    out: Option<PathBuf>,
     /// Print one JSON object instead of tables.
     #[arg(long)]
     json: bool,
@@ -668,25 +671,20 @@ fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
         target_f32.as_deref(),
         &args,
     )?;
-    if a.json {
-        let first = &r.runs[0];
-        let v = serde_json::json!({
-            "threads": first.threads,
-            "kernels": first.kernels,
-            "draft_path": draft.path,
-            "draft_decode_tok_s": first.draft.decode_tok_s,
-            "target_decode_tok_s": first.target.decode_tok_s,
-            "draft_w4a8_decode_tok_s": first.draft_w4a8.as_ref().map(|m| m.decode_tok_s),
-            "verify_chunk_ms": { "target": first.target.chunk_ms, "draft": first.draft.chunk_ms },
-            "batch_throughput_tok_s": first.target.batch_tok_s,
-            "bandwidth_gbs": r.copy_bandwidth_gbs,
-            "runs": r.runs,
-        });
-        println!("{}", serde_json::to_string(&v)?);
-    } else {
-        print!("{}", bench::table(&r));
-    }
-    Ok(())
+    let first = &r.runs[0];
+    let v = serde_json::json!({
+        "threads": first.threads,
+        "kernels": first.kernels,
+        "draft_path": draft.path,
+        "draft_decode_tok_s": first.draft.decode_tok_s,
+        "target_decode_tok_s": first.target.decode_tok_s,
+        "draft_w4a8_decode_tok_s": first.draft_w4a8.as_ref().map(|m| m.decode_tok_s),
+        "verify_chunk_ms": { "target": first.target.chunk_ms, "draft": first.draft.chunk_ms },
+        "batch_throughput_tok_s": first.target.batch_tok_s,
+        "bandwidth_gbs": r.copy_bandwidth_gbs,
+        "runs": r.runs,
+    });
+    report(&v, a.out.as_deref(), a.json, |_| bench::table(&r))
 }
 
 /// One core for the edge and another for the verifier: the first two this process may use (no

@@ -70,10 +70,11 @@ impl ServiceInfo {
 }
 
 /// Tokens per forward at which grants start shrinking when no forward cost is known, for the
-/// SmolLM2 target on one core of a 2-vCPU machine: twice its measured ridge (`bench load` with the
-/// AVX-512 kernels: a one-token forward costs what about 10 tokens of compute do, so a forward of
-/// 20 tokens takes about twice as long as one of 1). `cloud serve` measures its own.
-pub const DEFAULT_SATURATION_TOKENS: f64 = 20.0;
+/// SmolLM2 target on one core of a 2-vCPU machine: twice its measured ridge (`cloud serve
+/// --threads 1` with the AVX-512 panel GEMM: a one-token forward, 42–45 ms, costs what 18–22
+/// tokens of compute do at 2.0–2.4 ms each, so a forward of 40 tokens takes about twice as long
+/// as one of 1). `cloud serve` measures its own.
+pub const DEFAULT_SATURATION_TOKENS: f64 = 40.0;
 
 /// What [`serve_grpc`] fails with.
 pub type TransportError = tonic::transport::Error;
