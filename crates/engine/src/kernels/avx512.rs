@@ -1,15 +1,22 @@
-//! The AVX-512 path (AVX-512F and FMA): the same lane layout as the portable kernels — element
-//! `i` of a reduction lands in lane `i % 16`, the lanes fold by the same pairwise tree — with a
-//! fused multiply-add per step (so its bits differ from the portable path's, which rounds the
-//! product and the sum apart; within this path every output is computed one way whatever the
-//! batch). A register tile of 4 rows × up to 4 tokens: each weight is loaded once per 4 tokens
-//! and each activation once per 4 rows. Quantized blocks (W4A16 and W8A16) are decoded in
-//! registers, 32 weights at a time (`w = d·(q − 8)` etc. in f32, the same values as the portable
-//! path's dequantization), and used for every token of the tile; f16 rows are converted into an
-//! L1 scratch four rows at a time. A 4-bit block is decoded through a 16-entry table of its
-//! weights (`d·(c − 8)` for each code `c`, one multiply per block) indexed by the nibbles. Every
-//! row asks the L2 for its bytes [`PREFETCH_BYTES`] ahead: with the decode this cheap, a single
-//! core streams the weights faster than the hardware prefetcher alone fetches them.
+//! The AVX-512 path (AVX-512F and FMA), a fused multiply-add per step (so its bits differ from
+//! the portable path's, which rounds the product and the sum apart; within this path every output
+//! is computed one way whatever the batch).
+//!
+//! - **f32 panels**: a GEMM micro-kernel over two 16-row panels × up to 12 tokens (24 accumulators
+//!   in registers), one running sum per output over the columns in order; the columns are walked
+//!   in blocks that stay in L1 while every token tile uses them.
+//! - **Quantized and f16 rows**: the portable lane layout (element `i` of a reduction in lane
+//!   `i % 16`, the lanes folded by the same pairwise tree) in register tiles of 4 rows × up to 4
+//!   tokens: each weight is loaded once per 4 tokens and each activation once per 4 rows.
+//!   Quantized blocks (W4A16 and W8A16) are decoded in registers, 32 weights at a time, with the
+//!   same values as the portable path's dequantization (`w = d·(q − 8)` etc. in f32), and used
+//!   for every token of the tile: a 4-bit block through a 16-entry table of its weights
+//!   (`d·(c − 8)` for each code `c`, one multiply per block) indexed by the nibbles. f16 rows are
+//!   converted into an L1 scratch four rows at a time.
+//!
+//! The quantized and f32 streams ask the L2 for their bytes [`PREFETCH_BYTES`] ahead: with the
+//! decode this cheap, a single core streams the weights faster than the hardware prefetcher alone
+//! fetches them.
 
 use std::arch::x86_64::*;
 
@@ -65,9 +72,7 @@ unsafe fn tile<const T: usize>(
     );
     let mut xv = [_mm512_setzero_ps(); T];
     macro_rules! row {
-        ($acc:ident, $r:literal, $at:expr, $load:expr) => {{
-            let ahead = w[$r].wrapping_add($at).wrapping_byte_add(PREFETCH_BYTES);
-            _mm_prefetch::<_MM_HINT_T1>(ahead as *const i8);
+        ($acc:ident, $r:literal, $load:expr) => {{
             let wv = $load(w[$r]);
             for t in 0..T {
                 $acc[t] = _mm512_fmadd_ps(wv, xv[t], $acc[t]);
@@ -83,10 +88,10 @@ unsafe fn tile<const T: usize>(
         }
         // SAFETY (each row): as above.
         let load = |p: *const f32| unsafe { _mm512_loadu_ps(p.add(c)) };
-        row!(a0, 0, c, load);
-        row!(a1, 1, c, load);
-        row!(a2, 2, c, load);
-        row!(a3, 3, c, load);
+        row!(a0, 0, load);
+        row!(a1, 1, load);
+        row!(a2, 2, load);
+        row!(a3, 3, load);
         c += 16;
     }
     if full < cols {
@@ -97,10 +102,10 @@ unsafe fn tile<const T: usize>(
         }
         // SAFETY (each row): as above.
         let load = |p: *const f32| unsafe { _mm512_maskz_loadu_ps(m, p.add(full)) };
-        row!(a0, 0, full, load);
-        row!(a1, 1, full, load);
-        row!(a2, 2, full, load);
-        row!(a3, 3, full, load);
+        row!(a0, 0, load);
+        row!(a1, 1, load);
+        row!(a2, 2, load);
+        row!(a3, 3, load);
     }
     fold_tile([a0, a1, a2, a3])
 }
@@ -319,7 +324,7 @@ trait Rows {
         -> [[f32; T]; TILE_ROWS];
 }
 
-/// Rows of f32 weights (stored, or converted into a scratch).
+/// Rows of f32 weights converted into a scratch (f16 storage).
 struct F32Rows([*const f32; TILE_ROWS]);
 
 /// Rows of quantized blocks, decoded in registers: each row's first scale, minimum (when the

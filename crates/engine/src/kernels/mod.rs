@@ -2,14 +2,17 @@
 //! 32-element blocks (Q4_0, Q4_1, Q8_0), dequantized in registers and multiplied with f32
 //! activations (activations are never quantized here; that is `WeightMode::W4A8`).
 //!
-//! **Batch invariance.** Each weight row is first dequantized to f32 (`w = d·(q − 8)` etc.; a no-op
-//! for f32 rows), then every output element `y[t, r] = Σ_i W[r, i]·x[t, i]` is reduced in one fixed
-//! order that depends only on the reduction length `k`: `LANES` running sums, each walking the row
-//! with stride `LANES`, folded by a fixed pairwise tree. Every token uses the same code whatever the
-//! number of tokens in the call, and Rust never contracts `a*b+c` into an FMA, so the AVX2 and
-//! portable paths give bitwise-equal results. A sequence's logits are therefore identical
-//! whether it runs alone or inside a ragged batch, which is what makes greedy verification exact
-//! under any batch composition.
+//! **Batch invariance.** Every output element `y[t, r] = Σ_i W[r, i]·x[t, i]` is reduced in one
+//! fixed order that depends only on the reduction length, never on the number of tokens in the
+//! call, their tiling, or the threads:
+//! - f32 weights ([`Panels`]): one running sum per output, over `i` in order;
+//! - f16 and quantized weights (each row dequantized to f32: `w = d·(q − 8)` etc.): `LANES`
+//!   running sums, each walking the row with stride `LANES`, folded by a fixed pairwise tree.
+//!
+//! Rust never contracts `a*b+c` into an FMA, so the AVX2 and portable paths give bitwise-equal
+//! results; the AVX-512 path fuses them, the same way for every batch. A sequence's logits are
+//! therefore identical whether it runs alone or inside a ragged batch, which is what makes greedy
+//! verification exact under any batch composition.
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
@@ -25,12 +28,13 @@ pub const QK: usize = 32;
 const ROWS_PER_TASK: usize = 32;
 /// Rows of an f32 weight panel.
 pub const PANEL: usize = 16;
+const _: () = assert!(ROWS_PER_TASK.is_multiple_of(PANEL));
 /// Tokens kept hot in cache while a task walks its rows.
 const TOKEN_TILE: usize = 64;
 /// Tokens sharing one pass over a weight row (their accumulators stay in registers).
 const TOKENS_PER_PASS: usize = 4;
 
-/// The storage of one weight matrix `[rows, cols]`, row-major.
+/// The storage of one weight matrix `[rows, cols]` (rows in order; see each variant's layout).
 #[derive(Debug, Clone)]
 pub enum RowData {
     F32(Panels),
@@ -342,6 +346,7 @@ impl RowsOut<'_> {
     }
 
     /// Where `y[t, r0 + i .. r0 + i + n]` lies, to be written (`n` floats, contiguous).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     #[inline(always)]
     fn span(&mut self, i: usize, t: usize, n: usize) -> *mut f32 {
         assert!(
@@ -399,16 +404,18 @@ fn rows_task(w: &RowData, cols: usize, x: &[f32], out: &mut RowsOut) {
             let mut t = t0;
             while t < t1 {
                 // Only the tokens there are (a lone token costs one dot, not four).
-                let (n, v) = match (t1 - t).min(TOKENS_PER_PASS) {
-                    1 => (1, dot_rows::<1>(wr, [xr(t)]).to_vec()),
-                    2 => (2, dot_rows::<2>(wr, [xr(t), xr(t + 1)]).to_vec()),
-                    3 => (3, dot_rows::<3>(wr, [xr(t), xr(t + 1), xr(t + 2)]).to_vec()),
-                    _ => (
-                        4,
-                        dot_rows::<4>(wr, [xr(t), xr(t + 1), xr(t + 2), xr(t + 3)]).to_vec(),
-                    ),
-                };
-                for (k, v) in v.into_iter().enumerate() {
+                let n = (t1 - t).min(TOKENS_PER_PASS);
+                let mut v = [0f32; TOKENS_PER_PASS];
+                match n {
+                    1 => v[..1].copy_from_slice(&dot_rows::<1>(wr, [xr(t)])),
+                    2 => v[..2].copy_from_slice(&dot_rows::<2>(wr, [xr(t), xr(t + 1)])),
+                    3 => v[..3].copy_from_slice(&dot_rows::<3>(wr, [xr(t), xr(t + 1), xr(t + 2)])),
+                    _ => v.copy_from_slice(&dot_rows::<4>(
+                        wr,
+                        [xr(t), xr(t + 1), xr(t + 2), xr(t + 3)],
+                    )),
+                }
+                for (k, &v) in v[..n].iter().enumerate() {
                     out.put(i, t + k, v);
                 }
                 t += n;
@@ -417,8 +424,9 @@ fn rows_task(w: &RowData, cols: usize, x: &[f32], out: &mut RowsOut) {
     }
 }
 
-/// [`rows_task`] over f32 panels: for each panel and token, 16 running sums over `k` in order
-/// (a multiply, then an add: never fused, so the AVX2 build gives the same bits).
+/// [`rows_task`] over f32 panels: for each output, a running sum over `k` in order (a multiply,
+/// then an add: never fused, so the AVX2 build gives the same bits), four tokens per pass over
+/// the panel.
 #[inline(always)]
 fn panel_rows(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
     let (n_rows, n_tok, r0) = (out.n_rows(), out.n_tok(), out.r0());
@@ -428,15 +436,26 @@ fn panel_rows(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
     );
     for pr in (0..n_rows).step_by(PANEL) {
         let panel = p.panel(r0 + pr, cols);
-        for t in 0..n_tok {
-            let mut acc = [0f32; PANEL];
-            for (wk, &xv) in panel.iter().zip(&x[t * cols..(t + 1) * cols]) {
-                for (a, &w) in acc.iter_mut().zip(&wk.0) {
-                    *a += w * xv;
+        for t0 in (0..n_tok).step_by(TOKENS_PER_PASS) {
+            let nt = (n_tok - t0).min(TOKENS_PER_PASS);
+            // Absent tokens repeat the last one; their sums are dropped.
+            let xs: [&[f32]; TOKENS_PER_PASS] = std::array::from_fn(|k| {
+                let t = t0 + k.min(nt - 1);
+                &x[t * cols..(t + 1) * cols]
+            });
+            let mut acc = [[0f32; PANEL]; TOKENS_PER_PASS];
+            for (k, wk) in panel.iter().enumerate() {
+                for (a, xt) in acc.iter_mut().zip(&xs) {
+                    let xv = xt[k];
+                    for (a, &w) in a.iter_mut().zip(&wk.0) {
+                        *a += w * xv;
+                    }
                 }
             }
-            for (j, &v) in acc.iter().enumerate().take(n_rows - pr) {
-                out.put(pr + j, t, v);
+            for (k, a) in acc.iter().enumerate().take(nt) {
+                for (j, &v) in a.iter().enumerate().take(n_rows - pr) {
+                    out.put(pr + j, t0 + k, v);
+                }
             }
         }
     }
@@ -456,7 +475,8 @@ pub enum Isa {
     Portable,
     /// The portable code compiled for AVX2: bitwise the same results as `Portable`.
     Avx2,
-    /// AVX-512F with fused multiply-adds, 4×4 register tiles.
+    /// AVX-512F with fused multiply-adds: a panel GEMM for f32, 4 × 4 register tiles for
+    /// quantized and f16 rows.
     Avx512,
 }
 
@@ -596,7 +616,7 @@ fn dequantize_row_inline(w: &RowData, row: usize, cols: usize, out: &mut [f32]) 
     }
 }
 
-/// `LANES`-way dot product in the fixed order every matmul output uses.
+/// `LANES`-way dot product in the fixed order the portable matmul uses for quantized and f16 rows.
 #[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_inline(a, b)
@@ -652,9 +672,10 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4; // ln 2 rounded to 12 bits: n·LN2_HI is exact
-    const LN2_LO: f32 = -2.121_944_4e-4; // ln 2 − LN2_HI
-                                         // Adding then subtracting 1.5·2^23 rounds to the nearest integer (|v| < 2^22).
+    // ln 2 in two parts: LN2_HI = 355/512 has 9 significant bits, so n·LN2_HI is exact.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // Adding then subtracting 1.5·2^23 rounds to the nearest integer (|v| < 2^22).
     const ROUND: f32 = 12_582_912.0;
     let under = x < -87.3;
     let x = x.clamp(-87.3, 88.0);
@@ -771,7 +792,7 @@ mod tests {
                         continue;
                     }
                     let w = stored(dtype, &rand(si as u64, rows * cols), rows, cols);
-                    for n_tok in [1, 2, 3, 5, 9] {
+                    for n_tok in [1, 2, 3, 5, 9, 13] {
                         let x = rand(100 + si as u64, n_tok * cols);
                         let want = reference(&w, rows, cols, &x, n_tok);
                         let scale = (cols as f64).sqrt();
@@ -793,6 +814,9 @@ mod tests {
 
     #[test]
     fn each_row_is_the_same_whatever_the_batch_or_threads() {
+        // 30 tokens: three panel tiles of up to 12 (the later ones without prefetches), and
+        // every tile width 1..=12 among the slices below.
+        const N: usize = 30;
         for (rows, cols) in [(70, 576), (9, 40)] {
             for isa in Isa::available() {
                 for dtype in DTYPES {
@@ -800,10 +824,10 @@ mod tests {
                         continue;
                     }
                     let w = stored(dtype, &rand(9, rows * cols), rows, cols);
-                    let x = rand(10, 11 * cols);
-                    let batched = run(isa, 2, &w, rows, cols, &x, 11);
-                    for n in [1, 2, 3, 5] {
-                        for t0 in (0..11 - n).step_by(3) {
+                    let x = rand(10, N * cols);
+                    let batched = run(isa, 3, &w, rows, cols, &x, N);
+                    for n in [1, 2, 3, 5, 7, 10, 11, 12, 13, 25] {
+                        for t0 in (0..N - n).step_by(4) {
                             let part =
                                 run(isa, 1, &w, rows, cols, &x[t0 * cols..(t0 + n) * cols], n);
                             assert_eq!(

@@ -334,7 +334,7 @@ impl LlamaModel {
     /// compiled for AVX-512: the same operations in the same order (Rust never fuses a multiply
     /// and an add by itself), so the same bits as the baseline build, in fewer instructions.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]
+    #[target_feature(enable = "avx512f,fma")]
     fn forward_avx512(
         &self,
         batch: &[SeqChunk],
@@ -386,6 +386,7 @@ impl LlamaModel {
         let mut u = vec![0f32; n_tok * ff];
 
         let bs = kv.tables.block_size();
+        #[cfg(target_arch = "x86_64")]
         let avx512 = kernels::Isa::selected() == kernels::Isa::Avx512;
 
         for (li, l) in self.layers.iter().enumerate() {
@@ -502,7 +503,7 @@ fn attend(
 /// path's, but depend only on the query and its context, never on the batch around them.
 /// Heads whose size is not a multiple of 16 take the portable code, compiled for AVX-512.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]
+#[target_feature(enable = "avx512f,fma")]
 fn attend_avx512(
     qv: &[f32],
     ks: &[f32],
@@ -514,7 +515,7 @@ fn attend_avx512(
 ) {
     use std::arch::x86_64::*;
     let hd = qv.len();
-    if !hd.is_multiple_of(16) || hd > 256 {
+    if hd == 0 || !hd.is_multiple_of(16) || hd > 256 {
         return attend(qv, ks, vs, n_ctx, scale, at, out);
     }
     let nv = hd / 16;
@@ -597,6 +598,77 @@ impl RopeTable {
                     let (x0, x1) = (head[2 * i], head[2 * i + 1]);
                     head[2 * i] = x0 * c[i] - x1 * s[i];
                     head[2 * i + 1] = x0 * s[i] + x1 * c[i];
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rand(seed: u64, n: usize) -> Vec<f32> {
+        (0..n as u64)
+            .map(|i| crate::sampler::uniform(seed, i, 7) as f32 * 2.0 - 1.0)
+            .collect()
+    }
+
+    /// Plain f64 attention of one head over positions laid out `at(j) = stride·j + off`.
+    fn reference(
+        q: &[f32],
+        ks: &[f32],
+        vs: &[f32],
+        n_ctx: usize,
+        at: impl Fn(usize) -> usize,
+    ) -> Vec<f64> {
+        let hd = q.len();
+        let scale = 1.0 / (hd as f64).sqrt();
+        let s: Vec<f64> = (0..n_ctx)
+            .map(|j| {
+                (0..hd)
+                    .map(|i| q[i] as f64 * ks[at(j) + i] as f64)
+                    .sum::<f64>()
+                    * scale
+            })
+            .collect();
+        let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        (0..hd)
+            .map(|i| (0..n_ctx).map(|j| e[j] / sum * vs[at(j) + i] as f64).sum())
+            .collect()
+    }
+
+    #[test]
+    fn attention_matches_a_plain_reference_on_every_path() {
+        // 64: the AVX-512 kernel; 40: its fallback to the portable code.
+        for hd in [64usize, 40] {
+            for n_ctx in [1usize, 7, 150] {
+                let stride = 3 * hd; // other heads' slots between this head's positions
+                let at = |j: usize| j * stride + hd;
+                let ks = rand(1, n_ctx * stride + 2 * hd);
+                let vs = rand(2, n_ctx * stride + 2 * hd);
+                let q: Vec<f32> = rand(3, hd).iter().map(|v| v * 4.0).collect();
+                let scale = 1.0 / (hd as f32).sqrt();
+                let want = reference(&q, &ks, &vs, n_ctx, at);
+                let mut got = vec![0f32; hd];
+                attend(&q, &ks, &vs, n_ctx, scale, at, &mut got);
+                let mut outs = vec![got];
+                #[cfg(target_arch = "x86_64")]
+                if kernels::Isa::available().contains(&kernels::Isa::Avx512) {
+                    let mut o = vec![0f32; hd];
+                    // SAFETY: this CPU runs AVX-512F and FMA (checked just above).
+                    unsafe { attend_avx512(&q, &ks, &vs, n_ctx, scale, at, &mut o) };
+                    outs.push(o);
+                }
+                for o in outs {
+                    for (g, w) in o.iter().zip(&want) {
+                        assert!(
+                            (*g as f64 - w).abs() < 1e-5,
+                            "hd {hd} n_ctx {n_ctx}: {g} vs {w}"
+                        );
+                    }
                 }
             }
         }
