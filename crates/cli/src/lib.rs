@@ -8,6 +8,7 @@ pub mod latency;
 pub mod live;
 pub mod load;
 pub mod models;
+pub mod plan;
 pub mod pull;
 pub mod speculate;
 pub mod stats;

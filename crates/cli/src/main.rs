@@ -59,6 +59,57 @@ enum Cmd {
     Cloud(CloudCmd),
     /// A loopback TCP proxy that emulates a network link (delay, jitter, bandwidth, loss).
     Netem(NetemArgs),
+    /// The analytic model: E[A], sync and async ITL, the verifier's roofline and queueing for N
+    /// sessions, and the γ, depth and batch token budget it recommends.
+    Plan(PlanArgs),
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    /// Greedy acceptance rate per drafted token.
+    #[arg(long)]
+    alpha: f64,
+    /// The draft's time per token, ms.
+    #[arg(long)]
+    draft_ms: f64,
+    /// Network round trip, ms.
+    #[arg(long)]
+    rtt_ms: f64,
+    /// The target's forward time for one token, ms (memory-bound).
+    #[arg(long)]
+    verify_ms: Option<f64>,
+    /// The target's forward time per token once compute-bound, ms.
+    #[arg(long)]
+    verify_ms_per_token: Option<f64>,
+    /// Memory bandwidth, GB/s: the one-token time is the weights' bytes at this rate.
+    #[arg(long)]
+    bandwidth_gbs: Option<f64>,
+    /// The kernels' FLOP rate, GFLOP/s: the time per token is the FLOPs per token at this rate.
+    #[arg(long)]
+    gflops: Option<f64>,
+    /// The target's weight bytes, MB (default: the report's, else SmolLM2-135M f32: 538).
+    #[arg(long)]
+    weights_mb: Option<f64>,
+    /// The target's FLOPs per token, GFLOP (default: the report's, else SmolLM2-135M: 0.269).
+    #[arg(long)]
+    gflop_per_token: Option<f64>,
+    /// A `tandem bench engine --out` report: its measured one-token forward, bandwidth and FLOP
+    /// rate fill what the flags above leave out.
+    #[arg(long)]
+    engine_json: Option<PathBuf>,
+    /// Which of the report's runs (thread count).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Session counts to plan for, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    sessions: Vec<usize>,
+    #[arg(long, default_value_t = 8)]
+    max_gamma: usize,
+    #[arg(long, default_value_t = 4)]
+    max_depth: usize,
+    /// Print the JSON report instead of tables.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -478,6 +529,28 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Demo(a) => cmd_demo(&home, a)?,
         Cmd::Cloud(CloudCmd::Serve(a)) => cmd_serve(&home, a)?,
+        Cmd::Plan(a) => {
+            let roof = tandem_cli::plan::RooflineArgs {
+                verify_ms: a.verify_ms,
+                verify_ms_per_token: a.verify_ms_per_token,
+                bandwidth_gbs: a.bandwidth_gbs,
+                gflops: a.gflops,
+                weights_mb: a.weights_mb,
+                gflop_per_token: a.gflop_per_token,
+                engine_json: a.engine_json,
+                threads: a.threads,
+            };
+            let r = tandem_cli::plan::run(
+                a.alpha,
+                a.draft_ms,
+                a.rtt_ms,
+                &roof,
+                &a.sessions,
+                a.max_gamma,
+                a.max_depth,
+            )?;
+            report(&r, None, a.json, tandem_cli::plan::table)?
+        }
         Cmd::Netem(a) => cmd_netem(a)?,
     }
     Ok(())

@@ -101,12 +101,7 @@ impl GrantPolicy {
         let cost = self.pace?;
         let (g, _) = self.at(level);
         let n = sessions.max(1) as f64;
-        let a = alpha.clamp(0.0, 1.0);
-        let e = if a > 1.0 - 1e-9 {
-            g as f64 + 1.0
-        } else {
-            (1.0 - a.powi(g as i32 + 1)) / (1.0 - a)
-        };
+        let e = tandem_spec::policy::expected_accepted(alpha.clamp(0.0, 1.0), g as usize);
         Some(n * e / cost.ms(n * (g as f64 + 1.0)))
     }
 

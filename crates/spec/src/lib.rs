@@ -7,12 +7,15 @@
 //! - [`verify`]: the rules that judge a draft token against the target's logits (greedy,
 //!   sample-and-match, rejection sampling).
 //! - [`sampling`]: temperature / top-k / top-p with draws keyed by (seed, position).
-//! - [`policy`]: the analytic model of speculation and the γ / depth it recommends.
+//! - [`policy`]: the analytic model of one session's speculation and the γ / depth it recommends.
+//! - [`plan`]: the model for many sessions: the verifier's roofline, queueing, and the γ, depth
+//!   and batch token budget it recommends.
 //!
 //! Everything is driven by the IO shells (edge runtime, cloud batcher) and by simulated time in
 //! tests and the simulator.
 
 pub mod pipeline;
+pub mod plan;
 pub mod policy;
 pub mod sampling;
 pub mod verifier;

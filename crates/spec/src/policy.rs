@@ -73,7 +73,17 @@ pub fn async_itl_ms(c: &Costs, gamma: usize, depth: usize) -> f64 {
     }
     let busy = (g as f64 * c.draft_ms / period).min(1.0);
     let reaction = busy * c.draft_ms / 2.0;
-    // Expected number of periods after the run's first verdict until the rejection is seen.
+    // Periods after the run's first verdict until the rejection is seen.
+    let extra = verdicts_per_run(a, g) - 1.0;
+    let tokens = 1.0 / (1.0 - a);
+    (round + reaction + period * extra) / tokens
+}
+
+/// Expected verdicts in a pipelined run (α < 1, γ ≥ 1): the first, plus one per block until the
+/// one that shows the rejection — block ⌊K/γ⌋ for K accepted tokens, one earlier when the
+/// rejected token opens its block (the previous verdict's bonus already showed it).
+pub fn verdicts_per_run(alpha: f64, gamma: usize) -> f64 {
+    let (a, g) = (alpha.clamp(0.0, 1.0 - 1e-9), gamma.max(1));
     let mut extra = 0.0;
     let mut p_k = 1.0 - a; // P(K = k)
     let mut k = 0usize;
@@ -86,8 +96,7 @@ pub fn async_itl_ms(c: &Costs, gamma: usize, depth: usize) -> f64 {
         p_k *= a;
         k += 1;
     }
-    let tokens = 1.0 / (1.0 - a);
-    (round + reaction + period * extra) / tokens
+    1.0 + extra
 }
 
 /// A recommended shape and its predicted inter-token latencies.

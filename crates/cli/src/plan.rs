@@ -1,0 +1,249 @@
+//! `tandem plan`: the analytic model ([`tandem_spec::plan`]) for given costs — E[A], the sync and
+//! async ITL, the roofline of the verifier's forward, the queueing of N sessions — and the γ,
+//! depth and batch token budget it recommends.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use tandem_spec::plan::{plan, ForwardCost, Operating, Plan};
+use tandem_spec::policy::Costs;
+
+/// Weight bytes read per forward by the SmolLM2-135M target in f32.
+pub const SMOLLM2_F32_BYTES: f64 = 538.06e6;
+/// Multiply-add FLOPs per token of the SmolLM2-135M target's weight matmuls.
+pub const SMOLLM2_FLOPS_PER_TOKEN: f64 = 0.269e9;
+
+/// Where the roofline's two numbers come from: given directly, from the machine's bandwidth and
+/// FLOP rate, or from a `tandem bench engine --out` report.
+#[derive(Debug, Clone, Default)]
+pub struct RooflineArgs {
+    pub verify_ms: Option<f64>,
+    pub verify_ms_per_token: Option<f64>,
+    pub bandwidth_gbs: Option<f64>,
+    pub gflops: Option<f64>,
+    pub weights_mb: Option<f64>,
+    pub gflop_per_token: Option<f64>,
+    pub engine_json: Option<std::path::PathBuf>,
+    pub threads: usize,
+}
+
+/// The target's figures in a `bench engine` report, for one thread count.
+struct EngineFigures {
+    one_token_ms: f64,
+    bandwidth_gbs: f64,
+    gflops: f64,
+    bytes_per_token: f64,
+    flops_per_token: f64,
+}
+
+fn engine_figures(path: &Path, threads: usize) -> Result<EngineFigures> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{} is not a `tandem bench engine --out` JSON report",
+            path.display()
+        )
+    })?;
+    let runs = v["runs"]
+        .as_array()
+        .with_context(|| format!("{}: no `runs`", path.display()))?;
+    let run = runs
+        .iter()
+        .find(|r| r["threads"].as_u64() == Some(threads as u64))
+        .with_context(|| format!("{}: no run with {threads} threads", path.display()))?;
+    let num = |p: &serde_json::Value, what: &str| -> Result<f64> {
+        p.as_f64()
+            .filter(|x| x.is_finite() && *x > 0.0)
+            .with_context(|| format!("{}: `{what}` missing or not positive", path.display()))
+    };
+    let t = &run["target"];
+    let gflops = num(&t["kernel_gflops"], "target.kernel_gflops")?;
+    Ok(EngineFigures {
+        one_token_ms: num(&t["chunk_ms"]["1"], "target.chunk_ms.1")?,
+        bandwidth_gbs: num(&run["read_bandwidth_gbs"], "read_bandwidth_gbs")?,
+        gflops,
+        bytes_per_token: num(&t["bytes_per_token"], "target.bytes_per_token")?,
+        flops_per_token: gflops * 1e9
+            / num(&t["compute_limit_tok_s"], "target.compute_limit_tok_s")?,
+    })
+}
+
+fn positive(x: Option<f64>, flag: &str) -> Result<Option<f64>> {
+    match x {
+        Some(v) if !(v.is_finite() && v > 0.0) => {
+            bail!("{flag} must be a positive number, got {v}")
+        }
+        _ => Ok(x),
+    }
+}
+
+/// The verifier's roofline and a line saying where each half came from.
+pub fn roofline(a: &RooflineArgs) -> Result<(ForwardCost, String)> {
+    let verify_ms = positive(a.verify_ms, "--verify-ms")?;
+    let per_token = positive(a.verify_ms_per_token, "--verify-ms-per-token")?;
+    let bandwidth = positive(a.bandwidth_gbs, "--bandwidth-gbs")?;
+    let gflops = positive(a.gflops, "--gflops")?;
+    let weights_mb = positive(a.weights_mb, "--weights-mb")?;
+    let gflop_per_token = positive(a.gflop_per_token, "--gflop-per-token")?;
+    let eng = a
+        .engine_json
+        .as_deref()
+        .map(|p| engine_figures(p, a.threads))
+        .transpose()?;
+    let bytes = weights_mb
+        .map(|m| m * 1e6)
+        .or(eng.as_ref().map(|e| e.bytes_per_token))
+        .unwrap_or(SMOLLM2_F32_BYTES);
+    let flops = gflop_per_token
+        .map(|g| g * 1e9)
+        .or(eng.as_ref().map(|e| e.flops_per_token))
+        .unwrap_or(SMOLLM2_FLOPS_PER_TOKEN);
+    let (one, one_src) = match (verify_ms, bandwidth, &eng) {
+        (Some(v), _, _) => (v, "--verify-ms".to_string()),
+        (None, Some(bw), _) => (
+            bytes / (bw * 1e6),
+            format!("{:.0} MB of weights at {bw} GB/s", bytes / 1e6),
+        ),
+        (None, None, Some(e)) => (e.one_token_ms, "the report's one-token forward".to_string()),
+        _ => bail!("give the one-token verify time: --verify-ms, --bandwidth-gbs or --engine-json"),
+    };
+    let (slope, slope_src) = match (per_token, gflops, &eng) {
+        (Some(s), _, _) => (s, "--verify-ms-per-token".to_string()),
+        (None, Some(g), _) => (
+            flops / (g * 1e6),
+            format!("{:.3} GFLOP per token at {g} GFLOP/s", flops / 1e9),
+        ),
+        (None, None, Some(e)) => (
+            flops / (e.gflops * 1e6),
+            format!(
+                "{:.3} GFLOP per token at the report's {:.1} GFLOP/s (bandwidth {:.1} GB/s)",
+                flops / 1e9,
+                e.gflops,
+                e.bandwidth_gbs
+            ),
+        ),
+        _ => bail!(
+            "give the verify time per token: --verify-ms-per-token, --gflops or --engine-json"
+        ),
+    };
+    Ok((
+        ForwardCost {
+            one_token_ms: one,
+            ms_per_token: slope,
+        },
+        format!("one token: {one_src}; per token: {slope_src}"),
+    ))
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PlanReport {
+    pub alpha: f64,
+    pub draft_ms: f64,
+    pub rtt_ms: f64,
+    pub forward: ForwardCost,
+    pub roofline_source: String,
+    pub plans: Vec<Plan>,
+}
+
+/// The model for each session count.
+pub fn run(
+    alpha: f64,
+    draft_ms: f64,
+    rtt_ms: f64,
+    roof: &RooflineArgs,
+    sessions: &[usize],
+    max_gamma: usize,
+    max_depth: usize,
+) -> Result<PlanReport> {
+    if !(0.0..=1.0).contains(&alpha) {
+        bail!("--alpha must be within 0..=1, got {alpha}");
+    }
+    positive(Some(draft_ms), "--draft-ms")?;
+    if !(rtt_ms.is_finite() && rtt_ms >= 0.0) {
+        bail!("--rtt-ms must be 0 or more, got {rtt_ms}");
+    }
+    if sessions.is_empty() || sessions.contains(&0) {
+        bail!("--sessions must list session counts of at least 1");
+    }
+    if max_gamma == 0 || max_depth == 0 {
+        bail!("--max-gamma and --max-depth must be at least 1");
+    }
+    let (forward, roofline_source) = roofline(roof)?;
+    let c = Costs {
+        alpha,
+        draft_ms,
+        verify_ms: forward.one_token_ms,
+        verify_ms_per_token: 0.0,
+        rtt_ms,
+    };
+    Ok(PlanReport {
+        alpha,
+        draft_ms,
+        rtt_ms,
+        forward,
+        roofline_source,
+        plans: sessions
+            .iter()
+            .map(|&n| plan(&c, &forward, n, max_gamma, max_depth))
+            .collect(),
+    })
+}
+
+fn shape(o: &Operating) -> String {
+    if o.gamma == 0 {
+        "γ 0 (verifier decodes)".to_string()
+    } else {
+        format!("γ {} depth {}", o.gamma, o.depth)
+    }
+}
+
+pub fn table(r: &PlanReport) -> String {
+    let f = &r.forward;
+    let mut s = format!(
+        "α {}, draft {} ms/token, RTT {} ms\nverifier roofline: max({:.1} ms, {:.2} ms × tokens), ridge {:.1} tokens ({})\n",
+        r.alpha, r.draft_ms, r.rtt_ms, f.one_token_ms, f.ms_per_token, f.ridge_tokens(), r.roofline_source
+    );
+    s += "\n| sessions | recommended | E[A] | ITL ms | tokens/s | best sync (ITL ms) | cloud-only ITL ms | tokens/forward | wait ms | verifier busy | token budget |\n";
+    s += "|---|---|---|---|---|---|---|---|---|---|---|\n";
+    for p in &r.plans {
+        let b = &p.best;
+        let ea = if b.gamma == 0 {
+            1.0
+        } else {
+            tandem_spec::policy::expected_accepted(r.alpha, b.gamma)
+        };
+        s += &format!(
+            "| {} | {} | {:.2} | {:.1} | {:.1} | γ {} ({:.1}) | {:.1} | {:.1} | {:.1} | {:.0}% | {} |\n",
+            p.sessions,
+            shape(b),
+            ea,
+            b.itl_ms,
+            b.tokens_per_s,
+            p.best_sync.gamma,
+            p.best_sync.itl_ms,
+            p.cloud_only.itl_ms,
+            b.batch_tokens,
+            b.wait_ms,
+            b.utilization * 100.0,
+            p.token_budget
+        );
+    }
+    if let Some(p) = r.plans.first() {
+        let st = &p.stages;
+        s += &format!(
+            "\nstages at {} session(s), γ {}: drafting {:.1} ms, network {:.1} ms, verification {:.1} ms (async runs at the slowest; balanced when verification ≈ γ·draft + network{})\n",
+            p.sessions,
+            if p.best.gamma > 0 { p.best.gamma } else { p.best_sync.gamma },
+            st.draft_ms,
+            st.network_ms,
+            st.verify_ms,
+            match st.balanced_gamma {
+                Some(g) => format!(": γ ≈ {g:.1}"),
+                None => ": verification is faster than the network alone".to_string(),
+            }
+        );
+    }
+    s
+}

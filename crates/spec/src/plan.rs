@@ -1,0 +1,422 @@
+//! The analytic model for many sessions sharing one verifier: the target's forward time as a
+//! roofline, a queueing term for N sessions, and the γ, depth and batch token budget it
+//! recommends. One session with the verifier to itself is [`crate::policy`]'s model, which this
+//! one calls for each session's own rounds.
+//!
+//! **Roofline.** A forward of n tokens costs `max(t₁, s·n)`: at least the time to stream the
+//! weights once (`t₁`, memory-bound), and `s` per token once its FLOPs dominate. From the
+//! machine: `t₁ = weight bytes / bandwidth`, `s = FLOPs per token / FLOP rate`; or fitted to
+//! measured forwards ([`ForwardCost::fit`]). The ridge `t₁ / s` is where the two meet.
+//!
+//! **Queueing.** N closed-loop sessions each send a block of γ + 1 positions per verdict they
+//! need; the verifier batches whatever is queued into one forward. At a fixed point of the
+//! session rate λ (blocks per ms, all sessions), a forward carries `b = clamp(λ·F, 1, N)` blocks
+//! (those that arrive while the previous one runs), takes `F = max(t₁, s·b·(γ + 1))`, and a block
+//! waits on average `U·(N − 1)/N · F / 2` for the forward in progress (`U = λ·F / b`, the busy
+//! share; its own session's earlier blocks are not in the way). Each session's rounds are then
+//! [`crate::policy`]'s with that wait plus `F` as the verify time. γ 0 is cloud decoding: every
+//! session in every forward, one token each, `ITL = max(t₁, s·N)`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::policy::{async_itl_ms, expected_accepted, verdicts_per_run, Costs};
+
+/// Weight of a new memory-bound forward's time in the one-token time ([`ForwardCost::observe`]).
+const OBSERVE_SMOOTHING: f64 = 0.05;
+
+/// The target's forward time against tokens per forward, as a roofline: a forward costs at least
+/// the time of one token (reading the weights), and `ms_per_token` per token once compute-bound.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ForwardCost {
+    pub one_token_ms: f64,
+    pub ms_per_token: f64,
+}
+
+impl ForwardCost {
+    /// Fit to measured `(tokens, ms)` points, smallest first: the slope by least squares over the
+    /// large sizes (at least a quarter of the largest; the last two if fewer qualify), the
+    /// one-token time the median over the sizes up to 4 below them (all memory-bound, so one
+    /// noisy run does not set it). `None` unless there are two sizes.
+    pub fn fit(points: &[(usize, f64)]) -> Option<Self> {
+        if points.len() < 2 || points.iter().any(|p| !(p.1.is_finite() && p.1 > 0.0)) {
+            return None;
+        }
+        let largest = points[points.len() - 1].0;
+        let from = points
+            .iter()
+            .position(|p| p.0 * 4 >= largest)
+            .unwrap_or(0)
+            .min(points.len() - 2);
+        let tail = &points[from..];
+        let k = tail.len() as f64;
+        let mx = tail.iter().map(|p| p.0 as f64).sum::<f64>() / k;
+        let my = tail.iter().map(|p| p.1).sum::<f64>() / k;
+        let den = tail.iter().map(|p| (p.0 as f64 - mx).powi(2)).sum::<f64>();
+        if den == 0.0 {
+            return None;
+        }
+        let slope = tail
+            .iter()
+            .map(|p| (p.0 as f64 - mx) * (p.1 - my))
+            .sum::<f64>()
+            / den;
+        let mut small: Vec<f64> = points[..from]
+            .iter()
+            .filter(|p| p.0 <= 4)
+            .map(|p| p.1)
+            .collect();
+        if small.is_empty() {
+            small.push(points[0].1);
+        }
+        small.sort_by(f64::total_cmp);
+        Some(Self {
+            one_token_ms: small[(small.len() - 1) / 2],
+            ms_per_token: slope.max(1e-6),
+        })
+    }
+
+    /// A forward of `tokens` tokens took `ms`: one well below the ridge (memory-bound, so its
+    /// time is the one-token time) moves the one-token time towards it. The start-up calibration
+    /// runs cold and alone; this follows the time forwards take while serving.
+    pub fn observe(&mut self, tokens: usize, ms: f64) {
+        let below = tokens >= 1 && (tokens as f64) * 2.0 <= self.ridge_tokens();
+        if below && ms.is_finite() && ms > 0.0 {
+            self.one_token_ms += OBSERVE_SMOOTHING * (ms - self.one_token_ms);
+        }
+    }
+
+    /// Predicted time of a forward of `tokens` tokens.
+    pub fn ms(&self, tokens: f64) -> f64 {
+        self.one_token_ms.max(self.ms_per_token * tokens)
+    }
+
+    /// Tokens per forward where the target turns compute-bound.
+    pub fn ridge_tokens(&self) -> f64 {
+        self.one_token_ms / self.ms_per_token
+    }
+}
+
+impl ForwardCost {
+    /// The roofline of a machine: every forward streams `weight_bytes` at `bandwidth_gbs`, and
+    /// each token costs `flops_per_token` at `gflops`.
+    pub fn from_machine(
+        weight_bytes: f64,
+        bandwidth_gbs: f64,
+        flops_per_token: f64,
+        gflops: f64,
+    ) -> Self {
+        Self {
+            one_token_ms: weight_bytes / (bandwidth_gbs * 1e6),
+            ms_per_token: flops_per_token / (gflops * 1e6),
+        }
+    }
+}
+
+/// One way to serve N sessions and what the model predicts for it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Operating {
+    /// Drafted tokens per block; 0: the verifier decodes every session itself.
+    pub gamma: usize,
+    /// Blocks in flight per session (1: synchronous).
+    pub depth: usize,
+    /// Mean inter-token latency of each session.
+    pub itl_ms: f64,
+    /// Committed tokens per second, all sessions together.
+    pub tokens_per_s: f64,
+    /// Tokens (positions) per forward.
+    pub batch_tokens: f64,
+    /// One forward's time.
+    pub forward_ms: f64,
+    /// A block's mean wait for the forward in progress.
+    pub wait_ms: f64,
+    /// The verifier's busy share.
+    pub utilization: f64,
+    /// Tokens committed per verified block (E[A] for synchronous rounds).
+    pub tokens_per_block: f64,
+}
+
+/// [`Operating`] for `sessions` sessions at γ and depth (γ 0: cloud decoding). `c` gives α, the
+/// draft time per token and the round trip (its verify fields are not used: the forward cost
+/// gives them).
+pub fn operate(
+    c: &Costs,
+    f: &ForwardCost,
+    sessions: usize,
+    gamma: usize,
+    depth: usize,
+) -> Operating {
+    let n = sessions.max(1) as f64;
+    if gamma == 0 {
+        let fwd = f.ms(n);
+        return Operating {
+            gamma: 0,
+            depth: 1,
+            itl_ms: fwd,
+            tokens_per_s: n * 1e3 / fwd,
+            batch_tokens: n,
+            forward_ms: fwd,
+            wait_ms: 0.0,
+            utilization: 1.0,
+            tokens_per_block: 1.0,
+        };
+    }
+    let depth = depth.max(1);
+    let pos = (gamma + 1) as f64;
+    // Tokens committed per verified block: synchronous rounds commit E[A]; a pipelined run
+    // commits 1/(1 − α) tokens over its verdicts.
+    let a = c.alpha.clamp(0.0, 1.0);
+    let tokens_per_block = if depth == 1 || a > 1.0 - 1e-9 {
+        if depth == 1 {
+            expected_accepted(a, gamma)
+        } else {
+            gamma as f64
+        }
+    } else {
+        1.0 / (1.0 - a) / verdicts_per_run(a, gamma)
+    };
+    let (mut b, mut fwd, mut wait) = (1.0f64, f.ms(pos), 0.0f64);
+    let mut itl = 0.0;
+    for _ in 0..500 {
+        let costs = Costs {
+            verify_ms: wait + fwd,
+            verify_ms_per_token: 0.0,
+            ..*c
+        };
+        itl = async_itl_ms(&costs, gamma, depth);
+        let blocks_per_ms = n / itl / tokens_per_block;
+        let fwd_new = f.ms(b * pos);
+        let util = (blocks_per_ms * fwd_new / b).min(1.0);
+        let b_new = (blocks_per_ms * fwd_new).clamp(1.0, n);
+        let wait_new = util * (n - 1.0) / n * fwd_new / 2.0;
+        b += 0.5 * (b_new - b);
+        fwd += 0.5 * (fwd_new - fwd);
+        wait += 0.5 * (wait_new - wait);
+    }
+    let blocks_per_ms = n / itl / tokens_per_block;
+    Operating {
+        gamma,
+        depth,
+        itl_ms: itl,
+        tokens_per_s: n * 1e3 / itl,
+        batch_tokens: b * pos,
+        forward_ms: fwd,
+        wait_ms: wait,
+        utilization: (blocks_per_ms * fwd / b).min(1.0),
+        tokens_per_block,
+    }
+}
+
+/// The pipeline's stages for one session at γ (ms): drafting a block, the network, and the
+/// verifier's latency for it. Asynchronous speculation runs at the slowest of the three; it is
+/// balanced when `verify ≈ γ·draft + network`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Stages {
+    pub draft_ms: f64,
+    pub network_ms: f64,
+    pub verify_ms: f64,
+    /// The γ at which `verify ≈ γ·draft + network` (`None`: verification is always the faster).
+    pub balanced_gamma: Option<f64>,
+}
+
+/// What [`plan`] recommends for N sessions.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Plan {
+    pub sessions: usize,
+    /// The shape with the lowest predicted ITL (γ 0: the verifier should decode the sessions).
+    pub best: Operating,
+    /// The best synchronous shape (depth 1, γ ≥ 1).
+    pub best_sync: Operating,
+    /// Cloud-only serving of the same sessions.
+    pub cloud_only: Operating,
+    /// Tokens per forward the scheduler should allow: every session's block in one forward, and
+    /// at least the ridge (prompt chunks fill forwards up to where they turn compute-bound).
+    pub token_budget: usize,
+    pub ridge_tokens: f64,
+    pub stages: Stages,
+}
+
+/// Recommend γ (≤ `max_gamma`), depth (≤ `max_depth`) and a batch token budget for `sessions`
+/// sessions: the shape with the lowest predicted mean ITL, which for a fixed number of
+/// closed-loop users is also the highest throughput. Ties go to the smaller γ and depth.
+pub fn plan(
+    c: &Costs,
+    f: &ForwardCost,
+    sessions: usize,
+    max_gamma: usize,
+    max_depth: usize,
+) -> Plan {
+    let cloud_only = operate(c, f, sessions, 0, 1);
+    let mut best = cloud_only;
+    let mut best_sync: Option<Operating> = None;
+    for g in 1..=max_gamma.max(1) {
+        for d in 1..=max_depth.max(1) {
+            let o = operate(c, f, sessions, g, d);
+            if o.itl_ms < best.itl_ms * (1.0 - 1e-9) {
+                best = o;
+            }
+            if d == 1 && best_sync.is_none_or(|s| o.itl_ms < s.itl_ms * (1.0 - 1e-9)) {
+                best_sync = Some(o);
+            }
+        }
+    }
+    let best_sync = best_sync.expect("invariant: γ 1 at depth 1 is always a candidate");
+    // The stages of the speculative shape: the best one, or the best synchronous one when the
+    // verifier should decode.
+    let shape = if best.gamma > 0 { best } else { best_sync };
+    let g = shape.gamma as f64;
+    let verify = shape.wait_ms + shape.forward_ms;
+    let network = c.rtt_ms;
+    let balanced_gamma = (verify > network).then(|| (verify - network) / c.draft_ms.max(1e-9));
+    let budget = (sessions as f64 * (best.gamma as f64 + 1.0)).max(f.ridge_tokens());
+    Plan {
+        sessions,
+        best,
+        best_sync,
+        cloud_only,
+        token_budget: (budget.ceil() as usize).div_ceil(8) * 8,
+        ridge_tokens: f.ridge_tokens(),
+        stages: Stages {
+            draft_ms: g * c.draft_ms,
+            network_ms: network,
+            verify_ms: verify,
+            balanced_gamma,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_roofline_fit_finds_the_ridge() {
+        // 100 ms up to 10 tokens, then 10 ms per token.
+        let pts: Vec<(usize, f64)> = [1usize, 2, 4, 8, 16, 32, 64]
+            .iter()
+            .map(|&n| (n, (10.0 * n as f64).max(100.0)))
+            .collect();
+        let c = ForwardCost::fit(&pts).unwrap();
+        assert!((c.ms_per_token - 10.0).abs() < 1e-9);
+        assert!((c.ridge_tokens() - 10.0).abs() < 1e-9);
+        assert_eq!(c.ms(4.0), 100.0);
+        assert!((c.ms(40.0) - 400.0).abs() < 1e-9);
+        // The one-token time is the median of the small sizes; the slope ignores them.
+        let noisy =
+            ForwardCost::fit(&[(1, 130.0), (2, 95.0), (4, 100.0), (32, 320.0), (64, 640.0)])
+                .unwrap();
+        assert_eq!(noisy.one_token_ms, 100.0);
+        assert!((noisy.ms_per_token - 10.0).abs() < 1e-9);
+        let two = ForwardCost::fit(&[(1, 100.0), (32, 320.0)]).unwrap();
+        assert!((two.ms_per_token - 220.0 / 31.0).abs() < 1e-9);
+        // Serving refines the one-token time from memory-bound forwards only.
+        let mut c = ForwardCost {
+            one_token_ms: 100.0,
+            ms_per_token: 10.0,
+        };
+        c.observe(30, 50.0);
+        assert_eq!(
+            c.one_token_ms, 100.0,
+            "past the ridge: not a one-token time"
+        );
+        for _ in 0..200 {
+            c.observe(2, 80.0);
+        }
+        assert!((c.one_token_ms - 80.0).abs() < 0.1);
+        assert!(ForwardCost::fit(&[(1, 100.0)]).is_none());
+        assert!(ForwardCost::fit(&[(1, 100.0), (1, 100.0)]).is_none());
+        assert!(ForwardCost::fit(&[(1, f64::NAN), (8, 100.0)]).is_none());
+    }
+
+    fn costs(alpha: f64, draft_ms: f64, rtt_ms: f64) -> Costs {
+        Costs {
+            alpha,
+            draft_ms,
+            verify_ms: 0.0,
+            verify_ms_per_token: 0.0,
+            rtt_ms,
+        }
+    }
+
+    const FWD: ForwardCost = ForwardCost {
+        one_token_ms: 44.0,
+        ms_per_token: 2.2,
+    };
+
+    #[test]
+    fn the_roofline_comes_from_bandwidth_and_flops() {
+        // 538 MB at 10 GB/s, 0.27 GFLOP per token at 120 GFLOP/s.
+        let f = ForwardCost::from_machine(538e6, 10.0, 0.27e9, 120.0);
+        assert!((f.one_token_ms - 53.8).abs() < 1e-9);
+        assert!((f.ms_per_token - 2.25).abs() < 1e-9);
+        assert!((f.ridge_tokens() - 53.8 / 2.25).abs() < 1e-9);
+    }
+
+    #[test]
+    fn one_session_is_the_single_session_model_with_the_forward_as_verify_time() {
+        let c = costs(0.8, 10.0, 50.0);
+        for (g, d) in [(4, 1), (3, 2), (1, 1)] {
+            let o = operate(&c, &FWD, 1, g, d);
+            let alone = Costs {
+                verify_ms: FWD.ms((g + 1) as f64),
+                ..c
+            };
+            assert!(
+                (o.itl_ms - async_itl_ms(&alone, g, d)).abs() < 1e-6,
+                "{o:?}"
+            );
+            assert_eq!(o.wait_ms, 0.0, "nobody else to wait for");
+            assert!((o.batch_tokens - (g + 1) as f64).abs() < 1e-9);
+        }
+    }
+
+    #[test]
+    fn cloud_decoding_is_one_forward_per_token_for_everyone() {
+        let c = costs(0.8, 10.0, 50.0);
+        assert_eq!(operate(&c, &FWD, 1, 0, 1).itl_ms, 44.0);
+        assert_eq!(operate(&c, &FWD, 10, 0, 1).itl_ms, 44.0, "below the ridge");
+        let o = operate(&c, &FWD, 100, 0, 1);
+        assert!((o.itl_ms - 220.0).abs() < 1e-9);
+        assert!((o.tokens_per_s - 100.0 * 1e3 / 220.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn load_fills_forwards_and_adds_waiting_up_to_the_compute_bound() {
+        let c = costs(0.8, 10.0, 50.0);
+        let few = operate(&c, &FWD, 2, 4, 1);
+        let many = operate(&c, &FWD, 64, 4, 1);
+        assert!(many.batch_tokens > few.batch_tokens);
+        assert!(many.wait_ms > few.wait_ms && many.itl_ms > few.itl_ms);
+        assert!(many.utilization > 0.9, "{many:?}");
+        // Throughput cannot pass the compute roofline: E[A] tokens per γ + 1 positions.
+        let cap = 1e3 / FWD.ms_per_token * expected_accepted(0.8, 4) / 5.0;
+        assert!(many.tokens_per_s <= cap * 1.0001, "{many:?} vs {cap}");
+        assert!(many.tokens_per_s > 0.8 * cap, "{many:?} vs {cap}");
+        // Monotone in the number of sessions.
+        let mut last = 0.0;
+        for n in [1, 2, 4, 8, 16, 32, 64, 128] {
+            let o = operate(&c, &FWD, n, 4, 1);
+            assert!(o.tokens_per_s >= last * 0.999, "n {n}: {o:?}");
+            last = o.tokens_per_s;
+        }
+    }
+
+    #[test]
+    fn the_plan_speculates_alone_and_hands_decoding_to_the_verifier_under_load() {
+        // A fast, accurate draft far from the cloud: pipelined speculation.
+        let alone = plan(&costs(0.9, 10.0, 100.0), &FWD, 1, 8, 4);
+        assert!(alone.best.gamma >= 2 && alone.best.depth >= 2, "{alone:?}");
+        assert!(alone.best.itl_ms < alone.best_sync.itl_ms);
+        assert!(alone.best.itl_ms < alone.cloud_only.itl_ms);
+        // Many sessions with a mediocre draft: past the ridge every rejected position is waste.
+        let crowd = plan(&costs(0.6, 20.0, 50.0), &FWD, 256, 8, 4);
+        assert_eq!(crowd.best.gamma, 0, "{crowd:?}");
+        assert_eq!(crowd.token_budget, 256);
+        // The budget never drops below the ridge, in multiples of 8.
+        assert_eq!(alone.token_budget, 24);
+        // The stages: verify 44 ms + no wait against 100 ms of network: verification never bounds.
+        assert_eq!(alone.stages.balanced_gamma, None);
+        let near = plan(&costs(0.9, 10.0, 4.0), &FWD, 1, 8, 4);
+        let bg = near.stages.balanced_gamma.unwrap();
+        assert!(bg > 3.0 && bg < 5.0, "{near:?}");
+    }
+}
