@@ -10,6 +10,7 @@ pub mod load;
 pub mod models;
 pub mod plan;
 pub mod pull;
+pub mod simulate;
 pub mod speculate;
 pub mod stats;
 

@@ -62,6 +62,71 @@ enum Cmd {
     /// The analytic model: E[A], sync and async ITL, the verifier's roofline and queueing for N
     /// sessions, and the γ, depth and batch token budget it recommends.
     Plan(PlanArgs),
+    /// Simulate many edges and verifier replicas in simulated time: the real pipeline, verifier
+    /// and scheduler code, the target as a cost model.
+    Simulate(SimulateArgs),
+}
+
+#[derive(Args)]
+struct SimulateArgs {
+    /// Closed-loop users (each opens session after session), comma-separated for several runs.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+    sessions: Vec<usize>,
+    /// Verifier replicas; users are spread over them round-robin.
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
+    #[arg(long, default_value_t = 0.8)]
+    alpha: f64,
+    /// The draft's time per token, ms.
+    #[arg(long, default_value_t = 20.0)]
+    draft_ms: f64,
+    #[arg(long, default_value_t = 50.0)]
+    rtt_ms: f64,
+    /// Each session's round trip is drawn within ± this share of --rtt-ms.
+    #[arg(long, default_value_t = 0.0)]
+    rtt_spread_pct: f64,
+    /// Each message's half of the round trip varies by ± this share.
+    #[arg(long, default_value_t = 10.0)]
+    jitter_pct: f64,
+    /// Draft length (0: cloud-only, the verifier decodes every session).
+    #[arg(long, default_value_t = 4)]
+    gamma: usize,
+    #[arg(long, default_value_t = 2)]
+    depth: usize,
+    /// Also run cloud-only at every session count.
+    #[arg(long)]
+    cloud_only: bool,
+    #[arg(long, default_value_t = 40)]
+    prompt_tokens: usize,
+    /// New tokens per session.
+    #[arg(long, default_value_t = 48)]
+    tokens: usize,
+    #[arg(long, default_value_t = 64)]
+    token_budget: usize,
+    /// KV blocks of 16 token slots per replica.
+    #[arg(long, default_value_t = 65536)]
+    kv_blocks: usize,
+    /// The target's forward cost `ONE_TOKEN_MS,MS_PER_TOKEN` (default: from --engine-json, else
+    /// 44,2.2: `cloud serve --threads 1` on this project's CI machine).
+    #[arg(long, value_parser = parse_forward_cost)]
+    forward_cost: Option<tandem_cloud::ForwardCost>,
+    /// A `tandem bench engine --out` report to take the forward cost from (one-token forward and
+    /// the kernels' FLOP rate).
+    #[arg(long)]
+    engine_json: Option<PathBuf>,
+    /// Simulated seconds before measuring, and measured.
+    #[arg(long, default_value_t = 20.0)]
+    warmup_s: f64,
+    #[arg(long, default_value_t = 40.0)]
+    duration_s: f64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Also write the JSON report to this file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print the JSON report instead of tables.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -529,6 +594,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Demo(a) => cmd_demo(&home, a)?,
         Cmd::Cloud(CloudCmd::Serve(a)) => cmd_serve(&home, a)?,
+        Cmd::Simulate(a) => cmd_simulate(a)?,
         Cmd::Plan(a) => {
             let roof = tandem_cli::plan::RooflineArgs {
                 verify_ms: a.verify_ms,
@@ -906,6 +972,86 @@ fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
 }
 
 /// A benchmark's report: JSON to `out` when given, and JSON or the tables on stdout.
+fn cmd_simulate(a: SimulateArgs) -> Result<()> {
+    use tandem_cli::simulate::{simulate, table, SimConfig};
+    let cost = match (a.forward_cost, &a.engine_json) {
+        (Some(c), _) => c,
+        (None, Some(p)) => {
+            let roof = tandem_cli::plan::RooflineArgs {
+                engine_json: Some(p.clone()),
+                threads: 1,
+                ..Default::default()
+            };
+            tandem_cli::plan::roofline(&roof)?.0
+        }
+        (None, None) => tandem_cloud::ForwardCost {
+            one_token_ms: 44.0,
+            ms_per_token: 2.2,
+        },
+    };
+    let mut rows = Vec::new();
+    for &users in &a.sessions {
+        let modes: Vec<usize> = if a.cloud_only && a.gamma > 0 {
+            vec![0, a.gamma]
+        } else {
+            vec![a.gamma]
+        };
+        for gamma in modes {
+            let cfg = SimConfig {
+                users,
+                replicas: a.replicas,
+                alpha: a.alpha,
+                draft_ms: a.draft_ms,
+                rtt_ms: a.rtt_ms,
+                rtt_spread_pct: a.rtt_spread_pct,
+                jitter_pct: a.jitter_pct,
+                gamma,
+                depth: a.depth,
+                prompt_tokens: a.prompt_tokens,
+                new_tokens: a.tokens,
+                token_budget: a.token_budget,
+                kv_blocks: a.kv_blocks,
+                cost,
+                warmup_s: a.warmup_s,
+                duration_s: a.duration_s,
+                seed: a.seed,
+            };
+            let row = simulate(&cfg)?;
+            if !a.json {
+                eprintln!(
+                    "simulated {users} sessions, {}: {:.1} tok/s in {:.1} s",
+                    if gamma == 0 {
+                        "cloud-only".to_string()
+                    } else {
+                        format!("γ {gamma}")
+                    },
+                    row.tokens_per_s,
+                    row.wall_s
+                );
+            }
+            rows.push(row);
+        }
+    }
+    let preface = format!(
+        "target forward max({:.1} ms, {:.2} ms × tokens); α {}, draft {} ms/token, RTT {} ms (± {}% per session, ± {}% per message), {} prompt + {} new tokens per session, token budget {}, {} s measured after {} s\n\n",
+        cost.one_token_ms,
+        cost.ms_per_token,
+        a.alpha,
+        a.draft_ms,
+        a.rtt_ms,
+        a.rtt_spread_pct,
+        a.jitter_pct,
+        a.prompt_tokens,
+        a.tokens,
+        a.token_budget,
+        a.duration_s,
+        a.warmup_s
+    );
+    report(&rows, a.out.as_deref(), a.json, |r| {
+        format!("{preface}{}", table(r))
+    })
+}
+
 fn report<R: serde::Serialize>(
     r: &R,
     out: Option<&std::path::Path>,

@@ -26,7 +26,9 @@ use tandem_spec::{Block, Decoded, SpecError, Verdict, VerifyRule};
 
 pub use batcher::serve;
 pub use tandem_sched::ForwardCost;
-pub use verifier::{Event, SessionState, TenantStats, Verifier, VerifierConfig, VerifierStats};
+pub use verifier::{
+    Event, SessionState, Target, TenantStats, Verifier, VerifierConfig, VerifierStats,
+};
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CloudError {

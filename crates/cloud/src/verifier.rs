@@ -10,7 +10,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use tandem_engine::{Engine, EngineError, SamplingParams, SeqChunk, SeqId, Wanted};
+use tandem_engine::{Engine, EngineError, Logits, SamplingParams, SeqChunk, SeqId, Wanted};
 use tandem_sched::{
     SchedConfig, SchedError, Scheduler, SessionId, StepPlan, TenantConfig, TenantId, WorkKind,
 };
@@ -167,23 +167,65 @@ pub struct SessionState {
     pub prefilled: bool,
 }
 
-pub struct Verifier {
-    engine: Engine,
+/// What the verifier needs from the target model: its vocabulary, the KV geometry its scheduler
+/// plans for, and one ragged forward over the chunks the scheduler chose. [`Engine`] is the real
+/// one; `tandem simulate` runs the same verifier over a cost model.
+pub trait Target {
+    fn vocab(&self) -> usize;
+    /// Positions a sequence may reach.
+    fn context_len(&self) -> usize;
+    /// Token slots per KV block, and blocks.
+    fn kv_geometry(&self) -> (usize, usize);
+    /// One forward over `batch` (with the scheduler's block `tables`), and how long it took (µs).
+    fn forward_timed(
+        &mut self,
+        batch: &[SeqChunk],
+        tables: &[Vec<u32>],
+    ) -> (Result<Logits, EngineError>, u32);
+}
+
+impl Target for Engine {
+    fn vocab(&self) -> usize {
+        self.model().cfg.vocab
+    }
+
+    fn context_len(&self) -> usize {
+        self.model().cfg.context_len
+    }
+
+    fn kv_geometry(&self) -> (usize, usize) {
+        let t = &self.kv().tables;
+        (t.block_size(), t.num_blocks())
+    }
+
+    fn forward_timed(
+        &mut self,
+        batch: &[SeqChunk],
+        tables: &[Vec<u32>],
+    ) -> (Result<Logits, EngineError>, u32) {
+        let t0 = std::time::Instant::now();
+        let r = self.forward_paged(batch, tables);
+        (r, t0.elapsed().as_micros().min(u32::MAX as u128) as u32)
+    }
+}
+
+pub struct Verifier<T: Target = Engine> {
+    engine: T,
     sched: Scheduler,
     sessions: HashMap<SessionId, Session>,
     tenants: HashMap<TenantId, TenantStats>,
     pub stats: VerifierStats,
 }
 
-impl Verifier {
+impl<T: Target> Verifier<T> {
     /// A verifier over `engine`, whose KV cache becomes the scheduler's block pool. One tenant, 0,
     /// exists with weight 1 and no quota.
-    pub fn new(engine: Engine, cfg: VerifierConfig) -> Result<Self, CloudError> {
-        let t = &engine.kv().tables;
+    pub fn new(engine: T, cfg: VerifierConfig) -> Result<Self, CloudError> {
+        let (block_size, num_blocks) = engine.kv_geometry();
         let sched = Scheduler::new(SchedConfig {
             max_sessions: cfg.max_sessions,
             max_waiting_tokens: cfg.max_waiting_tokens,
-            ..SchedConfig::new(cfg.token_budget, t.block_size(), t.num_blocks())
+            ..SchedConfig::new(cfg.token_budget, block_size, num_blocks)
         })?;
         let mut v = Self {
             engine,
@@ -196,7 +238,7 @@ impl Verifier {
         Ok(v)
     }
 
-    pub fn engine(&self) -> &Engine {
+    pub fn engine(&self) -> &T {
         &self.engine
     }
     pub fn scheduler(&self) -> &Scheduler {
@@ -263,7 +305,7 @@ impl Verifier {
         if self.sessions.contains_key(&id) {
             return Err(CloudError::DuplicateSession(id));
         }
-        let vocab = self.engine.model().cfg.vocab;
+        let vocab = self.engine.vocab();
         if let Some(&t) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(CloudError::Invalid(format!(
                 "prompt: token id {t} is outside the vocabulary ({vocab})"
@@ -637,9 +679,7 @@ impl Verifier {
         self.stats.last_batch = (chunks.len(), n);
         let avg = &mut self.stats.tokens_per_forward;
         *avg += 0.2 * (n as f64 - *avg);
-        let t0 = std::time::Instant::now();
-        let forward = self.engine.forward_paged(&chunks, &tables);
-        let verify_us = t0.elapsed().as_micros().min(u32::MAX as u128) as u32;
+        let (forward, verify_us) = self.engine.forward_timed(&chunks, &tables);
         match forward {
             Ok(logits) => {
                 self.stats.target_forwards += 1;
@@ -683,9 +723,7 @@ impl Verifier {
                             let pool = self.sched.pool();
                             let max_len = self
                                 .engine
-                                .model()
-                                .cfg
-                                .context_len
+                                .context_len()
                                 .min(pool.num_blocks() * pool.block_size());
                             *vs = Some(VerifierSession::new(
                                 *rule,

@@ -1,0 +1,863 @@
+//! `tandem simulate`: a discrete-event simulation of many edges and verifier replicas, driven by
+//! simulated time. The protocol code is the real one: each edge is a [`Pipeline`] (the edge's
+//! state machine) and each replica a [`Verifier`] (per-session verify bookkeeping and the
+//! multi-tenant scheduler), exactly as `tandem cloud serve` and the edge runtime drive them. Only
+//! the models are replaced:
+//! - the target ([`SimTarget`]) answers a forward with the roofline's time
+//!   ([`ForwardCost`], from `tandem bench engine` or `cloud serve`'s calibration) and logits
+//!   whose greedy token at every position is a fixed pseudo-random function of (session,
+//!   position): the "target's output";
+//! - each edge drafts a token in `draft_ms`, right with probability α;
+//! - each message crosses the network in half its session's round trip, with jitter.
+//!
+//! Every committed token is checked against the target's output, so the simulation also tests
+//! that the protocol stays lossless at any scale.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+
+use anyhow::{bail, Result};
+use serde::Serialize;
+use tandem_cloud::{Event, Target, Verifier, VerifierConfig};
+use tandem_engine::{EngineError, Logits, LogitsRow, SamplingParams, SeqChunk};
+use tandem_spec::plan::{operate, ForwardCost};
+use tandem_spec::policy::Costs;
+use tandem_spec::sampling::uniform;
+use tandem_spec::{Block, Next, Output, Pipeline, PipelineConfig, Verdict, VerifyRule};
+
+use crate::stats::Summary;
+
+/// Vocabulary of the simulated target (token 0 is never produced).
+const VOCAB: usize = 256;
+/// KV token slots per block.
+const BLOCK_SIZE: usize = 16;
+/// Retry an open the verifier refused (saturated) after this long (µs).
+const RETRY_US: u64 = 100_000;
+
+/// The target's greedy token at `pos` of session `seq`.
+fn target_token(seed: u64, seq: u64, pos: usize) -> u32 {
+    1 + (uniform(seed ^ 0x7a6d, seq, pos as u64) * (VOCAB - 1) as f64) as u32 % (VOCAB as u32 - 1)
+}
+
+/// The target as a cost model: a forward of n tokens takes `cost.ms(n)`; its logits rows are
+/// one-hot at the target's token for the next position.
+pub struct SimTarget {
+    pub cost: ForwardCost,
+    pub num_blocks: usize,
+    pub seed: u64,
+    /// The last forward's duration (µs).
+    pub last_us: u32,
+}
+
+impl Target for SimTarget {
+    fn vocab(&self) -> usize {
+        VOCAB
+    }
+
+    fn context_len(&self) -> usize {
+        1 << 20
+    }
+
+    fn kv_geometry(&self) -> (usize, usize) {
+        (BLOCK_SIZE, self.num_blocks)
+    }
+
+    fn forward_timed(
+        &mut self,
+        batch: &[SeqChunk],
+        _tables: &[Vec<u32>],
+    ) -> (Result<Logits, EngineError>, u32) {
+        let mut rows = Vec::new();
+        let mut data = Vec::new();
+        let mut t0 = 0;
+        for c in batch {
+            for i in c.logits.indices(c.tokens.len()) {
+                let pos = c.start_pos + i;
+                let mut row = vec![0f32; VOCAB];
+                row[target_token(self.seed, c.seq.0, pos + 1) as usize] = 1.0;
+                data.extend_from_slice(&row);
+                rows.push(LogitsRow {
+                    seq: c.seq,
+                    index: i,
+                    pos,
+                    token: t0 + i,
+                });
+            }
+            t0 += c.tokens.len();
+        }
+        let us = (self.cost.ms(t0 as f64) * 1e3).round() as u32;
+        self.last_us = us;
+        (
+            Ok(Logits {
+                vocab: VOCAB,
+                data,
+                rows,
+            }),
+            us,
+        )
+    }
+}
+
+/// What one simulation runs.
+#[derive(Debug, Clone, Serialize)]
+pub struct SimConfig {
+    /// Closed-loop users: each opens session after session.
+    pub users: usize,
+    pub replicas: usize,
+    pub alpha: f64,
+    pub draft_ms: f64,
+    /// Mean round trip; each session draws its own within ± `rtt_spread_pct`, and each message
+    /// gets ± `jitter_pct` of its half.
+    pub rtt_ms: f64,
+    pub rtt_spread_pct: f64,
+    pub jitter_pct: f64,
+    /// 0: cloud-only (the verifier decodes every session).
+    pub gamma: usize,
+    pub depth: usize,
+    pub prompt_tokens: usize,
+    pub new_tokens: usize,
+    pub token_budget: usize,
+    pub kv_blocks: usize,
+    pub cost: ForwardCost,
+    pub warmup_s: f64,
+    pub duration_s: f64,
+    pub seed: u64,
+}
+
+/// One simulation's measurements (same definitions as `bench load`) beside the analytic model's
+/// prediction for the same inputs.
+#[derive(Debug, Clone, Serialize)]
+pub struct SimRow {
+    pub users: usize,
+    pub replicas: usize,
+    pub gamma: usize,
+    pub depth: usize,
+    pub tokens_per_s: f64,
+    pub itl_ms: Summary,
+    pub ttft_ms: Summary,
+    pub tokens_per_forward: f64,
+    pub forwards: u64,
+    /// Busy share of the replicas over the window.
+    pub utilization: f64,
+    pub sessions_done: usize,
+    /// Committed tokens that differ from the target's output (must be 0).
+    pub wrong_tokens: usize,
+    pub acceptance: f64,
+    pub predicted_itl_ms: f64,
+    pub predicted_tokens_per_s: f64,
+    /// Events processed and the wall time the simulation took.
+    pub events: u64,
+    pub wall_s: f64,
+}
+
+#[derive(Debug)]
+enum Ev {
+    /// A user opens its next session.
+    Start {
+        user: usize,
+    },
+    /// Messages reach replica `r`.
+    Open {
+        r: usize,
+        sid: u64,
+    },
+    Block {
+        r: usize,
+        sid: u64,
+        block: Block,
+    },
+    Close {
+        r: usize,
+        sid: u64,
+    },
+    /// A replica's forward ends: its events go out.
+    Done {
+        r: usize,
+    },
+    /// Messages reach an edge.
+    ToEdge {
+        sid: u64,
+        ev: Event,
+    },
+    /// An edge's draft forward ends.
+    Drafted {
+        sid: u64,
+        token: u32,
+    },
+}
+
+struct Session {
+    user: usize,
+    replica: usize,
+    rtt_ms: f64,
+    prompt: Vec<u32>,
+    pipe: Option<Pipeline>,
+    /// Verdicts that arrived while the edge was drafting.
+    pending: Vec<Verdict>,
+    drafting: bool,
+    start_us: u64,
+    /// (µs, tokens) of each commit.
+    commits: Vec<(u64, usize)>,
+    committed: usize,
+    done: bool,
+}
+
+struct Replica {
+    v: Verifier<SimTarget>,
+    busy: bool,
+    /// Messages that arrived during a forward, applied when it ends.
+    inbox: Vec<Ev>,
+    /// The running forward's events.
+    outbox: Vec<Event>,
+    busy_us: u64,
+    forwards: u64,
+    tokens: u64,
+}
+
+struct Sim {
+    cfg: SimConfig,
+    now: u64,
+    seq: u64,
+    queue: BinaryHeap<Reverse<(u64, u64, usize)>>,
+    evs: HashMap<usize, Ev>,
+    next_ev: usize,
+    sessions: HashMap<u64, Session>,
+    next_sid: u64,
+    replicas: Vec<Replica>,
+    window: (u64, u64),
+    wrong: usize,
+    drafted: u64,
+    accepted: u64,
+    done_sessions: Vec<Session>,
+    events: u64,
+}
+
+impl Sim {
+    fn at(&mut self, t: u64, ev: Ev) {
+        let id = self.next_ev;
+        self.next_ev += 1;
+        self.evs.insert(id, ev);
+        self.seq += 1;
+        self.queue.push(Reverse((t, self.seq, id)));
+    }
+
+    /// Half a round trip for session `sid`'s next message, jittered.
+    fn one_way(&mut self, sid: u64) -> u64 {
+        let rtt = self
+            .sessions
+            .get(&sid)
+            .map_or(self.cfg.rtt_ms, |s| s.rtt_ms);
+        self.seq += 1;
+        let u = uniform(self.cfg.seed ^ 0x6a17, sid, self.seq) * 2.0 - 1.0;
+        ((rtt / 2.0) * (1.0 + u * self.cfg.jitter_pct / 100.0) * 1e3).max(0.0) as u64
+    }
+
+    fn run(&mut self) {
+        for user in 0..self.cfg.users {
+            // Spread the first sessions over one draft-and-round-trip so users are out of phase.
+            let t =
+                (uniform(self.cfg.seed, user as u64, 1) * 1e3 * self.cfg.rtt_ms.max(10.0)) as u64;
+            self.at(t, Ev::Start { user });
+        }
+        let end = self.window.1;
+        while let Some(Reverse((t, _, id))) = self.queue.pop() {
+            if t > end {
+                break;
+            }
+            self.now = t;
+            self.events += 1;
+            let ev = self
+                .evs
+                .remove(&id)
+                .expect("invariant: every queued event is stored");
+            self.handle(ev);
+        }
+    }
+
+    fn handle(&mut self, ev: Ev) {
+        match ev {
+            Ev::Start { user } => {
+                let sid = self.next_sid;
+                self.next_sid += 1;
+                let spread = (uniform(self.cfg.seed ^ 0x55, sid, 2) * 2.0 - 1.0)
+                    * self.cfg.rtt_spread_pct
+                    / 100.0;
+                let prompt: Vec<u32> = (0..self.cfg.prompt_tokens)
+                    .map(|i| target_token(self.cfg.seed ^ 0x9, sid, i))
+                    .collect();
+                self.sessions.insert(
+                    sid,
+                    Session {
+                        user,
+                        replica: user % self.cfg.replicas,
+                        rtt_ms: self.cfg.rtt_ms * (1.0 + spread),
+                        prompt,
+                        pipe: None,
+                        pending: Vec::new(),
+                        drafting: false,
+                        start_us: self.now,
+                        commits: Vec::new(),
+                        committed: 0,
+                        done: false,
+                    },
+                );
+                let t = self.now + self.one_way(sid);
+                let r = user % self.cfg.replicas;
+                self.at(t, Ev::Open { r, sid });
+            }
+            Ev::Open { r, .. } | Ev::Block { r, .. } | Ev::Close { r, .. } => {
+                if self.replicas[r].busy {
+                    self.replicas[r].inbox.push(ev);
+                } else {
+                    self.deliver(r, ev);
+                    self.kick(r);
+                }
+            }
+            Ev::Done { r } => {
+                let out = std::mem::take(&mut self.replicas[r].outbox);
+                self.replicas[r].busy = false;
+                self.emit(out);
+                for ev in std::mem::take(&mut self.replicas[r].inbox) {
+                    self.deliver(r, ev);
+                }
+                self.kick(r);
+            }
+            Ev::ToEdge { sid, ev } => self.edge_event(sid, ev),
+            Ev::Drafted { sid, token } => {
+                let Some(s) = self.sessions.get_mut(&sid) else {
+                    return;
+                };
+                s.drafting = false;
+                let Some(p) = s.pipe.as_mut() else {
+                    return;
+                };
+                let outs = p.on_drafted(token, None);
+                self.drafted += 1;
+                self.outputs(sid, outs);
+                let pending = std::mem::take(
+                    &mut self
+                        .sessions
+                        .get_mut(&sid)
+                        .expect("invariant: present")
+                        .pending,
+                );
+                for v in pending {
+                    self.verdict(sid, v);
+                }
+                self.drive(sid);
+            }
+        }
+    }
+
+    /// Apply a message at replica `r` (idle).
+    fn deliver(&mut self, r: usize, ev: Ev) {
+        let evs = match ev {
+            Ev::Open { sid, .. } => {
+                let Some(s) = self.sessions.get(&sid) else {
+                    return;
+                };
+                let (prompt, n) = (s.prompt.clone(), self.cfg.new_tokens);
+                let v = &mut self.replicas[r].v;
+                let res = if self.cfg.gamma == 0 {
+                    v.open_generate(sid, 0, &prompt, SamplingParams::default(), n, Vec::new())
+                } else {
+                    v.open(
+                        sid,
+                        0,
+                        &prompt,
+                        SamplingParams::default(),
+                        VerifyRule::Greedy,
+                        n,
+                        Vec::new(),
+                    )
+                };
+                if res.is_err() {
+                    // Saturated: the edge retries.
+                    self.at(self.now + RETRY_US, Ev::Open { r, sid });
+                }
+                Vec::new()
+            }
+            Ev::Block { sid, block, .. } => self.replicas[r].v.draft(sid, block),
+            Ev::Close { sid, .. } => {
+                self.replicas[r].v.close(sid);
+                Vec::new()
+            }
+            _ => Vec::new(),
+        };
+        self.emit(evs);
+    }
+
+    /// Start replica `r`'s next forward if it is idle and has work.
+    fn kick(&mut self, r: usize) {
+        let rep = &mut self.replicas[r];
+        if rep.busy || !rep.v.has_work() {
+            return;
+        }
+        let before = rep.v.stats.target_forwards;
+        let now_ms = self.now / 1000;
+        let evs = rep.v.step(now_ms);
+        if rep.v.stats.target_forwards == before {
+            // Nothing could be planned (quotas): its events go out, and the next message kicks.
+            self.emit(evs);
+            return;
+        }
+        let us = rep.v.engine().last_us as u64;
+        let (w0, w1) = self.window;
+        let (a, b) = (self.now.max(w0), (self.now + us).min(w1));
+        if b > a {
+            rep.busy_us += b - a;
+        }
+        if self.now >= w0 && self.now < w1 {
+            rep.forwards += 1;
+            rep.tokens += rep.v.stats.last_batch.1 as u64;
+        }
+        rep.busy = true;
+        rep.outbox = evs;
+        self.at(self.now + us.max(1), Ev::Done { r });
+    }
+
+    /// Send a replica's events to their edges.
+    fn emit(&mut self, evs: Vec<Event>) {
+        for ev in evs {
+            let sid = match &ev {
+                Event::Opened { session, .. }
+                | Event::Verdict { session, .. }
+                | Event::Token { session, .. }
+                | Event::Error { session, .. }
+                | Event::Decoded { session, .. } => *session,
+                Event::Preempted { .. } => continue,
+            };
+            let t = self.now + self.one_way(sid);
+            self.at(t, Ev::ToEdge { sid, ev });
+        }
+    }
+
+    fn edge_event(&mut self, sid: u64, ev: Event) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        match ev {
+            Event::Opened { first, .. } => {
+                let cfg = PipelineConfig {
+                    draft_len: self.cfg.gamma,
+                    depth: self.cfg.depth,
+                    max_new_tokens: self.cfg.new_tokens,
+                };
+                let (p, outs) = Pipeline::with_first(s.prompt.clone(), first, cfg, Vec::new())
+                    .expect("invariant: a valid pipeline configuration");
+                s.pipe = Some(p);
+                self.outputs(sid, outs);
+                self.drive(sid);
+            }
+            Event::Verdict { verdict, .. } => {
+                if s.drafting {
+                    s.pending.push(verdict);
+                } else {
+                    self.verdict(sid, verdict);
+                    self.drive(sid);
+                }
+            }
+            Event::Token { token, done, .. } => {
+                let pos = s.prompt.len() + s.committed;
+                self.commit(sid, pos, &[token]);
+                if done {
+                    self.finish(sid);
+                }
+            }
+            Event::Decoded { decoded, .. } => {
+                if let Some(p) = s.pipe.as_mut() {
+                    if let Ok(outs) = p.on_decoded(decoded) {
+                        self.outputs(sid, outs);
+                        self.drive(sid);
+                    }
+                }
+            }
+            Event::Error { fatal, .. } => {
+                if fatal {
+                    self.finish(sid);
+                }
+            }
+            Event::Preempted { .. } => {}
+        }
+    }
+
+    fn verdict(&mut self, sid: u64, v: Verdict) {
+        let Some(p) = self.sessions.get_mut(&sid).and_then(|s| s.pipe.as_mut()) else {
+            return;
+        };
+        if let Ok(outs) = p.on_verdict(v) {
+            self.outputs(sid, outs);
+        }
+    }
+
+    fn outputs(&mut self, sid: u64, outs: Vec<Output>) {
+        for o in outs {
+            match o {
+                Output::Send(block) => {
+                    let t = self.now + self.one_way(sid);
+                    let r = self.sessions.get(&sid).map_or(0, |s| s.replica);
+                    self.at(t, Ev::Block { r, sid, block });
+                }
+                Output::Commit { pos, tokens } => self.commit(sid, pos, &tokens),
+                Output::Rollback { .. } => {}
+            }
+        }
+    }
+
+    fn commit(&mut self, sid: u64, pos: usize, tokens: &[u32]) {
+        let seed = self.cfg.seed;
+        let wrong = tokens
+            .iter()
+            .enumerate()
+            .filter(|(i, &t)| t != target_token(seed, sid, pos + i))
+            .count();
+        self.wrong += wrong;
+        let s = self
+            .sessions
+            .get_mut(&sid)
+            .expect("invariant: committing session");
+        s.commits.push((self.now, tokens.len()));
+        s.committed += tokens.len();
+    }
+
+    /// Let session `sid`'s edge draft, or finish it.
+    fn drive(&mut self, sid: u64) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if s.drafting || s.done {
+            return;
+        }
+        let Some(p) = s.pipe.as_ref() else {
+            return;
+        };
+        match p.next() {
+            Next::Draft => {
+                let pos = p.tokens().len();
+                let right = target_token(self.cfg.seed, sid, pos);
+                let u = uniform(self.cfg.seed ^ 0xd4af, sid, (pos as u64) << 20 | p.epoch());
+                let token = if u < self.cfg.alpha {
+                    right
+                } else {
+                    (right % (VOCAB as u32 - 1)) + 1
+                };
+                s.drafting = true;
+                let t = self.now + (self.cfg.draft_ms * 1e3) as u64;
+                self.at(t, Ev::Drafted { sid, token });
+            }
+            Next::Wait => {}
+            Next::Done => {
+                let st = *p.stats();
+                self.accepted += st.accepted as u64;
+                self.finish(sid);
+            }
+        }
+    }
+
+    /// The session is over: its edge closes it and the user starts the next one.
+    fn finish(&mut self, sid: u64) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if s.done {
+            return;
+        }
+        s.done = true;
+        let (user, r) = (s.user, s.replica);
+        let t = self.now + self.one_way(sid);
+        self.at(t, Ev::Close { r, sid });
+        self.at(self.now, Ev::Start { user });
+        let s = self.sessions.remove(&sid).expect("invariant: present");
+        self.done_sessions.push(s);
+    }
+}
+
+/// Per-token gaps of the commits inside `window` (as `bench load`): a commit of k tokens after a
+/// gap g counts k gaps of g / k; a session's first commit counts its time to first token.
+fn gaps(sessions: &[&Session], window: (u64, u64)) -> (Vec<f64>, Vec<f64>, usize) {
+    let (mut itl, mut ttft, mut tokens) = (Vec::new(), Vec::new(), 0);
+    let inside = |t: u64| t >= window.0 && t <= window.1;
+    for s in sessions {
+        let mut last: Option<u64> = None;
+        for &(t, k) in &s.commits {
+            if inside(t) {
+                tokens += k;
+            }
+            match last {
+                None if inside(t) => ttft.push((t - s.start_us) as f64 / 1e3),
+                Some(l) if inside(t) => {
+                    let g = (t - l) as f64 / 1e3 / k.max(1) as f64;
+                    itl.extend(std::iter::repeat_n(g, k.max(1)));
+                }
+                _ => {}
+            }
+            last = Some(t);
+        }
+    }
+    (itl, ttft, tokens)
+}
+
+/// Run one simulation.
+pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
+    if cfg.users == 0 || cfg.replicas == 0 {
+        bail!("--sessions and --replicas must be at least 1");
+    }
+    if !(0.0..=1.0).contains(&cfg.alpha) {
+        bail!("--alpha must be within 0..=1, got {}", cfg.alpha);
+    }
+    if cfg.gamma > 0 && cfg.depth == 0 {
+        bail!("--depth must be at least 1");
+    }
+    if cfg.gamma + 1 > cfg.token_budget {
+        bail!(
+            "--token-budget {} must exceed --gamma {}",
+            cfg.token_budget,
+            cfg.gamma
+        );
+    }
+    if cfg.new_tokens == 0 || cfg.prompt_tokens == 0 {
+        bail!("--tokens and --prompt-tokens must be at least 1");
+    }
+    let wall = std::time::Instant::now();
+    let per_replica = cfg.users.div_ceil(cfg.replicas);
+    let mut replicas = Vec::new();
+    for r in 0..cfg.replicas {
+        let target = SimTarget {
+            cost: cfg.cost,
+            num_blocks: cfg.kv_blocks,
+            seed: cfg.seed,
+            last_us: 0,
+        };
+        let v = Verifier::new(
+            target,
+            VerifierConfig {
+                token_budget: cfg.token_budget,
+                max_sessions: per_replica * 2 + 16,
+                max_waiting_tokens: (per_replica + 16) * cfg.prompt_tokens,
+            },
+        )
+        .map_err(|e| anyhow::anyhow!("replica {r}: {e}"))?;
+        replicas.push(Replica {
+            v,
+            busy: false,
+            inbox: Vec::new(),
+            outbox: Vec::new(),
+            busy_us: 0,
+            forwards: 0,
+            tokens: 0,
+        });
+    }
+    let w0 = (cfg.warmup_s * 1e6) as u64;
+    let mut sim = Sim {
+        cfg: cfg.clone(),
+        now: 0,
+        seq: 0,
+        queue: BinaryHeap::new(),
+        evs: HashMap::new(),
+        next_ev: 0,
+        sessions: HashMap::new(),
+        next_sid: 1,
+        replicas,
+        window: (w0, w0 + (cfg.duration_s * 1e6) as u64),
+        wrong: 0,
+        drafted: 0,
+        accepted: 0,
+        done_sessions: Vec::new(),
+        events: 0,
+    };
+    sim.run();
+    let all: Vec<&Session> = sim
+        .done_sessions
+        .iter()
+        .chain(sim.sessions.values())
+        .collect();
+    let (itl, ttft, tokens) = gaps(&all, sim.window);
+    let span = (sim.window.1 - sim.window.0) as f64 / 1e6;
+    let forwards: u64 = sim.replicas.iter().map(|r| r.forwards).sum();
+    let fwd_tokens: u64 = sim.replicas.iter().map(|r| r.tokens).sum();
+    let busy: u64 = sim.replicas.iter().map(|r| r.busy_us).sum();
+    let costs = Costs {
+        alpha: cfg.alpha,
+        draft_ms: cfg.draft_ms,
+        verify_ms: 0.0,
+        verify_ms_per_token: 0.0,
+        rtt_ms: cfg.rtt_ms,
+    };
+    let per = cfg.users.div_ceil(cfg.replicas);
+    let pred = operate(&costs, &cfg.cost, per, cfg.gamma, cfg.depth.max(1));
+    let r2 = |x: f64| (x * 100.0).round() / 100.0;
+    let sum = |s: Summary| Summary {
+        mean: r2(s.mean),
+        p50: r2(s.p50),
+        p99: r2(s.p99),
+    };
+    Ok(SimRow {
+        users: cfg.users,
+        replicas: cfg.replicas,
+        gamma: cfg.gamma,
+        depth: if cfg.gamma == 0 { 1 } else { cfg.depth },
+        tokens_per_s: r2(tokens as f64 / span),
+        itl_ms: sum(Summary::of(&itl)),
+        ttft_ms: sum(Summary::of(&ttft)),
+        tokens_per_forward: r2(fwd_tokens as f64 / forwards.max(1) as f64),
+        forwards,
+        utilization: r2(busy as f64 / (span * 1e6 * cfg.replicas as f64)),
+        sessions_done: sim.done_sessions.len(),
+        wrong_tokens: sim.wrong,
+        acceptance: r2(sim.accepted as f64 / sim.drafted.max(1) as f64),
+        predicted_itl_ms: r2(pred.itl_ms),
+        predicted_tokens_per_s: r2(pred.tokens_per_s * (cfg.users as f64 / per as f64)),
+        events: sim.events,
+        wall_s: r2(wall.elapsed().as_secs_f64()),
+    })
+}
+
+pub fn table(rows: &[SimRow]) -> String {
+    let mut s = String::from(
+        "| sessions | replicas | mode | tok/s | predicted tok/s | ITL mean | predicted ITL | ITL p99 | TTFT p50 | tokens/fwd | busy | accepted | sessions done | wrong tokens | events | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let mode = if r.gamma == 0 {
+            "cloud-only".to_string()
+        } else {
+            format!("γ {} depth {}", r.gamma, r.depth)
+        };
+        s += &format!(
+            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0}% | {:.2} | {} | {} | {} | {:.1} |\n",
+            r.users,
+            r.replicas,
+            mode,
+            r.tokens_per_s,
+            r.predicted_tokens_per_s,
+            r.itl_ms.mean,
+            r.predicted_itl_ms,
+            r.itl_ms.p99,
+            r.ttft_ms.p50,
+            r.tokens_per_forward,
+            r.utilization * 100.0,
+            r.acceptance,
+            r.sessions_done,
+            r.wrong_tokens,
+            r.events,
+            r.wall_s
+        );
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(users: usize, gamma: usize) -> SimConfig {
+        SimConfig {
+            users,
+            replicas: 1,
+            alpha: 0.8,
+            draft_ms: 11.0,
+            rtt_ms: 50.0,
+            rtt_spread_pct: 0.0,
+            jitter_pct: 10.0,
+            gamma,
+            depth: 2,
+            prompt_tokens: 1,
+            new_tokens: 200,
+            token_budget: 64,
+            kv_blocks: 8192,
+            cost: ForwardCost {
+                one_token_ms: 44.0,
+                ms_per_token: 2.2,
+            },
+            warmup_s: 5.0,
+            duration_s: 20.0,
+            seed: 3,
+        }
+    }
+
+    #[test]
+    fn the_simulation_is_lossless_and_agrees_with_the_model_when_prompts_are_short() {
+        for users in [1, 4, 16, 64] {
+            for gamma in [0, 4] {
+                let r = simulate(&cfg(users, gamma)).unwrap();
+                assert_eq!(r.wrong_tokens, 0, "{r:?}");
+                assert!(r.tokens_per_s > 0.0 && r.forwards > 0, "{r:?}");
+                let ratio = r.tokens_per_s / r.predicted_tokens_per_s;
+                assert!(
+                    (0.85..1.15).contains(&ratio),
+                    "{users} users, γ {gamma}: {r:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_simulation_is_deterministic_and_spreads_users_over_replicas() {
+        let mut c = cfg(40, 4);
+        c.replicas = 4;
+        c.rtt_spread_pct = 50.0;
+        c.prompt_tokens = 30;
+        c.new_tokens = 40;
+        let (a, b) = (simulate(&c).unwrap(), simulate(&c).unwrap());
+        assert_eq!(
+            (
+                a.tokens_per_s,
+                a.itl_ms,
+                a.forwards,
+                a.events,
+                a.sessions_done
+            ),
+            (
+                b.tokens_per_s,
+                b.itl_ms,
+                b.forwards,
+                b.events,
+                b.sessions_done
+            )
+        );
+        assert_eq!(a.wrong_tokens, 0);
+        // Four replicas of ten users each serve what one replica of ten does, four times.
+        let mut one = c.clone();
+        one.users = 10;
+        one.replicas = 1;
+        let o = simulate(&one).unwrap();
+        let ratio = a.tokens_per_s / (4.0 * o.tokens_per_s);
+        assert!((0.85..1.15).contains(&ratio), "{a:?} vs 4 × {o:?}");
+    }
+
+    #[test]
+    fn bad_settings_are_refused_by_name() {
+        for (c, want) in [
+            (
+                SimConfig {
+                    alpha: 1.5,
+                    ..cfg(1, 4)
+                },
+                "--alpha",
+            ),
+            (
+                SimConfig {
+                    users: 0,
+                    ..cfg(1, 4)
+                },
+                "--sessions",
+            ),
+            (
+                SimConfig {
+                    token_budget: 4,
+                    ..cfg(1, 4)
+                },
+                "--token-budget",
+            ),
+            (
+                SimConfig {
+                    new_tokens: 0,
+                    ..cfg(1, 4)
+                },
+                "--tokens",
+            ),
+        ] {
+            let e = simulate(&c).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+    }
+}
