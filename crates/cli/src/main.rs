@@ -172,6 +172,15 @@ struct PlanArgs {
     max_gamma: usize,
     #[arg(long, default_value_t = 4)]
     max_depth: usize,
+    /// Each session's prompt, prefilled by the verifier (0: none).
+    #[arg(long, default_value_t = 0)]
+    prompt_tokens: usize,
+    /// New tokens per session (0: endless sessions, the decoding steady state).
+    #[arg(long, default_value_t = 0)]
+    tokens: usize,
+    /// Tokens one forward may compute (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    token_budget: usize,
     /// Print the JSON report instead of tables.
     #[arg(long)]
     json: bool,
@@ -614,6 +623,15 @@ fn run(cli: Cli) -> Result<()> {
                 &a.sessions,
                 a.max_gamma,
                 a.max_depth,
+                &tandem_spec::plan::Workload {
+                    prompt_tokens: a.prompt_tokens,
+                    new_tokens: if a.tokens == 0 { usize::MAX } else { a.tokens },
+                    token_budget: if a.token_budget == 0 {
+                        usize::MAX
+                    } else {
+                        a.token_budget
+                    },
+                },
             )?;
             report(&r, None, a.json, tandem_cli::plan::table)?
         }

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
-use tandem_spec::plan::{plan, ForwardCost, Operating, Plan};
+use tandem_spec::plan::{plan, ForwardCost, Operating, Plan, Workload};
 use tandem_spec::policy::Costs;
 
 /// Weight bytes read per forward by the SmolLM2-135M target in f32.
@@ -139,6 +139,7 @@ pub fn roofline(a: &RooflineArgs) -> Result<(ForwardCost, String)> {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct PlanReport {
+    pub workload: Workload,
     pub alpha: f64,
     pub draft_ms: f64,
     pub rtt_ms: f64,
@@ -156,6 +157,7 @@ pub fn run(
     sessions: &[usize],
     max_gamma: usize,
     max_depth: usize,
+    workload: &Workload,
 ) -> Result<PlanReport> {
     if !(0.0..=1.0).contains(&alpha) {
         bail!("--alpha must be within 0..=1, got {alpha}");
@@ -178,7 +180,14 @@ pub fn run(
         verify_ms_per_token: 0.0,
         rtt_ms,
     };
+    if workload.token_budget <= max_gamma {
+        bail!(
+            "--token-budget {} must exceed --max-gamma {max_gamma} (a block goes in one forward)",
+            workload.token_budget
+        );
+    }
     Ok(PlanReport {
+        workload: *workload,
         alpha,
         draft_ms,
         rtt_ms,
@@ -186,7 +195,7 @@ pub fn run(
         roofline_source,
         plans: sessions
             .iter()
-            .map(|&n| plan(&c, &forward, n, max_gamma, max_depth))
+            .map(|&n| plan(&c, &forward, n, max_gamma, max_depth, workload))
             .collect(),
     })
 }
@@ -205,8 +214,15 @@ pub fn table(r: &PlanReport) -> String {
         "α {}, draft {} ms/token, RTT {} ms\nverifier roofline: max({:.1} ms, {:.2} ms × tokens), ridge {:.1} tokens ({})\n",
         r.alpha, r.draft_ms, r.rtt_ms, f.one_token_ms, f.ms_per_token, f.ridge_tokens(), r.roofline_source
     );
-    s += "\n| sessions | recommended | E[A] | ITL ms | tokens/s | best sync (ITL ms) | cloud-only ITL ms | tokens/forward | wait ms | verifier busy | token budget |\n";
-    s += "|---|---|---|---|---|---|---|---|---|---|---|\n";
+    let w = &r.workload;
+    if w.new_tokens < usize::MAX {
+        s += &format!(
+            "sessions of {} prompt + {} new tokens, forwards of at most {} tokens\n",
+            w.prompt_tokens, w.new_tokens, w.token_budget
+        );
+    }
+    s += "\n| sessions | recommended | E[A] | ITL ms | TTFT ms | tokens/s | best sync (ITL ms) | cloud-only (ITL ms, tokens/s) | tokens/forward | wait ms | verifier busy | token budget |\n";
+    s += "|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for p in &r.plans {
         let b = &p.best;
         let ea = if b.gamma == 0 {
@@ -215,15 +231,17 @@ pub fn table(r: &PlanReport) -> String {
             tandem_spec::policy::expected_accepted(r.alpha, b.gamma)
         };
         s += &format!(
-            "| {} | {} | {:.2} | {:.1} | {:.1} | γ {} ({:.1}) | {:.1} | {:.1} | {:.1} | {:.0}% | {} |\n",
+            "| {} | {} | {:.2} | {:.1} | {:.0} | {:.1} | γ {} ({:.1}) | {:.1}, {:.1} | {:.1} | {:.1} | {:.0}% | {} |\n",
             p.sessions,
             shape(b),
             ea,
             b.itl_ms,
+            b.ttft_ms,
             b.tokens_per_s,
             p.best_sync.gamma,
             p.best_sync.itl_ms,
             p.cloud_only.itl_ms,
+            p.cloud_only.tokens_per_s,
             b.batch_tokens,
             b.wait_ms,
             b.utilization * 100.0,

@@ -20,7 +20,7 @@ use anyhow::{bail, Result};
 use serde::Serialize;
 use tandem_cloud::{Event, Target, Verifier, VerifierConfig};
 use tandem_engine::{EngineError, Logits, LogitsRow, SamplingParams, SeqChunk};
-use tandem_spec::plan::{operate, ForwardCost};
+use tandem_spec::plan::{operate_on, ForwardCost, Workload};
 use tandem_spec::policy::Costs;
 use tandem_spec::sampling::uniform;
 use tandem_spec::{Block, Next, Output, Pipeline, PipelineConfig, Verdict, VerifyRule};
@@ -145,6 +145,7 @@ pub struct SimRow {
     pub acceptance: f64,
     pub predicted_itl_ms: f64,
     pub predicted_tokens_per_s: f64,
+    pub predicted_ttft_ms: f64,
     /// Events processed and the wall time the simulation took.
     pub events: u64,
     pub wall_s: f64,
@@ -684,7 +685,12 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
         rtt_ms: cfg.rtt_ms,
     };
     let per = cfg.users.div_ceil(cfg.replicas);
-    let pred = operate(&costs, &cfg.cost, per, cfg.gamma, cfg.depth.max(1));
+    let work = Workload {
+        prompt_tokens: cfg.prompt_tokens,
+        new_tokens: cfg.new_tokens,
+        token_budget: cfg.token_budget,
+    };
+    let pred = operate_on(&costs, &cfg.cost, per, cfg.gamma, cfg.depth.max(1), &work);
     let r2 = |x: f64| (x * 100.0).round() / 100.0;
     let sum = |s: Summary| Summary {
         mean: r2(s.mean),
@@ -707,6 +713,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
         acceptance: r2(sim.accepted as f64 / sim.drafted.max(1) as f64),
         predicted_itl_ms: r2(pred.itl_ms),
         predicted_tokens_per_s: r2(pred.tokens_per_s * (cfg.users as f64 / per as f64)),
+        predicted_ttft_ms: r2(pred.ttft_ms),
         events: sim.events,
         wall_s: r2(wall.elapsed().as_secs_f64()),
     })
@@ -714,7 +721,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
 
 pub fn table(rows: &[SimRow]) -> String {
     let mut s = String::from(
-        "| sessions | replicas | mode | tok/s | predicted tok/s | ITL mean | predicted ITL | ITL p99 | TTFT p50 | tokens/fwd | busy | accepted | sessions done | wrong tokens | events | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| sessions | replicas | mode | tok/s | predicted tok/s | ITL mean | predicted ITL | ITL p99 | TTFT mean | predicted TTFT | tokens/fwd | busy | accepted | sessions done | wrong tokens | events | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let mode = if r.gamma == 0 {
@@ -723,7 +730,7 @@ pub fn table(rows: &[SimRow]) -> String {
             format!("γ {} depth {}", r.gamma, r.depth)
         };
         s += &format!(
-            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0}% | {:.2} | {} | {} | {} | {:.1} |\n",
+            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0}% | {:.2} | {} | {} | {} | {:.1} |\n",
             r.users,
             r.replicas,
             mode,
@@ -732,7 +739,8 @@ pub fn table(rows: &[SimRow]) -> String {
             r.itl_ms.mean,
             r.predicted_itl_ms,
             r.itl_ms.p99,
-            r.ttft_ms.p50,
+            r.ttft_ms.mean,
+            r.predicted_ttft_ms,
             r.tokens_per_forward,
             r.utilization * 100.0,
             r.acceptance,

@@ -133,11 +133,33 @@ pub struct Operating {
     pub utilization: f64,
     /// Tokens committed per verified block (E[A] for synchronous rounds).
     pub tokens_per_block: f64,
+    /// Time to first token (0 for endless sessions without prompts).
+    pub ttft_ms: f64,
 }
 
-/// [`Operating`] for `sessions` sessions at γ and depth (γ 0: cloud decoding). `c` gives α, the
-/// draft time per token and the round trip (its verify fields are not used: the forward cost
-/// gives them).
+/// What each session asks of the verifier besides its verify blocks: closed-loop users open
+/// session after session, each with a prompt to prefill, and the verifier's forwards hold at most
+/// `token_budget` tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Workload {
+    pub prompt_tokens: usize,
+    /// New tokens per session.
+    pub new_tokens: usize,
+    pub token_budget: usize,
+}
+
+impl Workload {
+    /// Endless sessions with no prompt and no budget: the steady state of decoding alone.
+    pub const DECODE: Workload = Workload {
+        prompt_tokens: 0,
+        new_tokens: usize::MAX,
+        token_budget: usize::MAX,
+    };
+}
+
+/// [`Operating`] for `sessions` sessions at γ and depth (γ 0: cloud decoding) with endless
+/// sessions ([`Workload::DECODE`]). `c` gives α, the draft time per token and the round trip
+/// (its verify fields are not used: the forward cost gives them).
 pub fn operate(
     c: &Costs,
     f: &ForwardCost,
@@ -145,64 +167,149 @@ pub fn operate(
     gamma: usize,
     depth: usize,
 ) -> Operating {
+    operate_on(c, f, sessions, gamma, depth, &Workload::DECODE)
+}
+
+/// [`operate`] for a workload of finite sessions. A session's life is its time to first token
+/// (`TTFT = RTT + wait + the forwards its prompt takes`, at what the budget leaves of each) then
+/// `new_tokens − 1` inter-token gaps; users are decoding for that share of their cycle, and the
+/// verifier's forwards also carry the prompts arriving meanwhile. Past the token budget, one
+/// round of work takes several forwards.
+pub fn operate_on(
+    c: &Costs,
+    f: &ForwardCost,
+    sessions: usize,
+    gamma: usize,
+    depth: usize,
+    w: &Workload,
+) -> Operating {
     let n = sessions.max(1) as f64;
-    if gamma == 0 {
-        let fwd = f.ms(n);
-        return Operating {
-            gamma: 0,
-            depth: 1,
-            itl_ms: fwd,
-            tokens_per_s: n * 1e3 / fwd,
-            batch_tokens: n,
-            forward_ms: fwd,
-            wait_ms: 0.0,
-            utilization: 1.0,
-            tokens_per_block: 1.0,
-        };
-    }
-    let depth = depth.max(1);
+    let budget = (w.token_budget.max(1) as f64).min(1e12);
+    let (prompt, m) = (
+        w.prompt_tokens as f64,
+        (w.new_tokens.max(1) as f64).min(1e12),
+    );
+    let depth = if gamma == 0 { 1 } else { depth.max(1) };
     let pos = (gamma + 1) as f64;
     // Tokens committed per verified block: synchronous rounds commit E[A]; a pipelined run
-    // commits 1/(1 − α) tokens over its verdicts.
+    // commits 1/(1 − α) tokens over its verdicts; cloud decoding one per step.
     let a = c.alpha.clamp(0.0, 1.0);
-    let tokens_per_block = if depth == 1 || a > 1.0 - 1e-9 {
-        if depth == 1 {
-            expected_accepted(a, gamma)
-        } else {
-            gamma as f64
-        }
+    let tokens_per_block = if gamma == 0 {
+        1.0
+    } else if depth == 1 {
+        expected_accepted(a, gamma)
+    } else if a > 1.0 - 1e-9 {
+        gamma as f64
     } else {
         1.0 / (1.0 - a) / verdicts_per_run(a, gamma)
     };
-    let (mut b, mut fwd, mut wait) = (1.0f64, f.ms(pos), 0.0f64);
-    let mut itl = 0.0;
-    for _ in 0..500 {
-        let costs = Costs {
-            verify_ms: wait + fwd,
-            verify_ms_per_token: 0.0,
-            ..*c
+    // Fixed point over the forward's size and time, the wait, and the decoding share.
+    let (mut b, mut fwd, mut wait, mut share) = (1.0f64, f.ms(pos), 0.0f64, 1.0f64);
+    let (mut itl, mut ttft, mut tokens) = (f.ms(pos), 0.0f64, pos);
+    for _ in 0..1000 {
+        let active = (n * share).max(1.0).min(n);
+        // Work per forward: the blocks (or decode steps) that arrive during one, plus prompts.
+        let blocks_per_ms = active / itl / tokens_per_block;
+        let cycle = ttft + (m - 1.0) * itl;
+        let prompts_per_ms = if prompt > 0.0 {
+            n * prompt / cycle.max(1e-9)
+        } else {
+            0.0
         };
-        itl = async_itl_ms(&costs, gamma, depth);
-        let blocks_per_ms = n / itl / tokens_per_block;
-        let fwd_new = f.ms(b * pos);
-        let util = (blocks_per_ms * fwd_new / b).min(1.0);
-        let b_new = (blocks_per_ms * fwd_new).clamp(1.0, n);
-        let wait_new = util * (n - 1.0) / n * fwd_new / 2.0;
+        let b_new = if gamma == 0 {
+            active
+        } else {
+            (blocks_per_ms * fwd).clamp(1.0, active)
+        };
+        let want = b_new * pos + prompts_per_ms * fwd;
+        // Past the budget a round takes `k` forwards of at most the budget each.
+        let k = (want / budget).max(1.0);
+        let fwd_new = f.ms(want / k);
+        let (itl_new, wait_new) = if gamma == 0 {
+            (k * fwd_new, 0.0)
+        } else {
+            let util = (blocks_per_ms * fwd_new * k / b_new).min(1.0);
+            let wait = util * (n - 1.0) / n * fwd_new / 2.0 + (k - 1.0) * fwd_new;
+            let costs = Costs {
+                verify_ms: wait + fwd_new,
+                verify_ms_per_token: 0.0,
+                ..*c
+            };
+            (async_itl_ms(&costs, gamma, depth), wait)
+        };
+        // A prompt gets what verify work leaves of each forward (at least a quarter: the
+        // scheduler's reserve for waiting prompts).
+        let room = (budget - b_new * pos).max(budget / 4.0).max(1.0);
+        let ttft_new = if prompt > 0.0 {
+            let with_prompt = f.ms(b_new * pos + prompt.min(room));
+            c.rtt_ms + wait_new + with_prompt * (prompt / room).ceil()
+        } else {
+            0.0
+        };
+        let share_new = if m > 1e11 {
+            1.0
+        } else {
+            let decoding = (m - 1.0) * itl_new;
+            decoding / (decoding + ttft_new).max(1e-9)
+        };
         b += 0.5 * (b_new - b);
         fwd += 0.5 * (fwd_new - fwd);
         wait += 0.5 * (wait_new - wait);
+        itl += 0.5 * (itl_new - itl);
+        ttft += 0.5 * (ttft_new - ttft);
+        share += 0.5 * (share_new - share);
+        tokens = want / k;
     }
-    let blocks_per_ms = n / itl / tokens_per_block;
+    let active = (n * share).max(1.0).min(n);
+    let mut tokens_per_s = if m > 1e11 {
+        active * 1e3 / itl
+    } else {
+        n * m * 1e3 / (ttft + (m - 1.0) * itl)
+    };
+    // Saturation: the verifier computes at most a full budget per forward. Each committed token
+    // costs its share of a block's positions plus its session's prompt; beyond that rate new
+    // prompts queue (verify work goes first), so the time to first token absorbs the excess
+    // while decoding sessions keep their pace at full forwards.
+    let full = budget.min(1e6);
+    let positions_per_ms = full / f.ms(full);
+    let per_token = pos / tokens_per_block + if m > 1e11 { 0.0 } else { prompt / m };
+    let cap = positions_per_ms / per_token * 1e3;
+    if tokens_per_s > cap && budget < 1e11 {
+        tokens_per_s = cap;
+        fwd = f.ms(full);
+        tokens = full;
+        if gamma == 0 {
+            itl = fwd;
+            wait = 0.0;
+        } else {
+            wait = fwd / 2.0;
+            let costs = Costs {
+                verify_ms: wait + fwd,
+                verify_ms_per_token: 0.0,
+                ..*c
+            };
+            itl = async_itl_ms(&costs, gamma, depth);
+        }
+        if m < 1e11 {
+            ttft = (n * m * 1e3 / cap - (m - 1.0) * itl).max(ttft);
+        }
+    }
+    let busy = if gamma == 0 {
+        1.0
+    } else {
+        (active / itl / tokens_per_block * fwd / b).min(1.0)
+    };
     Operating {
         gamma,
         depth,
         itl_ms: itl,
-        tokens_per_s: n * 1e3 / itl,
-        batch_tokens: b * pos,
+        tokens_per_s,
+        batch_tokens: tokens,
         forward_ms: fwd,
         wait_ms: wait,
-        utilization: (blocks_per_ms * fwd / b).min(1.0),
+        utilization: busy,
         tokens_per_block,
+        ttft_ms: ttft,
     }
 }
 
@@ -236,25 +343,29 @@ pub struct Plan {
 }
 
 /// Recommend γ (≤ `max_gamma`), depth (≤ `max_depth`) and a batch token budget for `sessions`
-/// sessions: the shape with the lowest predicted mean ITL, which for a fixed number of
-/// closed-loop users is also the highest throughput. Ties go to the smaller γ and depth.
+/// sessions of workload `w`: the shape with the most committed tokens per second, which for a
+/// fixed number of closed-loop users is the shortest session (time to first token plus the
+/// inter-token gaps; for endless sessions, the lowest ITL). Ties go to the smaller γ and depth.
 pub fn plan(
     c: &Costs,
     f: &ForwardCost,
     sessions: usize,
     max_gamma: usize,
     max_depth: usize,
+    w: &Workload,
 ) -> Plan {
-    let cloud_only = operate(c, f, sessions, 0, 1);
+    let cloud_only = operate_on(c, f, sessions, 0, 1, w);
     let mut best = cloud_only;
     let mut best_sync: Option<Operating> = None;
+    let better =
+        |o: &Operating, than: &Operating| o.tokens_per_s > than.tokens_per_s * (1.0 + 1e-9);
     for g in 1..=max_gamma.max(1) {
         for d in 1..=max_depth.max(1) {
-            let o = operate(c, f, sessions, g, d);
-            if o.itl_ms < best.itl_ms * (1.0 - 1e-9) {
+            let o = operate_on(c, f, sessions, g, d, w);
+            if better(&o, &best) {
                 best = o;
             }
-            if d == 1 && best_sync.is_none_or(|s| o.itl_ms < s.itl_ms * (1.0 - 1e-9)) {
+            if d == 1 && best_sync.is_none_or(|s| better(&o, &s)) {
                 best_sync = Some(o);
             }
         }
@@ -401,21 +512,56 @@ mod tests {
     }
 
     #[test]
+    fn prompts_load_the_verifier_and_saturation_moves_into_the_time_to_first_token() {
+        let c = costs(0.8, 11.0, 50.0);
+        let w = Workload {
+            prompt_tokens: 40,
+            new_tokens: 48,
+            token_budget: 64,
+        };
+        // Alone: the prompt rides one forward after a round trip.
+        let alone = operate_on(&c, &FWD, 1, 0, 1, &w);
+        assert!(
+            alone.ttft_ms > 50.0 + 44.0 && alone.ttft_ms < 50.0 + 2.0 * FWD.ms(64.0),
+            "{alone:?}"
+        );
+        assert!(alone.tokens_per_s < operate(&c, &FWD, 1, 0, 1).tokens_per_s);
+        // A crowd: full forwards; each committed token costs itself and 40/48 of a prompt.
+        for gamma in [0, 4] {
+            let crowd = operate_on(&c, &FWD, 256, gamma, 2, &w);
+            let per = if gamma == 0 {
+                1.0
+            } else {
+                5.0 / crowd.tokens_per_block
+            } + 40.0 / 48.0;
+            let cap = 64.0 / FWD.ms(64.0) / per * 1e3;
+            assert!((crowd.tokens_per_s - cap).abs() < 1e-6, "{crowd:?}");
+            assert!(crowd.ttft_ms > 10_000.0, "{crowd:?}");
+            assert_eq!(crowd.batch_tokens, 64.0);
+        }
+        // Endless sessions without prompts are the decoding steady state.
+        assert_eq!(
+            operate_on(&c, &FWD, 8, 4, 2, &Workload::DECODE),
+            operate(&c, &FWD, 8, 4, 2)
+        );
+    }
+
+    #[test]
     fn the_plan_speculates_alone_and_hands_decoding_to_the_verifier_under_load() {
         // A fast, accurate draft far from the cloud: pipelined speculation.
-        let alone = plan(&costs(0.9, 10.0, 100.0), &FWD, 1, 8, 4);
+        let alone = plan(&costs(0.9, 10.0, 100.0), &FWD, 1, 8, 4, &Workload::DECODE);
         assert!(alone.best.gamma >= 2 && alone.best.depth >= 2, "{alone:?}");
         assert!(alone.best.itl_ms < alone.best_sync.itl_ms);
         assert!(alone.best.itl_ms < alone.cloud_only.itl_ms);
         // Many sessions with a mediocre draft: past the ridge every rejected position is waste.
-        let crowd = plan(&costs(0.6, 20.0, 50.0), &FWD, 256, 8, 4);
+        let crowd = plan(&costs(0.6, 20.0, 50.0), &FWD, 256, 8, 4, &Workload::DECODE);
         assert_eq!(crowd.best.gamma, 0, "{crowd:?}");
         assert_eq!(crowd.token_budget, 256);
         // The budget never drops below the ridge, in multiples of 8.
         assert_eq!(alone.token_budget, 24);
         // The stages: verify 44 ms + no wait against 100 ms of network: verification never bounds.
         assert_eq!(alone.stages.balanced_gamma, None);
-        let near = plan(&costs(0.9, 10.0, 4.0), &FWD, 1, 8, 4);
+        let near = plan(&costs(0.9, 10.0, 4.0), &FWD, 1, 8, 4, &Workload::DECODE);
         let bg = near.stages.balanced_gamma.unwrap();
         assert!(bg > 3.0 && bg < 5.0, "{near:?}");
     }
