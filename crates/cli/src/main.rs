@@ -615,15 +615,14 @@ fn run(cli: Cli) -> Result<()> {
                 engine_json: a.engine_json,
                 threads: a.threads,
             };
-            let r = tandem_cli::plan::run(
-                a.alpha,
-                a.draft_ms,
-                a.rtt_ms,
-                &roof,
-                &a.sessions,
-                a.max_gamma,
-                a.max_depth,
-                &tandem_spec::plan::Workload {
+            let q = tandem_cli::plan::PlanQuery {
+                alpha: a.alpha,
+                draft_ms: a.draft_ms,
+                rtt_ms: a.rtt_ms,
+                sessions: a.sessions,
+                max_gamma: a.max_gamma,
+                max_depth: a.max_depth,
+                workload: tandem_spec::plan::Workload {
                     prompt_tokens: a.prompt_tokens,
                     new_tokens: if a.tokens == 0 { usize::MAX } else { a.tokens },
                     token_budget: if a.token_budget == 0 {
@@ -632,7 +631,8 @@ fn run(cli: Cli) -> Result<()> {
                         a.token_budget
                     },
                 },
-            )?;
+            };
+            let r = tandem_cli::plan::run(&q, &roof)?;
             report(&r, None, a.json, tandem_cli::plan::table)?
         }
         Cmd::Netem(a) => cmd_netem(a)?,

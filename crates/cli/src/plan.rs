@@ -148,17 +148,29 @@ pub struct PlanReport {
     pub plans: Vec<Plan>,
 }
 
+/// What to plan for: one edge's costs and the sessions' shape limits and workload.
+#[derive(Debug, Clone)]
+pub struct PlanQuery {
+    pub alpha: f64,
+    pub draft_ms: f64,
+    pub rtt_ms: f64,
+    pub sessions: Vec<usize>,
+    pub max_gamma: usize,
+    pub max_depth: usize,
+    pub workload: Workload,
+}
+
 /// The model for each session count.
-pub fn run(
-    alpha: f64,
-    draft_ms: f64,
-    rtt_ms: f64,
-    roof: &RooflineArgs,
-    sessions: &[usize],
-    max_gamma: usize,
-    max_depth: usize,
-    workload: &Workload,
-) -> Result<PlanReport> {
+pub fn run(q: &PlanQuery, roof: &RooflineArgs) -> Result<PlanReport> {
+    let PlanQuery {
+        alpha,
+        draft_ms,
+        rtt_ms,
+        ref sessions,
+        max_gamma,
+        max_depth,
+        ref workload,
+    } = *q;
     if !(0.0..=1.0).contains(&alpha) {
         bail!("--alpha must be within 0..=1, got {alpha}");
     }
