@@ -221,10 +221,20 @@ pub fn operate_on(
         } else {
             (blocks_per_ms * fwd).clamp(1.0, active)
         };
-        let want = b_new * pos + prompts_per_ms * fwd;
-        // Past the budget a round takes `k` forwards of at most the budget each.
-        let k = (want / budget).max(1.0);
-        let fwd_new = f.ms(want / k);
+        // The roofline is convex: a forward that carries a prompt chunk costs far more than one
+        // that does not, so the mean forward is the mix of the two, not the forward of the mean.
+        let verify_tokens = b_new * pos;
+        let k = (verify_tokens / budget).max(1.0);
+        let room = (budget - verify_tokens / k).max(budget / 4.0).max(1.0);
+        let chunk = prompt.min(room);
+        let with_prompt = if chunk > 0.0 {
+            (prompts_per_ms * fwd / chunk).min(1.0)
+        } else {
+            0.0
+        };
+        let fwd_plain = f.ms(verify_tokens / k);
+        let fwd_prompt = f.ms((verify_tokens / k + chunk).min(budget));
+        let fwd_new = with_prompt * fwd_prompt + (1.0 - with_prompt) * fwd_plain;
         let (itl_new, wait_new) = if gamma == 0 {
             (k * fwd_new, 0.0)
         } else {
@@ -239,10 +249,8 @@ pub fn operate_on(
         };
         // A prompt gets what verify work leaves of each forward (at least a quarter: the
         // scheduler's reserve for waiting prompts).
-        let room = (budget - b_new * pos).max(budget / 4.0).max(1.0);
         let ttft_new = if prompt > 0.0 {
-            let with_prompt = f.ms(b_new * pos + prompt.min(room));
-            c.rtt_ms + wait_new + with_prompt * (prompt / room).ceil()
+            c.rtt_ms + wait_new + fwd_prompt * (prompt / room).ceil()
         } else {
             0.0
         };
@@ -258,7 +266,7 @@ pub fn operate_on(
         itl += 0.5 * (itl_new - itl);
         ttft += 0.5 * (ttft_new - ttft);
         share += 0.5 * (share_new - share);
-        tokens = want / k;
+        tokens = verify_tokens / k + with_prompt * chunk;
     }
     let active = (n * share).max(1.0).min(n);
     let mut tokens_per_s = if m > 1e11 {
