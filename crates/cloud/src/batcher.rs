@@ -8,9 +8,9 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tandem_sched::pace::prefer_cloud;
-use tandem_sched::{GrantPolicy, Pace, SchedError, SessionId, TenantId};
+use tandem_sched::{GrantPolicy, SchedError, SessionId, TenantId};
 
+use crate::control::LoadControl;
 use crate::verifier::Event;
 use crate::{CloudError, Gauges, Reply, ToCloud, ToEdge, Verifier};
 
@@ -18,30 +18,12 @@ use crate::{CloudError, Gauges, Reply, ToCloud, ToEdge, Verifier};
 /// waits before planning again.
 const THROTTLED_WAIT: Duration = Duration::from_millis(2);
 
-/// Forwards between two looks at the load by the grant policy (each moves one level at most).
-const GRANT_EVERY: u64 = 2;
-
-/// Idle this long, the verifier counts as unloaded and the grant relaxes a level (per turn of the
-/// loop). Shorter gaps are normal between rounds of speculation (edges drafting, blocks on the
-/// wire) and do not count.
-const IDLE_RELAX: Duration = Duration::from_millis(250);
-
-/// Decay per verdict of the accepted and judged counts behind the grant's α.
-const ALPHA_DECAY: f64 = 0.99;
-
 /// Messages taken per turn at most, so that a flood of them cannot keep the forward from running.
 const MESSAGES_PER_TURN: usize = 4096;
 
 struct Live {
     reply: Reply,
     tenant: TenantId,
-    /// What a speculation session asked for, and what it was last told it may use.
-    want: Option<(u32, u32)>,
-    granted: (u32, u32),
-    /// The verifier decodes this session itself (its grant is γ 0).
-    cloud: bool,
-    /// Its speculative pace (ms per committed token), for a takeover of its own.
-    pace: Pace,
     /// When the session was admitted (for the time to first token), and when it last got tokens.
     opened_at: Instant,
     last_commit: Option<Instant>,
@@ -57,9 +39,11 @@ pub fn serve(
     rx: Receiver<ToCloud>,
     gauges: Arc<Gauges>,
     tenant_names: Vec<String>,
-    mut grants: GrantPolicy,
+    grants: GrantPolicy,
 ) -> Verifier {
     let started = Instant::now();
+    let now_ms = || started.elapsed().as_millis() as u64;
+    let mut control = LoadControl::new(grants, 0);
     let mut live: HashMap<SessionId, Live> = HashMap::new();
     let mx = &gauges.metrics;
     let name = |t: TenantId| {
@@ -71,10 +55,6 @@ pub fn serve(
     // Mean wall time of an iteration (for the retry hint of a refused session).
     let mut iteration_ms = 50.0f64;
     let mut throttled = false;
-    let mut graded_at = 0u64;
-    let mut last_forward = Instant::now();
-    // Accepted and judged draft tokens over recent verdicts (decaying): the α the grant plans with.
-    let (mut accepted_recent, mut judged_recent) = (0.0f64, 0.0f64);
     loop {
         let mut events = Vec::new();
         gauges.update(&v);
@@ -109,16 +89,10 @@ pub fn serve(
                     reply,
                 } => {
                     let r = v.open(session, tenant, &prompt, params, rule, max_tokens, eog);
-                    admitted(
-                        session,
-                        tenant,
-                        Some(want),
-                        r,
-                        reply,
-                        &mut live,
-                        mx,
-                        iteration_ms,
-                    );
+                    if r.is_ok() {
+                        control.open(session, Some(want));
+                    }
+                    admitted(session, tenant, r, reply, &mut live, mx, iteration_ms);
                 }
                 ToCloud::Generate {
                     session,
@@ -130,7 +104,10 @@ pub fn serve(
                     reply,
                 } => {
                     let r = v.open_generate(session, tenant, &prompt, params, max_tokens, eog);
-                    admitted(session, tenant, None, r, reply, &mut live, mx, iteration_ms);
+                    if r.is_ok() {
+                        control.open(session, None);
+                    }
+                    admitted(session, tenant, r, reply, &mut live, mx, iteration_ms);
                 }
                 ToCloud::Draft { session, block } => {
                     if let Some(l) = live.get_mut(&session) {
@@ -144,63 +121,24 @@ pub fn serve(
                 ToCloud::Close { session } => {
                     v.close(session);
                     live.remove(&session);
+                    control.close(session);
                 }
                 ToCloud::Query { session, reply } => reply(v.session(session)),
             }
         }
-        // The load, looked at once the turn's messages are in: no forward for IDLE_RELAX means
-        // the verifier sat idle (it relaxes a level), else every GRANT_EVERY forwards.
-        if last_forward.elapsed() >= IDLE_RELAX {
-            last_forward = Instant::now();
-            v.stats.tokens_per_forward = 0.0;
-            grants.grant(0.0);
-        } else if v.stats.target_forwards >= graded_at + GRANT_EVERY {
-            graded_at = v.stats.target_forwards;
-            // Before any verdict, plan with α 0.8 (about the W4A16 draft's).
-            let alpha = if judged_recent > 0.0 {
-                accepted_recent / judged_recent
-            } else {
-                0.8
-            };
-            grants.grant_by_model(live.len(), alpha, v.stats.tokens_per_forward);
-        }
-        let (grant_g, grant_d) = grants.current();
-        // γ 0: the verifier decodes the session itself.
-        let grant_for = |want: (u32, u32)| {
-            if grant_g == 0 {
-                (0, 1)
-            } else {
-                (want.0.min(grant_g).max(1), want.1.min(grant_d).max(1))
-            }
-        };
-        // Past the ridge every session is taken over (γ 0); below it, each one whose speculation
-        // commits slower than cloud decoding would at this load.
-        let cloud_itl = grants.cloud_itl_ms(live.len());
-        for (id, l) in live.iter_mut() {
-            if l.want.is_none() {
-                continue;
-            }
-            let cloud = grant_g == 0
-                || cloud_itl.is_some_and(|c| prefer_cloud(l.pace.ms_per_token(), c, l.cloud));
-            if l.cloud != cloud {
-                l.cloud = cloud;
-                l.pace.restart();
-                if cloud {
-                    mx.takeovers.inc();
-                }
-                events.extend(v.set_cloud_decode(*id, cloud));
-            }
-        }
+        // The load, looked at once the turn's messages are in: the grant, and takeovers.
+        let (e, takeovers) = control.turn(now_ms(), &mut v);
+        mx.takeovers.inc_by(takeovers as u64);
+        events.extend(e);
         throttled = false;
         if v.has_work() {
             let forwards = v.stats.target_forwards;
             let t0 = Instant::now();
             let e = v.step(started.elapsed().as_millis() as u64);
             if v.stats.target_forwards > forwards {
-                last_forward = Instant::now();
                 let ms = t0.elapsed().as_secs_f64() * 1e3;
                 iteration_ms += 0.1 * (ms - iteration_ms);
-                grants.observe_forward(v.stats.last_batch.1, ms);
+                control.on_forward(now_ms(), v.stats.last_batch.1, ms);
                 mx.forwards.inc();
                 mx.batch_size.observe(v.stats.last_batch.0 as f64);
                 mx.tokens_per_forward.observe(v.stats.last_batch.1 as f64);
@@ -213,12 +151,10 @@ pub fn serve(
         for e in events {
             let (session, msg, fatal) = match e {
                 Event::Opened { session, first } => {
-                    let mut grant = (1, 1);
+                    let grant = control.on_opened(session);
                     if let Some(l) = live.get_mut(&session) {
                         mx.ttft.observe(l.opened_at.elapsed().as_secs_f64());
                         l.last_commit = Some(Instant::now());
-                        grant = grant_for(l.want.unwrap_or((1, 1)));
-                        l.granted = grant;
                     }
                     (
                         session,
@@ -236,14 +172,8 @@ pub fn serve(
                     drafted,
                     positions,
                 } => {
+                    control.on_verdict(session, &mut verdict, drafted, now_ms());
                     if let Some(l) = live.get_mut(&session) {
-                        if let Some(want) = l.want {
-                            let now = grant_for(want);
-                            if now != l.granted {
-                                verdict.grant = Some(now);
-                                l.granted = now;
-                            }
-                        }
                         // Blocks before this one were answered or went stale.
                         while let Some(&(b, at)) = l.arrivals.front() {
                             if b > verdict.block {
@@ -256,9 +186,6 @@ pub fn serve(
                         }
                         let accepted = verdict.accepted.min(drafted);
                         if drafted > 0 {
-                            let judged = accepted + usize::from(accepted < drafted);
-                            accepted_recent = ALPHA_DECAY * accepted_recent + accepted as f64;
-                            judged_recent = ALPHA_DECAY * judged_recent + judged as f64;
                             let t = name(l.tenant);
                             mx.drafts.inc();
                             mx.draft_tokens.inc_by(drafted as u64);
@@ -279,10 +206,6 @@ pub fn serve(
                                 .inc_by(accepted as u64);
                         }
                         inter_token(mx, &mut l.last_commit, accepted + 1);
-                        if !l.cloud {
-                            l.pace
-                                .on_commit(started.elapsed().as_millis() as u64, accepted + 1);
-                        }
                     }
                     (session, ToEdge::Verdict(verdict), false)
                 }
@@ -315,13 +238,9 @@ pub fn serve(
                     mut decoded,
                     handback,
                 } => {
+                    control.on_decoded(session, handback, &mut decoded);
                     if let Some(l) = live.get_mut(&session) {
                         inter_token(mx, &mut l.last_commit, 1);
-                        if handback {
-                            let (g, d) = grant_for(l.want.unwrap_or((1, 1)));
-                            decoded.resume = Some((g.max(1), d.max(1)));
-                            l.granted = (g.max(1), d.max(1));
-                        }
                     }
                     (session, ToEdge::Decoded(decoded), false)
                 }
@@ -334,6 +253,7 @@ pub fn serve(
             }
             if fatal {
                 live.remove(&session);
+                control.close(session);
             }
         }
         // An edge that hung up (a dropped stream, a client that went away mid-generation) frees
@@ -341,6 +261,7 @@ pub fn serve(
         for id in gone {
             v.close(id);
             live.remove(&id);
+            control.close(id);
         }
     }
 }
@@ -350,7 +271,6 @@ pub fn serve(
 fn admitted(
     session: SessionId,
     tenant: TenantId,
-    want: Option<(u32, u32)>,
     r: Result<(), CloudError>,
     reply: Reply,
     live: &mut HashMap<SessionId, Live>,
@@ -364,10 +284,6 @@ fn admitted(
                 Live {
                     reply,
                     tenant,
-                    want,
-                    granted: (0, 0),
-                    cloud: false,
-                    pace: Pace::default(),
                     opened_at: Instant::now(),
                     last_commit: None,
                     arrivals: Default::default(),

@@ -11,6 +11,7 @@
 //! - [`grpc`]: the `tandem.v1.Verifier` service, health, admission, drain; [`metrics`]: Prometheus.
 
 pub mod batcher;
+pub mod control;
 pub mod grpc;
 pub mod metrics;
 pub mod tenants;
