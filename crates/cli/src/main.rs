@@ -96,6 +96,10 @@ struct SimulateArgs {
     /// Also run cloud-only at every session count.
     #[arg(long)]
     cloud_only: bool,
+    /// Hold γ and depth fixed (by default each replica adapts them to its load and takes slow
+    /// sessions over, as `cloud serve` does).
+    #[arg(long)]
+    fixed_shape: bool,
     #[arg(long, default_value_t = 40)]
     prompt_tokens: usize,
     /// New tokens per session.
@@ -1025,6 +1029,7 @@ fn cmd_simulate(a: SimulateArgs) -> Result<()> {
                 jitter_pct: a.jitter_pct,
                 gamma,
                 depth: a.depth,
+                adaptive: !a.fixed_shape,
                 prompt_tokens: a.prompt_tokens,
                 new_tokens: a.tokens,
                 token_budget: a.token_budget,

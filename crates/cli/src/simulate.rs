@@ -10,20 +10,24 @@
 //! - each edge drafts a token in `draft_ms`, right with probability α;
 //! - each message crosses the network in half its session's round trip, with jitter.
 //!
-//! Every committed token is checked against the target's output, so the simulation also tests
-//! that the protocol stays lossless at any scale.
+//! Each replica adapts to its load as `cloud serve` does ([`LoadControl`]: grants planned from the
+//! forward cost, takeovers by pace) unless the shape is held fixed. Every committed token is
+//! checked against the target's output, so the simulation also tests that the protocol stays
+//! lossless at any scale.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
 use anyhow::{bail, Result};
 use serde::Serialize;
+use tandem_cloud::control::LoadControl;
+use tandem_cloud::GrantPolicy;
 use tandem_cloud::{Event, Target, Verifier, VerifierConfig};
 use tandem_engine::{EngineError, Logits, LogitsRow, SamplingParams, SeqChunk};
-use tandem_spec::plan::{operate_on, ForwardCost, Workload};
+use tandem_spec::plan::{operate_on, plan, ForwardCost, Workload};
 use tandem_spec::policy::Costs;
 use tandem_spec::sampling::uniform;
-use tandem_spec::{Block, Next, Output, Pipeline, PipelineConfig, Verdict, VerifyRule};
+use tandem_spec::{Block, Decoded, Next, Output, Pipeline, PipelineConfig, Verdict, VerifyRule};
 
 use crate::stats::Summary;
 
@@ -114,6 +118,9 @@ pub struct SimConfig {
     /// 0: cloud-only (the verifier decodes every session).
     pub gamma: usize,
     pub depth: usize,
+    /// Replicas adapt γ and depth to their load and take sessions over, as `cloud serve` does
+    /// (false: every session keeps γ and depth).
+    pub adaptive: bool,
     pub prompt_tokens: usize,
     pub new_tokens: usize,
     pub token_budget: usize,
@@ -132,6 +139,7 @@ pub struct SimRow {
     pub replicas: usize,
     pub gamma: usize,
     pub depth: usize,
+    pub adaptive: bool,
     pub tokens_per_s: f64,
     pub itl_ms: Summary,
     pub ttft_ms: Summary,
@@ -142,6 +150,9 @@ pub struct SimRow {
     pub sessions_done: usize,
     /// Committed tokens that differ from the target's output (must be 0).
     pub wrong_tokens: usize,
+    /// Share of the committed tokens the replicas decoded themselves (taken over or γ 0).
+    pub cloud_decoded_share: f64,
+    pub takeovers: usize,
     pub acceptance: f64,
     pub predicted_itl_ms: f64,
     pub predicted_tokens_per_s: f64,
@@ -175,10 +186,11 @@ enum Ev {
     Done {
         r: usize,
     },
-    /// Messages reach an edge.
+    /// Messages reach an edge (`grant`: an `Opened`'s).
     ToEdge {
         sid: u64,
         ev: Event,
+        grant: Option<(u32, u32)>,
     },
     /// An edge's draft forward ends.
     Drafted {
@@ -193,18 +205,23 @@ struct Session {
     rtt_ms: f64,
     prompt: Vec<u32>,
     pipe: Option<Pipeline>,
-    /// Verdicts that arrived while the edge was drafting.
+    /// Verdicts and decoded tokens that arrived while the edge was drafting.
     pending: Vec<Verdict>,
+    decoded_pending: Vec<Decoded>,
     drafting: bool,
     start_us: u64,
     /// (µs, tokens) of each commit.
     commits: Vec<(u64, usize)>,
     committed: usize,
+    /// Tokens that came as `Decoded` (the replica decoded them).
+    decoded: usize,
     done: bool,
 }
 
 struct Replica {
     v: Verifier<SimTarget>,
+    control: Option<LoadControl>,
+    takeovers: usize,
     busy: bool,
     /// Messages that arrived during a forward, applied when it ends.
     inbox: Vec<Ev>,
@@ -295,10 +312,12 @@ impl Sim {
                         prompt,
                         pipe: None,
                         pending: Vec::new(),
+                        decoded_pending: Vec::new(),
                         drafting: false,
                         start_us: self.now,
                         commits: Vec::new(),
                         committed: 0,
+                        decoded: 0,
                         done: false,
                     },
                 );
@@ -317,13 +336,13 @@ impl Sim {
             Ev::Done { r } => {
                 let out = std::mem::take(&mut self.replicas[r].outbox);
                 self.replicas[r].busy = false;
-                self.emit(out);
+                self.emit(r, out);
                 for ev in std::mem::take(&mut self.replicas[r].inbox) {
                     self.deliver(r, ev);
                 }
                 self.kick(r);
             }
-            Ev::ToEdge { sid, ev } => self.edge_event(sid, ev),
+            Ev::ToEdge { sid, ev, grant } => self.edge_event(sid, ev, grant),
             Ev::Drafted { sid, token } => {
                 let Some(s) = self.sessions.get_mut(&sid) else {
                     return;
@@ -344,6 +363,16 @@ impl Sim {
                 );
                 for v in pending {
                     self.verdict(sid, v);
+                }
+                let decoded = std::mem::take(
+                    &mut self
+                        .sessions
+                        .get_mut(&sid)
+                        .expect("invariant: present")
+                        .decoded_pending,
+                );
+                for d in decoded {
+                    self.decoded(sid, d);
                 }
                 self.drive(sid);
             }
@@ -372,37 +401,62 @@ impl Sim {
                         Vec::new(),
                     )
                 };
-                if res.is_err() {
+                match res {
+                    Ok(()) => {
+                        let want = (self.cfg.gamma > 0)
+                            .then_some((self.cfg.gamma as u32, self.cfg.depth as u32));
+                        if let Some(c) = self.replicas[r].control.as_mut() {
+                            c.open(sid, want);
+                        }
+                    }
                     // Saturated: the edge retries.
-                    self.at(self.now + RETRY_US, Ev::Open { r, sid });
+                    Err(_) => self.at(self.now + RETRY_US, Ev::Open { r, sid }),
                 }
                 Vec::new()
             }
             Ev::Block { sid, block, .. } => self.replicas[r].v.draft(sid, block),
             Ev::Close { sid, .. } => {
                 self.replicas[r].v.close(sid);
+                if let Some(c) = self.replicas[r].control.as_mut() {
+                    c.close(sid);
+                }
                 Vec::new()
             }
             _ => Vec::new(),
         };
-        self.emit(evs);
+        self.emit(r, evs);
     }
 
     /// Start replica `r`'s next forward if it is idle and has work.
     fn kick(&mut self, r: usize) {
+        let now_ms = self.now / 1000;
         let rep = &mut self.replicas[r];
-        if rep.busy || !rep.v.has_work() {
+        if rep.busy {
+            return;
+        }
+        // The load, looked at once per turn as the batcher does: grants and takeovers.
+        let mut evs = Vec::new();
+        if let Some(c) = rep.control.as_mut() {
+            let (e, takeovers) = c.turn(now_ms, &mut rep.v);
+            rep.takeovers += takeovers;
+            evs = e;
+        }
+        if !rep.v.has_work() {
+            self.emit(r, evs);
             return;
         }
         let before = rep.v.stats.target_forwards;
-        let now_ms = self.now / 1000;
-        let evs = rep.v.step(now_ms);
+        evs.extend(rep.v.step(now_ms));
         if rep.v.stats.target_forwards == before {
             // Nothing could be planned (quotas): its events go out, and the next message kicks.
-            self.emit(evs);
+            self.emit(r, evs);
             return;
         }
         let us = rep.v.engine().last_us as u64;
+        let tokens = rep.v.stats.last_batch.1;
+        if let Some(c) = rep.control.as_mut() {
+            c.on_forward((self.now + us) / 1000, tokens, us as f64 / 1e3);
+        }
         let (w0, w1) = self.window;
         let (a, b) = (self.now.max(w0), (self.now + us).min(w1));
         if b > a {
@@ -417,31 +471,74 @@ impl Sim {
         self.at(self.now + us.max(1), Ev::Done { r });
     }
 
-    /// Send a replica's events to their edges.
-    fn emit(&mut self, evs: Vec<Event>) {
-        for ev in evs {
-            let sid = match &ev {
-                Event::Opened { session, .. }
-                | Event::Verdict { session, .. }
-                | Event::Token { session, .. }
-                | Event::Error { session, .. }
-                | Event::Decoded { session, .. } => *session,
+    /// Send replica `r`'s events to their edges, with the grants its load control adds.
+    fn emit(&mut self, r: usize, evs: Vec<Event>) {
+        let now_ms = self.now / 1000;
+        for mut ev in evs {
+            let mut grant = None;
+            let control = self.replicas[r].control.as_mut();
+            let sid = match &mut ev {
+                Event::Opened { session, .. } => {
+                    grant = control.map(|c| c.on_opened(*session));
+                    *session
+                }
+                Event::Verdict {
+                    session,
+                    verdict,
+                    drafted,
+                    ..
+                } => {
+                    if let Some(c) = control {
+                        c.on_verdict(*session, verdict, *drafted, now_ms);
+                    }
+                    *session
+                }
+                Event::Decoded {
+                    session,
+                    decoded,
+                    handback,
+                } => {
+                    if let Some(c) = control {
+                        c.on_decoded(*session, *handback, decoded);
+                    }
+                    *session
+                }
+                Event::Token { session, .. } | Event::Error { session, .. } => *session,
                 Event::Preempted { .. } => continue,
             };
             let t = self.now + self.one_way(sid);
-            self.at(t, Ev::ToEdge { sid, ev });
+            self.at(t, Ev::ToEdge { sid, ev, grant });
         }
     }
 
-    fn edge_event(&mut self, sid: u64, ev: Event) {
+    /// Keep the pipeline within the grant `cap`, aiming at the configured shape (as the edge
+    /// runtime does).
+    fn fit(&mut self, sid: u64, cap: (u32, u32)) {
+        let want = (self.cfg.gamma, self.cfg.depth);
+        let Some(p) = self.sessions.get_mut(&sid).and_then(|s| s.pipe.as_mut()) else {
+            return;
+        };
+        let shape = (
+            want.0.min(cap.0 as usize).max(1),
+            want.1.min(cap.1 as usize).max(1),
+        );
+        if shape != (p.config().draft_len, p.config().depth) {
+            if let Ok(outs) = p.set_shape(shape.0, shape.1) {
+                self.outputs(sid, outs);
+            }
+        }
+    }
+
+    fn edge_event(&mut self, sid: u64, ev: Event, grant: Option<(u32, u32)>) {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
         match ev {
             Event::Opened { first, .. } => {
+                let cap = grant.unwrap_or((u32::MAX, u32::MAX));
                 let cfg = PipelineConfig {
-                    draft_len: self.cfg.gamma,
-                    depth: self.cfg.depth,
+                    draft_len: self.cfg.gamma.min(cap.0 as usize).max(1),
+                    depth: self.cfg.depth.min(cap.1 as usize).max(1),
                     max_new_tokens: self.cfg.new_tokens,
                 };
                 let (p, outs) = Pipeline::with_first(s.prompt.clone(), first, cfg, Vec::new())
@@ -458,19 +555,19 @@ impl Sim {
                     self.drive(sid);
                 }
             }
+            Event::Decoded { decoded, .. } => {
+                if s.drafting {
+                    s.decoded_pending.push(decoded);
+                } else {
+                    self.decoded(sid, decoded);
+                    self.drive(sid);
+                }
+            }
             Event::Token { token, done, .. } => {
                 let pos = s.prompt.len() + s.committed;
                 self.commit(sid, pos, &[token]);
                 if done {
                     self.finish(sid);
-                }
-            }
-            Event::Decoded { decoded, .. } => {
-                if let Some(p) = s.pipe.as_mut() {
-                    if let Ok(outs) = p.on_decoded(decoded) {
-                        self.outputs(sid, outs);
-                        self.drive(sid);
-                    }
                 }
             }
             Event::Error { fatal, .. } => {
@@ -488,6 +585,25 @@ impl Sim {
         };
         if let Ok(outs) = p.on_verdict(v) {
             self.outputs(sid, outs);
+        }
+        if let Some(cap) = v.grant {
+            self.fit(sid, cap);
+        }
+    }
+
+    fn decoded(&mut self, sid: u64, d: Decoded) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        let Some(p) = s.pipe.as_mut() else {
+            return;
+        };
+        if let Ok(outs) = p.on_decoded(d) {
+            s.decoded += 1;
+            self.outputs(sid, outs);
+        }
+        if let Some(cap) = d.resume {
+            self.fit(sid, cap);
         }
     }
 
@@ -638,8 +754,22 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
             },
         )
         .map_err(|e| anyhow::anyhow!("replica {r}: {e}"))?;
+        // As `cloud serve` sets it up: grants within the configured shape, saturating at twice
+        // the ridge, γ 0 as the last level, takeovers by pace.
+        let control = (cfg.adaptive && cfg.gamma > 0).then(|| {
+            let grants = GrantPolicy::new(
+                cfg.gamma as u32,
+                cfg.depth as u32,
+                2.0 * cfg.cost.ridge_tokens().max(1.0),
+            )
+            .with_cloud_decode()
+            .with_pace(cfg.cost);
+            LoadControl::new(grants, 0)
+        });
         replicas.push(Replica {
             v,
+            control,
+            takeovers: 0,
             busy: false,
             inbox: Vec::new(),
             outbox: Vec::new(),
@@ -673,6 +803,9 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
         .chain(sim.sessions.values())
         .collect();
     let (itl, ttft, tokens) = gaps(&all, sim.window);
+    let committed: usize = all.iter().map(|s| s.committed).sum();
+    let decoded: usize = all.iter().map(|s| s.decoded).sum();
+    let takeovers: usize = sim.replicas.iter().map(|r| r.takeovers).sum();
     let span = (sim.window.1 - sim.window.0) as f64 / 1e6;
     let forwards: u64 = sim.replicas.iter().map(|r| r.forwards).sum();
     let fwd_tokens: u64 = sim.replicas.iter().map(|r| r.tokens).sum();
@@ -690,7 +823,13 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
         new_tokens: cfg.new_tokens,
         token_budget: cfg.token_budget,
     };
-    let pred = operate_on(&costs, &cfg.cost, per, cfg.gamma, cfg.depth.max(1), &work);
+    // An adaptive replica is predicted at the model's best shape within γ and depth (γ 0
+    // included), a fixed one at its shape.
+    let pred = if cfg.adaptive && cfg.gamma > 0 {
+        plan(&costs, &cfg.cost, per, cfg.gamma, cfg.depth.max(1), &work).best
+    } else {
+        operate_on(&costs, &cfg.cost, per, cfg.gamma, cfg.depth.max(1), &work)
+    };
     let r2 = |x: f64| (x * 100.0).round() / 100.0;
     let sum = |s: Summary| Summary {
         mean: r2(s.mean),
@@ -702,6 +841,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
         replicas: cfg.replicas,
         gamma: cfg.gamma,
         depth: if cfg.gamma == 0 { 1 } else { cfg.depth },
+        adaptive: cfg.adaptive && cfg.gamma > 0,
         tokens_per_s: r2(tokens as f64 / span),
         itl_ms: sum(Summary::of(&itl)),
         ttft_ms: sum(Summary::of(&ttft)),
@@ -710,6 +850,12 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
         utilization: r2(busy as f64 / (span * 1e6 * cfg.replicas as f64)),
         sessions_done: sim.done_sessions.len(),
         wrong_tokens: sim.wrong,
+        cloud_decoded_share: if cfg.gamma == 0 {
+            1.0
+        } else {
+            r2(decoded as f64 / committed.max(1) as f64)
+        },
+        takeovers,
         acceptance: r2(sim.accepted as f64 / sim.drafted.max(1) as f64),
         predicted_itl_ms: r2(pred.itl_ms),
         predicted_tokens_per_s: r2(pred.tokens_per_s * (cfg.users as f64 / per as f64)),
@@ -721,16 +867,21 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
 
 pub fn table(rows: &[SimRow]) -> String {
     let mut s = String::from(
-        "| sessions | replicas | mode | tok/s | predicted tok/s | ITL mean | predicted ITL | ITL p99 | TTFT mean | predicted TTFT | tokens/fwd | busy | accepted | sessions done | wrong tokens | events | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| sessions | replicas | mode | tok/s | predicted tok/s | ITL mean | predicted ITL | ITL p99 | TTFT mean | predicted TTFT | tokens/fwd | busy | accepted | cloud-decoded | takeovers | sessions done | wrong tokens | events | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let mode = if r.gamma == 0 {
             "cloud-only".to_string()
         } else {
-            format!("γ {} depth {}", r.gamma, r.depth)
+            format!(
+                "γ {} depth {}{}",
+                r.gamma,
+                r.depth,
+                if r.adaptive { ", adaptive" } else { "" }
+            )
         };
         s += &format!(
-            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0}% | {:.2} | {} | {} | {} | {:.1} |\n",
+            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0}% | {:.2} | {:.0}% | {} | {} | {} | {} | {:.1} |\n",
             r.users,
             r.replicas,
             mode,
@@ -744,6 +895,8 @@ pub fn table(rows: &[SimRow]) -> String {
             r.tokens_per_forward,
             r.utilization * 100.0,
             r.acceptance,
+            r.cloud_decoded_share * 100.0,
+            r.takeovers,
             r.sessions_done,
             r.wrong_tokens,
             r.events,
@@ -768,6 +921,7 @@ mod tests {
             jitter_pct: 10.0,
             gamma,
             depth: 2,
+            adaptive: false,
             prompt_tokens: 1,
             new_tokens: 200,
             token_budget: 64,
@@ -867,5 +1021,63 @@ mod tests {
             let e = simulate(&c).unwrap_err().to_string();
             assert!(e.contains(want), "{e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod adaptive_tests {
+    use super::*;
+
+    #[test]
+    fn an_adaptive_replica_takes_over_under_load_and_stays_lossless() {
+        let base = SimConfig {
+            users: 32,
+            replicas: 1,
+            alpha: 0.6,
+            draft_ms: 20.0,
+            rtt_ms: 50.0,
+            rtt_spread_pct: 20.0,
+            jitter_pct: 10.0,
+            gamma: 4,
+            depth: 2,
+            adaptive: true,
+            prompt_tokens: 30,
+            new_tokens: 40,
+            token_budget: 64,
+            kv_blocks: 8192,
+            cost: ForwardCost {
+                one_token_ms: 52.0,
+                ms_per_token: 3.5,
+            },
+            warmup_s: 10.0,
+            duration_s: 30.0,
+            seed: 5,
+        };
+        let adaptive = simulate(&base).unwrap();
+        let fixed = simulate(&SimConfig {
+            adaptive: false,
+            ..base.clone()
+        })
+        .unwrap();
+        assert_eq!(adaptive.wrong_tokens + fixed.wrong_tokens, 0);
+        assert!(
+            adaptive.takeovers > 0 && adaptive.cloud_decoded_share > 0.8,
+            "{adaptive:?}"
+        );
+        assert_eq!(fixed.cloud_decoded_share, 0.0, "{fixed:?}");
+        assert!(
+            adaptive.tokens_per_s > fixed.tokens_per_s,
+            "{adaptive:?} vs {fixed:?}"
+        );
+        // One user with a good draft and a far verifier keeps speculating.
+        let alone = simulate(&SimConfig {
+            users: 1,
+            alpha: 0.95,
+            rtt_ms: 20.0,
+            draft_ms: 10.0,
+            ..base
+        })
+        .unwrap();
+        assert!(alone.cloud_decoded_share < 0.2, "{alone:?}");
     }
 }

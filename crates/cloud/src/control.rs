@@ -158,7 +158,13 @@ impl LoadControl {
 
     /// A verdict for `id` that judged `drafted` tokens is going out at `now_ms`: it carries a new
     /// grant when the session's changed, and feeds the α and the session's pace.
-    pub fn on_verdict(&mut self, id: SessionId, verdict: &mut Verdict, drafted: usize, now_ms: u64) {
+    pub fn on_verdict(
+        &mut self,
+        id: SessionId,
+        verdict: &mut Verdict,
+        drafted: usize,
+        now_ms: u64,
+    ) {
         let Some(want) = self.sessions.get(&id).map(|c| c.want) else {
             return;
         };

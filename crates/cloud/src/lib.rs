@@ -26,7 +26,7 @@ use tandem_sched::{SchedError, SessionId, TenantId};
 use tandem_spec::{Block, Decoded, SpecError, Verdict, VerifyRule};
 
 pub use batcher::serve;
-pub use tandem_sched::ForwardCost;
+pub use tandem_sched::{ForwardCost, GrantPolicy};
 pub use verifier::{
     Event, SessionState, Target, TenantStats, Verifier, VerifierConfig, VerifierStats,
 };
