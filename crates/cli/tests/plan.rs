@@ -2,6 +2,21 @@
 
 use std::process::Command;
 
+/// `tandem plan` for α 0.8, an 11 ms draft and a 50 ms round trip, plus `extra`.
+fn plan(extra: &[&str]) -> (bool, String, String) {
+    let mut args = vec![
+        "plan",
+        "--alpha",
+        "0.8",
+        "--draft-ms",
+        "11",
+        "--rtt-ms",
+        "50",
+    ];
+    args.extend_from_slice(extra);
+    tandem(&args)
+}
+
 fn tandem(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args(args)
@@ -46,14 +61,7 @@ fn plan_pipelines_alone_and_hands_a_crowd_to_the_verifier() {
 
 #[test]
 fn plan_takes_the_roofline_from_the_machine_or_a_bench_report() {
-    let (ok, out, err) = tandem(&[
-        "plan",
-        "--alpha",
-        "0.8",
-        "--draft-ms",
-        "11",
-        "--rtt-ms",
-        "50",
+    let machine = [
         "--bandwidth-gbs",
         "10",
         "--gflops",
@@ -63,82 +71,50 @@ fn plan_takes_the_roofline_from_the_machine_or_a_bench_report() {
         "--gflop-per-token",
         "0.25",
         "--json",
-    ]);
+    ];
+    let (ok, out, err) = plan(&machine);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let f = &v["forward"];
     assert!(
-        (v["forward"]["one_token_ms"].as_f64().unwrap() - 50.0).abs() < 1e-9,
+        (f["one_token_ms"].as_f64().unwrap() - 50.0).abs() < 1e-9,
         "{v}"
     );
     assert!(
-        (v["forward"]["ms_per_token"].as_f64().unwrap() - 2.5).abs() < 1e-9,
+        (f["ms_per_token"].as_f64().unwrap() - 2.5).abs() < 1e-9,
         "{v}"
     );
     let report = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/bench/engine.json");
-    let (ok, out, err) = tandem(&[
-        "plan",
-        "--alpha",
-        "0.8",
-        "--draft-ms",
-        "11",
-        "--rtt-ms",
-        "50",
-        "--engine-json",
-        report,
-        "--sessions",
-        "1,4,16",
-    ]);
+    let (ok, out, err) = plan(&["--engine-json", report, "--sessions", "1,4,16"]);
     assert!(ok, "{err}");
     assert!(out.contains("| 16 |") && out.contains("ridge"), "{out}");
 }
 
 #[test]
 fn plan_refuses_bad_input_by_name() {
-    let base = [
-        "plan",
-        "--draft-ms",
-        "10",
-        "--rtt-ms",
-        "50",
-        "--verify-ms",
-        "40",
-    ];
+    let roof = ["--verify-ms", "40", "--gflops", "100"];
     for (extra, want) in [
-        (vec!["--alpha", "1.5", "--gflops", "100"], "--alpha"),
-        (
-            vec!["--alpha", "0.8", "--gflops", "100", "--sessions", "0"],
-            "--sessions",
-        ),
-        (
-            vec!["--alpha", "0.8", "--gflops", "100", "--max-gamma", "0"],
-            "--max-gamma",
-        ),
-        (vec!["--alpha", "0.8", "--gflops=-3"], "--gflops"),
+        (vec!["--alpha", "1.5"], "--alpha"),
+        (vec!["--sessions", "0"], "--sessions"),
+        (vec!["--max-gamma", "0"], "--max-gamma"),
     ] {
-        let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
+        let args: Vec<&str> = ["plan", "--draft-ms", "10", "--rtt-ms", "50"]
+            .into_iter()
+            .chain(roof)
+            .chain(if extra[0] == "--alpha" {
+                vec![]
+            } else {
+                vec!["--alpha", "0.8"]
+            })
+            .chain(extra)
+            .collect();
         let (ok, _, err) = tandem(&args);
         assert!(!ok && err.contains(want), "{args:?}: {err}");
     }
-    let (ok, _, err) = tandem(&[
-        "plan",
-        "--alpha",
-        "0.8",
-        "--draft-ms",
-        "10",
-        "--rtt-ms",
-        "50",
-    ]);
+    let (ok, _, err) = plan(&["--verify-ms", "40", "--gflops=-3"]);
+    assert!(!ok && err.contains("--gflops"), "{err}");
+    let (ok, _, err) = plan(&[]);
     assert!(!ok && err.contains("--verify-ms"), "{err}");
-    let (ok, _, err) = tandem(&[
-        "plan",
-        "--alpha",
-        "0.8",
-        "--draft-ms",
-        "10",
-        "--rtt-ms",
-        "50",
-        "--engine-json",
-        "/nonexistent/engine.json",
-    ]);
+    let (ok, _, err) = plan(&["--engine-json", "/nonexistent/engine.json"]);
     assert!(!ok && err.contains("/nonexistent/engine.json"), "{err}");
 }

@@ -124,3 +124,10 @@ pub fn tiny_gguf(spec: &TinySpec) -> Result<Vec<u8>> {
 pub fn tiny_file(spec: &TinySpec) -> Result<GgufFile> {
     GgufFile::from_bytes("tiny.gguf", tiny_gguf(spec)?)
 }
+
+/// `n` pseudo-random values in [−1, 1), reproducible from `(seed, stream)`.
+pub fn signed_uniform(seed: u64, n: usize, stream: u64) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| crate::sampler::uniform(seed, i, stream) as f32 * 2.0 - 1.0)
+        .collect()
+}

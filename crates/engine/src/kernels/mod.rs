@@ -708,9 +708,7 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     fn rand(seed: u64, n: usize) -> Vec<f32> {
-        (0..n as u64)
-            .map(|i| crate::sampler::uniform(seed, i, 3) as f32 * 2.0 - 1.0)
-            .collect()
+        crate::testing::signed_uniform(seed, n, 3)
     }
 
     fn stored(dtype: GgmlDType, w: &[f32], rows: usize, cols: usize) -> RowData {

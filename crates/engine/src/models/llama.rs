@@ -609,9 +609,7 @@ mod tests {
     use super::*;
 
     fn rand(seed: u64, n: usize) -> Vec<f32> {
-        (0..n as u64)
-            .map(|i| crate::sampler::uniform(seed, i, 7) as f32 * 2.0 - 1.0)
-            .collect()
+        crate::testing::signed_uniform(seed, n, 7)
     }
 
     /// Plain f64 attention of one head over positions laid out `at(j) = stride·j + off`.
