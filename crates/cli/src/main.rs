@@ -239,6 +239,10 @@ struct ServeArgs {
     /// the current load is taken over by the verifier on its own.
     #[arg(long, value_parser = parse_forward_cost)]
     forward_cost: Option<tandem_cloud::ForwardCost>,
+    /// Keep every session at the γ and depth it asked for (within --max-draft-len and
+    /// --max-depth): no load-aware grants, no takeovers. For measuring speculation as such.
+    #[arg(long)]
+    fixed_grants: bool,
     /// Tenants and their API keys (TOML: [[tenant]] name, keys, weight, max_sessions,
     /// max_kv_blocks, tokens_per_s). Every RPC must then carry `authorization: Bearer <key>`.
     #[arg(long)]
@@ -1287,6 +1291,7 @@ fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             .saturation_tokens
             .unwrap_or(2.0 * cost.ridge_tokens().max(1.0)),
         forward_cost: Some(cost),
+        adapt: !a.fixed_grants,
         ..tandem_cloud::grpc::ServiceInfo::new(
             &name,
             &m.model,

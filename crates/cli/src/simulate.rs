@@ -22,7 +22,8 @@ use anyhow::{bail, Result};
 use serde::Serialize;
 use tandem_cloud::control::LoadControl;
 use tandem_cloud::GrantPolicy;
-use tandem_cloud::{Event, Target, Verifier, VerifierConfig};
+use tandem_cloud::SchedError;
+use tandem_cloud::{CloudError, Event, Target, Verifier, VerifierConfig};
 use tandem_engine::{EngineError, Logits, LogitsRow, SamplingParams, SeqChunk};
 use tandem_spec::plan::{operate_on, plan, ForwardCost, Workload};
 use tandem_spec::policy::Costs;
@@ -37,6 +38,8 @@ const VOCAB: usize = 256;
 const BLOCK_SIZE: usize = 16;
 /// Retry an open the verifier refused (saturated) after this long (µs).
 const RETRY_US: u64 = 100_000;
+/// A replica whose plan came out empty plans again after this long (µs), as the batcher does.
+const THROTTLED_US: u64 = 2_000;
 
 /// The target's greedy token at `pos` of session `seq`.
 fn target_token(seed: u64, seq: u64, pos: usize) -> u32 {
@@ -150,7 +153,10 @@ pub struct SimRow {
     pub sessions_done: usize,
     /// Committed tokens that differ from the target's output (must be 0).
     pub wrong_tokens: usize,
-    /// Share of the committed tokens the replicas decoded themselves (taken over or γ 0).
+    /// Messages refused at either end (must be 0).
+    pub protocol_errors: usize,
+    /// Share of the committed tokens the replicas decoded themselves (taken over or γ 0), over
+    /// the whole run.
     pub cloud_decoded_share: f64,
     pub takeovers: usize,
     pub acceptance: f64,
@@ -186,6 +192,10 @@ enum Ev {
     Done {
         r: usize,
     },
+    /// A replica whose plan was empty looks again.
+    Kick {
+        r: usize,
+    },
     /// Messages reach an edge (`grant`: an `Opened`'s).
     ToEdge {
         sid: u64,
@@ -199,15 +209,20 @@ enum Ev {
     },
 }
 
+/// What reaches an edge's pipeline.
+enum Incoming {
+    Verdict(Verdict),
+    Decoded(Decoded),
+}
+
 struct Session {
     user: usize,
     replica: usize,
     rtt_ms: f64,
     prompt: Vec<u32>,
     pipe: Option<Pipeline>,
-    /// Verdicts and decoded tokens that arrived while the edge was drafting.
-    pending: Vec<Verdict>,
-    decoded_pending: Vec<Decoded>,
+    /// Verdicts and decoded tokens that arrived while the edge was drafting, in order.
+    pending: Vec<Incoming>,
     drafting: bool,
     start_us: u64,
     /// (µs, tokens) of each commit.
@@ -220,6 +235,8 @@ struct Session {
 
 struct Replica {
     v: Verifier<SimTarget>,
+    /// Events of messages applied since the last turn, sent with its forward.
+    held: Vec<Event>,
     control: Option<LoadControl>,
     takeovers: usize,
     busy: bool,
@@ -244,6 +261,10 @@ struct Sim {
     replicas: Vec<Replica>,
     window: (u64, u64),
     wrong: usize,
+    /// Protocol errors: refusals at either end (must be 0).
+    errors: usize,
+    /// When the last message on each (session, edge-to-cloud?) link arrives.
+    last_arrival: HashMap<(u64, bool), u64>,
     drafted: u64,
     accepted: u64,
     done_sessions: Vec<Session>,
@@ -259,6 +280,17 @@ impl Sim {
         self.queue.push(Reverse((t, self.seq, id)));
     }
 
+    /// Deliver `ev` on session `sid`'s link in one direction (`up`: edge to cloud) after half a
+    /// round trip, jittered, but never before the message sent on it just before: a gRPC stream
+    /// keeps its order.
+    fn send(&mut self, sid: u64, up: bool, ev: Ev) {
+        let t = self.now + self.one_way(sid);
+        let last = self.last_arrival.entry((sid, up)).or_insert(0);
+        let t = t.max(*last + 1);
+        *last = t;
+        self.at(t, ev);
+    }
+
     /// Half a round trip for session `sid`'s next message, jittered.
     fn one_way(&mut self, sid: u64) -> u64 {
         let rtt = self
@@ -272,7 +304,8 @@ impl Sim {
 
     fn run(&mut self) {
         for user in 0..self.cfg.users {
-            // Spread the first sessions over one draft-and-round-trip so users are out of phase.
+            // Spread the first sessions over one round trip (at least 10 ms) so users are out of
+            // phase.
             let t =
                 (uniform(self.cfg.seed, user as u64, 1) * 1e3 * self.cfg.rtt_ms.max(10.0)) as u64;
             self.at(t, Ev::Start { user });
@@ -312,7 +345,6 @@ impl Sim {
                         prompt,
                         pipe: None,
                         pending: Vec::new(),
-                        decoded_pending: Vec::new(),
                         drafting: false,
                         start_us: self.now,
                         commits: Vec::new(),
@@ -321,9 +353,8 @@ impl Sim {
                         done: false,
                     },
                 );
-                let t = self.now + self.one_way(sid);
                 let r = user % self.cfg.replicas;
-                self.at(t, Ev::Open { r, sid });
+                self.send(sid, true, Ev::Open { r, sid });
             }
             Ev::Open { r, .. } | Ev::Block { r, .. } | Ev::Close { r, .. } => {
                 if self.replicas[r].busy {
@@ -342,6 +373,7 @@ impl Sim {
                 }
                 self.kick(r);
             }
+            Ev::Kick { r } => self.kick(r),
             Ev::ToEdge { sid, ev, grant } => self.edge_event(sid, ev, grant),
             Ev::Drafted { sid, token } => {
                 let Some(s) = self.sessions.get_mut(&sid) else {
@@ -361,18 +393,11 @@ impl Sim {
                         .expect("invariant: present")
                         .pending,
                 );
-                for v in pending {
-                    self.verdict(sid, v);
-                }
-                let decoded = std::mem::take(
-                    &mut self
-                        .sessions
-                        .get_mut(&sid)
-                        .expect("invariant: present")
-                        .decoded_pending,
-                );
-                for d in decoded {
-                    self.decoded(sid, d);
+                for i in pending {
+                    match i {
+                        Incoming::Verdict(v) => self.verdict(sid, v),
+                        Incoming::Decoded(d) => self.decoded(sid, d),
+                    }
                 }
                 self.drive(sid);
             }
@@ -409,8 +434,19 @@ impl Sim {
                             c.open(sid, want);
                         }
                     }
-                    // Saturated: the edge retries.
-                    Err(_) => self.at(self.now + RETRY_US, Ev::Open { r, sid }),
+                    // Saturated or over quota: the edge retries; anything else ends the user.
+                    Err(e) => {
+                        if matches!(
+                            e,
+                            CloudError::Sched(
+                                SchedError::Saturated { .. } | SchedError::QuotaExceeded { .. }
+                            )
+                        ) {
+                            self.at(self.now + RETRY_US, Ev::Open { r, sid });
+                        } else {
+                            self.errors += 1;
+                        }
+                    }
                 }
                 Vec::new()
             }
@@ -424,7 +460,8 @@ impl Sim {
             }
             _ => Vec::new(),
         };
-        self.emit(r, evs);
+        // Answers decided at arrival go out with the turn's forward, as the batcher sends them.
+        self.replicas[r].held.extend(evs);
     }
 
     /// Start replica `r`'s next forward if it is idle and has work.
@@ -434,12 +471,13 @@ impl Sim {
         if rep.busy {
             return;
         }
-        // The load, looked at once per turn as the batcher does: grants and takeovers.
-        let mut evs = Vec::new();
+        // The turn's events, as the batcher orders them: answers to the messages, the load
+        // control's (grants, takeovers), then the forward's; all sent once the forward ends.
+        let mut evs = std::mem::take(&mut rep.held);
         if let Some(c) = rep.control.as_mut() {
             let (e, takeovers) = c.turn(now_ms, &mut rep.v);
             rep.takeovers += takeovers;
-            evs = e;
+            evs.extend(e);
         }
         if !rep.v.has_work() {
             self.emit(r, evs);
@@ -448,8 +486,10 @@ impl Sim {
         let before = rep.v.stats.target_forwards;
         evs.extend(rep.v.step(now_ms));
         if rep.v.stats.target_forwards == before {
-            // Nothing could be planned (quotas): its events go out, and the next message kicks.
+            // Nothing could be planned (rate quotas): its events go out, and the batcher looks
+            // again shortly.
             self.emit(r, evs);
+            self.at(self.now + THROTTLED_US, Ev::Kick { r });
             return;
         }
         let us = rep.v.engine().last_us as u64;
@@ -503,11 +543,21 @@ impl Sim {
                     }
                     *session
                 }
-                Event::Token { session, .. } | Event::Error { session, .. } => *session,
+                Event::Token { session, done, .. } => {
+                    if let (Some(c), true) = (control, *done) {
+                        c.close(*session);
+                    }
+                    *session
+                }
+                Event::Error { session, fatal, .. } => {
+                    if let (Some(c), true) = (control, *fatal) {
+                        c.close(*session);
+                    }
+                    *session
+                }
                 Event::Preempted { .. } => continue,
             };
-            let t = self.now + self.one_way(sid);
-            self.at(t, Ev::ToEdge { sid, ev, grant });
+            self.send(sid, false, Ev::ToEdge { sid, ev, grant });
         }
     }
 
@@ -549,7 +599,7 @@ impl Sim {
             }
             Event::Verdict { verdict, .. } => {
                 if s.drafting {
-                    s.pending.push(verdict);
+                    s.pending.push(Incoming::Verdict(verdict));
                 } else {
                     self.verdict(sid, verdict);
                     self.drive(sid);
@@ -557,7 +607,7 @@ impl Sim {
             }
             Event::Decoded { decoded, .. } => {
                 if s.drafting {
-                    s.decoded_pending.push(decoded);
+                    s.pending.push(Incoming::Decoded(decoded));
                 } else {
                     self.decoded(sid, decoded);
                     self.drive(sid);
@@ -571,6 +621,7 @@ impl Sim {
                 }
             }
             Event::Error { fatal, .. } => {
+                self.errors += 1;
                 if fatal {
                     self.finish(sid);
                 }
@@ -583,8 +634,9 @@ impl Sim {
         let Some(p) = self.sessions.get_mut(&sid).and_then(|s| s.pipe.as_mut()) else {
             return;
         };
-        if let Ok(outs) = p.on_verdict(v) {
-            self.outputs(sid, outs);
+        match p.on_verdict(v) {
+            Ok(outs) => self.outputs(sid, outs),
+            Err(_) => self.errors += 1,
         }
         if let Some(cap) = v.grant {
             self.fit(sid, cap);
@@ -598,9 +650,12 @@ impl Sim {
         let Some(p) = s.pipe.as_mut() else {
             return;
         };
-        if let Ok(outs) = p.on_decoded(d) {
-            s.decoded += 1;
-            self.outputs(sid, outs);
+        match p.on_decoded(d) {
+            Ok(outs) => {
+                s.decoded += 1;
+                self.outputs(sid, outs);
+            }
+            Err(_) => self.errors += 1,
         }
         if let Some(cap) = d.resume {
             self.fit(sid, cap);
@@ -611,9 +666,8 @@ impl Sim {
         for o in outs {
             match o {
                 Output::Send(block) => {
-                    let t = self.now + self.one_way(sid);
                     let r = self.sessions.get(&sid).map_or(0, |s| s.replica);
-                    self.at(t, Ev::Block { r, sid, block });
+                    self.send(sid, true, Ev::Block { r, sid, block });
                 }
                 Output::Commit { pos, tokens } => self.commit(sid, pos, &tokens),
                 Output::Rollback { .. } => {}
@@ -681,8 +735,7 @@ impl Sim {
         }
         s.done = true;
         let (user, r) = (s.user, s.replica);
-        let t = self.now + self.one_way(sid);
-        self.at(t, Ev::Close { r, sid });
+        self.send(sid, true, Ev::Close { r, sid });
         self.at(self.now, Ev::Start { user });
         let s = self.sessions.remove(&sid).expect("invariant: present");
         self.done_sessions.push(s);
@@ -768,6 +821,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
         });
         replicas.push(Replica {
             v,
+            held: Vec::new(),
             control,
             takeovers: 0,
             busy: false,
@@ -791,6 +845,8 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
         replicas,
         window: (w0, w0 + (cfg.duration_s * 1e6) as u64),
         wrong: 0,
+        errors: 0,
+        last_arrival: HashMap::new(),
         drafted: 0,
         accepted: 0,
         done_sessions: Vec::new(),
@@ -850,6 +906,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
         utilization: r2(busy as f64 / (span * 1e6 * cfg.replicas as f64)),
         sessions_done: sim.done_sessions.len(),
         wrong_tokens: sim.wrong,
+        protocol_errors: sim.errors,
         cloud_decoded_share: if cfg.gamma == 0 {
             1.0
         } else {
@@ -867,7 +924,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
 
 pub fn table(rows: &[SimRow]) -> String {
     let mut s = String::from(
-        "| sessions | replicas | mode | tok/s | predicted tok/s | ITL mean | predicted ITL | ITL p99 | TTFT mean | predicted TTFT | tokens/fwd | busy | accepted | cloud-decoded | takeovers | sessions done | wrong tokens | events | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| sessions | replicas | mode | tok/s | predicted tok/s | ITL mean | predicted ITL | ITL p99 | TTFT mean | predicted TTFT | tokens/fwd | busy | accepted | cloud-decoded | takeovers | sessions done | wrong tokens | protocol errors | events | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let mode = if r.gamma == 0 {
@@ -881,7 +938,7 @@ pub fn table(rows: &[SimRow]) -> String {
             )
         };
         s += &format!(
-            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0}% | {:.2} | {:.0}% | {} | {} | {} | {} | {:.1} |\n",
+            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0}% | {:.2} | {:.0}% | {} | {} | {} | {} | {} | {:.1} |\n",
             r.users,
             r.replicas,
             mode,
@@ -899,6 +956,7 @@ pub fn table(rows: &[SimRow]) -> String {
             r.takeovers,
             r.sessions_done,
             r.wrong_tokens,
+            r.protocol_errors,
             r.events,
             r.wall_s
         );
@@ -941,7 +999,7 @@ mod tests {
         for users in [1, 4, 16, 64] {
             for gamma in [0, 4] {
                 let r = simulate(&cfg(users, gamma)).unwrap();
-                assert_eq!(r.wrong_tokens, 0, "{r:?}");
+                assert_eq!((r.wrong_tokens, r.protocol_errors), (0, 0), "{r:?}");
                 assert!(r.tokens_per_s > 0.0 && r.forwards > 0, "{r:?}");
                 let ratio = r.tokens_per_s / r.predicted_tokens_per_s;
                 assert!(
@@ -955,6 +1013,7 @@ mod tests {
     #[test]
     fn the_simulation_is_deterministic_and_spreads_users_over_replicas() {
         let mut c = cfg(40, 4);
+        c.adaptive = true;
         c.replicas = 4;
         c.rtt_spread_pct = 50.0;
         c.prompt_tokens = 30;
@@ -976,7 +1035,7 @@ mod tests {
                 b.sessions_done
             )
         );
-        assert_eq!(a.wrong_tokens, 0);
+        assert_eq!((a.wrong_tokens, a.protocol_errors), (0, 0), "{a:?}");
         // Four replicas of ten users each serve what one replica of ten does, four times.
         let mut one = c.clone();
         one.users = 10;
@@ -984,6 +1043,20 @@ mod tests {
         let o = simulate(&one).unwrap();
         let ratio = a.tokens_per_s / (4.0 * o.tokens_per_s);
         assert!((0.85..1.15).contains(&ratio), "{a:?} vs 4 × {o:?}");
+    }
+
+    #[test]
+    fn jittery_links_keep_each_streams_order() {
+        // Blocks sent every 5 ms over a 200 ms ± 50% link would overtake each other if each
+        // message took its own jitter alone; a stream keeps its order.
+        let mut c = cfg(4, 1);
+        (c.draft_ms, c.rtt_ms, c.jitter_pct, c.depth) = (5.0, 200.0, 50.0, 4);
+        for adaptive in [false, true] {
+            c.adaptive = adaptive;
+            let r = simulate(&c).unwrap();
+            assert_eq!((r.wrong_tokens, r.protocol_errors), (0, 0), "{r:?}");
+            assert!(r.tokens_per_s > 0.0, "{r:?}");
+        }
     }
 
     #[test]
@@ -1060,6 +1133,7 @@ mod adaptive_tests {
         })
         .unwrap();
         assert_eq!(adaptive.wrong_tokens + fixed.wrong_tokens, 0);
+        assert_eq!(adaptive.protocol_errors + fixed.protocol_errors, 0);
         assert!(
             adaptive.takeovers > 0 && adaptive.cloud_decoded_share > 0.8,
             "{adaptive:?}"

@@ -205,3 +205,159 @@ impl LoadControl {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_engine::{EngineError, Logits, LogitsRow, SamplingParams, SeqChunk};
+    use tandem_sched::ForwardCost;
+    use tandem_spec::VerifyRule;
+
+    /// A target whose greedy token after position p is `p % 15 + 1`, each forward taking 1 ms.
+    struct Flat;
+
+    impl Target for Flat {
+        fn vocab(&self) -> usize {
+            16
+        }
+        fn context_len(&self) -> usize {
+            4096
+        }
+        fn kv_geometry(&self) -> (usize, usize) {
+            (16, 4096)
+        }
+        fn forward_timed(
+            &mut self,
+            batch: &[SeqChunk],
+            _tables: &[Vec<u32>],
+        ) -> (Result<Logits, EngineError>, u32) {
+            let (mut rows, mut data, mut t0) = (Vec::new(), Vec::new(), 0);
+            for c in batch {
+                for i in c.logits.indices(c.tokens.len()) {
+                    let pos = c.start_pos + i;
+                    let mut row = [0f32; 16];
+                    row[(pos + 1) % 15 + 1] = 1.0;
+                    data.extend_from_slice(&row);
+                    rows.push(LogitsRow {
+                        seq: c.seq,
+                        index: i,
+                        pos,
+                        token: t0 + i,
+                    });
+                }
+                t0 += c.tokens.len();
+            }
+            let l = Logits {
+                vocab: 16,
+                data,
+                rows,
+            };
+            (Ok(l), 1000)
+        }
+    }
+
+    fn control() -> LoadControl {
+        let cost = ForwardCost {
+            one_token_ms: 44.0,
+            ms_per_token: 2.2,
+        };
+        LoadControl::new(
+            GrantPolicy::new(4, 2, 40.0)
+                .with_cloud_decode()
+                .with_pace(cost),
+            0,
+        )
+    }
+
+    fn open(v: &mut Verifier<Flat>, c: &mut LoadControl, id: SessionId) {
+        let prompt = [3, 4, 5];
+        v.open(
+            id,
+            0,
+            &prompt,
+            SamplingParams::default(),
+            VerifyRule::Greedy,
+            40,
+            vec![],
+        )
+        .unwrap();
+        c.open(id, Some((4, 2)));
+    }
+
+    #[test]
+    fn a_crowd_is_taken_over_and_the_grant_relaxes_when_the_verifier_idles() {
+        let mut v = Verifier::new(Flat, crate::VerifierConfig::default()).unwrap();
+        let mut c = control();
+        for id in 0..64 {
+            open(&mut v, &mut c, id);
+        }
+        let (mut now, mut takeovers, mut n_decoded) = (0u64, 0, 0);
+        for _ in 0..40 {
+            let (events, t) = c.turn(now, &mut v);
+            takeovers += t;
+            for e in events.into_iter().chain(v.step(now)) {
+                if let Event::Decoded {
+                    session,
+                    mut decoded,
+                    handback,
+                } = e
+                {
+                    c.on_decoded(session, handback, &mut decoded);
+                    n_decoded += 1;
+                }
+            }
+            c.on_forward(now + 1, v.stats.last_batch.1, 1.0);
+            now += 1;
+        }
+        // 64 sessions of γ 4 are far past the ridge (≈ 20 tokens): γ 0, every one decoded by the
+        // verifier.
+        assert_eq!(c.grants().current(), (0, 1));
+        assert_eq!(takeovers, 64);
+        assert!((0..64).all(|id| c.is_cloud(id)));
+        assert!(n_decoded >= 64, "every session got decoded tokens: {n_decoded}");
+        // Idle spells relax the grant a level each.
+        let before = c.grants().current();
+        for k in 1..=4 {
+            c.turn(now + k * IDLE_RELAX_MS, &mut v);
+        }
+        assert_ne!(c.grants().current(), before, "relaxed");
+        // A closed session no longer counts.
+        c.close(3);
+        assert!(!c.is_cloud(3));
+    }
+
+    #[test]
+    fn verdicts_carry_a_grant_only_when_it_changed() {
+        let mut c = control();
+        c.open(1, Some((4, 2)));
+        c.open(2, None);
+        assert_eq!(
+            c.on_opened(1),
+            (4, 2),
+            "an idle verifier grants what was asked"
+        );
+        let mut v = Verdict {
+            epoch: 0,
+            block: 0,
+            accepted: 2,
+            token: 5,
+            verify_us: 1000,
+            grant: None,
+        };
+        c.on_verdict(1, &mut v, 4, 10);
+        assert_eq!(v.grant, None, "unchanged");
+        // A cloud-only generation has no grant to carry.
+        c.on_verdict(2, &mut v, 0, 10);
+        assert_eq!(v.grant, None);
+        let mut d = Decoded {
+            epoch: 1,
+            pos: 9,
+            token: 3,
+            resume: None,
+        };
+        c.on_decoded(1, false, &mut d);
+        assert_eq!(d.resume, None);
+        c.on_decoded(1, true, &mut d);
+        assert_eq!(d.resume, Some((4, 2)), "handed back within the grant");
+    }
+}

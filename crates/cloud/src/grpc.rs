@@ -40,6 +40,10 @@ pub struct ServiceInfo {
     /// The target's measured forward cost: with it, a session whose speculation commits slower
     /// than cloud decoding at this load is taken over on its own ([`tandem_sched::pace`]).
     pub forward_cost: Option<tandem_sched::ForwardCost>,
+    /// Adapt to the load: shrink grants down to γ 0 (the verifier decodes) and take slow sessions
+    /// over. Off, every session keeps the shape it asked for (within the maxima): speculation
+    /// measured as such.
+    pub adapt: bool,
 }
 
 impl ServiceInfo {
@@ -65,6 +69,7 @@ impl ServiceInfo {
             max_depth: max_depth.max(1),
             saturation_tokens: DEFAULT_SATURATION_TOKENS,
             forward_cost: None,
+            adapt: true,
         }
     }
 }
@@ -477,11 +482,17 @@ pub fn start(
     let gauges = Arc::new(Gauges::default());
     let g = gauges.clone();
     let names = tenants.names().to_vec();
-    let mut grants = GrantPolicy::new(info.max_draft_len, info.max_depth, info.saturation_tokens)
-        .with_cloud_decode();
-    if let Some(cost) = info.forward_cost {
-        grants = grants.with_pace(cost);
-    }
+    let grants = match (info.adapt, info.forward_cost) {
+        (false, _) => GrantPolicy::new(info.max_draft_len, info.max_depth, f64::INFINITY),
+        (true, cost) => {
+            let g = GrantPolicy::new(info.max_draft_len, info.max_depth, info.saturation_tokens)
+                .with_cloud_decode();
+            match cost {
+                Some(c) => g.with_pace(c),
+                None => g,
+            }
+        }
+    };
     let batcher = std::thread::Builder::new()
         .name("tandem-batcher".into())
         .spawn(move || crate::serve(verifier, rx, g, names, grants))

@@ -22,7 +22,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 
 use tandem_engine::{EngineError, SamplingParams};
-use tandem_sched::{SchedError, SessionId, TenantId};
+pub use tandem_sched::SchedError;
+use tandem_sched::{SessionId, TenantId};
 use tandem_spec::{Block, Decoded, SpecError, Verdict, VerifyRule};
 
 pub use batcher::serve;

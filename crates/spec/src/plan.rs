@@ -9,13 +9,15 @@
 //! measured forwards ([`ForwardCost::fit`]). The ridge `t₁ / s` is where the two meet.
 //!
 //! **Queueing.** N closed-loop sessions each send a block of γ + 1 positions per verdict they
-//! need; the verifier batches whatever is queued into one forward. At a fixed point of the
-//! session rate λ (blocks per ms, all sessions), a forward carries `b = clamp(λ·F, 1, N)` blocks
-//! (those that arrive while the previous one runs), takes `F = max(t₁, s·b·(γ + 1))`, and a block
-//! waits on average `U·(N − 1)/N · F / 2` for the forward in progress (`U = λ·F / b`, the busy
-//! share; its own session's earlier blocks are not in the way). Each session's rounds are then
-//! [`crate::policy`]'s with that wait plus `F` as the verify time. γ 0 is cloud decoding: every
-//! session in every forward, one token each, `ITL = max(t₁, s·N)`.
+//! need; the verifier batches whatever is queued into one forward. At a fixed point of the rate λ
+//! (blocks per ms, all decoding sessions), a forward carries `b = clamp(λ·F, 1, A)` blocks (those
+//! that arrive while the previous one runs; A the sessions decoding, not waiting for their first
+//! token), takes `F = max(t₁, s·b·(γ + 1))`, and a block waits on average `U·(N − 1)/N · F / 2`
+//! for the forward in progress (`U = λ·F / b`, the busy share; its own session's earlier blocks
+//! are not in the way), plus whole forwards when a round of work passes the token budget. Each
+//! session's rounds are then [`crate::policy`]'s with that wait plus `F` as the verify time. γ 0
+//! is cloud decoding: every session in every forward, one token each, `ITL = max(t₁, s·N)`.
+//! [`operate_on`] adds the workload: prompts, finite sessions, the budget and saturation.
 
 use serde::{Deserialize, Serialize};
 
@@ -36,7 +38,8 @@ impl ForwardCost {
     /// Fit to measured `(tokens, ms)` points, smallest first: the slope by least squares over the
     /// large sizes (at least a quarter of the largest; the last two if fewer qualify), the
     /// one-token time the median over the sizes up to 4 below them (all memory-bound, so one
-    /// noisy run does not set it). `None` unless there are two sizes.
+    /// noisy run does not set it; the smallest size's time when none is that small). `None`
+    /// unless there are two sizes.
     pub fn fit(points: &[(usize, f64)]) -> Option<Self> {
         if points.len() < 2 || points.iter().any(|p| !(p.1.is_finite() && p.1 > 0.0)) {
             return None;
@@ -249,8 +252,9 @@ pub fn operate_on(
         };
         // A prompt gets what verify work leaves of each forward (at least a quarter: the
         // scheduler's reserve for waiting prompts).
-        let ttft_new = if prompt > 0.0 {
-            c.rtt_ms + wait_new + fwd_prompt * (prompt / room).ceil()
+        // Finite sessions wait at least a round trip and a forward for their first token.
+        let ttft_new = if prompt > 0.0 || m < 1e11 {
+            c.rtt_ms + wait_new + fwd_prompt * (prompt / room).ceil().max(1.0)
         } else {
             0.0
         };
@@ -337,7 +341,8 @@ pub struct Stages {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Plan {
     pub sessions: usize,
-    /// The shape with the lowest predicted ITL (γ 0: the verifier should decode the sessions).
+    /// The shape with the most committed tokens per second (γ 0: the verifier should decode the
+    /// sessions).
     pub best: Operating,
     /// The best synchronous shape (depth 1, γ ≥ 1).
     pub best_sync: Operating,
@@ -392,7 +397,7 @@ pub fn plan(
         best,
         best_sync,
         cloud_only,
-        token_budget: (budget.ceil() as usize).div_ceil(8) * 8,
+        token_budget: (budget.min(1e15).ceil() as usize).div_ceil(8) * 8,
         ridge_tokens: f.ridge_tokens(),
         stages: Stages {
             draft_ms: g * c.draft_ms,
@@ -547,11 +552,29 @@ mod tests {
             assert!(crowd.ttft_ms > 10_000.0, "{crowd:?}");
             assert_eq!(crowd.batch_tokens, 64.0);
         }
-        // Endless sessions without prompts are the decoding steady state.
-        assert_eq!(
-            operate_on(&c, &FWD, 8, 4, 2, &Workload::DECODE),
-            operate(&c, &FWD, 8, 4, 2)
+        // Finite sessions without prompts still wait a round trip and a forward for their first
+        // token, and every result stays finite at the edges of the inputs.
+        let short = Workload {
+            prompt_tokens: 0,
+            new_tokens: 1,
+            token_budget: usize::MAX,
+        };
+        let one = operate_on(&c, &FWD, 1, 0, 1, &short);
+        assert!(
+            (one.ttft_ms - 94.0).abs() < 1e-6 && one.tokens_per_s.is_finite(),
+            "{one:?}"
         );
+        for alpha in [0.0, 0.5, 1.0] {
+            for (g, d) in [(0, 1), (1, 1), (4, 3)] {
+                for w in [Workload::DECODE, w, short] {
+                    let o = operate_on(&costs(alpha, 11.0, 50.0), &FWD, 3, g, d, &w);
+                    assert!(
+                        o.itl_ms.is_finite() && o.tokens_per_s.is_finite() && o.tokens_per_s > 0.0,
+                        "α {alpha} γ {g} depth {d} {w:?}: {o:?}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -80,23 +80,14 @@ pub fn async_itl_ms(c: &Costs, gamma: usize, depth: usize) -> f64 {
 }
 
 /// Expected verdicts in a pipelined run (α < 1, γ ≥ 1): the first, plus one per block until the
-/// one that shows the rejection — block ⌊K/γ⌋ for K accepted tokens, one earlier when the
-/// rejected token opens its block (the previous verdict's bonus already showed it).
+/// one that shows the rejection — block ⌊K/γ⌋ for K accepted tokens (K geometric: P(K = k) =
+/// (1 − α)·αᵏ), one earlier when the rejected token opens its block (the previous verdict's bonus
+/// already showed it). In closed form: E⌊K/γ⌋ = αᵞ/(1 − αᵞ), less P(K ≥ γ, γ | K) =
+/// (1 − α)·αᵞ/(1 − αᵞ).
 pub fn verdicts_per_run(alpha: f64, gamma: usize) -> f64 {
-    let (a, g) = (alpha.clamp(0.0, 1.0 - 1e-9), gamma.max(1));
-    let mut extra = 0.0;
-    let mut p_k = 1.0 - a; // P(K = k)
-    let mut k = 0usize;
-    while p_k > 1e-12 && k < 1_000_000 {
-        let mut b = k / g;
-        if k >= g && k.is_multiple_of(g) {
-            b -= 1;
-        }
-        extra += p_k * b as f64;
-        p_k *= a;
-        k += 1;
-    }
-    1.0 + extra
+    let (a, g) = (alpha.clamp(0.0, 1.0 - 1e-12), gamma.max(1) as i32);
+    let ag = a.powi(g);
+    1.0 + a * ag / (1.0 - ag)
 }
 
 /// A recommended shape and its predicted inter-token latencies.
@@ -229,6 +220,26 @@ mod tests {
         assert!((expected_accepted(0.0, 4) - 1.0).abs() < 1e-12);
         assert!((expected_accepted(1.0, 4) - 5.0).abs() < 1e-12);
         assert!((expected_accepted(0.5, 1) - 1.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn verdicts_per_run_is_the_sum_over_run_lengths() {
+        for (a, g) in [(0.8f64, 4usize), (0.6, 1), (0.95, 3), (0.3, 8), (0.999, 4)] {
+            // Sum over K = k (geometric): block ⌊k/γ⌋, one earlier when the rejection opens a block.
+            let mut sum = 1.0;
+            for k in 0..200_000usize {
+                let b = k / g - usize::from(k >= g && k % g == 0);
+                sum += (1.0 - a) * a.powi(k as i32) * b as f64;
+            }
+            let closed = verdicts_per_run(a, g);
+            assert!(
+                (closed - sum).abs() < 1e-6 * sum,
+                "α {a} γ {g}: {closed} vs {sum}"
+            );
+        }
+        // Continuous into α → 1: one verdict per γ tokens of an ever longer run.
+        let near = verdicts_per_run(1.0 - 1e-9, 4);
+        assert!((near * 4.0 * 1e-9 - 1.0).abs() < 1e-3, "{near}");
     }
 
     #[test]
