@@ -314,7 +314,10 @@ mod tests {
         assert_eq!(c.grants().current(), (0, 1));
         assert_eq!(takeovers, 64);
         assert!((0..64).all(|id| c.is_cloud(id)));
-        assert!(n_decoded >= 64, "every session got decoded tokens: {n_decoded}");
+        assert!(
+            n_decoded >= 64,
+            "every session got decoded tokens: {n_decoded}"
+        );
         // Idle spells relax the grant a level each.
         let before = c.grants().current();
         for k in 1..=4 {
