@@ -70,6 +70,9 @@ pub struct Row {
     pub draft_ms: f64,
     pub verify_ms: f64,
     pub net_ms: f64,
+    /// The link's mean round trip: a block's mean time from send to verdict less the verifier's
+    /// mean forward (meaningful for synchronous rows, where no block waits behind another).
+    pub link_rtt_ms: f64,
     /// The analytic model's ITL from this run's own measurements, and the relative error.
     pub predicted_itl_ms: Option<f64>,
     pub model_error: Option<f64>,
@@ -233,6 +236,9 @@ fn fold(draft: &str, rtt: f64, mode: &str, outs: &[GenOutput], want: &[Vec<u32>]
         draft_ms: round2(spec(&|s| s.measured.draft_ms)),
         verify_ms: round2(spec(&|s| s.measured.verify_ms)),
         net_ms: round2(spec(&|s| s.measured.net_ms)),
+        link_rtt_ms: round2(spec(&|s| {
+            (s.measured.block_round_trip_ms - s.measured.verify_ms).max(0.0)
+        })),
         predicted_itl_ms: None,
         model_error: None,
         same_as_target: (!want.is_empty())
@@ -240,19 +246,21 @@ fn fold(draft: &str, rtt: f64, mode: &str, outs: &[GenOutput], want: &[Vec<u32>]
     }
 }
 
-/// The model's inputs as measured in `r`, with the round trip it saw.
-fn costs_of(r: &Row) -> Costs {
+/// The model's inputs as measured in `r`, with the link's mean round trip `link_rtt_ms` (from
+/// the synchronous rows at this RTT: the nominal RTT plus what netem's jitter, the proxy and TCP
+/// add; the smallest recent one, which the edge's policy uses, under-states a round's cost).
+fn costs_of(r: &Row, link_rtt_ms: f64) -> Costs {
     Costs {
         alpha: r.acceptance_rate,
         draft_ms: r.draft_ms,
         verify_ms: r.verify_ms,
         verify_ms_per_token: 0.0,
-        rtt_ms: r.net_ms,
+        rtt_ms: link_rtt_ms,
     }
 }
 
-fn predict(r: &mut Row) {
-    let c = costs_of(r);
+fn predict(r: &mut Row, link_rtt_ms: f64) {
+    let c = costs_of(r, link_rtt_ms);
     let p = if r.depth <= 1 {
         sync_itl_ms(&c, r.gamma)
     } else {
@@ -404,7 +412,8 @@ pub fn run(
             for &g in &a.sync_gammas {
                 let outs = spec_runs(a, target, d, tok, &url, &prompts, g, 1, None)?;
                 let mut r = fold(&d.name, rtt, "sync", &outs, &want);
-                predict(&mut r);
+                let own = r.link_rtt_ms;
+                predict(&mut r, own);
                 sync_rows.push(r.clone());
                 emit(r, &mut rows);
             }
@@ -427,8 +436,10 @@ pub fn run(
                 a.max_depth,
             );
             let outs = spec_runs(a, target, d, tok, &url, &prompts, gamma, depth, None)?;
+            let link_rtt = sync_rows.iter().map(|r| r.link_rtt_ms).sum::<f64>()
+                / sync_rows.len().max(1) as f64;
             let mut r = fold(&d.name, rtt, "async", &outs, &want);
-            predict(&mut r);
+            predict(&mut r, link_rtt);
             emit(r, &mut rows);
             let auto = AutoShape {
                 max_draft_len: a.max_gamma,
@@ -437,7 +448,7 @@ pub fn run(
             };
             let outs = spec_runs(a, target, d, tok, &url, &prompts, 4, 2, Some(auto))?;
             let mut r = fold(&d.name, rtt, "async-auto", &outs, &want);
-            predict(&mut r);
+            predict(&mut r, link_rtt);
             emit(r, &mut rows);
         }
     }
