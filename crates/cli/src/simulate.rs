@@ -24,7 +24,7 @@ use tandem_cloud::control::LoadControl;
 use tandem_cloud::GrantPolicy;
 use tandem_cloud::SchedError;
 use tandem_cloud::{CloudError, Event, Target, Verifier, VerifierConfig};
-use tandem_engine::{EngineError, Logits, LogitsRow, SamplingParams, SeqChunk};
+use tandem_engine::{EngineError, Logits, SamplingParams, SeqChunk};
 use tandem_spec::plan::{operate_on, plan, ForwardCost, Workload};
 use tandem_spec::policy::Costs;
 use tandem_spec::sampling::uniform;
@@ -74,34 +74,12 @@ impl Target for SimTarget {
         batch: &[SeqChunk],
         _tables: &[Vec<u32>],
     ) -> (Result<Logits, EngineError>, u32) {
-        let mut rows = Vec::new();
-        let mut data = Vec::new();
-        let mut t0 = 0;
-        for c in batch {
-            for i in c.logits.indices(c.tokens.len()) {
-                let pos = c.start_pos + i;
-                let mut row = vec![0f32; VOCAB];
-                row[target_token(self.seed, c.seq.0, pos + 1) as usize] = 1.0;
-                data.extend_from_slice(&row);
-                rows.push(LogitsRow {
-                    seq: c.seq,
-                    index: i,
-                    pos,
-                    token: t0 + i,
-                });
-            }
-            t0 += c.tokens.len();
-        }
+        let seed = self.seed;
+        let logits = Logits::one_hot(batch, VOCAB, |seq, pos| target_token(seed, seq.0, pos + 1));
+        let t0: usize = batch.iter().map(|c| c.tokens.len()).sum();
         let us = (self.cost.ms(t0 as f64) * 1e3).round() as u32;
         self.last_us = us;
-        (
-            Ok(Logits {
-                vocab: VOCAB,
-                data,
-                rows,
-            }),
-            us,
-        )
+        (Ok(logits), us)
     }
 }
 

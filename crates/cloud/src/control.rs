@@ -209,7 +209,7 @@ impl LoadControl {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tandem_engine::{EngineError, Logits, LogitsRow, SamplingParams, SeqChunk};
+    use tandem_engine::{EngineError, Logits, SamplingParams, SeqChunk};
     use tandem_sched::ForwardCost;
     use tandem_spec::VerifyRule;
 
@@ -231,27 +231,7 @@ mod tests {
             batch: &[SeqChunk],
             _tables: &[Vec<u32>],
         ) -> (Result<Logits, EngineError>, u32) {
-            let (mut rows, mut data, mut t0) = (Vec::new(), Vec::new(), 0);
-            for c in batch {
-                for i in c.logits.indices(c.tokens.len()) {
-                    let pos = c.start_pos + i;
-                    let mut row = [0f32; 16];
-                    row[(pos + 1) % 15 + 1] = 1.0;
-                    data.extend_from_slice(&row);
-                    rows.push(LogitsRow {
-                        seq: c.seq,
-                        index: i,
-                        pos,
-                        token: t0 + i,
-                    });
-                }
-                t0 += c.tokens.len();
-            }
-            let l = Logits {
-                vocab: 16,
-                data,
-                rows,
-            };
+            let l = Logits::one_hot(batch, 16, |_, pos| ((pos + 1) % 15 + 1) as u32);
             (Ok(l), 1000)
         }
     }

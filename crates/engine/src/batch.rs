@@ -84,4 +84,26 @@ impl Logits {
     pub fn last_for(&self, seq: SeqId) -> Option<&[f32]> {
         self.for_seq(seq).last().map(|(_, l)| l)
     }
+
+    /// Logits for the positions `batch` asks for, one-hot at `next(seq, pos)`: the token a model
+    /// whose greedy choice after position `pos` is known would give (simulated targets).
+    pub fn one_hot(batch: &[SeqChunk], vocab: usize, next: impl Fn(SeqId, usize) -> u32) -> Self {
+        let (mut rows, mut data, mut t0) = (Vec::new(), Vec::new(), 0);
+        for c in batch {
+            for i in c.logits.indices(c.tokens.len()) {
+                let pos = c.start_pos + i;
+                let mut row = vec![0f32; vocab];
+                row[next(c.seq, pos) as usize] = 1.0;
+                data.extend_from_slice(&row);
+                rows.push(LogitsRow {
+                    seq: c.seq,
+                    index: i,
+                    pos,
+                    token: t0 + i,
+                });
+            }
+            t0 += c.tokens.len();
+        }
+        Self { vocab, data, rows }
+    }
 }
