@@ -41,9 +41,11 @@ const RETRY_US: u64 = 100_000;
 /// A replica whose plan came out empty plans again after this long (µs), as the batcher does.
 const THROTTLED_US: u64 = 2_000;
 
-/// The target's greedy token at `pos` of session `seq`.
-fn target_token(seed: u64, seq: u64, pos: usize) -> u32 {
-    1 + (uniform(seed ^ 0x7a6d, seq, pos as u64) * (VOCAB - 1) as f64) as u32 % (VOCAB as u32 - 1)
+/// The target's greedy token at `pos` of session `seq`, after `prev` at `pos − 1`: a function of
+/// what it was fed, so a verifier that fed a wrong token would get (and commit) a wrong one.
+fn target_token(seed: u64, seq: u64, pos: usize, prev: u32) -> u32 {
+    let key = (pos as u64) << 16 | prev as u64;
+    1 + (uniform(seed ^ 0x7a6d, seq, key) * (VOCAB - 1) as f64) as u32 % (VOCAB as u32 - 1)
 }
 
 /// The target as a cost model: a forward of n tokens takes `cost.ms(n)`; its logits rows are
@@ -75,7 +77,9 @@ impl Target for SimTarget {
         _tables: &[Vec<u32>],
     ) -> (Result<Logits, EngineError>, u32) {
         let seed = self.seed;
-        let logits = Logits::one_hot(batch, VOCAB, |seq, pos| target_token(seed, seq.0, pos + 1));
+        let logits = Logits::one_hot(batch, VOCAB, |seq, pos, t| {
+            target_token(seed, seq.0, pos + 1, t)
+        });
         let t0: usize = batch.iter().map(|c| c.tokens.len()).sum();
         let us = (self.cost.ms(t0 as f64) * 1e3).round() as u32;
         self.last_us = us;
@@ -206,6 +210,8 @@ struct Session {
     /// (µs, tokens) of each commit.
     commits: Vec<(u64, usize)>,
     committed: usize,
+    /// The last committed token (the prompt's last at first).
+    last: u32,
     /// Tokens that came as `Decoded` (the replica decoded them).
     decoded: usize,
     done: bool,
@@ -312,8 +318,11 @@ impl Sim {
                     * self.cfg.rtt_spread_pct
                     / 100.0;
                 let prompt: Vec<u32> = (0..self.cfg.prompt_tokens)
-                    .map(|i| target_token(self.cfg.seed ^ 0x9, sid, i))
+                    .map(|i| target_token(self.cfg.seed ^ 0x9, sid, i, 0))
                     .collect();
+                let last = *prompt
+                    .last()
+                    .expect("invariant: a prompt of at least one token");
                 self.sessions.insert(
                     sid,
                     Session {
@@ -327,6 +336,7 @@ impl Sim {
                         start_us: self.now,
                         commits: Vec::new(),
                         committed: 0,
+                        last,
                         decoded: 0,
                         done: false,
                     },
@@ -655,16 +665,17 @@ impl Sim {
 
     fn commit(&mut self, sid: u64, pos: usize, tokens: &[u32]) {
         let seed = self.cfg.seed;
-        let wrong = tokens
-            .iter()
-            .enumerate()
-            .filter(|(i, &t)| t != target_token(seed, sid, pos + i))
-            .count();
-        self.wrong += wrong;
         let s = self
             .sessions
             .get_mut(&sid)
             .expect("invariant: committing session");
+        // Each token checked against the target's choice after what was committed before it.
+        for (i, &t) in tokens.iter().enumerate() {
+            if t != target_token(seed, sid, pos + i, s.last) {
+                self.wrong += 1;
+            }
+            s.last = t;
+        }
         s.commits.push((self.now, tokens.len()));
         s.committed += tokens.len();
     }
@@ -683,7 +694,8 @@ impl Sim {
         match p.next() {
             Next::Draft => {
                 let pos = p.tokens().len();
-                let right = target_token(self.cfg.seed, sid, pos);
+                let prev = p.tokens()[pos - 1];
+                let right = target_token(self.cfg.seed, sid, pos, prev);
                 let u = uniform(self.cfg.seed ^ 0xd4af, sid, (pos as u64) << 20 | p.epoch());
                 let token = if u < self.cfg.alpha {
                     right

@@ -231,7 +231,7 @@ mod tests {
             batch: &[SeqChunk],
             _tables: &[Vec<u32>],
         ) -> (Result<Logits, EngineError>, u32) {
-            let l = Logits::one_hot(batch, 16, |_, pos| ((pos + 1) % 15 + 1) as u32);
+            let l = Logits::one_hot(batch, 16, |_, pos, _| ((pos + 1) % 15 + 1) as u32);
             (Ok(l), 1000)
         }
     }

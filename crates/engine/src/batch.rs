@@ -85,15 +85,19 @@ impl Logits {
         self.for_seq(seq).last().map(|(_, l)| l)
     }
 
-    /// Logits for the positions `batch` asks for, one-hot at `next(seq, pos)`: the token a model
-    /// whose greedy choice after position `pos` is known would give (simulated targets).
-    pub fn one_hot(batch: &[SeqChunk], vocab: usize, next: impl Fn(SeqId, usize) -> u32) -> Self {
+    /// Logits for the positions `batch` asks for, one-hot at `next(seq, pos, token)`: the greedy
+    /// choice of a model that follows `token` at position `pos` (simulated targets).
+    pub fn one_hot(
+        batch: &[SeqChunk],
+        vocab: usize,
+        next: impl Fn(SeqId, usize, u32) -> u32,
+    ) -> Self {
         let (mut rows, mut data, mut t0) = (Vec::new(), Vec::new(), 0);
         for c in batch {
             for i in c.logits.indices(c.tokens.len()) {
                 let pos = c.start_pos + i;
                 let mut row = vec![0f32; vocab];
-                row[next(c.seq, pos) as usize] = 1.0;
+                row[next(c.seq, pos, c.tokens[i]) as usize] = 1.0;
                 data.extend_from_slice(&row);
                 rows.push(LogitsRow {
                     seq: c.seq,
