@@ -237,9 +237,7 @@ struct Sim {
     cfg: SimConfig,
     now: u64,
     seq: u64,
-    queue: BinaryHeap<Reverse<(u64, u64, usize)>>,
-    evs: HashMap<usize, Ev>,
-    next_ev: usize,
+    queue: BinaryHeap<Reverse<Queued>>,
     sessions: HashMap<u64, Session>,
     next_sid: u64,
     replicas: Vec<Replica>,
@@ -255,13 +253,38 @@ struct Sim {
     events: u64,
 }
 
+/// An event due at `t` (µs); events due at the same time run in the order they were queued.
+struct Queued {
+    t: u64,
+    seq: u64,
+    ev: Ev,
+}
+
+impl PartialEq for Queued {
+    fn eq(&self, other: &Self) -> bool {
+        (self.t, self.seq) == (other.t, other.seq)
+    }
+}
+
+impl Eq for Queued {}
+
+impl PartialOrd for Queued {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Queued {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.t, self.seq).cmp(&(other.t, other.seq))
+    }
+}
+
 impl Sim {
     fn at(&mut self, t: u64, ev: Ev) {
-        let id = self.next_ev;
-        self.next_ev += 1;
-        self.evs.insert(id, ev);
         self.seq += 1;
-        self.queue.push(Reverse((t, self.seq, id)));
+        let seq = self.seq;
+        self.queue.push(Reverse(Queued { t, seq, ev }));
     }
 
     /// Deliver `ev` on session `sid`'s link in one direction (`up`: edge to cloud) after half a
@@ -295,16 +318,12 @@ impl Sim {
             self.at(t, Ev::Start { user });
         }
         let end = self.window.1;
-        while let Some(Reverse((t, _, id))) = self.queue.pop() {
+        while let Some(Reverse(Queued { t, ev, .. })) = self.queue.pop() {
             if t > end {
                 break;
             }
             self.now = t;
             self.events += 1;
-            let ev = self
-                .evs
-                .remove(&id)
-                .expect("invariant: every queued event is stored");
             self.handle(ev);
         }
     }
@@ -828,8 +847,6 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
         now: 0,
         seq: 0,
         queue: BinaryHeap::new(),
-        evs: HashMap::new(),
-        next_ev: 0,
         sessions: HashMap::new(),
         next_sid: 1,
         replicas,
