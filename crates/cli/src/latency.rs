@@ -17,7 +17,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tandem_edge::{AutoShape, SpecConfig};
 use tandem_engine::{CpuSet, Engine, EngineConfig, LlamaModel, SamplingParams, Tokenizer};
-use tandem_spec::policy::{async_itl_ms, sync_itl_ms, Costs};
+use tandem_spec::policy::{async_itl_ms, session_itl_ms, sync_itl_ms, Costs};
 use tandem_spec::VerifyRule;
 
 use crate::cloudproc::{CloudProcess, Link};
@@ -70,6 +70,8 @@ pub struct Row {
     pub draft_ms: f64,
     pub verify_ms: f64,
     pub net_ms: f64,
+    /// The edge's own work per verdict outside draft forwards (see `Measured::verdict_ms`).
+    pub verdict_ms: f64,
     /// The link's mean round trip: a block's mean time from send to verdict less the verifier's
     /// mean forward (meaningful for synchronous rows, where no block waits behind another).
     pub link_rtt_ms: f64,
@@ -105,6 +107,8 @@ pub struct LatencyReport {
     /// Per draft: the costs measured at the first RTT, from which async's γ / depth were planned.
     pub calibration: Vec<(String, Costs)>,
     pub rows: Vec<Row>,
+    /// The cloud-only (target) output of each prompt, against which every other row was checked.
+    pub target_outputs: Vec<Vec<u32>>,
     pub summary: Vec<Verdict>,
     /// llama.cpp on the same files, 1 thread (decode tok/s, chunk forward ms), when installed.
     pub peer: Option<Value>,
@@ -170,6 +174,7 @@ fn peer_model(
                 verify_ms: v0,
                 verify_ms_per_token: v1,
                 rtt_ms: rtt + c.rtt_ms,
+                verdict_ms: c.verdict_ms,
             };
             let sync = (1..=max_gamma)
                 .map(|g| sync_itl_ms(&costs, g))
@@ -236,6 +241,7 @@ fn fold(draft: &str, rtt: f64, mode: &str, outs: &[GenOutput], want: &[Vec<u32>]
         draft_ms: round2(spec(&|s| s.measured.draft_ms)),
         verify_ms: round2(spec(&|s| s.measured.verify_ms)),
         net_ms: round2(spec(&|s| s.measured.net_ms)),
+        verdict_ms: round2(spec(&|s| s.measured.verdict_ms)),
         link_rtt_ms: round2(spec(&|s| {
             (s.measured.block_round_trip_ms - s.measured.verify_ms).max(0.0)
         })),
@@ -256,16 +262,16 @@ fn costs_of(r: &Row, link_rtt_ms: f64) -> Costs {
         verify_ms: r.verify_ms,
         verify_ms_per_token: 0.0,
         rtt_ms: link_rtt_ms,
+        verdict_ms: r.verdict_ms,
     }
 }
 
-fn predict(r: &mut Row, link_rtt_ms: f64) {
+/// The model's ITL for `r`, over sessions as long as the row's (`prompts` outputs of
+/// `r.tokens` tokens in all; each one's first token comes from the prefill).
+fn predict(r: &mut Row, link_rtt_ms: f64, prompts: usize) {
     let c = costs_of(r, link_rtt_ms);
-    let p = if r.depth <= 1 {
-        sync_itl_ms(&c, r.gamma)
-    } else {
-        async_itl_ms(&c, r.gamma, r.depth)
-    };
+    let gaps = (r.tokens / prompts.max(1)).saturating_sub(1);
+    let p = session_itl_ms(&c, r.gamma, r.depth, gaps);
     r.predicted_itl_ms = Some(round2(p));
     r.model_error = Some(round2((r.itl_ms.mean - p) / p * 100.0) / 100.0);
 }
@@ -277,6 +283,7 @@ fn calibrate(rows: &[&Row]) -> Costs {
     let alpha = rows.iter().map(|r| r.acceptance_rate).sum::<f64>() / n;
     let draft_ms = rows.iter().map(|r| r.draft_ms).sum::<f64>() / n;
     let rtt_ms = rows.iter().map(|r| r.net_ms).sum::<f64>() / n;
+    let verdict_ms = rows.iter().map(|r| r.verdict_ms).sum::<f64>() / n;
     let xs: Vec<f64> = rows.iter().map(|r| (r.gamma + 1) as f64).collect();
     let ys: Vec<f64> = rows.iter().map(|r| r.verify_ms).collect();
     let (mx, my) = (xs.iter().sum::<f64>() / n, ys.iter().sum::<f64>() / n);
@@ -289,6 +296,7 @@ fn calibrate(rows: &[&Row]) -> Costs {
         verify_ms: my - slope * mx,
         verify_ms_per_token: slope,
         rtt_ms,
+        verdict_ms,
     }
 }
 
@@ -413,7 +421,7 @@ pub fn run(
                 let outs = spec_runs(a, target, d, tok, &url, &prompts, g, 1, None)?;
                 let mut r = fold(&d.name, rtt, "sync", &outs, &want);
                 let own = r.link_rtt_ms;
-                predict(&mut r, own);
+                predict(&mut r, own, prompts.len());
                 sync_rows.push(r.clone());
                 emit(r, &mut rows);
             }
@@ -439,7 +447,7 @@ pub fn run(
             let link_rtt = sync_rows.iter().map(|r| r.link_rtt_ms).sum::<f64>()
                 / sync_rows.len().max(1) as f64;
             let mut r = fold(&d.name, rtt, "async", &outs, &want);
-            predict(&mut r, link_rtt);
+            predict(&mut r, link_rtt, prompts.len());
             emit(r, &mut rows);
             let auto = AutoShape {
                 max_draft_len: a.max_gamma,
@@ -448,7 +456,7 @@ pub fn run(
             };
             let outs = spec_runs(a, target, d, tok, &url, &prompts, 4, 2, Some(auto))?;
             let mut r = fold(&d.name, rtt, "async-auto", &outs, &want);
-            predict(&mut r, link_rtt);
+            predict(&mut r, link_rtt, prompts.len());
             emit(r, &mut rows);
         }
     }
@@ -486,6 +494,7 @@ pub fn run(
         cloud_cpus: a.cloud_cpus.to_string(),
         calibration,
         rows,
+        target_outputs: want,
         summary,
         peer,
     })
@@ -558,8 +567,8 @@ pub fn table(r: &LatencyReport) -> String {
         if r.edge_cpus.is_empty() { "any" } else { &r.edge_cpus },
         if r.cloud_cpus.is_empty() { "any" } else { &r.cloud_cpus },
     );
-    s += "| draft | RTT ms | mode | γ | depth | TTFT ms | ITL mean | p50 | p99 | α | E[A] | wasted drafts | model ITL | model err | = target |\n";
-    s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    s += "| draft | RTT ms | mode | γ | depth | TTFT ms | ITL mean | p50 | p99 | α | E[A] | wasted drafts | draft ms | edge ms/verdict | model ITL | model err | = target |\n";
+    s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for x in &r.rows {
         let spec = x.mode != "edge-only" && x.mode != "cloud-only";
         let opt = |v: Option<f64>, pct: bool| match v {
@@ -568,7 +577,7 @@ pub fn table(r: &LatencyReport) -> String {
             None => "-".into(),
         };
         s += &format!(
-            "| {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             x.draft,
             if x.mode == "edge-only" { "-".into() } else { format!("{:.0}", x.rtt_ms) },
             x.mode,
@@ -581,6 +590,8 @@ pub fn table(r: &LatencyReport) -> String {
             if spec { format!("{:.2}", x.acceptance_rate) } else { "-".into() },
             if spec { format!("{:.2}", x.mean_accepted) } else { "-".into() },
             if spec { format!("{}/{}", x.wasted_draft_tokens, x.drafted) } else { "-".into() },
+            if spec { format!("{:.1}", x.draft_ms) } else { "-".into() },
+            if spec { format!("{:.1}", x.verdict_ms) } else { "-".into() },
             opt(x.predicted_itl_ms, false),
             opt(x.model_error, true),
             x.same_as_target.map_or("-", |b| if b { "yes" } else { "NO" }),
@@ -683,6 +694,7 @@ mod tests {
             verify_ms: 80.0,
             verify_ms_per_token: 8.0,
             rtt_ms: 0.0,
+            verdict_ms: 0.0,
         };
         let (_, d) = plan_pipelined(&c, 8, 4);
         assert!(d >= 2);

@@ -36,9 +36,10 @@ pub struct LoadArgs {
     /// prefill burst).
     pub duration_s: f64,
     pub warmup_s: f64,
-    /// What each edge asks for; the verifier's load-aware grant may give less.
+    /// What each edge asks for; the verifier's load-aware grant may give less. One row per depth
+    /// and α: depth 1 is synchronous speculation (`sync`), more is pipelined (`async`).
     pub gamma: usize,
-    pub depth: usize,
+    pub depths: Vec<usize>,
     pub max_new: usize,
     pub prompts: Vec<String>,
     pub token_budget: usize,
@@ -67,8 +68,10 @@ pub struct Roofline {
 /// One mode at one load.
 #[derive(Debug, Clone, Serialize)]
 pub struct LoadRow {
-    /// `cloud-only` or `spec`.
+    /// `cloud-only`, `sync` (depth 1) or `async`.
     pub mode: String,
+    /// Blocks in flight each edge asked for (0 for cloud-only).
+    pub depth: usize,
     pub sessions: usize,
     /// The synthetic edges' α (None for cloud-only), and the α the verifier measured.
     pub alpha: Option<f64>,
@@ -103,7 +106,7 @@ pub struct LoadReport {
     pub draft_ms: f64,
     pub duration_s: f64,
     pub gamma: usize,
-    pub depth: usize,
+    pub depths: Vec<usize>,
     pub token_budget: usize,
     pub roofline: Roofline,
     /// Tokens per forward the verifier's grants were tuned to.
@@ -323,7 +326,7 @@ fn spec_session(
     j: &Job<'_>,
     rt: &tokio::runtime::Runtime,
     k: usize,
-    alpha: f64,
+    (alpha, depth): (f64, usize),
     seed: u64,
 ) -> Result<SessionOut> {
     let (prompt, want) = (&j.prompts[k], &j.wants[k]);
@@ -332,7 +335,7 @@ fn spec_session(
         alpha,
         draft_ms: j.a.draft_ms,
         gamma: j.a.gamma,
-        depth: j.a.depth,
+        depth,
         seed,
         vocab: j.vocab,
     };
@@ -382,7 +385,14 @@ fn cloud_session(j: &Job<'_>, rt: &tokio::runtime::Runtime, k: usize) -> Result<
 
 /// N closed-loop users for `duration_s`: each starts sessions one after another (prompts in turn)
 /// until the window closes, then finishes the one it is in.
-fn drive(j: &Job<'_>, n: usize, alpha: Option<f64>, cloud: &CloudProcess) -> Result<LoadRow> {
+/// `spec`: the synthetic edges' α and depth; `None`: cloud-only clients.
+fn drive(
+    j: &Job<'_>,
+    n: usize,
+    spec: Option<(f64, usize)>,
+    cloud: &CloudProcess,
+) -> Result<LoadRow> {
+    let alpha = spec.map(|s| s.0);
     let rt = crate::runtime()?;
     let t0 = Instant::now();
     let from = t0 + Duration::from_secs_f64(j.a.warmup_s);
@@ -403,8 +413,8 @@ fn drive(j: &Job<'_>, n: usize, alpha: Option<f64>, cloud: &CloudProcess) -> Res
                     let mut k = u;
                     while Instant::now() < deadline {
                         let p = k % j.prompts.len();
-                        let r = match alpha {
-                            Some(a) => spec_session(j, rt, p, a, (u as u64) << 32 | k as u64),
+                        let r = match spec {
+                            Some(s) => spec_session(j, rt, p, s, (u as u64) << 32 | k as u64),
                             None => cloud_session(j, rt, p),
                         };
                         match r {
@@ -474,12 +484,13 @@ fn drive(j: &Job<'_>, n: usize, alpha: Option<f64>, cloud: &CloudProcess) -> Res
         p99: round2(s.p99),
     };
     Ok(LoadRow {
-        mode: if alpha.is_some() {
-            "spec"
-        } else {
-            "cloud-only"
+        mode: match spec {
+            None => "cloud-only",
+            Some((_, 1)) => "sync",
+            Some(_) => "async",
         }
         .into(),
+        depth: spec.map_or(0, |s| s.1),
         sessions: n,
         alpha,
         measured_alpha: round2(measured_alpha),
@@ -533,6 +544,9 @@ pub fn run(
     if a.sessions.is_empty() || a.sessions.contains(&0) {
         bail!("--sessions: give one or more counts, each at least 1");
     }
+    if a.depths.contains(&0) {
+        bail!("--depth: blocks in flight must each be at least 1");
+    }
     if let Some(x) = a.alphas.iter().find(|x| !(0.0..=1.0).contains(*x)) {
         bail!("--alpha: {x} is not a probability");
     }
@@ -555,7 +569,7 @@ pub fn run(
             "--max-draft-len".into(),
             a.gamma.to_string(),
             "--max-depth".into(),
-            a.depth.to_string(),
+            a.depths.iter().max().copied().unwrap_or(1).to_string(),
             "--max-waiting-tokens".into(),
             "100000".into(),
             "--kv-budget-mb".into(),
@@ -616,9 +630,11 @@ pub fn run(
             rows.push(r);
         }
         for &alpha in &a.alphas {
-            let r = drive(&job, n, Some(alpha), &cloud)?;
-            on_row(&r);
-            rows.push(r);
+            for &depth in &a.depths {
+                let r = drive(&job, n, Some((alpha, depth)), &cloud)?;
+                on_row(&r);
+                rows.push(r);
+            }
         }
     }
     let base = rows
@@ -658,7 +674,7 @@ pub fn run(
         draft_ms: a.draft_ms,
         duration_s: a.duration_s,
         gamma: a.gamma,
-        depth: a.depth,
+        depths: a.depths.clone(),
         token_budget: a.token_budget,
         roofline: roof,
         saturation_tokens: round2(saturation),
@@ -695,8 +711,8 @@ pub fn table(r: &LoadReport) -> String {
         ));
     }
     s.push_str(&format!(
-        "\nRTT {} ms, synthetic draft {} ms/token, γ ≤ {}, depth ≤ {}, token budget {}, {} s measured per row; SLOs: p99 ITL ≤ {:.1} ms, mean ITL ≤ {:.1} ms (3× and 1.5× the single-session cloud-only mean).\n\n",
-        r.rtt_ms, r.draft_ms, r.gamma, r.depth, r.token_budget, r.duration_s, r.slo_ms, r.mean_slo_ms
+        "\nRTT {} ms, synthetic draft {} ms/token, γ ≤ {}, depth {:?}, token budget {}, {} s measured per row; SLOs: p99 ITL ≤ {:.1} ms, mean ITL ≤ {:.1} ms (3× and 1.5× the single-session cloud-only mean).\n\n",
+        r.rtt_ms, r.draft_ms, r.gamma, r.depths, r.token_budget, r.duration_s, r.slo_ms, r.mean_slo_ms
     ));
     s.push_str("| mode | N | α (set / measured) | tok/s | ITL mean | ITL p50 | ITL p99 | TTFT p50 | batch | tokens/fwd | queue ms | fwd/token (bound) | γ granted | cloud-decoded | ÷ cloud-only | sessions | wrong |\n");
     s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");

@@ -144,6 +144,9 @@ struct PlanArgs {
     /// Network round trip, ms.
     #[arg(long)]
     rtt_ms: f64,
+    /// The edge's own work per verdict outside draft forwards, ms (`bench latency` measures it).
+    #[arg(long, default_value_t = 0.0)]
+    verdict_ms: f64,
     /// The target's forward time for one token, ms (memory-bound).
     #[arg(long)]
     verify_ms: Option<f64>,
@@ -402,6 +405,54 @@ enum BenchCmd {
     /// speaking the real protocol over an emulated link, beside N cloud-only clients; throughput,
     /// ITL, batch size and queue time per N and α, and the target's roofline.
     Load(LoadBenchArgs),
+    /// The paper's comparison in one go: edge-only, cloud-only, sync and async over RTTs with real
+    /// edges, the verifier under 1-64 sessions, the simulator and the model beside every
+    /// measurement; writes results.json, results.md and PNG plots, and checks them.
+    Paper(PaperBenchArgs),
+}
+
+#[derive(Args)]
+struct PaperBenchArgs {
+    /// A few minutes (CI's smoke test): RTT 0 and 50, 1 and 4 sessions, the 4-bit draft, short
+    /// outputs and windows. Without it the full run takes about 25 minutes on 2 cores.
+    #[arg(long)]
+    quick: bool,
+    /// Folder for results.json, results.md and the plots.
+    #[arg(long, default_value = "bench-paper")]
+    out: PathBuf,
+    /// Round trips of the one-session sweep, ms (default 0,20,50,100,200; quick: 0,50).
+    #[arg(long, value_delimiter = ',')]
+    rtts: Option<Vec<f64>>,
+    /// Session counts of the load sweep (default 1,4,16,64; quick: 1,4).
+    #[arg(long, value_delimiter = ',')]
+    sessions: Option<Vec<usize>>,
+    /// Round trips at which the load sweep is measured (the simulator covers every --rtts too).
+    #[arg(long, value_delimiter = ',', default_value = "50")]
+    load_rtts: Vec<f64>,
+    /// Draft schemes (groups of 32) (default w4a16,w8a16; quick: w4a16). The first one's α and
+    /// speed drive the synthetic edges of the load sweep.
+    #[arg(long, value_delimiter = ',')]
+    drafts: Option<Vec<Scheme>>,
+    /// Jitter per direction, as a percentage of the RTT.
+    #[arg(long, default_value_t = 10.0)]
+    jitter_pct: f64,
+    /// Tokens per prompt and per session (default 48; quick: 16).
+    #[arg(long)]
+    tokens: Option<usize>,
+    /// Seconds measured per load row, after the warm-up (default 30 and 20; quick: 6 and 2).
+    #[arg(long)]
+    duration: Option<f64>,
+    #[arg(long)]
+    warmup: Option<f64>,
+    #[arg(long)]
+    edge_cpus: Option<CpuSet>,
+    #[arg(long)]
+    cloud_cpus: Option<CpuSet>,
+    #[command(flatten)]
+    peer: PeerArgs,
+    /// Print results.json instead of results.md.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -425,11 +476,12 @@ struct LoadBenchArgs {
     duration: f64,
     #[arg(long, default_value_t = 10.0)]
     warmup: f64,
-    /// γ and depth each edge asks for (the verifier's load-aware grant may give less).
+    /// γ and depth each edge asks for (the verifier's load-aware grant may give less); several
+    /// depths give a row each (1: synchronous speculation).
     #[arg(long, default_value_t = 4)]
     gamma: usize,
-    #[arg(long, default_value_t = 2)]
-    depth: usize,
+    #[arg(long, value_delimiter = ',', default_value = "2")]
+    depth: Vec<usize>,
     /// Tokens per session.
     #[arg(long, default_value_t = 48)]
     max_new: usize,
@@ -598,6 +650,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Engine(a)) => cmd_bench(&home, a)?,
         Cmd::Bench(BenchCmd::Latency(a)) => cmd_latency(&home, a)?,
         Cmd::Bench(BenchCmd::Load(a)) => cmd_load(&home, a)?,
+        Cmd::Bench(BenchCmd::Paper(a)) => cmd_paper(&home, a)?,
         Cmd::Info(a) => {
             let m = models::load(&home, &a.model, None, false)?;
             let info = serde_json::json!({
@@ -627,6 +680,7 @@ fn run(cli: Cli) -> Result<()> {
                 alpha: a.alpha,
                 draft_ms: a.draft_ms,
                 rtt_ms: a.rtt_ms,
+                verdict_ms: a.verdict_ms,
                 sessions: a.sessions,
                 max_gamma: a.max_gamma,
                 max_depth: a.max_depth,
@@ -872,26 +926,13 @@ fn split_cores() -> (CpuSet, CpuSet) {
 fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
     use tandem_cli::load;
     let target = models::load(home, &ModelSpec::Target, None, a.json)?;
-    let mut drafts = Vec::new();
-    for scheme in [Scheme::W4A16, Scheme::W8A16] {
-        let cfg = QuantConfig {
-            scheme,
-            ..QuantConfig::default()
-        };
-        let path = models::ensure_quantized(home, &cfg, a.json)?;
-        let d = tandem_cli::latency::load_draft(&format!("{}-g32", scheme.name()), &path)?;
-        drafts.push((d.name, d.model));
-    }
+    let drafts: Vec<_> = drafts_of(home, &[Scheme::W4A16, Scheme::W8A16], a.json)?
+        .into_iter()
+        .map(|d| (d.name, d.model))
+        .collect();
     let (edge_default, cloud_default) = split_cores();
     let prompts = if a.prompts.is_empty() {
-        [
-            "Write a short story about a lighthouse keeper.",
-            "Explain how a bicycle works, step by step.",
-            "Describe a walk through a forest in autumn.",
-            "Write a letter to a friend about learning to cook.",
-        ]
-        .map(String::from)
-        .to_vec()
+        load_prompts()
     } else {
         a.prompts.clone()
     };
@@ -905,7 +946,7 @@ fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
         duration_s: a.duration,
         warmup_s: a.warmup,
         gamma: a.gamma.max(1),
-        depth: a.depth.max(1),
+        depths: a.depth.clone(),
         max_new: a.max_new,
         prompts,
         token_budget: a.token_budget,
@@ -935,22 +976,154 @@ fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
     report(&r, a.out.as_deref(), a.json, load::table)
 }
 
+/// The default chat prompts of the load sweep.
+fn load_prompts() -> Vec<String> {
+    [
+        "Write a short story about a lighthouse keeper.",
+        "Explain how a bicycle works, step by step.",
+        "Describe a walk through a forest in autumn.",
+        "Write a letter to a friend about learning to cook.",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// The default chat prompts of the one-session sweep.
+fn latency_prompts() -> Vec<String> {
+    vec![
+        "Write a short story about a robot who learns to paint.".to_string(),
+        "Explain how a bicycle works, step by step.".to_string(),
+    ]
+}
+
+/// The drafts made from the target by these schemes (groups of 32), made on first use.
+fn drafts_of(
+    home: &std::path::Path,
+    schemes: &[Scheme],
+    quiet: bool,
+) -> Result<Vec<tandem_cli::latency::Draft>> {
+    schemes
+        .iter()
+        .map(|scheme| {
+            let cfg = QuantConfig {
+                scheme: *scheme,
+                ..QuantConfig::default()
+            };
+            cfg.validate()?;
+            let path = models::ensure_quantized(home, &cfg, quiet)?;
+            tandem_cli::latency::load_draft(&format!("{}-g32", scheme.name()), &path)
+        })
+        .collect()
+}
+
+fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
+    use tandem_cli::{latency, load, paper};
+    let q = a.quick;
+    let target = models::load(home, &ModelSpec::Target, None, a.json)?;
+    let schemes = a.drafts.clone().unwrap_or(if q {
+        vec![Scheme::W4A16]
+    } else {
+        vec![Scheme::W4A16, Scheme::W8A16]
+    });
+    let drafts = drafts_of(home, &schemes, a.json)?;
+    let (edge_default, cloud_default) = split_cores();
+    let (edge_cpus, cloud_cpus) = (
+        a.edge_cpus.unwrap_or(edge_default),
+        a.cloud_cpus.unwrap_or(cloud_default),
+    );
+    let peer = if q { None } else { a.peer.find() };
+    let peer_target = peer
+        .as_ref()
+        .map(|_| models::ensure_f32_copy(home))
+        .transpose()?;
+    let tokens = a.tokens.unwrap_or(if q { 16 } else { 48 });
+    let jitter_frac = a.jitter_pct / 100.0;
+    let mut prompts = latency_prompts();
+    if q {
+        prompts.truncate(1);
+    }
+    let lat = latency::LatencyArgs {
+        home: home.to_path_buf(),
+        rtts: a.rtts.clone().unwrap_or(if q {
+            vec![0.0, 50.0]
+        } else {
+            vec![0.0, 20.0, 50.0, 100.0, 200.0]
+        }),
+        jitter_frac,
+        tokens,
+        prompts,
+        sync_gammas: if q { vec![2] } else { vec![1, 2, 3, 4] },
+        max_gamma: 8,
+        max_depth: 4,
+        edge_cpus,
+        cloud_cpus,
+        peer,
+        peer_target,
+    };
+    let ld = load::LoadArgs {
+        home: home.to_path_buf(),
+        sessions: a
+            .sessions
+            .clone()
+            .unwrap_or(if q { vec![1, 4] } else { vec![1, 4, 16, 64] }),
+        alphas: Vec::new(),
+        rtt_ms: 0.0,
+        jitter_frac,
+        draft_ms: 0.0,
+        duration_s: a.duration.unwrap_or(if q { 6.0 } else { 30.0 }),
+        warmup_s: a.warmup.unwrap_or(if q { 2.0 } else { 20.0 }),
+        gamma: 4,
+        depths: if q { vec![2] } else { vec![1, 2] },
+        max_new: tokens,
+        prompts: load_prompts(),
+        token_budget: tandem_cloud::VerifierConfig::default().token_budget,
+        kv_budget_mb: 2048,
+        cloud_only: true,
+        edge_cpus,
+        cloud_cpus,
+        saturation_tokens: None,
+    };
+    let args = paper::PaperArgs {
+        out_dir: a.out.clone(),
+        quick: q,
+        latency: lat,
+        load: ld,
+        load_rtts: a.load_rtts.clone(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+    };
+    let quiet = a.json;
+    let r = paper::run(&args, &target.model, &target.tokenizer, &drafts, |m| {
+        if !quiet {
+            eprintln!("{m}");
+        }
+    })?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        print!("{}", paper::markdown(&r));
+        eprintln!(
+            "wrote results.json, results.md and {} plots into {} ({:.0} s)",
+            r.plots.len(),
+            a.out.display(),
+            r.wall_s
+        );
+    }
+    let failed: Vec<&str> = r
+        .sanity
+        .iter()
+        .filter(|c| !c.ok)
+        .map(|c| c.check.as_str())
+        .collect();
+    if !failed.is_empty() {
+        bail!("sanity checks failed: {}", failed.join("; "));
+    }
+    Ok(())
+}
+
 fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
     use tandem_cli::latency;
     let target = models::load(home, &ModelSpec::Target, None, a.json)?;
-    let mut drafts = Vec::new();
-    for scheme in &a.drafts {
-        let cfg = QuantConfig {
-            scheme: *scheme,
-            ..QuantConfig::default()
-        };
-        cfg.validate()?;
-        let path = models::ensure_quantized(home, &cfg, a.json)?;
-        drafts.push(latency::load_draft(
-            &format!("{}-g32", scheme.name()),
-            &path,
-        )?);
-    }
+    let drafts = drafts_of(home, &a.drafts, a.json)?;
     let (edge_default, cloud_default) = split_cores();
     let peer = a.peer.find();
     let peer_target = peer
@@ -958,10 +1131,7 @@ fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
         .map(|_| models::ensure_f32_copy(home))
         .transpose()?;
     let prompts = if a.prompts.is_empty() {
-        vec![
-            "Write a short story about a robot who learns to paint.".to_string(),
-            "Explain how a bicycle works, step by step.".to_string(),
-        ]
+        latency_prompts()
     } else {
         a.prompts.clone()
     };

@@ -154,6 +154,8 @@ pub struct PlanQuery {
     pub alpha: f64,
     pub draft_ms: f64,
     pub rtt_ms: f64,
+    /// The edge's own work per verdict outside draft forwards.
+    pub verdict_ms: f64,
     pub sessions: Vec<usize>,
     pub max_gamma: usize,
     pub max_depth: usize,
@@ -166,6 +168,7 @@ pub fn run(q: &PlanQuery, roof: &RooflineArgs) -> Result<PlanReport> {
         alpha,
         draft_ms,
         rtt_ms,
+        verdict_ms,
         ref sessions,
         max_gamma,
         max_depth,
@@ -175,6 +178,9 @@ pub fn run(q: &PlanQuery, roof: &RooflineArgs) -> Result<PlanReport> {
         bail!("--alpha must be within 0..=1, got {alpha}");
     }
     positive(Some(draft_ms), "--draft-ms")?;
+    if !(verdict_ms.is_finite() && verdict_ms >= 0.0) {
+        bail!("--verdict-ms must be a non-negative number of ms, got {verdict_ms}");
+    }
     if !(rtt_ms.is_finite() && rtt_ms >= 0.0) {
         bail!("--rtt-ms must be 0 or more, got {rtt_ms}");
     }
@@ -191,6 +197,7 @@ pub fn run(q: &PlanQuery, roof: &RooflineArgs) -> Result<PlanReport> {
         verify_ms: forward.one_token_ms,
         verify_ms_per_token: 0.0,
         rtt_ms,
+        verdict_ms,
     };
     if workload.token_budget <= max_gamma {
         bail!(

@@ -879,6 +879,8 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
         verify_ms: 0.0,
         verify_ms_per_token: 0.0,
         rtt_ms: cfg.rtt_ms,
+        // A simulated edge handles verdicts in no time.
+        verdict_ms: 0.0,
     };
     let per = cfg.users.div_ceil(cfg.replicas);
     let work = Workload {

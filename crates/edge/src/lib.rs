@@ -94,6 +94,7 @@ pub fn default_prior(rtt_ms: f64) -> Costs {
         verify_ms: 60.0,
         verify_ms_per_token: 0.0,
         rtt_ms,
+        verdict_ms: 1.0,
     }
 }
 
@@ -108,6 +109,9 @@ pub struct Measured {
     pub block_round_trip_ms: f64,
     /// The round trip as the policy sees it (smallest recent arrival − send − verify).
     pub net_ms: f64,
+    /// The edge's own time per verdict outside draft forwards and waits: handling verdicts,
+    /// sending blocks, the draft's catch-up forwards after a correction, the caller's display.
+    pub verdict_ms: f64,
     /// γ and depth at the end, and how often the policy changed them.
     pub final_draft_len: usize,
     pub final_depth: usize,
@@ -218,12 +222,16 @@ pub fn run_with(
             verify_ms: 0.0,
             verify_ms_per_token: 0.0,
             rtt_ms: 0.0,
+            verdict_ms: 0.0,
         },
         |a| a.prior,
     ));
     let mut m = Measured::default();
     let (mut draft_total, mut draft_steps, mut verify_total, mut verified) = (0.0, 0usize, 0.0, 0);
     let (mut rt_total, mut arrivals) = (0.0, 0usize);
+    // The edge's busy time outside counted draft forwards: the step's time less its wait for a
+    // verdict and its draft forward.
+    let mut edge_work = 0.0;
     let apply = |outs: Vec<Output>,
                  draft: &mut dyn Drafter,
                  link: &mut dyn Link,
@@ -259,13 +267,19 @@ pub fn run_with(
     show(&mut on_update, &mut fresh, &[], None);
     loop {
         // One step; a lost connection anywhere in it is recovered below.
+        let step_start = Instant::now();
+        let mut idle_ms = 0.0;
+        let (arrivals_before, draft_before) = (arrivals, draft_total);
         let step = (|| -> Result<bool, EdgeError> {
             let mut arrived = Vec::new();
             while let Some(v) = link.recv(false)? {
                 arrived.push(v);
             }
             if arrived.is_empty() && p.next() == Next::Wait {
-                arrived.push(link.recv(true)?.ok_or(EdgeError::LinkClosed)?);
+                let w = Instant::now();
+                let v = link.recv(true)?.ok_or(EdgeError::LinkClosed)?;
+                idle_ms += w.elapsed().as_secs_f64() * 1e3;
+                arrived.push(v);
             }
             for v in arrived {
                 let v = match v {
@@ -383,6 +397,10 @@ pub fn run_with(
             }
             Ok(false)
         })();
+        let work =
+            step_start.elapsed().as_secs_f64() * 1e3 - idle_ms - (draft_total - draft_before);
+        edge_work += work.max(0.0);
+        est.on_edge_work(work, arrivals - arrivals_before);
         match step {
             Ok(true) => break,
             Ok(false) => {}
@@ -420,6 +438,7 @@ pub fn run_with(
     m.draft_ms = mean(draft_total, draft_steps);
     m.verify_ms = mean(verify_total, verified);
     m.block_round_trip_ms = mean(rt_total, arrivals);
+    m.verdict_ms = mean(edge_work, arrivals);
     m.net_ms = est.costs(0, 0).rtt_ms;
     m.final_draft_len = p.config().draft_len;
     m.final_depth = p.config().depth;

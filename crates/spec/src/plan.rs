@@ -458,6 +458,7 @@ mod tests {
             verify_ms: 0.0,
             verify_ms_per_token: 0.0,
             rtt_ms,
+            verdict_ms: 0.0,
         }
     }
 

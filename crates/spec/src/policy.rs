@@ -23,6 +23,10 @@ pub struct Costs {
     pub verify_ms_per_token: f64,
     /// Network round trip.
     pub rtt_ms: f64,
+    /// The edge's own work per verdict outside draft forwards: handling the verdict, sending the
+    /// next block, catching the draft up after a correction. It runs on the drafting thread, so
+    /// it adds to the drafting stage.
+    pub verdict_ms: f64,
 }
 
 /// Expected tokens committed per verify round with γ drafted tokens.
@@ -37,9 +41,14 @@ fn verify_time(c: &Costs, gamma: usize) -> f64 {
     c.verify_ms + c.verify_ms_per_token * (gamma + 1) as f64
 }
 
-/// One synchronous round: draft γ, send, verify, answer.
+/// The edge's time per block: γ draft forwards and the handling of the block's verdict.
+fn draft_stage(c: &Costs, gamma: usize) -> f64 {
+    gamma as f64 * c.draft_ms + c.verdict_ms
+}
+
+/// One synchronous round: draft γ, send, verify, answer, handle the answer.
 pub fn sync_round_ms(c: &Costs, gamma: usize) -> f64 {
-    gamma as f64 * c.draft_ms + c.rtt_ms + verify_time(c, gamma)
+    draft_stage(c, gamma) + c.rtt_ms + verify_time(c, gamma)
 }
 
 /// Expected inter-token latency of synchronous speculation.
@@ -65,18 +74,81 @@ pub fn async_itl_ms(c: &Costs, gamma: usize, depth: usize) -> f64 {
     let a = c.alpha.clamp(0.0, 1.0);
     let g = gamma.max(1);
     let round = sync_round_ms(c, g);
-    let period = (g as f64 * c.draft_ms)
+    let period = draft_stage(c, g)
         .max(verify_time(c, g))
         .max(round / depth as f64);
     if a > 1.0 - 1e-9 {
         return period / g as f64;
     }
-    let busy = (g as f64 * c.draft_ms / period).min(1.0);
+    let busy = (draft_stage(c, g) / period).min(1.0);
     let reaction = busy * c.draft_ms / 2.0;
     // Periods after the run's first verdict until the rejection is seen.
     let extra = verdicts_per_run(a, g) - 1.0;
     let tokens = 1.0 / (1.0 - a);
     (round + reaction + period * extra) / tokens
+}
+
+/// Sessions longer than this use the steady-state ITL (the finite-session correction is below
+/// 1% there and its recursion grows with the square of the length).
+const SESSION_DP_MAX: usize = 2048;
+
+/// Expected ITL over a session that commits `tokens` tokens after its first (which comes with the
+/// prompt's prefill), rather than in the steady state of an endless one.
+///
+/// A short session pays for its start: the first block's verdict is a full round away, as after a
+/// rejection, so a session of n tokens holds about one run more than n·(1 − α). It also ends
+/// inside a run, whose later blocks it does not wait for. With α 0.96 and 47 gaps that is a
+/// third more runs than the steady state counts. The recursion runs over the tokens left:
+/// `T(m) = Σₖ P(K = k)·(run(k) + T(m − k − 1))`, with the run that reaches m cut at its last
+/// needed verdict; synchronous rounds the same way (each commits min(K + 1, γ + 1) tokens).
+pub fn session_itl_ms(c: &Costs, gamma: usize, depth: usize, tokens: usize) -> f64 {
+    let steady = if depth <= 1 {
+        sync_itl_ms(c, gamma)
+    } else {
+        async_itl_ms(c, gamma, depth)
+    };
+    if tokens == 0 || tokens > SESSION_DP_MAX {
+        return steady;
+    }
+    let a = c.alpha.clamp(0.0, 1.0);
+    let g = gamma.max(1);
+    let round = sync_round_ms(c, g);
+    // P(K = k) for k accepted tokens before the first rejection, and P(K ≥ k).
+    let p = |k: usize| (1.0 - a) * a.powi(k as i32);
+    let at_least = |k: usize| a.powi(k as i32);
+    let mut t = vec![0.0f64; tokens + 1];
+    if depth <= 1 {
+        for m in 1..=tokens {
+            let mut e = 0.0;
+            for k in 0..g {
+                e += p(k) * (round + t[m.saturating_sub(k + 1)]);
+            }
+            e += at_least(g) * (round + t[m.saturating_sub(g + 1)]);
+            t[m] = e;
+        }
+        return t[tokens] / tokens as f64;
+    }
+    let period = draft_stage(c, g)
+        .max(verify_time(c, g))
+        .max(round / depth as f64);
+    let reaction = (draft_stage(c, g) / period).min(1.0) * c.draft_ms / 2.0;
+    // Verdicts until a run of k accepted tokens shows its rejection.
+    let verdicts = |k: usize| k / g + 1 - usize::from(k >= g && k.is_multiple_of(g));
+    // Time of a run of k accepted tokens, and of one that finishes the session's m tokens.
+    let run = |k: usize, react: f64| round + react + period * (verdicts(k) - 1) as f64;
+    let finish = |m: usize, react: f64| round + react + period * (m.div_ceil(g) - 1) as f64;
+    let expect = |m: usize, react: f64, t: &[f64]| {
+        let mut e = 0.0;
+        for k in 0..m {
+            e += p(k) * (run(k, react) + t[m - k - 1]);
+        }
+        e + at_least(m) * finish(m, react)
+    };
+    for m in 1..tokens {
+        t[m] = expect(m, reaction, &t);
+    }
+    // The session's first run starts from an idle edge: no reaction delay.
+    expect(tokens, 0.0, &t) / tokens as f64
 }
 
 /// Expected verdicts in a pipelined run (α < 1, γ ≥ 1): the first, plus one per block until the
@@ -138,6 +210,8 @@ pub struct Estimator {
     /// Recent samples of (arrival − send − verify): the network plus any queueing and the edge's
     /// reaction delay; the smallest recent one is the round trip.
     net: VecDeque<f64>,
+    /// The edge's work outside draft forwards so far (ms), and the verdicts it handled.
+    edge_work: (f64, usize),
 }
 
 /// Weight of the newest sample in the running means.
@@ -154,7 +228,14 @@ impl Estimator {
             draft_ms: None,
             verify_ms: None,
             net: VecDeque::new(),
+            edge_work: (0.0, 0),
         }
+    }
+
+    /// The edge spent `ms` outside draft forwards and waiting, handling `verdicts` verdicts.
+    pub fn on_edge_work(&mut self, ms: f64, verdicts: usize) {
+        self.edge_work.0 += ms.max(0.0);
+        self.edge_work.1 += verdicts;
     }
 
     fn ewma(slot: &mut Option<f64>, x: f64) {
@@ -197,6 +278,10 @@ impl Estimator {
                 .copied()
                 .reduce(f64::min)
                 .unwrap_or(self.prior.rtt_ms),
+            verdict_ms: match self.edge_work {
+                (_, 0) => self.prior.verdict_ms,
+                (ms, n) => ms / n as f64,
+            },
         }
     }
 }
@@ -212,7 +297,91 @@ mod tests {
             verify_ms: 30.0,
             verify_ms_per_token: 2.0,
             rtt_ms: rtt,
+            verdict_ms: 0.0,
         }
+    }
+
+    #[test]
+    fn the_edges_work_per_verdict_lengthens_the_drafting_stage() {
+        let c = costs(0.9, 50.0);
+        let busy = Costs {
+            verdict_ms: 5.0,
+            ..c
+        };
+        assert!((sync_round_ms(&busy, 4) - sync_round_ms(&c, 4) - 5.0).abs() < 1e-9);
+        // Drafting-bound (period = γ·draft + handling): a perfect draft slows by 5 ms a block.
+        let (p0, p1) = (Costs { alpha: 1.0, ..c }, Costs { alpha: 1.0, ..busy });
+        let d = async_itl_ms(&p1, 4, 8) - async_itl_ms(&p0, 4, 8);
+        assert!((d - 5.0 / 4.0).abs() < 1e-9, "{d}");
+    }
+
+    /// Monte Carlo of a session: runs of K accepted tokens (geometric), timed as the model times
+    /// them (a full round, then a period per further verdict; sync: a round per block).
+    fn monte_carlo(c: &Costs, gamma: usize, depth: usize, tokens: usize, n: usize) -> f64 {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut uniform = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let round = sync_round_ms(c, gamma);
+        let period = draft_stage(c, gamma)
+            .max(verify_time(c, gamma))
+            .max(round / depth as f64);
+        let reaction = (draft_stage(c, gamma) / period).min(1.0) * c.draft_ms / 2.0;
+        let mut total = 0.0;
+        for _ in 0..n {
+            let (mut left, mut first) = (tokens, true);
+            while left > 0 {
+                let mut k = 0;
+                while uniform() < c.alpha {
+                    k += 1;
+                }
+                if depth <= 1 {
+                    total += round;
+                    left = left.saturating_sub(k.min(gamma) + 1);
+                    continue;
+                }
+                total += round + if first { 0.0 } else { reaction };
+                first = false;
+                let needed = if k + 1 >= left && k >= left {
+                    left.div_ceil(gamma)
+                } else {
+                    k / gamma + 1 - usize::from(k >= gamma && k.is_multiple_of(gamma))
+                };
+                total += period * (needed - 1) as f64;
+                left = left.saturating_sub(k + 1);
+            }
+        }
+        total / (n * tokens) as f64
+    }
+
+    #[test]
+    fn short_sessions_pay_for_their_start() {
+        for (a, g, d) in [(0.96, 3, 3), (0.7, 2, 3), (0.96, 4, 1), (0.6, 2, 1)] {
+            let c = costs(a, 50.0);
+            let s = session_itl_ms(&c, g, d, 47);
+            let mc = monte_carlo(&c, g, d, 47, 100_000);
+            assert!(
+                (s - mc).abs() < 0.01 * mc,
+                "α {a} γ {g} depth {d}: {s} vs {mc}"
+            );
+            // Long sessions approach the steady state.
+            let steady = if d <= 1 {
+                sync_itl_ms(&c, g)
+            } else {
+                async_itl_ms(&c, g, d)
+            };
+            let long = session_itl_ms(&c, g, d, 2000);
+            assert!((long - steady).abs() < 0.01 * steady, "{long} vs {steady}");
+        }
+        // A good draft's pipeline is hurt most: its few runs each pay a full round (here 11%).
+        let c = costs(0.96, 50.0);
+        let (short, steady) = (session_itl_ms(&c, 3, 3, 47), async_itl_ms(&c, 3, 3));
+        assert!(short > 1.08 * steady, "{short} vs {steady}");
+        // No length given: the steady state (powi may round differently where it is inlined).
+        assert!((session_itl_ms(&c, 3, 3, 0) - steady).abs() < 1e-9 * steady);
     }
 
     #[test]
@@ -228,7 +397,7 @@ mod tests {
             // Sum over K = k (geometric): block ⌊k/γ⌋, one earlier when the rejection opens a block.
             let mut sum = 1.0;
             for k in 0..200_000usize {
-                let b = k / g - usize::from(k >= g && k % g == 0);
+                let b = k / g - usize::from(k >= g && k.is_multiple_of(g));
                 sum += (1.0 - a) * a.powi(k as i32) * b as f64;
             }
             let closed = verdicts_per_run(a, g);
