@@ -12,6 +12,7 @@ pub mod paper;
 pub mod plan;
 pub mod plots;
 pub mod pull;
+pub mod quant_study;
 pub mod simulate;
 pub mod speculate;
 pub mod stats;

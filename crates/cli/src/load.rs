@@ -158,8 +158,19 @@ pub fn roofline(target: &Arc<LlamaModel>, cpus: &CpuSet) -> Result<Roofline> {
 /// Greedy acceptance of `draft` against the target's continuation `want` of `prompt`: the share
 /// of positions where the draft's argmax, fed the target's prefix, is the target's token.
 pub fn teacher_forced_alpha(draft: &Arc<LlamaModel>, prompt: &[u32], want: &[u32]) -> Result<f64> {
+    let hits = teacher_forced_hits(draft, prompt, want)?;
+    Ok(hits.iter().filter(|&&h| h).count() as f64 / hits.len().max(1) as f64)
+}
+
+/// For each token of the target's continuation `want` of `prompt`: whether the draft's argmax, fed
+/// the target's prefix, is that token.
+pub fn teacher_forced_hits(
+    draft: &Arc<LlamaModel>,
+    prompt: &[u32],
+    want: &[u32],
+) -> Result<Vec<bool>> {
     if want.is_empty() {
-        return Ok(0.0);
+        return Ok(Vec::new());
     }
     let mut e = Engine::new(
         draft.clone(),
@@ -173,12 +184,11 @@ pub fn teacher_forced_alpha(draft: &Arc<LlamaModel>, prompt: &[u32], want: &[u32
     tokens.extend_from_slice(&want[..want.len() - 1]);
     let at: Vec<usize> = (prompt.len() - 1..tokens.len()).collect();
     let l = e.forward(&[SeqChunk::new(SeqId(1), 0, tokens, Wanted::At(at))])?;
-    let hits = want
+    Ok(want
         .iter()
         .enumerate()
-        .filter(|(i, &w)| tandem_engine::sampler::argmax(l.row(*i)) == w)
-        .count();
-    Ok(hits as f64 / want.len() as f64)
+        .map(|(i, &w)| tandem_engine::sampler::argmax(l.row(i)) == w)
+        .collect())
 }
 
 /// Parse Prometheus text into `name{labels}` → value.

@@ -409,6 +409,48 @@ enum BenchCmd {
     /// edges, the verifier under 1-64 sessions, the simulator and the model beside every
     /// measurement; writes results.json, results.md and PNG plots, and checks them.
     Paper(PaperBenchArgs),
+    /// The drafts one could make from the target (W4A16 g32/64/128, W8A16, W3A16, W2A16, W4A4,
+    /// W8A8, a layer-skipping draft): size, perplexity on a shipped English corpus, α and E[A]
+    /// against the target, decode speed, and async ITL end to end.
+    Quant(QuantBenchArgs),
+}
+
+#[derive(Args)]
+struct QuantBenchArgs {
+    /// A minute or two (CI): three drafts that need no new quantization, 256 corpus tokens, short
+    /// outputs.
+    #[arg(long)]
+    quick: bool,
+    /// Corpus tokens scored for perplexity (default 4096; quick 256), in windows of --window.
+    #[arg(long)]
+    ppl_tokens: Option<usize>,
+    #[arg(long, default_value_t = 512)]
+    window: usize,
+    /// Tokens of the target's continuation per prompt for α and E[A] (default 64; quick 16).
+    #[arg(long)]
+    alpha_tokens: Option<usize>,
+    /// γ at which E[A] is reported.
+    #[arg(long, default_value_t = 4)]
+    gamma: usize,
+    /// Round trip of the end-to-end run, ms.
+    #[arg(long, default_value_t = 50.0)]
+    rtt_ms: f64,
+    /// Tokens per prompt of the end-to-end run (default 32; quick 8).
+    #[arg(long)]
+    e2e_tokens: Option<usize>,
+    /// Skip the end-to-end run (no verifier process).
+    #[arg(long)]
+    no_e2e: bool,
+    #[arg(long)]
+    edge_cpus: Option<CpuSet>,
+    #[arg(long)]
+    cloud_cpus: Option<CpuSet>,
+    /// Also write the JSON report to this file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print the JSON report instead of the table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -651,6 +693,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Latency(a)) => cmd_latency(&home, a)?,
         Cmd::Bench(BenchCmd::Load(a)) => cmd_load(&home, a)?,
         Cmd::Bench(BenchCmd::Paper(a)) => cmd_paper(&home, a)?,
+        Cmd::Bench(BenchCmd::Quant(a)) => cmd_quant(&home, a)?,
         Cmd::Info(a) => {
             let m = models::load(&home, &a.model, None, false)?;
             let info = serde_json::json!({
@@ -1014,6 +1057,61 @@ fn drafts_of(
             tandem_cli::latency::load_draft(&format!("{}-g32", scheme.name()), &path)
         })
         .collect()
+}
+
+fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
+    use tandem_cli::quant_study::{self, QuantStudyArgs};
+    let q = a.quick;
+    let target = models::load(home, &ModelSpec::Target, None, a.json)?;
+    let (edge_default, cloud_default) = split_cores();
+    let (edge_cpus, cloud_cpus) = (
+        a.edge_cpus.unwrap_or(edge_default),
+        a.cloud_cpus.unwrap_or(cloud_default),
+    );
+    let variants: Vec<_> = quant_study::variants()
+        .into_iter()
+        // Quick: only drafts made from the default W4A16 file.
+        .filter(|v| !q || (v.scheme == Scheme::W4A16 && v.group == 32))
+        .collect();
+    let mut e2e_prompts = latency_prompts();
+    let mut alpha_prompts = load_prompts();
+    if q {
+        e2e_prompts.truncate(1);
+        alpha_prompts.truncate(1);
+    }
+    let latency = (!a.no_e2e).then(|| tandem_cli::latency::LatencyArgs {
+        home: home.to_path_buf(),
+        rtts: vec![a.rtt_ms],
+        jitter_frac: 0.1,
+        tokens: a.e2e_tokens.unwrap_or(if q { 8 } else { 32 }),
+        prompts: e2e_prompts,
+        sync_gammas: if q { vec![2] } else { vec![1, 2, 3] },
+        max_gamma: 8,
+        max_depth: 4,
+        edge_cpus,
+        cloud_cpus,
+        peer: None,
+        peer_target: None,
+    });
+    let args = QuantStudyArgs {
+        home: home.to_path_buf(),
+        variants,
+        ppl_tokens: a.ppl_tokens.unwrap_or(if q { 256 } else { 4096 }),
+        window: a.window,
+        alpha_prompts,
+        alpha_tokens: a.alpha_tokens.unwrap_or(if q { 16 } else { 64 }),
+        gamma: a.gamma.max(1),
+        latency,
+        edge_cpus,
+        quiet: a.json,
+    };
+    let quiet = a.json;
+    let r = quant_study::run(&args, &target.model, &target.tokenizer, |m| {
+        if !quiet {
+            eprintln!("{m}");
+        }
+    })?;
+    report(&r, a.out.as_deref(), a.json, quant_study::table)
 }
 
 fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {

@@ -22,7 +22,10 @@ fn bench_paper_quick_runs_checks_itself_and_writes_every_part() {
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "bench paper --quick failed:\n{stderr}");
+    assert!(
+        out.status.success(),
+        "bench paper --quick failed:\n{stderr}"
+    );
     let md = String::from_utf8_lossy(&out.stdout);
     let r: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
@@ -74,7 +77,10 @@ fn bench_paper_quick_runs_checks_itself_and_writes_every_part() {
     // The plots and the Markdown that shows them.
     for p in r["plots"].as_array().unwrap() {
         let name = p.as_str().unwrap();
-        assert!(md.contains(&format!("({name})")), "results.md does not show {name}");
+        assert!(
+            md.contains(&format!("({name})")),
+            "results.md does not show {name}"
+        );
         assert!(std::fs::metadata(dir.join(name)).unwrap().len() > 2048);
     }
     assert_eq!(r["plots"].as_array().unwrap().len(), 5);

@@ -21,6 +21,9 @@ pub struct TinySpec {
     /// Storage of the linear layers (F32, Q4_0, Q4_1, Q8_0...).
     pub dtype: GgmlDType,
     pub seed: u64,
+    /// A layer whose output projections (`attn_output`, `ffn_down`) are zero: it adds nothing to
+    /// the residual stream, as if it were not there.
+    pub silent_layer: Option<usize>,
 }
 
 impl Default for TinySpec {
@@ -35,6 +38,7 @@ impl Default for TinySpec {
             context_len: 256,
             dtype: GgmlDType::F32,
             seed: 1,
+            silent_layer: None,
         }
     }
 }
@@ -75,11 +79,19 @@ pub fn tiny_gguf(spec: &TinySpec) -> Result<Vec<u8>> {
     for l in 0..s.n_layer {
         let n = |x: &str| format!("blk.{l}.{x}.weight");
         let ws = 1.5 / (s.dim as f32).sqrt();
+        // Output projections: zero for the silent layer.
+        let out_scale = |x: f32| if s.silent_layer == Some(l) { 0.0 } else { x };
         add(n("attn_norm"), &[s.dim], GgmlDType::F32, 0.2, 1.0)?;
         add(n("attn_q"), &[s.dim, s.dim], s.dtype, ws, 0.0)?;
         add(n("attn_k"), &[kvd, s.dim], s.dtype, ws, 0.0)?;
         add(n("attn_v"), &[kvd, s.dim], s.dtype, ws, 0.0)?;
-        add(n("attn_output"), &[s.dim, s.dim], s.dtype, ws, 0.0)?;
+        add(
+            n("attn_output"),
+            &[s.dim, s.dim],
+            s.dtype,
+            out_scale(ws),
+            0.0,
+        )?;
         add(n("ffn_norm"), &[s.dim], GgmlDType::F32, 0.2, 1.0)?;
         add(n("ffn_gate"), &[s.ff_dim, s.dim], s.dtype, ws, 0.0)?;
         add(n("ffn_up"), &[s.ff_dim, s.dim], s.dtype, ws, 0.0)?;
@@ -87,7 +99,7 @@ pub fn tiny_gguf(spec: &TinySpec) -> Result<Vec<u8>> {
             n("ffn_down"),
             &[s.dim, s.ff_dim],
             s.dtype,
-            1.5 / (s.ff_dim as f32).sqrt(),
+            out_scale(1.5 / (s.ff_dim as f32).sqrt()),
             0.0,
         )?;
     }

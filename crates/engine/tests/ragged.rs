@@ -266,3 +266,75 @@ fn bad_batches_are_refused_by_name() {
     ));
     assert_eq!(e.seq_len(SeqId(1)), 0);
 }
+
+/// A skipped layer is left out exactly: skipping a layer that adds nothing to the residual stream
+/// (zero output projections) leaves every logit as it was, and skipping a real one changes them.
+#[test]
+fn skipped_layers_are_left_out_exactly() {
+    let spec = TinySpec {
+        n_layer: 3,
+        silent_layer: Some(1),
+        ..TinySpec::default()
+    };
+    let load = || LlamaModel::load(&mut tiny_file(&spec).unwrap(), WeightMode::Native).unwrap();
+    let tokens = prompt(5, 12, spec.vocab);
+    let full = alone(&Arc::new(load()), &tokens, 5);
+    let mut m = load();
+    m.skip_layers(&[1]).unwrap();
+    assert_eq!(m.skipped_layers(), vec![1]);
+    let skipped = alone(&Arc::new(m), &tokens, 5);
+    for (a, b) in skipped.iter().zip(&full) {
+        assert_close(a, b, "silent layer skipped");
+    }
+    let mut m = load();
+    m.skip_layers(&[2]).unwrap();
+    let other = alone(&Arc::new(m), &tokens, 5);
+    assert!(other.iter().zip(&full).any(|(a, b)| a != b));
+    let mut m = load();
+    let e = m.skip_layers(&[3]).unwrap_err().to_string();
+    assert!(e.contains("skip_layers") && e.contains("layer 3"), "{e}");
+    assert!(m.skip_layers(&[0, 1, 2]).is_err());
+}
+
+/// Activation fake-quantization: 8 bits stays close to the unquantized forward, 4 bits drifts
+/// further, and the grid is checked on its own.
+#[test]
+fn activation_fake_quantization_costs_more_at_fewer_bits() {
+    let load = || {
+        LlamaModel::load(
+            &mut tiny_file(&TinySpec::default()).unwrap(),
+            WeightMode::Native,
+        )
+        .unwrap()
+    };
+    let tokens = prompt(9, 10, 96);
+    let base = alone(&Arc::new(load()), &tokens, 10);
+    let err = |bits: u32| {
+        let mut m = load();
+        m.set_activation_bits(Some(bits)).unwrap();
+        let l = alone(&Arc::new(m), &tokens, 10);
+        let (mut num, mut den) = (0f64, 0f64);
+        for (a, b) in l.iter().flatten().zip(base.iter().flatten()) {
+            num += ((a - b) as f64).powi(2);
+            den += (*b as f64).powi(2);
+        }
+        (num / den).sqrt()
+    };
+    let (e8, e4) = (err(8), err(4));
+    assert!(e8 > 0.0 && e8 < 0.02, "8-bit error {e8}");
+    assert!(e4 > 3.0 * e8, "4-bit error {e4} vs 8-bit {e8}");
+    assert!(load().set_activation_bits(Some(9)).is_err());
+    // The grid: every value is a multiple of the row's step, within half a step of the input.
+    let mut x = vec![0.3f32, -1.2, 0.05, 0.9, 0.0, 0.0, 0.0, 0.0];
+    let orig = x.clone();
+    tandem_engine::models::llama::fake_quantize_rows(&mut x, 4, 4);
+    let step = 1.2 / 7.0;
+    for (a, b) in x[..4].iter().zip(&orig[..4]) {
+        assert!((a - b).abs() <= step / 2.0 + 1e-6, "{a} vs {b}");
+        assert!(
+            ((a / step).round() - a / step).abs() < 1e-4,
+            "{a} off the grid"
+        );
+    }
+    assert_eq!(&x[4..], &[0.0; 4], "a zero row stays zero");
+}

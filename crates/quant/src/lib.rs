@@ -47,6 +47,10 @@ pub type Result<T, E = QuantError> = std::result::Result<T, E>;
 pub enum Scheme {
     W4A16,
     W8A16,
+    /// 3- and 2-bit symmetric grids (levels −4..3 and −2..1 times the group's scale), stored in
+    /// Q4_0 blocks: the numbers are the low-bit grid's, the file and the kernel are 4-bit's.
+    W3A16,
+    W2A16,
     /// No quantization: the target written out as f32 (for running other engines on it).
     F32,
 }
@@ -57,8 +61,12 @@ impl std::str::FromStr for Scheme {
         match s {
             "w4a16" => Ok(Self::W4A16),
             "w8a16" => Ok(Self::W8A16),
+            "w3a16" => Ok(Self::W3A16),
+            "w2a16" => Ok(Self::W2A16),
             "f32" => Ok(Self::F32),
-            _ => Err(format!("unknown scheme `{s}` (w4a16, w8a16, f32)")),
+            _ => Err(format!(
+                "unknown scheme `{s}` (w4a16, w8a16, w3a16, w2a16, f32)"
+            )),
         }
     }
 }
@@ -68,19 +76,24 @@ impl Scheme {
         match self {
             Self::W4A16 => "w4a16",
             Self::W8A16 => "w8a16",
+            Self::W3A16 => "w3a16",
+            Self::W2A16 => "w2a16",
             Self::F32 => "f32",
         }
     }
-    fn bits(self) -> usize {
+    /// Bits per weight of the grid.
+    pub fn bits(self) -> usize {
         match self {
             Self::W4A16 => 4,
             Self::W8A16 => 8,
+            Self::W3A16 => 3,
+            Self::W2A16 => 2,
             Self::F32 => 32,
         }
     }
     fn dtype(self) -> GgmlDType {
         match self {
-            Self::W4A16 => GgmlDType::Q4_0,
+            Self::W4A16 | Self::W3A16 | Self::W2A16 => GgmlDType::Q4_0,
             Self::W8A16 => GgmlDType::Q8_0,
             Self::F32 => GgmlDType::F32,
         }
@@ -151,24 +164,29 @@ impl QuantConfig {
     }
 }
 
-/// Symmetric quantization of the rows of `w` (`cols` wide, a multiple of 32) into Q4_0 (`bits = 4`)
-/// or Q8_0 (`bits = 8`) blocks. Each row is cut into groups of `group` weights (the last group of a
-/// row is shorter when `cols` is not a multiple of `group`, e.g. 576 = 4·128 + 64); every block of a
-/// group carries the group's scale.
+/// Symmetric quantization of the rows of `w` (`cols` wide, a multiple of 32) into Q4_0 (`bits` 2,
+/// 3 or 4) or Q8_0 (`bits = 8`) blocks. Each row is cut into groups of `group` weights (the last
+/// group of a row is shorter when `cols` is not a multiple of `group`, e.g. 576 = 4·128 + 64); every
+/// block of a group carries the group's scale. A b-bit grid below 8 has the levels −2^(b−1) ..
+/// 2^(b−1) − 1, with the value of largest magnitude on −2^(b−1).
 pub fn quantize_symmetric(w: &[f32], cols: usize, group: usize, bits: usize) -> Vec<u8> {
     assert!(
-        group.is_multiple_of(QK) && cols.is_multiple_of(QK) && w.len().is_multiple_of(cols),
-        "invariant: caller checked the shapes"
+        group.is_multiple_of(QK)
+            && cols.is_multiple_of(QK)
+            && w.len().is_multiple_of(cols)
+            && matches!(bits, 2..=4 | 8),
+        "invariant: caller checked the shapes and the bits"
     );
-    let (block_bytes, qmax) = if bits == 4 {
-        (18, 8.0f32)
+    let low = bits <= 4;
+    let (block_bytes, qmax) = if low {
+        (18, (1u32 << (bits - 1)) as f32)
     } else {
         (34, 127.0f32)
     };
     let mut out = Vec::with_capacity(w.len() / QK * block_bytes);
     for g in w.chunks_exact(cols).flat_map(|row| row.chunks(group)) {
-        let d = if bits == 4 {
-            // The value of largest magnitude lands exactly on −8.
+        let d = if low {
+            // The value of largest magnitude lands exactly on the lowest level (−8 for 4 bits).
             let m = g
                 .iter()
                 .copied()
@@ -182,8 +200,8 @@ pub fn quantize_symmetric(w: &[f32], cols: usize, group: usize, bits: usize) -> 
         let inv = if dq != 0.0 { 1.0 / dq } else { 0.0 };
         for b in g.chunks_exact(QK) {
             out.extend_from_slice(&d16.to_le_bytes());
-            if bits == 4 {
-                let q = |x: f32| ((x * inv).round() + 8.0).clamp(0.0, 15.0) as u8;
+            if low {
+                let q = |x: f32| ((x * inv).round().clamp(-qmax, qmax - 1.0) + 8.0) as u8;
                 for l in 0..QK / 2 {
                     out.push(q(b[l]) | (q(b[l + QK / 2]) << 4));
                 }
@@ -300,7 +318,11 @@ pub fn quantize_file<W: Write + Seek>(
                         message: format!("{cols} columns are not a multiple of {QK}"),
                     });
                 }
-                let bits = if dtype == GgmlDType::Q4_0 { 4 } else { 8 };
+                let bits = if dtype == GgmlDType::Q4_0 {
+                    cfg.scheme.bits().min(4)
+                } else {
+                    8
+                };
                 let bytes = quantize_symmetric(&w, cols, group, bits);
                 ggml_file::qtensor_from_ggml(dtype, &bytes, dims.clone(), &Device::Cpu)
                     .map_err(qerr(name))?
@@ -341,9 +363,9 @@ pub fn quantize_file<W: Write + Seek>(
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     let file_type = match cfg.scheme {
-        Scheme::W4A16 => 2, // MOSTLY_Q4_0
-        Scheme::W8A16 => 7, // MOSTLY_Q8_0
-        Scheme::F32 => 0,   // ALL_F32
+        Scheme::W4A16 | Scheme::W3A16 | Scheme::W2A16 => 2, // MOSTLY_Q4_0
+        Scheme::W8A16 => 7,                                 // MOSTLY_Q8_0
+        Scheme::F32 => 0,                                   // ALL_F32
     };
     meta.push(("general.file_type".into(), Value::U32(file_type)));
     meta.push((
@@ -391,7 +413,7 @@ mod tests {
     use tandem_engine::kernels::{dequantize_row, RowData};
 
     fn back(bytes: Vec<u8>, bits: usize, n: usize) -> Vec<f32> {
-        let data = if bits == 4 {
+        let data = if bits <= 4 {
             RowData::q4_0(&bytes)
         } else {
             RowData::q8_0(&bytes)
@@ -408,18 +430,30 @@ mod tests {
         fn round_trip_error_is_within_the_scheme_bound(
             w in proptest::collection::vec(-4.0f32..4.0, 128),
             group in prop_oneof![Just(32usize), Just(64), Just(128)],
-            bits in prop_oneof![Just(4usize), Just(8)],
+            bits in prop_oneof![Just(2usize), Just(3), Just(4), Just(8)],
         ) {
             let q = quantize_symmetric(&w, 128, group, bits);
-            prop_assert_eq!(q.len(), 128 / QK * if bits == 4 { 18 } else { 34 });
-            let r = back(q, bits, 128);
+            prop_assert_eq!(q.len(), 128 / QK * if bits <= 4 { 18 } else { 34 });
+            let r = back(q.clone(), bits, 128);
+            if bits < 4 {
+                // Only the grid's 2^bits levels are used: codes 8 − 2^(b−1) ..= 8 + 2^(b−1) − 1.
+                let half = 1u8 << (bits - 1);
+                for b in q.chunks_exact(18) {
+                    for &byte in &b[2..] {
+                        for c in [byte & 15, byte >> 4] {
+                            prop_assert!((8 - half..8 + half).contains(&c), "code {}", c);
+                        }
+                    }
+                }
+            }
             for (g, (wg, rg)) in w.chunks(group).zip(r.chunks(group)).enumerate() {
                 let amax = wg.iter().fold(0f32, |a, x| a.max(x.abs()));
-                let d = amax / if bits == 4 { 8.0 } else { 127.0 };
+                let d = amax / if bits <= 4 { (1u32 << (bits - 1)) as f32 } else { 127.0 };
                 let slack = d * 2e-3 + 1e-7;
                 for (x, y) in wg.iter().zip(rg) {
                     let err = (x - y).abs();
-                    let bound = if bits == 4 && (x.abs() - amax).abs() < d * 0.5 { d } else { d * 0.5 };
+                    // The positive end of a low-bit grid stops one step short of +amax.
+                    let bound = if bits <= 4 && (x.abs() - amax).abs() < d * 0.5 { d } else { d * 0.5 };
                     prop_assert!(err <= bound + slack, "group {} value {} -> {} (d {})", g, x, y, d);
                 }
             }

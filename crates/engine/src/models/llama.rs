@@ -225,6 +225,26 @@ pub struct LlamaModel {
     norm: Vec<f32>,
     /// `None` when the head is tied to the embedding.
     head: Option<Linear>,
+    /// Draft variants for the quantization study (both off by default): each token's activations
+    /// fake-quantized to this many bits before every layer matmul, and layers left out.
+    act_bits: Option<u32>,
+    skip: Vec<bool>,
+}
+
+/// Symmetric per-token fake quantization of the rows (`width` wide) of `x` to `bits` bits:
+/// `x ← round(x / s)·s` with `s = max|row| / (2^(bits−1) − 1)`, clamped to the grid.
+pub fn fake_quantize_rows(x: &mut [f32], width: usize, bits: u32) {
+    let qmax = ((1u32 << (bits - 1)) - 1) as f32;
+    for row in x.chunks_exact_mut(width) {
+        let amax = row.iter().fold(0f32, |a, v| a.max(v.abs()));
+        if amax == 0.0 {
+            continue;
+        }
+        let s = amax / qmax;
+        for v in row.iter_mut() {
+            *v = (*v / s).round().clamp(-qmax, qmax) * s;
+        }
+    }
 }
 
 impl LlamaModel {
@@ -257,10 +277,50 @@ impl LlamaModel {
             cfg,
             mode,
             embed,
+            skip: vec![false; layers.len()],
             layers,
             norm,
             head,
+            act_bits: None,
         })
+    }
+
+    /// Fake-quantize each token's activations to `bits` (2–8) before every layer matmul (the
+    /// W4A4 / W8A8 drafts of the quantization study), or not (`None`). It changes the numbers
+    /// only: the matmuls still run on f32 activations.
+    pub fn set_activation_bits(&mut self, bits: Option<u32>) -> Result<()> {
+        if let Some(b) = bits.filter(|b| !(2..=8).contains(b)) {
+            return Err(EngineError::InvalidSetting {
+                field: "activation_bits",
+                message: format!("{b} is not within 2..=8"),
+            });
+        }
+        self.act_bits = bits;
+        Ok(())
+    }
+
+    /// Leave these layers out of the forward (a layer-skipping draft made from the same weights).
+    pub fn skip_layers(&mut self, layers: &[usize]) -> Result<()> {
+        let n = self.layers.len();
+        if let Some(&l) = layers.iter().find(|&&l| l >= n) {
+            return Err(EngineError::InvalidSetting {
+                field: "skip_layers",
+                message: format!("layer {l} does not exist (the model has {n})"),
+            });
+        }
+        if layers.len() >= n {
+            return Err(EngineError::InvalidSetting {
+                field: "skip_layers",
+                message: format!("skipping {} of {n} layers leaves none", layers.len()),
+            });
+        }
+        self.skip = (0..n).map(|l| layers.contains(&l)).collect();
+        Ok(())
+    }
+
+    /// The layers the forward leaves out.
+    pub fn skipped_layers(&self) -> Vec<usize> {
+        (0..self.skip.len()).filter(|&l| self.skip[l]).collect()
     }
 
     /// Layer `layer`'s FFN up-projection (a matrix in the layers' storage format).
@@ -389,8 +449,17 @@ impl LlamaModel {
         #[cfg(target_arch = "x86_64")]
         let avx512 = kernels::Isa::selected() == kernels::Isa::Avx512;
 
+        let fake = |x: &mut [f32], width: usize| {
+            if let Some(b) = self.act_bits {
+                fake_quantize_rows(x, width, b);
+            }
+        };
         for (li, l) in self.layers.iter().enumerate() {
+            if self.skip[li] {
+                continue;
+            }
             kernels::rms_norm(&x, &l.attn_norm, c.rms_eps, &mut h);
+            fake(&mut h, d);
             l.wq.forward(&h, n_tok, &mut q)?;
             l.wk.forward(&h, n_tok, &mut k)?;
             l.wv.forward(&h, n_tok, &mut v)?;
@@ -419,12 +488,15 @@ impl LlamaModel {
                 }
                 attend(qv, ks, vs, n_ctx, scale, at, out)
             });
+            fake(&mut att, d);
             l.wo.forward(&att, n_tok, &mut o)?;
             add(&mut x, &o);
             kernels::rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut h);
+            fake(&mut h, d);
             l.gate.forward(&h, n_tok, &mut g)?;
             l.up.forward(&h, n_tok, &mut u)?;
             kernels::silu_mul(&mut g, &u);
+            fake(&mut g, ff);
             l.down.forward(&g, n_tok, &mut o)?;
             add(&mut x, &o);
         }

@@ -1,0 +1,439 @@
+//! `tandem bench quant`: which draft to make from the target. Every draft here is made from the
+//! target by `tandem quantize` (W4A16 at groups of 32, 64 and 128, W8A16, W3A16, W2A16), by
+//! fake-quantizing its activations per token before every layer matmul (W4A4, W8A8), or by
+//! leaving layers out (a layer-skipping draft). For each: its size, its perplexity on a shipped
+//! English corpus, its greedy α and E[A] against the target, its decode speed on one core, and
+//! the end-to-end ITL of asynchronous speculation with it over an emulated round trip (the real
+//! verifier in its own process, netem between).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use tandem_engine::{
+    CpuSet, Engine, EngineConfig, GgufFile, LlamaModel, SamplingParams, SeqChunk, SeqId, Tokenizer,
+    Wanted, WeightMode,
+};
+use tandem_quant::{QuantConfig, Scheme};
+
+use crate::latency::{Draft, LatencyArgs};
+use crate::stats::round2;
+
+/// The corpus of the perplexity column (see `data/corpus/README.md`: the Rust Book's prose,
+/// MIT OR Apache-2.0).
+pub const CORPUS: &str = include_str!("../../../data/corpus/rust-book-prose.txt");
+pub const CORPUS_SOURCE: &str = "The Rust Programming Language (the Rust Book), chapters 3, 4 and 8, prose paragraphs; rust-docs 1.95.0; MIT OR Apache-2.0 (data/corpus/README.md)";
+
+/// The layers the layer-skipping draft leaves out: every other layer in the middle of
+/// SmolLM2-135M's 30 (8 of 30), keeping the first and last layers, which matter most.
+pub const SKIPPED_LAYERS: [usize; 8] = [11, 13, 15, 17, 19, 21, 23, 25];
+
+/// One draft of the study.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Variant {
+    pub scheme: Scheme,
+    pub group: usize,
+    /// Activations fake-quantized per token to this many bits (None: 16-bit, as the weights'
+    /// dequantized values meet f32 activations).
+    pub act_bits: Option<u32>,
+    /// Leave out [`SKIPPED_LAYERS`].
+    pub skip: bool,
+}
+
+impl Variant {
+    pub fn name(&self) -> String {
+        let w = self.scheme.bits();
+        let a = self.act_bits.map_or("16".to_string(), |b| b.to_string());
+        let mut s = format!("w{w}a{a}-g{}", self.group);
+        if self.skip {
+            s.push_str(&format!("-skip{}", SKIPPED_LAYERS.len()));
+        }
+        s
+    }
+}
+
+/// The study's drafts, in the order of the table.
+pub fn variants() -> Vec<Variant> {
+    let v = |scheme, group, act_bits, skip| Variant {
+        scheme,
+        group,
+        act_bits,
+        skip,
+    };
+    vec![
+        v(Scheme::W8A16, 32, None, false),
+        v(Scheme::W4A16, 32, None, false),
+        v(Scheme::W4A16, 64, None, false),
+        v(Scheme::W4A16, 128, None, false),
+        v(Scheme::W3A16, 32, None, false),
+        v(Scheme::W2A16, 32, None, false),
+        v(Scheme::W8A16, 32, Some(8), false),
+        v(Scheme::W4A16, 32, Some(4), false),
+        v(Scheme::W4A16, 32, None, true),
+    ]
+}
+
+#[derive(Debug, Clone)]
+pub struct QuantStudyArgs {
+    pub home: PathBuf,
+    pub variants: Vec<Variant>,
+    /// Tokens of the corpus scored (its first ones), in windows of `window`.
+    pub ppl_tokens: usize,
+    pub window: usize,
+    /// Chat prompts and tokens per prompt for α and E[A] (teacher-forced on the target's greedy
+    /// continuation).
+    pub alpha_prompts: Vec<String>,
+    pub alpha_tokens: usize,
+    /// γ at which E[A] is reported.
+    pub gamma: usize,
+    /// The end-to-end run: round trip, prompts, tokens; `None` skips it.
+    pub latency: Option<LatencyArgs>,
+    pub edge_cpus: CpuSet,
+    pub quiet: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct QuantRow {
+    pub draft: String,
+    pub weight_bits: usize,
+    pub group: usize,
+    pub act_bits: Option<u32>,
+    pub skipped_layers: Vec<usize>,
+    /// The file as stored (3- and 2-bit grids sit in 4-bit blocks), and at the scheme's own bits
+    /// per weight (payload plus an f16 scale per group) with the same embedding.
+    pub file_mb: f64,
+    pub scheme_mb: f64,
+    pub perplexity: f64,
+    /// Greedy α against the target (teacher-forced), and E[A] at `gamma`: measured (mean over
+    /// every start position of min(matching run, γ) + 1) and from α by the formula.
+    pub alpha: f64,
+    pub mean_accepted: f64,
+    pub mean_accepted_model: f64,
+    /// Decode speed on the edge's core (edge-only run).
+    pub draft_tok_s: f64,
+    /// Asynchronous speculation end to end at the study's RTT (γ and depth planned from a
+    /// synchronous calibration run), and the best synchronous ITL beside it.
+    pub async_itl_ms: Option<f64>,
+    pub async_shape: Option<(usize, usize)>,
+    pub best_sync_itl_ms: Option<f64>,
+    /// Every speculative output equal to the target's.
+    pub same_as_target: Option<bool>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct QuantReport {
+    pub corpus: String,
+    pub ppl_tokens: usize,
+    pub window: usize,
+    pub target_perplexity: f64,
+    pub gamma: usize,
+    pub alpha_prompts: usize,
+    pub alpha_tokens: usize,
+    pub rtt_ms: Option<f64>,
+    pub cloud_only_itl_ms: Option<f64>,
+    pub rows: Vec<QuantRow>,
+}
+
+/// Perplexity of `model` on the first tokens of `tokens`, scored in windows of `window` tokens
+/// (each window starts a fresh context; its first token is not scored).
+pub fn perplexity(
+    model: &Arc<LlamaModel>,
+    tokens: &[u32],
+    window: usize,
+    cpus: CpuSet,
+) -> Result<f64> {
+    if window < 2 {
+        bail!("the perplexity window must hold at least 2 tokens");
+    }
+    let mut e = Engine::new(
+        model.clone(),
+        EngineConfig {
+            threads: cpus.len().max(1),
+            cpus,
+            kv_budget_bytes: 128 << 20,
+            ..EngineConfig::default()
+        },
+    )?;
+    let (mut nll, mut n) = (0f64, 0usize);
+    for (w, win) in tokens.chunks(window).enumerate() {
+        if win.len() < 2 {
+            continue;
+        }
+        let seq = SeqId(w as u64);
+        let mut pos = 0;
+        for chunk in win[..win.len() - 1].chunks(64) {
+            let l = e.forward(&[SeqChunk::new(seq, pos, chunk.to_vec(), Wanted::All)])?;
+            for i in 0..chunk.len() {
+                let row = l.row(i);
+                let max = row.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x)) as f64;
+                let lse = max
+                    + row
+                        .iter()
+                        .map(|&x| (x as f64 - max).exp())
+                        .sum::<f64>()
+                        .ln();
+                nll += lse - row[win[pos + i + 1] as usize] as f64;
+                n += 1;
+            }
+            pos += chunk.len();
+        }
+        e.free(seq);
+    }
+    if n == 0 {
+        bail!("no token to score: the corpus is shorter than 2 tokens");
+    }
+    Ok((nll / n as f64).exp())
+}
+
+/// E[A] at γ from teacher-forced hits: for a block starting at each position, the draft's tokens
+/// up to the first miss (at most γ) plus the target's own.
+pub fn mean_accepted(hits: &[Vec<bool>], gamma: usize) -> f64 {
+    let mut total = 0.0;
+    let mut n = 0usize;
+    for h in hits {
+        for i in 0..h.len() {
+            let run = h[i..].iter().take(gamma).take_while(|&&x| x).count();
+            total += (run + 1) as f64;
+            n += 1;
+        }
+    }
+    if n == 0 {
+        0.0
+    } else {
+        total / n as f64
+    }
+}
+
+fn load_variant(home: &std::path::Path, v: &Variant, quiet: bool) -> Result<(Draft, f64, f64)> {
+    let cfg = QuantConfig {
+        scheme: v.scheme,
+        group_size: v.group,
+        ..QuantConfig::default()
+    };
+    cfg.validate()?;
+    let path = crate::models::ensure_quantized(home, &cfg, quiet)?;
+    let mut g = GgufFile::open(&path).with_context(|| format!("opening {}", path.display()))?;
+    let mut model = LlamaModel::load(&mut g, WeightMode::Native)
+        .with_context(|| format!("loading {}", path.display()))?;
+    model.set_activation_bits(v.act_bits)?;
+    if v.skip {
+        model.skip_layers(&SKIPPED_LAYERS)?;
+    }
+    // Sizes: the file, and the file with its linear layers at the scheme's own bits per weight
+    // (Q4_0 blocks spend 4.5 bits, Q8_0 8.5).
+    let file = std::fs::metadata(&path)?.len() as f64;
+    let c = &model.cfg;
+    let linear_params = (model.flops_per_token() / 2 - c.vocab * c.dim) as f64;
+    let stored_bits = if v.scheme == Scheme::W8A16 { 8.5 } else { 4.5 };
+    let scheme_bits = cfg.scheme_bits_per_weight(c.dim);
+    let mut scheme_bytes = file - linear_params * (stored_bits - scheme_bits) / 8.0;
+    if v.skip {
+        let per_layer = linear_params / c.n_layer as f64 * scheme_bits / 8.0;
+        scheme_bytes -= per_layer * SKIPPED_LAYERS.len() as f64;
+    }
+    Ok((
+        Draft {
+            name: v.name(),
+            path,
+            model: Arc::new(model),
+        },
+        round2(file / 1e6),
+        round2(scheme_bytes / 1e6),
+    ))
+}
+
+/// Run the study; `log` hears about progress.
+pub fn run(
+    a: &QuantStudyArgs,
+    target: &Arc<LlamaModel>,
+    tok: &Tokenizer,
+    mut log: impl FnMut(&str),
+) -> Result<QuantReport> {
+    if a.variants.is_empty() {
+        bail!("no draft to study");
+    }
+    let corpus = tok.encode(CORPUS)?;
+    let ppl_tokens = a.ppl_tokens.min(corpus.len());
+    let corpus = &corpus[..ppl_tokens];
+    log(&format!("target perplexity on {ppl_tokens} tokens"));
+    let target_ppl = perplexity(target, corpus, a.window, a.edge_cpus)?;
+    // The target's greedy continuations, for α.
+    let mut te = Engine::new(
+        target.clone(),
+        EngineConfig {
+            threads: a.edge_cpus.len().max(1),
+            cpus: a.edge_cpus,
+            ..EngineConfig::default()
+        },
+    )?;
+    let mut pairs = Vec::new();
+    for p in &a.alpha_prompts {
+        let ids = tok.encode_chat(p)?;
+        let o = crate::generate::generate(
+            &mut te,
+            tok,
+            &ids,
+            a.alpha_tokens,
+            &SamplingParams::default(),
+            |_| {},
+        )?;
+        pairs.push((ids, o.output_ids));
+    }
+    drop(te);
+    let mut drafts = Vec::new();
+    let mut rows = Vec::new();
+    for v in &a.variants {
+        let (d, file_mb, scheme_mb) = load_variant(&a.home, v, a.quiet)?;
+        log(&format!("{}: perplexity and α", d.name));
+        let ppl = perplexity(&d.model, corpus, a.window, a.edge_cpus)?;
+        let hits = pairs
+            .iter()
+            .map(|(p, w)| crate::load::teacher_forced_hits(&d.model, p, w))
+            .collect::<Result<Vec<_>>>()?;
+        let judged: usize = hits.iter().map(Vec::len).sum();
+        let alpha = hits.iter().flatten().filter(|&&h| h).count() as f64 / judged.max(1) as f64;
+        rows.push(QuantRow {
+            draft: d.name.clone(),
+            weight_bits: v.scheme.bits(),
+            group: v.group,
+            act_bits: v.act_bits,
+            skipped_layers: d.model.skipped_layers(),
+            file_mb,
+            scheme_mb,
+            perplexity: round2(ppl),
+            alpha: round2(alpha),
+            mean_accepted: round2(mean_accepted(&hits, a.gamma)),
+            mean_accepted_model: round2(tandem_spec::policy::expected_accepted(alpha, a.gamma)),
+            draft_tok_s: 0.0,
+            async_itl_ms: None,
+            async_shape: None,
+            best_sync_itl_ms: None,
+            same_as_target: None,
+        });
+        drafts.push(d);
+    }
+    let (mut rtt, mut cloud_only) = (None, None);
+    if let Some(l) = &a.latency {
+        log("end to end: every draft against the real verifier over netem");
+        let r = crate::latency::run(l, target, tok, &drafts, |r| {
+            log(&format!(
+                "  {} {} γ{} d{}: ITL {:.1} ms",
+                r.draft, r.mode, r.gamma, r.depth, r.itl_ms.mean
+            ))
+        })?;
+        rtt = l.rtts.first().copied();
+        for row in &mut rows {
+            let mine: Vec<_> = r.rows.iter().filter(|x| x.draft == row.draft).collect();
+            if let Some(e) = mine.iter().find(|x| x.mode == "edge-only") {
+                row.draft_tok_s = round2(1e3 / e.itl_ms.mean.max(1e-9));
+            }
+            if let Some(x) = mine.iter().find(|x| x.mode == "async") {
+                row.async_itl_ms = Some(x.itl_ms.mean);
+                row.async_shape = Some((x.gamma, x.depth));
+            }
+            row.best_sync_itl_ms = mine
+                .iter()
+                .filter(|x| x.mode == "sync")
+                .map(|x| x.itl_ms.mean)
+                .reduce(f64::min);
+            row.same_as_target = Some(
+                mine.iter()
+                    .filter(|x| x.mode != "edge-only")
+                    .all(|x| x.same_as_target == Some(true)),
+            );
+        }
+        cloud_only = r
+            .rows
+            .iter()
+            .find(|x| x.mode == "cloud-only")
+            .map(|x| x.itl_ms.mean);
+    }
+    Ok(QuantReport {
+        corpus: CORPUS_SOURCE.to_string(),
+        ppl_tokens,
+        window: a.window,
+        target_perplexity: round2(target_ppl),
+        gamma: a.gamma,
+        alpha_prompts: a.alpha_prompts.len(),
+        alpha_tokens: a.alpha_tokens,
+        rtt_ms: rtt,
+        cloud_only_itl_ms: cloud_only,
+        rows,
+    })
+}
+
+/// The study as a Markdown table.
+pub fn table(r: &QuantReport) -> String {
+    let mut s = format!(
+        "Perplexity: the first {} tokens of {}, windows of {}; the target (f32) scores {:.2}.\nα and E[A]: greedy, teacher-forced on the target's continuations of {} chat prompts × {} tokens; E[A] at γ {}.\n",
+        r.ppl_tokens, r.corpus, r.window, r.target_perplexity, r.alpha_prompts, r.alpha_tokens, r.gamma
+    );
+    if let (Some(rtt), Some(c)) = (r.rtt_ms, r.cloud_only_itl_ms) {
+        s.push_str(&format!(
+            "End to end: RTT {rtt} ms, the verifier in its own process; cloud-only ITL {c:.1} ms.\n"
+        ));
+    }
+    s.push_str("\n| draft | weights | activations | layers | MB as stored | MB at scheme bits | perplexity | × target | α | E[A] measured / from α | draft tok/s | async ITL ms (γ, depth) | best sync ITL ms | = target |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for x in &r.rows {
+        let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}"));
+        s.push_str(&format!(
+            "| {} | {}-bit, g{} | {} | {} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} / {:.2} | {} | {}{} | {} | {} |\n",
+            x.draft,
+            x.weight_bits,
+            x.group,
+            x.act_bits.map_or("16-bit".into(), |b| format!("{b}-bit per token (fake)")),
+            if x.skipped_layers.is_empty() {
+                "all".to_string()
+            } else {
+                format!("skips {:?}", x.skipped_layers)
+            },
+            x.file_mb,
+            x.scheme_mb,
+            x.perplexity,
+            x.perplexity / r.target_perplexity.max(1e-9),
+            x.alpha,
+            x.mean_accepted,
+            x.mean_accepted_model,
+            if x.draft_tok_s > 0.0 { format!("{:.1}", x.draft_tok_s) } else { "-".into() },
+            opt(x.async_itl_ms),
+            x.async_shape.map_or(String::new(), |(g, d)| format!(" ({g}, {d})")),
+            opt(x.best_sync_itl_ms),
+            x.same_as_target.map_or("-", |b| if b { "yes" } else { "NO" }),
+        ));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mean_accepted_counts_runs_up_to_gamma_plus_the_targets_token() {
+        // Runs from each start: 2 (capped at γ 2), 1, 0, 2 (capped), 1 -> A = 3, 2, 1, 3, 2.
+        let h = vec![vec![true, true, false, true, true]];
+        assert!((mean_accepted(&h, 2) - 11.0 / 5.0).abs() < 1e-12);
+        assert_eq!(mean_accepted(&[vec![false; 4]], 4), 1.0);
+        assert_eq!(mean_accepted(&[], 4), 0.0);
+    }
+
+    #[test]
+    fn variant_names_say_bits_group_and_skips() {
+        let n: Vec<String> = variants().iter().map(Variant::name).collect();
+        assert!(n.contains(&"w4a4-g32".to_string()));
+        assert!(n.contains(&"w8a8-g32".to_string()));
+        assert!(n.contains(&"w2a16-g32".to_string()));
+        assert!(n.contains(&"w4a16-g32-skip8".to_string()));
+        let mut dedup = n.clone();
+        dedup.dedup();
+        assert_eq!(dedup.len(), n.len());
+    }
+
+    #[test]
+    fn the_corpus_is_english_prose_of_some_length() {
+        assert!(CORPUS.len() > 100_000);
+        assert!(CORPUS.contains("ownership"));
+        assert!(!CORPUS.contains("<p>"));
+    }
+}
