@@ -441,6 +441,12 @@ struct QuantBenchArgs {
     /// Skip the end-to-end run (no verifier process).
     #[arg(long)]
     no_e2e: bool,
+    /// Layers the layer-skipping draft leaves out (default: 14 to 19).
+    #[arg(long, value_delimiter = ',')]
+    skip_layers: Option<Vec<usize>>,
+    /// Only these drafts (names as in the table, e.g. w4a16-g32,w4a4-g32).
+    #[arg(long, value_delimiter = ',')]
+    drafts: Option<Vec<String>>,
     #[arg(long)]
     edge_cpus: Option<CpuSet>,
     #[arg(long)]
@@ -1068,10 +1074,27 @@ fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
         a.edge_cpus.unwrap_or(edge_default),
         a.cloud_cpus.unwrap_or(cloud_default),
     );
-    let variants: Vec<_> = quant_study::variants()
+    let skip_layers = a
+        .skip_layers
+        .clone()
+        .unwrap_or(quant_study::SKIPPED_LAYERS.to_vec());
+    let all = quant_study::variants();
+    let names: Vec<String> = all.iter().map(|v| v.name(skip_layers.len())).collect();
+    if let Some(bad) = a.drafts.iter().flatten().find(|d| !names.contains(d)) {
+        bail!(
+            "--drafts: no draft `{bad}` in the study (there are {})",
+            names.join(", ")
+        );
+    }
+    let variants: Vec<_> = all
         .into_iter()
-        // Quick: only drafts made from the default W4A16 file.
-        .filter(|v| !q || (v.scheme == Scheme::W4A16 && v.group == 32))
+        .zip(&names)
+        .filter(|(v, n)| match &a.drafts {
+            Some(d) => d.contains(n),
+            // Quick: only drafts made from the default W4A16 file.
+            None => !q || (v.scheme == Scheme::W4A16 && v.group == 32),
+        })
+        .map(|(v, _)| v)
         .collect();
     let mut e2e_prompts = latency_prompts();
     let mut alpha_prompts = load_prompts();
@@ -1096,6 +1119,7 @@ fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
     let args = QuantStudyArgs {
         home: home.to_path_buf(),
         variants,
+        skip_layers,
         ppl_tokens: a.ppl_tokens.unwrap_or(if q { 256 } else { 4096 }),
         window: a.window,
         alpha_prompts,
