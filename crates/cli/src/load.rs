@@ -83,6 +83,10 @@ pub struct LoadRow {
     /// From the verifier's metrics over the window.
     pub mean_batch_sessions: f64,
     pub mean_tokens_per_forward: f64,
+    /// The verifier's mean time per forward step under this load, and the share of the window
+    /// it spent in forward steps (the rest: waiting, and the protocol's work on its core).
+    pub forward_ms_mean: f64,
+    pub forward_busy_share: f64,
     pub queue_ms_mean: f64,
     pub forwards_per_token: f64,
     /// 1 / E[A] at the measured α and the mean granted γ (speculation only).
@@ -126,6 +130,8 @@ pub struct LoadReport {
 #[derive(Debug, Clone, Serialize)]
 pub struct Capacity {
     pub mode: String,
+    /// Blocks in flight (0 for cloud-only).
+    pub depth: usize,
     pub alpha: Option<f64>,
     /// p99 ITL ≤ `slo_ms`.
     pub sessions_within_p99_slo: usize,
@@ -512,6 +518,10 @@ fn drive(
             "tandem:tokens_per_forward_sum",
             "tandem:tokens_per_forward_count",
         )),
+        forward_ms_mean: round2(
+            1e3 * ratio("tandem:forward_seconds_sum", "tandem:forward_seconds_count"),
+        ),
+        forward_busy_share: round2(delta("tandem:forward_seconds_sum") / j.a.duration_s),
         queue_ms_mean: round2(
             1e3 * ratio(
                 "tandem:queue_time_seconds_sum",
@@ -657,17 +667,23 @@ pub fn run(
     let slo_ms = round2(3.0 * base);
     let mean_slo_ms = round2(1.5 * base);
     let mut capacity = Vec::new();
-    let mut modes: Vec<(String, Option<f64>)> = Vec::new();
+    let mut modes: Vec<(String, usize, Option<f64>)> = Vec::new();
     for r in &rows {
-        let key = (r.mode.clone(), r.alpha);
+        let key = (r.mode.clone(), r.depth, r.alpha);
         if !modes.contains(&key) {
             modes.push(key);
         }
     }
-    for (mode, alpha) in modes {
+    for (mode, depth, alpha) in modes {
         let within = |ok: &dyn Fn(&LoadRow) -> bool| {
             rows.iter()
-                .filter(|r| r.mode == mode && r.alpha == alpha && r.mismatches == 0 && ok(r))
+                .filter(|r| {
+                    r.mode == mode
+                        && r.depth == depth
+                        && r.alpha == alpha
+                        && r.mismatches == 0
+                        && ok(r)
+                })
                 .map(|r| r.sessions)
                 .max()
                 .unwrap_or(0)
@@ -676,6 +692,7 @@ pub fn run(
             sessions_within_p99_slo: within(&|r| r.itl_ms.p99 <= slo_ms),
             sessions_within_mean_slo: within(&|r| r.itl_ms.mean <= mean_slo_ms),
             mode,
+            depth,
             alpha,
         });
     }
@@ -724,8 +741,8 @@ pub fn table(r: &LoadReport) -> String {
         "\nRTT {} ms, synthetic draft {} ms/token, γ ≤ {}, depth {:?}, token budget {}, {} s measured per row; SLOs: p99 ITL ≤ {:.1} ms, mean ITL ≤ {:.1} ms (3× and 1.5× the single-session cloud-only mean).\n\n",
         r.rtt_ms, r.draft_ms, r.gamma, r.depths, r.token_budget, r.duration_s, r.slo_ms, r.mean_slo_ms
     ));
-    s.push_str("| mode | N | α (set / measured) | tok/s | ITL mean | ITL p50 | ITL p99 | TTFT p50 | batch | tokens/fwd | queue ms | fwd/token (bound) | γ granted | cloud-decoded | ÷ cloud-only | sessions | wrong |\n");
-    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    s.push_str("| mode | N | α (set / measured) | tok/s | ITL mean | ITL p50 | ITL p99 | TTFT p50 | batch | tokens/fwd | fwd ms (busy) | queue ms | fwd/token (bound) | γ granted | cloud-decoded | ÷ cloud-only | sessions | wrong |\n");
+    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for x in &r.rows {
         let alpha = x
             .alpha
@@ -742,8 +759,12 @@ pub fn table(r: &LoadReport) -> String {
             format!("{:.2}", x.throughput_tok_s / c.throughput_tok_s)
         });
         s.push_str(&format!(
-            "| {} | {} | {alpha} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} | {:.2}{bound} | {:.1} | {:.0}% | {ratio} | {} | {} |\n",
-            x.mode,
+            "| {} | {} | {alpha} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} ({:.0}%) | {:.1} | {:.2}{bound} | {:.1} | {:.0}% | {ratio} | {} | {} |\n",
+            if x.depth > 1 {
+                format!("{} (depth {})", x.mode, x.depth)
+            } else {
+                x.mode.clone()
+            },
             x.sessions,
             x.throughput_tok_s,
             x.itl_ms.mean,
@@ -752,6 +773,8 @@ pub fn table(r: &LoadReport) -> String {
             x.ttft_ms.p50,
             x.mean_batch_sessions,
             x.mean_tokens_per_forward,
+            x.forward_ms_mean,
+            100.0 * x.forward_busy_share,
             x.queue_ms_mean,
             x.forwards_per_token,
             x.mean_granted_gamma,
@@ -763,8 +786,13 @@ pub fn table(r: &LoadReport) -> String {
     s.push_str("\nSessions served within each SLO (largest N of the sweep; p99 / mean):\n\n");
     for c in &r.capacity {
         let a = c.alpha.map_or(String::new(), |a| format!(" α {a:.2}"));
+        let d = if c.depth > 1 {
+            format!(" depth {}", c.depth)
+        } else {
+            String::new()
+        };
         s.push_str(&format!(
-            "- {}{a}: {} / {}\n",
+            "- {}{d}{a}: {} / {}\n",
             c.mode, c.sessions_within_p99_slo, c.sessions_within_mean_slo
         ));
     }

@@ -2,7 +2,7 @@
 //! compiled in (the `dejavu` crate), so drawing text needs no system font library.
 
 use std::path::Path;
-use std::sync::Once;
+use std::sync::OnceLock;
 
 use anyhow::{anyhow, bail, Result};
 use plotters::prelude::*;
@@ -72,17 +72,12 @@ const PALETTE: [RGBColor; 8] = [
 ];
 
 fn register_font() -> Result<()> {
-    static ONCE: Once = Once::new();
-    let mut failed = false;
-    ONCE.call_once(|| {
-        failed = plotters::style::register_font(
-            "sans-serif",
-            FontStyle::Normal,
-            dejavu::sans::regular(),
-        )
-        .is_err();
+    static LOADED: OnceLock<bool> = OnceLock::new();
+    let ok = *LOADED.get_or_init(|| {
+        plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
+            .is_ok()
     });
-    if failed {
+    if !ok {
         bail!("the embedded DejaVu Sans font did not load");
     }
     Ok(())

@@ -191,13 +191,14 @@ pub fn perplexity(
     Ok((nll / n as f64).exp())
 }
 
-/// E[A] at γ from teacher-forced hits: for a block starting at each position, the draft's tokens
-/// up to the first miss (at most γ) plus the target's own.
+/// E[A] at γ from teacher-forced hits: for a block starting at each position with γ positions
+/// after it, the draft's tokens up to the first miss (at most γ) plus the target's own. (A block
+/// starting nearer the end would be cut short by the end of the text, not by a miss.)
 pub fn mean_accepted(hits: &[Vec<bool>], gamma: usize) -> f64 {
     let mut total = 0.0;
     let mut n = 0usize;
     for h in hits {
-        for i in 0..h.len() {
+        for i in 0..(h.len() + 1).saturating_sub(gamma) {
             let run = h[i..].iter().take(gamma).take_while(|&&x| x).count();
             total += (run + 1) as f64;
             n += 1;
@@ -231,20 +232,26 @@ fn load_variant(
         model.skip_layers(skip)?;
     }
     // Sizes: the file, and the file with its linear layers at the scheme's own bits per weight
-    // (Q4_0 blocks spend 4.5 bits, Q8_0 8.5).
+    // (each matrix at its own row width: the group overhead depends on it).
     let file = std::fs::metadata(&path)?.len() as f64;
     let c = &model.cfg;
-    let linear_params = (model.flops_per_token() / 2 - c.vocab * c.dim) as f64;
-    let stored_bits = if v.scheme == Scheme::W8A16 { 8.5 } else { 4.5 };
-    let scheme_bits = cfg.scheme_bits_per_weight(c.dim);
-    let mut scheme_bytes = file - linear_params * (stored_bits - scheme_bits) / 8.0;
-    if v.skip {
-        let per_layer = linear_params / c.n_layer as f64 * scheme_bits / 8.0;
-        scheme_bytes -= per_layer * skip.len() as f64;
+    let kept = (c.n_layer - model.skipped_layers().len()) as f64;
+    let (d, kvd, ff) = (c.dim as f64, c.kv_dim() as f64, c.ff_dim as f64);
+    // (weights, row width) of one layer's matrices: q, k, v, o and gate, up take rows of `dim`.
+    let shapes = [
+        (d * (2.0 * d + 2.0 * kvd + 2.0 * ff), c.dim),
+        (ff * d, c.ff_dim),
+    ];
+    let stored_bits = v.scheme.stored_bits_per_weight();
+    let (mut stored, mut scheme) = (0.0, 0.0);
+    for (weights, cols) in shapes {
+        stored += c.n_layer as f64 * weights * stored_bits / 8.0;
+        scheme += kept * weights * cfg.scheme_bits_per_weight(cols) / 8.0;
     }
+    let scheme_bytes = file - stored + scheme;
     Ok((
         Draft {
-            name: v.name(skip.len()),
+            name: v.name(model.skipped_layers().len()),
             path,
             model: Arc::new(model),
         },
@@ -262,6 +269,16 @@ pub fn run(
 ) -> Result<QuantReport> {
     if a.variants.is_empty() {
         bail!("no draft to study");
+    }
+    if a.ppl_tokens < 2 || a.window < 2 {
+        bail!(
+            "--ppl-tokens ({}) and --window ({}) must each be at least 2 tokens",
+            a.ppl_tokens,
+            a.window
+        );
+    }
+    if a.alpha_prompts.is_empty() || a.alpha_tokens == 0 {
+        bail!("α needs at least one prompt and --alpha-tokens of at least 1");
     }
     let corpus = tok.encode(CORPUS)?;
     let ppl_tokens = a.ppl_tokens.min(corpus.len());
@@ -421,10 +438,12 @@ mod tests {
 
     #[test]
     fn mean_accepted_counts_runs_up_to_gamma_plus_the_targets_token() {
-        // Runs from each start: 2 (capped at γ 2), 1, 0, 2 (capped), 1 -> A = 3, 2, 1, 3, 2.
+        // Blocks of γ 2 start at 0..=3: runs 2 (capped), 1, 0, 2 -> A = 3, 2, 1, 3. The block at
+        // 4 would run into the end of the text and is not counted.
         let h = vec![vec![true, true, false, true, true]];
-        assert!((mean_accepted(&h, 2) - 11.0 / 5.0).abs() < 1e-12);
+        assert!((mean_accepted(&h, 2) - 9.0 / 4.0).abs() < 1e-12);
         assert_eq!(mean_accepted(&[vec![false; 4]], 4), 1.0);
+        assert_eq!(mean_accepted(&[vec![true; 3]], 4), 0.0);
         assert_eq!(mean_accepted(&[], 4), 0.0);
     }
 
@@ -436,6 +455,7 @@ mod tests {
         assert!(n.contains(&"w2a16-g32".to_string()));
         assert!(n.contains(&"w4a16-g32-skip6".to_string()));
         let mut dedup = n.clone();
+        dedup.sort();
         dedup.dedup();
         assert_eq!(dedup.len(), n.len());
     }

@@ -91,12 +91,36 @@ fn bench_paper_quick_runs_checks_itself_and_writes_every_part() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Settings are checked before the first measurement, and the error names the flag.
 #[test]
-fn bench_paper_refuses_bad_flags_by_name() {
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["bench", "paper", "--quick", "--load-rtts", "fast"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--load-rtts"));
+fn bench_paper_refuses_bad_settings_by_name_before_measuring() {
+    model_path();
+    draft_path();
+    for (flag, value) in [
+        ("--sessions", "4,0"),
+        ("--load-rtts", "-5"),
+        ("--rtts", "NaN"),
+        ("--tokens", "1"),
+    ] {
+        let start = std::time::Instant::now();
+        let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args([
+                "bench",
+                "paper",
+                "--quick",
+                &format!("{flag}={value}"),
+                "--out",
+            ])
+            .arg(std::env::temp_dir().join("tandem-paper-refused"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} {value} was accepted");
+        assert!(err.contains(flag), "{flag} {value}: {err}");
+        assert!(
+            !err.contains("one session, real edges"),
+            "{flag} {value}: refused only after measuring"
+        );
+        assert!(start.elapsed().as_secs() < 60);
+    }
 }

@@ -49,6 +49,10 @@ fn bench_quant_quick_measures_every_column_and_orders_the_drafts() {
     );
     assert!(p(w4a4) > 2.0 * p(w4), "W4A4 {} vs W4A16 {}", p(w4a4), p(w4));
     assert!(w4["alpha"].as_f64().unwrap() > w4a4["alpha"].as_f64().unwrap());
-    // The layer-skipping draft is smaller at the scheme's bits.
-    assert!(skip["scheme_mb"].as_f64().unwrap() < w4["scheme_mb"].as_f64().unwrap());
+    // The layer-skipping draft leaves out the default block of layers.
+    assert_eq!(
+        skip["skipped_layers"],
+        serde_json::json!([14, 15, 16, 17, 18, 19])
+    );
+    assert_eq!(w4["skipped_layers"], serde_json::json!([]));
 }

@@ -142,6 +142,7 @@ pub fn serve(
                 mx.forwards.inc();
                 mx.batch_size.observe(v.stats.last_batch.0 as f64);
                 mx.tokens_per_forward.observe(v.stats.last_batch.1 as f64);
+                mx.forward_time.observe(ms / 1e3);
             } else {
                 throttled = e.is_empty();
             }

@@ -2,9 +2,9 @@
 //! they exist (`time_to_first_token_seconds`, `inter_token_latency_seconds`,
 //! `spec_decode_num_drafts_total`, `spec_decode_num_draft_tokens_total`,
 //! `spec_decode_num_accepted_tokens_total`, accepted tokens per position), under a `tandem:` prefix
-//! as vLLM's are under `vllm:`; Tandem's own add batch size, tokens per forward, queue time, the
-//! KV cache, preemptions, refused sessions, prompt tokens waiting, and per tenant: verified
-//! positions, drafted and accepted tokens (α = accepted / drafted).
+//! as vLLM's are under `vllm:`; Tandem's own add batch size, tokens per forward, the time of a
+//! forward, queue time, the KV cache, preemptions, refused sessions, prompt tokens waiting, and per
+//! tenant: verified positions, drafted and accepted tokens (α = accepted / drafted).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -23,6 +23,7 @@ pub struct Metrics {
     pub queue_time: Histogram,
     pub batch_size: Histogram,
     pub tokens_per_forward: Histogram,
+    pub forward_time: Histogram,
     pub drafts: IntCounter,
     pub draft_tokens: IntCounter,
     pub accepted_tokens: IntCounter,
@@ -69,7 +70,7 @@ impl Default for Metrics {
             queue_time: seconds(
                 "tandem:queue_time_seconds",
                 "From a draft block's arrival to the forward that verifies it.",
-                latency,
+                latency.clone(),
             ),
             batch_size: seconds(
                 "tandem:batch_size",
@@ -80,6 +81,11 @@ impl Default for Metrics {
                 "tandem:tokens_per_forward",
                 "Tokens computed in one forward, all sessions together.",
                 counts,
+            ),
+            forward_time: seconds(
+                "tandem:forward_seconds",
+                "Time of one step that ran the target's forward (the forward and the step's bookkeeping).",
+                latency.clone(),
             ),
             drafts: IntCounter::new(
                 "tandem:spec_decode_num_drafts_total",
@@ -169,6 +175,7 @@ impl Default for Metrics {
             Box::new(m.queue_time.clone()),
             Box::new(m.batch_size.clone()),
             Box::new(m.tokens_per_forward.clone()),
+            Box::new(m.forward_time.clone()),
             Box::new(m.drafts.clone()),
             Box::new(m.draft_tokens.clone()),
             Box::new(m.accepted_tokens.clone()),

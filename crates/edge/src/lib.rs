@@ -110,7 +110,7 @@ pub struct Measured {
     /// The round trip as the policy sees it (smallest recent arrival − send − verify).
     pub net_ms: f64,
     /// The edge's own time per verdict outside draft forwards and waits: handling verdicts,
-    /// sending blocks, the draft's catch-up forwards after a correction, the caller's display.
+    /// rolling the draft back, sending blocks, the caller's display.
     pub verdict_ms: f64,
     /// γ and depth at the end, and how often the policy changed them.
     pub final_draft_len: usize,
@@ -229,9 +229,9 @@ pub fn run_with(
     let mut m = Measured::default();
     let (mut draft_total, mut draft_steps, mut verify_total, mut verified) = (0.0, 0usize, 0.0, 0);
     let (mut rt_total, mut arrivals) = (0.0, 0usize);
-    // The edge's busy time outside counted draft forwards: the step's time less its wait for a
-    // verdict and its draft forward.
-    let mut edge_work = 0.0;
+    // The edge's busy time outside draft forwards: the step's time less its wait for a verdict
+    // and its draft forward (a prompt's prefill included).
+    let (mut edge_work, mut prefill_total) = (0.0, 0.0);
     let apply = |outs: Vec<Output>,
                  draft: &mut dyn Drafter,
                  link: &mut dyn Link,
@@ -269,7 +269,7 @@ pub fn run_with(
         // One step; a lost connection anywhere in it is recovered below.
         let step_start = Instant::now();
         let mut idle_ms = 0.0;
-        let (arrivals_before, draft_before) = (arrivals, draft_total);
+        let (arrivals_before, draft_before) = (arrivals, draft_total + prefill_total);
         let step = (|| -> Result<bool, EdgeError> {
             let mut arrived = Vec::new();
             while let Some(v) = link.recv(false)? {
@@ -277,9 +277,10 @@ pub fn run_with(
             }
             if arrived.is_empty() && p.next() == Next::Wait {
                 let w = Instant::now();
-                let v = link.recv(true)?.ok_or(EdgeError::LinkClosed)?;
+                let v = link.recv(true);
+                // A wait that ends in a lost connection is a wait too.
                 idle_ms += w.elapsed().as_secs_f64() * 1e3;
-                arrived.push(v);
+                arrived.push(v?.ok_or(EdgeError::LinkClosed)?);
             }
             for v in arrived {
                 let v = match v {
@@ -379,8 +380,10 @@ pub fn run_with(
                         prefill,
                     } = draft.propose(p.tokens())?;
                     draft_forwards += 1;
-                    if !prefill {
-                        let ms = t0.elapsed().as_secs_f64() * 1e3;
+                    let ms = t0.elapsed().as_secs_f64() * 1e3;
+                    if prefill {
+                        prefill_total += ms;
+                    } else {
                         est.on_draft(ms);
                         draft_total += ms;
                         draft_steps += 1;
@@ -397,8 +400,9 @@ pub fn run_with(
             }
             Ok(false)
         })();
-        let work =
-            step_start.elapsed().as_secs_f64() * 1e3 - idle_ms - (draft_total - draft_before);
+        let work = step_start.elapsed().as_secs_f64() * 1e3
+            - idle_ms
+            - (draft_total + prefill_total - draft_before);
         edge_work += work.max(0.0);
         est.on_edge_work(work, arrivals - arrivals_before);
         match step {

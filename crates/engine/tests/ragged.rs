@@ -294,6 +294,8 @@ fn skipped_layers_are_left_out_exactly() {
     let e = m.skip_layers(&[3]).unwrap_err().to_string();
     assert!(e.contains("skip_layers") && e.contains("layer 3"), "{e}");
     assert!(m.skip_layers(&[0, 1, 2]).is_err());
+    let e = m.skip_layers(&[1, 1]).unwrap_err().to_string();
+    assert!(e.contains("layer 1 is listed twice"), "{e}");
 }
 
 /// Activation fake-quantization: 8 bits stays close to the unquantized forward, 4 bits drifts

@@ -91,6 +91,15 @@ impl Scheme {
             Self::F32 => 32,
         }
     }
+    /// Bits per weight of the scheme's linear layers as stored in the file: Q4_0 blocks (2-, 3-
+    /// and 4-bit grids) spend 18 bytes per 32 weights, Q8_0 blocks 34.
+    pub fn stored_bits_per_weight(self) -> f64 {
+        match self.dtype() {
+            GgmlDType::Q4_0 => 18.0 * 8.0 / QK as f64,
+            GgmlDType::Q8_0 => 34.0 * 8.0 / QK as f64,
+            _ => 32.0,
+        }
+    }
     fn dtype(self) -> GgmlDType {
         match self {
             Self::W4A16 | Self::W3A16 | Self::W2A16 => GgmlDType::Q4_0,

@@ -233,7 +233,14 @@ pub struct LlamaModel {
 
 /// Symmetric per-token fake quantization of the rows (`width` wide) of `x` to `bits` bits:
 /// `x ← round(x / s)·s` with `s = max|row| / (2^(bits−1) − 1)`, clamped to the grid.
+///
+/// # Panics
+/// If `bits` is outside 2..=8 ([`LlamaModel::set_activation_bits`] checks it first).
 pub fn fake_quantize_rows(x: &mut [f32], width: usize, bits: u32) {
+    assert!(
+        (2..=8).contains(&bits),
+        "activation bits {bits} outside 2..=8"
+    );
     let qmax = ((1u32 << (bits - 1)) - 1) as f32;
     for row in x.chunks_exact_mut(width) {
         let amax = row.iter().fold(0f32, |a, v| a.max(v.abs()));
@@ -306,6 +313,17 @@ impl LlamaModel {
             return Err(EngineError::InvalidSetting {
                 field: "skip_layers",
                 message: format!("layer {l} does not exist (the model has {n})"),
+            });
+        }
+        if let Some(&l) = layers
+            .iter()
+            .enumerate()
+            .find(|(i, l)| layers[..*i].contains(l))
+            .map(|(_, l)| l)
+        {
+            return Err(EngineError::InvalidSetting {
+                field: "skip_layers",
+                message: format!("layer {l} is listed twice"),
             });
         }
         if layers.len() >= n {
