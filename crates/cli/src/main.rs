@@ -447,10 +447,8 @@ struct QuantBenchArgs {
     /// Only these drafts (names as in the table, e.g. w4a16-g32,w4a4-g32).
     #[arg(long, value_delimiter = ',')]
     drafts: Option<Vec<String>>,
-    #[arg(long)]
-    edge_cpus: Option<CpuSet>,
-    #[arg(long)]
-    cloud_cpus: Option<CpuSet>,
+    #[command(flatten)]
+    cores: Cores,
     /// Also write the JSON report to this file.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -462,7 +460,7 @@ struct QuantBenchArgs {
 #[derive(Args)]
 struct PaperBenchArgs {
     /// A few minutes (CI's smoke test): RTT 0 and 50, 1 and 4 sessions, the 4-bit draft, short
-    /// outputs and windows. Without it the full run takes about 25 minutes on 2 cores.
+    /// outputs and windows. Without it the full run takes about 18 minutes on 2 cores.
     #[arg(long)]
     quick: bool,
     /// Folder for results.json, results.md and the plots.
@@ -492,10 +490,8 @@ struct PaperBenchArgs {
     duration: Option<f64>,
     #[arg(long)]
     warmup: Option<f64>,
-    #[arg(long)]
-    edge_cpus: Option<CpuSet>,
-    #[arg(long)]
-    cloud_cpus: Option<CpuSet>,
+    #[command(flatten)]
+    cores: Cores,
     #[command(flatten)]
     peer: PeerArgs,
     /// Print results.json instead of results.md.
@@ -549,10 +545,8 @@ struct LoadBenchArgs {
     /// Chat prompts (repeat the flag for several).
     #[arg(long = "prompt")]
     prompts: Vec<String>,
-    #[arg(long)]
-    edge_cpus: Option<CpuSet>,
-    #[arg(long)]
-    cloud_cpus: Option<CpuSet>,
+    #[command(flatten)]
+    cores: Cores,
     /// Also write the JSON report to this file.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -582,15 +576,11 @@ struct LatencyBenchArgs {
     max_gamma: usize,
     #[arg(long, default_value_t = 4)]
     max_depth: usize,
-    /// Drafts: quantization schemes of the target (w4a16, w8a16), groups of 32.
+    /// Drafts: quantization schemes of the target (w4a16, w8a16, w3a16, w2a16), groups of 32.
     #[arg(long, value_delimiter = ',', default_value = "w4a16,w8a16")]
     drafts: Vec<Scheme>,
-    /// Cores of the edge (this process) and of the verifier process (default: the first and the
-    /// second core this process may use; with one core, no pinning).
-    #[arg(long)]
-    edge_cpus: Option<CpuSet>,
-    #[arg(long)]
-    cloud_cpus: Option<CpuSet>,
+    #[command(flatten)]
+    cores: Cores,
     #[command(flatten)]
     peer: PeerArgs,
     /// Also write the JSON report to this file.
@@ -623,6 +613,28 @@ struct EngineBenchArgs {
     /// Print one JSON object instead of tables.
     #[arg(long)]
     json: bool,
+}
+
+/// Where a benchmark's edge and verifier run.
+#[derive(Args)]
+struct Cores {
+    /// Cores of the edge (this process) and of the verifier process (default: the first and the
+    /// second core this process may use; with one core, no pinning).
+    #[arg(long)]
+    edge_cpus: Option<CpuSet>,
+    #[arg(long)]
+    cloud_cpus: Option<CpuSet>,
+}
+
+impl Cores {
+    /// The edge's and the verifier's cores, defaults filled in.
+    fn split(&self) -> (CpuSet, CpuSet) {
+        let (edge, cloud) = split_cores();
+        (
+            self.edge_cpus.unwrap_or(edge),
+            self.cloud_cpus.unwrap_or(cloud),
+        )
+    }
 }
 
 /// llama.cpp beside Tandem (`../shared/peer`), when installed.
@@ -979,7 +991,7 @@ fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
         .into_iter()
         .map(|d| (d.name, d.model))
         .collect();
-    let (edge_default, cloud_default) = split_cores();
+    let (edge_cpus, cloud_cpus) = a.cores.split();
     let prompts = if a.prompts.is_empty() {
         load_prompts()
     } else {
@@ -1001,8 +1013,8 @@ fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
         token_budget: a.token_budget,
         kv_budget_mb: a.kv_budget_mb,
         cloud_only: !a.no_cloud_only,
-        edge_cpus: a.edge_cpus.unwrap_or(edge_default),
-        cloud_cpus: a.cloud_cpus.unwrap_or(cloud_default),
+        edge_cpus,
+        cloud_cpus,
         saturation_tokens: a.saturation_tokens,
     };
     let quiet = a.json;
@@ -1069,11 +1081,7 @@ fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
     use tandem_cli::quant_study::{self, QuantStudyArgs};
     let q = a.quick;
     let target = models::load(home, &ModelSpec::Target, None, a.json)?;
-    let (edge_default, cloud_default) = split_cores();
-    let (edge_cpus, cloud_cpus) = (
-        a.edge_cpus.unwrap_or(edge_default),
-        a.cloud_cpus.unwrap_or(cloud_default),
-    );
+    let (edge_cpus, cloud_cpus) = a.cores.split();
     let skip_layers = a
         .skip_layers
         .clone()
@@ -1148,11 +1156,7 @@ fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
         vec![Scheme::W4A16, Scheme::W8A16]
     });
     let drafts = drafts_of(home, &schemes, a.json)?;
-    let (edge_default, cloud_default) = split_cores();
-    let (edge_cpus, cloud_cpus) = (
-        a.edge_cpus.unwrap_or(edge_default),
-        a.cloud_cpus.unwrap_or(cloud_default),
-    );
+    let (edge_cpus, cloud_cpus) = a.cores.split();
     let peer = if q { None } else { a.peer.find() };
     let peer_target = peer
         .as_ref()
@@ -1246,7 +1250,7 @@ fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
     use tandem_cli::latency;
     let target = models::load(home, &ModelSpec::Target, None, a.json)?;
     let drafts = drafts_of(home, &a.drafts, a.json)?;
-    let (edge_default, cloud_default) = split_cores();
+    let (edge_cpus, cloud_cpus) = a.cores.split();
     let peer = a.peer.find();
     let peer_target = peer
         .as_ref()
@@ -1266,8 +1270,8 @@ fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
         sync_gammas: a.sync_gammas.clone(),
         max_gamma: a.max_gamma.max(1),
         max_depth: a.max_depth.max(1),
-        edge_cpus: a.edge_cpus.unwrap_or(edge_default),
-        cloud_cpus: a.cloud_cpus.unwrap_or(cloud_default),
+        edge_cpus,
+        cloud_cpus,
         peer,
         peer_target,
     };

@@ -115,7 +115,8 @@ pub struct QuantRow {
     pub alpha: f64,
     pub mean_accepted: f64,
     pub mean_accepted_model: f64,
-    /// Decode speed on the edge's core (edge-only run).
+    /// Decode speed on the edge's core (greedy, best of two runs of the α prompts' length, before
+    /// the verifier starts).
     pub draft_tok_s: f64,
     /// Asynchronous speculation end to end at the study's RTT (γ and depth planned from a
     /// synchronous calibration run), and the best synchronous ITL beside it.
@@ -312,12 +313,34 @@ pub fn run(
     let mut rows = Vec::new();
     for v in &a.variants {
         let (d, file_mb, scheme_mb) = load_variant(&a.home, v, &a.skip_layers, a.quiet)?;
-        log(&format!("{}: perplexity and α", d.name));
+        log(&format!("{}: perplexity, α, decode speed", d.name));
         let ppl = perplexity(&d.model, corpus, a.window, a.edge_cpus)?;
         let hits = pairs
             .iter()
             .map(|(p, w)| crate::load::teacher_forced_hits(&d.model, p, w))
             .collect::<Result<Vec<_>>>()?;
+        // Decode speed on the edge's core, the verifier not yet started: best of two runs.
+        let mut speed = 0f64;
+        let mut e = Engine::new(
+            d.model.clone(),
+            EngineConfig {
+                threads: a.edge_cpus.len().max(1),
+                cpus: a.edge_cpus,
+                ..EngineConfig::default()
+            },
+        )?;
+        for _ in 0..2 {
+            let o = crate::generate::generate(
+                &mut e,
+                tok,
+                &pairs[0].0,
+                a.alpha_tokens.max(8),
+                &SamplingParams::default(),
+                |_| {},
+            )?;
+            speed = speed.max(o.tokens_per_s);
+        }
+        drop(e);
         let judged: usize = hits.iter().map(Vec::len).sum();
         let alpha = hits.iter().flatten().filter(|&&h| h).count() as f64 / judged.max(1) as f64;
         rows.push(QuantRow {
@@ -332,7 +355,7 @@ pub fn run(
             alpha: round2(alpha),
             mean_accepted: round2(mean_accepted(&hits, a.gamma)),
             mean_accepted_model: round2(tandem_spec::policy::expected_accepted(alpha, a.gamma)),
-            draft_tok_s: 0.0,
+            draft_tok_s: round2(speed),
             async_itl_ms: None,
             async_shape: None,
             best_sync_itl_ms: None,
@@ -352,9 +375,6 @@ pub fn run(
         rtt = l.rtts.first().copied();
         for row in &mut rows {
             let mine: Vec<_> = r.rows.iter().filter(|x| x.draft == row.draft).collect();
-            if let Some(e) = mine.iter().find(|x| x.mode == "edge-only") {
-                row.draft_tok_s = round2(1e3 / e.itl_ms.mean.max(1e-9));
-            }
             if let Some(x) = mine.iter().find(|x| x.mode == "async") {
                 row.async_itl_ms = Some(x.itl_ms.mean);
                 row.async_shape = Some((x.gamma, x.depth));
@@ -405,7 +425,7 @@ pub fn table(r: &QuantReport) -> String {
     for x in &r.rows {
         let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}"));
         s.push_str(&format!(
-            "| {} | {}-bit, g{} | {} | {} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} / {:.2} | {} | {}{} | {} | {} |\n",
+            "| {} | {}-bit, g{} | {} | {} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} / {:.2} | {:.1} | {}{} | {} | {} |\n",
             x.draft,
             x.weight_bits,
             x.group,
@@ -422,7 +442,7 @@ pub fn table(r: &QuantReport) -> String {
             x.alpha,
             x.mean_accepted,
             x.mean_accepted_model,
-            if x.draft_tok_s > 0.0 { format!("{:.1}", x.draft_tok_s) } else { "-".into() },
+            x.draft_tok_s,
             opt(x.async_itl_ms),
             x.async_shape.map_or(String::new(), |(g, d)| format!(" ({g}, {d})")),
             opt(x.best_sync_itl_ms),

@@ -212,7 +212,7 @@ pub fn run(
     mut log: impl FnMut(&str),
 ) -> Result<PaperReport> {
     let t0 = Instant::now();
-    // Every setting is checked before the first measurement (the full run takes ~25 minutes).
+    // Every setting is checked before the first measurement (the full run takes ~18 minutes).
     if drafts.is_empty() {
         bail!("--drafts: name at least one draft scheme");
     }
