@@ -125,12 +125,8 @@ struct SimulateArgs {
     duration_s: f64,
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Also write the JSON report to this file.
-    #[arg(long)]
-    out: Option<PathBuf>,
-    /// Print the JSON report instead of tables.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 #[derive(Args)]
@@ -449,12 +445,8 @@ struct QuantBenchArgs {
     drafts: Option<Vec<String>>,
     #[command(flatten)]
     cores: Cores,
-    /// Also write the JSON report to this file.
-    #[arg(long)]
-    out: Option<PathBuf>,
-    /// Print the JSON report instead of the table.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 #[derive(Args)]
@@ -547,12 +539,8 @@ struct LoadBenchArgs {
     prompts: Vec<String>,
     #[command(flatten)]
     cores: Cores,
-    /// Also write the JSON report to this file.
-    #[arg(long)]
-    out: Option<PathBuf>,
-    /// Print the JSON report instead of tables.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 #[derive(Args)]
@@ -583,12 +571,8 @@ struct LatencyBenchArgs {
     cores: Cores,
     #[command(flatten)]
     peer: PeerArgs,
-    /// Also write the JSON report to this file.
-    #[arg(long)]
-    out: Option<PathBuf>,
-    /// Print the JSON report instead of tables.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 #[derive(Args)]
@@ -607,10 +591,17 @@ struct EngineBenchArgs {
     repeats: usize,
     #[command(flatten)]
     peer: PeerArgs,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+/// Where a benchmark's report goes.
+#[derive(Args)]
+struct ReportArgs {
     /// Also write the JSON report to this file.
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Print one JSON object instead of tables.
+    /// Print the JSON report instead of tables.
     #[arg(long)]
     json: bool,
 }
@@ -618,10 +609,11 @@ struct EngineBenchArgs {
 /// Where a benchmark's edge and verifier run.
 #[derive(Args)]
 struct Cores {
-    /// Cores of the edge (this process) and of the verifier process (default: the first and the
-    /// second core this process may use; with one core, no pinning).
+    /// The edge's cores, this process (default: the first core it may use; with one core, no
+    /// pinning).
     #[arg(long)]
     edge_cpus: Option<CpuSet>,
+    /// The verifier process's cores (default: the second core this process may use).
     #[arg(long)]
     cloud_cpus: Option<CpuSet>,
 }
@@ -926,8 +918,8 @@ fn cmd_quantize(home: &std::path::Path, a: QuantizeArgs) -> Result<()> {
 }
 
 fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
-    let target = models::load(home, &ModelSpec::Target, None, a.json)?;
-    let draft = models::load(home, &ModelSpec::Draft, None, a.json)?;
+    let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
+    let draft = models::load(home, &ModelSpec::Draft, None, a.report.json)?;
     let peer = a.peer.find();
     let target_f32 = peer
         .as_ref()
@@ -964,7 +956,9 @@ fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
         "bandwidth_gbs": r.copy_bandwidth_gbs,
         "runs": r.runs,
     });
-    report(&v, a.out.as_deref(), a.json, |_| bench::table(&r))
+    report(&v, a.report.out.as_deref(), a.report.json, |_| {
+        bench::table(&r)
+    })
 }
 
 /// One core for the edge and another for the verifier: the first two this process may use (no
@@ -986,8 +980,8 @@ fn split_cores() -> (CpuSet, CpuSet) {
 
 fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
     use tandem_cli::load;
-    let target = models::load(home, &ModelSpec::Target, None, a.json)?;
-    let drafts: Vec<_> = drafts_of(home, &[Scheme::W4A16, Scheme::W8A16], a.json)?
+    let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
+    let drafts: Vec<_> = drafts_of(home, &[Scheme::W4A16, Scheme::W8A16], a.report.json)?
         .into_iter()
         .map(|d| (d.name, d.model))
         .collect();
@@ -1017,7 +1011,7 @@ fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
         cloud_cpus,
         saturation_tokens: a.saturation_tokens,
     };
-    let quiet = a.json;
+    let quiet = a.report.json;
     let r = load::run(&args, &target.model, &target.tokenizer, &drafts, |row| {
         if !quiet {
             eprintln!(
@@ -1034,7 +1028,7 @@ fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
             );
         }
     })?;
-    report(&r, a.out.as_deref(), a.json, load::table)
+    report(&r, a.report.out.as_deref(), a.report.json, load::table)
 }
 
 /// The default chat prompts of the load sweep.
@@ -1080,7 +1074,7 @@ fn drafts_of(
 fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
     use tandem_cli::quant_study::{self, QuantStudyArgs};
     let q = a.quick;
-    let target = models::load(home, &ModelSpec::Target, None, a.json)?;
+    let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
     let (edge_cpus, cloud_cpus) = a.cores.split();
     let skip_layers = a
         .skip_layers
@@ -1135,15 +1129,20 @@ fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
         gamma: a.gamma.max(1),
         latency,
         edge_cpus,
-        quiet: a.json,
+        quiet: a.report.json,
     };
-    let quiet = a.json;
+    let quiet = a.report.json;
     let r = quant_study::run(&args, &target.model, &target.tokenizer, |m| {
         if !quiet {
             eprintln!("{m}");
         }
     })?;
-    report(&r, a.out.as_deref(), a.json, quant_study::table)
+    report(
+        &r,
+        a.report.out.as_deref(),
+        a.report.json,
+        quant_study::table,
+    )
 }
 
 fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
@@ -1248,8 +1247,8 @@ fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
 
 fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
     use tandem_cli::latency;
-    let target = models::load(home, &ModelSpec::Target, None, a.json)?;
-    let drafts = drafts_of(home, &a.drafts, a.json)?;
+    let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
+    let drafts = drafts_of(home, &a.drafts, a.report.json)?;
     let (edge_cpus, cloud_cpus) = a.cores.split();
     let peer = a.peer.find();
     let peer_target = peer
@@ -1275,7 +1274,7 @@ fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
         peer,
         peer_target,
     };
-    let quiet = a.json;
+    let quiet = a.report.json;
     let r = latency::run(&args, &target.model, &target.tokenizer, &drafts, |row| {
         if !quiet {
             eprintln!(
@@ -1290,7 +1289,7 @@ fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
             );
         }
     })?;
-    report(&r, a.out.as_deref(), a.json, latency::table)
+    report(&r, a.report.out.as_deref(), a.report.json, latency::table)
 }
 
 /// A benchmark's report: JSON to `out` when given, and JSON or the tables on stdout.
@@ -1340,7 +1339,7 @@ fn cmd_simulate(a: SimulateArgs) -> Result<()> {
                 seed: a.seed,
             };
             let row = simulate(&cfg)?;
-            if !a.json {
+            if !a.report.json {
                 eprintln!(
                     "simulated {users} sessions, {}: {:.1} tok/s in {:.1} s",
                     if gamma == 0 {
@@ -1370,7 +1369,7 @@ fn cmd_simulate(a: SimulateArgs) -> Result<()> {
         a.duration_s,
         a.warmup_s
     );
-    report(&rows, a.out.as_deref(), a.json, |r| {
+    report(&rows, a.report.out.as_deref(), a.report.json, |r| {
         format!("{preface}{}", table(r))
     })
 }
