@@ -500,12 +500,7 @@ fn drive(
         p99: round2(s.p99),
     };
     Ok(LoadRow {
-        mode: match spec {
-            None => "cloud-only",
-            Some((_, 1)) => "sync",
-            Some(_) => "async",
-        }
-        .into(),
+        mode: mode_name(spec.map(|s| s.1)).into(),
         depth: spec.map_or(0, |s| s.1),
         sessions: n,
         alpha,
@@ -551,6 +546,25 @@ fn drive(
         mismatches: outs.iter().filter(|o| !o.ok).count(),
         failures,
     })
+}
+
+/// A row's mode by the blocks in flight its edges asked for: `cloud-only` (none), `sync` (1) or
+/// `async`.
+pub fn mode_name(depth: Option<usize>) -> &'static str {
+    match depth {
+        None => "cloud-only",
+        Some(1) => "sync",
+        Some(_) => "async",
+    }
+}
+
+/// A row's mode for tables and legends: async rows name their depth.
+pub fn shape_label(mode: &str, depth: usize) -> String {
+    if mode == "async" {
+        format!("async (depth {depth})")
+    } else {
+        mode.to_string()
+    }
 }
 
 /// Run the sweep; `on_row` sees each row as it finishes.
@@ -760,11 +774,7 @@ pub fn table(r: &LoadReport) -> String {
         });
         s.push_str(&format!(
             "| {} | {} | {alpha} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} ({:.0}%) | {:.1} | {:.2}{bound} | {:.1} | {:.0}% | {ratio} | {} | {} |\n",
-            if x.depth > 1 {
-                format!("{} (depth {})", x.mode, x.depth)
-            } else {
-                x.mode.clone()
-            },
+            shape_label(&x.mode, x.depth),
             x.sessions,
             x.throughput_tok_s,
             x.itl_ms.mean,

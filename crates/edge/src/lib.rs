@@ -229,9 +229,9 @@ pub fn run_with(
     let mut m = Measured::default();
     let (mut draft_total, mut draft_steps, mut verify_total, mut verified) = (0.0, 0usize, 0.0, 0);
     let (mut rt_total, mut arrivals) = (0.0, 0usize);
-    // The edge's busy time outside draft forwards: the step's time less its wait for a verdict
-    // and its draft forward (a prompt's prefill included).
-    let (mut edge_work, mut prefill_total) = (0.0, 0.0);
+    // Prompt prefills are timed apart from draft forwards: the edge's work per verdict (kept by
+    // the estimator) is a step's time less its wait for a verdict and its forwards.
+    let mut prefill_total = 0.0;
     let apply = |outs: Vec<Output>,
                  draft: &mut dyn Drafter,
                  link: &mut dyn Link,
@@ -403,7 +403,6 @@ pub fn run_with(
         let work = step_start.elapsed().as_secs_f64() * 1e3
             - idle_ms
             - (draft_total + prefill_total - draft_before);
-        edge_work += work.max(0.0);
         est.on_edge_work(work, arrivals - arrivals_before);
         match step {
             Ok(true) => break,
@@ -442,7 +441,7 @@ pub fn run_with(
     m.draft_ms = mean(draft_total, draft_steps);
     m.verify_ms = mean(verify_total, verified);
     m.block_round_trip_ms = mean(rt_total, arrivals);
-    m.verdict_ms = mean(edge_work, arrivals);
+    m.verdict_ms = est.edge_ms_per_verdict().unwrap_or(0.0);
     m.net_ms = est.costs(0, 0).rtt_ms;
     m.final_draft_len = p.config().draft_len;
     m.final_depth = p.config().depth;

@@ -253,6 +253,12 @@ impl Estimator {
         self.edge_work.1 += verdicts;
     }
 
+    /// The edge's work outside draft forwards per verdict so far (`None` before the first).
+    pub fn edge_ms_per_verdict(&self) -> Option<f64> {
+        let (ms, n) = self.edge_work;
+        (n > 0).then(|| ms / n as f64)
+    }
+
     fn ewma(slot: &mut Option<f64>, x: f64) {
         *slot = Some(slot.map_or(x, |m| m + EWMA * (x - m)));
     }
@@ -293,10 +299,7 @@ impl Estimator {
                 .copied()
                 .reduce(f64::min)
                 .unwrap_or(self.prior.rtt_ms),
-            verdict_ms: match self.edge_work {
-                (_, 0) => self.prior.verdict_ms,
-                (ms, n) => ms / n as f64,
-            },
+            verdict_ms: self.edge_ms_per_verdict().unwrap_or(self.prior.verdict_ms),
         }
     }
 }

@@ -30,7 +30,7 @@ mod report;
 pub use report::markdown;
 
 use crate::latency::{Draft, LatencyArgs, LatencyReport};
-use crate::load::{LoadArgs, LoadReport, LoadRow};
+use crate::load::{mode_name, shape_label, LoadArgs, LoadReport, LoadRow};
 use crate::simulate::{SimConfig, SimRow};
 use crate::stats::round2;
 
@@ -194,15 +194,6 @@ fn score(d: &Draft, r: &LatencyReport) -> DraftScore {
     }
 }
 
-/// The simulator's mode name for a load row's shape.
-fn mode_of(gamma: usize, depth: usize) -> &'static str {
-    match (gamma, depth) {
-        (0, _) => "cloud-only",
-        (_, 1) => "sync",
-        _ => "async",
-    }
-}
-
 /// Run everything; `log` hears about progress.
 pub fn run(
     a: &PaperArgs,
@@ -362,7 +353,7 @@ pub fn run(
                     };
                     out.push(SimPoint {
                         rtt_ms: rtt,
-                        mode: mode_of(gamma, depth).to_string(),
+                        mode: mode_name((gamma > 0).then_some(depth)).to_string(),
                         row: crate::simulate::simulate(&cfg)?,
                     });
                 }
@@ -427,15 +418,6 @@ pub(crate) fn sim_for<'a>(
                 && (s.row.gamma == 0 || s.row.depth == depth)
         })
         .map(|s| &s.row)
-}
-
-/// A row's mode for tables and legends: async rows name their depth.
-pub(crate) fn shape_label(mode: &str, depth: usize) -> String {
-    if mode == "async" {
-        format!("async (depth {depth})")
-    } else {
-        mode.to_string()
-    }
 }
 
 fn model_checks(lat: &LatencyReport, loads: &[LoadReport], sims: &[SimPoint]) -> Vec<ModelCheck> {

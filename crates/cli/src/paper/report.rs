@@ -5,8 +5,8 @@ use std::path::Path;
 use anyhow::Result;
 use tandem_spec::policy::expected_accepted;
 
-use super::{rel, shape_label, sim_for, ModelCheck, PaperReport};
-use crate::load::LoadRow;
+use super::{rel, sim_for, ModelCheck, PaperReport};
+use crate::load::{shape_label, LoadRow};
 use crate::plots::{Chart, Series};
 use crate::simulate::SimRow;
 
