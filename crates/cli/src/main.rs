@@ -113,7 +113,7 @@ struct SimulateArgs {
     /// The target's forward cost `ONE_TOKEN_MS,MS_PER_TOKEN` (default: from --engine-json, else
     /// 44,2.2: `cloud serve --threads 1` on this project's CI machine).
     #[arg(long, value_parser = parse_forward_cost)]
-    forward_cost: Option<tandem_cloud::ForwardCost>,
+    forward_cost: Option<tandem_sched::ForwardCost>,
     /// A `tandem bench engine --out` report to take the forward cost from (one-token forward and
     /// the kernels' FLOP rate).
     #[arg(long)]
@@ -237,7 +237,7 @@ struct ServeArgs {
     /// seconds). With it, a session whose speculation commits slower than cloud decoding would at
     /// the current load is taken over by the verifier on its own.
     #[arg(long, value_parser = parse_forward_cost)]
-    forward_cost: Option<tandem_cloud::ForwardCost>,
+    forward_cost: Option<tandem_sched::ForwardCost>,
     /// Keep every session at the γ and depth it asked for (within --max-draft-len and
     /// --max-depth): no load-aware grants, no takeovers. For measuring speculation as such.
     #[arg(long)]
@@ -251,13 +251,13 @@ struct ServeArgs {
     no_auth: bool,
     /// Tokens one forward may compute, all sessions together (verify blocks first, then chunks
     /// of prompt prefill).
-    #[arg(long, default_value_t = tandem_cloud::VerifierConfig::default().token_budget)]
+    #[arg(long, default_value_t = tandem_verifier::VerifierConfig::default().token_budget)]
     token_budget: usize,
     /// Admission: open sessions beyond which new ones are refused (RESOURCE_EXHAUSTED).
-    #[arg(long, default_value_t = tandem_cloud::VerifierConfig::default().max_sessions)]
+    #[arg(long, default_value_t = tandem_verifier::VerifierConfig::default().max_sessions)]
     max_sessions: usize,
     /// Admission: prompt tokens waiting for prefill beyond which new sessions are refused.
-    #[arg(long, default_value_t = tandem_cloud::VerifierConfig::default().max_waiting_tokens)]
+    #[arg(long, default_value_t = tandem_verifier::VerifierConfig::default().max_waiting_tokens)]
     max_waiting_tokens: usize,
     /// On ctrl-c or SIGTERM, let open sessions finish for up to this many seconds.
     #[arg(long, default_value_t = 30.0)]
@@ -522,7 +522,7 @@ struct LoadBenchArgs {
     #[arg(long, default_value_t = 48)]
     max_new: usize,
     /// The verifier's token budget per forward.
-    #[arg(long, default_value_t = tandem_cloud::VerifierConfig::default().token_budget)]
+    #[arg(long, default_value_t = tandem_verifier::VerifierConfig::default().token_budget)]
     token_budget: usize,
     /// Grants shrink as tokens per forward near this (default: twice the measured ridge).
     #[arg(long)]
@@ -1201,7 +1201,7 @@ fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
         depths: if q { vec![2] } else { vec![1, 2] },
         max_new: tokens,
         prompts: load_prompts(),
-        token_budget: tandem_cloud::VerifierConfig::default().token_budget,
+        token_budget: tandem_verifier::VerifierConfig::default().token_budget,
         kv_budget_mb: 2048,
         cloud_only: true,
         edge_cpus,
@@ -1305,7 +1305,7 @@ fn cmd_simulate(a: SimulateArgs) -> Result<()> {
             };
             tandem_cli::plan::roofline(&roof)?.0
         }
-        (None, None) => tandem_cloud::ForwardCost {
+        (None, None) => tandem_sched::ForwardCost {
             one_token_ms: 44.0,
             ms_per_token: 2.2,
         },
@@ -1510,7 +1510,7 @@ fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
 }
 
 /// `ONE_TOKEN_MS,MS_PER_TOKEN`, both positive.
-fn parse_forward_cost(s: &str) -> Result<tandem_cloud::ForwardCost, String> {
+fn parse_forward_cost(s: &str) -> Result<tandem_sched::ForwardCost, String> {
     let (a, b) = s
         .split_once(',')
         .ok_or_else(|| format!("{s:?}: give ONE_TOKEN_MS,MS_PER_TOKEN (e.g. 100,12.5)"))?;
@@ -1521,7 +1521,7 @@ fn parse_forward_cost(s: &str) -> Result<tandem_cloud::ForwardCost, String> {
             .filter(|v| v.is_finite() && *v > 0.0)
             .ok_or_else(|| format!("{what} {x:?} is not a positive number of milliseconds"))
     };
-    Ok(tandem_cloud::ForwardCost {
+    Ok(tandem_sched::ForwardCost {
         one_token_ms: num(a, "ONE_TOKEN_MS")?,
         ms_per_token: num(b, "MS_PER_TOKEN")?,
     })
@@ -1595,14 +1595,13 @@ fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             a.max_depth,
         )
     };
-    let cfg = tandem_cloud::VerifierConfig {
+    let cfg = tandem_verifier::VerifierConfig {
         token_budget: a.token_budget,
         max_sessions: a.max_sessions,
         max_waiting_tokens: a.max_waiting_tokens,
     };
-    let verifier = tandem_cloud::Verifier::new(engine, cfg)?;
     let auth = tenants.auth_required();
-    let (service, batcher) = tandem_cloud::grpc::start(verifier, info, tenants)?;
+    let (service, batcher) = tandem_cloud::grpc::start(engine, cfg, info, tenants)?;
     let rt = tandem_cli::runtime()?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(addr)

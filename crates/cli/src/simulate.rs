@@ -10,8 +10,9 @@
 //! - each edge drafts a token in `draft_ms`, right with probability α;
 //! - each message crosses the network in half its session's round trip, with jitter.
 //!
-//! Each replica adapts to its load as `cloud serve` does ([`LoadControl`]: grants planned from the
-//! forward cost, takeovers by pace) unless the shape is held fixed. Every committed token is
+//! Each replica is a [`VerifierCore`], the same core `cloud serve`'s batcher drives, here on
+//! simulated time: it adapts to its load as `cloud serve` does (grants planned from the forward
+//! cost, takeovers by pace) unless the shape is held fixed. Every committed token is
 //! checked against the target's output, so the simulation also tests that the protocol stays
 //! lossless at any scale.
 
@@ -20,15 +21,15 @@ use std::collections::{BinaryHeap, HashMap};
 
 use anyhow::{bail, Result};
 use serde::Serialize;
-use tandem_cloud::control::LoadControl;
-use tandem_cloud::GrantPolicy;
-use tandem_cloud::SchedError;
-use tandem_cloud::{CloudError, Event, Target, Verifier, VerifierConfig};
 use tandem_engine::{EngineError, Logits, SamplingParams, SeqChunk};
+use tandem_sched::GrantPolicy;
 use tandem_spec::plan::{operate_on, plan, ForwardCost, Workload};
 use tandem_spec::policy::Costs;
 use tandem_spec::sampling::uniform;
 use tandem_spec::{Block, Decoded, Next, Output, Pipeline, PipelineConfig, Verdict, VerifyRule};
+use tandem_verifier::{
+    Inbound, Mode, NewSession, Outgoing, Target, ToEdge, VerifierConfig, VerifierCore,
+};
 
 use crate::stats::Summary;
 
@@ -36,7 +37,7 @@ use crate::stats::Summary;
 const VOCAB: usize = 256;
 /// KV token slots per block.
 const BLOCK_SIZE: usize = 16;
-/// Retry an open the verifier refused (saturated) after this long (µs).
+/// An edge retries an open the verifier refused (saturated) after this long (µs).
 const RETRY_US: u64 = 100_000;
 /// A replica whose plan came out empty plans again after this long (µs), as the batcher does.
 const THROTTLED_US: u64 = 2_000;
@@ -178,11 +179,15 @@ enum Ev {
     Kick {
         r: usize,
     },
-    /// Messages reach an edge (`grant`: an `Opened`'s).
+    /// An edge whose open was refused for load sends it again.
+    Reopen {
+        r: usize,
+        sid: u64,
+    },
+    /// A message reaches an edge.
     ToEdge {
         sid: u64,
-        ev: Event,
-        grant: Option<(u32, u32)>,
+        msg: ToEdge,
     },
     /// An edge's draft forward ends.
     Drafted {
@@ -218,16 +223,13 @@ struct Session {
 }
 
 struct Replica {
-    v: Verifier<SimTarget>,
-    /// Events of messages applied since the last turn, sent with its forward.
-    held: Vec<Event>,
-    control: Option<LoadControl>,
+    core: VerifierCore<SimTarget>,
     takeovers: usize,
     busy: bool,
     /// Messages that arrived during a forward, applied when it ends.
     inbox: Vec<Ev>,
-    /// The running forward's events.
-    outbox: Vec<Event>,
+    /// The running forward's messages, sent when it ends.
+    outbox: Vec<Outgoing<()>>,
     busy_us: u64,
     forwards: u64,
     tokens: u64,
@@ -374,14 +376,15 @@ impl Sim {
             Ev::Done { r } => {
                 let out = std::mem::take(&mut self.replicas[r].outbox);
                 self.replicas[r].busy = false;
-                self.emit(r, out);
+                self.emit(out);
                 for ev in std::mem::take(&mut self.replicas[r].inbox) {
                     self.deliver(r, ev);
                 }
                 self.kick(r);
             }
             Ev::Kick { r } => self.kick(r),
-            Ev::ToEdge { sid, ev, grant } => self.edge_event(sid, ev, grant),
+            Ev::Reopen { r, sid } => self.send(sid, true, Ev::Open { r, sid }),
+            Ev::ToEdge { sid, msg } => self.edge_event(sid, msg),
             Ev::Drafted { sid, token } => {
                 let Some(s) = self.sessions.get_mut(&sid) else {
                     return;
@@ -411,160 +414,80 @@ impl Sim {
         }
     }
 
-    /// Apply a message at replica `r` (idle).
+    /// Apply a message at replica `r` (idle): its answers go out with the replica's next turn.
     fn deliver(&mut self, r: usize, ev: Ev) {
-        let evs = match ev {
+        let msg = match ev {
             Ev::Open { sid, .. } => {
                 let Some(s) = self.sessions.get(&sid) else {
                     return;
                 };
-                let (prompt, n) = (s.prompt.clone(), self.cfg.new_tokens);
-                let v = &mut self.replicas[r].v;
-                let res = if self.cfg.gamma == 0 {
-                    v.open_generate(sid, 0, &prompt, SamplingParams::default(), n, Vec::new())
+                let mode = if self.cfg.gamma == 0 {
+                    Mode::Generate
                 } else {
-                    v.open(
-                        sid,
-                        0,
-                        &prompt,
-                        SamplingParams::default(),
-                        VerifyRule::Greedy,
-                        n,
-                        Vec::new(),
-                    )
+                    Mode::Speculate {
+                        rule: VerifyRule::Greedy,
+                        want: (self.cfg.gamma as u32, self.cfg.depth as u32),
+                    }
                 };
-                match res {
-                    Ok(()) => {
-                        let want = (self.cfg.gamma > 0)
-                            .then_some((self.cfg.gamma as u32, self.cfg.depth as u32));
-                        if let Some(c) = self.replicas[r].control.as_mut() {
-                            c.open(sid, want);
-                        }
-                    }
-                    // Saturated or over quota: the edge retries; anything else ends the user.
-                    Err(e) => {
-                        if matches!(
-                            e,
-                            CloudError::Sched(
-                                SchedError::Saturated { .. } | SchedError::QuotaExceeded { .. }
-                            )
-                        ) {
-                            self.at(self.now + RETRY_US, Ev::Open { r, sid });
-                        } else {
-                            self.errors += 1;
-                        }
-                    }
+                Inbound::Open {
+                    session: sid,
+                    new: NewSession {
+                        tenant: 0,
+                        prompt: s.prompt.clone(),
+                        params: SamplingParams::default(),
+                        max_tokens: self.cfg.new_tokens,
+                        eog: Vec::new(),
+                        mode,
+                    },
+                    handle: (),
                 }
-                Vec::new()
             }
-            Ev::Block { sid, block, .. } => self.replicas[r].v.draft(sid, block),
-            Ev::Close { sid, .. } => {
-                self.replicas[r].v.close(sid);
-                if let Some(c) = self.replicas[r].control.as_mut() {
-                    c.close(sid);
-                }
-                Vec::new()
-            }
-            _ => Vec::new(),
+            Ev::Block { sid, block, .. } => Inbound::Draft {
+                session: sid,
+                block,
+            },
+            Ev::Close { sid, .. } => Inbound::Close { session: sid },
+            _ => return,
         };
-        // Answers decided at arrival go out with the turn's forward, as the batcher sends them.
-        self.replicas[r].held.extend(evs);
+        self.replicas[r].core.receive(self.now, msg);
     }
 
-    /// Start replica `r`'s next forward if it is idle and has work.
+    /// Run replica `r`'s next turn if it is idle: its messages go out when its forward ends (at
+    /// once when none ran).
     fn kick(&mut self, r: usize) {
-        let now_ms = self.now / 1000;
         let rep = &mut self.replicas[r];
         if rep.busy {
             return;
         }
-        // The turn's events, as the batcher orders them: answers to the messages, the load
-        // control's (grants, takeovers), then the forward's; all sent once the forward ends.
-        let mut evs = std::mem::take(&mut rep.held);
-        if let Some(c) = rep.control.as_mut() {
-            let (e, takeovers) = c.turn(now_ms, &mut rep.v);
-            rep.takeovers += takeovers;
-            evs.extend(e);
-        }
-        if !rep.v.has_work() {
-            self.emit(r, evs);
+        let turn = rep.core.turn(self.now);
+        rep.takeovers += turn.takeovers;
+        let Some(f) = turn.forward else {
+            self.emit(turn.out);
+            if turn.throttled {
+                // Nothing could be planned (rate quotas): the batcher looks again shortly.
+                self.at(self.now + THROTTLED_US, Ev::Kick { r });
+            }
             return;
-        }
-        let before = rep.v.stats.target_forwards;
-        evs.extend(rep.v.step(now_ms));
-        if rep.v.stats.target_forwards == before {
-            // Nothing could be planned (rate quotas): its events go out, and the batcher looks
-            // again shortly.
-            self.emit(r, evs);
-            self.at(self.now + THROTTLED_US, Ev::Kick { r });
-            return;
-        }
-        let us = rep.v.engine().last_us as u64;
-        let tokens = rep.v.stats.last_batch.1;
-        if let Some(c) = rep.control.as_mut() {
-            c.on_forward((self.now + us) / 1000, tokens, us as f64 / 1e3);
-        }
+        };
         let (w0, w1) = self.window;
-        let (a, b) = (self.now.max(w0), (self.now + us).min(w1));
+        let (a, b) = (self.now.max(w0), (self.now + f.us).min(w1));
         if b > a {
             rep.busy_us += b - a;
         }
         if self.now >= w0 && self.now < w1 {
             rep.forwards += 1;
-            rep.tokens += rep.v.stats.last_batch.1 as u64;
+            rep.tokens += f.tokens as u64;
         }
         rep.busy = true;
-        rep.outbox = evs;
-        self.at(self.now + us.max(1), Ev::Done { r });
+        rep.outbox = turn.out;
+        self.at(self.now + f.us.max(1), Ev::Done { r });
     }
 
-    /// Send replica `r`'s events to their edges, with the grants its load control adds.
-    fn emit(&mut self, r: usize, evs: Vec<Event>) {
-        let now_ms = self.now / 1000;
-        for mut ev in evs {
-            let mut grant = None;
-            let control = self.replicas[r].control.as_mut();
-            let sid = match &mut ev {
-                Event::Opened { session, .. } => {
-                    grant = control.map(|c| c.on_opened(*session));
-                    *session
-                }
-                Event::Verdict {
-                    session,
-                    verdict,
-                    drafted,
-                    ..
-                } => {
-                    if let Some(c) = control {
-                        c.on_verdict(*session, verdict, *drafted, now_ms);
-                    }
-                    *session
-                }
-                Event::Decoded {
-                    session,
-                    decoded,
-                    handback,
-                } => {
-                    if let Some(c) = control {
-                        c.on_decoded(*session, *handback, decoded);
-                    }
-                    *session
-                }
-                Event::Token { session, done, .. } => {
-                    if let (Some(c), true) = (control, *done) {
-                        c.close(*session);
-                    }
-                    *session
-                }
-                Event::Error { session, fatal, .. } => {
-                    if let (Some(c), true) = (control, *fatal) {
-                        c.close(*session);
-                    }
-                    *session
-                }
-                Event::Preempted { .. } => continue,
-            };
-            self.send(sid, false, Ev::ToEdge { sid, ev, grant });
+    /// Send a replica's messages to their edges.
+    fn emit(&mut self, out: Vec<Outgoing<()>>) {
+        for o in out {
+            let sid = o.session;
+            self.send(sid, false, Ev::ToEdge { sid, msg: o.msg });
         }
     }
 
@@ -586,16 +509,15 @@ impl Sim {
         }
     }
 
-    fn edge_event(&mut self, sid: u64, ev: Event, grant: Option<(u32, u32)>) {
+    fn edge_event(&mut self, sid: u64, msg: ToEdge) {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        match ev {
-            Event::Opened { first, .. } => {
-                let cap = grant.unwrap_or((u32::MAX, u32::MAX));
+        match msg {
+            ToEdge::Opened { first, grant } => {
                 let cfg = PipelineConfig {
-                    draft_len: self.cfg.gamma.min(cap.0 as usize).max(1),
-                    depth: self.cfg.depth.min(cap.1 as usize).max(1),
+                    draft_len: self.cfg.gamma.min(grant.0 as usize).max(1),
+                    depth: self.cfg.depth.min(grant.1 as usize).max(1),
                     max_new_tokens: self.cfg.new_tokens,
                 };
                 let (p, outs) = Pipeline::with_first(s.prompt.clone(), first, cfg, Vec::new())
@@ -604,7 +526,7 @@ impl Sim {
                 self.outputs(sid, outs);
                 self.drive(sid);
             }
-            Event::Verdict { verdict, .. } => {
+            ToEdge::Verdict(verdict) => {
                 if s.drafting {
                     s.pending.push(Incoming::Verdict(verdict));
                 } else {
@@ -612,7 +534,7 @@ impl Sim {
                     self.drive(sid);
                 }
             }
-            Event::Decoded { decoded, .. } => {
+            ToEdge::Decoded(decoded) => {
                 if s.drafting {
                     s.pending.push(Incoming::Decoded(decoded));
                 } else {
@@ -620,20 +542,28 @@ impl Sim {
                     self.drive(sid);
                 }
             }
-            Event::Token { token, done, .. } => {
+            ToEdge::Token { token, done } => {
                 let pos = s.prompt.len() + s.committed;
                 self.commit(sid, pos, &[token]);
                 if done {
                     self.finish(sid);
                 }
             }
-            Event::Error { fatal, .. } => {
+            ToEdge::Error {
+                retry_after_ms: Some(_),
+                fatal: true,
+                ..
+            } if s.pipe.is_none() => {
+                // Refused for load: the edge opens it again a little later.
+                let r = s.replica;
+                self.at(self.now + RETRY_US, Ev::Reopen { r, sid });
+            }
+            ToEdge::Error { fatal, .. } => {
                 self.errors += 1;
                 if fatal {
                     self.finish(sid);
                 }
             }
-            Event::Preempted { .. } => {}
         }
     }
 
@@ -807,7 +737,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
             seed: cfg.seed,
             last_us: 0,
         };
-        let v = Verifier::new(
+        let core = VerifierCore::new(
             target,
             VerifierConfig {
                 token_budget: cfg.token_budget,
@@ -818,7 +748,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
         .map_err(|e| anyhow::anyhow!("replica {r}: {e}"))?;
         // As `cloud serve` sets it up: grants within the configured shape, saturating at twice
         // the ridge, γ 0 as the last level, takeovers by pace.
-        let control = (cfg.adaptive && cfg.gamma > 0).then(|| {
+        let core = if cfg.adaptive && cfg.gamma > 0 {
             let grants = GrantPolicy::new(
                 cfg.gamma as u32,
                 cfg.depth as u32,
@@ -826,12 +756,12 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow> {
             )
             .with_cloud_decode()
             .with_pace(cfg.cost);
-            LoadControl::new(grants, 0)
-        });
+            core.with_grants(grants, 0)
+        } else {
+            core
+        };
         replicas.push(Replica {
-            v,
-            held: Vec::new(),
-            control,
+            core,
             takeovers: 0,
             busy: false,
             inbox: Vec::new(),

@@ -241,7 +241,9 @@ struct LocalVerifier {
     url: String,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     server: tokio::task::JoinHandle<Result<(), tandem_cloud::grpc::TransportError>>,
-    batcher: thread::JoinHandle<tandem_cloud::Verifier>,
+    batcher: thread::JoinHandle<
+        tandem_verifier::VerifierCore<tandem_engine::Engine, tandem_cloud::Reply>,
+    >,
 }
 
 impl LocalVerifier {
@@ -262,15 +264,14 @@ impl LocalVerifier {
             depth as u32,
         );
         // The budget holds any block this edge may send, with its correction in front.
-        let cfg = tandem_cloud::VerifierConfig {
-            token_budget: tandem_cloud::VerifierConfig::default()
+        let cfg = tandem_verifier::VerifierConfig {
+            token_budget: tandem_verifier::VerifierConfig::default()
                 .token_budget
                 .max(len + 1),
-            ..tandem_cloud::VerifierConfig::default()
+            ..tandem_verifier::VerifierConfig::default()
         };
-        let verifier = tandem_cloud::Verifier::new(engine, cfg).context("verifier")?;
         let (service, batcher) =
-            tandem_cloud::grpc::start(verifier, info, tandem_cloud::tenants::Tenants::open())
+            tandem_cloud::grpc::start(engine, cfg, info, tandem_cloud::tenants::Tenants::open())
                 .context("starting the verifier")?;
         let rt = crate::runtime().context("starting the verifier's runtime")?;
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
@@ -301,7 +302,7 @@ impl LocalVerifier {
     }
 
     /// Shut the service down and return the verifier's counters.
-    fn stop(mut self) -> Result<tandem_cloud::VerifierStats> {
+    fn stop(mut self) -> Result<tandem_verifier::VerifierStats> {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }

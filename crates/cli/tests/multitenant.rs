@@ -11,13 +11,13 @@ use std::time::Duration;
 
 use common::*;
 use tandem_cloud::tenants::Tenants;
-use tandem_cloud::VerifierConfig;
 use tandem_engine::{Engine, EngineConfig, SamplingParams, SeqId};
 use tandem_proto::v1::verifier_client::VerifierClient;
 use tandem_proto::v1::{
     cloud_message, edge_message, CloudMessage, Draft, EdgeMessage, Open, SessionRef,
 };
 use tandem_spec::VerifyRule;
+use tandem_verifier::VerifierConfig;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tonic::{Code, Request, Status, Streaming};
 
@@ -479,8 +479,9 @@ fn shutdown_drains_open_sessions_and_refuses_new_ones() {
     )
     .unwrap();
     let info = tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4);
-    let verifier = tandem_cloud::Verifier::new(engine, VerifierConfig::default()).unwrap();
-    let (service, _batcher) = tandem_cloud::grpc::start(verifier, info, Tenants::open()).unwrap();
+    let (service, _batcher) =
+        tandem_cloud::grpc::start(engine, VerifierConfig::default(), info, Tenants::open())
+            .unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let (done_tx, done) = std::sync::mpsc::channel();
     let addr = on_loopback(move |l| async move {

@@ -547,7 +547,7 @@ fn new_grpc_server(saturation_tokens: f64) -> (String, std::sync::Arc<tandem_clo
         saturation_tokens,
         false,
         tandem_cloud::tenants::Tenants::open(),
-        tandem_cloud::VerifierConfig::default(),
+        tandem_verifier::VerifierConfig::default(),
         256 << 20,
     )
 }

@@ -24,7 +24,9 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::tenants::Tenants;
-use crate::{validation, Gauges, ToCloud, ToEdge};
+use tandem_verifier::{Inbound, Mode, NewSession, ToEdge, VerifierCore, VerifierError};
+
+use crate::{code, validation, Gauges, Reply, ToCloud};
 
 /// What the service tells edges about itself and grants them.
 #[derive(Debug, Clone)]
@@ -128,9 +130,14 @@ fn error(code: tonic::Code, message: impl Into<String>) -> CloudMessage {
     }
 }
 
-/// A session-ending error as a status, with the retry hint as a `retry-after-ms` trailer.
-fn status(code: tonic::Code, message: String, retry_after_ms: Option<u64>) -> Status {
-    let mut s = Status::new(code, message);
+/// A session-ending refusal as a status, with the retry hint as a `retry-after-ms` trailer (and
+/// in the message).
+fn refusal(e: &VerifierError, retry_after_ms: Option<u64>) -> Status {
+    let message = match retry_after_ms {
+        Some(ms) => format!("{e}; retry after about {ms} ms"),
+        None => e.to_string(),
+    };
+    let mut s = Status::new(code(e), message);
     if let Some(ms) = retry_after_ms {
         if let Ok(v) = ms.to_string().parse() {
             s.metadata_mut().insert("retry-after-ms", v);
@@ -158,7 +165,7 @@ async fn first_answer<T: Send + 'static>(
 
 impl Service {
     /// A service in front of the batcher fed by `batcher`; `gauges` are the ones that batcher's
-    /// [`serve`](crate::serve) updates; `tenants` authenticates callers.
+    /// [`run_batcher`](crate::run_batcher) updates; `tenants` authenticates callers.
     pub fn new(
         batcher: Sender<ToCloud>,
         info: ServiceInfo,
@@ -256,13 +263,9 @@ impl VerifierRpc for Service {
         let session = self.next_session.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = unbounded_channel();
         let out = tx.clone();
-        let reply = Box::new(move |msg: ToEdge| {
+        let reply: Reply = Arc::new(move |msg: ToEdge| {
             let m = match msg {
-                ToEdge::Opened {
-                    session,
-                    first,
-                    grant,
-                } => Ok(CloudMessage {
+                ToEdge::Opened { first, grant } => Ok(CloudMessage {
                     kind: Some(cloud_message::Kind::Opened(Opened {
                         session_id: session,
                         model: None,
@@ -278,15 +281,14 @@ impl VerifierRpc for Service {
                     kind: Some(cloud_message::Kind::Decoded(d.into())),
                 }),
                 ToEdge::Error {
-                    code,
-                    message,
+                    error,
                     retry_after_ms,
                     fatal,
                 } => {
                     if fatal {
-                        Err(status(code, message, retry_after_ms))
+                        Err(refusal(&error, retry_after_ms))
                     } else {
-                        Ok(error(code, message))
+                        Ok(self::error(code(&error), error.to_string()))
                     }
                 }
                 ToEdge::Token { .. } => return true,
@@ -313,17 +315,21 @@ impl VerifierRpc for Service {
             table: self.sessions.clone(),
             id: session,
         };
-        self.send(ToCloud::Open {
+        self.send(ToCloud::Core(Inbound::Open {
             session,
-            tenant,
-            prompt: o.prompt,
-            params: o.params,
-            rule: o.rule,
-            want: (gamma, depth),
-            max_tokens: o.max_tokens,
-            eog: self.info.eog.clone(),
-            reply,
-        })?;
+            new: NewSession {
+                tenant,
+                prompt: o.prompt,
+                params: o.params,
+                max_tokens: o.max_tokens,
+                eog: self.info.eog.clone(),
+                mode: Mode::Speculate {
+                    rule: o.rule,
+                    want: (gamma, depth),
+                },
+            },
+            handle: reply,
+        }))?;
         let batcher = self.batcher.clone();
         let vocab = self.info.model.vocab_size as usize;
         let stream = first_answer(rx).await?;
@@ -335,7 +341,7 @@ impl VerifierRpc for Service {
                         kind: Some(edge_message::Kind::Draft(d)),
                     })) => match validation::draft(d, session, vocab, gamma as usize) {
                         Ok(block) => {
-                            if !send(ToCloud::Draft { session, block }) {
+                            if !send(ToCloud::Core(Inbound::Draft { session, block })) {
                                 break;
                             }
                         }
@@ -362,7 +368,7 @@ impl VerifierRpc for Service {
                 }
             }
             drop(registered);
-            send(ToCloud::Close { session });
+            send(ToCloud::Core(Inbound::Close { session }));
         });
         Ok(Response::new(stream))
     }
@@ -376,31 +382,33 @@ impl VerifierRpc for Service {
         let g = validation::generate(req.into_inner(), &self.info.model)?;
         let (tx, rx) = unbounded_channel();
         let session = self.next_session.fetch_add(1, Ordering::Relaxed);
-        let reply = Box::new(move |msg: ToEdge| {
+        let reply: Reply = Arc::new(move |msg: ToEdge| {
             let m = match msg {
                 ToEdge::Token { token, done } => Ok(GenerateResponse {
                     tokens: vec![token],
                     done,
                 }),
                 ToEdge::Error {
-                    code,
-                    message,
+                    error,
                     retry_after_ms,
                     ..
-                } => Err(status(code, message, retry_after_ms)),
+                } => Err(refusal(&error, retry_after_ms)),
                 _ => return true,
             };
             tx.send(m).is_ok()
         });
-        self.send(ToCloud::Generate {
+        self.send(ToCloud::Core(Inbound::Open {
             session,
-            tenant,
-            prompt: g.prompt,
-            params: g.params,
-            max_tokens: g.max_tokens,
-            eog: self.info.eog.clone(),
-            reply,
-        })?;
+            new: NewSession {
+                tenant,
+                prompt: g.prompt,
+                params: g.params,
+                max_tokens: g.max_tokens,
+                eog: self.info.eog.clone(),
+                mode: Mode::Generate,
+            },
+            handle: reply,
+        }))?;
         Ok(Response::new(first_answer(rx).await?))
     }
 
@@ -459,7 +467,7 @@ impl VerifierRpc for Service {
         if let Ok(mut s) = self.sessions.lock() {
             s.remove(&id);
         }
-        self.send(ToCloud::Close { session: id })?;
+        self.send(ToCloud::Core(Inbound::Close { session: id }))?;
         let _ = out.send(Err(Status::cancelled(format!(
             "session {id} was cancelled by its tenant"
         ))));
@@ -467,21 +475,21 @@ impl VerifierRpc for Service {
     }
 }
 
-/// Start the batcher thread over `verifier` and the service in front of it, serving `tenants`
-/// (their weights and quotas are set on the verifier). The thread ends (and hands back the
-/// verifier) when the service is dropped.
+/// Start the batcher thread over `engine` (a verifier core with `cfg`) and the service in front
+/// of it, serving `tenants` (their weights and quotas are set on the core). The thread ends (and
+/// hands back the core) when the service is dropped.
 pub fn start(
-    mut verifier: crate::Verifier,
+    engine: tandem_engine::Engine,
+    cfg: tandem_verifier::VerifierConfig,
     info: ServiceInfo,
     tenants: Tenants,
-) -> Result<(Service, std::thread::JoinHandle<crate::Verifier>), crate::CloudError> {
-    for (id, cfg) in tenants.configs() {
-        verifier.set_tenant(id, cfg)?;
-    }
-    let (tx, rx) = std::sync::mpsc::channel();
-    let gauges = Arc::new(Gauges::default());
-    let g = gauges.clone();
-    let names = tenants.names().to_vec();
+) -> Result<
+    (
+        Service,
+        std::thread::JoinHandle<VerifierCore<tandem_engine::Engine, Reply>>,
+    ),
+    VerifierError,
+> {
     let grants = match (info.adapt, info.forward_cost) {
         (false, _) => GrantPolicy::new(info.max_draft_len, info.max_depth, f64::INFINITY),
         (true, cost) => {
@@ -493,10 +501,18 @@ pub fn start(
             }
         }
     };
+    let mut core = VerifierCore::new(engine, cfg)?.with_grants(grants, 0);
+    for (id, cfg) in tenants.configs() {
+        core.set_tenant(id, cfg)?;
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let gauges = Arc::new(Gauges::default());
+    let g = gauges.clone();
+    let names = tenants.names().to_vec();
     let batcher = std::thread::Builder::new()
         .name("tandem-batcher".into())
-        .spawn(move || crate::serve(verifier, rx, g, names, grants))
-        .map_err(|e| crate::CloudError::Engine(format!("starting the batcher: {e}")))?;
+        .spawn(move || crate::run_batcher(core, rx, g, names))
+        .map_err(|e| VerifierError::Engine(format!("starting the batcher: {e}")))?;
     Ok((Service::new(tx, info, gauges, Arc::new(tenants)), batcher))
 }
 

@@ -1,83 +1,40 @@
-//! Tandem's cloud verifier: the target engine shared by every tenant.
+//! Tandem's cloud verifier as a server: the IO around the verifier core (`tandem-verifier`).
 //!
-//! - [`verifier`]: the [`Verifier`] — engine plus the multi-tenant scheduler (`tandem-sched`); each
-//!   iteration one ragged forward over every session's planned work (verify blocks first, then
-//!   chunked prefill and recompute), paged KV with preemption, per-tenant fairness and quotas.
-//! - [`batcher`]: the actor that owns the verifier and runs the iteration loop, fed by messages
-//!   ([`ToCloud`]) and answering through each session's [`Reply`].
+//! - [`batcher`]: the thread that owns the [`VerifierCore`] and drives it with the wall clock: it
+//!   takes every message that has arrived ([`ToCloud`]), runs the core's turn, sends each
+//!   outgoing message through its session's [`Reply`] and records the turn in the metrics.
 //! - [`validation`]: every incoming protobuf message becomes a valid domain value or a
 //!   field-named `INVALID_ARGUMENT` before anything is queued.
 //! - [`tenants`]: API keys → tenants (`--tenants` TOML), their weights and quotas.
 //! - [`grpc`]: the `tandem.v1.Verifier` service, health, admission, drain; [`metrics`]: Prometheus.
 
 pub mod batcher;
-pub mod control;
 pub mod grpc;
 pub mod metrics;
 pub mod tenants;
 pub mod validation;
-pub mod verifier;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::Sender;
+use std::sync::Arc;
 
-use tandem_engine::{EngineError, SamplingParams};
-pub use tandem_sched::SchedError;
-use tandem_sched::{SessionId, TenantId};
-use tandem_spec::{Block, Decoded, SpecError, Verdict, VerifyRule};
+use tandem_sched::SessionId;
+use tandem_verifier::{ErrorKind, Inbound, SessionState, ToEdge, VerifierCore, VerifierError};
 
-pub use batcher::serve;
-pub use tandem_sched::{ForwardCost, GrantPolicy};
-pub use verifier::{
-    Event, SessionState, Target, TenantStats, Verifier, VerifierConfig, VerifierStats,
-};
+pub use batcher::run_batcher;
 
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum CloudError {
-    #[error("session {0} is not open")]
-    UnknownSession(u64),
-    #[error("session {0} is already open")]
-    DuplicateSession(u64),
-    /// A field of a message is wrong (the text names it).
-    #[error("{0}")]
-    Invalid(String),
-    #[error(transparent)]
-    Spec(#[from] SpecError),
-    #[error(transparent)]
-    Sched(SchedError),
-    #[error("{0}")]
-    Engine(String),
-}
-
-impl From<EngineError> for CloudError {
-    fn from(e: EngineError) -> Self {
-        CloudError::Engine(e.to_string())
+/// The gRPC status code a refusal of the verifier is answered with.
+pub fn code(e: &VerifierError) -> tonic::Code {
+    match e.kind() {
+        ErrorKind::NotFound => tonic::Code::NotFound,
+        ErrorKind::AlreadyExists => tonic::Code::AlreadyExists,
+        ErrorKind::InvalidArgument => tonic::Code::InvalidArgument,
+        ErrorKind::ResourceExhausted => tonic::Code::ResourceExhausted,
+        ErrorKind::Internal => tonic::Code::Internal,
     }
 }
 
-impl CloudError {
-    /// The gRPC status code this error is answered with.
-    pub fn code(&self) -> tonic::Code {
-        use tonic::Code;
-        match self {
-            CloudError::UnknownSession(_) => Code::NotFound,
-            CloudError::DuplicateSession(_) => Code::AlreadyExists,
-            CloudError::Invalid(_) | CloudError::Spec(_) => Code::InvalidArgument,
-            CloudError::Sched(
-                SchedError::Saturated { .. }
-                | SchedError::QuotaExceeded { .. }
-                | SchedError::CannotFit { .. },
-            ) => Code::ResourceExhausted,
-            CloudError::Sched(
-                SchedError::PromptTooLarge { .. } | SchedError::BlockTooLarge { .. },
-            ) => Code::InvalidArgument,
-            CloudError::Sched(_) | CloudError::Engine(_) => Code::Internal,
-        }
-    }
-}
-
-/// Live load of a verifier, updated by [`serve`] after every iteration and read by the `Info` RPC,
-/// admission in the service, and its Prometheus metrics.
+/// Live load of a verifier, updated by [`run_batcher`] after every turn and read by the `Info`
+/// RPC, admission in the service, and its Prometheus metrics.
 #[derive(Default)]
 pub struct Gauges {
     pub metrics: metrics::Metrics,
@@ -95,7 +52,7 @@ pub struct Gauges {
 }
 
 impl Gauges {
-    fn update(&self, v: &Verifier) {
+    fn update<H>(&self, v: &VerifierCore<tandem_engine::Engine, H>) {
         let pool = v.scheduler().pool();
         let set = |g: &AtomicU64, x: usize| g.store(x as u64, Ordering::Relaxed);
         let (spec, gen) = v.counts();
@@ -113,92 +70,26 @@ impl Gauges {
     }
 }
 
-/// Where the batcher sends a session's messages (a channel of the in-process link, or a gRPC
-/// stream). Returns false when the edge is gone: the batcher then frees the session.
-pub type Reply = Box<dyn Fn(ToEdge) -> bool + Send>;
+/// Where the batcher sends a session's messages (a gRPC stream, or a channel in tests). Returns
+/// false when the edge is gone: the batcher then closes the session.
+pub type Reply = Arc<dyn Fn(ToEdge) -> bool + Send + Sync>;
 
 /// A [`Reply`] into a std channel.
-pub fn reply_to(tx: Sender<ToEdge>) -> Reply {
-    Box::new(move |m| tx.send(m).is_ok())
+pub fn reply_to(tx: std::sync::mpsc::Sender<ToEdge>) -> Reply {
+    let tx = std::sync::Mutex::new(tx);
+    Arc::new(move |m| tx.lock().map(|t| t.send(m).is_ok()).unwrap_or(false))
 }
 
 /// Messages to the batcher.
 pub enum ToCloud {
-    Open {
-        session: SessionId,
-        tenant: TenantId,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        rule: VerifyRule,
-        /// The γ and depth the edge asked for (within the service's limits): its grants never
-        /// exceed them.
-        want: (u32, u32),
-        /// New tokens at most, and the end-of-generation ids (for when the verifier decodes it).
-        max_tokens: usize,
-        eog: Vec<u32>,
-        reply: Reply,
-    },
-    Draft {
-        session: SessionId,
-        block: Block,
-    },
-    /// Cloud-only generation: the verifier decodes every token.
-    Generate {
-        session: SessionId,
-        tenant: TenantId,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        max_tokens: usize,
-        eog: Vec<u32>,
-        reply: Reply,
-    },
-    Close {
-        session: SessionId,
-    },
-    /// The state of an open session (`None`: not open).
+    /// A message for the verifier core (open, draft, close).
+    Core(Inbound<Reply>),
+    /// The state of an open session (`None`: not open), answered in order with the messages
+    /// before it.
     Query {
         session: SessionId,
         reply: Box<dyn FnOnce(Option<SessionState>) + Send>,
     },
-}
-
-/// Messages to an edge.
-#[derive(Debug, Clone)]
-pub enum ToEdge {
-    Opened {
-        session: SessionId,
-        first: u32,
-        /// The γ and depth granted now.
-        grant: (u32, u32),
-    },
-    Verdict(Verdict),
-    /// A token the verifier decoded itself for a speculation session it took over (`resume`: the
-    /// last one, with the grant to draft again with).
-    Decoded(Decoded),
-    /// A token of a cloud-only generation.
-    Token {
-        token: u32,
-        done: bool,
-    },
-    Error {
-        code: tonic::Code,
-        message: String,
-        /// When refused for load: try again after about this long.
-        retry_after_ms: Option<u64>,
-        /// The session is over (refused at admission, or a generation that failed).
-        fatal: bool,
-    },
-}
-
-impl ToEdge {
-    fn error(e: &CloudError, fatal: bool) -> Self {
-        ToEdge::Error {
-            code: e.code(),
-            message: e.to_string(),
-            retry_after_ms: None,
-            fatal,
-        }
-    }
 }
 
 /// Time the target's forward of a chunk of `n` new tokens for each of `sizes` (ascending; the
@@ -208,7 +99,7 @@ pub fn measure_forward_cost(
     engine: &mut tandem_engine::Engine,
     sizes: &[usize],
     reps: usize,
-) -> Result<(Vec<(usize, f64)>, tandem_sched::ForwardCost), CloudError> {
+) -> Result<(Vec<(usize, f64)>, tandem_sched::ForwardCost), VerifierError> {
     use tandem_engine::{SeqChunk, SeqId, Wanted};
     let scratch = SeqId(u64::MAX);
     let mut points = Vec::new();
@@ -226,7 +117,7 @@ pub fn measure_forward_cost(
         points.push((n, t[t.len() / 2]));
     }
     let cost = tandem_sched::ForwardCost::fit(&points).ok_or_else(|| {
-        CloudError::Engine(format!(
+        VerifierError::Engine(format!(
             "cannot fit a roofline to the forward times {points:?}"
         ))
     })?;

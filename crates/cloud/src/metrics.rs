@@ -14,6 +14,8 @@ use prometheus::{
     TextEncoder,
 };
 
+use tandem_verifier::{Observation, Turn};
+
 use crate::Gauges;
 
 pub struct Metrics {
@@ -200,6 +202,59 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Record a turn of the verifier core that took `step_s` seconds of wall time; tenant `t` is
+    /// labelled `tenant_names[t]`.
+    pub fn record<H>(&self, turn: &Turn<H>, step_s: f64, tenant_names: &[String]) {
+        self.takeovers.inc_by(turn.takeovers as u64);
+        self.preemptions.inc_by(turn.preemptions as u64);
+        self.refused.inc_by(turn.refused as u64);
+        if let Some(f) = turn.forward {
+            self.forwards.inc();
+            self.batch_size.observe(f.sessions as f64);
+            self.tokens_per_forward.observe(f.tokens as f64);
+            self.forward_time.observe(step_s);
+        }
+        for o in &turn.observations {
+            match *o {
+                Observation::FirstToken { seconds } => self.ttft.observe(seconds),
+                Observation::InterToken { seconds, tokens } => {
+                    for _ in 0..tokens {
+                        self.itl.observe(seconds);
+                    }
+                }
+                Observation::QueueTime { seconds } => self.queue_time.observe(seconds),
+                Observation::Verified {
+                    tenant,
+                    drafted,
+                    accepted,
+                    positions,
+                } => {
+                    let t = tenant_names
+                        .get(tenant as usize)
+                        .cloned()
+                        .unwrap_or_else(|| tenant.to_string());
+                    self.drafts.inc();
+                    self.draft_tokens.inc_by(drafted as u64);
+                    self.accepted_tokens.inc_by(accepted as u64);
+                    for pos in 0..accepted {
+                        self.accepted_per_pos
+                            .with_label_values(&[&pos.to_string()])
+                            .inc();
+                    }
+                    self.tenant_verified
+                        .with_label_values(&[&t])
+                        .inc_by(positions as u64);
+                    self.tenant_drafted
+                        .with_label_values(&[&t])
+                        .inc_by(drafted as u64);
+                    self.tenant_accepted
+                        .with_label_values(&[&t])
+                        .inc_by(accepted as u64);
+                }
+            }
+        }
+    }
+
     /// The text exposition of every metric, gauges refreshed from `g`.
     pub fn render(&self, g: &Gauges) -> String {
         let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as i64;

@@ -1,5 +1,5 @@
 //! Speculation is lossless in distribution, end to end: the edge loop ([`tandem_edge::run`]) with a
-//! real tiny draft engine against the real cloud [`Verifier`] on a different tiny target engine.
+//! real tiny draft engine against the real cloud [`VerifierCore`] on a different tiny target engine.
 //! Over many seeds, the token committed at output positions 1 and 2 (both decided by judging
 //! drafted tokens) follows the target's sampling distribution there — the marginal over the earlier
 //! output tokens, computed exactly by enumerating them — by a χ² test at the 0.999 quantile, for
@@ -17,7 +17,6 @@ use std::time::Instant;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use tandem_cloud::{Event, Verifier, VerifierConfig};
 use tandem_edge::{EdgeError, Link, SpecConfig};
 use tandem_engine::testing::{tiny_gguf, TinySpec};
 use tandem_engine::{
@@ -25,6 +24,7 @@ use tandem_engine::{
 };
 use tandem_spec::sampling::{distribution, sample, uniform};
 use tandem_spec::{Block, PipelineStats, Verdict, VerifyRule};
+use tandem_verifier::{Event, VerifierConfig, VerifierCore};
 
 const VOCAB: usize = 24;
 const PROMPT: [u32; 3] = [5, 17, 2];
@@ -181,7 +181,7 @@ fn dense(logits: &[f32], params: &SamplingParams) -> Vec<f64> {
 /// verdict is there before the edge drafts again. Lazy: blocks are verified, in order, only when
 /// the edge has to wait, so up to `depth` blocks are in flight and later ones may go stale.
 struct Local<'a> {
-    verifier: &'a mut Verifier,
+    verifier: &'a mut VerifierCore,
     session: u64,
     lazy: bool,
     blocks: VecDeque<Block>,
@@ -333,7 +333,7 @@ fn committed_counts(
     rule: VerifyRule,
     (ix, case): (usize, &Case),
     target: &Tree,
-    verifier: &mut Verifier,
+    verifier: &mut VerifierCore,
     draft: &mut Engine,
 ) -> ([Vec<usize>; 3], PipelineStats) {
     let mut counts = [vec![0; VOCAB], vec![0; VOCAB], vec![0; VOCAB]];
@@ -405,7 +405,7 @@ fn check(rule: VerifyRule) {
     let started = Instant::now();
     let (tm, dm) = (target_model(), draft_model());
     let (target, draft_tree) = (Tree::new(&tm), Tree::new(&dm));
-    let mut verifier = Verifier::new(engine(&tm), VerifierConfig::default()).unwrap();
+    let mut verifier = VerifierCore::new(engine(&tm), VerifierConfig::default()).unwrap();
     let mut draft = engine(&dm);
     for (ix, case) in cases().iter().enumerate() {
         let want = target.marginals(&case.params);

@@ -7,15 +7,15 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tandem_cloud::{Event, Verifier, VerifierConfig};
 use tandem_edge::{EdgeError, Incoming, Link, SpecConfig, SyntheticDrafter};
 use tandem_engine::testing::{tiny_file, TinySpec};
 use tandem_engine::{Engine, EngineConfig, LlamaModel, SamplingParams, WeightMode};
 use tandem_spec::{Block, VerifyRule};
+use tandem_verifier::{Event, VerifierConfig, VerifierCore};
 
 const SESSION: u64 = 7;
 
-fn verifier() -> Verifier {
+fn verifier() -> VerifierCore {
     let mut f = tiny_file(&TinySpec::default()).unwrap();
     let m = Arc::new(LlamaModel::load(&mut f, WeightMode::F32).unwrap());
     let e = Engine::new(
@@ -28,13 +28,13 @@ fn verifier() -> Verifier {
         },
     )
     .unwrap();
-    Verifier::new(e, VerifierConfig::default()).unwrap()
+    VerifierCore::new(e, VerifierConfig::default()).unwrap()
 }
 
 /// The verifier behind a link that takes the session over after `take_after` verdicts and hands
 /// it back after `give_after` decoded tokens.
 struct Local {
-    v: Verifier,
+    v: VerifierCore,
     inbox: VecDeque<Incoming>,
     verdicts: usize,
     decoded: usize,
@@ -71,12 +71,12 @@ impl Local {
         }
         if !self.taken && self.verdicts >= self.take_after {
             self.taken = true;
-            let e = self.v.set_cloud_decode(SESSION, true);
+            let e = self.v.set_takeover(SESSION, true);
             self.absorb(e)?;
         }
         if self.taken && !self.giving && self.decoded >= self.give_after {
             self.giving = true;
-            let e = self.v.set_cloud_decode(SESSION, false);
+            let e = self.v.set_takeover(SESSION, false);
             self.absorb(e)?;
         }
         Ok(())
@@ -104,7 +104,7 @@ fn a_session_taken_over_and_handed_back_is_the_targets() {
     let n = 40;
     // The target's own greedy answer: a cloud-only generation on the same verifier.
     let mut v = verifier();
-    v.open_generate(1, 0, &prompt, SamplingParams::default(), n, vec![])
+    v.open_generation(1, 0, &prompt, SamplingParams::default(), n, vec![])
         .unwrap();
     let want: Vec<u32> = v
         .run_until_idle(0)

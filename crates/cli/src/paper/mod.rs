@@ -21,8 +21,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
-use tandem_cloud::ForwardCost;
 use tandem_engine::{Engine, EngineConfig, LlamaModel, SamplingParams, Tokenizer};
+use tandem_sched::ForwardCost;
 use tandem_spec::policy::expected_accepted;
 
 mod report;

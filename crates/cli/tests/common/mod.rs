@@ -99,7 +99,7 @@ pub fn grpc_server_with(
     saturation_tokens: f64,
     pace: bool,
     tenants: tandem_cloud::tenants::Tenants,
-    cfg: tandem_cloud::VerifierConfig,
+    cfg: tandem_verifier::VerifierConfig,
     kv_budget_bytes: usize,
 ) -> (String, std::sync::Arc<tandem_cloud::Gauges>) {
     {
@@ -123,8 +123,7 @@ pub fn grpc_server_with(
             forward_cost,
             ..tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4)
         };
-        let verifier = tandem_cloud::Verifier::new(engine, cfg).unwrap();
-        let (service, _batcher) = tandem_cloud::grpc::start(verifier, info, tenants).unwrap();
+        let (service, _batcher) = tandem_cloud::grpc::start(engine, cfg, info, tenants).unwrap();
         let gauges = service.gauges();
         let addr = on_loopback(move |l| async move {
             tandem_cloud::grpc::serve_grpc(service, l, std::future::pending(), Duration::ZERO)

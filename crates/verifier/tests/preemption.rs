@@ -5,10 +5,10 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use tandem_cloud::{Event, Verifier, VerifierConfig};
 use tandem_engine::testing::{tiny_file, TinySpec};
 use tandem_engine::{Engine, EngineConfig, LlamaModel, SamplingParams, WeightMode};
 use tandem_spec::{Block, VerifyRule};
+use tandem_verifier::{Event, VerifierConfig, VerifierCore};
 
 const BLOCK: usize = 4;
 
@@ -18,7 +18,7 @@ fn model() -> Arc<LlamaModel> {
 }
 
 /// A verifier whose KV pool holds `blocks` blocks of 4 tokens.
-fn verifier(m: &Arc<LlamaModel>, blocks: usize, token_budget: usize) -> Verifier {
+fn verifier(m: &Arc<LlamaModel>, blocks: usize, token_budget: usize) -> VerifierCore {
     let bytes_per_block = 2 * m.cfg.n_layer * BLOCK * m.cfg.kv_dim() * 4;
     let engine = Engine::new(
         m.clone(),
@@ -35,7 +35,7 @@ fn verifier(m: &Arc<LlamaModel>, blocks: usize, token_budget: usize) -> Verifier
         token_budget,
         ..VerifierConfig::default()
     };
-    Verifier::new(engine, cfg).unwrap()
+    VerifierCore::new(engine, cfg).unwrap()
 }
 
 fn prompt(i: u64) -> Vec<u32> {
@@ -45,9 +45,9 @@ fn prompt(i: u64) -> Vec<u32> {
 }
 
 /// Greedy cloud-only generations of `n` tokens for prompts 0..k, all at once.
-fn generate(v: &mut Verifier, k: u64, n: usize) -> HashMap<u64, Vec<u32>> {
+fn generate(v: &mut VerifierCore, k: u64, n: usize) -> HashMap<u64, Vec<u32>> {
     for i in 0..k {
-        v.open_generate(i, 0, &prompt(i), SamplingParams::default(), n, vec![])
+        v.open_generation(i, 0, &prompt(i), SamplingParams::default(), n, vec![])
             .unwrap();
     }
     let mut out: HashMap<u64, Vec<u32>> = HashMap::new();

@@ -1,0 +1,289 @@
+//! The verifier's adaptation to its load, as a pure policy: the grant (γ and depth) every
+//! speculation session may use, planned from the target's forward cost ([`GrantPolicy`]), and the
+//! takeover of a session whose speculation commits more slowly than cloud decoding would
+//! ([`tandem_sched::pace`]). It keeps no session table: each session's part ([`Ctl`]) lives in
+//! the core's record of it. It runs on a clock the caller passes in and returns decisions, which
+//! [`VerifierCore`](crate::VerifierCore) carries out; the batcher and `tandem-sim` drive the same
+//! core, so both run the same decisions.
+
+use tandem_sched::pace::prefer_cloud;
+use tandem_sched::{GrantPolicy, Pace, SessionId};
+use tandem_spec::{Decoded, Verdict};
+
+/// Forwards between two looks at the load by the grant policy (each moves one level at most).
+pub const GRANT_EVERY: u64 = 2;
+
+/// Idle this long (ms), the verifier counts as unloaded and the grant relaxes a level (per turn).
+/// Shorter gaps are normal between rounds of speculation (edges drafting, blocks on the wire) and
+/// do not count.
+pub const IDLE_RELAX_MS: u64 = 250;
+
+/// Decay per verdict of the accepted and judged counts behind the grant's α.
+pub const ALPHA_DECAY: f64 = 0.99;
+
+/// The α the grant plans with before any verdict (about the W4A16 draft's).
+const PRIOR_ALPHA: f64 = 0.8;
+
+/// What the load control knows of one session.
+#[derive(Debug, Clone)]
+pub struct Ctl {
+    /// What a speculation session asked for (None: a cloud-only generation).
+    want: Option<(u32, u32)>,
+    /// What it was last told it may use.
+    granted: (u32, u32),
+    /// The verifier decodes it itself.
+    cloud: bool,
+    /// Its speculative pace, for a takeover of its own.
+    pace: Pace,
+}
+
+impl Ctl {
+    /// A session just admitted: `want` is a speculation session's (γ, depth), None for a
+    /// cloud-only generation (which counts in the load but has no grant).
+    pub fn new(want: Option<(u32, u32)>) -> Self {
+        Self {
+            want,
+            granted: (0, 0),
+            cloud: false,
+            pace: Pace::default(),
+        }
+    }
+
+    /// Whether the verifier decodes this session itself.
+    pub fn is_cloud(&self) -> bool {
+        self.cloud
+    }
+}
+
+/// The load as the verifier saw it before a turn.
+#[derive(Debug, Clone, Copy)]
+pub struct Load {
+    /// Forward passes so far.
+    pub forwards: u64,
+    /// Running mean of the tokens per forward.
+    pub tokens_per_forward: f64,
+    /// Open sessions, cloud-only generations included.
+    pub sessions: usize,
+}
+
+/// What [`LoadControl::turn`] decided.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Decisions {
+    /// The verifier was idle long enough to count as unloaded: its running load starts again
+    /// from 0.
+    pub idle: bool,
+    /// Sessions that change hands, in session order: `true` to take over, `false` to hand back.
+    pub takeovers: Vec<(SessionId, bool)>,
+}
+
+/// See the module docs.
+#[derive(Debug, Clone)]
+pub struct LoadControl {
+    grants: GrantPolicy,
+    graded_at: u64,
+    last_forward_ms: u64,
+    accepted_recent: f64,
+    judged_recent: f64,
+}
+
+impl LoadControl {
+    pub fn new(grants: GrantPolicy, now_ms: u64) -> Self {
+        Self {
+            grants,
+            graded_at: 0,
+            last_forward_ms: now_ms,
+            accepted_recent: 0.0,
+            judged_recent: 0.0,
+        }
+    }
+
+    pub fn grants(&self) -> &GrantPolicy {
+        &self.grants
+    }
+
+    /// Look at the load, once per turn before the iteration runs: relax the grant after an idle
+    /// spell, or re-plan it every [`GRANT_EVERY`] forwards; then decide which sessions change
+    /// hands (past the ridge every one is taken over, γ 0; below it, each one whose speculation
+    /// commits slower than cloud decoding would at this load). The sessions' records are updated
+    /// as decided; the caller takes each one over or hands it back.
+    pub fn turn<'a>(
+        &mut self,
+        now_ms: u64,
+        load: Load,
+        sessions: impl Iterator<Item = (SessionId, &'a mut Ctl)>,
+    ) -> Decisions {
+        let mut d = Decisions::default();
+        if now_ms.saturating_sub(self.last_forward_ms) >= IDLE_RELAX_MS {
+            self.last_forward_ms = now_ms;
+            d.idle = true;
+            self.grants.grant(0.0);
+        } else if load.forwards >= self.graded_at + GRANT_EVERY {
+            self.graded_at = load.forwards;
+            let alpha = if self.judged_recent > 0.0 {
+                self.accepted_recent / self.judged_recent
+            } else {
+                PRIOR_ALPHA
+            };
+            self.grants
+                .grant_by_model(load.sessions, alpha, load.tokens_per_forward);
+        }
+        let (grant_g, _) = self.grants.current();
+        let cloud_itl = self.grants.cloud_itl_ms(load.sessions);
+        for (id, c) in sessions {
+            if c.want.is_none() {
+                continue;
+            }
+            let cloud = grant_g == 0
+                || cloud_itl.is_some_and(|i| prefer_cloud(c.pace.ms_per_token(), i, c.cloud));
+            if c.cloud != cloud {
+                c.cloud = cloud;
+                c.pace.restart();
+                d.takeovers.push((id, cloud));
+            }
+        }
+        d
+    }
+
+    /// A forward of `tokens` tokens ended at `now_ms`, after `ms`.
+    pub fn on_forward(&mut self, now_ms: u64, tokens: usize, ms: f64) {
+        self.last_forward_ms = now_ms;
+        self.grants.observe_forward(tokens, ms);
+    }
+
+    /// The grant within `want` at the current level (γ 0: the verifier decodes).
+    fn grant_for(&self, want: (u32, u32)) -> (u32, u32) {
+        let (g, d) = self.grants.current();
+        if g == 0 {
+            (0, 1)
+        } else {
+            (want.0.min(g).max(1), want.1.min(d).max(1))
+        }
+    }
+
+    /// The grant to send with a speculation session's `Opened`.
+    pub fn on_opened(&self, c: &mut Ctl) -> (u32, u32) {
+        let g = self.grant_for(c.want.unwrap_or((1, 1)));
+        c.granted = g;
+        g
+    }
+
+    /// A verdict that judged `drafted` tokens is going out at `now_ms`: it carries a new grant
+    /// when the session's changed, and feeds the α and the session's pace.
+    pub fn on_verdict(&mut self, c: &mut Ctl, verdict: &mut Verdict, drafted: usize, now_ms: u64) {
+        if let Some(want) = c.want {
+            let now = self.grant_for(want);
+            if now != c.granted {
+                verdict.grant = Some(now);
+                c.granted = now;
+            }
+        }
+        let accepted = verdict.accepted.min(drafted);
+        if drafted > 0 {
+            let judged = accepted + usize::from(accepted < drafted);
+            self.accepted_recent = ALPHA_DECAY * self.accepted_recent + accepted as f64;
+            self.judged_recent = ALPHA_DECAY * self.judged_recent + judged as f64;
+        }
+        if !c.cloud {
+            c.pace.on_commit(now_ms, accepted + 1);
+        }
+    }
+
+    /// A token the verifier decoded is going out; the last one (`handback`) carries the grant the
+    /// edge resumes with.
+    pub fn on_decoded(&self, c: &mut Ctl, handback: bool, decoded: &mut Decoded) {
+        if !handback {
+            return;
+        }
+        let (g, d) = self.grant_for(c.want.unwrap_or((1, 1)));
+        let resume = (g.max(1), d.max(1));
+        decoded.resume = Some(resume);
+        c.granted = resume;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_sched::ForwardCost;
+
+    fn control() -> LoadControl {
+        let cost = ForwardCost {
+            one_token_ms: 44.0,
+            ms_per_token: 2.2,
+        };
+        LoadControl::new(
+            GrantPolicy::new(4, 2, 40.0)
+                .with_cloud_decode()
+                .with_pace(cost),
+            0,
+        )
+    }
+
+    #[test]
+    fn verdicts_carry_a_grant_only_when_it_changed() {
+        let c = control();
+        let mut c = c;
+        let (mut spec, mut gen) = (Ctl::new(Some((4, 2))), Ctl::new(None));
+        assert_eq!(
+            c.on_opened(&mut spec),
+            (4, 2),
+            "an idle verifier grants what was asked"
+        );
+        let mut v = Verdict {
+            epoch: 0,
+            block: 0,
+            accepted: 2,
+            token: 5,
+            verify_us: 1000,
+            grant: None,
+        };
+        c.on_verdict(&mut spec, &mut v, 4, 10);
+        assert_eq!(v.grant, None, "unchanged");
+        // A cloud-only generation has no grant to carry.
+        c.on_verdict(&mut gen, &mut v, 0, 10);
+        assert_eq!(v.grant, None);
+        let mut d = Decoded {
+            epoch: 1,
+            pos: 9,
+            token: 3,
+            resume: None,
+        };
+        c.on_decoded(&mut spec, false, &mut d);
+        assert_eq!(d.resume, None);
+        c.on_decoded(&mut spec, true, &mut d);
+        assert_eq!(d.resume, Some((4, 2)), "handed back within the grant");
+    }
+
+    #[test]
+    fn decisions_name_each_change_of_hands_once() {
+        let mut c = control();
+        let mut ctls: Vec<(SessionId, Ctl)> =
+            (0..3).map(|id| (id, Ctl::new(Some((4, 2))))).collect();
+        ctls.push((3, Ctl::new(None)));
+        let load = |forwards| Load {
+            forwards,
+            tokens_per_forward: 200.0,
+            sessions: 64,
+        };
+        // 64 sessions are far past the ridge: the grant falls level by level to γ 0, and then
+        // every speculation session (not the generation) is taken over, once.
+        let mut taken = Vec::new();
+        for k in 1..=8 {
+            let d = c.turn(k, load(2 * k), ctls.iter_mut().map(|(id, c)| (*id, c)));
+            assert!(!d.idle);
+            taken.extend(d.takeovers);
+        }
+        assert_eq!(c.grants().current(), (0, 1));
+        assert_eq!(taken, vec![(0, true), (1, true), (2, true)]);
+        assert!(ctls[..3].iter().all(|(_, c)| c.is_cloud()));
+        assert!(!ctls[3].1.is_cloud());
+        // An idle spell relaxes a level and says so; γ 1 again, every session is handed back.
+        let d = c.turn(
+            8 + IDLE_RELAX_MS,
+            load(16),
+            ctls.iter_mut().map(|(id, c)| (*id, c)),
+        );
+        assert!(d.idle);
+        assert_eq!(d.takeovers, vec![(0, false), (1, false), (2, false)]);
+    }
+}

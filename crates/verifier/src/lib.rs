@@ -1,0 +1,92 @@
+//! Tandem's verifier core: everything the cloud side of speculation decides, with no IO inside —
+//! no channels, sockets, clocks, threads, tonic or prometheus. Time comes in as an argument, the
+//! target model behind a trait ([`Target`]), and what must happen comes back as plain data.
+//!
+//! - [`VerifierCore`]: one record per open session (speculation or cloud-only generation), the
+//!   multi-tenant scheduler (`tandem-sched`) over the KV block pool, and the load control. A
+//!   driver hands it each message from an edge ([`VerifierCore::receive`]) and then runs a turn
+//!   ([`VerifierCore::turn`]): the load is looked at (grants, takeovers, handbacks), one ragged
+//!   forward runs over every session's planned work (verify blocks first and whole, then chunked
+//!   prefill and the recompute of preempted sessions), and the turn returns the messages for the
+//!   edges ([`Outgoing`]) and what was observed for metrics ([`Turn`]).
+//! - [`control`]: the load adaptation as a pure policy: the grant (γ and depth) planned from the
+//!   target's forward cost, and the takeover of a session whose speculation is slower than cloud
+//!   decoding. It returns decisions; the core carries them out.
+//! - [`Target`]: what the core needs from the target model (the engine, or the simulator's cost
+//!   model).
+//!
+//! Two drivers run this same core: `tandem-cloud`'s batcher thread (the wall clock, the gRPC
+//! streams, Prometheus) and `tandem-sim` (simulated time, simulated edges).
+
+pub mod control;
+mod drafts;
+mod session;
+mod step;
+mod target;
+mod turn;
+mod verifier_core;
+
+use tandem_engine::EngineError;
+use tandem_sched::{SchedError, SessionId};
+use tandem_spec::SpecError;
+
+pub use crate::verifier_core::{VerifierConfig, VerifierCore, MAX_QUEUED_BLOCKS};
+pub use control::LoadControl;
+pub use session::{Event, SessionState, TenantStats, VerifierStats};
+pub use target::Target;
+pub use turn::{ForwardDone, Inbound, Mode, NewSession, Observation, Outgoing, ToEdge, Turn};
+
+/// What a message to the verifier can be refused with.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum VerifierError {
+    #[error("session {0} is not open")]
+    UnknownSession(SessionId),
+    #[error("session {0} is already open")]
+    DuplicateSession(SessionId),
+    /// A field of a message is wrong (the text names it).
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error(transparent)]
+    Sched(#[from] SchedError),
+    #[error("{0}")]
+    Engine(String),
+}
+
+impl From<EngineError> for VerifierError {
+    fn from(e: EngineError) -> Self {
+        VerifierError::Engine(e.to_string())
+    }
+}
+
+/// What kind of refusal a [`VerifierError`] is: the transport maps it to its own status codes
+/// (gRPC: `NOT_FOUND`, `ALREADY_EXISTS`, `INVALID_ARGUMENT`, `RESOURCE_EXHAUSTED`, `INTERNAL`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    NotFound,
+    AlreadyExists,
+    InvalidArgument,
+    /// Refused for load or quota: the same request may succeed later.
+    ResourceExhausted,
+    Internal,
+}
+
+impl VerifierError {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            VerifierError::UnknownSession(_) => ErrorKind::NotFound,
+            VerifierError::DuplicateSession(_) => ErrorKind::AlreadyExists,
+            VerifierError::Invalid(_) | VerifierError::Spec(_) => ErrorKind::InvalidArgument,
+            VerifierError::Sched(
+                SchedError::Saturated { .. }
+                | SchedError::QuotaExceeded { .. }
+                | SchedError::CannotFit { .. },
+            ) => ErrorKind::ResourceExhausted,
+            VerifierError::Sched(
+                SchedError::PromptTooLarge { .. } | SchedError::BlockTooLarge { .. },
+            ) => ErrorKind::InvalidArgument,
+            VerifierError::Sched(_) | VerifierError::Engine(_) => ErrorKind::Internal,
+        }
+    }
+}

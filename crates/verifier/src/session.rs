@@ -1,0 +1,194 @@
+//! The one record the verifier keeps per open session, and what its steps report.
+
+use std::collections::VecDeque;
+
+use tandem_engine::SamplingParams;
+use tandem_sched::{SessionId, TenantId};
+use tandem_spec::{Block, Decoded, ForwardPlan, Verdict, VerifierSession, VerifyRule};
+
+use crate::control::Ctl;
+use crate::VerifierError;
+
+/// Something a step (or a draft) produced for one session.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A speculation session's prompt is prefilled; `first` is the target's first token.
+    Opened { session: SessionId, first: u32 },
+    /// A block's verdict; `drafted` tokens were judged (0 for a verdict decided without compute)
+    /// in a forward over `positions` positions (with an unfed correction or bonus in front).
+    Verdict {
+        session: SessionId,
+        verdict: Verdict,
+        drafted: usize,
+        positions: usize,
+    },
+    /// A token of a cloud-only generation.
+    Token {
+        session: SessionId,
+        token: u32,
+        done: bool,
+    },
+    /// A message of the session was refused; the session goes on unless `fatal`.
+    Error {
+        session: SessionId,
+        error: VerifierError,
+        fatal: bool,
+    },
+    /// The session's KV was dropped to make room; it is recomputed before its next verify.
+    Preempted { session: SessionId },
+    /// A token of a speculation session the verifier decodes itself, having taken it over
+    /// ([`VerifierCore::set_takeover`](crate::VerifierCore::set_takeover)); `handback`: the last
+    /// one, the edge drafts again from here.
+    Decoded {
+        session: SessionId,
+        decoded: Decoded,
+        handback: bool,
+    },
+}
+
+impl Event {
+    pub fn session(&self) -> SessionId {
+        match self {
+            Event::Opened { session, .. }
+            | Event::Verdict { session, .. }
+            | Event::Token { session, .. }
+            | Event::Error { session, .. }
+            | Event::Preempted { session }
+            | Event::Decoded { session, .. } => *session,
+        }
+    }
+}
+
+/// A speculation session the verifier has taken over: it decodes its tokens itself.
+pub(crate) struct Takeover {
+    /// Hand it back after the next token.
+    pub stop: bool,
+    /// The decode step planned for a forward, and the session as it was before.
+    pub step: Option<(ForwardPlan, VerifierSession)>,
+}
+
+/// Counters of the verifier.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct VerifierStats {
+    /// Forward passes of the target (prefill chunks included).
+    pub target_forwards: u64,
+    /// Blocks verified in a forward, decided without one, and dropped as stale.
+    pub blocks_verified: u64,
+    pub blocks_early: u64,
+    pub blocks_stale: u64,
+    /// Largest number of sessions in one forward.
+    pub max_batch: usize,
+    /// Running mean of the tokens per forward (0 once the verifier goes idle): its load.
+    pub tokens_per_forward: f64,
+    /// Sessions and tokens of the last forward, and how long it took (µs, as the target timed it).
+    pub last_batch: (usize, usize),
+    pub last_forward_us: u32,
+    /// Tokens recomputed after preemption.
+    pub recomputed_tokens: u64,
+}
+
+/// Per-tenant counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TenantStats {
+    /// Positions the target verified (drafted tokens judged in a forward).
+    pub verified_positions: u64,
+    pub drafted: u64,
+    pub accepted: u64,
+}
+
+/// What a session asks of the verifier.
+// One per session, never moved in bulk: the size difference does not matter.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Work {
+    /// Speculation: the edge drafts, the verifier verifies (or decodes, having taken it over).
+    Spec {
+        rule: VerifyRule,
+        /// None until the prompt is prefilled.
+        vs: Option<VerifierSession>,
+        queue: VecDeque<Block>,
+        /// The block planned for a forward, its plan and the session as it was before.
+        inflight: Option<(Block, ForwardPlan, VerifierSession)>,
+        /// Set while the verifier decodes the session itself.
+        takeover: Option<Takeover>,
+        /// Committed tokens (prompt included) at which it ends, and its end-of-generation ids.
+        limit: usize,
+        eog: Vec<u32>,
+    },
+    /// Cloud-only generation: the verifier produces every token.
+    Generation {
+        /// The last sampled token, fed next; None until the prompt is prefilled.
+        next: Option<u32>,
+        produced: usize,
+        max_tokens: usize,
+        eog: Vec<u32>,
+    },
+}
+
+/// When a session's tokens reached its edge, for the time to first token, the inter-token
+/// latency and the queue time of its blocks (µs on the driver's clock).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Meter {
+    pub opened_us: u64,
+    pub last_commit_us: Option<u64>,
+    /// Arrival times of blocks not yet answered, by block index, oldest first.
+    pub arrivals: VecDeque<(u64, u64)>,
+}
+
+/// The verifier's record of one open session. `H` is the driver's handle to reach its edge (a
+/// gRPC stream's sender; `()` in the simulator).
+pub(crate) struct Session<H> {
+    pub tenant: TenantId,
+    pub params: SamplingParams,
+    pub prompt_len: usize,
+    /// The tokens the session's target KV holds (or will hold once recomputed).
+    pub history: Vec<u32>,
+    pub work: Work,
+    /// What the load control knows of it.
+    pub ctl: Ctl,
+    pub meter: Meter,
+    pub handle: H,
+}
+
+/// One open session's state, for the `GetSession` RPC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionState {
+    pub tenant: TenantId,
+    /// Tokens committed (prompt included).
+    pub committed_len: usize,
+    pub epoch: u64,
+    pub verified_positions: u64,
+    /// Blocks waiting behind the one in verification, and whether one is.
+    pub queued_blocks: usize,
+    pub verifying: bool,
+    pub prefilled: bool,
+}
+
+impl<H> Session<H> {
+    pub fn state(&self) -> SessionState {
+        match &self.work {
+            Work::Spec {
+                vs,
+                queue,
+                inflight,
+                ..
+            } => SessionState {
+                tenant: self.tenant,
+                committed_len: vs.as_ref().map_or(self.prompt_len, |v| v.committed_len()),
+                epoch: vs.as_ref().map_or(0, |v| v.epoch()),
+                verified_positions: vs.as_ref().map_or(0, |v| v.verified_positions),
+                queued_blocks: queue.len(),
+                verifying: inflight.is_some(),
+                prefilled: vs.is_some(),
+            },
+            Work::Generation { next, produced, .. } => SessionState {
+                tenant: self.tenant,
+                committed_len: self.prompt_len + produced,
+                epoch: 0,
+                verified_positions: 0,
+                queued_blocks: 0,
+                verifying: false,
+                prefilled: next.is_some(),
+            },
+        }
+    }
+}

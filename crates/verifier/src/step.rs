@@ -1,0 +1,374 @@
+//! One iteration of the verifier: the scheduler's plan, one ragged forward of the target over it,
+//! and the verdicts and tokens folded from its logits.
+
+use tandem_engine::{EngineError, Logits, SeqChunk, SeqId, Wanted};
+use tandem_sched::{SessionId, StepPlan, WorkKind};
+use tandem_spec::sampling::sample;
+use tandem_spec::{Verdict, VerifierSession};
+
+use crate::session::{Event, Takeover, Work};
+use crate::verifier_core::VerifierCore;
+use crate::{Target, VerifierError};
+
+impl<T: Target, H> VerifierCore<T, H> {
+    /// Run one iteration: plan, one ragged forward, verdicts and tokens. `now_ms` is the clock the
+    /// rate quotas run on. Returns nothing when there was nothing to plan. Generations that end
+    /// are closed.
+    pub fn step(&mut self, now_ms: u64) -> Vec<Event> {
+        let events = self.iterate(now_ms);
+        self.close_ended();
+        events
+    }
+
+    /// Close the sessions that ended in the last iteration.
+    pub(crate) fn close_ended(&mut self) {
+        for id in std::mem::take(&mut self.ended) {
+            self.close(id);
+        }
+    }
+
+    /// [`VerifierCore::step`], leaving the sessions that ended open until
+    /// [`VerifierCore::close_ended`] (their last messages still go out through their records).
+    pub(crate) fn iterate(&mut self, now_ms: u64) -> Vec<Event> {
+        let plan = self.sched.schedule(now_ms);
+        let mut events: Vec<Event> = plan
+            .preempted
+            .iter()
+            .map(|&session| Event::Preempted { session })
+            .collect();
+        if plan.chunks.is_empty() {
+            return events;
+        }
+        let mut chunks = Vec::with_capacity(plan.chunks.len());
+        let mut tables = Vec::with_capacity(plan.chunks.len());
+        for c in &plan.chunks {
+            let s = &self.sessions[&c.session];
+            let seq = SeqId(c.session);
+            let chunk = match (c.kind, &s.work) {
+                (WorkKind::Prefill, work) => {
+                    let end = c.start + c.len;
+                    let prefilled = match work {
+                        Work::Spec { vs, .. } => vs.is_some(),
+                        Work::Generation { next, .. } => next.is_some(),
+                    };
+                    if prefilled {
+                        self.stats.recomputed_tokens += c.len as u64;
+                    }
+                    let wants_first = !prefilled && end == s.history.len();
+                    let wanted = if wants_first {
+                        Wanted::Last
+                    } else {
+                        Wanted::None
+                    };
+                    SeqChunk::new(seq, c.start, s.history[c.start..end].to_vec(), wanted)
+                }
+                (
+                    WorkKind::Verify,
+                    Work::Spec {
+                        takeover:
+                            Some(Takeover {
+                                step: Some((p, _)), ..
+                            }),
+                        ..
+                    },
+                ) => {
+                    assert_eq!(
+                        (p.start_pos, p.tokens.len()),
+                        (c.start, c.len),
+                        "invariant: the scheduler's decode step matches the session's plan"
+                    );
+                    SeqChunk::new(seq, c.start, p.tokens.clone(), Wanted::Last)
+                }
+                (WorkKind::Verify, Work::Spec { inflight, .. }) => {
+                    let (_, p, _) = inflight.as_ref().expect("invariant: a verify has a block");
+                    assert_eq!(
+                        (p.start_pos, p.tokens.len()),
+                        (c.start, c.len),
+                        "invariant: the scheduler's verify matches the session's plan"
+                    );
+                    SeqChunk::new(
+                        seq,
+                        c.start,
+                        p.tokens.clone(),
+                        Wanted::At(p.logits_at.clone()),
+                    )
+                }
+                (WorkKind::Verify, Work::Generation { next, .. }) => {
+                    let t = next.expect("invariant: a decode step follows the prefill");
+                    SeqChunk::new(seq, c.start, vec![t], Wanted::Last)
+                }
+            };
+            chunks.push(chunk);
+            tables.push(c.blocks.clone());
+        }
+        let n: usize = plan.tokens();
+        self.stats.max_batch = self.stats.max_batch.max(chunks.len());
+        self.stats.last_batch = (chunks.len(), n);
+        let avg = &mut self.stats.tokens_per_forward;
+        *avg += 0.2 * (n as f64 - *avg);
+        let (forward, verify_us) = self.engine.forward_timed(&chunks, &tables);
+        match forward {
+            Ok(logits) => {
+                self.stats.target_forwards += 1;
+                self.stats.last_forward_us = verify_us;
+                self.fold(&plan, &logits, verify_us, &mut events);
+            }
+            Err(e) => self.failed(&plan, e, &mut events),
+        }
+        events
+    }
+
+    /// Verdicts and tokens from a forward's logits, then the scheduler's update.
+    fn fold(&mut self, plan: &StepPlan, logits: &Logits, verify_us: u32, events: &mut Vec<Event>) {
+        let mut kv_len = Vec::new();
+        let mut follow = Vec::new();
+        let mut takeover_follow = Vec::new();
+        let mut enqueue = Vec::new();
+        for c in &plan.chunks {
+            let id = c.session;
+            let seq = SeqId(id);
+            let s = self
+                .sessions
+                .get_mut(&id)
+                .expect("invariant: planned sessions are open");
+            let stats = self.tenants.entry(s.tenant).or_default();
+            match (c.kind, &mut s.work) {
+                (WorkKind::Prefill, work) => {
+                    let Some(row) = logits.last_for(seq) else {
+                        continue; // a chunk of a longer prompt, or a recompute
+                    };
+                    let first = sample(row, &s.params, s.prompt_len as u64);
+                    match work {
+                        Work::Spec { rule, vs, .. } => {
+                            // Positions end at the context, or where the KV pool ends.
+                            let pool = self.sched.pool();
+                            let max_len = self
+                                .engine
+                                .context_len()
+                                .min(pool.num_blocks() * pool.block_size());
+                            *vs = Some(VerifierSession::new(
+                                *rule,
+                                s.params,
+                                s.prompt_len,
+                                first,
+                                max_len,
+                            ));
+                            events.push(Event::Opened { session: id, first });
+                            follow.push(id);
+                        }
+                        Work::Generation {
+                            next,
+                            produced,
+                            max_tokens,
+                            eog,
+                        } => {
+                            *produced = 1;
+                            let done = *max_tokens <= 1 || eog.contains(&first);
+                            *next = Some(first);
+                            events.push(Event::Token {
+                                session: id,
+                                token: first,
+                                done,
+                            });
+                            if done {
+                                self.ended.push(id);
+                            } else {
+                                enqueue.push(id);
+                            }
+                        }
+                    }
+                }
+                (
+                    WorkKind::Verify,
+                    Work::Spec {
+                        vs,
+                        takeover: Some(cd),
+                        limit,
+                        eog,
+                        ..
+                    },
+                ) if cd.step.is_some() => {
+                    let (p, _) = cd.step.take().expect("invariant: checked");
+                    let vs = vs.as_mut().expect("invariant: prefilled");
+                    let row = logits.last_for(seq).expect("invariant: asked for");
+                    let d = vs.finish_decode(row);
+                    s.history.truncate(p.start_pos);
+                    s.history.extend_from_slice(&p.tokens);
+                    kv_len.push((id, p.start_pos + p.tokens.len()));
+                    let end = eog.contains(&d.token) || vs.committed_len() >= *limit;
+                    let handback = cd.stop && !end;
+                    events.push(Event::Decoded {
+                        session: id,
+                        decoded: d,
+                        handback,
+                    });
+                    if let (true, Work::Spec { takeover, .. }) = (handback, &mut s.work) {
+                        *takeover = None;
+                        follow.push(id);
+                    } else if !end {
+                        takeover_follow.push(id);
+                    }
+                }
+                (
+                    WorkKind::Verify,
+                    Work::Spec {
+                        vs,
+                        inflight,
+                        takeover,
+                        ..
+                    },
+                ) => {
+                    let taken_over = takeover.is_some();
+                    let (b, p, before) = inflight.take().expect("invariant: planned");
+                    let vs = vs.as_mut().expect("invariant: prefilled");
+                    let rows: Vec<&[f32]> = logits.for_seq(seq).map(|(_, r)| r).collect();
+                    self.stats.blocks_verified += 1;
+                    match vs.finish(&b, &rows) {
+                        Ok(f) => {
+                            s.history.truncate(p.start_pos);
+                            s.history.extend_from_slice(&p.tokens);
+                            s.history.truncate(f.kv_len);
+                            kv_len.push((id, f.kv_len));
+                            stats.verified_positions += b.tokens.len() as u64;
+                            stats.drafted += b.tokens.len() as u64;
+                            stats.accepted += f.verdict.accepted.min(b.tokens.len()) as u64;
+                            events.push(Event::Verdict {
+                                session: id,
+                                verdict: Verdict {
+                                    verify_us,
+                                    ..f.verdict
+                                },
+                                drafted: b.tokens.len(),
+                                positions: p.tokens.len(),
+                            });
+                        }
+                        Err(e) => {
+                            *vs = before;
+                            kv_len.push((id, c.start));
+                            events.push(Event::Error {
+                                session: id,
+                                error: e.into(),
+                                fatal: false,
+                            });
+                        }
+                    }
+                    if taken_over {
+                        takeover_follow.push(id);
+                    } else {
+                        follow.push(id);
+                    }
+                }
+                (
+                    WorkKind::Verify,
+                    Work::Generation {
+                        next,
+                        produced,
+                        max_tokens,
+                        eog,
+                    },
+                ) => {
+                    let fed = next.expect("invariant: planned after the prefill");
+                    s.history.push(fed);
+                    let row = logits.last_for(seq).expect("invariant: asked for");
+                    let token = sample(row, &s.params, s.history.len() as u64);
+                    *produced += 1;
+                    *next = Some(token);
+                    let done = *produced >= *max_tokens || eog.contains(&token);
+                    events.push(Event::Token {
+                        session: id,
+                        token,
+                        done,
+                    });
+                    if done {
+                        self.ended.push(id);
+                    } else {
+                        enqueue.push(id);
+                    }
+                }
+            }
+        }
+        self.sched.update(plan, &kv_len);
+        for id in follow.into_iter().chain(takeover_follow) {
+            self.proceed(id, events);
+        }
+        for id in enqueue {
+            // A generation that outgrew the KV cache ends with the reason.
+            if let Err(e) = self.sched.enqueue_verify(id, 1) {
+                events.push(Event::Error {
+                    session: id,
+                    error: e.into(),
+                    fatal: true,
+                });
+                self.ended.push(id);
+            }
+        }
+    }
+
+    /// The engine refused the batch: nothing was computed. Verify blocks are put back as they
+    /// were and refused; a taken-over session's decode step is planned again; cloud-only
+    /// generations end with the error.
+    fn failed(&mut self, plan: &StepPlan, e: EngineError, events: &mut Vec<Event>) {
+        let msg = e.to_string();
+        let kv_len: Vec<(SessionId, usize)> =
+            plan.chunks.iter().map(|c| (c.session, c.start)).collect();
+        self.sched.update(plan, &kv_len);
+        let (mut follow, mut takeover_follow) = (Vec::new(), Vec::new());
+        for c in &plan.chunks {
+            let Some(s) = self.sessions.get_mut(&c.session) else {
+                continue;
+            };
+            let error = VerifierError::Engine(msg.clone());
+            match &mut s.work {
+                Work::Spec {
+                    vs: Some(vs),
+                    takeover: Some(cd),
+                    ..
+                } if c.kind == WorkKind::Verify && cd.step.is_some() => {
+                    // Decoded again next turn.
+                    if let Some((_, before)) = cd.step.take() {
+                        *vs = before;
+                    }
+                    takeover_follow.push(c.session);
+                }
+                Work::Spec { vs, inflight, .. } if c.kind == WorkKind::Verify => {
+                    if let (Some(vs), Some((_, _, before))) = (vs.as_mut(), inflight.take()) {
+                        *vs = before;
+                    }
+                    events.push(Event::Error {
+                        session: c.session,
+                        error,
+                        fatal: false,
+                    });
+                    follow.push(c.session);
+                }
+                Work::Generation { .. } => {
+                    events.push(Event::Error {
+                        session: c.session,
+                        error,
+                        fatal: true,
+                    });
+                    self.ended.push(c.session);
+                }
+                Work::Spec { .. } => {} // its prefill chunk is planned again
+            }
+        }
+        for id in follow.into_iter().chain(takeover_follow) {
+            self.proceed(id, events);
+        }
+    }
+
+    /// Step until no session has work left (tests and the in-process link); returns every event.
+    pub fn run_until_idle(&mut self, now_ms: u64) -> Vec<Event> {
+        let mut events = Vec::new();
+        while self.has_work() {
+            let forwards = self.stats.target_forwards;
+            let e = self.step(now_ms);
+            let stuck = e.is_empty() && self.stats.target_forwards == forwards;
+            events.extend(e);
+            if stuck {
+                break; // only rate-limited work is left
+            }
+        }
+        events
+    }
+}

@@ -1,0 +1,566 @@
+//! The driver's interface: messages in ([`VerifierCore::receive`]), one turn at a time
+//! ([`VerifierCore::turn`]), messages out ([`Outgoing`]) and what was observed ([`Turn`]), all
+//! on the driver's clock (µs) and in plain data.
+
+use tandem_engine::SamplingParams;
+use tandem_sched::{SchedError, SessionId, TenantId};
+use tandem_spec::{Block, Decoded, Verdict, VerifyRule};
+
+use crate::control::Load;
+use crate::session::{Event, Meter};
+use crate::verifier_core::VerifierCore;
+use crate::{Target, VerifierError};
+
+/// What a new session asks for.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Mode {
+    /// Speculation judged by `rule`, within the γ and depth `want` (its grants never exceed
+    /// them).
+    Speculate { rule: VerifyRule, want: (u32, u32) },
+    /// Cloud-only generation: the verifier produces every token.
+    Generate,
+}
+
+/// A session to open.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewSession {
+    pub tenant: TenantId,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// New tokens at most, and the end-of-generation ids (for when the verifier decodes it).
+    pub max_tokens: usize,
+    pub eog: Vec<u32>,
+    pub mode: Mode,
+}
+
+/// A message from an edge (or its transport).
+#[derive(Debug)]
+pub enum Inbound<H> {
+    /// Open a session; `handle` reaches its edge.
+    Open {
+        session: SessionId,
+        new: NewSession,
+        handle: H,
+    },
+    Draft {
+        session: SessionId,
+        block: Block,
+    },
+    /// The edge closed the session, or its transport is gone.
+    Close {
+        session: SessionId,
+    },
+}
+
+/// A message to an edge.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToEdge {
+    /// The prompt is prefilled: the target's first token, and the γ and depth granted now.
+    Opened {
+        first: u32,
+        grant: (u32, u32),
+    },
+    Verdict(Verdict),
+    /// A token the verifier decoded itself for a speculation session it took over (`resume`: the
+    /// last one, with the grant to draft again with).
+    Decoded(Decoded),
+    /// A token of a cloud-only generation.
+    Token {
+        token: u32,
+        done: bool,
+    },
+    Error {
+        error: VerifierError,
+        /// When refused for load: try again after about this long.
+        retry_after_ms: Option<u64>,
+        /// The session is over (refused at admission, or it failed); the verifier has closed it.
+        fatal: bool,
+    },
+}
+
+impl ToEdge {
+    /// Whether the session is over with this message.
+    pub fn ends(&self) -> bool {
+        matches!(
+            self,
+            ToEdge::Token { done: true, .. } | ToEdge::Error { fatal: true, .. }
+        )
+    }
+}
+
+/// A message for session `session`'s edge, with the driver's handle to it.
+#[derive(Debug, Clone)]
+pub struct Outgoing<H> {
+    pub session: SessionId,
+    pub to: H,
+    pub msg: ToEdge,
+}
+
+/// A forward that ran in a turn.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ForwardDone {
+    /// Sessions and tokens in it.
+    pub sessions: usize,
+    pub tokens: usize,
+    /// How long it took (µs): the turn ends this much later than it began.
+    pub us: u64,
+}
+
+/// What a driver may record of a turn (its metrics), on its clock.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Observation {
+    /// A session's first token reached its edge this long after it was admitted.
+    FirstToken { seconds: f64 },
+    /// `tokens` tokens were committed together, each `seconds` after the one before.
+    InterToken { seconds: f64, tokens: usize },
+    /// A block waited this long between its arrival and its verdict.
+    QueueTime { seconds: f64 },
+    /// A verdict in a forward: `drafted` tokens judged, `accepted` of them right, over
+    /// `positions` positions.
+    Verified {
+        tenant: TenantId,
+        drafted: usize,
+        accepted: usize,
+        positions: usize,
+    },
+}
+
+/// One turn: the messages for the edges, in order, and what happened.
+#[derive(Debug)]
+pub struct Turn<H> {
+    pub out: Vec<Outgoing<H>>,
+    /// The forward that ran (None: nothing was planned).
+    pub forward: Option<ForwardDone>,
+    /// When the turn ended (µs): when it began plus the forward.
+    pub ends_us: u64,
+    /// There was work, but none could be planned (every tenant with work is over its rate
+    /// quota): the driver looks again shortly.
+    pub throttled: bool,
+    pub takeovers: usize,
+    pub preemptions: usize,
+    /// Sessions refused for load or quota.
+    pub refused: usize,
+    pub observations: Vec<Observation>,
+}
+
+impl<T: Target, H: Clone> VerifierCore<T, H> {
+    /// A message from an edge at `now_us`. Whatever it is answered with goes out with the next
+    /// [`VerifierCore::turn`], as every other answer does.
+    pub fn receive(&mut self, now_us: u64, msg: Inbound<H>) {
+        match msg {
+            Inbound::Open {
+                session,
+                new,
+                handle,
+            } => {
+                let (work, want) = match new.mode {
+                    Mode::Speculate { rule, want } => (
+                        Self::spec_work(rule, new.prompt.len(), new.max_tokens, new.eog),
+                        Some(want),
+                    ),
+                    Mode::Generate => (Self::generation_work(new.max_tokens, new.eog), None),
+                };
+                let r = self.admit(
+                    session,
+                    new.tenant,
+                    &new.prompt,
+                    new.params,
+                    work,
+                    want,
+                    now_us,
+                    handle.clone(),
+                );
+                if let Err(e) = r {
+                    self.refusals.push((session, handle, e));
+                }
+            }
+            Inbound::Draft { session, block } => {
+                if let Some(s) = self.sessions.get_mut(&session) {
+                    let a = &mut s.meter.arrivals;
+                    if a.len() >= 2 * crate::MAX_QUEUED_BLOCKS {
+                        a.pop_front();
+                    }
+                    a.push_back((block.index, now_us));
+                }
+                let e = self.draft(session, block);
+                self.held.extend(e);
+            }
+            Inbound::Close { session } => self.close(session),
+        }
+    }
+
+    /// One turn at `now_us`: look at the load (grants, takeovers, handbacks), run one iteration
+    /// if any session has work, and return every message for the edges since the last turn —
+    /// answers to the messages received, the load's, then the forward's — stamped as of the
+    /// turn's end. Sessions that end with their messages (finished, failed) are closed.
+    pub fn turn(&mut self, now_us: u64) -> Turn<H> {
+        let now_ms = now_us / 1000;
+        let mut turn = Turn {
+            out: Vec::new(),
+            forward: None,
+            ends_us: now_us,
+            throttled: false,
+            takeovers: 0,
+            preemptions: 0,
+            refused: 0,
+            observations: Vec::new(),
+        };
+        // Refusals at admission: the session never opened.
+        for (session, to, error) in std::mem::take(&mut self.refusals) {
+            let retry_after_ms = match &error {
+                VerifierError::Sched(SchedError::Saturated {
+                    retry_iterations, ..
+                }) => Some(
+                    (*retry_iterations as f64 * self.iteration_ms)
+                        .ceil()
+                        .max(1.0) as u64,
+                ),
+                VerifierError::Sched(SchedError::QuotaExceeded { .. }) => {
+                    Some(self.iteration_ms.ceil() as u64)
+                }
+                _ => None,
+            };
+            turn.refused += usize::from(retry_after_ms.is_some());
+            turn.out.push(Outgoing {
+                session,
+                to,
+                msg: ToEdge::Error {
+                    error,
+                    retry_after_ms,
+                    fatal: true,
+                },
+            });
+        }
+        let mut events = std::mem::take(&mut self.held);
+        // The load, looked at once the turn's messages are in.
+        let load = Load {
+            forwards: self.stats.target_forwards,
+            tokens_per_forward: self.stats.tokens_per_forward,
+            sessions: self.sessions.len(),
+        };
+        let decisions = self.control.turn(
+            now_ms,
+            load,
+            self.sessions.iter_mut().map(|(&id, s)| (id, &mut s.ctl)),
+        );
+        if decisions.idle {
+            self.stats.tokens_per_forward = 0.0;
+        }
+        for (id, on) in decisions.takeovers {
+            turn.takeovers += usize::from(on);
+            events.extend(self.set_takeover(id, on));
+        }
+        if self.has_work() {
+            let forwards = self.stats.target_forwards;
+            let e = self.iterate(now_ms);
+            if self.stats.target_forwards > forwards {
+                let (sessions, tokens) = self.stats.last_batch;
+                let us = u64::from(self.stats.last_forward_us);
+                let ms = us as f64 / 1e3;
+                self.iteration_ms += 0.1 * (ms - self.iteration_ms);
+                turn.ends_us = now_us + us;
+                self.control.on_forward(turn.ends_us / 1000, tokens, ms);
+                turn.forward = Some(ForwardDone {
+                    sessions,
+                    tokens,
+                    us,
+                });
+            } else {
+                turn.throttled = e.is_empty();
+            }
+            events.extend(e);
+        }
+        for e in events {
+            self.stamp(e, &mut turn);
+        }
+        // Sessions over with this turn's messages: a finished or failed generation, a session
+        // that failed for good.
+        self.close_ended();
+        turn
+    }
+
+    /// Turn an event into its edge's message as of the turn's end: grants, the session's pace
+    /// and the α the grant plans with, and the observations of its timing.
+    fn stamp(&mut self, e: Event, turn: &mut Turn<H>) {
+        let at = turn.ends_us;
+        let at_ms = at / 1000;
+        let id = e.session();
+        let Some(s) = self.sessions.get_mut(&id) else {
+            return; // closed since (its edge hung up)
+        };
+        let obs = &mut turn.observations;
+        let msg = match e {
+            Event::Opened { first, .. } => {
+                let grant = self.control.on_opened(&mut s.ctl);
+                obs.push(first_token(&mut s.meter, at));
+                ToEdge::Opened { first, grant }
+            }
+            Event::Verdict {
+                mut verdict,
+                drafted,
+                positions,
+                ..
+            } => {
+                self.control
+                    .on_verdict(&mut s.ctl, &mut verdict, drafted, at_ms);
+                // Blocks before this one were answered or went stale.
+                while let Some(&(b, t)) = s.meter.arrivals.front() {
+                    if b > verdict.block {
+                        break;
+                    }
+                    s.meter.arrivals.pop_front();
+                    if b == verdict.block && drafted > 0 {
+                        obs.push(Observation::QueueTime {
+                            seconds: at.saturating_sub(t) as f64 / 1e6,
+                        });
+                    }
+                }
+                let accepted = verdict.accepted.min(drafted);
+                if drafted > 0 {
+                    obs.push(Observation::Verified {
+                        tenant: s.tenant,
+                        drafted,
+                        accepted,
+                        positions,
+                    });
+                }
+                obs.extend(inter_token(&mut s.meter, at, accepted + 1));
+                ToEdge::Verdict(verdict)
+            }
+            Event::Token { token, done, .. } => {
+                if s.meter.last_commit_us.is_none() {
+                    obs.push(first_token(&mut s.meter, at));
+                } else {
+                    obs.extend(inter_token(&mut s.meter, at, 1));
+                }
+                ToEdge::Token { token, done }
+            }
+            Event::Decoded {
+                mut decoded,
+                handback,
+                ..
+            } => {
+                self.control.on_decoded(&mut s.ctl, handback, &mut decoded);
+                obs.extend(inter_token(&mut s.meter, at, 1));
+                ToEdge::Decoded(decoded)
+            }
+            Event::Error { error, fatal, .. } => {
+                if fatal {
+                    self.ended.push(id);
+                }
+                ToEdge::Error {
+                    error,
+                    retry_after_ms: None,
+                    fatal,
+                }
+            }
+            Event::Preempted { .. } => {
+                turn.preemptions += 1;
+                return;
+            }
+        };
+        turn.out.push(Outgoing {
+            session: id,
+            to: s.handle.clone(),
+            msg,
+        });
+    }
+}
+
+/// The session's first token reached its edge at `at`.
+fn first_token(m: &mut Meter, at: u64) -> Observation {
+    m.last_commit_us = Some(at);
+    Observation::FirstToken {
+        seconds: at.saturating_sub(m.opened_us) as f64 / 1e6,
+    }
+}
+
+/// `tokens` tokens committed at `at` share the time since the last commit.
+fn inter_token(m: &mut Meter, at: u64, tokens: usize) -> Option<Observation> {
+    let last = m.last_commit_us.replace(at)?;
+    let tokens = tokens.max(1);
+    Some(Observation::InterToken {
+        seconds: at.saturating_sub(last) as f64 / 1e6 / tokens as f64,
+        tokens,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::IDLE_RELAX_MS;
+    use crate::VerifierConfig;
+    use tandem_engine::{EngineError, Logits, SeqChunk};
+    use tandem_sched::{ForwardCost, GrantPolicy};
+
+    /// A target whose greedy token after position p is `p % 15 + 1`, each forward taking 1 ms.
+    struct Flat;
+
+    impl Target for Flat {
+        fn vocab(&self) -> usize {
+            16
+        }
+        fn context_len(&self) -> usize {
+            4096
+        }
+        fn kv_geometry(&self) -> (usize, usize) {
+            (16, 4096)
+        }
+        fn forward_timed(
+            &mut self,
+            batch: &[SeqChunk],
+            _tables: &[Vec<u32>],
+        ) -> (Result<Logits, EngineError>, u32) {
+            let l = Logits::one_hot(batch, 16, |_, pos, _| ((pos + 1) % 15 + 1) as u32);
+            (Ok(l), 1000)
+        }
+    }
+
+    fn core() -> VerifierCore<Flat, u64> {
+        let cost = ForwardCost {
+            one_token_ms: 44.0,
+            ms_per_token: 2.2,
+        };
+        let grants = GrantPolicy::new(4, 2, 40.0)
+            .with_cloud_decode()
+            .with_pace(cost);
+        VerifierCore::new(Flat, VerifierConfig::default())
+            .unwrap()
+            .with_grants(grants, 0)
+    }
+
+    fn open(id: SessionId, mode: Mode) -> Inbound<u64> {
+        Inbound::Open {
+            session: id,
+            new: NewSession {
+                tenant: 0,
+                prompt: vec![3, 4, 5],
+                params: SamplingParams::default(),
+                max_tokens: 40,
+                eog: vec![],
+                mode,
+            },
+            handle: 100 + id,
+        }
+    }
+
+    const SPEC: Mode = Mode::Speculate {
+        rule: VerifyRule::Greedy,
+        want: (4, 2),
+    };
+
+    #[test]
+    fn a_crowd_is_taken_over_and_the_grant_relaxes_when_the_verifier_idles() {
+        let mut v = core();
+        for id in 0..64 {
+            v.receive(0, open(id, SPEC));
+        }
+        let (mut now, mut takeovers, mut n_decoded) = (0u64, 0, 0);
+        for _ in 0..40 {
+            let t = v.turn(now * 1000);
+            takeovers += t.takeovers;
+            for o in &t.out {
+                assert_eq!(o.to, 100 + o.session, "each message reaches its own edge");
+                n_decoded += usize::from(matches!(o.msg, ToEdge::Decoded(_)));
+            }
+            now += 1;
+        }
+        // 64 sessions of γ 4 are far past the ridge (≈ 20 tokens): γ 0, every one decoded by the
+        // verifier.
+        assert_eq!(v.control().grants().current(), (0, 1));
+        assert_eq!(takeovers, 64);
+        assert!((0..64).all(|id| v.is_taken_over(id)));
+        assert!(
+            n_decoded >= 64,
+            "every session got decoded tokens: {n_decoded}"
+        );
+        // Idle spells relax the grant a level each.
+        let before = v.control().grants().current();
+        for k in 1..=4 {
+            v.turn((now + 2 * k * IDLE_RELAX_MS) * 1000);
+        }
+        assert_ne!(v.control().grants().current(), before, "relaxed");
+        // A closed session no longer counts.
+        v.close(3);
+        assert!(!v.is_taken_over(3));
+    }
+
+    #[test]
+    fn a_turn_answers_in_order_stamps_its_end_and_closes_what_ended() {
+        let mut v = core();
+        v.receive(0, open(1, SPEC));
+        v.receive(0, open(2, Mode::Generate));
+        // A duplicate is refused at once, with the next turn, on its own handle.
+        v.receive(0, open(1, Mode::Generate));
+        let t = v.turn(5_000);
+        assert_eq!(
+            t.forward.map(|f| (f.sessions, f.tokens, f.us)),
+            Some((2, 6, 1000))
+        );
+        assert_eq!(t.ends_us, 6_000, "the turn ends when its forward does");
+        let msgs: Vec<(SessionId, &ToEdge)> = t.out.iter().map(|o| (o.session, &o.msg)).collect();
+        assert!(
+            matches!(
+                msgs[0],
+                (
+                    1,
+                    ToEdge::Error {
+                        error: VerifierError::DuplicateSession(1),
+                        fatal: true,
+                        ..
+                    }
+                )
+            ),
+            "{msgs:?}"
+        );
+        assert!(
+            matches!(msgs[1], (1, ToEdge::Opened { grant: (4, 2), .. })),
+            "{msgs:?}"
+        );
+        assert!(
+            matches!(msgs[2], (2, ToEdge::Token { done: false, .. })),
+            "{msgs:?}"
+        );
+        // Both first tokens came 1 ms after their sessions opened (at 0): the turn's end.
+        let firsts: Vec<f64> = t
+            .observations
+            .iter()
+            .filter_map(|o| match o {
+                Observation::FirstToken { seconds } => Some(*seconds),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(firsts, vec![0.006, 0.006]);
+        // The generation runs to its end, is closed by the turn that sends its last token, and
+        // a draft for it afterwards is refused by name.
+        let mut now = 6_000;
+        let mut last = None;
+        while v.session(2).is_some() {
+            let t = v.turn(now);
+            now = t.ends_us + 1;
+            last = t.out.into_iter().rfind(|o| o.session == 2);
+        }
+        assert!(matches!(
+            last.unwrap().msg,
+            ToEdge::Token { done: true, .. }
+        ));
+        v.receive(
+            now,
+            Inbound::Draft {
+                session: 2,
+                block: Block {
+                    epoch: 0,
+                    index: 0,
+                    start_pos: 3,
+                    tokens: vec![1],
+                    q: vec![],
+                },
+            },
+        );
+        v.receive(now, Inbound::Close { session: 1 });
+        let t = v.turn(now);
+        assert!(t.forward.is_none() && v.session(1).is_none());
+        // Its answer is dropped: no record is left to reach it through.
+        assert!(t.out.is_empty(), "{:?}", t.out);
+    }
+}

@@ -1,0 +1,262 @@
+//! [`VerifierCore`]: the target driven by the multi-tenant [`Scheduler`], with one record per
+//! session. The scheduler plans every iteration (verify blocks first and whole, then chunks of
+//! prompt prefill and the recompute of preempted sessions, under one token budget, over its own KV
+//! block pool); the core turns the plan into one ragged forward over the scheduler's block tables,
+//! folds the logits into verdicts and tokens, and reports back. The scheduler never sees a tensor;
+//! the engine never allocates.
+//!
+//! Each session keeps the tokens its target KV holds (`history`), so a preempted session is
+//! recomputed from them and resumes exactly where it was: the same positions, the same logits.
+//!
+//! A session is created in one place ([`VerifierCore::receive`] of an open, or
+//! [`VerifierCore::open`]) and closed in one place ([`VerifierCore::close`]): its record, its
+//! scheduler entry and KV blocks, and its part of the load control go together.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use tandem_engine::{Engine, SamplingParams};
+use tandem_sched::{GrantPolicy, SchedConfig, Scheduler, SessionId, TenantConfig, TenantId};
+use tandem_spec::VerifyRule;
+
+use crate::control::{Ctl, LoadControl};
+use crate::session::{Meter, Session, SessionState, TenantStats, VerifierStats, Work};
+use crate::{Target, VerifierError};
+
+/// Blocks one session may have waiting behind the one being verified (a well-behaved edge has at
+/// most its granted depth in flight).
+pub const MAX_QUEUED_BLOCKS: usize = 16;
+
+/// Settings of the verifier's scheduler, checked by [`VerifierCore::new`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct VerifierConfig {
+    /// Tokens one forward may compute, all sessions together.
+    pub token_budget: usize,
+    /// Admission: open sessions beyond which new ones are refused.
+    pub max_sessions: usize,
+    /// Admission: prompt tokens waiting for prefill beyond which new sessions are refused.
+    pub max_waiting_tokens: usize,
+}
+
+impl Default for VerifierConfig {
+    fn default() -> Self {
+        Self {
+            token_budget: 64,
+            max_sessions: 1024,
+            max_waiting_tokens: 4096,
+        }
+    }
+}
+
+/// See the module docs. `H` is the driver's handle to each session's edge, kept in the session's
+/// record and handed back with every message for it.
+pub struct VerifierCore<T: Target = Engine, H = ()> {
+    pub(crate) engine: T,
+    pub(crate) sched: Scheduler,
+    pub(crate) sessions: BTreeMap<SessionId, Session<H>>,
+    pub(crate) tenants: HashMap<TenantId, TenantStats>,
+    pub(crate) control: LoadControl,
+    /// Answers decided when a message arrived (a stale block, an early verdict, a refusal), sent
+    /// with the next turn.
+    pub(crate) held: Vec<crate::Event>,
+    /// Sessions refused at admission, answered with the next turn.
+    pub(crate) refusals: Vec<(SessionId, H, VerifierError)>,
+    /// Sessions that ended during an iteration (a finished or failed generation), closed once
+    /// their last messages are out.
+    pub(crate) ended: Vec<SessionId>,
+    /// Mean forward time (ms), for the retry hint of a refused session.
+    pub(crate) iteration_ms: f64,
+    pub stats: VerifierStats,
+}
+
+impl<T: Target, H> VerifierCore<T, H> {
+    /// A verifier over `engine`, whose KV cache becomes the scheduler's block pool. One tenant, 0,
+    /// exists with weight 1 and no quota. Sessions keep the shape they ask for (see
+    /// [`VerifierCore::with_grants`]).
+    pub fn new(engine: T, cfg: VerifierConfig) -> Result<Self, VerifierError> {
+        let (block_size, num_blocks) = engine.kv_geometry();
+        let sched = Scheduler::new(SchedConfig {
+            max_sessions: cfg.max_sessions,
+            max_waiting_tokens: cfg.max_waiting_tokens,
+            ..SchedConfig::new(cfg.token_budget, block_size, num_blocks)
+        })?;
+        let fixed = GrantPolicy::new(u32::MAX, u32::MAX, f64::INFINITY);
+        let mut v = Self {
+            engine,
+            sched,
+            sessions: BTreeMap::new(),
+            tenants: HashMap::new(),
+            control: LoadControl::new(fixed, 0),
+            held: Vec::new(),
+            refusals: Vec::new(),
+            ended: Vec::new(),
+            iteration_ms: 50.0,
+            stats: VerifierStats::default(),
+        };
+        v.set_tenant(0, TenantConfig::default())?;
+        Ok(v)
+    }
+
+    /// Grant γ and depth by `grants` as the load changes (and take sessions over), starting at
+    /// `now_ms` on the driver's clock.
+    pub fn with_grants(mut self, grants: GrantPolicy, now_ms: u64) -> Self {
+        self.control = LoadControl::new(grants, now_ms);
+        self
+    }
+
+    pub fn engine(&self) -> &T {
+        &self.engine
+    }
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+    pub fn control(&self) -> &LoadControl {
+        &self.control
+    }
+
+    pub fn set_tenant(&mut self, id: TenantId, cfg: TenantConfig) -> Result<(), VerifierError> {
+        self.sched.set_tenant(id, cfg)?;
+        self.tenants.entry(id).or_default();
+        Ok(())
+    }
+
+    pub fn tenant_stats(&self, id: TenantId) -> TenantStats {
+        self.tenants.get(&id).copied().unwrap_or_default()
+    }
+
+    /// Open speculation sessions and cloud-only generations.
+    pub fn counts(&self) -> (usize, usize) {
+        let spec = self
+            .sessions
+            .values()
+            .filter(|s| matches!(s.work, Work::Spec { .. }))
+            .count();
+        (spec, self.sessions.len() - spec)
+    }
+
+    pub fn session(&self, id: SessionId) -> Option<SessionState> {
+        Some(self.sessions.get(&id)?.state())
+    }
+
+    /// Whether the verifier decodes speculation session `id` itself.
+    pub fn is_taken_over(&self, id: SessionId) -> bool {
+        self.sessions.get(&id).is_some_and(|s| s.ctl.is_cloud())
+    }
+
+    /// Whether any session has work the scheduler could plan.
+    pub fn has_work(&self) -> bool {
+        self.sched.has_work()
+    }
+
+    /// Admit a session: the one place a record is created. Refused with
+    /// [`VerifierError::Sched`] when saturated or over quota.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn admit(
+        &mut self,
+        id: SessionId,
+        tenant: TenantId,
+        prompt: &[u32],
+        params: SamplingParams,
+        work: Work,
+        want: Option<(u32, u32)>,
+        now_us: u64,
+        handle: H,
+    ) -> Result<(), VerifierError> {
+        if self.sessions.contains_key(&id) {
+            return Err(VerifierError::DuplicateSession(id));
+        }
+        let vocab = self.engine.vocab();
+        if let Some(&t) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(VerifierError::Invalid(format!(
+                "prompt: token id {t} is outside the vocabulary ({vocab})"
+            )));
+        }
+        self.sched.open(id, tenant, prompt.len())?;
+        self.sessions.insert(
+            id,
+            Session {
+                tenant,
+                params,
+                prompt_len: prompt.len(),
+                history: prompt.to_vec(),
+                work,
+                ctl: Ctl::new(want),
+                meter: Meter {
+                    opened_us: now_us,
+                    ..Meter::default()
+                },
+                handle,
+            },
+        );
+        Ok(())
+    }
+
+    pub(crate) fn spec_work(
+        rule: VerifyRule,
+        prompt_len: usize,
+        max_tokens: usize,
+        eog: Vec<u32>,
+    ) -> Work {
+        Work::Spec {
+            rule,
+            vs: None,
+            queue: VecDeque::new(),
+            inflight: None,
+            takeover: None,
+            limit: prompt_len + max_tokens.max(1),
+            eog,
+        }
+    }
+
+    pub(crate) fn generation_work(max_tokens: usize, eog: Vec<u32>) -> Work {
+        Work::Generation {
+            next: None,
+            produced: 0,
+            max_tokens: max_tokens.max(1),
+            eog,
+        }
+    }
+
+    /// Close session `id`: the one place a record goes, with its scheduler entry, its KV blocks
+    /// and its part of the load control. Closing a session that is not open does nothing.
+    pub fn close(&mut self, id: SessionId) {
+        self.sessions.remove(&id);
+        self.sched.close(id);
+    }
+}
+
+impl<T: Target, H: Default> VerifierCore<T, H> {
+    /// Admit a speculation session of at most `max_tokens` new tokens (ending at `eog`, which
+    /// matters when the verifier decodes it itself) that may use any shape; its prompt is
+    /// prefilled by later steps, which report [`Event::Opened`](crate::Event::Opened).
+    #[allow(clippy::too_many_arguments)]
+    pub fn open(
+        &mut self,
+        id: SessionId,
+        tenant: TenantId,
+        prompt: &[u32],
+        params: SamplingParams,
+        rule: VerifyRule,
+        max_tokens: usize,
+        eog: Vec<u32>,
+    ) -> Result<(), VerifierError> {
+        let work = Self::spec_work(rule, prompt.len(), max_tokens, eog);
+        let want = Some((u32::MAX, u32::MAX));
+        self.admit(id, tenant, prompt, params, work, want, 0, H::default())
+    }
+
+    /// Admit a cloud-only generation of at most `max_tokens` tokens (stopping at `eog`); later
+    /// steps report each token as [`Event::Token`](crate::Event::Token).
+    pub fn open_generation(
+        &mut self,
+        id: SessionId,
+        tenant: TenantId,
+        prompt: &[u32],
+        params: SamplingParams,
+        max_tokens: usize,
+        eog: Vec<u32>,
+    ) -> Result<(), VerifierError> {
+        let work = Self::generation_work(max_tokens, eog);
+        self.admit(id, tenant, prompt, params, work, None, 0, H::default())
+    }
+}
