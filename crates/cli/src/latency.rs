@@ -15,8 +15,9 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use serde_json::Value;
-use tandem_edge::{AutoShape, SpecConfig};
+use tandem_edge::SpecConfig;
 use tandem_engine::{CpuSet, Engine, EngineConfig, LlamaModel, SamplingParams, Tokenizer};
+use tandem_spec::edge::AutoShape;
 use tandem_spec::policy::{async_itl_ms, session_itl_ms, sync_itl_ms, Costs};
 use tandem_spec::VerifyRule;
 
@@ -452,7 +453,7 @@ pub fn run(
             let auto = AutoShape {
                 max_draft_len: a.max_gamma,
                 max_depth: a.max_depth,
-                prior: tandem_edge::default_prior(rtt),
+                prior: tandem_spec::edge::default_prior(rtt),
             };
             let outs = spec_runs(a, target, d, tok, &url, &prompts, 4, 2, Some(auto))?;
             let mut r = fold(&d.name, rtt, "async-auto", &outs, &want);

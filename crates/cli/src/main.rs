@@ -817,14 +817,14 @@ fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
                 rule: a.verify,
                 params,
                 q_top_k: 32,
-                auto: a.auto.then(|| tandem_edge::AutoShape {
+                auto: a.auto.then(|| tandem_spec::edge::AutoShape {
                     max_draft_len: a.max_gamma.max(1),
                     max_depth: if a.mode == Mode::Sync {
                         1
                     } else {
                         a.max_depth.max(1)
                     },
-                    prior: tandem_edge::default_prior(a.rtt_ms),
+                    prior: tandem_spec::edge::default_prior(a.rtt_ms),
                 }),
                 granted: None,
             },

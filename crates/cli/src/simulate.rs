@@ -26,7 +26,7 @@ use tandem_sched::GrantPolicy;
 use tandem_spec::plan::{operate_on, plan, ForwardCost, Workload};
 use tandem_spec::policy::Costs;
 use tandem_spec::sampling::uniform;
-use tandem_spec::{Block, Decoded, Next, Output, Pipeline, PipelineConfig, Verdict, VerifyRule};
+use tandem_spec::{Block, EdgeSession, Incoming, Next, Output, SessionConfig, VerifyRule};
 use tandem_verifier::{
     Inbound, Mode, NewSession, Outgoing, Target, ToEdge, VerifierConfig, VerifierCore,
 };
@@ -196,18 +196,13 @@ enum Ev {
     },
 }
 
-/// What reaches an edge's pipeline.
-enum Incoming {
-    Verdict(Verdict),
-    Decoded(Decoded),
-}
-
 struct Session {
     user: usize,
     replica: usize,
     rtt_ms: f64,
     prompt: Vec<u32>,
-    pipe: Option<Pipeline>,
+    /// The edge's session, once the verifier opened it.
+    edge: Option<EdgeSession>,
     /// Verdicts and decoded tokens that arrived while the edge was drafting, in order.
     pending: Vec<Incoming>,
     drafting: bool,
@@ -351,7 +346,7 @@ impl Sim {
                         replica: user % self.cfg.replicas,
                         rtt_ms: self.cfg.rtt_ms * (1.0 + spread),
                         prompt,
-                        pipe: None,
+                        edge: None,
                         pending: Vec::new(),
                         drafting: false,
                         start_us: self.now,
@@ -390,10 +385,11 @@ impl Sim {
                     return;
                 };
                 s.drafting = false;
-                let Some(p) = s.pipe.as_mut() else {
+                let Some(es) = s.edge.as_mut() else {
                     return;
                 };
-                let outs = p.on_drafted(token, None);
+                let outs =
+                    es.on_drafted(self.now as f64 / 1e3, token, None, self.cfg.draft_ms, false);
                 self.drafted += 1;
                 self.outputs(sid, outs);
                 let pending = std::mem::take(
@@ -403,11 +399,8 @@ impl Sim {
                         .expect("invariant: present")
                         .pending,
                 );
-                for i in pending {
-                    match i {
-                        Incoming::Verdict(v) => self.verdict(sid, v),
-                        Incoming::Decoded(d) => self.decoded(sid, d),
-                    }
+                for m in pending {
+                    self.message(sid, m);
                 }
                 self.drive(sid);
             }
@@ -491,57 +484,28 @@ impl Sim {
         }
     }
 
-    /// Keep the pipeline within the grant `cap`, aiming at the configured shape (as the edge
-    /// runtime does).
-    fn fit(&mut self, sid: u64, cap: (u32, u32)) {
-        let want = (self.cfg.gamma, self.cfg.depth);
-        let Some(p) = self.sessions.get_mut(&sid).and_then(|s| s.pipe.as_mut()) else {
-            return;
-        };
-        let shape = (
-            want.0.min(cap.0 as usize).max(1),
-            want.1.min(cap.1 as usize).max(1),
-        );
-        if shape != (p.config().draft_len, p.config().depth) {
-            if let Ok(outs) = p.set_shape(shape.0, shape.1) {
-                self.outputs(sid, outs);
-            }
-        }
-    }
-
     fn edge_event(&mut self, sid: u64, msg: ToEdge) {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
         match msg {
             ToEdge::Opened { first, grant } => {
-                let cfg = PipelineConfig {
-                    draft_len: self.cfg.gamma.min(grant.0 as usize).max(1),
-                    depth: self.cfg.depth.min(grant.1 as usize).max(1),
+                let cfg = SessionConfig {
+                    draft_len: self.cfg.gamma,
+                    depth: self.cfg.depth,
                     max_new_tokens: self.cfg.new_tokens,
+                    auto: None,
+                    granted: Some((grant.0 as usize, grant.1 as usize)),
                 };
-                let (p, outs) = Pipeline::with_first(s.prompt.clone(), first, cfg, Vec::new())
-                    .expect("invariant: a valid pipeline configuration");
-                s.pipe = Some(p);
+                let now_ms = self.now as f64 / 1e3;
+                let (es, outs) = EdgeSession::new(now_ms, s.prompt.clone(), first, cfg, Vec::new())
+                    .expect("invariant: a valid session configuration");
+                s.edge = Some(es);
                 self.outputs(sid, outs);
                 self.drive(sid);
             }
-            ToEdge::Verdict(verdict) => {
-                if s.drafting {
-                    s.pending.push(Incoming::Verdict(verdict));
-                } else {
-                    self.verdict(sid, verdict);
-                    self.drive(sid);
-                }
-            }
-            ToEdge::Decoded(decoded) => {
-                if s.drafting {
-                    s.pending.push(Incoming::Decoded(decoded));
-                } else {
-                    self.decoded(sid, decoded);
-                    self.drive(sid);
-                }
-            }
+            ToEdge::Verdict(v) => self.arrived(sid, Incoming::Verdict(v)),
+            ToEdge::Decoded(d) => self.arrived(sid, Incoming::Decoded(d)),
             ToEdge::Token { token, done } => {
                 let pos = s.prompt.len() + s.committed;
                 self.commit(sid, pos, &[token]);
@@ -553,7 +517,7 @@ impl Sim {
                 retry_after_ms: Some(_),
                 fatal: true,
                 ..
-            } if s.pipe.is_none() => {
+            } if s.edge.is_none() => {
                 // Refused for load: the edge opens it again a little later.
                 let r = s.replica;
                 self.at(self.now + RETRY_US, Ev::Reopen { r, sid });
@@ -567,35 +531,34 @@ impl Sim {
         }
     }
 
-    fn verdict(&mut self, sid: u64, v: Verdict) {
-        let Some(p) = self.sessions.get_mut(&sid).and_then(|s| s.pipe.as_mut()) else {
-            return;
-        };
-        match p.on_verdict(v) {
-            Ok(outs) => self.outputs(sid, outs),
-            Err(_) => self.errors += 1,
-        }
-        if let Some(cap) = v.grant {
-            self.fit(sid, cap);
-        }
-    }
-
-    fn decoded(&mut self, sid: u64, d: Decoded) {
+    /// A verdict or decoded token reached the edge: applied now, or once its draft forward
+    /// ends.
+    fn arrived(&mut self, sid: u64, m: Incoming) {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        let Some(p) = s.pipe.as_mut() else {
+        if s.drafting {
+            s.pending.push(m);
+        } else {
+            self.message(sid, m);
+            self.drive(sid);
+        }
+    }
+
+    fn message(&mut self, sid: u64, m: Incoming) {
+        let now_ms = self.now as f64 / 1e3;
+        let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        match p.on_decoded(d) {
-            Ok(outs) => {
-                s.decoded += 1;
-                self.outputs(sid, outs);
+        let Some(es) = s.edge.as_mut() else {
+            return;
+        };
+        match es.on_message(now_ms, m) {
+            Ok(r) => {
+                s.decoded += usize::from(matches!(m, Incoming::Decoded(_)));
+                self.outputs(sid, r.outputs);
             }
             Err(_) => self.errors += 1,
-        }
-        if let Some(cap) = d.resume {
-            self.fit(sid, cap);
         }
     }
 
@@ -637,9 +600,10 @@ impl Sim {
         if s.drafting || s.done {
             return;
         }
-        let Some(p) = s.pipe.as_ref() else {
+        let Some(es) = s.edge.as_ref() else {
             return;
         };
+        let p = es.pipeline();
         match p.next() {
             Next::Draft => {
                 let pos = p.tokens().len();

@@ -33,7 +33,7 @@ pub struct SpecFields {
     /// Whether the policy chose γ and depth (then `gamma` / `depth` are where it ended).
     pub auto: bool,
     /// Draft, verify and round-trip times the edge measured.
-    pub measured: tandem_edge::Measured,
+    pub measured: tandem_spec::Measured,
 }
 
 /// Everything a speculative run needs.

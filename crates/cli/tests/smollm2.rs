@@ -482,10 +482,10 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
                 rule: tandem_spec::VerifyRule::Greedy,
                 params: tandem_engine::SamplingParams::default(),
                 q_top_k: 32,
-                auto: Some(tandem_edge::AutoShape {
+                auto: Some(tandem_spec::edge::AutoShape {
                     max_draft_len: 8,
                     max_depth: depth,
-                    prior: tandem_edge::default_prior(rtt),
+                    prior: tandem_spec::edge::default_prior(rtt),
                 }),
                 granted: None,
             },
@@ -620,7 +620,7 @@ fn grants_shrink_under_load_and_grow_back() {
     let mut decoded = Vec::new();
     while decoded.len() < 3 {
         match early.recv(true).unwrap() {
-            Some(tandem_edge::Incoming::Decoded(d)) => decoded.push(d),
+            Some(tandem_spec::Incoming::Decoded(d)) => decoded.push(d),
             other => panic!("expected decoded tokens, got {other:?}"),
         }
     }
@@ -939,7 +939,7 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
     let err = link.recv(true).unwrap_err().to_string();
     assert!(err.contains("starts at position"), "{err}");
     link.send(block(vec![opened.first_token, 5], 3)).unwrap();
-    let Some(tandem_edge::Incoming::Verdict(v)) = link.recv(true).unwrap() else {
+    let Some(tandem_spec::Incoming::Verdict(v)) = link.recv(true).unwrap() else {
         panic!("expected a verdict");
     };
     assert_eq!(v.block, 3);

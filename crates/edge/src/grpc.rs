@@ -11,7 +11,9 @@ use tokio::runtime::Runtime;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use crate::{EdgeError, Incoming, Link};
+use tandem_spec::Incoming;
+
+use crate::{EdgeError, Link};
 
 /// What the edge asks for when it opens a session.
 #[derive(Debug, Clone)]

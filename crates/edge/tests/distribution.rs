@@ -213,7 +213,7 @@ impl Link for Local<'_> {
         }
     }
 
-    fn recv(&mut self, wait: bool) -> Result<Option<tandem_edge::Incoming>, EdgeError> {
+    fn recv(&mut self, wait: bool) -> Result<Option<tandem_spec::Incoming>, EdgeError> {
         while wait && self.verdicts.is_empty() {
             let Some(b) = self.blocks.pop_front() else {
                 break;
@@ -223,7 +223,7 @@ impl Link for Local<'_> {
         Ok(self
             .verdicts
             .pop_front()
-            .map(tandem_edge::Incoming::Verdict))
+            .map(tandem_spec::Incoming::Verdict))
     }
 }
 

@@ -7,9 +7,10 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tandem_edge::{EdgeError, Incoming, Link, SpecConfig, SyntheticDrafter};
+use tandem_edge::{EdgeError, Link, SpecConfig, SyntheticDrafter};
 use tandem_engine::testing::{tiny_file, TinySpec};
 use tandem_engine::{Engine, EngineConfig, LlamaModel, SamplingParams, WeightMode};
+use tandem_spec::Incoming;
 use tandem_spec::{Block, VerifyRule};
 use tandem_verifier::{Event, VerifierConfig, VerifierCore};
 

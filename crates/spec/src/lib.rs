@@ -2,6 +2,9 @@
 //!
 //! - [`pipeline`]: the edge's pipeline state machine (blocks in flight up to `depth`, epochs,
 //!   rollback, commits).
+//! - [`edge`]: the edge's session around it ([`EdgeSession`]): the verifier's grant, the
+//!   running estimates, the adaptive γ / depth, the decision to reopen after a lost connection.
+//!   The edge runtime and the simulator both drive it.
 //! - [`verifier`]: the cloud's per-session bookkeeping (pending prediction, unfed corrections,
 //!   what to feed the target, the verdict).
 //! - [`verify`]: the rules that judge a draft token against the target's logits (greedy,
@@ -14,6 +17,7 @@
 //! Everything is driven by the IO shells (edge runtime, cloud batcher) and by simulated time in
 //! tests and the simulator.
 
+pub mod edge;
 pub mod pipeline;
 pub mod plan;
 pub mod policy;
@@ -21,6 +25,7 @@ pub mod sampling;
 pub mod verifier;
 pub mod verify;
 
+pub use edge::{EdgeSession, Incoming, Measured, Reaction, SessionConfig};
 pub use pipeline::{
     Block, Decoded, Next, Output, Pipeline, PipelineConfig, PipelineStats, SparseDist, Verdict,
 };

@@ -165,6 +165,7 @@ impl PipelineStats {
     }
 }
 
+#[derive(Debug, Clone)]
 pub struct Pipeline {
     cfg: PipelineConfig,
     eog: Vec<u32>,

@@ -1,0 +1,503 @@
+//! [`EdgeSession`]: the edge's side of one session, IO-free — the speculation [`Pipeline`], the
+//! verifier's grant, the running estimates of the model's inputs, the adaptive choice of γ and
+//! depth, and the decision to reopen a session after a lost connection. The edge runtime (a draft
+//! model and a gRPC link) and the simulator (a synthetic draft on simulated time) drive the same
+//! session: they feed it what arrived and what was drafted, with the time, and carry out the
+//! [`Output`]s it returns.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use crate::pipeline::{Decoded, Next, Output, Pipeline, PipelineConfig, SparseDist, Verdict};
+use crate::policy::{async_itl_ms, recommend, sync_itl_ms, Costs, Estimator};
+use crate::SpecError;
+
+/// What the verifier sends a session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Incoming {
+    Verdict(Verdict),
+    /// A token it decoded itself, having taken the session over.
+    Decoded(Decoded),
+}
+
+/// Attempts to reopen a session after the connection is lost, 100 ms apart, doubling.
+pub const REOPEN_ATTEMPTS: u32 = 4;
+
+/// The adaptive policy re-plans only for a predicted gain of this share, so that noise does not
+/// make the shape flap.
+const REPLAN_GAIN: f64 = 0.95;
+
+/// Bounds and starting guesses of the adaptive policy.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct AutoShape {
+    /// The cloud's grant: γ and depth never exceed these.
+    pub max_draft_len: usize,
+    pub max_depth: usize,
+    /// What the policy assumes before it has measured anything.
+    pub prior: Costs,
+}
+
+/// The policy's assumptions before it has measured anything: a draft about as good as a 4-bit
+/// copy of the target (α 0.7), a draft forward half as long as a verify.
+pub fn default_prior(rtt_ms: f64) -> Costs {
+    Costs {
+        alpha: 0.7,
+        draft_ms: 30.0,
+        verify_ms: 60.0,
+        verify_ms_per_token: 0.0,
+        rtt_ms,
+        verdict_ms: 1.0,
+    }
+}
+
+/// The shape an edge session wants and may use.
+#[derive(Debug, Clone, Copy)]
+pub struct SessionConfig {
+    /// γ and depth the edge wants (the start, with `auto`).
+    pub draft_len: usize,
+    pub depth: usize,
+    pub max_new_tokens: usize,
+    /// Let the policy re-plan γ and depth as it measures.
+    pub auto: Option<AutoShape>,
+    /// The verifier's grant at Open (γ, depth): the shape stays within it, and within each later
+    /// grant that verdicts bring as the verifier's load changes. None: no limit.
+    pub granted: Option<(usize, usize)>,
+}
+
+/// What the edge measured during a session (milliseconds).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Measured {
+    /// Mean time of one draft forward.
+    pub draft_ms: f64,
+    /// Mean verifier forward time per verdict that needed one.
+    pub verify_ms: f64,
+    /// Mean time from sending a block to its verdict's arrival.
+    pub block_round_trip_ms: f64,
+    /// The round trip as the policy sees it (smallest recent arrival − send − verify).
+    pub net_ms: f64,
+    /// The edge's own time per verdict outside draft forwards and waits: handling verdicts,
+    /// rolling the draft back, sending blocks, the caller's display.
+    pub verdict_ms: f64,
+    /// γ and depth at the end, and how often the policy changed them.
+    pub final_draft_len: usize,
+    pub final_depth: usize,
+    pub reshapes: usize,
+    /// Sessions reopened after a lost connection.
+    pub reconnects: usize,
+    /// Tokens the verifier decoded itself, having taken the session over under load.
+    pub cloud_decoded: usize,
+}
+
+/// What a message did, beyond the outputs: a rejected draft token, for the user's view.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Reaction {
+    pub outputs: Vec<Output>,
+    /// The target rejected the draft's token here: `(draft's token, target's token)`.
+    pub correction: Option<(u32, u32)>,
+}
+
+/// When and how to reopen a session after a lost connection.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reopen {
+    /// Wait this long first.
+    pub after_ms: u64,
+    /// New tokens the reopened session may still produce.
+    pub max_tokens: usize,
+}
+
+/// Sums behind [`Measured`]'s means.
+#[derive(Debug, Clone, Default)]
+struct Totals {
+    draft_ms: f64,
+    draft_steps: usize,
+    verify_ms: f64,
+    verified: usize,
+    round_trip_ms: f64,
+    arrivals: usize,
+    /// Verdict arrivals since the edge last reported its own work.
+    unreported_arrivals: usize,
+}
+
+/// See the module docs.
+#[derive(Debug, Clone)]
+pub struct EdgeSession {
+    p: Pipeline,
+    cfg: SessionConfig,
+    /// The verifier's current grant.
+    cap: (usize, usize),
+    est: Estimator,
+    /// When each block in flight was sent (ms on the driver's clock).
+    sent_at: HashMap<u64, f64>,
+    totals: Totals,
+    m: Measured,
+}
+
+impl EdgeSession {
+    /// A session over `prompt`, already open on the verifier, which answered with the target's
+    /// `first` token at `now_ms`: the outputs commit it.
+    pub fn new(
+        now_ms: f64,
+        prompt: Vec<u32>,
+        first: u32,
+        cfg: SessionConfig,
+        eog: Vec<u32>,
+    ) -> Result<(Self, Vec<Output>), SpecError> {
+        let cap = cfg.granted.unwrap_or((usize::MAX, usize::MAX));
+        let pcfg = PipelineConfig {
+            draft_len: cfg.draft_len.min(cap.0).max(1),
+            depth: cfg.depth.min(cap.1).max(1),
+            max_new_tokens: cfg.max_new_tokens,
+        };
+        let (p, out) = Pipeline::with_first(prompt, first, pcfg, eog)?;
+        let prior = cfg.auto.map_or(
+            Costs {
+                alpha: 0.0,
+                draft_ms: 0.0,
+                verify_ms: 0.0,
+                verify_ms_per_token: 0.0,
+                rtt_ms: 0.0,
+                verdict_ms: 0.0,
+            },
+            |a| a.prior,
+        );
+        let mut s = Self {
+            p,
+            cfg,
+            cap,
+            est: Estimator::new(prior),
+            sent_at: HashMap::new(),
+            totals: Totals::default(),
+            m: Measured::default(),
+        };
+        s.sent(now_ms, &out);
+        Ok((s, out))
+    }
+
+    pub fn pipeline(&self) -> &Pipeline {
+        &self.p
+    }
+
+    /// What the driver should do next (draft after feeding `pipeline().tokens()` from
+    /// `pipeline().draft_fed()` on, wait for a message, or stop).
+    pub fn next(&self) -> Next {
+        self.p.next()
+    }
+
+    /// Remember when the blocks among `out` left.
+    fn sent(&mut self, now_ms: f64, out: &[Output]) {
+        for o in out {
+            if let Output::Send(b) = o {
+                self.sent_at.insert(b.index, now_ms);
+            }
+        }
+    }
+
+    /// Keep the pipeline's shape within the grant, aiming at `want`.
+    fn fit_shape(&mut self, want: (usize, usize)) -> Result<Vec<Output>, SpecError> {
+        let shape = (want.0.min(self.cap.0).max(1), want.1.min(self.cap.1).max(1));
+        if shape == (self.p.config().draft_len, self.p.config().depth) {
+            return Ok(Vec::new());
+        }
+        self.m.reshapes += 1;
+        self.p.set_shape(shape.0, shape.1)
+    }
+
+    /// The draft produced `token` (with its distribution `q` when the verify rule needs it) at
+    /// `now_ms`, in a forward of `ms`; `prefill`: that forward also fed the prompt (its time is
+    /// not a draft step's).
+    pub fn on_drafted(
+        &mut self,
+        now_ms: f64,
+        token: u32,
+        q: Option<SparseDist>,
+        ms: f64,
+        prefill: bool,
+    ) -> Vec<Output> {
+        if !prefill {
+            self.est.on_draft(ms);
+            self.totals.draft_ms += ms;
+            self.totals.draft_steps += 1;
+        }
+        let out = self.p.on_drafted(token, q);
+        self.sent(now_ms, &out);
+        out
+    }
+
+    /// A message from the verifier arrived at `now_ms`.
+    pub fn on_message(&mut self, now_ms: f64, msg: Incoming) -> Result<Reaction, SpecError> {
+        let mut r = Reaction::default();
+        let v = match msg {
+            Incoming::Verdict(v) => v,
+            Incoming::Decoded(d) => {
+                r.outputs = self.p.on_decoded(d)?;
+                self.m.cloud_decoded += 1;
+                if let Some((g, dp)) = d.resume {
+                    // Handed back: draft again within the grant.
+                    self.cap = (g.max(1) as usize, dp.max(1) as usize);
+                    let want = (self.cfg.draft_len, self.cfg.depth);
+                    r.outputs.extend(self.fit_shape(want)?);
+                }
+                self.sent(now_ms, &r.outputs);
+                return Ok(r);
+            }
+        };
+        if let Some(t) = self.sent_at.remove(&v.block) {
+            let rt = now_ms - t;
+            let vms = v.verify_us as f64 / 1e3;
+            self.est.on_verdict(rt, vms);
+            self.totals.round_trip_ms += rt;
+            self.totals.arrivals += 1;
+            self.totals.unreported_arrivals += 1;
+            if v.verify_us > 0 {
+                self.totals.verify_ms += vms;
+                self.totals.verified += 1;
+            }
+        }
+        let (from, rejections) = (self.p.committed_len(), self.p.stats().rejections);
+        let before = self.p.tokens()[from..].to_vec();
+        r.outputs = self.p.on_verdict(v)?;
+        // The verifier's load changed its grant: keep within it (and grow back into it).
+        if let Some((g, d)) = v.grant {
+            self.cap = (g.max(1) as usize, d.max(1) as usize);
+            let want = match self.cfg.auto {
+                // The policy re-plans within the new bounds below.
+                Some(_) => (self.p.config().draft_len, self.p.config().depth),
+                None => (self.cfg.draft_len, self.cfg.depth),
+            };
+            r.outputs.extend(self.fit_shape(want)?);
+        }
+        if self.p.stats().rejections > rejections {
+            let now = &self.p.tokens()[from..];
+            r.correction = before
+                .iter()
+                .zip(now)
+                .find(|(b, n)| b != n)
+                .map(|(&b, &n)| (b, n));
+        }
+        if let Some(shape) = self.replan() {
+            r.outputs.extend(self.p.set_shape(shape.0, shape.1)?);
+            self.m.reshapes += 1;
+        }
+        self.sent(now_ms, &r.outputs);
+        Ok(r)
+    }
+
+    /// With the adaptive policy: the shape to change to, when the model predicts a clear gain.
+    fn replan(&self) -> Option<(usize, usize)> {
+        let a = self.cfg.auto?;
+        let s = *self.p.stats();
+        let costs = self.est.costs(s.accepted, s.accepted + s.rejections);
+        let (max_g, max_d) = (a.max_draft_len.min(self.cap.0), a.max_depth.min(self.cap.1));
+        let plan = recommend(&costs, max_g.max(1), max_d.max(1));
+        let (g, d) = (self.p.config().draft_len, self.p.config().depth);
+        // Synchronous speculation (depth 1) only chooses γ, by its own model.
+        let (want, best_ms, now_ms) = if max_d <= 1 {
+            (
+                (plan.sync_gamma, 1),
+                plan.predicted_sync_itl_ms,
+                sync_itl_ms(&costs, g),
+            )
+        } else {
+            (
+                (plan.gamma, plan.depth),
+                plan.predicted_async_itl_ms,
+                async_itl_ms(&costs, g, d),
+            )
+        };
+        (want != (g, d) && best_ms < REPLAN_GAIN * now_ms).then_some(want)
+    }
+
+    /// The edge spent `ms` of its own time (outside draft forwards and waits for the verifier)
+    /// since it last said: spread over the verdicts that arrived meanwhile.
+    pub fn on_edge_work(&mut self, ms: f64) {
+        let n = std::mem::take(&mut self.totals.unreported_arrivals);
+        self.est.on_edge_work(ms, n);
+    }
+
+    /// The connection died: keep what is verified, drop the rest.
+    pub fn on_connection_lost(&mut self) -> Vec<Output> {
+        self.sent_at.clear();
+        self.p.on_connection_lost()
+    }
+
+    /// Whether (and when) to try reopening after `attempt` failed tries since the connection was
+    /// lost: None means give up.
+    pub fn reopen(&self, attempt: u32) -> Option<Reopen> {
+        (attempt < REOPEN_ATTEMPTS).then(|| Reopen {
+            after_ms: 100 << attempt,
+            max_tokens: self.cfg.max_new_tokens - self.p.output().len(),
+        })
+    }
+
+    /// The committed history a reopened session starts from.
+    pub fn committed(&self) -> &[u32] {
+        &self.p.tokens()[..self.p.committed_len()]
+    }
+
+    /// A session reopened over the committed history answered with the target's `first` token.
+    pub fn on_reopened(&mut self, first: u32) -> Vec<Output> {
+        self.m.reconnects += 1;
+        self.p.on_reopened(first)
+    }
+
+    /// What the session measured so far.
+    pub fn measured(&self) -> Measured {
+        let mean = |t: f64, n: usize| if n == 0 { 0.0 } else { t / n as f64 };
+        let t = &self.totals;
+        Measured {
+            draft_ms: mean(t.draft_ms, t.draft_steps),
+            verify_ms: mean(t.verify_ms, t.verified),
+            block_round_trip_ms: mean(t.round_trip_ms, t.arrivals),
+            net_ms: self.est.costs(0, 0).rtt_ms,
+            verdict_ms: self.est.edge_ms_per_verdict().unwrap_or(0.0),
+            final_draft_len: self.p.config().draft_len,
+            final_depth: self.p.config().depth,
+            ..self.m
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn session(auto: Option<AutoShape>) -> (EdgeSession, Vec<Output>) {
+        let cfg = SessionConfig {
+            draft_len: 4,
+            depth: 2,
+            max_new_tokens: 20,
+            auto,
+            granted: Some((4, 2)),
+        };
+        EdgeSession::new(0.0, vec![1, 2, 3], 7, cfg, vec![]).unwrap()
+    }
+
+    /// Draft `tokens` at 10 ms each from `t0`; returns the blocks sent.
+    fn draft(s: &mut EdgeSession, t0: f64, tokens: &[u32]) -> Vec<crate::Block> {
+        let mut sent = Vec::new();
+        for (i, &t) in tokens.iter().enumerate() {
+            assert_eq!(s.next(), Next::Draft);
+            for o in s.on_drafted(t0 + 10.0 * (i + 1) as f64, t, None, 10.0, false) {
+                if let Output::Send(b) = o {
+                    sent.push(b);
+                }
+            }
+        }
+        sent
+    }
+
+    #[test]
+    fn a_verdict_is_timed_from_its_send_and_its_grant_narrows_the_shape() {
+        let (mut s, first) = session(None);
+        assert_eq!(
+            first,
+            vec![Output::Commit {
+                pos: 3,
+                tokens: vec![7]
+            }]
+        );
+        let sent = draft(&mut s, 0.0, &[8, 9, 10, 11]);
+        assert_eq!(sent.len(), 1, "a block of γ 4 leaves after the 4th token");
+        let verdict = Verdict {
+            epoch: 0,
+            block: sent[0].index,
+            accepted: 4,
+            token: 12,
+            verify_us: 30_000,
+            grant: Some((2, 1)),
+        };
+        let r = s.on_message(100.0, Incoming::Verdict(verdict)).unwrap();
+        assert!(r.correction.is_none());
+        assert!(r.outputs.iter().any(|o| matches!(o, Output::Commit { .. })));
+        let c = s.pipeline().config();
+        assert_eq!((c.draft_len, c.depth), (2, 1), "within the new grant");
+        let m = s.measured();
+        // Sent at 40 ms, answered at 100 ms after a 30 ms forward.
+        assert_eq!(
+            (m.block_round_trip_ms, m.verify_ms, m.net_ms),
+            (60.0, 30.0, 30.0)
+        );
+        assert_eq!((m.draft_ms, m.reshapes), (10.0, 1));
+        // The edge's own work is spread over the verdicts since it last said.
+        s.on_edge_work(2.0);
+        s.on_edge_work(5.0);
+        assert_eq!(s.measured().verdict_ms, 7.0);
+    }
+
+    #[test]
+    fn a_rejection_names_the_draft_token_and_the_targets() {
+        let (mut s, _) = session(None);
+        let sent = draft(&mut s, 0.0, &[8, 9, 10, 11]);
+        let verdict = Verdict {
+            epoch: 0,
+            block: sent[0].index,
+            accepted: 1,
+            token: 42,
+            verify_us: 0,
+            grant: None,
+        };
+        let r = s.on_message(50.0, Incoming::Verdict(verdict)).unwrap();
+        assert_eq!(r.correction, Some((9, 42)));
+        assert!(
+            r.outputs.contains(&Output::Rollback { to: 5 }),
+            "{:?}",
+            r.outputs
+        );
+        assert_eq!(s.committed(), &[1, 2, 3, 7, 8, 42]);
+    }
+
+    #[test]
+    fn a_lost_connection_is_reopened_over_the_committed_history_a_few_times() {
+        let (mut s, _) = session(None);
+        draft(&mut s, 0.0, &[8, 9, 10, 11]);
+        let out = s.on_connection_lost();
+        assert!(out.contains(&Output::Rollback { to: 4 }), "{out:?}");
+        let waits: Vec<u64> = (0..=REOPEN_ATTEMPTS)
+            .map_while(|a| s.reopen(a))
+            .map(|r| {
+                assert_eq!(r.max_tokens, 19, "one token of 20 is committed");
+                r.after_ms
+            })
+            .collect();
+        assert_eq!(waits, vec![100, 200, 400, 800], "then it gives up");
+        s.on_reopened(5);
+        assert_eq!(s.committed(), &[1, 2, 3, 7, 5]);
+        assert_eq!(s.measured().reconnects, 1);
+    }
+
+    #[test]
+    fn the_adaptive_policy_replans_when_the_model_predicts_a_clear_gain() {
+        // A prior with a long round trip and a perfect draft: deeper pipelines and longer blocks
+        // pay, so the first verdict re-plans to more than γ 1, depth 1.
+        let auto = AutoShape {
+            max_draft_len: 4,
+            max_depth: 2,
+            prior: Costs {
+                alpha: 0.99,
+                ..default_prior(200.0)
+            },
+        };
+        let cfg = SessionConfig {
+            draft_len: 1,
+            depth: 1,
+            max_new_tokens: 50,
+            auto: Some(auto),
+            granted: None,
+        };
+        let (mut s, _) = EdgeSession::new(0.0, vec![1, 2, 3], 7, cfg, vec![]).unwrap();
+        let sent = draft(&mut s, 0.0, &[8]);
+        let verdict = Verdict {
+            epoch: 0,
+            block: sent[0].index,
+            accepted: 1,
+            token: 9,
+            verify_us: 60_000,
+            grant: None,
+        };
+        s.on_message(300.0, Incoming::Verdict(verdict)).unwrap();
+        let c = s.pipeline().config();
+        assert!((c.draft_len, c.depth) != (1, 1), "{c:?}");
+        assert_eq!(s.measured().reshapes, 1);
+    }
+}
