@@ -14,7 +14,7 @@ use serde_json::Value;
 use tandem_engine::kernels;
 use tandem_engine::{sampler, Engine, EngineConfig, LlamaModel, SeqChunk, SeqId, Wanted};
 
-use crate::stats::round2;
+use tandem_sim::stats::round2;
 
 #[derive(Debug, Clone)]
 pub struct BenchArgs {

@@ -9,7 +9,7 @@ use tandem_engine::sampler;
 use tandem_engine::tokenizer::TextStream;
 use tandem_engine::{Engine, SamplingParams, SeqChunk, SeqId, Tokenizer, Wanted};
 
-use crate::stats::{StreamTiming, Summary};
+use tandem_sim::stats::{StreamTiming, Summary};
 
 /// What `generate --json` prints (one object, one line). Later modes add fields, never remove them.
 #[derive(Debug, Clone, Serialize)]

@@ -24,7 +24,7 @@ use tandem_spec::VerifyRule;
 use crate::cloudproc::{CloudProcess, Link};
 use crate::generate::{generate, generate_remote, GenOutput};
 use crate::speculate::SpecRun;
-use crate::stats::{round2, Summary};
+use tandem_sim::stats::{round2, Summary};
 
 #[derive(Debug, Clone)]
 pub struct LatencyArgs {

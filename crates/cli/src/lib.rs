@@ -13,9 +13,7 @@ pub mod plan;
 pub mod plots;
 pub mod pull;
 pub mod quant_study;
-pub mod simulate;
 pub mod speculate;
-pub mod stats;
 
 /// The small tokio runtime every network piece of the CLI runs on (gRPC clients and servers, the
 /// emulated link): one worker, so it never competes with an engine for a core.

@@ -22,7 +22,7 @@ use tandem_engine::{
 use tandem_spec::VerifyRule;
 
 use crate::cloudproc::{CloudProcess, Link};
-use crate::stats::{round2, Summary};
+use tandem_sim::stats::{round2, Summary};
 
 #[derive(Debug, Clone)]
 pub struct LoadArgs {

@@ -1294,7 +1294,7 @@ fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
 
 /// A benchmark's report: JSON to `out` when given, and JSON or the tables on stdout.
 fn cmd_simulate(a: SimulateArgs) -> Result<()> {
-    use tandem_cli::simulate::{simulate, table, SimConfig};
+    use tandem_sim::{simulate, table, SimConfig};
     let cost = match (a.forward_cost, &a.engine_json) {
         (Some(c), _) => c,
         (None, Some(p)) => {

@@ -18,7 +18,7 @@ use tandem_engine::{
 use tandem_quant::{QuantConfig, Scheme};
 
 use crate::latency::{Draft, LatencyArgs};
-use crate::stats::round2;
+use tandem_sim::stats::round2;
 
 /// The corpus of the perplexity column (see `data/corpus/README.md`: the Rust Book's prose,
 /// MIT OR Apache-2.0).

@@ -14,7 +14,7 @@ use tandem_engine::tokenizer::TextStream;
 use tandem_engine::{Engine, EngineConfig, LlamaModel, Tokenizer};
 
 use crate::generate::GenOutput;
-use crate::stats::round2;
+use tandem_sim::stats::round2;
 
 /// What `generate --json` adds in the speculative modes.
 #[derive(Debug, Clone, Serialize)]

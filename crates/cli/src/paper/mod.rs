@@ -31,8 +31,8 @@ pub use report::markdown;
 
 use crate::latency::{Draft, LatencyArgs, LatencyReport};
 use crate::load::{mode_name, shape_label, LoadArgs, LoadReport, LoadRow};
-use crate::simulate::{SimConfig, SimRow};
-use crate::stats::round2;
+use tandem_sim::stats::round2;
+use tandem_sim::{SimConfig, SimRow};
 
 #[derive(Debug, Clone)]
 pub struct PaperArgs {
@@ -354,7 +354,7 @@ pub fn run(
                     out.push(SimPoint {
                         rtt_ms: rtt,
                         mode: mode_name((gamma > 0).then_some(depth)).to_string(),
-                        row: crate::simulate::simulate(&cfg)?,
+                        row: tandem_sim::simulate(&cfg)?,
                     });
                 }
             }

@@ -8,7 +8,7 @@ use tandem_spec::policy::expected_accepted;
 use super::{rel, sim_for, ModelCheck, PaperReport};
 use crate::load::{shape_label, LoadRow};
 use crate::plots::{Chart, Series};
-use crate::simulate::SimRow;
+use tandem_sim::SimRow;
 
 pub(super) fn draw_plots(r: &PaperReport, dir: &Path) -> Result<Vec<String>> {
     let mut names = Vec::new();

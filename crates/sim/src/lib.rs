@@ -1,0 +1,138 @@
+//! Tandem's simulator (`tandem simulate`): a discrete-event simulation of many edges and verifier
+//! replicas on simulated time. The protocol code is the real one, and the same: each edge is an
+//! [`EdgeSession`](tandem_spec::EdgeSession) and each replica a
+//! [`VerifierCore`](tandem_verifier::VerifierCore) — the cores the edge runtime and `tandem cloud
+//! serve`'s batcher drive — here driven by simulated time. Only the models are replaced:
+//! - the target ([`SimTarget`]) answers a forward with the roofline's time ([`ForwardCost`],
+//!   from `tandem bench engine` or `cloud serve`'s calibration) and logits whose greedy token at
+//!   every position is a fixed pseudo-random function of (session, position, the token fed
+//!   there): the "target's output";
+//! - each edge drafts a token in `draft_ms`, right with probability α;
+//! - each message crosses the network in half its session's round trip, with jitter, in order.
+//!
+//! Each replica adapts to its load as `cloud serve` does (grants planned from the forward cost,
+//! takeovers by pace) unless the shape is held fixed. Every committed token is checked against
+//! the target's output, so the simulation also tests that the protocol stays lossless at any
+//! scale.
+//!
+//! The crate links neither tonic nor axum nor prometheus: the cores it drives are IO-free.
+//! `world` is the event loop, `target` the simulated target, `report` one run end to end;
+//! [`stats`] holds the latency summaries the benchmarks share.
+
+mod report;
+pub mod stats;
+mod target;
+mod world;
+
+use serde::Serialize;
+use tandem_spec::plan::ForwardCost;
+
+pub use report::{simulate, table};
+pub use target::SimTarget;
+
+use crate::stats::Summary;
+
+/// What a simulation can be refused with.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SimError {
+    /// A setting is out of range (the text names its flag).
+    #[error("{0}")]
+    InvalidConfig(String),
+    #[error("replica {replica}: {message}")]
+    Replica { replica: usize, message: String },
+}
+
+/// What one simulation runs.
+#[derive(Debug, Clone, Serialize)]
+pub struct SimConfig {
+    /// Closed-loop users: each opens session after session.
+    pub users: usize,
+    pub replicas: usize,
+    pub alpha: f64,
+    pub draft_ms: f64,
+    /// Mean round trip; each session draws its own within ± `rtt_spread_pct`, and each message
+    /// gets ± `jitter_pct` of its half.
+    pub rtt_ms: f64,
+    pub rtt_spread_pct: f64,
+    pub jitter_pct: f64,
+    /// 0: cloud-only (the verifier decodes every session).
+    pub gamma: usize,
+    pub depth: usize,
+    /// Replicas adapt γ and depth to their load and take sessions over, as `cloud serve` does
+    /// (false: every session keeps γ and depth).
+    pub adaptive: bool,
+    pub prompt_tokens: usize,
+    pub new_tokens: usize,
+    pub token_budget: usize,
+    pub kv_blocks: usize,
+    pub cost: ForwardCost,
+    pub warmup_s: f64,
+    pub duration_s: f64,
+    pub seed: u64,
+}
+
+/// One simulation's measurements (same definitions as `bench load`) beside the analytic model's
+/// prediction for the same inputs.
+#[derive(Debug, Clone, Serialize)]
+pub struct SimRow {
+    pub users: usize,
+    pub replicas: usize,
+    pub gamma: usize,
+    pub depth: usize,
+    pub adaptive: bool,
+    pub tokens_per_s: f64,
+    pub itl_ms: Summary,
+    pub ttft_ms: Summary,
+    pub tokens_per_forward: f64,
+    pub forwards: u64,
+    /// Busy share of the replicas over the window.
+    pub utilization: f64,
+    pub sessions_done: usize,
+    /// Committed tokens that differ from the target's output (must be 0).
+    pub wrong_tokens: usize,
+    /// Messages refused at either end (must be 0).
+    pub protocol_errors: usize,
+    /// Share of the committed tokens the replicas decoded themselves (taken over or γ 0), over
+    /// the whole run.
+    pub cloud_decoded_share: f64,
+    pub takeovers: usize,
+    pub acceptance: f64,
+    pub predicted_itl_ms: f64,
+    pub predicted_tokens_per_s: f64,
+    pub predicted_ttft_ms: f64,
+    /// Events processed and the wall time the simulation took.
+    pub events: u64,
+    pub wall_s: f64,
+}
+
+impl SimConfig {
+    /// Refuse settings the simulation cannot run, naming the flag.
+    pub fn validate(&self) -> Result<(), SimError> {
+        let bad = SimError::InvalidConfig;
+        if self.users == 0 || self.replicas == 0 {
+            return Err(bad("--sessions and --replicas must be at least 1".into()));
+        }
+        if !(0.0..=1.0).contains(&self.alpha) {
+            return Err(bad(format!(
+                "--alpha must be within 0..=1, got {}",
+                self.alpha
+            )));
+        }
+        if self.gamma > 0 && self.depth == 0 {
+            return Err(bad("--depth must be at least 1".into()));
+        }
+        if self.gamma + 1 > self.token_budget {
+            return Err(bad(format!(
+                "--token-budget {} must exceed --gamma {}",
+                self.token_budget, self.gamma
+            )));
+        }
+        if self.new_tokens == 0 || self.prompt_tokens == 0 {
+            return Err(bad("--tokens and --prompt-tokens must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,191 @@
+use crate::*;
+
+mod runs {
+    use super::*;
+
+    fn cfg(users: usize, gamma: usize) -> SimConfig {
+        SimConfig {
+            users,
+            replicas: 1,
+            alpha: 0.8,
+            draft_ms: 11.0,
+            rtt_ms: 50.0,
+            rtt_spread_pct: 0.0,
+            jitter_pct: 10.0,
+            gamma,
+            depth: 2,
+            adaptive: false,
+            prompt_tokens: 1,
+            new_tokens: 200,
+            token_budget: 64,
+            kv_blocks: 8192,
+            cost: ForwardCost {
+                one_token_ms: 44.0,
+                ms_per_token: 2.2,
+            },
+            warmup_s: 5.0,
+            duration_s: 20.0,
+            seed: 3,
+        }
+    }
+
+    #[test]
+    fn the_simulation_is_lossless_and_agrees_with_the_model_when_prompts_are_short() {
+        for users in [1, 4, 16, 64] {
+            for gamma in [0, 4] {
+                let r = simulate(&cfg(users, gamma)).unwrap();
+                assert_eq!((r.wrong_tokens, r.protocol_errors), (0, 0), "{r:?}");
+                assert!(r.tokens_per_s > 0.0 && r.forwards > 0, "{r:?}");
+                let ratio = r.tokens_per_s / r.predicted_tokens_per_s;
+                assert!(
+                    (0.85..1.15).contains(&ratio),
+                    "{users} users, γ {gamma}: {r:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_simulation_is_deterministic_and_spreads_users_over_replicas() {
+        let mut c = cfg(40, 4);
+        c.adaptive = true;
+        c.replicas = 4;
+        c.rtt_spread_pct = 50.0;
+        c.prompt_tokens = 30;
+        c.new_tokens = 40;
+        let (a, b) = (simulate(&c).unwrap(), simulate(&c).unwrap());
+        assert_eq!(
+            (
+                a.tokens_per_s,
+                a.itl_ms,
+                a.forwards,
+                a.events,
+                a.sessions_done
+            ),
+            (
+                b.tokens_per_s,
+                b.itl_ms,
+                b.forwards,
+                b.events,
+                b.sessions_done
+            )
+        );
+        assert_eq!((a.wrong_tokens, a.protocol_errors), (0, 0), "{a:?}");
+        // Four replicas of ten users each serve what one replica of ten does, four times.
+        let mut one = c.clone();
+        one.users = 10;
+        one.replicas = 1;
+        let o = simulate(&one).unwrap();
+        let ratio = a.tokens_per_s / (4.0 * o.tokens_per_s);
+        assert!((0.85..1.15).contains(&ratio), "{a:?} vs 4 × {o:?}");
+    }
+
+    #[test]
+    fn jittery_links_keep_each_streams_order() {
+        // Blocks sent every 5 ms over a 200 ms ± 50% link would overtake each other if each
+        // message took its own jitter alone; a stream keeps its order.
+        let mut c = cfg(4, 1);
+        (c.draft_ms, c.rtt_ms, c.jitter_pct, c.depth) = (5.0, 200.0, 50.0, 4);
+        for adaptive in [false, true] {
+            c.adaptive = adaptive;
+            let r = simulate(&c).unwrap();
+            assert_eq!((r.wrong_tokens, r.protocol_errors), (0, 0), "{r:?}");
+            assert!(r.tokens_per_s > 0.0, "{r:?}");
+        }
+    }
+
+    #[test]
+    fn bad_settings_are_refused_by_name() {
+        for (c, want) in [
+            (
+                SimConfig {
+                    alpha: 1.5,
+                    ..cfg(1, 4)
+                },
+                "--alpha",
+            ),
+            (
+                SimConfig {
+                    users: 0,
+                    ..cfg(1, 4)
+                },
+                "--sessions",
+            ),
+            (
+                SimConfig {
+                    token_budget: 4,
+                    ..cfg(1, 4)
+                },
+                "--token-budget",
+            ),
+            (
+                SimConfig {
+                    new_tokens: 0,
+                    ..cfg(1, 4)
+                },
+                "--tokens",
+            ),
+        ] {
+            let e = simulate(&c).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+    }
+}
+
+mod adaptive {
+    use super::*;
+
+    #[test]
+    fn an_adaptive_replica_takes_over_under_load_and_stays_lossless() {
+        let base = SimConfig {
+            users: 32,
+            replicas: 1,
+            alpha: 0.6,
+            draft_ms: 20.0,
+            rtt_ms: 50.0,
+            rtt_spread_pct: 20.0,
+            jitter_pct: 10.0,
+            gamma: 4,
+            depth: 2,
+            adaptive: true,
+            prompt_tokens: 30,
+            new_tokens: 40,
+            token_budget: 64,
+            kv_blocks: 8192,
+            cost: ForwardCost {
+                one_token_ms: 52.0,
+                ms_per_token: 3.5,
+            },
+            warmup_s: 10.0,
+            duration_s: 30.0,
+            seed: 5,
+        };
+        let adaptive = simulate(&base).unwrap();
+        let fixed = simulate(&SimConfig {
+            adaptive: false,
+            ..base.clone()
+        })
+        .unwrap();
+        assert_eq!(adaptive.wrong_tokens + fixed.wrong_tokens, 0);
+        assert_eq!(adaptive.protocol_errors + fixed.protocol_errors, 0);
+        assert!(
+            adaptive.takeovers > 0 && adaptive.cloud_decoded_share > 0.8,
+            "{adaptive:?}"
+        );
+        assert_eq!(fixed.cloud_decoded_share, 0.0, "{fixed:?}");
+        assert!(
+            adaptive.tokens_per_s > fixed.tokens_per_s,
+            "{adaptive:?} vs {fixed:?}"
+        );
+        // One user with a good draft and a far verifier keeps speculating.
+        let alone = simulate(&SimConfig {
+            users: 1,
+            alpha: 0.95,
+            rtt_ms: 20.0,
+            draft_ms: 10.0,
+            ..base
+        })
+        .unwrap();
+        assert!(alone.cloud_decoded_share < 0.2, "{alone:?}");
+    }
+}

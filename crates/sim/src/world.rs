@@ -1,0 +1,537 @@
+//! The event loop: closed-loop users, their edges (each an [`EdgeSession`]) and the verifier
+//! replicas (each a [`VerifierCore`]), on simulated time (µs).
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+
+use tandem_engine::SamplingParams;
+use tandem_spec::sampling::uniform;
+use tandem_spec::{Block, EdgeSession, Incoming, Next, Output, SessionConfig, VerifyRule};
+use tandem_verifier::{Inbound, Mode, NewSession, Outgoing, ToEdge, VerifierCore};
+
+use crate::target::{target_token, SimTarget, VOCAB};
+use crate::SimConfig;
+
+/// An edge retries an open the verifier refused (saturated) after this long (µs).
+pub(crate) const RETRY_US: u64 = 100_000;
+/// A replica whose plan came out empty plans again after this long (µs), as the batcher does.
+pub(crate) const THROTTLED_US: u64 = 2_000;
+
+#[derive(Debug)]
+pub(crate) enum Ev {
+    /// A user opens its next session.
+    Start {
+        user: usize,
+    },
+    /// Messages reach replica `r`.
+    Open {
+        r: usize,
+        sid: u64,
+    },
+    Block {
+        r: usize,
+        sid: u64,
+        block: Block,
+    },
+    Close {
+        r: usize,
+        sid: u64,
+    },
+    /// A replica's forward ends: its events go out.
+    Done {
+        r: usize,
+    },
+    /// A replica whose plan was empty looks again.
+    Kick {
+        r: usize,
+    },
+    /// An edge whose open was refused for load sends it again.
+    Reopen {
+        r: usize,
+        sid: u64,
+    },
+    /// A message reaches an edge.
+    ToEdge {
+        sid: u64,
+        msg: ToEdge,
+    },
+    /// An edge's draft forward ends.
+    Drafted {
+        sid: u64,
+        token: u32,
+    },
+}
+
+pub(crate) struct Session {
+    pub(crate) user: usize,
+    pub(crate) replica: usize,
+    pub(crate) rtt_ms: f64,
+    pub(crate) prompt: Vec<u32>,
+    /// The edge's session, once the verifier opened it.
+    pub(crate) edge: Option<EdgeSession>,
+    /// Verdicts and decoded tokens that arrived while the edge was drafting, in order.
+    pub(crate) pending: Vec<Incoming>,
+    pub(crate) drafting: bool,
+    pub(crate) start_us: u64,
+    /// (µs, tokens) of each commit.
+    pub(crate) commits: Vec<(u64, usize)>,
+    pub(crate) committed: usize,
+    /// The last committed token (the prompt's last at first).
+    pub(crate) last: u32,
+    /// Tokens that came as `Decoded` (the replica decoded them).
+    pub(crate) decoded: usize,
+    pub(crate) done: bool,
+}
+
+pub(crate) struct Replica {
+    pub(crate) core: VerifierCore<SimTarget>,
+    pub(crate) takeovers: usize,
+    pub(crate) busy: bool,
+    /// Messages that arrived during a forward, applied when it ends.
+    pub(crate) inbox: Vec<Ev>,
+    /// The running forward's messages, sent when it ends.
+    pub(crate) outbox: Vec<Outgoing<()>>,
+    pub(crate) busy_us: u64,
+    pub(crate) forwards: u64,
+    pub(crate) tokens: u64,
+}
+
+pub(crate) struct Sim {
+    pub(crate) cfg: SimConfig,
+    pub(crate) now: u64,
+    pub(crate) seq: u64,
+    pub(crate) queue: BinaryHeap<Reverse<Queued>>,
+    pub(crate) sessions: HashMap<u64, Session>,
+    pub(crate) next_sid: u64,
+    pub(crate) replicas: Vec<Replica>,
+    pub(crate) window: (u64, u64),
+    pub(crate) wrong: usize,
+    /// Protocol errors: refusals at either end (must be 0).
+    pub(crate) errors: usize,
+    /// When the last message on each (session, edge-to-cloud?) link arrives.
+    pub(crate) last_arrival: HashMap<(u64, bool), u64>,
+    pub(crate) drafted: u64,
+    pub(crate) accepted: u64,
+    pub(crate) done_sessions: Vec<Session>,
+    pub(crate) events: u64,
+}
+
+/// An event due at `t` (µs); events due at the same time run in the order they were queued.
+pub(crate) struct Queued {
+    pub(crate) t: u64,
+    pub(crate) seq: u64,
+    pub(crate) ev: Ev,
+}
+
+impl PartialEq for Queued {
+    fn eq(&self, other: &Self) -> bool {
+        (self.t, self.seq) == (other.t, other.seq)
+    }
+}
+
+impl Eq for Queued {}
+
+impl PartialOrd for Queued {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Queued {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.t, self.seq).cmp(&(other.t, other.seq))
+    }
+}
+
+impl Sim {
+    fn at(&mut self, t: u64, ev: Ev) {
+        self.seq += 1;
+        let seq = self.seq;
+        self.queue.push(Reverse(Queued { t, seq, ev }));
+    }
+
+    /// Deliver `ev` on session `sid`'s link in one direction (`up`: edge to cloud) after half a
+    /// round trip, jittered, but never before the message sent on it just before: a gRPC stream
+    /// keeps its order.
+    fn send(&mut self, sid: u64, up: bool, ev: Ev) {
+        let t = self.now + self.one_way(sid);
+        let last = self.last_arrival.entry((sid, up)).or_insert(0);
+        let t = t.max(*last + 1);
+        *last = t;
+        self.at(t, ev);
+    }
+
+    /// Half a round trip for session `sid`'s next message, jittered.
+    fn one_way(&mut self, sid: u64) -> u64 {
+        let rtt = self
+            .sessions
+            .get(&sid)
+            .map_or(self.cfg.rtt_ms, |s| s.rtt_ms);
+        self.seq += 1;
+        let u = uniform(self.cfg.seed ^ 0x6a17, sid, self.seq) * 2.0 - 1.0;
+        ((rtt / 2.0) * (1.0 + u * self.cfg.jitter_pct / 100.0) * 1e3).max(0.0) as u64
+    }
+
+    pub(crate) fn run(&mut self) {
+        for user in 0..self.cfg.users {
+            // Spread the first sessions over one round trip (at least 10 ms) so users are out of
+            // phase.
+            let t =
+                (uniform(self.cfg.seed, user as u64, 1) * 1e3 * self.cfg.rtt_ms.max(10.0)) as u64;
+            self.at(t, Ev::Start { user });
+        }
+        let end = self.window.1;
+        while let Some(Reverse(Queued { t, ev, .. })) = self.queue.pop() {
+            if t > end {
+                break;
+            }
+            self.now = t;
+            self.events += 1;
+            self.handle(ev);
+        }
+    }
+
+    fn handle(&mut self, ev: Ev) {
+        match ev {
+            Ev::Start { user } => {
+                let sid = self.next_sid;
+                self.next_sid += 1;
+                let spread = (uniform(self.cfg.seed ^ 0x55, sid, 2) * 2.0 - 1.0)
+                    * self.cfg.rtt_spread_pct
+                    / 100.0;
+                let prompt: Vec<u32> = (0..self.cfg.prompt_tokens)
+                    .map(|i| target_token(self.cfg.seed ^ 0x9, sid, i, 0))
+                    .collect();
+                let last = *prompt
+                    .last()
+                    .expect("invariant: a prompt of at least one token");
+                self.sessions.insert(
+                    sid,
+                    Session {
+                        user,
+                        replica: user % self.cfg.replicas,
+                        rtt_ms: self.cfg.rtt_ms * (1.0 + spread),
+                        prompt,
+                        edge: None,
+                        pending: Vec::new(),
+                        drafting: false,
+                        start_us: self.now,
+                        commits: Vec::new(),
+                        committed: 0,
+                        last,
+                        decoded: 0,
+                        done: false,
+                    },
+                );
+                let r = user % self.cfg.replicas;
+                self.send(sid, true, Ev::Open { r, sid });
+            }
+            Ev::Open { r, .. } | Ev::Block { r, .. } | Ev::Close { r, .. } => {
+                if self.replicas[r].busy {
+                    self.replicas[r].inbox.push(ev);
+                } else {
+                    self.deliver(r, ev);
+                    self.kick(r);
+                }
+            }
+            Ev::Done { r } => {
+                let out = std::mem::take(&mut self.replicas[r].outbox);
+                self.replicas[r].busy = false;
+                self.emit(out);
+                for ev in std::mem::take(&mut self.replicas[r].inbox) {
+                    self.deliver(r, ev);
+                }
+                self.kick(r);
+            }
+            Ev::Kick { r } => self.kick(r),
+            Ev::Reopen { r, sid } => self.send(sid, true, Ev::Open { r, sid }),
+            Ev::ToEdge { sid, msg } => self.edge_event(sid, msg),
+            Ev::Drafted { sid, token } => {
+                let Some(s) = self.sessions.get_mut(&sid) else {
+                    return;
+                };
+                s.drafting = false;
+                let Some(es) = s.edge.as_mut() else {
+                    return;
+                };
+                let outs =
+                    es.on_drafted(self.now as f64 / 1e3, token, None, self.cfg.draft_ms, false);
+                self.drafted += 1;
+                self.outputs(sid, outs);
+                let pending = std::mem::take(
+                    &mut self
+                        .sessions
+                        .get_mut(&sid)
+                        .expect("invariant: present")
+                        .pending,
+                );
+                for m in pending {
+                    self.message(sid, m);
+                }
+                self.drive(sid);
+            }
+        }
+    }
+
+    /// Apply a message at replica `r` (idle): its answers go out with the replica's next turn.
+    fn deliver(&mut self, r: usize, ev: Ev) {
+        let msg = match ev {
+            Ev::Open { sid, .. } => {
+                let Some(s) = self.sessions.get(&sid) else {
+                    return;
+                };
+                let mode = if self.cfg.gamma == 0 {
+                    Mode::Generate
+                } else {
+                    Mode::Speculate {
+                        rule: VerifyRule::Greedy,
+                        want: (self.cfg.gamma as u32, self.cfg.depth as u32),
+                    }
+                };
+                Inbound::Open {
+                    session: sid,
+                    new: NewSession {
+                        tenant: 0,
+                        prompt: s.prompt.clone(),
+                        params: SamplingParams::default(),
+                        max_tokens: self.cfg.new_tokens,
+                        eog: Vec::new(),
+                        mode,
+                    },
+                    handle: (),
+                }
+            }
+            Ev::Block { sid, block, .. } => Inbound::Draft {
+                session: sid,
+                block,
+            },
+            Ev::Close { sid, .. } => Inbound::Close { session: sid },
+            _ => return,
+        };
+        self.replicas[r].core.receive(self.now, msg);
+    }
+
+    /// Run replica `r`'s next turn if it is idle: its messages go out when its forward ends (at
+    /// once when none ran).
+    fn kick(&mut self, r: usize) {
+        let rep = &mut self.replicas[r];
+        if rep.busy {
+            return;
+        }
+        let turn = rep.core.turn(self.now);
+        rep.takeovers += turn.takeovers;
+        let Some(f) = turn.forward else {
+            self.emit(turn.out);
+            if turn.throttled {
+                // Nothing could be planned (rate quotas): the batcher looks again shortly.
+                self.at(self.now + THROTTLED_US, Ev::Kick { r });
+            }
+            return;
+        };
+        let (w0, w1) = self.window;
+        let (a, b) = (self.now.max(w0), (self.now + f.us).min(w1));
+        if b > a {
+            rep.busy_us += b - a;
+        }
+        if self.now >= w0 && self.now < w1 {
+            rep.forwards += 1;
+            rep.tokens += f.tokens as u64;
+        }
+        rep.busy = true;
+        rep.outbox = turn.out;
+        self.at(self.now + f.us.max(1), Ev::Done { r });
+    }
+
+    /// Send a replica's messages to their edges.
+    fn emit(&mut self, out: Vec<Outgoing<()>>) {
+        for o in out {
+            let sid = o.session;
+            self.send(sid, false, Ev::ToEdge { sid, msg: o.msg });
+        }
+    }
+
+    fn edge_event(&mut self, sid: u64, msg: ToEdge) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        match msg {
+            ToEdge::Opened { first, grant } => {
+                let cfg = SessionConfig {
+                    draft_len: self.cfg.gamma,
+                    depth: self.cfg.depth,
+                    max_new_tokens: self.cfg.new_tokens,
+                    auto: None,
+                    granted: Some((grant.0 as usize, grant.1 as usize)),
+                };
+                let now_ms = self.now as f64 / 1e3;
+                let (es, outs) = EdgeSession::new(now_ms, s.prompt.clone(), first, cfg, Vec::new())
+                    .expect("invariant: a valid session configuration");
+                s.edge = Some(es);
+                self.outputs(sid, outs);
+                self.drive(sid);
+            }
+            ToEdge::Verdict(v) => self.arrived(sid, Incoming::Verdict(v)),
+            ToEdge::Decoded(d) => self.arrived(sid, Incoming::Decoded(d)),
+            ToEdge::Token { token, done } => {
+                let pos = s.prompt.len() + s.committed;
+                self.commit(sid, pos, &[token]);
+                if done {
+                    self.finish(sid);
+                }
+            }
+            ToEdge::Error {
+                retry_after_ms: Some(_),
+                fatal: true,
+                ..
+            } if s.edge.is_none() => {
+                // Refused for load: the edge opens it again a little later.
+                let r = s.replica;
+                self.at(self.now + RETRY_US, Ev::Reopen { r, sid });
+            }
+            ToEdge::Error { fatal, .. } => {
+                self.errors += 1;
+                if fatal {
+                    self.finish(sid);
+                }
+            }
+        }
+    }
+
+    /// A verdict or decoded token reached the edge: applied now, or once its draft forward
+    /// ends.
+    fn arrived(&mut self, sid: u64, m: Incoming) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if s.drafting {
+            s.pending.push(m);
+        } else {
+            self.message(sid, m);
+            self.drive(sid);
+        }
+    }
+
+    fn message(&mut self, sid: u64, m: Incoming) {
+        let now_ms = self.now as f64 / 1e3;
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        let Some(es) = s.edge.as_mut() else {
+            return;
+        };
+        match es.on_message(now_ms, m) {
+            Ok(r) => {
+                s.decoded += usize::from(matches!(m, Incoming::Decoded(_)));
+                self.outputs(sid, r.outputs);
+            }
+            Err(_) => self.errors += 1,
+        }
+    }
+
+    fn outputs(&mut self, sid: u64, outs: Vec<Output>) {
+        for o in outs {
+            match o {
+                Output::Send(block) => {
+                    let r = self.sessions.get(&sid).map_or(0, |s| s.replica);
+                    self.send(sid, true, Ev::Block { r, sid, block });
+                }
+                Output::Commit { pos, tokens } => self.commit(sid, pos, &tokens),
+                Output::Rollback { .. } => {}
+            }
+        }
+    }
+
+    fn commit(&mut self, sid: u64, pos: usize, tokens: &[u32]) {
+        let seed = self.cfg.seed;
+        let s = self
+            .sessions
+            .get_mut(&sid)
+            .expect("invariant: committing session");
+        // Each token checked against the target's choice after what was committed before it.
+        for (i, &t) in tokens.iter().enumerate() {
+            if t != target_token(seed, sid, pos + i, s.last) {
+                self.wrong += 1;
+            }
+            s.last = t;
+        }
+        s.commits.push((self.now, tokens.len()));
+        s.committed += tokens.len();
+    }
+
+    /// Let session `sid`'s edge draft, or finish it.
+    fn drive(&mut self, sid: u64) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if s.drafting || s.done {
+            return;
+        }
+        let Some(es) = s.edge.as_ref() else {
+            return;
+        };
+        let p = es.pipeline();
+        match p.next() {
+            Next::Draft => {
+                let pos = p.tokens().len();
+                let prev = p.tokens()[pos - 1];
+                let right = target_token(self.cfg.seed, sid, pos, prev);
+                let u = uniform(self.cfg.seed ^ 0xd4af, sid, (pos as u64) << 20 | p.epoch());
+                let token = if u < self.cfg.alpha {
+                    right
+                } else {
+                    (right % (VOCAB as u32 - 1)) + 1
+                };
+                s.drafting = true;
+                let t = self.now + (self.cfg.draft_ms * 1e3) as u64;
+                self.at(t, Ev::Drafted { sid, token });
+            }
+            Next::Wait => {}
+            Next::Done => {
+                let st = *p.stats();
+                self.accepted += st.accepted as u64;
+                self.finish(sid);
+            }
+        }
+    }
+
+    /// The session is over: its edge closes it and the user starts the next one.
+    fn finish(&mut self, sid: u64) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if s.done {
+            return;
+        }
+        s.done = true;
+        let (user, r) = (s.user, s.replica);
+        self.send(sid, true, Ev::Close { r, sid });
+        self.at(self.now, Ev::Start { user });
+        let s = self.sessions.remove(&sid).expect("invariant: present");
+        self.done_sessions.push(s);
+    }
+}
+
+/// Per-token gaps of the commits inside `window` (as `bench load`): a commit of k tokens after a
+/// gap g counts k gaps of g / k; a session's first commit counts its time to first token.
+pub(crate) fn gaps(sessions: &[&Session], window: (u64, u64)) -> (Vec<f64>, Vec<f64>, usize) {
+    let (mut itl, mut ttft, mut tokens) = (Vec::new(), Vec::new(), 0);
+    let inside = |t: u64| t >= window.0 && t <= window.1;
+    for s in sessions {
+        let mut last: Option<u64> = None;
+        for &(t, k) in &s.commits {
+            if inside(t) {
+                tokens += k;
+            }
+            match last {
+                None if inside(t) => ttft.push((t - s.start_us) as f64 / 1e3),
+                Some(l) if inside(t) => {
+                    let g = (t - l) as f64 / 1e3 / k.max(1) as f64;
+                    itl.extend(std::iter::repeat_n(g, k.max(1)));
+                }
+                _ => {}
+            }
+            last = Some(t);
+        }
+    }
+    (itl, ttft, tokens)
+}
