@@ -1,0 +1,230 @@
+//! A forward the target fails computes nothing: a verify block is refused and its session put
+//! back exactly as it was (the same block verifies afterwards as if nothing had happened), a
+//! taken-over session's decode step runs again, and a cloud-only generation ends with the error
+//! and frees its KV.
+
+use std::cell::Cell;
+use std::rc::Rc;
+
+use tandem_engine::{EngineError, Logits, SamplingParams, SeqChunk};
+use tandem_spec::{Block, Verdict, VerifyRule};
+use tandem_verifier::{Event, Target, VerifierConfig, VerifierCore, VerifierError};
+
+const VOCAB: usize = 16;
+
+/// The target's greedy token after `token` at `pos`.
+fn next(pos: usize, token: u32) -> u32 {
+    ((pos as u32 * 7 + token) % 15) + 1
+}
+
+/// The target's greedy continuation of `prompt`, `n` tokens.
+fn oracle(prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut seq = prompt.to_vec();
+    for _ in 0..n {
+        let p = seq.len() - 1;
+        seq.push(next(p, seq[p]));
+    }
+    seq[prompt.len()..].to_vec()
+}
+
+/// A one-hot target whose forwards fail while `fail` is set.
+struct Flaky {
+    fail: Rc<Cell<bool>>,
+}
+
+impl Target for Flaky {
+    fn vocab(&self) -> usize {
+        VOCAB
+    }
+    fn context_len(&self) -> usize {
+        1024
+    }
+    fn kv_geometry(&self) -> (usize, usize) {
+        (4, 64)
+    }
+    fn forward_timed(
+        &mut self,
+        batch: &[SeqChunk],
+        _tables: &[Vec<u32>],
+    ) -> (Result<Logits, EngineError>, u32) {
+        if self.fail.get() {
+            return (
+                Err(EngineError::InvalidBatch("the device fell over".into())),
+                10,
+            );
+        }
+        (
+            Ok(Logits::one_hot(batch, VOCAB, |_, pos, t| next(pos, t))),
+            10,
+        )
+    }
+}
+
+fn core() -> (VerifierCore<Flaky>, Rc<Cell<bool>>) {
+    let fail = Rc::new(Cell::new(false));
+    let target = Flaky { fail: fail.clone() };
+    (
+        VerifierCore::new(target, VerifierConfig::default()).unwrap(),
+        fail,
+    )
+}
+
+const PROMPT: [u32; 3] = [3, 4, 5];
+
+fn opened(events: &[Event]) -> u32 {
+    events
+        .iter()
+        .find_map(|e| match e {
+            Event::Opened { first, .. } => Some(*first),
+            _ => None,
+        })
+        .expect("opened")
+}
+
+fn verdicts(events: &[Event]) -> Vec<Verdict> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Verdict { verdict, .. } => Some(*verdict),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_failed_verify_puts_the_session_back_and_the_block_verifies_afterwards() {
+    let want = oracle(&PROMPT, 6);
+    let (mut v, fail) = core();
+    v.open(
+        1,
+        0,
+        &PROMPT,
+        SamplingParams::default(),
+        VerifyRule::Greedy,
+        20,
+        vec![],
+    )
+    .unwrap();
+    assert_eq!(opened(&v.step(0)), want[0]);
+    // A block of the target's next three tokens, after the first.
+    let block = Block {
+        epoch: 0,
+        index: 0,
+        start_pos: 4,
+        tokens: want[1..4].to_vec(),
+        q: vec![],
+    };
+    let before = v.session(1).unwrap();
+    assert!(v.draft(1, block.clone()).is_empty());
+    assert!(v.session(1).unwrap().verifying);
+    fail.set(true);
+    let events = v.step(0);
+    assert!(
+        matches!(
+            events.as_slice(),
+            [Event::Error {
+                session: 1,
+                error: VerifierError::Engine(_),
+                fatal: false
+            }]
+        ),
+        "{events:?}"
+    );
+    let after = v.session(1).unwrap();
+    assert_eq!(
+        (after.committed_len, after.epoch, after.verified_positions),
+        (
+            before.committed_len,
+            before.epoch,
+            before.verified_positions
+        ),
+        "nothing was committed or judged"
+    );
+    assert!(!after.verifying && after.queued_blocks == 0);
+    assert_eq!(
+        v.stats.target_forwards, 1,
+        "the failed forward does not count"
+    );
+    // The same block again, on a target that works: accepted whole, with the target's bonus.
+    fail.set(false);
+    assert!(v.draft(1, block).is_empty());
+    let vs = verdicts(&v.step(0));
+    assert_eq!(vs.len(), 1);
+    assert_eq!((vs[0].accepted, vs[0].token), (3, want[4]));
+    // The first token and three drafted ones are committed; the bonus waits for the next block.
+    assert_eq!(v.session(1).unwrap().committed_len, PROMPT.len() + 4);
+}
+
+#[test]
+fn a_failed_takeover_step_is_decoded_again() {
+    let want = oracle(&PROMPT, 8);
+    let (mut v, fail) = core();
+    v.open(
+        1,
+        0,
+        &PROMPT,
+        SamplingParams::default(),
+        VerifyRule::Greedy,
+        8,
+        vec![],
+    )
+    .unwrap();
+    let mut decoded = Vec::new();
+    let mut events = v.step(0);
+    events.extend(v.set_takeover(1, true));
+    let mut failures = 0;
+    for i in 0..40 {
+        for e in events.drain(..) {
+            match e {
+                Event::Decoded { decoded: d, .. } => decoded.push((d.pos, d.token)),
+                Event::Error { .. } => panic!("a failed decode step is not the edge's error"),
+                _ => {}
+            }
+        }
+        if !v.has_work() {
+            break;
+        }
+        // Every third forward fails.
+        fail.set(i % 3 == 1);
+        failures += usize::from(fail.get());
+        events = v.step(0);
+    }
+    assert!(failures >= 2);
+    let positions: Vec<usize> = decoded.iter().map(|d| d.0).collect();
+    let tokens: Vec<u32> = decoded.iter().map(|d| d.1).collect();
+    // From the first token (known at the takeover) to the limit.
+    assert_eq!(
+        positions,
+        (PROMPT.len()..PROMPT.len() + 8).collect::<Vec<_>>(),
+        "each once, in order"
+    );
+    assert_eq!(tokens, want);
+}
+
+#[test]
+fn a_failed_generation_ends_with_the_error_and_frees_its_kv() {
+    let (mut v, fail) = core();
+    v.open_generation(2, 0, &PROMPT, SamplingParams::default(), 10, vec![])
+        .unwrap();
+    assert!(matches!(
+        v.step(0).as_slice(),
+        [Event::Token { done: false, .. }]
+    ));
+    fail.set(true);
+    let events = v.step(0);
+    assert!(
+        matches!(
+            events.as_slice(),
+            [Event::Error {
+                session: 2,
+                fatal: true,
+                ..
+            }]
+        ),
+        "{events:?}"
+    );
+    assert!(v.session(2).is_none(), "closed");
+    let pool = v.scheduler().pool();
+    assert_eq!(pool.num_free(), pool.num_blocks(), "its KV is freed");
+    assert!(!v.has_work());
+}
