@@ -5,11 +5,11 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use tandem_cli::bench::{self, BenchArgs};
-use tandem_cli::generate::generate;
-use tandem_cli::models::{self, ModelSpec};
-use tandem_cli::pull;
+use tandem_bench::engine_bench::{self as bench, BenchArgs};
+use tandem_bench::generate::generate;
 use tandem_engine::{CpuSet, Engine, EngineConfig, SamplingParams, WeightMode};
+use tandem_models::pull;
+use tandem_models::store::{self as models, ModelSpec};
 use tandem_quant::{EmbedPrecision, QuantConfig, Scheme};
 use tandem_spec::VerifyRule;
 
@@ -645,7 +645,7 @@ struct PeerArgs {
 
 impl PeerArgs {
     fn find(&self) -> Option<(PathBuf, PathBuf)> {
-        tandem_cli::latency::find_peer(self.peer_python.clone(), self.peer_script.clone())
+        tandem_bench::latency::find_peer(self.peer_python.clone(), self.peer_script.clone())
             .filter(|_| !self.no_peer)
     }
 }
@@ -719,7 +719,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Cloud(CloudCmd::Serve(a)) => cmd_serve(&home, a)?,
         Cmd::Simulate(a) => cmd_simulate(a)?,
         Cmd::Plan(a) => {
-            let roof = tandem_cli::plan::RooflineArgs {
+            let roof = tandem_bench::plan::RooflineArgs {
                 verify_ms: a.verify_ms,
                 verify_ms_per_token: a.verify_ms_per_token,
                 bandwidth_gbs: a.bandwidth_gbs,
@@ -729,7 +729,7 @@ fn run(cli: Cli) -> Result<()> {
                 engine_json: a.engine_json,
                 threads: a.threads,
             };
-            let q = tandem_cli::plan::PlanQuery {
+            let q = tandem_bench::plan::PlanQuery {
                 alpha: a.alpha,
                 draft_ms: a.draft_ms,
                 rtt_ms: a.rtt_ms,
@@ -747,8 +747,8 @@ fn run(cli: Cli) -> Result<()> {
                     },
                 },
             };
-            let r = tandem_cli::plan::run(&q, &roof)?;
-            report(&r, None, a.json, tandem_cli::plan::table)?
+            let r = tandem_bench::plan::run(&q, &roof)?;
+            report(&r, None, a.json, tandem_bench::plan::table)?
         }
         Cmd::Netem(a) => cmd_netem(a)?,
     }
@@ -797,7 +797,7 @@ fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
         if target.tokenizer.fingerprint() != m.tokenizer.fingerprint() {
             bail!("the draft's tokenizer differs from the target's: they cannot share token ids");
         }
-        let run = tandem_cli::speculate::SpecRun {
+        let run = tandem_bench::speculate::SpecRun {
             target: target.model.clone(),
             draft: m.model.clone(),
             tokenizer: &m.tokenizer,
@@ -833,9 +833,9 @@ fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
             cloud_url: a.cloud.clone(),
             api_key: a.api_key.clone(),
         };
-        tandem_cli::speculate::run(&run, &ids, &mut print)?
+        tandem_bench::speculate::run(&run, &ids, &mut print)?
     } else if let (Mode::Cloud, Some(url)) = (a.mode, &a.cloud) {
-        tandem_cli::generate::generate_remote(
+        tandem_bench::generate::generate_remote(
             url,
             a.api_key.as_deref(),
             &m.tokenizer,
@@ -979,7 +979,7 @@ fn split_cores() -> (CpuSet, CpuSet) {
 }
 
 fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
-    use tandem_cli::load;
+    use tandem_bench::load;
     let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
     let drafts: Vec<_> = drafts_of(home, &[Scheme::W4A16, Scheme::W8A16], a.report.json)?
         .into_iter()
@@ -1056,7 +1056,7 @@ fn drafts_of(
     home: &std::path::Path,
     schemes: &[Scheme],
     quiet: bool,
-) -> Result<Vec<tandem_cli::latency::Draft>> {
+) -> Result<Vec<tandem_bench::latency::Draft>> {
     schemes
         .iter()
         .map(|scheme| {
@@ -1066,13 +1066,13 @@ fn drafts_of(
             };
             cfg.validate()?;
             let path = models::ensure_quantized(home, &cfg, quiet)?;
-            tandem_cli::latency::load_draft(&format!("{}-g32", scheme.name()), &path)
+            tandem_bench::latency::load_draft(&format!("{}-g32", scheme.name()), &path)
         })
         .collect()
 }
 
 fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
-    use tandem_cli::quant_study::{self, QuantStudyArgs};
+    use tandem_bench::quant_study::{self, QuantStudyArgs};
     let q = a.quick;
     let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
     let (edge_cpus, cloud_cpus) = a.cores.split();
@@ -1104,7 +1104,7 @@ fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
         e2e_prompts.truncate(1);
         alpha_prompts.truncate(1);
     }
-    let latency = (!a.no_e2e).then(|| tandem_cli::latency::LatencyArgs {
+    let latency = (!a.no_e2e).then(|| tandem_bench::latency::LatencyArgs {
         home: home.to_path_buf(),
         rtts: vec![a.rtt_ms],
         jitter_frac: 0.1,
@@ -1146,7 +1146,7 @@ fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
 }
 
 fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
-    use tandem_cli::{latency, load, paper};
+    use tandem_bench::{latency, load, paper};
     let q = a.quick;
     let target = models::load(home, &ModelSpec::Target, None, a.json)?;
     let schemes = a.drafts.clone().unwrap_or(if q {
@@ -1246,7 +1246,7 @@ fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
 }
 
 fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
-    use tandem_cli::latency;
+    use tandem_bench::latency;
     let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
     let drafts = drafts_of(home, &a.drafts, a.report.json)?;
     let (edge_cpus, cloud_cpus) = a.cores.split();
@@ -1298,12 +1298,12 @@ fn cmd_simulate(a: SimulateArgs) -> Result<()> {
     let cost = match (a.forward_cost, &a.engine_json) {
         (Some(c), _) => c,
         (None, Some(p)) => {
-            let roof = tandem_cli::plan::RooflineArgs {
+            let roof = tandem_bench::plan::RooflineArgs {
                 engine_json: Some(p.clone()),
                 threads: 1,
                 ..Default::default()
             };
-            tandem_cli::plan::roofline(&roof)?.0
+            tandem_bench::plan::roofline(&roof)?.0
         }
         (None, None) => tandem_sched::ForwardCost {
             one_token_ms: 44.0,
@@ -1415,7 +1415,7 @@ fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
     };
     // Speculation first, streamed: the draft here, the target behind an emulated link.
     for (mode, depth) in [("async", a.depth), ("sync", 1)] {
-        let run = tandem_cli::speculate::SpecRun {
+        let run = tandem_bench::speculate::SpecRun {
             target: target.model.clone(),
             draft: draft.model.clone(),
             tokenizer: &draft.tokenizer,
@@ -1438,8 +1438,8 @@ fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
         };
         let label = format!("assistant ({mode}, {} ms round trip): ", a.rtt_ms);
         print!("{label}");
-        let mut live = tandem_cli::live::Live::stdout().at_column(label.chars().count());
-        let out = tandem_cli::speculate::run_shown(&run, &ids, true, &mut |s| live.show(s))?;
+        let mut live = tandem_bench::live::Live::stdout().at_column(label.chars().count());
+        let out = tandem_bench::speculate::run_shown(&run, &ids, true, &mut |s| live.show(s))?;
         live.finish();
         println!();
         if !live.corrections.is_empty() {
@@ -1602,7 +1602,7 @@ fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
     };
     let auth = tenants.auth_required();
     let (service, batcher) = tandem_cloud::grpc::start(engine, cfg, info, tenants)?;
-    let rt = tandem_cli::runtime()?;
+    let rt = tandem_bench::runtime()?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
@@ -1663,7 +1663,7 @@ async fn shutdown_signal() {
 }
 
 fn cmd_netem(a: NetemArgs) -> Result<()> {
-    let cfg = tandem_edge::netem::NetemConfig {
+    let cfg = tandem_bench::netem::NetemConfig {
         rtt_ms: a.rtt_ms,
         jitter_ms: a.jitter_ms,
         bandwidth_kbit: a.bandwidth_kbit,
@@ -1678,7 +1678,7 @@ fn cmd_netem(a: NetemArgs) -> Result<()> {
             a.upstream
         )
     })?;
-    let rt = tandem_cli::runtime()?;
+    let rt = tandem_bench::runtime()?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(&a.listen)
             .await
@@ -1690,7 +1690,7 @@ fn cmd_netem(a: NetemArgs) -> Result<()> {
             a.jitter_ms
         );
         tokio::select! {
-            r = tandem_edge::netem::proxy(listener, upstream, cfg) => r?,
+            r = tandem_bench::netem::proxy(listener, upstream, cfg) => r?,
             _ = tokio::signal::ctrl_c() => {}
         }
         anyhow::Ok(())

@@ -403,7 +403,7 @@ fn a_slow_speculation_session_is_taken_over_and_a_fast_one_is_not() {
     let w = want(p, n, 1);
     let rt = rt();
     let run = |alpha: f64, draft_ms: f64| {
-        let edge = tandem_cli::load::SyntheticEdge {
+        let edge = tandem_bench::load::SyntheticEdge {
             alpha,
             draft_ms,
             gamma: 4,
@@ -411,7 +411,7 @@ fn a_slow_speculation_session_is_taken_over_and_a_fast_one_is_not() {
             seed: 7,
             vocab: m.cfg.vocab as u32,
         };
-        tandem_cli::load::synthetic_session(&rt, &url, tok, p, &w, edge).unwrap()
+        tandem_bench::load::synthetic_session(&rt, &url, tok, p, &w, edge).unwrap()
     };
     let slow = run(0.0, 40.0);
     assert_eq!(slow.output_ids, w, "slow session");

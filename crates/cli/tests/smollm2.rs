@@ -469,7 +469,7 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
         ..EngineConfig::default()
     };
     for (depth, rtt) in [(1, 60.0), (2, 60.0)] {
-        let run = tandem_cli::speculate::SpecRun {
+        let run = tandem_bench::speculate::SpecRun {
             target: m.clone(),
             draft: d.clone(),
             tokenizer: tok,
@@ -494,7 +494,7 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
             cloud_url: None,
             api_key: None,
         };
-        let out = tandem_cli::speculate::run(&run, &p, |_| {}).unwrap();
+        let out = tandem_bench::speculate::run(&run, &p, |_| {}).unwrap();
         assert_eq!(out.output_ids, want, "depth {depth}");
         let s = out.spec.unwrap();
         let mm = s.measured;
@@ -522,7 +522,7 @@ fn sample_and_match_reproduces_the_targets_own_sampling() {
         seed: 11,
     };
     let mut e = engine(m);
-    let out = tandem_cli::generate::generate(&mut e, tok, &p, 16, &params, |_| {}).unwrap();
+    let out = tandem_bench::generate::generate(&mut e, tok, &p, 16, &params, |_| {}).unwrap();
     let got = spec_run(
         &p,
         4,
@@ -953,12 +953,12 @@ fn speculation_through_netem_is_lossless() {
     let upstream: std::net::SocketAddr =
         grpc_server().trim_start_matches("http://").parse().unwrap();
     let addr = on_loopback(move |l| async move {
-        let cfg = tandem_edge::netem::NetemConfig {
+        let cfg = tandem_bench::netem::NetemConfig {
             rtt_ms: 60.0,
             jitter_ms: 10.0,
             ..Default::default()
         };
-        tandem_edge::netem::proxy(l, upstream, cfg).await.unwrap();
+        tandem_bench::netem::proxy(l, upstream, cfg).await.unwrap();
     });
     let url = format!("http://{addr}");
     let p = tok

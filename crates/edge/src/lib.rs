@@ -1,5 +1,6 @@
-//! Tandem's edge runtime: the draft engine drives the speculation [`Pipeline`], blocks go to the
-//! verifier over a [`Link`], verdicts come back, and only verified tokens reach the user.
+//! Tandem's edge runtime: the draft model drives the edge's session ([`EdgeSession`], the IO-free
+//! core in `tandem-spec`), blocks go to the verifier over a [`Link`] (gRPC: [`grpc`]), verdicts
+//! come back, and only verified tokens reach the user.
 //!
 //! The runtime never waits for the network while it may draft: verdicts are applied as soon as they
 //! have arrived, and the edge blocks on the link only when the pipeline is full (`depth` blocks in
@@ -7,7 +8,6 @@
 
 pub mod drafter;
 pub mod grpc;
-pub mod netem;
 
 use std::time::Instant;
 
@@ -19,7 +19,7 @@ use tandem_spec::{
     Block, EdgeSession, Incoming, Measured, Next, Output, PipelineStats, SessionConfig, SpecError,
 };
 
-pub use drafter::{Drafter, EngineDrafter, Proposal, SyntheticDrafter};
+pub use drafter::{Drafter, EngineDrafter, Proposal};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EdgeError {

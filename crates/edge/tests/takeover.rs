@@ -7,7 +7,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tandem_edge::{EdgeError, Link, SpecConfig, SyntheticDrafter};
+use tandem_bench::synthetic::SyntheticDrafter;
+use tandem_edge::{EdgeError, Link, SpecConfig};
 use tandem_engine::testing::{tiny_file, TinySpec};
 use tandem_engine::{Engine, EngineConfig, LlamaModel, SamplingParams, WeightMode};
 use tandem_spec::Incoming;

@@ -6,11 +6,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use tandem_cli::{models, pull};
 use tandem_engine::{
     sampler, Engine, EngineConfig, GgufFile, LlamaModel, SeqChunk, SeqId, Tokenizer, Wanted,
     WeightMode,
 };
+use tandem_models::{pull, store as models};
 
 pub fn home() -> PathBuf {
     pull::home_dir(None)
@@ -145,7 +145,7 @@ pub fn spec_out(
     rule: tandem_spec::VerifyRule,
     max_new: usize,
     cloud_url: Option<String>,
-) -> tandem_cli::generate::GenOutput {
+) -> tandem_bench::generate::GenOutput {
     spec_out_as(
         None, prompt, gamma, depth, rtt_ms, params, rule, max_new, cloud_url,
     )
@@ -163,7 +163,7 @@ pub fn spec_out_as(
     rule: tandem_spec::VerifyRule,
     max_new: usize,
     cloud_url: Option<String>,
-) -> tandem_cli::generate::GenOutput {
+) -> tandem_bench::generate::GenOutput {
     let (draft, tok) = draft();
     let (target, _) = target();
     let one = EngineConfig {
@@ -171,7 +171,7 @@ pub fn spec_out_as(
         kv_budget_bytes: 32 << 20,
         ..EngineConfig::default()
     };
-    let run = tandem_cli::speculate::SpecRun {
+    let run = tandem_bench::speculate::SpecRun {
         target: target.clone(),
         draft: draft.clone(),
         tokenizer: tok,
@@ -192,7 +192,7 @@ pub fn spec_out_as(
         cloud_url,
         api_key,
     };
-    let out = tandem_cli::speculate::run(&run, prompt, |_| {}).unwrap();
+    let out = tandem_bench::speculate::run(&run, prompt, |_| {}).unwrap();
     let s = out.spec.as_ref().unwrap();
     eprintln!(
         "γ={gamma} depth={depth} rtt={rtt_ms}: α={} E[A]={} rounds={} stale={} wasted={}",

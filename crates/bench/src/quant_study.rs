@@ -224,7 +224,7 @@ fn load_variant(
         ..QuantConfig::default()
     };
     cfg.validate()?;
-    let path = crate::models::ensure_quantized(home, &cfg, quiet)?;
+    let path = tandem_models::store::ensure_quantized(home, &cfg, quiet)?;
     let mut g = GgufFile::open(&path).with_context(|| format!("opening {}", path.display()))?;
     let mut model = LlamaModel::load(&mut g, WeightMode::Native)
         .with_context(|| format!("loading {}", path.display()))?;

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use crate::netem::NetemConfig;
 use anyhow::{anyhow, Context, Result};
 use serde::Serialize;
-use tandem_edge::netem::NetemConfig;
 use tandem_edge::{Link, SpecConfig};
 use tandem_engine::tokenizer::TextStream;
 use tandem_engine::{Engine, EngineConfig, LlamaModel, Tokenizer};
@@ -87,9 +87,9 @@ pub fn run_shown(
         Some(url) if r.rtt_ms > 0.0 => {
             // An emulated link in front of a remote verifier: many edge processes can share one
             // `tandem cloud serve`, each behind its own round trip.
-            let upstream = tandem_edge::netem::resolve(url).map_err(|e| anyhow!("--cloud {e}"))?;
+            let upstream = crate::netem::resolve(url).map_err(|e| anyhow!("--cloud {e}"))?;
             let rt = crate::runtime()?;
-            let (front, task) = tandem_edge::netem::spawn_front(rt.handle(), upstream, link_of(r))
+            let (front, task) = crate::netem::spawn_front(rt.handle(), upstream, link_of(r))
                 .map_err(|e| anyhow!("invalid emulated link: {e}"))?;
             let out = run_grpc(r, &front, prompt_ids, tentative, on_show);
             task.abort();
@@ -286,7 +286,7 @@ impl LocalVerifier {
             Duration::ZERO,
         ));
         let url = if r.rtt_ms > 0.0 {
-            tandem_edge::netem::spawn_front(rt.handle(), addr, link_of(r))
+            crate::netem::spawn_front(rt.handle(), addr, link_of(r))
                 .map_err(|e| anyhow!("invalid emulated link: {e}"))?
                 .0
         } else {

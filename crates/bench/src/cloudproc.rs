@@ -5,8 +5,8 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
+use crate::netem::NetemConfig;
 use anyhow::{anyhow, bail, Context, Result};
-use tandem_edge::netem::NetemConfig;
 use tandem_engine::CpuSet;
 
 /// `tandem cloud serve --no-auth` on a loopback port; killed on drop.
@@ -118,7 +118,7 @@ impl Link {
             seed: 7,
             ..NetemConfig::default()
         };
-        let (url, task) = tandem_edge::netem::spawn_front(self.rt.handle(), upstream, cfg)
+        let (url, task) = crate::netem::spawn_front(self.rt.handle(), upstream, cfg)
             .map_err(|e| anyhow!("netem: {e}"))?;
         self.task = Some(task);
         Ok(url)

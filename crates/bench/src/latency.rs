@@ -477,7 +477,7 @@ pub fn run(
         for (name, path) in files {
             v.insert(
                 name,
-                crate::bench::peer_bench(py, script, &path, 1, &[1, 2, 3, 5, 7, 9], 32)
+                crate::engine_bench::peer_bench(py, script, &path, 1, &[1, 2, 3, 5, 7, 9], 32)
                     .unwrap_or(Value::Null),
             );
         }

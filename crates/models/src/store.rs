@@ -5,7 +5,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
+use crate::{ModelError, Result, WithContext};
 use tandem_engine::{GgufFile, LlamaModel, Tokenizer, WeightMode};
 use tandem_quant::{QuantConfig, Report};
 
@@ -52,10 +52,10 @@ pub fn resolve_path(home: &Path, spec: &ModelSpec, quiet: bool) -> Result<PathBu
         ModelSpec::Draft => ensure_draft(home, quiet),
         ModelSpec::Path(p) => {
             if !p.is_file() {
-                bail!(
+                return Err(ModelError::Refused(format!(
                     "--model {}: no such file (use `target`, `draft` or a GGUF path)",
                     p.display()
-                );
+                )));
             }
             Ok(p.clone())
         }

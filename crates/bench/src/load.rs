@@ -2,7 +2,7 @@
 //! real verifier (its own pinned process) through a netem link: each knows the target's greedy
 //! continuation of its prompt (computed once, by the verifier) and drafts each token right with
 //! probability α at D ms per token, reacting to verdicts through the same pipeline state machine
-//! as a real edge ([`tandem_edge::SyntheticDrafter`]). Beside them, the cloud-only baseline: N
+//! as a real edge ([`crate::synthetic::SyntheticDrafter`]). Beside them, the cloud-only baseline: N
 //! clients of the `Generate` RPC, so the verifier decodes every token itself. Before the sweep the
 //! target's forward time is measured against tokens per forward, on the verifier's core, to find
 //! the ridge where it turns compute-bound.
@@ -12,10 +12,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::synthetic::SyntheticDrafter;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
 use tandem_edge::grpc::{GrpcLink, OpenRequest};
-use tandem_edge::{SpecConfig, SyntheticDrafter};
+use tandem_edge::SpecConfig;
 use tandem_engine::{
     CpuSet, Engine, EngineConfig, LlamaModel, SamplingParams, SeqChunk, SeqId, Tokenizer, Wanted,
 };

