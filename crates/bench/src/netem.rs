@@ -225,7 +225,9 @@ mod tests {
             c.read_exact(&mut b).await.unwrap();
             assert_eq!(u32::from_le_bytes(b), i);
             let ms = t.elapsed().as_secs_f64() * 1e3;
-            assert!((70.0..200.0).contains(&ms), "round trip {ms} ms");
+            // The delay line holds each byte for the round trip less the jitter at least; how much
+            // longer a busy machine takes is for `bench latency` to measure, not a test.
+            assert!(ms >= 70.0, "round trip {ms} ms");
         }
     }
 }

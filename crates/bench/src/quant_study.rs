@@ -12,12 +12,12 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use tandem_engine::{
-    CpuSet, Engine, EngineConfig, GgufFile, LlamaModel, SamplingParams, SeqChunk, SeqId, Tokenizer,
-    Wanted, WeightMode,
+    CpuSet, Engine, EngineConfig, GgufFile, LlamaModel, SamplingParams, Tokenizer, WeightMode,
 };
 use tandem_quant::{QuantConfig, Scheme};
 
 use crate::latency::{Draft, LatencyArgs};
+use tandem_quant::eval::{mean_accepted, perplexity};
 use tandem_sim::stats::round2;
 
 /// The corpus of the perplexity column (see `data/corpus/README.md`: the Rust Book's prose,
@@ -141,77 +141,6 @@ pub struct QuantReport {
     pub rows: Vec<QuantRow>,
 }
 
-/// Perplexity of `model` on the first tokens of `tokens`, scored in windows of `window` tokens
-/// (each window starts a fresh context; its first token is not scored).
-pub fn perplexity(
-    model: &Arc<LlamaModel>,
-    tokens: &[u32],
-    window: usize,
-    cpus: CpuSet,
-) -> Result<f64> {
-    if window < 2 {
-        bail!("the perplexity window must hold at least 2 tokens");
-    }
-    let mut e = Engine::new(
-        model.clone(),
-        EngineConfig {
-            threads: cpus.len().max(1),
-            cpus,
-            kv_budget_bytes: 128 << 20,
-            ..EngineConfig::default()
-        },
-    )?;
-    let (mut nll, mut n) = (0f64, 0usize);
-    for (w, win) in tokens.chunks(window).enumerate() {
-        if win.len() < 2 {
-            continue;
-        }
-        let seq = SeqId(w as u64);
-        let mut pos = 0;
-        for chunk in win[..win.len() - 1].chunks(64) {
-            let l = e.forward(&[SeqChunk::new(seq, pos, chunk.to_vec(), Wanted::All)])?;
-            for i in 0..chunk.len() {
-                let row = l.row(i);
-                let max = row.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x)) as f64;
-                let lse = max
-                    + row
-                        .iter()
-                        .map(|&x| (x as f64 - max).exp())
-                        .sum::<f64>()
-                        .ln();
-                nll += lse - row[win[pos + i + 1] as usize] as f64;
-                n += 1;
-            }
-            pos += chunk.len();
-        }
-        e.free(seq);
-    }
-    if n == 0 {
-        bail!("no token to score: the corpus is shorter than 2 tokens");
-    }
-    Ok((nll / n as f64).exp())
-}
-
-/// E[A] at γ from teacher-forced hits: for a block starting at each position with γ positions
-/// after it, the draft's tokens up to the first miss (at most γ) plus the target's own. (A block
-/// starting nearer the end would be cut short by the end of the text, not by a miss.)
-pub fn mean_accepted(hits: &[Vec<bool>], gamma: usize) -> f64 {
-    let mut total = 0.0;
-    let mut n = 0usize;
-    for h in hits {
-        for i in 0..(h.len() + 1).saturating_sub(gamma) {
-            let run = h[i..].iter().take(gamma).take_while(|&&x| x).count();
-            total += (run + 1) as f64;
-            n += 1;
-        }
-    }
-    if n == 0 {
-        0.0
-    } else {
-        total / n as f64
-    }
-}
-
 fn load_variant(
     home: &std::path::Path,
     v: &Variant,
@@ -317,8 +246,8 @@ pub fn run(
         let ppl = perplexity(&d.model, corpus, a.window, a.edge_cpus)?;
         let hits = pairs
             .iter()
-            .map(|(p, w)| crate::load::teacher_forced_hits(&d.model, p, w))
-            .collect::<Result<Vec<_>>>()?;
+            .map(|(p, w)| tandem_quant::eval::teacher_forced_hits(&d.model, p, w))
+            .collect::<Result<Vec<_>, _>>()?;
         // Decode speed on the edge's core, the verifier not yet started: best of two runs.
         let mut speed = 0f64;
         let mut e = Engine::new(
@@ -455,17 +384,6 @@ pub fn table(r: &QuantReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn mean_accepted_counts_runs_up_to_gamma_plus_the_targets_token() {
-        // Blocks of γ 2 start at 0..=3: runs 2 (capped), 1, 0, 2 -> A = 3, 2, 1, 3. The block at
-        // 4 would run into the end of the text and is not counted.
-        let h = vec![vec![true, true, false, true, true]];
-        assert!((mean_accepted(&h, 2) - 9.0 / 4.0).abs() < 1e-12);
-        assert_eq!(mean_accepted(&[vec![false; 4]], 4), 1.0);
-        assert_eq!(mean_accepted(&[vec![true; 3]], 4), 0.0);
-        assert_eq!(mean_accepted(&[], 4), 0.0);
-    }
 
     #[test]
     fn variant_names_say_bits_group_and_skips() {

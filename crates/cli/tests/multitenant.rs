@@ -500,10 +500,6 @@ fn shutdown_drains_open_sessions_and_refuses_new_ones() {
     let p = &prompts(1)[0];
     let rt = rt();
     let mut s = rt.block_on(open_raw(&url, None, p)).unwrap();
-    stop.send(()).unwrap();
-    std::thread::sleep(Duration::from_millis(200));
-    let e = rt.block_on(open_raw(&url, None, p)).err().unwrap();
-    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
     let ch = rt
         .block_on(
             tonic::transport::Endpoint::from_shared(url.clone())
@@ -512,17 +508,30 @@ fn shutdown_drains_open_sessions_and_refuses_new_ones() {
         )
         .unwrap();
     let mut h = tonic_health::pb::health_client::HealthClient::new(ch);
-    let status = rt
-        .block_on(h.check(tonic_health::pb::HealthCheckRequest {
+    let mut health = || {
+        rt.block_on(h.check(tonic_health::pb::HealthCheckRequest {
             service: String::new(),
         }))
         .unwrap()
         .into_inner()
-        .status;
-    assert_eq!(
-        status,
-        tonic_health::pb::health_check_response::ServingStatus::NotServing as i32
-    );
+        .status
+    };
+    let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+    let not_serving = tonic_health::pb::health_check_response::ServingStatus::NotServing as i32;
+    assert_eq!(health(), serving);
+    stop.send(()).unwrap();
+    // The drain has begun once health says so (the service stops admitting before it does).
+    let mut status = health();
+    for _ in 0..200 {
+        if status == not_serving {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+        status = health();
+    }
+    assert_eq!(status, not_serving);
+    let e = rt.block_on(open_raw(&url, None, p)).err().unwrap();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
     // The open session still verifies (a block that drafts the first token is accepted).
     s.draft(Draft {
         epoch: 0,

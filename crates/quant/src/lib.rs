@@ -12,6 +12,8 @@
 //! The embedding (tied to the output head) has its own precision, Q8_0 by default; norm vectors stay
 //! f32. Activations are never quantized: that is what the `A16` means.
 
+pub mod eval;
+
 use std::collections::BTreeMap;
 use std::io::{BufWriter, Seek, Write};
 

@@ -105,3 +105,118 @@ proptest! {
         prop_assert_eq!(s.pool().num_free(), num_blocks);
     }
 }
+
+#[derive(Debug, Clone)]
+enum TimedOp {
+    Op(Op),
+    /// The shell's clock moves on.
+    Advance {
+        ms: u64,
+    },
+}
+
+fn timed_op() -> impl Strategy<Value = TimedOp> {
+    prop_oneof![
+        6 => op().prop_map(TimedOp::Op),
+        2 => (0u64..400).prop_map(|ms| TimedOp::Advance { ms }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    /// With the clock moving: a tenant's rate quota bounds what is computed for it (one second of
+    /// burst, at most one plan's overdraft), idle sessions are evicted and recomputed without
+    /// losing a known token, and the budget, pool and tables hold as before.
+    #[test]
+    fn rate_quotas_and_idle_eviction_hold_as_the_clock_moves(
+        budget in 8usize..40,
+        block_size in 1usize..9,
+        num_blocks in 4usize..40,
+        rate in 20.0f64..300.0,
+        idle_evict_ms in 1u64..600,
+        ops in proptest::collection::vec(timed_op(), 1..160),
+    ) {
+        let cfg = SchedConfig {
+            idle_evict_ms,
+            ..SchedConfig::new(budget, block_size, num_blocks)
+        };
+        let mut s = Scheduler::new(cfg).unwrap();
+        s.set_tenant(1, TenantConfig { tokens_per_s: Some(rate), ..TenantConfig::weight(1.0) }).unwrap();
+        s.set_tenant(2, TenantConfig::weight(2.0)).unwrap();
+        s.set_tenant(3, TenantConfig::weight(1.0)).unwrap();
+        let (mut now, mut rated) = (0u64, 0usize);
+        let mut open: Vec<u64> = Vec::new();
+        let mut tenant_of: BTreeMap<u64, u32> = BTreeMap::new();
+        let mut known: BTreeMap<u64, usize> = BTreeMap::new();
+        let mut next_id = 0u64;
+        for o in ops {
+            match o {
+                TimedOp::Advance { ms } => now += ms,
+                TimedOp::Op(Op::Open { tenant, prompt }) => {
+                    if s.open(next_id, tenant, prompt).is_ok() {
+                        open.push(next_id);
+                        known.insert(next_id, prompt);
+                        tenant_of.insert(next_id, tenant);
+                    }
+                    next_id += 1;
+                }
+                TimedOp::Op(Op::Verify { session, len }) => {
+                    if let Some(&id) = open.get(session) {
+                        let _ = s.enqueue_verify(id, len.min(budget));
+                    }
+                }
+                TimedOp::Op(Op::Close { session }) => {
+                    if session < open.len() {
+                        let id = open.remove(session);
+                        s.close(id);
+                        known.remove(&id);
+                    }
+                }
+                TimedOp::Op(Op::Step { reject }) => {
+                    let p = s.schedule(now);
+                    prop_assert!(p.tokens() <= budget);
+                    prop_assert!(s.pool().conserved());
+                    for c in &p.chunks {
+                        prop_assert!(c.blocks.len() * block_size >= c.start + c.len);
+                        if c.kind == WorkKind::Prefill {
+                            prop_assert!(c.start + c.len <= known[&c.session]);
+                        } else {
+                            prop_assert_eq!(c.start, known[&c.session]);
+                        }
+                        if tenant_of[&c.session] == 1 {
+                            rated += c.len;
+                        }
+                    }
+                    let burst = rate.max(budget as f64);
+                    let allowed = burst + rate * now as f64 / 1000.0 + budget as f64;
+                    prop_assert!(
+                        rated as f64 <= allowed,
+                        "{rated} positions for a tenant of {rate}/s by {now} ms (at most {allowed})"
+                    );
+                    let kv: Vec<(u64, usize)> = p
+                        .chunks
+                        .iter()
+                        .filter(|c| c.kind == WorkKind::Verify)
+                        .enumerate()
+                        .map(|(i, c)| {
+                            let r = reject.get(i).copied().unwrap_or(0).min(c.len - 1);
+                            (c.session, c.start + c.len - r)
+                        })
+                        .collect();
+                    s.update(&p, &kv);
+                    for &(id, k) in &kv {
+                        known.insert(id, k);
+                    }
+                    prop_assert!(s.pool().conserved());
+                    for &id in &open {
+                        prop_assert!(s.pool().held(id) <= s.pool().blocks_for(known[&id]));
+                    }
+                }
+            }
+        }
+        for id in open {
+            s.close(id);
+        }
+        prop_assert_eq!(s.pool().num_free(), num_blocks);
+    }
+}

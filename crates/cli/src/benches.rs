@@ -1,0 +1,566 @@
+//! `tandem bench engine|latency|load|paper|quant`: the flags of each benchmark and how it is run.
+
+use super::*;
+
+#[derive(Subcommand)]
+pub(crate) enum BenchCmd {
+    /// Decode speed, verify-chunk latency and batch throughput of the target and the draft.
+    Engine(EngineBenchArgs),
+    /// TTFT / ITL / α / E[A] of edge-only, cloud-only, sync and async over emulated round trips,
+    /// with the verifier in its own process on its own cores; the analytic model beside each.
+    Latency(LatencyBenchArgs),
+    /// One verifier, many edges: N synthetic edges (right with probability α, D ms per token)
+    /// speaking the real protocol over an emulated link, beside N cloud-only clients; throughput,
+    /// ITL, batch size and queue time per N and α, and the target's roofline.
+    Load(LoadBenchArgs),
+    /// The paper's comparison in one go: edge-only, cloud-only, sync and async over RTTs with real
+    /// edges, the verifier under 1-64 sessions, the simulator and the model beside every
+    /// measurement; writes results.json, results.md and PNG plots, and checks them.
+    Paper(PaperBenchArgs),
+    /// The drafts one could make from the target (W4A16 g32/64/128, W8A16, W3A16, W2A16, W4A4,
+    /// W8A8, a layer-skipping draft): size, perplexity on a shipped English corpus, α and E[A]
+    /// against the target, decode speed, and async ITL end to end.
+    Quant(QuantBenchArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct QuantBenchArgs {
+    /// A minute or two (CI): three drafts that need no new quantization, 256 corpus tokens, short
+    /// outputs.
+    #[arg(long)]
+    quick: bool,
+    /// Corpus tokens scored for perplexity (default 4096; quick 256), in windows of --window.
+    #[arg(long)]
+    ppl_tokens: Option<usize>,
+    #[arg(long, default_value_t = 512)]
+    window: usize,
+    /// Tokens of the target's continuation per prompt for α and E[A] (default 64; quick 16).
+    #[arg(long)]
+    alpha_tokens: Option<usize>,
+    /// γ at which E[A] is reported.
+    #[arg(long, default_value_t = 4)]
+    gamma: usize,
+    /// Round trip of the end-to-end run, ms.
+    #[arg(long, default_value_t = 50.0)]
+    rtt_ms: f64,
+    /// Tokens per prompt of the end-to-end run (default 32; quick 8).
+    #[arg(long)]
+    e2e_tokens: Option<usize>,
+    /// Skip the end-to-end run (no verifier process).
+    #[arg(long)]
+    no_e2e: bool,
+    /// Layers the layer-skipping draft leaves out (default: 14 to 19).
+    #[arg(long, value_delimiter = ',')]
+    skip_layers: Option<Vec<usize>>,
+    /// Only these drafts (names as in the table, e.g. w4a16-g32,w4a4-g32).
+    #[arg(long, value_delimiter = ',')]
+    drafts: Option<Vec<String>>,
+    #[command(flatten)]
+    cores: Cores,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+#[derive(Args)]
+pub(crate) struct PaperBenchArgs {
+    /// A few minutes (CI's smoke test): RTT 0 and 50, 1 and 4 sessions, the 4-bit draft, short
+    /// outputs and windows. Without it the full run takes about 18 minutes on 2 cores.
+    #[arg(long)]
+    quick: bool,
+    /// Folder for results.json, results.md and the plots.
+    #[arg(long, default_value = "bench-paper")]
+    out: PathBuf,
+    /// Round trips of the one-session sweep, ms (default 0,20,50,100,200; quick: 0,50).
+    #[arg(long, value_delimiter = ',')]
+    rtts: Option<Vec<f64>>,
+    /// Session counts of the load sweep (default 1,4,16,64; quick: 1,4).
+    #[arg(long, value_delimiter = ',')]
+    sessions: Option<Vec<usize>>,
+    /// Round trips at which the load sweep is measured (the simulator covers every --rtts too).
+    #[arg(long, value_delimiter = ',', default_value = "50")]
+    load_rtts: Vec<f64>,
+    /// Draft schemes (groups of 32) (default w4a16,w8a16; quick: w4a16). The first one's α and
+    /// speed drive the synthetic edges of the load sweep.
+    #[arg(long, value_delimiter = ',')]
+    drafts: Option<Vec<Scheme>>,
+    /// Jitter per direction, as a percentage of the RTT.
+    #[arg(long, default_value_t = 10.0)]
+    jitter_pct: f64,
+    /// Tokens per prompt and per session (default 48; quick: 16).
+    #[arg(long)]
+    tokens: Option<usize>,
+    /// Seconds measured per load row, after the warm-up (default 30 and 20; quick: 6 and 2).
+    #[arg(long)]
+    duration: Option<f64>,
+    #[arg(long)]
+    warmup: Option<f64>,
+    #[command(flatten)]
+    cores: Cores,
+    #[command(flatten)]
+    peer: PeerArgs,
+    /// Print results.json instead of results.md.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub(crate) struct LoadBenchArgs {
+    /// Concurrent sessions (users), one row each.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+    sessions: Vec<usize>,
+    /// Acceptance rates of the synthetic drafts.
+    #[arg(long, value_delimiter = ',', default_value = "0.6,0.8,0.95")]
+    alpha: Vec<f64>,
+    #[arg(long, default_value_t = 50.0)]
+    rtt_ms: f64,
+    /// Jitter per direction, as a percentage of the RTT.
+    #[arg(long, default_value_t = 10.0)]
+    jitter_pct: f64,
+    /// Time a synthetic draft takes per token.
+    #[arg(long, default_value_t = 20.0)]
+    draft_ms: f64,
+    /// Seconds measured per row, after --warmup seconds of load that are not measured.
+    #[arg(long, default_value_t = 20.0)]
+    duration: f64,
+    #[arg(long, default_value_t = 10.0)]
+    warmup: f64,
+    /// γ and depth each edge asks for (the verifier's load-aware grant may give less); several
+    /// depths give a row each (1: synchronous speculation).
+    #[arg(long, default_value_t = 4)]
+    gamma: usize,
+    #[arg(long, value_delimiter = ',', default_value = "2")]
+    depth: Vec<usize>,
+    /// Tokens per session.
+    #[arg(long, default_value_t = 48)]
+    max_new: usize,
+    /// The verifier's token budget per forward.
+    #[arg(long, default_value_t = tandem_verifier::VerifierConfig::default().token_budget)]
+    token_budget: usize,
+    /// Grants shrink as tokens per forward near this (default: twice the measured ridge).
+    #[arg(long)]
+    saturation_tokens: Option<f64>,
+    /// The verifier's KV cache in MiB (large enough by default that 64 sessions run without
+    /// preemption: the sweep measures compute, not memory pressure).
+    #[arg(long, default_value_t = 2048)]
+    kv_budget_mb: usize,
+    /// Skip the cloud-only baseline.
+    #[arg(long)]
+    no_cloud_only: bool,
+    /// Chat prompts (repeat the flag for several).
+    #[arg(long = "prompt")]
+    prompts: Vec<String>,
+    #[command(flatten)]
+    cores: Cores,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+#[derive(Args)]
+pub(crate) struct LatencyBenchArgs {
+    /// Round trips to emulate, ms.
+    #[arg(long, value_delimiter = ',', default_value = "0,20,50,100,200")]
+    rtts: Vec<f64>,
+    /// Jitter per direction, as a percentage of the RTT.
+    #[arg(long, default_value_t = 10.0)]
+    jitter_pct: f64,
+    /// Tokens generated per prompt.
+    #[arg(long, default_value_t = 48)]
+    tokens: usize,
+    /// Chat prompts (repeat the flag for several).
+    #[arg(long = "prompt")]
+    prompts: Vec<String>,
+    /// γ values of the synchronous sweep.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
+    sync_gammas: Vec<usize>,
+    #[arg(long, default_value_t = 8)]
+    max_gamma: usize,
+    #[arg(long, default_value_t = 4)]
+    max_depth: usize,
+    /// Drafts: quantization schemes of the target (w4a16, w8a16, w3a16, w2a16), groups of 32.
+    #[arg(long, value_delimiter = ',', default_value = "w4a16,w8a16")]
+    drafts: Vec<Scheme>,
+    #[command(flatten)]
+    cores: Cores,
+    #[command(flatten)]
+    peer: PeerArgs,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+#[derive(Args)]
+pub(crate) struct EngineBenchArgs {
+    /// Thread counts to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    threads: Vec<usize>,
+    #[arg(long, default_value_t = 48)]
+    decode_tokens: usize,
+    #[arg(long, value_delimiter = ',', default_value = "1,2,5,8,16")]
+    chunks: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
+    batch: Vec<usize>,
+    /// Repetitions per measurement (the best is kept).
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    #[command(flatten)]
+    peer: PeerArgs,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+pub(crate) fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
+    let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
+    let draft = models::load(home, &ModelSpec::Draft, None, a.report.json)?;
+    let peer = a.peer.find();
+    let target_f32 = peer
+        .as_ref()
+        .map(|_| models::ensure_f32_copy(home))
+        .transpose()?;
+    let (peer_python, peer_script) = peer.unzip();
+    let args = BenchArgs {
+        threads: a.threads.clone(),
+        decode_tokens: a.decode_tokens,
+        chunks: a.chunks.clone(),
+        batch_sizes: a.batch.clone(),
+        repeats: a.repeats.max(1),
+        peer_python,
+        peer_script,
+    };
+    let w4a8 = models::load(home, &ModelSpec::Draft, Some(WeightMode::W4A8), true)?;
+    let r = bench::run(
+        (&target.model, &target.path),
+        (&draft.model, &draft.path),
+        Some(&w4a8.model),
+        target_f32.as_deref(),
+        &args,
+    )?;
+    let first = &r.runs[0];
+    let v = serde_json::json!({
+        "threads": first.threads,
+        "kernels": first.kernels,
+        "draft_path": draft.path,
+        "draft_decode_tok_s": first.draft.decode_tok_s,
+        "target_decode_tok_s": first.target.decode_tok_s,
+        "draft_w4a8_decode_tok_s": first.draft_w4a8.as_ref().map(|m| m.decode_tok_s),
+        "verify_chunk_ms": { "target": first.target.chunk_ms, "draft": first.draft.chunk_ms },
+        "batch_throughput_tok_s": first.target.batch_tok_s,
+        "bandwidth_gbs": r.copy_bandwidth_gbs,
+        "runs": r.runs,
+    });
+    report(&v, a.report.out.as_deref(), a.report.json, |_| {
+        bench::table(&r)
+    })
+}
+
+pub(crate) fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
+    use tandem_bench::load;
+    let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
+    let drafts: Vec<_> = drafts_of(home, &[Scheme::W4A16, Scheme::W8A16], a.report.json)?
+        .into_iter()
+        .map(|d| (d.name, d.model))
+        .collect();
+    let (edge_cpus, cloud_cpus) = a.cores.split();
+    let prompts = if a.prompts.is_empty() {
+        load_prompts()
+    } else {
+        a.prompts.clone()
+    };
+    let args = load::LoadArgs {
+        home: home.to_path_buf(),
+        sessions: a.sessions.clone(),
+        alphas: a.alpha.clone(),
+        rtt_ms: a.rtt_ms,
+        jitter_frac: a.jitter_pct / 100.0,
+        draft_ms: a.draft_ms,
+        duration_s: a.duration,
+        warmup_s: a.warmup,
+        gamma: a.gamma.max(1),
+        depths: a.depth.clone(),
+        max_new: a.max_new,
+        prompts,
+        token_budget: a.token_budget,
+        kv_budget_mb: a.kv_budget_mb,
+        cloud_only: !a.no_cloud_only,
+        edge_cpus,
+        cloud_cpus,
+        saturation_tokens: a.saturation_tokens,
+    };
+    let quiet = a.report.json;
+    let r = load::run(&args, &target.model, &target.tokenizer, &drafts, |row| {
+        if !quiet {
+            eprintln!(
+                "{} N={} α={:?}: {:.1} tok/s, ITL p50 {:.1} p99 {:.1} ms, batch {:.1}, {} sessions, {} wrong",
+                row.mode,
+                row.sessions,
+                row.alpha,
+                row.throughput_tok_s,
+                row.itl_ms.p50,
+                row.itl_ms.p99,
+                row.mean_batch_sessions,
+                row.sessions_run,
+                row.mismatches + row.failures
+            );
+        }
+    })?;
+    report(&r, a.report.out.as_deref(), a.report.json, load::table)
+}
+
+/// The default chat prompts of the load sweep.
+pub(crate) fn load_prompts() -> Vec<String> {
+    [
+        "Write a short story about a lighthouse keeper.",
+        "Explain how a bicycle works, step by step.",
+        "Describe a walk through a forest in autumn.",
+        "Write a letter to a friend about learning to cook.",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// The default chat prompts of the one-session sweep.
+pub(crate) fn latency_prompts() -> Vec<String> {
+    vec![
+        "Write a short story about a robot who learns to paint.".to_string(),
+        "Explain how a bicycle works, step by step.".to_string(),
+    ]
+}
+
+/// The drafts made from the target by these schemes (groups of 32), made on first use.
+pub(crate) fn drafts_of(
+    home: &std::path::Path,
+    schemes: &[Scheme],
+    quiet: bool,
+) -> Result<Vec<tandem_bench::latency::Draft>> {
+    schemes
+        .iter()
+        .map(|scheme| {
+            let cfg = QuantConfig {
+                scheme: *scheme,
+                ..QuantConfig::default()
+            };
+            cfg.validate()?;
+            let path = models::ensure_quantized(home, &cfg, quiet)?;
+            tandem_bench::latency::load_draft(&format!("{}-g32", scheme.name()), &path)
+        })
+        .collect()
+}
+
+pub(crate) fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
+    use tandem_bench::quant_study::{self, QuantStudyArgs};
+    let q = a.quick;
+    let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
+    let (edge_cpus, cloud_cpus) = a.cores.split();
+    let skip_layers = a
+        .skip_layers
+        .clone()
+        .unwrap_or(quant_study::SKIPPED_LAYERS.to_vec());
+    let all = quant_study::variants();
+    let names: Vec<String> = all.iter().map(|v| v.name(skip_layers.len())).collect();
+    if let Some(bad) = a.drafts.iter().flatten().find(|d| !names.contains(d)) {
+        bail!(
+            "--drafts: no draft `{bad}` in the study (there are {})",
+            names.join(", ")
+        );
+    }
+    let variants: Vec<_> = all
+        .into_iter()
+        .zip(&names)
+        .filter(|(v, n)| match &a.drafts {
+            Some(d) => d.contains(n),
+            // Quick: only drafts made from the default W4A16 file.
+            None => !q || (v.scheme == Scheme::W4A16 && v.group == 32),
+        })
+        .map(|(v, _)| v)
+        .collect();
+    let mut e2e_prompts = latency_prompts();
+    let mut alpha_prompts = load_prompts();
+    if q {
+        e2e_prompts.truncate(1);
+        alpha_prompts.truncate(1);
+    }
+    let latency = (!a.no_e2e).then(|| tandem_bench::latency::LatencyArgs {
+        home: home.to_path_buf(),
+        rtts: vec![a.rtt_ms],
+        jitter_frac: 0.1,
+        tokens: a.e2e_tokens.unwrap_or(if q { 8 } else { 32 }),
+        prompts: e2e_prompts,
+        sync_gammas: if q { vec![2] } else { vec![1, 2, 3] },
+        max_gamma: 8,
+        max_depth: 4,
+        edge_cpus,
+        cloud_cpus,
+        peer: None,
+        peer_target: None,
+    });
+    let args = QuantStudyArgs {
+        home: home.to_path_buf(),
+        variants,
+        skip_layers,
+        ppl_tokens: a.ppl_tokens.unwrap_or(if q { 256 } else { 4096 }),
+        window: a.window,
+        alpha_prompts,
+        alpha_tokens: a.alpha_tokens.unwrap_or(if q { 16 } else { 64 }),
+        gamma: a.gamma.max(1),
+        latency,
+        edge_cpus,
+        quiet: a.report.json,
+    };
+    let quiet = a.report.json;
+    let r = quant_study::run(&args, &target.model, &target.tokenizer, |m| {
+        if !quiet {
+            eprintln!("{m}");
+        }
+    })?;
+    report(
+        &r,
+        a.report.out.as_deref(),
+        a.report.json,
+        quant_study::table,
+    )
+}
+
+pub(crate) fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
+    use tandem_bench::{latency, load, paper};
+    let q = a.quick;
+    let target = models::load(home, &ModelSpec::Target, None, a.json)?;
+    let schemes = a.drafts.clone().unwrap_or(if q {
+        vec![Scheme::W4A16]
+    } else {
+        vec![Scheme::W4A16, Scheme::W8A16]
+    });
+    let drafts = drafts_of(home, &schemes, a.json)?;
+    let (edge_cpus, cloud_cpus) = a.cores.split();
+    let peer = if q { None } else { a.peer.find() };
+    let peer_target = peer
+        .as_ref()
+        .map(|_| models::ensure_f32_copy(home))
+        .transpose()?;
+    let tokens = a.tokens.unwrap_or(if q { 16 } else { 48 });
+    let jitter_frac = a.jitter_pct / 100.0;
+    let mut prompts = latency_prompts();
+    if q {
+        prompts.truncate(1);
+    }
+    let lat = latency::LatencyArgs {
+        home: home.to_path_buf(),
+        rtts: a.rtts.clone().unwrap_or(if q {
+            vec![0.0, 50.0]
+        } else {
+            vec![0.0, 20.0, 50.0, 100.0, 200.0]
+        }),
+        jitter_frac,
+        tokens,
+        prompts,
+        sync_gammas: if q { vec![2] } else { vec![1, 2, 3, 4] },
+        max_gamma: 8,
+        max_depth: 4,
+        edge_cpus,
+        cloud_cpus,
+        peer,
+        peer_target,
+    };
+    let ld = load::LoadArgs {
+        home: home.to_path_buf(),
+        sessions: a
+            .sessions
+            .clone()
+            .unwrap_or(if q { vec![1, 4] } else { vec![1, 4, 16, 64] }),
+        alphas: Vec::new(),
+        rtt_ms: 0.0,
+        jitter_frac,
+        draft_ms: 0.0,
+        duration_s: a.duration.unwrap_or(if q { 6.0 } else { 30.0 }),
+        warmup_s: a.warmup.unwrap_or(if q { 2.0 } else { 20.0 }),
+        gamma: 4,
+        depths: if q { vec![2] } else { vec![1, 2] },
+        max_new: tokens,
+        prompts: load_prompts(),
+        token_budget: tandem_verifier::VerifierConfig::default().token_budget,
+        kv_budget_mb: 2048,
+        cloud_only: true,
+        edge_cpus,
+        cloud_cpus,
+        saturation_tokens: None,
+    };
+    let args = paper::PaperArgs {
+        out_dir: a.out.clone(),
+        quick: q,
+        latency: lat,
+        load: ld,
+        load_rtts: a.load_rtts.clone(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+    };
+    let quiet = a.json;
+    let r = paper::run(&args, &target.model, &target.tokenizer, &drafts, |m| {
+        if !quiet {
+            eprintln!("{m}");
+        }
+    })?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        print!("{}", paper::markdown(&r));
+        eprintln!(
+            "wrote results.json, results.md and {} plots into {} ({:.0} s)",
+            r.plots.len(),
+            a.out.display(),
+            r.wall_s
+        );
+    }
+    let failed: Vec<&str> = r
+        .sanity
+        .iter()
+        .filter(|c| !c.ok)
+        .map(|c| c.check.as_str())
+        .collect();
+    if !failed.is_empty() {
+        bail!("sanity checks failed: {}", failed.join("; "));
+    }
+    Ok(())
+}
+
+pub(crate) fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
+    use tandem_bench::latency;
+    let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
+    let drafts = drafts_of(home, &a.drafts, a.report.json)?;
+    let (edge_cpus, cloud_cpus) = a.cores.split();
+    let peer = a.peer.find();
+    let peer_target = peer
+        .as_ref()
+        .map(|_| models::ensure_f32_copy(home))
+        .transpose()?;
+    let prompts = if a.prompts.is_empty() {
+        latency_prompts()
+    } else {
+        a.prompts.clone()
+    };
+    let args = latency::LatencyArgs {
+        home: home.to_path_buf(),
+        rtts: a.rtts.clone(),
+        jitter_frac: a.jitter_pct / 100.0,
+        tokens: a.tokens,
+        prompts,
+        sync_gammas: a.sync_gammas.clone(),
+        max_gamma: a.max_gamma.max(1),
+        max_depth: a.max_depth.max(1),
+        edge_cpus,
+        cloud_cpus,
+        peer,
+        peer_target,
+    };
+    let quiet = a.report.json;
+    let r = latency::run(&args, &target.model, &target.tokenizer, &drafts, |row| {
+        if !quiet {
+            eprintln!(
+                "{} rtt {} {} γ{} d{}: itl {:.1} ms, α {:.2}",
+                row.draft,
+                row.rtt_ms,
+                row.mode,
+                row.gamma,
+                row.depth,
+                row.itl_ms.mean,
+                row.acceptance_rate
+            );
+        }
+    })?;
+    report(&r, a.report.out.as_deref(), a.report.json, latency::table)
+}

@@ -1,0 +1,427 @@
+//! `tandem generate`, `quantize`, `info`'s flags and `demo`: one prompt through one model, or through
+//! every mode side by side.
+
+use super::*;
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Mode {
+    Local,
+    Edge,
+    Cloud,
+    Sync,
+    Async,
+}
+
+#[derive(Args)]
+pub(crate) struct GenerateArgs {
+    /// local: run --model alone; edge: the draft alone; cloud: the target alone; sync / async:
+    /// speculation, the draft here and the target in an in-process verifier behind --rtt-ms.
+    #[arg(long, default_value = "local")]
+    mode: Mode,
+    /// `target` (f32 cloud model), `draft` (W4A16 edge model) or a GGUF path (local mode; the
+    /// draft in sync/async modes).
+    #[arg(long, default_value = "target")]
+    model: ModelSpec,
+    /// Draft tokens per block (γ), sync/async.
+    #[arg(long, default_value_t = 4)]
+    gamma: usize,
+    /// Blocks in flight (async; sync is 1).
+    #[arg(long, default_value_t = 3)]
+    depth: usize,
+    /// Let the policy choose γ and depth from what it measures (α, draft and verify time, round
+    /// trip), starting at --gamma / --depth, within --max-gamma / --max-depth and the cloud's grant.
+    #[arg(long)]
+    auto: bool,
+    #[arg(long, default_value_t = 8)]
+    max_gamma: usize,
+    #[arg(long, default_value_t = 4)]
+    max_depth: usize,
+    /// Emulated network round trip between edge and verifier, ms.
+    #[arg(long, default_value_t = 0.0)]
+    rtt_ms: f64,
+    /// Jitter of the emulated link, ± ms per direction (at most half the RTT).
+    #[arg(long, default_value_t = 0.0)]
+    jitter_ms: f64,
+    /// How the verifier judges sampled drafts: sample-match or rejection (greedy when temperature is 0).
+    #[arg(long, default_value = "sample-match")]
+    verify: VerifyRule,
+    /// Threads of the verifier's engine (sync/async).
+    #[arg(long, default_value_t = 1)]
+    cloud_threads: usize,
+    /// Pin the in-process verifier's threads to these cores (sync/async; --cpus pins the edge's).
+    #[arg(long)]
+    cloud_cpus: Option<CpuSet>,
+    /// A running verifier (`tandem cloud serve`), e.g. http://127.0.0.1:50051: sync and async verify
+    /// there, cloud generates there (the `Generate` RPC). Without it, sync and async start a gRPC
+    /// verifier in this process on a loopback port, and cloud runs the target here. Either way
+    /// --rtt-ms puts an emulated link in front (sync/async).
+    #[arg(long)]
+    cloud: Option<String>,
+    /// The tenant's API key for --cloud (a verifier started with --tenants needs one).
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Weight handling: f32, f16, native (W4A16/W8A16 blocks) or w4a8 (8-bit activations).
+    /// Default: f32 for `target`, native otherwise.
+    #[arg(long)]
+    weights: Option<WeightMode>,
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt in the model's chat template as a user message.
+    #[arg(long)]
+    chat: bool,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// 0 keeps every token.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print one JSON object on one line instead of streaming text.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+#[derive(Args)]
+pub(crate) struct QuantizeArgs {
+    /// w4a16, w8a16, or f32 (no quantization: the target as an f32 GGUF).
+    #[arg(long, default_value = "w4a16")]
+    scheme: Scheme,
+    /// Weights per scale: 32, 64 or 128.
+    #[arg(long, default_value_t = 32)]
+    group_size: usize,
+    /// Embedding / tied output head: q8_0, f16, f32 or q4_0.
+    #[arg(long, default_value = "q8_0")]
+    embedding: EmbedPrecision,
+    /// Output file (default: <home>/models/SmolLM2-135M-Instruct.<scheme>-g<group>.gguf).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub(crate) struct InfoArgs {
+    #[arg(long, default_value = "target")]
+    model: ModelSpec,
+}
+
+#[derive(Args)]
+pub(crate) struct DemoArgs {
+    #[arg(
+        long,
+        default_value = "Explain how a bicycle works in three sentences."
+    )]
+    prompt: String,
+    #[arg(long, default_value_t = 48)]
+    max_tokens: usize,
+    /// Emulated round trip between the edge and the verifier, ms.
+    #[arg(long, default_value_t = 80.0)]
+    rtt_ms: f64,
+    /// Draft tokens per block (the 4-bit draft's α ≈ 0.7 favours short blocks: `bench latency`).
+    #[arg(long, default_value_t = 2)]
+    gamma: usize,
+    #[arg(long, default_value_t = 3)]
+    depth: usize,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+pub(crate) fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
+    let params = SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+    };
+    if let Err(e) = params.validate() {
+        bail!("invalid sampling parameters: {e}");
+    }
+    if a.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let spec = match a.mode {
+        Mode::Local => a.model.clone(),
+        Mode::Edge | Mode::Sync | Mode::Async => {
+            if a.model == ModelSpec::Target {
+                ModelSpec::Draft
+            } else {
+                a.model.clone()
+            }
+        }
+        Mode::Cloud => ModelSpec::Target,
+    };
+    let m = models::load(home, &spec, a.weights, a.json)?;
+    let ids = if a.chat {
+        m.tokenizer.encode_chat(&a.prompt)?
+    } else {
+        m.tokenizer.encode(&a.prompt)?
+    };
+    let mut stdout = std::io::stdout();
+    let mut print = |piece: &str| {
+        if !a.json {
+            let _ = stdout.write_all(piece.as_bytes());
+            let _ = stdout.flush();
+        }
+    };
+    let mut out = if matches!(a.mode, Mode::Sync | Mode::Async) {
+        let target = models::load(home, &ModelSpec::Target, None, a.json)?;
+        if target.tokenizer.fingerprint() != m.tokenizer.fingerprint() {
+            bail!("the draft's tokenizer differs from the target's: they cannot share token ids");
+        }
+        let run = tandem_bench::speculate::SpecRun {
+            target: target.model.clone(),
+            draft: m.model.clone(),
+            tokenizer: &m.tokenizer,
+            cloud: EngineConfig {
+                threads: a.cloud_threads,
+                cpus: a.cloud_cpus.unwrap_or_default(),
+                ..a.engine.config()
+            },
+            edge: EngineConfig {
+                threads: a.engine.threads.unwrap_or(1),
+                ..a.engine.config()
+            },
+            spec: tandem_edge::SpecConfig {
+                draft_len: a.gamma,
+                depth: if a.mode == Mode::Sync { 1 } else { a.depth },
+                max_new_tokens: a.max_tokens,
+                rule: a.verify,
+                params,
+                q_top_k: 32,
+                auto: a.auto.then(|| tandem_spec::edge::AutoShape {
+                    max_draft_len: a.max_gamma.max(1),
+                    max_depth: if a.mode == Mode::Sync {
+                        1
+                    } else {
+                        a.max_depth.max(1)
+                    },
+                    prior: tandem_spec::edge::default_prior(a.rtt_ms),
+                }),
+                granted: None,
+            },
+            rtt_ms: a.rtt_ms,
+            jitter_ms: a.jitter_ms,
+            cloud_url: a.cloud.clone(),
+            api_key: a.api_key.clone(),
+        };
+        tandem_bench::speculate::run(&run, &ids, &mut print)?
+    } else if let (Mode::Cloud, Some(url)) = (a.mode, &a.cloud) {
+        tandem_bench::generate::generate_remote(
+            url,
+            a.api_key.as_deref(),
+            &m.tokenizer,
+            &ids,
+            a.max_tokens,
+            &params,
+            &mut print,
+        )?
+    } else {
+        let mut engine = Engine::new(m.model.clone(), a.engine.config())?;
+        let mut o = generate(
+            &mut engine,
+            &m.tokenizer,
+            &ids,
+            a.max_tokens,
+            &params,
+            &mut print,
+        )?;
+        o.mode = match a.mode {
+            Mode::Edge => "edge",
+            Mode::Cloud => "cloud",
+            _ => "local",
+        };
+        o
+    };
+    if out.model.is_empty() {
+        out.model = m.path.display().to_string();
+    }
+    if a.json {
+        println!("{}", serde_json::to_string(&out)?);
+    } else {
+        println!();
+        eprintln!(
+            "[{} tokens, {}: ttft {:.1} ms, itl mean {:.1} ms p50 {:.1} p99 {:.1}, {:.1} tok/s]",
+            out.output_ids.len(),
+            out.finish_reason,
+            out.ttft_ms,
+            out.itl_ms.mean,
+            out.itl_ms.p50,
+            out.itl_ms.p99,
+            out.tokens_per_s
+        );
+    }
+    Ok(())
+}
+
+pub(crate) fn cmd_quantize(home: &std::path::Path, a: QuantizeArgs) -> Result<()> {
+    let cfg = QuantConfig {
+        scheme: a.scheme,
+        group_size: a.group_size,
+        embedding: a.embedding,
+    };
+    cfg.validate()?;
+    let out = a.out.unwrap_or_else(|| models::quantized_path(home, &cfg));
+    let r = models::quantize_target(home, &cfg, &out, a.json)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!(
+        "wrote {} ({:.1} MB)",
+        out.display(),
+        r.file_bytes as f64 / 1e6
+    );
+    println!(
+        "scheme {} group {}: {:.3} bits/weight (scheme), {:.3} bits/weight (file, linear layers)",
+        cfg.scheme.name(),
+        cfg.group_size,
+        r.scheme_bits_per_weight,
+        r.file_bits_per_weight
+    );
+    println!("| layer | mean relative weight error |\n|---|---|");
+    for (l, e) in r.per_layer() {
+        println!("| {l} | {e:.4} |");
+    }
+    for t in r.tensors.iter().filter(|t| t.layer.is_none()) {
+        println!("| {} ({}) | {:.4} |", t.name, t.format, t.rel_error);
+    }
+    Ok(())
+}
+
+pub(crate) fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
+    let target = models::load(home, &ModelSpec::Target, None, false)?;
+    let draft = models::load(home, &ModelSpec::Draft, None, false)?;
+    let ids = target.tokenizer.encode_chat(&a.prompt)?;
+    let params = SamplingParams::default();
+    println!("user: {}\n", a.prompt);
+    let mut rows = Vec::new();
+    let one = EngineConfig {
+        threads: 1,
+        ..a.engine.config()
+    };
+    // The edge and the verifier each on a core of its own, when there are two.
+    let (edge_cpus, cloud_cpus) = split_cores();
+    let edge = EngineConfig {
+        cpus: edge_cpus,
+        ..one
+    };
+    let cloud = EngineConfig {
+        cpus: cloud_cpus,
+        ..one
+    };
+    // Speculation first, streamed: the draft here, the target behind an emulated link.
+    for (mode, depth) in [("async", a.depth), ("sync", 1)] {
+        let run = tandem_bench::speculate::SpecRun {
+            target: target.model.clone(),
+            draft: draft.model.clone(),
+            tokenizer: &draft.tokenizer,
+            cloud,
+            edge,
+            spec: tandem_edge::SpecConfig {
+                draft_len: a.gamma,
+                depth,
+                max_new_tokens: a.max_tokens,
+                rule: VerifyRule::Greedy,
+                params,
+                q_top_k: 32,
+                auto: None,
+                granted: None,
+            },
+            rtt_ms: a.rtt_ms,
+            jitter_ms: a.rtt_ms / 10.0,
+            cloud_url: None,
+            api_key: None,
+        };
+        let label = format!("assistant ({mode}, {} ms round trip): ", a.rtt_ms);
+        print!("{label}");
+        let mut live = tandem_bench::live::Live::stdout().at_column(label.chars().count());
+        let out = tandem_bench::speculate::run_shown(&run, &ids, true, &mut |s| live.show(s))?;
+        live.finish();
+        println!();
+        if !live.corrections.is_empty() {
+            let list: Vec<String> = live
+                .corrections
+                .iter()
+                .take(8)
+                .map(|(d, t)| format!("{d:?}→{t:?}"))
+                .collect();
+            println!(
+                "  {} corrections by the target (draft→target): {}{}",
+                live.corrections.len(),
+                list.join(", "),
+                if live.corrections.len() > 8 {
+                    ", …"
+                } else {
+                    ""
+                }
+            );
+        }
+        println!();
+        rows.push((mode, out));
+    }
+    for (mode, spec, cfg) in [("cloud-only", &target, cloud), ("edge-only", &draft, edge)] {
+        let mut engine = Engine::new(spec.model.clone(), cfg)?;
+        let mut out = generate(
+            &mut engine,
+            &spec.tokenizer,
+            &ids,
+            a.max_tokens,
+            &params,
+            |_| {},
+        )?;
+        if mode == "cloud-only" {
+            // Every streamed token crosses the link once; the first waits for the request too.
+            out.ttft_ms += a.rtt_ms;
+        }
+        rows.push((mode, out));
+    }
+    let want = rows
+        .iter()
+        .find(|r| r.0 == "cloud-only")
+        .map(|r| r.1.output_ids.clone())
+        .unwrap_or_default();
+    println!("| mode | TTFT ms | ITL mean ms | tokens/s | α | E[A] | same tokens as the target |");
+    println!("|---|---|---|---|---|---|---|");
+    for (mode, o) in &rows {
+        let (alpha, ea) = o.spec.as_ref().map_or(("-".into(), "-".into()), |s| {
+            (
+                format!("{:.2}", s.acceptance_rate),
+                format!("{:.2}", s.mean_accepted),
+            )
+        });
+        println!(
+            "| {mode} | {:.0} | {:.1} | {:.1} | {alpha} | {ea} | {} |",
+            o.ttft_ms,
+            o.itl_ms.mean,
+            o.tokens_per_s,
+            if o.output_ids == want { "yes" } else { "no" }
+        );
+    }
+    println!(
+        "\n(one thread each for the edge (cpus {}) and the verifier (cpus {}); cloud-only includes one round trip in its TTFT)",
+        if edge_cpus.is_empty() { "any".into() } else { edge_cpus.to_string() },
+        if cloud_cpus.is_empty() { "any".into() } else { cloud_cpus.to_string() },
+    );
+    Ok(())
+}
+
+pub(crate) fn cmd_info(home: &std::path::Path, a: InfoArgs) -> Result<()> {
+    let m = models::load(home, &a.model, None, false)?;
+    let info = serde_json::json!({
+        "path": m.path,
+        "config": m.model.cfg,
+        "weights": m.model.format(),
+        "bytes_per_token": m.model.bytes_per_token(),
+        "tokenizer_fingerprint": m.tokenizer.fingerprint(),
+    });
+    println!("{}", serde_json::to_string_pretty(&info)?);
+    Ok(())
+}

@@ -1,0 +1,250 @@
+//! `tandem cloud serve` (the verifier process, with graceful drain) and `tandem netem`.
+
+use super::*;
+
+#[derive(Args)]
+pub(crate) struct NetemArgs {
+    #[arg(long)]
+    listen: String,
+    #[arg(long)]
+    upstream: String,
+    #[arg(long, default_value_t = 0.0)]
+    rtt_ms: f64,
+    #[arg(long, default_value_t = 0.0)]
+    jitter_ms: f64,
+    /// 0 is unlimited.
+    #[arg(long, default_value_t = 0.0)]
+    bandwidth_kbit: f64,
+    #[arg(long, default_value_t = 0.0)]
+    loss_pct: f64,
+}
+
+#[derive(Subcommand)]
+pub(crate) enum CloudCmd {
+    /// Serve the target as a tandem.v1 gRPC verifier.
+    Serve(ServeArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    listen: String,
+    /// Serve Prometheus metrics on `GET /metrics` at this address too.
+    #[arg(long)]
+    metrics_listen: Option<String>,
+    /// Largest draft length (γ) granted to a session.
+    #[arg(long, default_value_t = 8)]
+    max_draft_len: u32,
+    /// Largest number of blocks in flight granted to a session.
+    #[arg(long, default_value_t = 4)]
+    max_depth: u32,
+    /// Tokens per forward at which the target is saturated: grants shrink (γ halves, depth drops
+    /// by one per step, then γ 0: the verifier decodes the sessions itself) as the mean load
+    /// nears it, and grow back below half; open sessions learn the new grant with their next
+    /// verdict. Default: twice the ridge of the target's forward cost.
+    #[arg(long)]
+    saturation_tokens: Option<f64>,
+    /// The target's forward cost as `ONE_TOKEN_MS,MS_PER_TOKEN` (a forward takes the larger of
+    /// the one-token time and MS_PER_TOKEN per token). Default: measured at start-up (a few
+    /// seconds). With it, a session whose speculation commits slower than cloud decoding would at
+    /// the current load is taken over by the verifier on its own.
+    #[arg(long, value_parser = parse_forward_cost)]
+    forward_cost: Option<tandem_sched::ForwardCost>,
+    /// Keep every session at the γ and depth it asked for (within --max-draft-len and
+    /// --max-depth): no load-aware grants, no takeovers. For measuring speculation as such.
+    #[arg(long)]
+    fixed_grants: bool,
+    /// Tenants and their API keys (TOML: [[tenant]] name, keys, weight, max_sessions,
+    /// max_kv_blocks, tokens_per_s). Every RPC must then carry `authorization: Bearer <key>`.
+    #[arg(long)]
+    tenants: Option<std::path::PathBuf>,
+    /// Serve without API keys (one tenant, `default`): only on a loopback address.
+    #[arg(long)]
+    no_auth: bool,
+    /// Tokens one forward may compute, all sessions together (verify blocks first, then chunks
+    /// of prompt prefill).
+    #[arg(long, default_value_t = tandem_verifier::VerifierConfig::default().token_budget)]
+    token_budget: usize,
+    /// Admission: open sessions beyond which new ones are refused (RESOURCE_EXHAUSTED).
+    #[arg(long, default_value_t = tandem_verifier::VerifierConfig::default().max_sessions)]
+    max_sessions: usize,
+    /// Admission: prompt tokens waiting for prefill beyond which new sessions are refused.
+    #[arg(long, default_value_t = tandem_verifier::VerifierConfig::default().max_waiting_tokens)]
+    max_waiting_tokens: usize,
+    /// On ctrl-c or SIGTERM, let open sessions finish for up to this many seconds.
+    #[arg(long, default_value_t = 30.0)]
+    drain_timeout_s: f64,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
+    let addr: std::net::SocketAddr = a
+        .listen
+        .parse()
+        .with_context(|| format!("--listen {}: not an address (ip:port)", a.listen))?;
+    let tenants = match (&a.tenants, a.no_auth) {
+        (Some(_), true) => bail!("--tenants and --no-auth exclude each other"),
+        (Some(path), false) => tandem_cloud::tenants::Tenants::load(path)?,
+        (None, true) if addr.ip().is_loopback() => tandem_cloud::tenants::Tenants::open(),
+        (None, true) => bail!(
+            "--no-auth is allowed only on a loopback address, not {addr}: give --tenants FILE"
+        ),
+        (None, false) => bail!(
+            "the verifier needs API keys: give --tenants FILE, or --no-auth on a loopback address"
+        ),
+    };
+    if let Some(x) = a
+        .saturation_tokens
+        .filter(|x| !(x.is_finite() && *x >= 1.0))
+    {
+        bail!("--saturation-tokens must be at least 1, got {x}");
+    }
+    if !(a.drain_timeout_s.is_finite() && a.drain_timeout_s >= 0.0) {
+        bail!(
+            "--drain-timeout-s must be 0 or more, got {}",
+            a.drain_timeout_s
+        );
+    }
+    if a.token_budget <= a.max_draft_len as usize {
+        bail!(
+            "--token-budget {} must exceed --max-draft-len {} (a block and its correction go in one forward)",
+            a.token_budget,
+            a.max_draft_len
+        );
+    }
+    let m = models::load(home, &ModelSpec::Target, None, false)?;
+    let mut engine = Engine::new(m.model.clone(), a.engine.config())?;
+    let cost = match a.forward_cost {
+        Some(c) => c,
+        None => {
+            tandem_cloud::measure_forward_cost(&mut engine, &tandem_cloud::CALIBRATION_SIZES, 3)?.1
+        }
+    };
+    eprintln!(
+        "target forward: {:.1} ms for one token, {:.2} ms per token past the ridge (≈ {:.1} tokens)",
+        cost.one_token_ms,
+        cost.ms_per_token,
+        cost.ridge_tokens()
+    );
+    let name = m
+        .path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let info = tandem_cloud::grpc::ServiceInfo {
+        saturation_tokens: a
+            .saturation_tokens
+            .unwrap_or(2.0 * cost.ridge_tokens().max(1.0)),
+        forward_cost: Some(cost),
+        adapt: !a.fixed_grants,
+        ..tandem_cloud::grpc::ServiceInfo::new(
+            &name,
+            &m.model,
+            &m.tokenizer,
+            a.max_draft_len,
+            a.max_depth,
+        )
+    };
+    let cfg = tandem_verifier::VerifierConfig {
+        token_budget: a.token_budget,
+        max_sessions: a.max_sessions,
+        max_waiting_tokens: a.max_waiting_tokens,
+    };
+    let auth = tenants.auth_required();
+    let (service, batcher) = tandem_cloud::grpc::start(engine, cfg, info, tenants)?;
+    let rt = tandem_bench::runtime()?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("--listen {addr}: cannot bind"))?;
+        if let Some(addr) = &a.metrics_listen {
+            let ml = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("--metrics-listen {addr}: cannot bind"))?;
+            eprintln!("metrics on http://{}/metrics", ml.local_addr()?);
+            let g = service.gauges();
+            tokio::spawn(async move {
+                if let Err(e) =
+                    tandem_cloud::metrics::serve_metrics(ml, g, std::future::pending()).await
+                {
+                    eprintln!("metrics server stopped: {e}");
+                }
+            });
+        }
+        eprintln!(
+            "tandem verifier listening on {} ({})",
+            listener.local_addr()?,
+            if auth { "API keys required" } else { "no auth" }
+        );
+        let drain = std::time::Duration::from_secs_f64(a.drain_timeout_s);
+        let shutdown = async move {
+            shutdown_signal().await;
+            eprintln!("draining (up to {:.0} s)", drain.as_secs_f64());
+        };
+        tandem_cloud::grpc::serve_grpc(service, listener, shutdown, drain).await?;
+        anyhow::Ok(())
+    })?;
+    rt.shutdown_timeout(std::time::Duration::from_secs(2));
+    let _ = batcher.join();
+    eprintln!("stopped");
+    Ok(())
+}
+
+/// Ctrl-c or SIGTERM.
+pub(crate) async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
+
+pub(crate) fn cmd_netem(a: NetemArgs) -> Result<()> {
+    let cfg = tandem_bench::netem::NetemConfig {
+        rtt_ms: a.rtt_ms,
+        jitter_ms: a.jitter_ms,
+        bandwidth_kbit: a.bandwidth_kbit,
+        loss_pct: a.loss_pct,
+        seed: 1,
+    };
+    cfg.validate()
+        .map_err(|e| anyhow::anyhow!("invalid netem setting: {e}"))?;
+    let upstream: std::net::SocketAddr = a.upstream.parse().with_context(|| {
+        format!(
+            "--upstream {}: not an address like 127.0.0.1:50051",
+            a.upstream
+        )
+    })?;
+    let rt = tandem_bench::runtime()?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&a.listen)
+            .await
+            .with_context(|| format!("--listen {}: cannot bind", a.listen))?;
+        eprintln!(
+            "netem {} -> {upstream}: rtt {} ms ± {} ms",
+            listener.local_addr()?,
+            a.rtt_ms,
+            a.jitter_ms
+        );
+        tokio::select! {
+            r = tandem_bench::netem::proxy(listener, upstream, cfg) => r?,
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        anyhow::Ok(())
+    })
+}

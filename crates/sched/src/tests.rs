@@ -1,0 +1,284 @@
+use super::*;
+
+fn sched(budget: usize, blocks: usize) -> Scheduler {
+    let mut s = Scheduler::new(SchedConfig {
+        max_waiting_tokens: 10_000,
+        ..SchedConfig::new(budget, 4, blocks)
+    })
+    .unwrap();
+    s.set_tenant(1, TenantConfig::weight(1.0)).unwrap();
+    s.set_tenant(2, TenantConfig::weight(3.0)).unwrap();
+    s
+}
+
+#[test]
+fn a_long_prefill_never_delays_a_verify() {
+    let mut s = sched(16, 64);
+    s.open(1, 1, 200).unwrap(); // a long prompt
+    s.open(2, 1, 4).unwrap();
+    // Prefill takes turns: session 2's short prompt is done by the second iteration.
+    for _ in 0..2 {
+        let p = s.schedule(0);
+        s.update(&p, &[]);
+    }
+    assert_eq!(s.sessions[&2].computed, 4);
+    assert!(s.sessions[&1].computed < 200);
+    for _ in 0..5 {
+        s.enqueue_verify(2, 5).unwrap();
+        let p = s.schedule(0);
+        assert_eq!(p.chunks[0].session, 2, "{p:?}");
+        assert_eq!(p.chunks[0].kind, WorkKind::Verify);
+        assert!(p.tokens() <= 16);
+        let kv = p.chunks[0].start + 3; // two positions rejected
+        s.update(&p, &[(2, kv)]);
+    }
+    assert_eq!(s.stats().max_verify_wait, 1);
+    assert!(s.pool().conserved());
+}
+
+#[test]
+fn weights_split_the_budget_under_saturation() {
+    let mut s = sched(12, 1000);
+    for id in 0..6u64 {
+        s.open(id, if id < 3 { 1 } else { 2 }, 4).unwrap();
+    }
+    for _ in 0..400 {
+        for id in 0..6u64 {
+            if s.sessions[&id].verifies.is_empty() {
+                s.enqueue_verify(id, 4).unwrap();
+            }
+        }
+        let p = s.schedule(0);
+        let kv: Vec<_> = p
+            .chunks
+            .iter()
+            .map(|c| (c.session, c.start + 1)) // everything but one position rejected
+            .collect();
+        s.update(&p, &kv);
+    }
+    let (a, b) = (s.tenant_positions(1) as f64, s.tenant_positions(2) as f64);
+    let share = b / (a + b);
+    assert!((share - 0.75).abs() < 0.075, "{a} vs {b}");
+}
+
+#[test]
+fn a_full_pool_preempts_the_least_recently_active_session() {
+    // 4 blocks of 4 tokens: two sessions of 8 tokens fill it.
+    let mut s = sched(32, 4);
+    s.open(1, 1, 8).unwrap();
+    s.open(2, 1, 8).unwrap();
+    let p = s.schedule(0);
+    s.update(&p, &[]);
+    assert_eq!(s.pool().num_free(), 0);
+    s.enqueue_verify(2, 4).unwrap();
+    let p = s.schedule(0);
+    assert_eq!(p.preempted, vec![1]);
+    assert_eq!(p.chunks.len(), 1);
+    s.update(&p, &[(2, 12)]);
+    // Idle, session 1 costs nothing; once its edge sends a block it recomputes its 8 known
+    // tokens (there is room again), then verifies.
+    s.close(2);
+    assert!(!s.has_work());
+    s.enqueue_verify(1, 2).unwrap();
+    let p = s.schedule(0);
+    assert_eq!(
+        (p.chunks[0].session, p.chunks[0].start, p.chunks[0].len),
+        (1, 0, 8)
+    );
+    assert_eq!(p.chunks[0].kind, WorkKind::Prefill);
+    s.update(&p, &[]);
+    assert_eq!(s.sessions[&1].computed, 8);
+    let p = s.schedule(0);
+    assert_eq!((p.chunks[0].kind, p.chunks[0].start), (WorkKind::Verify, 8));
+    assert!(s.pool().conserved());
+}
+
+#[test]
+fn admission_refuses_a_saturated_verifier_and_enforces_session_quotas() {
+    let mut s = Scheduler::new(SchedConfig {
+        max_sessions: 3,
+        max_waiting_tokens: 20,
+        ..SchedConfig::new(8, 4, 64)
+    })
+    .unwrap();
+    s.set_tenant(1, TenantConfig::weight(1.0)).unwrap();
+    let quota = TenantConfig {
+        max_sessions: Some(1),
+        ..TenantConfig::default()
+    };
+    s.set_tenant(2, quota).unwrap();
+    s.open(1, 1, 16).unwrap();
+    // 16 tokens wait; 8 more would pass 20.
+    let e = s.open(2, 1, 8).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            SchedError::Saturated {
+                retry_iterations: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    s.open(2, 1, 4).unwrap();
+    let p = s.schedule(0);
+    s.update(&p, &[]);
+    s.open(3, 2, 4).unwrap();
+    assert_eq!(
+        s.open(4, 2, 4),
+        Err(SchedError::QuotaExceeded {
+            tenant: 2,
+            what: "sessions",
+            limit: 1
+        })
+    );
+    for _ in 0..4 {
+        let p = s.schedule(0);
+        s.update(&p, &[]);
+    }
+    assert_eq!(s.waiting_tokens(), 0);
+    assert!(matches!(s.open(5, 1, 4), Err(SchedError::Saturated { .. })));
+    assert_eq!(s.stats().refused, 3);
+    s.close(1);
+    s.open(5, 1, 4).unwrap();
+}
+
+#[test]
+fn a_tenant_over_its_kv_quota_preempts_only_its_own_sessions() {
+    let mut s = sched(64, 64);
+    let quota = TenantConfig {
+        max_kv_blocks: Some(3),
+        ..TenantConfig::default()
+    };
+    s.set_tenant(2, quota).unwrap();
+    s.open(1, 1, 4).unwrap(); // tenant 1: one block, the least recently active
+    s.open(2, 2, 4).unwrap();
+    s.open(3, 2, 8).unwrap(); // tenant 2: three blocks, its quota
+    let p = s.schedule(0);
+    s.update(&p, &[]);
+    assert_eq!(s.tenant_blocks(2), 3);
+    s.enqueue_verify(3, 4).unwrap(); // needs a fourth block
+    let p = s.schedule(0);
+    assert_eq!(p.preempted, vec![2], "{p:?}");
+    s.update(&p, &[(3, 12)]);
+    assert_eq!(s.tenant_blocks(2), 3);
+    assert_eq!(s.pool().held(1), 1);
+    // Session 2 cannot come back while session 3 holds the quota.
+    let p = s.schedule(0);
+    assert!(p.chunks.is_empty(), "{p:?}");
+    assert!(s.pool().conserved());
+}
+
+#[test]
+fn a_rate_quota_holds_a_tenant_to_its_tokens_per_second() {
+    let mut s = sched(16, 1000);
+    let quota = TenantConfig {
+        tokens_per_s: Some(100.0),
+        ..TenantConfig::default()
+    };
+    s.set_tenant(2, quota).unwrap();
+    s.open(1, 1, 4).unwrap();
+    s.open(2, 2, 4).unwrap();
+    // Ten simulated seconds, an iteration every 10 ms, both sessions always with a block.
+    for i in 0..1000u64 {
+        for id in [1, 2] {
+            if s.sessions[&id].verifies.is_empty() && s.sessions[&id].computed > 0 {
+                s.enqueue_verify(id, 4).unwrap();
+            }
+        }
+        let p = s.schedule(i * 10);
+        let kv: Vec<_> = p.chunks.iter().map(|c| (c.session, c.start + 1)).collect();
+        s.update(&p, &kv);
+    }
+    // 100/s for 10 s, plus a first burst of one second and one block of overdraft.
+    let limited = s.tenant_positions(2);
+    assert!((990..=100 * 11 + 4).contains(&limited), "{limited}");
+    assert!(s.tenant_positions(1) > 3 * limited);
+}
+
+#[test]
+fn an_idle_session_gives_its_kv_to_a_waiting_prompt() {
+    // 4 blocks of 4 tokens; session 1 takes three and goes quiet.
+    let mut s = sched(32, 4);
+    s.open(1, 1, 12).unwrap();
+    let p = s.schedule(0);
+    s.update(&p, &[]);
+    assert_eq!(s.pool().num_free(), 1);
+    s.open(2, 2, 8).unwrap();
+    // Quiet for less than idle_evict_ms: the new prompt takes the free block and waits.
+    let p = s.schedule(100);
+    assert!(p.preempted.is_empty(), "{p:?}");
+    assert_eq!((p.chunks[0].session, p.chunks[0].len), (2, 4));
+    s.update(&p, &[]);
+    let p = s.schedule(600);
+    assert_eq!(p.preempted, vec![1]);
+    assert_eq!((p.chunks[0].session, p.chunks[0].start), (2, 4));
+    s.update(&p, &[]);
+    // Session 1's edge sends a block: it recomputes when there is room, then verifies.
+    s.enqueue_verify(1, 2).unwrap();
+    s.close(2);
+    let p = s.schedule(0);
+    assert_eq!((p.chunks[0].session, p.chunks[0].len), (1, 12));
+    s.update(&p, &[]);
+    let p = s.schedule(0);
+    assert_eq!(p.chunks[0].kind, WorkKind::Verify);
+    assert!(s.pool().conserved());
+}
+
+#[test]
+fn a_block_that_could_never_fit_is_refused_and_a_failed_forward_computes_nothing() {
+    // 4 blocks of 4 tokens: a session at 14 tokens can take 2 more, never 3.
+    let mut s = sched(32, 4);
+    s.open(1, 1, 14).unwrap();
+    let p = s.schedule(0);
+    assert_eq!((p.chunks[0].start, p.chunks[0].len), (0, 14));
+    // The forward failed: nothing is computed and the same chunk is planned again.
+    s.update(&p, &[(1, 0)]);
+    assert!(s.has_work());
+    let again = s.schedule(0);
+    assert_eq!(again.chunks, p.chunks);
+    s.update(&again, &[]);
+    assert!(matches!(
+        s.enqueue_verify(1, 3),
+        Err(SchedError::CannotFit {
+            tokens: 17,
+            needed: 5,
+            capacity: 4
+        })
+    ));
+    s.enqueue_verify(1, 2).unwrap();
+    // A tenant quota caps it the same way, and a prompt past the quota is refused.
+    let quota = TenantConfig {
+        max_kv_blocks: Some(2),
+        ..TenantConfig::default()
+    };
+    s.set_tenant(2, quota).unwrap();
+    assert!(matches!(
+        s.open(2, 2, 9),
+        Err(SchedError::QuotaExceeded { what, .. }) if what.starts_with("KV blocks")
+    ));
+    s.open(2, 2, 8).unwrap();
+    assert!(matches!(
+        s.enqueue_verify(2, 1),
+        Err(SchedError::CannotFit { .. })
+    ));
+    assert!(s.pool().conserved());
+}
+
+#[test]
+fn refusals_name_the_problem() {
+    let mut s = sched(8, 4);
+    assert_eq!(s.open(1, 9, 4), Err(SchedError::UnknownTenant(9)));
+    s.open(1, 1, 4).unwrap();
+    assert_eq!(s.open(1, 1, 4), Err(SchedError::DuplicateSession(1)));
+    assert!(matches!(
+        s.enqueue_verify(1, 9),
+        Err(SchedError::BlockTooLarge { len: 9, budget: 8 })
+    ));
+    assert_eq!(s.enqueue_verify(7, 1), Err(SchedError::UnknownSession(7)));
+    assert!(matches!(
+        s.open(2, 1, 17),
+        Err(SchedError::PromptTooLarge { .. })
+    ));
+    assert!(s.set_tenant(3, TenantConfig::weight(0.0)).is_err());
+}
