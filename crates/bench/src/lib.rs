@@ -9,8 +9,8 @@
 //!   [`latency`] (`bench latency`: every mode over an emulated link), [`load`] (`bench load`:
 //!   the verifier under many synthetic edges, beside cloud-only), [`paper`] (`bench paper`: the
 //!   paper's evaluation with the simulator and the model beside every row), [`quant_study`]
-//!   (`bench quant`: the drafts one could make from the target), [`plan`] (`tandem plan`: the
-//!   analytic model's report).
+//!   (`bench quant`: the drafts one could make from the target), [`model_report`] (`tandem plan`:
+//!   the analytic model's report).
 //! - What they stand on: [`netem`] (a TCP proxy that emulates a link), [`synthetic`] (edges
 //!   that draft at a set α and speed), [`cloudproc`] (a `tandem cloud serve` process), [`plots`].
 
@@ -20,9 +20,9 @@ pub mod generate;
 pub mod latency;
 pub mod live;
 pub mod load;
+pub mod model_report;
 pub mod netem;
 pub mod paper;
-pub mod plan;
 pub mod plots;
 pub mod quant_study;
 pub mod speculate;

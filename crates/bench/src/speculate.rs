@@ -140,9 +140,8 @@ fn run_grpc(
         .map_err(|_| anyhow!("the gRPC connect thread panicked"))?
         .with_context(|| format!("opening a session on {url}"))?;
     prefilled.context("draft prefill")?;
-    let (granted_len, granted_depth) = (opened.draft_len as usize, opened.depth as usize);
     let spec = SpecConfig {
-        granted: Some((granted_len, granted_depth)),
+        granted: Some(tandem_spec::Shape::new(opened.draft_len, opened.depth)),
         ..r.spec
     };
     let (report, text) = drive(

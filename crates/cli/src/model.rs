@@ -130,12 +130,12 @@ pub(crate) fn cmd_simulate(a: SimulateArgs) -> Result<()> {
     let cost = match (a.forward_cost, &a.engine_json) {
         (Some(c), _) => c,
         (None, Some(p)) => {
-            let roof = tandem_bench::plan::RooflineArgs {
+            let roof = tandem_bench::model_report::RooflineArgs {
                 engine_json: Some(p.clone()),
                 threads: 1,
                 ..Default::default()
             };
-            tandem_bench::plan::roofline(&roof)?.0
+            tandem_bench::model_report::roofline(&roof)?.0
         }
         (None, None) => tandem_sched::ForwardCost {
             one_token_ms: 44.0,
@@ -207,7 +207,7 @@ pub(crate) fn cmd_simulate(a: SimulateArgs) -> Result<()> {
 }
 
 pub(crate) fn cmd_plan(a: PlanArgs) -> Result<()> {
-    let roof = tandem_bench::plan::RooflineArgs {
+    let roof = tandem_bench::model_report::RooflineArgs {
         verify_ms: a.verify_ms,
         verify_ms_per_token: a.verify_ms_per_token,
         bandwidth_gbs: a.bandwidth_gbs,
@@ -217,7 +217,7 @@ pub(crate) fn cmd_plan(a: PlanArgs) -> Result<()> {
         engine_json: a.engine_json,
         threads: a.threads,
     };
-    let q = tandem_bench::plan::PlanQuery {
+    let q = tandem_bench::model_report::PlanQuery {
         alpha: a.alpha,
         draft_ms: a.draft_ms,
         rtt_ms: a.rtt_ms,
@@ -225,7 +225,7 @@ pub(crate) fn cmd_plan(a: PlanArgs) -> Result<()> {
         sessions: a.sessions,
         max_gamma: a.max_gamma,
         max_depth: a.max_depth,
-        workload: tandem_spec::plan::Workload {
+        workload: tandem_spec::capacity::Workload {
             prompt_tokens: a.prompt_tokens,
             new_tokens: if a.tokens == 0 { usize::MAX } else { a.tokens },
             token_budget: if a.token_budget == 0 {
@@ -235,6 +235,6 @@ pub(crate) fn cmd_plan(a: PlanArgs) -> Result<()> {
             },
         },
     };
-    let r = tandem_bench::plan::run(&q, &roof)?;
-    report(&r, None, a.json, tandem_bench::plan::table)
+    let r = tandem_bench::model_report::run(&q, &roof)?;
+    report(&r, None, a.json, tandem_bench::model_report::table)
 }

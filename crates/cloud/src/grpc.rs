@@ -269,8 +269,8 @@ impl VerifierRpc for Service {
                     kind: Some(cloud_message::Kind::Opened(Opened {
                         session_id: session,
                         model: None,
-                        draft_len: grant.0,
-                        depth: grant.1,
+                        draft_len: grant.draft_len,
+                        depth: grant.depth,
                         first_token: first,
                     })),
                 }),
@@ -325,7 +325,7 @@ impl VerifierRpc for Service {
                 eog: self.info.eog.clone(),
                 mode: Mode::Speculate {
                     rule: o.rule,
-                    want: (gamma, depth),
+                    want: tandem_spec::Shape::new(gamma, depth),
                 },
             },
             handle: reply,

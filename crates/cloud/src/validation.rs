@@ -1,6 +1,6 @@
 //! Every message from an edge becomes a valid domain value, or a `tonic::Status` that names the
 //! offending field, before anything reaches the batcher. What needs the session's state (positions,
-//! epochs, block order) is checked by the session itself (`tandem_spec::VerifierSession`) and
+//! epochs, block order) is checked by the session itself (`tandem_spec::CloudSession`) and
 //! refused the same way, without touching any other session.
 
 use tandem_proto::v1::{self, ModelInfo};

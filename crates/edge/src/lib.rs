@@ -60,7 +60,7 @@ pub struct SpecConfig {
     /// The verifier's grant at Open (γ, depth): the shape stays within it, and within each later
     /// grant that verdicts bring as the verifier's load changes. `draft_len`, `depth` and the
     /// auto bounds are what the edge wants; None: no limit.
-    pub granted: Option<(usize, usize)>,
+    pub granted: Option<tandem_spec::Shape>,
 }
 
 impl SpecConfig {
@@ -168,10 +168,11 @@ pub fn run_with(
         }
         Ok(())
     };
-    let tail = |es: &EdgeSession| {
+    // The speculative tail as it stands: drafted, not yet verified.
+    fn tail(es: &EdgeSession) -> &[u32] {
         let p = es.pipeline();
-        p.tokens()[p.committed_len()..].to_vec()
-    };
+        &p.tokens()[p.committed_len()..]
+    }
     let mut fresh = Vec::new();
     apply(first_out, draft, link, &mut commit_ms, &mut fresh)?;
     show(&mut on_update, &mut fresh, &[], None);
@@ -195,7 +196,7 @@ pub fn run_with(
             for m in arrived {
                 let r = es.on_message(now(), m)?;
                 apply(r.outputs, draft, link, &mut commit_ms, &mut fresh)?;
-                show(&mut on_update, &mut fresh, &tail(&es), r.correction);
+                show(&mut on_update, &mut fresh, tail(&es), r.correction);
             }
             match es.next() {
                 Next::Done => return Ok(true),
@@ -212,7 +213,7 @@ pub fn run_with(
                     forward_ms += ms;
                     let outs = es.on_drafted(now(), t, q, ms, prefill);
                     apply(outs, draft, link, &mut commit_ms, &mut fresh)?;
-                    show(&mut on_update, &mut fresh, &tail(&es), None);
+                    show(&mut on_update, &mut fresh, tail(&es), None);
                 }
             }
             Ok(false)

@@ -62,7 +62,7 @@ impl Local {
                 } => {
                     self.decoded += 1;
                     if handback {
-                        decoded.resume = Some((3, 2));
+                        decoded.resume = Some(tandem_spec::Shape::new(3, 2));
                         self.handed_back = true;
                     }
                     self.inbox.push_back(Incoming::Decoded(decoded));

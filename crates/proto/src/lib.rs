@@ -9,7 +9,7 @@ pub mod v1 {
 pub const PROTOCOL_VERSION: u32 = 1;
 
 use tandem_spec::sampling::SamplingParams;
-use tandem_spec::{Block, Decoded, Verdict, VerifyRule};
+use tandem_spec::{Block, Decoded, Shape, Verdict, VerifyRule};
 
 /// A field-named reason why a message is not valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -150,8 +150,8 @@ impl From<Verdict> for v1::Verdict {
             accepted: v.accepted as u32,
             token: v.token,
             verify_us: v.verify_us,
-            grant_draft_len: v.grant.map_or(0, |g| g.0),
-            grant_depth: v.grant.map_or(0, |g| g.1),
+            grant_draft_len: v.grant.map_or(0, |g| g.draft_len),
+            grant_depth: v.grant.map_or(0, |g| g.depth),
         }
     }
 }
@@ -165,7 +165,7 @@ impl From<v1::Verdict> for Verdict {
             token: v.token,
             verify_us: v.verify_us,
             grant: (v.grant_draft_len > 0 && v.grant_depth > 0)
-                .then_some((v.grant_draft_len, v.grant_depth)),
+                .then_some(Shape::new(v.grant_draft_len, v.grant_depth)),
         }
     }
 }
@@ -176,8 +176,8 @@ impl From<Decoded> for v1::Decoded {
             epoch: d.epoch,
             position: d.pos as u64,
             token: d.token,
-            resume_draft_len: d.resume.map_or(0, |r| r.0),
-            resume_depth: d.resume.map_or(0, |r| r.1),
+            resume_draft_len: d.resume.map_or(0, |r| r.draft_len),
+            resume_depth: d.resume.map_or(0, |r| r.depth),
         }
     }
 }
@@ -188,7 +188,8 @@ impl From<v1::Decoded> for Decoded {
             epoch: d.epoch,
             pos: d.position as usize,
             token: d.token,
-            resume: (d.resume_draft_len > 0).then_some((d.resume_draft_len, d.resume_depth.max(1))),
+            resume: (d.resume_draft_len > 0)
+                .then_some(Shape::new(d.resume_draft_len, d.resume_depth.max(1))),
         }
     }
 }

@@ -4,6 +4,8 @@
 
 use serde::Serialize;
 
+use tandem_spec::Shape;
+
 use crate::pace::ForwardCost;
 
 /// [`GrantPolicy::grant_by_model`] changes level only for this gain in predicted rate.
@@ -79,18 +81,18 @@ impl GrantPolicy {
 
     /// The grant at the current level: each level halves γ and takes one block of depth away;
     /// γ 0 (with `cloud_decode`) means the verifier decodes the session itself.
-    pub fn current(&self) -> (u32, u32) {
+    pub fn current(&self) -> Shape {
         self.at(self.level)
     }
 
     /// The grant at `level` (see [`GrantPolicy::current`]).
-    fn at(&self, level: u32) -> (u32, u32) {
+    fn at(&self, level: u32) -> Shape {
         if level > self.speculative_levels() {
-            return (0, 1);
+            return Shape::new(0, 1);
         }
         let g = (self.max_draft_len >> level.min(31)).max(1);
         let d = self.max_depth.saturating_sub(level).max(1);
-        (g, d)
+        Shape::new(g, d)
     }
 
     /// Predicted committed tokens per millisecond of verifier time at `level`, with `sessions`
@@ -99,7 +101,7 @@ impl GrantPolicy {
     /// for N positions). `None` without a forward cost.
     pub fn predicted_rate(&self, level: u32, sessions: usize, alpha: f64) -> Option<f64> {
         let cost = self.pace?;
-        let (g, _) = self.at(level);
+        let g = self.at(level).draft_len;
         let n = sessions.max(1) as f64;
         let e = tandem_spec::policy::expected_accepted(alpha.clamp(0.0, 1.0), g as usize);
         Some(n * e / cost.ms(n * (g as f64 + 1.0)))
@@ -115,7 +117,7 @@ impl GrantPolicy {
         sessions: usize,
         alpha: f64,
         tokens_per_forward: f64,
-    ) -> (u32, u32) {
+    ) -> Shape {
         let Some(here) = self.predicted_rate(self.level, sessions, alpha) else {
             return self.grant(tokens_per_forward);
         };
@@ -130,7 +132,7 @@ impl GrantPolicy {
 
     /// Move at most one level for the observed load (tokens per forward, averaged), and return the
     /// grant for a session opening now.
-    pub fn grant(&mut self, tokens_per_forward: f64) -> (u32, u32) {
+    pub fn grant(&mut self, tokens_per_forward: f64) -> Shape {
         let f = tokens_per_forward / self.saturation_tokens;
         if f > self.shrink_above && self.level < self.max_level() {
             self.level += 1;

@@ -8,7 +8,7 @@
 //! when every open session is decoded by the cloud (one token each), which is what cloud-only
 //! serving would give at this load — not the time of today's larger speculative forwards.
 
-pub use tandem_spec::plan::ForwardCost;
+pub use tandem_spec::capacity::ForwardCost;
 
 /// Take a session over as soon as its pace is slower than cloud decoding; hand it back only when
 /// cloud decoding is this much slower than its pace (hysteresis: no flapping at the boundary).

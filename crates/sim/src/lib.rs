@@ -25,7 +25,7 @@ mod target;
 mod world;
 
 use serde::Serialize;
-use tandem_spec::plan::ForwardCost;
+use tandem_spec::capacity::ForwardCost;
 
 pub use report::{simulate, table};
 pub use target::SimTarget;

@@ -5,7 +5,7 @@
 use std::collections::{BinaryHeap, HashMap};
 
 use tandem_sched::GrantPolicy;
-use tandem_spec::plan::{operate_on, plan, Workload};
+use tandem_spec::capacity::{operate_on, recommend_fleet, Workload};
 use tandem_spec::policy::Costs;
 use tandem_verifier::{VerifierConfig, VerifierCore};
 
@@ -113,7 +113,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow, SimError> {
     // An adaptive replica is predicted at the model's best shape within γ and depth (γ 0
     // included), a fixed one at its shape.
     let pred = if cfg.adaptive && cfg.gamma > 0 {
-        plan(&costs, &cfg.cost, per, cfg.gamma, cfg.depth.max(1), &work).best
+        recommend_fleet(&costs, &cfg.cost, per, cfg.gamma, cfg.depth.max(1), &work).best
     } else {
         operate_on(&costs, &cfg.cost, per, cfg.gamma, cfg.depth.max(1), &work)
     };

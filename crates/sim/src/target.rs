@@ -2,7 +2,7 @@
 //! greedy output.
 
 use tandem_engine::{EngineError, Logits, SeqChunk};
-use tandem_spec::plan::ForwardCost;
+use tandem_spec::capacity::ForwardCost;
 use tandem_spec::sampling::uniform;
 use tandem_verifier::Target;
 

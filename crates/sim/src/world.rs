@@ -6,7 +6,7 @@ use std::collections::{BinaryHeap, HashMap};
 
 use tandem_engine::SamplingParams;
 use tandem_spec::sampling::uniform;
-use tandem_spec::{Block, EdgeSession, Incoming, Next, Output, SessionConfig, VerifyRule};
+use tandem_spec::{Block, EdgeSession, Incoming, Next, Output, SessionConfig, Shape, VerifyRule};
 use tandem_verifier::{Inbound, Mode, NewSession, Outgoing, ToEdge, VerifierCore};
 
 use crate::target::{target_token, SimTarget, VOCAB};
@@ -285,7 +285,7 @@ impl Sim {
                 } else {
                     Mode::Speculate {
                         rule: VerifyRule::Greedy,
-                        want: (self.cfg.gamma as u32, self.cfg.depth as u32),
+                        want: Shape::new(self.cfg.gamma as u32, self.cfg.depth as u32),
                     }
                 };
                 Inbound::Open {
@@ -361,7 +361,7 @@ impl Sim {
                     depth: self.cfg.depth,
                     max_new_tokens: self.cfg.new_tokens,
                     auto: None,
-                    granted: Some((grant.0 as usize, grant.1 as usize)),
+                    granted: Some(grant),
                 };
                 let now_ms = self.now as f64 / 1e3;
                 let (es, outs) = EdgeSession::new(now_ms, s.prompt.clone(), first, cfg, Vec::new())

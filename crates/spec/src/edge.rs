@@ -9,7 +9,9 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use crate::pipeline::{Decoded, Next, Output, Pipeline, PipelineConfig, SparseDist, Verdict};
+use crate::pipeline::{
+    Decoded, Next, Output, Pipeline, PipelineConfig, Shape, SparseDist, Verdict,
+};
 use crate::policy::{async_itl_ms, recommend, sync_itl_ms, Costs, Estimator};
 use crate::SpecError;
 
@@ -62,7 +64,7 @@ pub struct SessionConfig {
     pub auto: Option<AutoShape>,
     /// The verifier's grant at Open (γ, depth): the shape stays within it, and within each later
     /// grant that verdicts bring as the verifier's load changes. None: no limit.
-    pub granted: Option<(usize, usize)>,
+    pub granted: Option<Shape>,
 }
 
 /// What the edge measured during a session (milliseconds).
@@ -119,12 +121,17 @@ struct Totals {
     unreported_arrivals: usize,
 }
 
+/// A grant as the edge's sizes (a speculating edge drafts at least one token, one block deep).
+fn sizes(s: Shape) -> (usize, usize) {
+    (s.draft_len.max(1) as usize, s.depth.max(1) as usize)
+}
+
 /// See the module docs.
 #[derive(Debug, Clone)]
 pub struct EdgeSession {
     p: Pipeline,
     cfg: SessionConfig,
-    /// The verifier's current grant.
+    /// The verifier's current grant, as the edge's sizes.
     cap: (usize, usize),
     est: Estimator,
     /// When each block in flight was sent (ms on the driver's clock).
@@ -143,7 +150,7 @@ impl EdgeSession {
         cfg: SessionConfig,
         eog: Vec<u32>,
     ) -> Result<(Self, Vec<Output>), SpecError> {
-        let cap = cfg.granted.unwrap_or((usize::MAX, usize::MAX));
+        let cap = sizes(cfg.granted.unwrap_or(Shape::UNLIMITED));
         let pcfg = PipelineConfig {
             draft_len: cfg.draft_len.min(cap.0).max(1),
             depth: cfg.depth.min(cap.1).max(1),
@@ -232,9 +239,9 @@ impl EdgeSession {
             Incoming::Decoded(d) => {
                 r.outputs = self.p.on_decoded(d)?;
                 self.m.cloud_decoded += 1;
-                if let Some((g, dp)) = d.resume {
+                if let Some(resume) = d.resume {
                     // Handed back: draft again within the grant.
-                    self.cap = (g.max(1) as usize, dp.max(1) as usize);
+                    self.cap = sizes(resume);
                     let want = (self.cfg.draft_len, self.cfg.depth);
                     r.outputs.extend(self.fit_shape(want)?);
                 }
@@ -258,8 +265,8 @@ impl EdgeSession {
         let before = self.p.tokens()[from..].to_vec();
         r.outputs = self.p.on_verdict(v)?;
         // The verifier's load changed its grant: keep within it (and grow back into it).
-        if let Some((g, d)) = v.grant {
-            self.cap = (g.max(1) as usize, d.max(1) as usize);
+        if let Some(grant) = v.grant {
+            self.cap = sizes(grant);
             let want = match self.cfg.auto {
                 // The policy re-plans within the new bounds below.
                 Some(_) => (self.p.config().draft_len, self.p.config().depth),
@@ -368,7 +375,7 @@ mod tests {
             depth: 2,
             max_new_tokens: 20,
             auto,
-            granted: Some((4, 2)),
+            granted: Some(Shape::new(4, 2)),
         };
         EdgeSession::new(0.0, vec![1, 2, 3], 7, cfg, vec![]).unwrap()
     }
@@ -405,7 +412,7 @@ mod tests {
             accepted: 4,
             token: 12,
             verify_us: 30_000,
-            grant: Some((2, 1)),
+            grant: Some(Shape::new(2, 1)),
         };
         let r = s.on_message(100.0, Incoming::Verdict(verdict)).unwrap();
         assert!(r.correction.is_none());

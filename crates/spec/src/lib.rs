@@ -5,31 +5,32 @@
 //! - [`edge`]: the edge's session around it ([`EdgeSession`]): the verifier's grant, the
 //!   running estimates, the adaptive γ / depth, the decision to reopen after a lost connection.
 //!   The edge runtime and the simulator both drive it.
-//! - [`verifier`]: the cloud's per-session bookkeeping (pending prediction, unfed corrections,
-//!   what to feed the target, the verdict).
+//! - [`cloud_session`]: the cloud's per-session bookkeeping ([`CloudSession`]: pending
+//!   prediction, unfed corrections, what to feed the target, the verdict).
 //! - [`verify`]: the rules that judge a draft token against the target's logits (greedy,
 //!   sample-and-match, rejection sampling).
 //! - [`sampling`]: temperature / top-k / top-p with draws keyed by (seed, position).
 //! - [`policy`]: the analytic model of one session's speculation and the γ / depth it recommends.
-//! - [`plan`]: the model for many sessions: the verifier's roofline, queueing, and the γ, depth
-//!   and batch token budget it recommends.
+//! - [`capacity`]: the model for many sessions on one verifier: its roofline, queueing, and the
+//!   γ, depth and batch token budget it recommends ([`capacity::recommend_fleet`]).
 //!
 //! Everything is driven by the IO shells (edge runtime, cloud batcher) and by simulated time in
 //! tests and the simulator.
 
+pub mod capacity;
+pub mod cloud_session;
 pub mod edge;
 pub mod pipeline;
-pub mod plan;
 pub mod policy;
 pub mod sampling;
-pub mod verifier;
 pub mod verify;
 
+pub use cloud_session::{BlockAction, CloudSession, DecodeAction, Feed, Finished};
 pub use edge::{EdgeSession, Incoming, Measured, Reaction, SessionConfig};
 pub use pipeline::{
-    Block, Decoded, Next, Output, Pipeline, PipelineConfig, PipelineStats, SparseDist, Verdict,
+    Block, Decoded, Next, Output, Pipeline, PipelineConfig, PipelineStats, Shape, SparseDist,
+    Verdict,
 };
-pub use verifier::{BlockAction, DecodeAction, Finished, ForwardPlan, VerifierSession};
 pub use verify::VerifyRule;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

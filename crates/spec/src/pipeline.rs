@@ -34,6 +34,37 @@ pub struct Block {
     pub q: Vec<SparseDist>,
 }
 
+/// How speculation is shaped: γ drafted tokens per block (`draft_len`), up to `depth` blocks in
+/// flight. What a verifier grants a session; γ 0 in a grant means the verifier decodes the
+/// session itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Shape {
+    pub draft_len: u32,
+    pub depth: u32,
+}
+
+impl Shape {
+    pub const fn new(draft_len: u32, depth: u32) -> Self {
+        Self { draft_len, depth }
+    }
+
+    /// No limit: what a session without a grant may use.
+    pub const UNLIMITED: Shape = Shape::new(u32::MAX, u32::MAX);
+}
+
+impl From<(u32, u32)> for Shape {
+    fn from((draft_len, depth): (u32, u32)) -> Self {
+        Self { draft_len, depth }
+    }
+}
+
+/// `shape == (γ, depth)`, as tests and tables write it.
+impl PartialEq<(u32, u32)> for Shape {
+    fn eq(&self, other: &(u32, u32)) -> bool {
+        (self.draft_len, self.depth) == *other
+    }
+}
+
 /// The cloud's answer to one block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Verdict {
@@ -49,7 +80,7 @@ pub struct Verdict {
     pub verify_us: u32,
     /// A new grant from a verifier whose load changed: from now on at most this γ and depth.
     #[serde(default)]
-    pub grant: Option<(u32, u32)>,
+    pub grant: Option<Shape>,
 }
 
 /// A token the verifier decoded itself: under load it may take a session over and decode it like
@@ -63,7 +94,7 @@ pub struct Decoded {
     /// Absolute position of the token.
     pub pos: usize,
     pub token: u32,
-    pub resume: Option<(u32, u32)>,
+    pub resume: Option<Shape>,
 }
 
 /// What the shell must do after an event.

@@ -179,7 +179,7 @@ pub fn verdicts_per_run(alpha: f64, gamma: usize) -> f64 {
 
 /// A recommended shape and its predicted inter-token latencies.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Plan {
+pub struct Recommendation {
     pub gamma: usize,
     pub depth: usize,
     pub sync_gamma: usize,
@@ -190,7 +190,7 @@ pub struct Plan {
 
 /// The γ (≤ `max_gamma`) and depth (≤ `max_depth`) with the lowest predicted async ITL, and the
 /// best synchronous γ for comparison.
-pub fn recommend(c: &Costs, max_gamma: usize, max_depth: usize) -> Plan {
+pub fn recommend(c: &Costs, max_gamma: usize, max_depth: usize) -> Recommendation {
     let mut best = (f64::MAX, 1, 1);
     for g in 1..=max_gamma.max(1) {
         for d in 1..=max_depth.max(1) {
@@ -204,7 +204,7 @@ pub fn recommend(c: &Costs, max_gamma: usize, max_depth: usize) -> Plan {
     let (sync_t, sync_g) = (1..=max_gamma.max(1))
         .map(|g| (sync_itl_ms(c, g), g))
         .fold((f64::MAX, 1), |a, b| if b.0 < a.0 { b } else { a });
-    Plan {
+    Recommendation {
         gamma: best.1,
         depth: best.2,
         sync_gamma: sync_g,

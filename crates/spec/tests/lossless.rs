@@ -9,8 +9,8 @@ use std::collections::VecDeque;
 use proptest::prelude::*;
 use tandem_spec::sampling::{uniform, SamplingParams};
 use tandem_spec::{
-    Block, BlockAction, DecodeAction, Decoded, Next, Output, Pipeline, PipelineConfig, Verdict,
-    VerifierSession, VerifyRule,
+    Block, BlockAction, CloudSession, DecodeAction, Decoded, Next, Output, Pipeline,
+    PipelineConfig, Verdict, VerifyRule,
 };
 
 const VOCAB: usize = 8;
@@ -60,7 +60,7 @@ fn oracle(prompt: &[u32], max_new: usize, seed: u64) -> Vec<u32> {
 
 /// The cloud side: verifier bookkeeping plus an emulated target KV holding real token history.
 struct Cloud {
-    session: VerifierSession,
+    session: CloudSession,
     kv: Vec<u32>,
     seed: u64,
     /// Decoding the session itself, and whether to hand it back after the next token.
@@ -79,7 +79,7 @@ impl Cloud {
     /// Open (or re-open) a session from the edge's committed history.
     fn open(history: &[u32], seed: u64) -> Self {
         let first = target(*history.last().unwrap(), history.len(), seed);
-        let session = VerifierSession::new(
+        let session = CloudSession::new(
             VerifyRule::Greedy,
             SamplingParams::default(),
             history.len(),
@@ -118,7 +118,7 @@ impl Cloud {
         if self.stop {
             self.taken_over = false;
             self.stop = false;
-            d.resume = Some((2, 2));
+            d.resume = Some(tandem_spec::Shape::new(2, 2));
         }
         d
     }

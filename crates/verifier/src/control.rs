@@ -8,7 +8,7 @@
 
 use tandem_sched::pace::prefer_cloud;
 use tandem_sched::{GrantPolicy, Pace, SessionId};
-use tandem_spec::{Decoded, Verdict};
+use tandem_spec::{Decoded, Shape, Verdict};
 
 /// Forwards between two looks at the load by the grant policy (each moves one level at most).
 pub const GRANT_EVERY: u64 = 2;
@@ -28,9 +28,9 @@ const PRIOR_ALPHA: f64 = 0.8;
 #[derive(Debug, Clone)]
 pub struct Ctl {
     /// What a speculation session asked for (None: a cloud-only generation).
-    want: Option<(u32, u32)>,
+    want: Option<Shape>,
     /// What it was last told it may use.
-    granted: (u32, u32),
+    granted: Shape,
     /// The verifier decodes it itself.
     cloud: bool,
     /// Its speculative pace, for a takeover of its own.
@@ -40,10 +40,10 @@ pub struct Ctl {
 impl Ctl {
     /// A session just admitted: `want` is a speculation session's (γ, depth), None for a
     /// cloud-only generation (which counts in the load but has no grant).
-    pub fn new(want: Option<(u32, u32)>) -> Self {
+    pub fn new(want: Option<Shape>) -> Self {
         Self {
             want,
-            granted: (0, 0),
+            granted: Shape::new(0, 0),
             cloud: false,
             pace: Pace::default(),
         }
@@ -127,7 +127,7 @@ impl LoadControl {
             self.grants
                 .grant_by_model(load.sessions, alpha, load.tokens_per_forward);
         }
-        let (grant_g, _) = self.grants.current();
+        let grant_g = self.grants.current().draft_len;
         let cloud_itl = self.grants.cloud_itl_ms(load.sessions);
         for (id, c) in sessions {
             if c.want.is_none() {
@@ -151,18 +151,21 @@ impl LoadControl {
     }
 
     /// The grant within `want` at the current level (γ 0: the verifier decodes).
-    fn grant_for(&self, want: (u32, u32)) -> (u32, u32) {
-        let (g, d) = self.grants.current();
-        if g == 0 {
-            (0, 1)
+    fn grant_for(&self, want: Shape) -> Shape {
+        let now = self.grants.current();
+        if now.draft_len == 0 {
+            Shape::new(0, 1)
         } else {
-            (want.0.min(g).max(1), want.1.min(d).max(1))
+            Shape::new(
+                want.draft_len.min(now.draft_len).max(1),
+                want.depth.min(now.depth).max(1),
+            )
         }
     }
 
     /// The grant to send with a speculation session's `Opened`.
-    pub fn on_opened(&self, c: &mut Ctl) -> (u32, u32) {
-        let g = self.grant_for(c.want.unwrap_or((1, 1)));
+    pub fn on_opened(&self, c: &mut Ctl) -> Shape {
+        let g = self.grant_for(c.want.unwrap_or(Shape::new(1, 1)));
         c.granted = g;
         g
     }
@@ -194,8 +197,8 @@ impl LoadControl {
         if !handback {
             return;
         }
-        let (g, d) = self.grant_for(c.want.unwrap_or((1, 1)));
-        let resume = (g.max(1), d.max(1));
+        let g = self.grant_for(c.want.unwrap_or(Shape::new(1, 1)));
+        let resume = Shape::new(g.draft_len.max(1), g.depth.max(1));
         decoded.resume = Some(resume);
         c.granted = resume;
     }
@@ -223,7 +226,7 @@ mod tests {
     fn verdicts_carry_a_grant_only_when_it_changed() {
         let c = control();
         let mut c = c;
-        let (mut spec, mut gen) = (Ctl::new(Some((4, 2))), Ctl::new(None));
+        let (mut spec, mut gen) = (Ctl::new(Some(Shape::new(4, 2))), Ctl::new(None));
         assert_eq!(
             c.on_opened(&mut spec),
             (4, 2),
@@ -251,14 +254,19 @@ mod tests {
         c.on_decoded(&mut spec, false, &mut d);
         assert_eq!(d.resume, None);
         c.on_decoded(&mut spec, true, &mut d);
-        assert_eq!(d.resume, Some((4, 2)), "handed back within the grant");
+        assert_eq!(
+            d.resume,
+            Some(Shape::new(4, 2)),
+            "handed back within the grant"
+        );
     }
 
     #[test]
     fn decisions_name_each_change_of_hands_once() {
         let mut c = control();
-        let mut ctls: Vec<(SessionId, Ctl)> =
-            (0..3).map(|id| (id, Ctl::new(Some((4, 2))))).collect();
+        let mut ctls: Vec<(SessionId, Ctl)> = (0..3)
+            .map(|id| (id, Ctl::new(Some(Shape::new(4, 2)))))
+            .collect();
         ctls.push((3, Ctl::new(None)));
         let load = |forwards| Load {
             forwards,

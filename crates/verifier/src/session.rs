@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 
 use tandem_engine::SamplingParams;
 use tandem_sched::{SessionId, TenantId};
-use tandem_spec::{Block, Decoded, ForwardPlan, Verdict, VerifierSession, VerifyRule};
+use tandem_spec::{Block, CloudSession, Decoded, Feed, Verdict, VerifyRule};
 
 use crate::control::Ctl;
 use crate::VerifierError;
@@ -64,7 +64,7 @@ pub(crate) struct Takeover {
     /// Hand it back after the next token.
     pub stop: bool,
     /// The decode step planned for a forward, and the session as it was before.
-    pub step: Option<(ForwardPlan, VerifierSession)>,
+    pub step: Option<(Feed, CloudSession)>,
 }
 
 /// Counters of the verifier.
@@ -104,10 +104,10 @@ pub(crate) enum Work {
     Spec {
         rule: VerifyRule,
         /// None until the prompt is prefilled.
-        vs: Option<VerifierSession>,
+        vs: Option<CloudSession>,
         queue: VecDeque<Block>,
         /// The block planned for a forward, its plan and the session as it was before.
-        inflight: Option<(Block, ForwardPlan, VerifierSession)>,
+        inflight: Option<(Block, Feed, CloudSession)>,
         /// Set while the verifier decodes the session itself.
         takeover: Option<Takeover>,
         /// Committed tokens (prompt included) at which it ends, and its end-of-generation ids.

@@ -4,7 +4,7 @@
 use tandem_engine::{EngineError, Logits, SeqChunk, SeqId, Wanted};
 use tandem_sched::{SessionId, StepPlan, WorkKind};
 use tandem_spec::sampling::sample;
-use tandem_spec::{Verdict, VerifierSession};
+use tandem_spec::{CloudSession, Verdict};
 
 use crate::session::{Event, Takeover, Work};
 use crate::verifier_core::VerifierCore;
@@ -146,7 +146,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                                 .engine
                                 .context_len()
                                 .min(pool.num_blocks() * pool.block_size());
-                            *vs = Some(VerifierSession::new(
+                            *vs = Some(CloudSession::new(
                                 *rule,
                                 s.params,
                                 s.prompt_len,

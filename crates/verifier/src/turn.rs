@@ -4,7 +4,7 @@
 
 use tandem_engine::SamplingParams;
 use tandem_sched::{SchedError, SessionId, TenantId};
-use tandem_spec::{Block, Decoded, Verdict, VerifyRule};
+use tandem_spec::{Block, Decoded, Shape, Verdict, VerifyRule};
 
 use crate::control::Load;
 use crate::session::{Event, Meter};
@@ -16,7 +16,7 @@ use crate::{Target, VerifierError};
 pub enum Mode {
     /// Speculation judged by `rule`, within the γ and depth `want` (its grants never exceed
     /// them).
-    Speculate { rule: VerifyRule, want: (u32, u32) },
+    Speculate { rule: VerifyRule, want: Shape },
     /// Cloud-only generation: the verifier produces every token.
     Generate,
 }
@@ -58,7 +58,7 @@ pub enum ToEdge {
     /// The prompt is prefilled: the target's first token, and the γ and depth granted now.
     Opened {
         first: u32,
-        grant: (u32, u32),
+        grant: Shape,
     },
     Verdict(Verdict),
     /// A token the verifier decoded itself for a speculation session it took over (`resume`: the
@@ -446,7 +446,7 @@ mod tests {
 
     const SPEC: Mode = Mode::Speculate {
         rule: VerifyRule::Greedy,
-        want: (4, 2),
+        want: Shape::new(4, 2),
     };
 
     #[test]
@@ -514,7 +514,7 @@ mod tests {
             "{msgs:?}"
         );
         assert!(
-            matches!(msgs[1], (1, ToEdge::Opened { grant: (4, 2), .. })),
+            matches!(msgs[1], (1, ToEdge::Opened { grant, .. }) if *grant == (4, 2)),
             "{msgs:?}"
         );
         assert!(

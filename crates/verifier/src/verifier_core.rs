@@ -158,7 +158,7 @@ impl<T: Target, H> VerifierCore<T, H> {
         prompt: &[u32],
         params: SamplingParams,
         work: Work,
-        want: Option<(u32, u32)>,
+        want: Option<tandem_spec::Shape>,
         now_us: u64,
         handle: H,
     ) -> Result<(), VerifierError> {
@@ -241,7 +241,7 @@ impl<T: Target, H: Default> VerifierCore<T, H> {
         eog: Vec<u32>,
     ) -> Result<(), VerifierError> {
         let work = Self::spec_work(rule, prompt.len(), max_tokens, eog);
-        let want = Some((u32::MAX, u32::MAX));
+        let want = Some(tandem_spec::Shape::UNLIMITED);
         self.admit(id, tenant, prompt, params, work, want, 0, H::default())
     }
 

@@ -120,7 +120,7 @@ pub fn synthetic_session(
         params: SamplingParams::default(),
         q_top_k: 0,
         auto: None,
-        granted: Some((opened.draft_len as usize, opened.depth as usize)),
+        granted: Some(tandem_spec::Shape::new(opened.draft_len, opened.depth)),
     };
     let mut d = SyntheticDrafter::new(
         prompt.len(),

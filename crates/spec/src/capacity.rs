@@ -337,9 +337,9 @@ pub struct Stages {
     pub balanced_gamma: Option<f64>,
 }
 
-/// What [`plan`] recommends for N sessions.
+/// What [`recommend_fleet`] recommends for N sessions.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Plan {
+pub struct FleetRecommendation {
     pub sessions: usize,
     /// The shape with the most committed tokens per second (γ 0: the verifier should decode the
     /// sessions).
@@ -359,14 +359,14 @@ pub struct Plan {
 /// sessions of workload `w`: the shape with the most committed tokens per second, which for a
 /// fixed number of closed-loop users is the shortest session (time to first token plus the
 /// inter-token gaps; for endless sessions, the lowest ITL). Ties go to the smaller γ and depth.
-pub fn plan(
+pub fn recommend_fleet(
     c: &Costs,
     f: &ForwardCost,
     sessions: usize,
     max_gamma: usize,
     max_depth: usize,
     w: &Workload,
-) -> Plan {
+) -> FleetRecommendation {
     let cloud_only = operate_on(c, f, sessions, 0, 1, w);
     let mut best = cloud_only;
     let mut best_sync: Option<Operating> = None;
@@ -392,7 +392,7 @@ pub fn plan(
     let network = c.rtt_ms;
     let balanced_gamma = (verify > network).then(|| (verify - network) / c.draft_ms.max(1e-9));
     let budget = (sessions as f64 * (best.gamma as f64 + 1.0)).max(f.ridge_tokens());
-    Plan {
+    FleetRecommendation {
         sessions,
         best,
         best_sync,
@@ -581,19 +581,19 @@ mod tests {
     #[test]
     fn the_plan_speculates_alone_and_hands_decoding_to_the_verifier_under_load() {
         // A fast, accurate draft far from the cloud: pipelined speculation.
-        let alone = plan(&costs(0.9, 10.0, 100.0), &FWD, 1, 8, 4, &Workload::DECODE);
+        let alone = recommend_fleet(&costs(0.9, 10.0, 100.0), &FWD, 1, 8, 4, &Workload::DECODE);
         assert!(alone.best.gamma >= 2 && alone.best.depth >= 2, "{alone:?}");
         assert!(alone.best.itl_ms < alone.best_sync.itl_ms);
         assert!(alone.best.itl_ms < alone.cloud_only.itl_ms);
         // Many sessions with a mediocre draft: past the ridge every rejected position is waste.
-        let crowd = plan(&costs(0.6, 20.0, 50.0), &FWD, 256, 8, 4, &Workload::DECODE);
+        let crowd = recommend_fleet(&costs(0.6, 20.0, 50.0), &FWD, 256, 8, 4, &Workload::DECODE);
         assert_eq!(crowd.best.gamma, 0, "{crowd:?}");
         assert_eq!(crowd.token_budget, 256);
         // The budget never drops below the ridge, in multiples of 8.
         assert_eq!(alone.token_budget, 24);
         // The stages: verify 44 ms + no wait against 100 ms of network: verification never bounds.
         assert_eq!(alone.stages.balanced_gamma, None);
-        let near = plan(&costs(0.9, 10.0, 4.0), &FWD, 1, 8, 4, &Workload::DECODE);
+        let near = recommend_fleet(&costs(0.9, 10.0, 4.0), &FWD, 1, 8, 4, &Workload::DECODE);
         let bg = near.stages.balanced_gamma.unwrap();
         assert!(bg > 3.0 && bg < 5.0, "{near:?}");
     }

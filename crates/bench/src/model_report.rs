@@ -6,7 +6,9 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
-use tandem_spec::plan::{plan, ForwardCost, Operating, Plan, Workload};
+use tandem_spec::capacity::{
+    recommend_fleet, FleetRecommendation, ForwardCost, Operating, Workload,
+};
 use tandem_spec::policy::Costs;
 
 /// Weight bytes read per forward by the SmolLM2-135M target in f32.
@@ -145,7 +147,7 @@ pub struct PlanReport {
     pub rtt_ms: f64,
     pub forward: ForwardCost,
     pub roofline_source: String,
-    pub plans: Vec<Plan>,
+    pub plans: Vec<FleetRecommendation>,
 }
 
 /// What to plan for: one edge's costs and the sessions' shape limits and workload.
@@ -214,7 +216,7 @@ pub fn run(q: &PlanQuery, roof: &RooflineArgs) -> Result<PlanReport> {
         roofline_source,
         plans: sessions
             .iter()
-            .map(|&n| plan(&c, &forward, n, max_gamma, max_depth, workload))
+            .map(|&n| recommend_fleet(&c, &forward, n, max_gamma, max_depth, workload))
             .collect(),
     })
 }

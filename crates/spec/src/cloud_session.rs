@@ -16,7 +16,7 @@ use crate::SpecError;
 
 /// What the target must compute for a block.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ForwardPlan {
+pub struct Feed {
     /// Position of the first token fed (the session's KV length).
     pub start_pos: usize,
     /// Unfed committed tokens, then the block's drafted tokens.
@@ -32,8 +32,8 @@ pub enum BlockAction {
     Stale,
     /// Decided without the target (the first token contradicts the pending prediction).
     Verdict(Verdict),
-    /// Run this forward, then call [`VerifierSession::finish`].
-    Forward(ForwardPlan),
+    /// Run this forward, then call [`CloudSession::finish`].
+    Forward(Feed),
 }
 
 /// The next token of a session the verifier decodes itself.
@@ -41,8 +41,8 @@ pub enum BlockAction {
 pub enum DecodeAction {
     /// Known without a forward (the pending prediction): committed now.
     Ready(Decoded),
-    /// Feed these (the last committed token) and call [`VerifierSession::finish_decode`].
-    Forward(ForwardPlan),
+    /// Feed these (the last committed token) and call [`CloudSession::finish_decode`].
+    Forward(Feed),
 }
 
 /// The verdict of a block plus how far the target's KV must be cut back.
@@ -54,7 +54,7 @@ pub struct Finished {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct VerifierSession {
+pub struct CloudSession {
     pub rule: VerifyRule,
     pub params: SamplingParams,
     /// Committed tokens, prompt included.
@@ -73,7 +73,7 @@ pub struct VerifierSession {
     pub early_rejections: u64,
 }
 
-impl VerifierSession {
+impl CloudSession {
     /// A session whose prompt (`prompt_len` tokens) is fed; `first` is the target's token after it
     /// (from the prefill's last logits). `max_len` bounds positions (the context limit).
     pub fn new(
@@ -138,7 +138,7 @@ impl VerifierSession {
                 "nothing to decode from: no committed token waits to be fed".into(),
             ));
         }
-        Ok(DecodeAction::Forward(ForwardPlan {
+        Ok(DecodeAction::Forward(Feed {
             start_pos: self.kv_len,
             tokens: self.unfed.clone(),
             logits_at: vec![self.unfed.len() - 1],
@@ -240,7 +240,7 @@ impl VerifierSession {
         // the bonus position).
         let first = if self.pending.is_some() { k } else { k - 1 };
         let logits_at = (first..k + b.tokens.len()).collect();
-        Ok(BlockAction::Forward(ForwardPlan {
+        Ok(BlockAction::Forward(Feed {
             start_pos: self.kv_len,
             tokens,
             logits_at,
