@@ -12,7 +12,8 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 use serde_json::Value;
 use tandem_engine::kernels;
-use tandem_engine::{sampler, Engine, EngineConfig, LlamaModel, SeqChunk, SeqId, Wanted};
+use tandem_engine::{Engine, EngineConfig, LlamaModel, SeqChunk, SeqId, Wanted};
+use tandem_spec::sampling as sampler;
 
 use tandem_sim::stats::round2;
 

@@ -5,9 +5,10 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde::Serialize;
-use tandem_engine::sampler;
 use tandem_engine::tokenizer::TextStream;
-use tandem_engine::{Engine, SamplingParams, SeqChunk, SeqId, Tokenizer, Wanted};
+use tandem_engine::{Engine, SeqChunk, SeqId, Tokenizer, Wanted};
+use tandem_spec::sampling as sampler;
+use tandem_spec::sampling::SamplingParams;
 
 use tandem_sim::stats::{StreamTiming, Summary};
 

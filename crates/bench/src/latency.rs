@@ -16,9 +16,10 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use serde_json::Value;
 use tandem_edge::SpecConfig;
-use tandem_engine::{CpuSet, Engine, EngineConfig, LlamaModel, SamplingParams, Tokenizer};
+use tandem_engine::{CpuSet, Engine, EngineConfig, LlamaModel, Tokenizer};
 use tandem_spec::edge::AutoShape;
 use tandem_spec::policy::{async_itl_ms, session_itl_ms, sync_itl_ms, Costs};
+use tandem_spec::sampling::SamplingParams;
 use tandem_spec::VerifyRule;
 
 use crate::cloudproc::{CloudProcess, Link};

@@ -11,10 +11,9 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
-use tandem_engine::{
-    CpuSet, Engine, EngineConfig, GgufFile, LlamaModel, SamplingParams, Tokenizer, WeightMode,
-};
+use tandem_engine::{CpuSet, Engine, EngineConfig, GgufFile, LlamaModel, Tokenizer, WeightMode};
 use tandem_quant::{QuantConfig, Scheme};
+use tandem_spec::sampling::SamplingParams;
 
 use crate::latency::{Draft, LatencyArgs};
 use tandem_quant::eval::{mean_accepted, perplexity};

@@ -18,10 +18,11 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use tandem_bench::engine_bench::{self as bench, BenchArgs};
 use tandem_bench::generate::generate;
-use tandem_engine::{CpuSet, Engine, EngineConfig, SamplingParams, WeightMode};
+use tandem_engine::{CpuSet, Engine, EngineConfig, WeightMode};
 use tandem_models::pull;
 use tandem_models::store::{self as models, ModelSpec};
 use tandem_quant::{EmbedPrecision, QuantConfig, Scheme};
+use tandem_spec::sampling::SamplingParams;
 use tandem_spec::VerifyRule;
 
 #[derive(Parser)]

@@ -11,11 +11,12 @@ use std::time::Duration;
 
 use common::*;
 use tandem_cloud::tenants::Tenants;
-use tandem_engine::{Engine, EngineConfig, SamplingParams, SeqId};
+use tandem_engine::{Engine, EngineConfig, SeqId};
 use tandem_proto::v1::verifier_client::VerifierClient;
 use tandem_proto::v1::{
     cloud_message, edge_message, CloudMessage, Draft, EdgeMessage, Open, SessionRef,
 };
+use tandem_spec::sampling::SamplingParams;
 use tandem_spec::VerifyRule;
 use tandem_verifier::VerifierConfig;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};

@@ -9,7 +9,8 @@ use std::sync::OnceLock;
 
 use common::*;
 use serde_json::Value;
-use tandem_engine::{sampler, EngineConfig, SeqChunk, SeqId, Wanted, WeightMode};
+use tandem_engine::{EngineConfig, SeqChunk, SeqId, Wanted, WeightMode};
+use tandem_spec::sampling as sampler;
 
 fn fixture(name: &str) -> Value {
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -406,7 +407,7 @@ fn spec_run(
     gamma: usize,
     depth: usize,
     rtt_ms: f64,
-    params: tandem_engine::SamplingParams,
+    params: tandem_spec::sampling::SamplingParams,
     rule: tandem_spec::VerifyRule,
     max_new: usize,
 ) -> Vec<u32> {
@@ -444,7 +445,7 @@ fn speculation_is_lossless_greedy() {
                 g,
                 d,
                 rtt,
-                tandem_engine::SamplingParams::default(),
+                tandem_spec::sampling::SamplingParams::default(),
                 tandem_spec::VerifyRule::Greedy,
                 n,
             );
@@ -480,7 +481,7 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
                 depth,
                 max_new_tokens: n,
                 rule: tandem_spec::VerifyRule::Greedy,
-                params: tandem_engine::SamplingParams::default(),
+                params: tandem_spec::sampling::SamplingParams::default(),
                 q_top_k: 32,
                 auto: Some(tandem_spec::edge::AutoShape {
                     max_draft_len: 8,
@@ -516,7 +517,7 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
 fn sample_and_match_reproduces_the_targets_own_sampling() {
     let (m, tok) = target();
     let p = tok.encode("Once upon a time").unwrap();
-    let params = tandem_engine::SamplingParams {
+    let params = tandem_spec::sampling::SamplingParams {
         temperature: 0.9,
         top_k: 40,
         top_p: 0.95,
@@ -576,7 +577,7 @@ fn grants_shrink_under_load_and_grow_back() {
         let req = tandem_edge::grpc::OpenRequest {
             tokenizer_fingerprint: tok.fingerprint().to_string(),
             prompt_ids: p.clone(),
-            params: tandem_engine::SamplingParams::default(),
+            params: tandem_spec::sampling::SamplingParams::default(),
             max_tokens: 8,
             rule: tandem_spec::VerifyRule::Greedy,
             want_draft_len: 8,
@@ -667,7 +668,7 @@ fn metrics_are_scraped_over_http_and_parse() {
         4,
         2,
         0.0,
-        tandem_engine::SamplingParams::default(),
+        tandem_spec::sampling::SamplingParams::default(),
         tandem_spec::VerifyRule::Greedy,
         16,
         Some(url),
@@ -744,7 +745,7 @@ fn a_dropped_connection_is_reopened_and_the_output_stays_the_targets() {
         3,
         2,
         0.0,
-        tandem_engine::SamplingParams::default(),
+        tandem_spec::sampling::SamplingParams::default(),
         tandem_spec::VerifyRule::Greedy,
         n,
         Some(format!("http://{relay}")),
@@ -847,7 +848,7 @@ fn speculation_over_real_grpc_is_lossless() {
     let p = tok.encode_chat("What is the capital of France?").unwrap();
     let want = greedy(&mut engine(m), SeqId(6), &p, 16);
     for (g, d) in [(4, 1), (3, 3), (8, 4)] {
-        let greedy_p = tandem_engine::SamplingParams::default();
+        let greedy_p = tandem_spec::sampling::SamplingParams::default();
         let out = spec_out(
             &p,
             g,
@@ -880,7 +881,7 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
     let open = |fp: &str, ids: Vec<u32>| OpenRequest {
         tokenizer_fingerprint: fp.into(),
         prompt_ids: ids,
-        params: tandem_engine::SamplingParams::default(),
+        params: tandem_spec::sampling::SamplingParams::default(),
         max_tokens: 16,
         rule: tandem_spec::VerifyRule::Greedy,
         want_draft_len: 4,
@@ -970,7 +971,7 @@ fn speculation_through_netem_is_lossless() {
     // remote verifier when given both --cloud and --rtt-ms.
     let direct = grpc_server().clone();
     for (g, d, via, rtt) in [(4, 1, &url, 0.0), (4, 3, &url, 0.0), (3, 2, &direct, 60.0)] {
-        let greedy_p = tandem_engine::SamplingParams::default();
+        let greedy_p = tandem_spec::sampling::SamplingParams::default();
         let out = spec_out(
             &p,
             g,

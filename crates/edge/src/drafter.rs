@@ -1,8 +1,9 @@
 //! What proposes draft tokens: the draft model ([`EngineDrafter`]), or anything else that
 //! implements [`Drafter`] (the load generator's synthetic edges, `tandem_bench::synthetic`).
 
-use tandem_engine::{Engine, SamplingParams, SeqChunk, SeqId, Wanted};
+use tandem_engine::{Engine, SeqChunk, SeqId, Wanted};
 use tandem_spec::sampling::sample;
+use tandem_spec::sampling::SamplingParams;
 use tandem_spec::verify::{draft_sample, VerifyRule};
 
 use crate::{EdgeError, SpecConfig};

@@ -12,8 +12,9 @@ pub mod grpc;
 use std::time::Instant;
 
 use serde::Serialize;
-use tandem_engine::{Engine, EngineError, SamplingParams};
+use tandem_engine::{Engine, EngineError};
 use tandem_spec::edge::AutoShape;
+use tandem_spec::sampling::SamplingParams;
 use tandem_spec::verify::VerifyRule;
 use tandem_spec::{
     Block, EdgeSession, Incoming, Measured, Next, Output, PipelineStats, SessionConfig, SpecError,

@@ -20,8 +20,9 @@ use candle_core::{Device, Tensor};
 use tandem_edge::{EdgeError, Link, SpecConfig};
 use tandem_engine::testing::{tiny_gguf, TinySpec};
 use tandem_engine::{
-    Engine, EngineConfig, GgufFile, LlamaModel, SamplingParams, SeqChunk, SeqId, Wanted, WeightMode,
+    Engine, EngineConfig, GgufFile, LlamaModel, SeqChunk, SeqId, Wanted, WeightMode,
 };
+use tandem_spec::sampling::SamplingParams;
 use tandem_spec::sampling::{distribution, sample, uniform};
 use tandem_spec::{Block, PipelineStats, Verdict, VerifyRule};
 use tandem_verifier::{Event, VerifierConfig, VerifierCore};

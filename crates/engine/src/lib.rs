@@ -31,6 +31,4 @@ pub use error::{EngineError, Result};
 pub use gguf::GgufFile;
 pub use kv::SeqId;
 pub use models::llama::{LlamaConfig, LlamaModel, WeightMode};
-pub use tandem_spec::sampling as sampler;
-pub use tandem_spec::sampling::SamplingParams;
 pub use tokenizer::Tokenizer;

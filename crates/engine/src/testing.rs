@@ -46,7 +46,7 @@ impl Default for TinySpec {
 /// Deterministic pseudo-random values in [-scale, scale).
 fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
     (0..n as u64)
-        .map(|i| (crate::sampler::uniform(seed, i, 7) as f32 * 2.0 - 1.0) * scale)
+        .map(|i| (tandem_spec::sampling::uniform(seed, i, 7) as f32 * 2.0 - 1.0) * scale)
         .collect()
 }
 
@@ -140,6 +140,6 @@ pub fn tiny_file(spec: &TinySpec) -> Result<GgufFile> {
 /// `n` pseudo-random values in [−1, 1), reproducible from `(seed, stream)`.
 pub fn signed_uniform(seed: u64, n: usize, stream: u64) -> Vec<f32> {
     (0..n as u64)
-        .map(|i| crate::sampler::uniform(seed, i, stream) as f32 * 2.0 - 1.0)
+        .map(|i| tandem_spec::sampling::uniform(seed, i, stream) as f32 * 2.0 - 1.0)
         .collect()
 }

@@ -5,8 +5,9 @@ use std::sync::Arc;
 use candle_core::quantized::GgmlDType;
 use tandem_engine::testing::{tiny_file, TinySpec};
 use tandem_engine::{
-    sampler, Engine, EngineConfig, EngineError, LlamaModel, SeqChunk, SeqId, Wanted, WeightMode,
+    Engine, EngineConfig, EngineError, LlamaModel, SeqChunk, SeqId, Wanted, WeightMode,
 };
+use tandem_spec::sampling as sampler;
 
 fn model(dtype: GgmlDType, mode: WeightMode) -> Arc<LlamaModel> {
     let spec = TinySpec {

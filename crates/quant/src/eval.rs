@@ -120,7 +120,7 @@ pub fn teacher_forced_hits(
     Ok(want
         .iter()
         .enumerate()
-        .map(|(i, &w)| tandem_engine::sampler::argmax(l.row(i)) == w)
+        .map(|(i, &w)| tandem_spec::sampling::argmax(l.row(i)) == w)
         .collect())
 }
 

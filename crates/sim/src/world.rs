@@ -4,8 +4,8 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
-use tandem_engine::SamplingParams;
 use tandem_spec::sampling::uniform;
+use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{Block, EdgeSession, Incoming, Next, Output, SessionConfig, Shape, VerifyRule};
 use tandem_verifier::{Inbound, Mode, NewSession, Outgoing, ToEdge, VerifierCore};
 

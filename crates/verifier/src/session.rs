@@ -2,8 +2,8 @@
 
 use std::collections::VecDeque;
 
-use tandem_engine::SamplingParams;
 use tandem_sched::{SessionId, TenantId};
+use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{Block, CloudSession, Decoded, Feed, Verdict, VerifyRule};
 
 use crate::control::Ctl;

@@ -2,8 +2,8 @@
 //! ([`VerifierCore::turn`]), messages out ([`Outgoing`]) and what was observed ([`Turn`]), all
 //! on the driver's clock (µs) and in plain data.
 
-use tandem_engine::SamplingParams;
 use tandem_sched::{SchedError, SessionId, TenantId};
+use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{Block, Decoded, Shape, Verdict, VerifyRule};
 
 use crate::control::Load;

@@ -14,8 +14,9 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
-use tandem_engine::{Engine, SamplingParams};
+use tandem_engine::Engine;
 use tandem_sched::{GrantPolicy, SchedConfig, Scheduler, SessionId, TenantConfig, TenantId};
+use tandem_spec::sampling::SamplingParams;
 use tandem_spec::VerifyRule;
 
 use crate::control::{Ctl, LoadControl};

@@ -6,7 +6,8 @@
 use std::cell::Cell;
 use std::rc::Rc;
 
-use tandem_engine::{EngineError, Logits, SamplingParams, SeqChunk};
+use tandem_engine::{EngineError, Logits, SeqChunk};
+use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{Block, Verdict, VerifyRule};
 use tandem_verifier::{Event, Target, VerifierConfig, VerifierCore, VerifierError};
 

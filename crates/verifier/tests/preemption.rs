@@ -6,7 +6,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use tandem_engine::testing::{tiny_file, TinySpec};
-use tandem_engine::{Engine, EngineConfig, LlamaModel, SamplingParams, WeightMode};
+use tandem_engine::{Engine, EngineConfig, LlamaModel, WeightMode};
+use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{Block, VerifyRule};
 use tandem_verifier::{Event, VerifierConfig, VerifierCore};
 

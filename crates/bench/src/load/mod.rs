@@ -13,7 +13,8 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
-use tandem_engine::{CpuSet, Engine, EngineConfig, LlamaModel, SamplingParams, Tokenizer};
+use tandem_engine::{CpuSet, Engine, EngineConfig, LlamaModel, Tokenizer};
+use tandem_spec::sampling::SamplingParams;
 
 use crate::cloudproc::{CloudProcess, Link};
 use tandem_sim::stats::{round2, Summary};

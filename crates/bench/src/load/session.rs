@@ -7,7 +7,8 @@ use crate::synthetic::SyntheticDrafter;
 use anyhow::{anyhow, Result};
 use tandem_edge::grpc::{GrpcLink, OpenRequest};
 use tandem_edge::SpecConfig;
-use tandem_engine::{SamplingParams, Tokenizer};
+use tandem_engine::Tokenizer;
+use tandem_spec::sampling::SamplingParams;
 use tandem_spec::VerifyRule;
 
 use crate::cloudproc::CloudProcess;

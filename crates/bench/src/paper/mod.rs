@@ -21,9 +21,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
-use tandem_engine::{Engine, EngineConfig, LlamaModel, SamplingParams, Tokenizer};
+use tandem_engine::{Engine, EngineConfig, LlamaModel, Tokenizer};
 use tandem_sched::ForwardCost;
 use tandem_spec::policy::expected_accepted;
+use tandem_spec::sampling::SamplingParams;
 
 mod report;
 

@@ -7,10 +7,10 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tandem_engine::{
-    sampler, Engine, EngineConfig, GgufFile, LlamaModel, SeqChunk, SeqId, Tokenizer, Wanted,
-    WeightMode,
+    Engine, EngineConfig, GgufFile, LlamaModel, SeqChunk, SeqId, Tokenizer, Wanted, WeightMode,
 };
 use tandem_models::{pull, store as models};
+use tandem_spec::sampling as sampler;
 
 pub fn home() -> PathBuf {
     pull::home_dir(None)
@@ -141,7 +141,7 @@ pub fn spec_out(
     gamma: usize,
     depth: usize,
     rtt_ms: f64,
-    params: tandem_engine::SamplingParams,
+    params: tandem_spec::sampling::SamplingParams,
     rule: tandem_spec::VerifyRule,
     max_new: usize,
     cloud_url: Option<String>,
@@ -159,7 +159,7 @@ pub fn spec_out_as(
     gamma: usize,
     depth: usize,
     rtt_ms: f64,
-    params: tandem_engine::SamplingParams,
+    params: tandem_spec::sampling::SamplingParams,
     rule: tandem_spec::VerifyRule,
     max_new: usize,
     cloud_url: Option<String>,
