@@ -320,3 +320,102 @@ impl CloudSession {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A session over a 3-token prompt whose prefill predicted 7.
+    fn session() -> CloudSession {
+        CloudSession::new(VerifyRule::Greedy, SamplingParams::default(), 3, 7, 64)
+    }
+
+    fn block(epoch: u64, index: u64, start_pos: usize, tokens: &[u32]) -> Block {
+        Block {
+            epoch,
+            index,
+            start_pos,
+            tokens: tokens.to_vec(),
+            q: vec![],
+        }
+    }
+
+    /// One-hot logits rows choosing `tokens`.
+    fn rows(tokens: &[u32]) -> Vec<Vec<f32>> {
+        tokens
+            .iter()
+            .map(|&t| {
+                let mut r = vec![0f32; 16];
+                r[t as usize] = 1.0;
+                r
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_first_token_against_the_pending_prediction_is_answered_without_a_forward() {
+        let mut s = session();
+        let a = s.on_block(&block(0, 0, 3, &[5, 6])).unwrap();
+        let BlockAction::Verdict(v) = a else {
+            panic!("{a:?}")
+        };
+        assert_eq!((v.accepted, v.token, v.verify_us), (0, 7, 0));
+        assert_eq!(
+            (s.epoch(), s.committed_len()),
+            (1, 4),
+            "the correction is committed"
+        );
+        // What the edge sent before it saw the rejection is stale; a block of the new epoch
+        // after the correction feeds the correction first.
+        assert_eq!(
+            s.on_block(&block(0, 1, 5, &[1])).unwrap(),
+            BlockAction::Stale
+        );
+        let BlockAction::Forward(f) = s.on_block(&block(1, 2, 4, &[8, 9])).unwrap() else {
+            panic!()
+        };
+        assert_eq!((f.start_pos, f.tokens.clone()), (3, vec![7, 8, 9]));
+        assert_eq!(f.logits_at, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn a_block_after_the_bonus_commits_it_and_the_verdict_judges_each_token() {
+        let mut s = session();
+        // The edge committed the first token (7) and drafted after it.
+        let b = block(0, 0, 4, &[8, 9, 10]);
+        let BlockAction::Forward(f) = s.on_block(&b).unwrap() else {
+            panic!()
+        };
+        assert_eq!(f.tokens, vec![7, 8, 9, 10], "the bonus fed in front");
+        // The target agrees with 8 and 9, then wants 4 where the draft said 10.
+        let r = rows(&[8, 9, 4, 12]);
+        let rr: Vec<&[f32]> = f.logits_at.iter().map(|&i| r[i].as_slice()).collect();
+        let done = s.finish(&b, &rr).unwrap();
+        assert_eq!((done.verdict.accepted, done.verdict.token), (2, 4));
+        assert_eq!(done.kv_len, 6, "the rejected token's KV is cut");
+        assert_eq!((s.committed_len(), s.epoch()), (7, 1));
+    }
+
+    #[test]
+    fn bad_blocks_are_refused_by_name() {
+        let mut s = session();
+        let e = s.on_block(&block(2, 0, 3, &[7])).unwrap_err().to_string();
+        assert!(e.contains("epoch 2") && e.contains("epoch 0"), "{e}");
+        let e = s.on_block(&block(0, 0, 9, &[7])).unwrap_err().to_string();
+        assert!(e.contains("starts at position 9, expected 3"), "{e}");
+        let e = s.on_block(&block(0, 0, 3, &[])).unwrap_err().to_string();
+        assert!(e.contains("no tokens"), "{e}");
+        let mut short = CloudSession::new(VerifyRule::Greedy, SamplingParams::default(), 3, 7, 5);
+        let e = short
+            .on_block(&block(0, 0, 3, &[7, 1, 2]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("beyond the context limit 5"), "{e}");
+        assert!(matches!(
+            s.on_block(&block(0, 4, 3, &[7])).unwrap(),
+            BlockAction::Forward(_)
+        ));
+        let e = s.on_block(&block(0, 4, 3, &[7])).unwrap_err().to_string();
+        assert!(e.contains("index 4 does not follow 4"), "{e}");
+    }
+}

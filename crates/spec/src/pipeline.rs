@@ -608,3 +608,118 @@ impl Pipeline {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pipeline(draft_len: usize, depth: usize) -> Pipeline {
+        let cfg = PipelineConfig {
+            draft_len,
+            depth,
+            max_new_tokens: 20,
+        };
+        Pipeline::with_first(vec![1, 2, 3], 7, cfg, vec![99])
+            .unwrap()
+            .0
+    }
+
+    /// Draft `tokens`; returns the blocks sent.
+    fn draft(p: &mut Pipeline, tokens: &[u32]) -> Vec<Block> {
+        let mut sent = Vec::new();
+        for &t in tokens {
+            assert_eq!(p.next(), Next::Draft);
+            for o in p.on_drafted(t, None) {
+                if let Output::Send(b) = o {
+                    sent.push(b);
+                }
+            }
+        }
+        sent
+    }
+
+    fn verdict(b: &Block, accepted: usize, token: u32) -> Verdict {
+        Verdict {
+            epoch: b.epoch,
+            block: b.index,
+            accepted,
+            token,
+            verify_us: 0,
+            grant: None,
+        }
+    }
+
+    #[test]
+    fn depth_one_waits_for_each_verdict_and_depth_two_drafts_on() {
+        let mut sync = pipeline(2, 1);
+        let b = draft(&mut sync, &[8, 9]);
+        assert_eq!(b.len(), 1);
+        assert_eq!(sync.next(), Next::Wait, "one block in flight at depth 1");
+        let out = sync.on_verdict(verdict(&b[0], 2, 10)).unwrap();
+        let committed: Vec<u32> = out
+            .iter()
+            .flat_map(|o| match o {
+                Output::Commit { tokens, .. } => tokens.clone(),
+                _ => vec![],
+            })
+            .collect();
+        assert_eq!(committed, vec![8, 9, 10], "the block and its bonus");
+        assert_eq!(sync.committed_len(), 7);
+        assert_eq!(sync.next(), Next::Draft);
+        let mut deep = pipeline(2, 2);
+        let b = draft(&mut deep, &[8, 9, 10, 11]);
+        assert_eq!(b.len(), 2, "a second block while the first is in flight");
+        assert_eq!(b[1].start_pos, 6);
+        assert_eq!(deep.next(), Next::Wait);
+    }
+
+    #[test]
+    fn a_rejection_moves_the_epoch_and_stales_the_blocks_behind_it() {
+        let mut p = pipeline(2, 2);
+        let b = draft(&mut p, &[8, 9, 10, 11]);
+        let out = p.on_verdict(verdict(&b[0], 1, 42)).unwrap();
+        assert!(out.contains(&Output::Rollback { to: 5 }), "{out:?}");
+        assert_eq!((p.epoch(), p.blocks_in_flight()), (1, 0));
+        assert_eq!(
+            p.committed_len(),
+            6,
+            "the accepted token and the correction"
+        );
+        // The second block's verdict belongs to the old epoch: counted, ignored.
+        assert!(p.on_verdict(verdict(&b[1], 2, 5)).unwrap().is_empty());
+        assert_eq!(p.stats().stale_verdicts, 1);
+        assert_eq!(p.tokens(), &[1, 2, 3, 7, 8, 42]);
+    }
+
+    #[test]
+    fn a_verdict_for_no_block_in_flight_or_too_many_tokens_is_refused_by_name() {
+        let mut p = pipeline(2, 2);
+        let b = draft(&mut p, &[8, 9]);
+        let mut wrong = verdict(&b[0], 1, 3);
+        wrong.block = 5;
+        let e = p.on_verdict(wrong).unwrap_err().to_string();
+        assert!(e.contains("block 5") && e.contains("block 0"), "{e}");
+        let e = p.on_verdict(verdict(&b[0], 3, 3)).unwrap_err().to_string();
+        assert!(e.contains("accepts 3 tokens of a 2-token block"), "{e}");
+        // Nothing changed: the right verdict still applies.
+        assert!(!p.on_verdict(verdict(&b[0], 2, 3)).unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_end_of_generation_token_ends_it_and_drops_what_follows() {
+        let mut p = pipeline(3, 2);
+        let b = draft(&mut p, &[8, 99]);
+        assert_eq!(p.next(), Next::Wait, "no drafting past a drafted end");
+        assert_eq!(b.len(), 1, "the block goes out short");
+        let out = p.on_verdict(verdict(&b[0], 2, 11)).unwrap();
+        assert_eq!(
+            out,
+            vec![Output::Commit {
+                pos: 4,
+                tokens: vec![8, 99]
+            }]
+        );
+        assert_eq!(p.next(), Next::Done);
+        assert_eq!(p.output(), &[7, 8, 99]);
+    }
+}
