@@ -260,14 +260,14 @@ impl VerifierRpc for Service {
         // The batcher grants within what the edge asks for, as its load allows.
         let gamma = o.want_draft_len.clamp(1, self.info.max_draft_len);
         let depth = o.want_depth.clamp(1, self.info.max_depth);
-        let session = self.next_session.fetch_add(1, Ordering::Relaxed);
+        let session = SessionId(self.next_session.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = unbounded_channel();
         let out = tx.clone();
         let reply: Reply = Arc::new(move |msg: ToEdge| {
             let m = match msg {
                 ToEdge::Opened { first, grant } => Ok(CloudMessage {
                     kind: Some(cloud_message::Kind::Opened(Opened {
-                        session_id: session,
+                        session_id: session.0,
                         model: None,
                         draft_len: grant.draft_len,
                         depth: grant.depth,
@@ -339,7 +339,7 @@ impl VerifierRpc for Service {
                 match inbound.message().await {
                     Ok(Some(EdgeMessage {
                         kind: Some(edge_message::Kind::Draft(d)),
-                    })) => match validation::draft(d, session, vocab, gamma as usize) {
+                    })) => match validation::draft(d, session.0, vocab, gamma as usize) {
                         Ok(block) => {
                             if !send(ToCloud::Core(Inbound::Draft { session, block })) {
                                 break;
@@ -381,7 +381,7 @@ impl VerifierRpc for Service {
         self.admitting()?;
         let g = validation::generate(req.into_inner(), &self.info.model)?;
         let (tx, rx) = unbounded_channel();
-        let session = self.next_session.fetch_add(1, Ordering::Relaxed);
+        let session = SessionId(self.next_session.fetch_add(1, Ordering::Relaxed));
         let reply: Reply = Arc::new(move |msg: ToEdge| {
             let m = match msg {
                 ToEdge::Token { token, done } => Ok(GenerateResponse {
@@ -436,7 +436,7 @@ impl VerifierRpc for Service {
         req: Request<SessionRef>,
     ) -> Result<Response<SessionState>, Status> {
         let tenant = self.tenant(&req)?;
-        let id = req.into_inner().session_id;
+        let id = SessionId(req.into_inner().session_id);
         self.owned(tenant, id)?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.send(ToCloud::Query {
@@ -451,7 +451,7 @@ impl VerifierRpc for Service {
             .filter(|s| s.tenant == tenant)
             .ok_or_else(|| Status::not_found(format!("session_id: no open session {id}")))?;
         Ok(Response::new(SessionState {
-            session_id: id,
+            session_id: id.0,
             committed_len: s.committed_len as u64,
             epoch: s.epoch,
             verified_positions: s.verified_positions,
@@ -462,7 +462,7 @@ impl VerifierRpc for Service {
 
     async fn cancel(&self, req: Request<SessionRef>) -> Result<Response<Cancelled>, Status> {
         let tenant = self.tenant(&req)?;
-        let id = req.into_inner().session_id;
+        let id = SessionId(req.into_inner().session_id);
         let out = self.owned(tenant, id)?;
         if let Ok(mut s) = self.sessions.lock() {
             s.remove(&id);

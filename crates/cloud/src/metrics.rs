@@ -230,7 +230,7 @@ impl Metrics {
                     positions,
                 } => {
                     let t = tenant_names
-                        .get(tenant as usize)
+                        .get(tenant.0 as usize)
                         .cloned()
                         .unwrap_or_else(|| tenant.to_string());
                     self.drafts.inc();

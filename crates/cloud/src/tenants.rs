@@ -111,7 +111,7 @@ impl Tenants {
                         "keys: a key must be at least {MIN_KEY_LEN} printable ASCII characters"
                     )));
                 }
-                if t.by_key.insert(k.clone(), i as TenantId).is_some() {
+                if t.by_key.insert(k.clone(), TenantId(i as u32)).is_some() {
                     return Err(bad("keys: a key is used twice".into()));
                 }
             }
@@ -157,13 +157,13 @@ impl Tenants {
         self.configs
             .iter()
             .enumerate()
-            .map(|(i, c)| (i as TenantId, *c))
+            .map(|(i, c)| (TenantId(i as u32), *c))
     }
 
     /// The tenant an `authorization` header value (`Bearer <key>`) names.
     pub fn authenticate(&self, header: Option<&str>) -> Result<TenantId, AuthError> {
         if !self.auth {
-            return Ok(0);
+            return Ok(TenantId(0));
         }
         let Some(h) = header else {
             return Err(AuthError(
@@ -200,8 +200,14 @@ keys = ["beta-0123456789abcdef", "beta-fedcba9876543210"]
     fn keys_name_their_tenant() {
         let t = Tenants::from_toml(FILE).unwrap();
         assert_eq!(t.names(), ["acme", "beta"]);
-        assert_eq!(t.authenticate(Some("Bearer acme-0123456789abcdef")), Ok(0));
-        assert_eq!(t.authenticate(Some("Bearer beta-fedcba9876543210")), Ok(1));
+        assert_eq!(
+            t.authenticate(Some("Bearer acme-0123456789abcdef")),
+            Ok(TenantId(0))
+        );
+        assert_eq!(
+            t.authenticate(Some("Bearer beta-fedcba9876543210")),
+            Ok(TenantId(1))
+        );
         assert!(t
             .authenticate(Some("Bearer nope-0123456789abcdef"))
             .is_err());
@@ -211,7 +217,7 @@ keys = ["beta-0123456789abcdef", "beta-fedcba9876543210"]
         assert_eq!(c[0].1.weight, 3.0);
         assert_eq!(c[0].1.max_sessions, Some(4));
         assert_eq!(c[1].1.weight, 1.0);
-        assert_eq!(Tenants::open().authenticate(None), Ok(0));
+        assert_eq!(Tenants::open().authenticate(None), Ok(TenantId(0)));
     }
 
     #[test]

@@ -22,6 +22,7 @@ use tandem_engine::testing::{tiny_gguf, TinySpec};
 use tandem_engine::{
     Engine, EngineConfig, GgufFile, LlamaModel, SeqChunk, SeqId, Wanted, WeightMode,
 };
+use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::sampling::{distribution, sample, uniform};
 use tandem_spec::{Block, PipelineStats, Verdict, VerifyRule};
@@ -191,7 +192,7 @@ struct Local<'a> {
 
 impl Local<'_> {
     fn verify(&mut self, block: Block) -> Result<(), EdgeError> {
-        let mut events = self.verifier.draft(self.session, block);
+        let mut events = self.verifier.draft(SessionId(self.session), block);
         events.extend(self.verifier.run_until_idle(0));
         for e in events {
             match e {
@@ -355,7 +356,15 @@ fn committed_counts(
             granted: None,
         };
         verifier
-            .open(run, 0, &PROMPT, params, rule, case.max_new_tokens, vec![])
+            .open(
+                SessionId(run),
+                TenantId(0),
+                &PROMPT,
+                params,
+                rule,
+                case.max_new_tokens,
+                vec![],
+            )
             .unwrap();
         let first = match verifier.run_until_idle(0).as_slice() {
             [Event::Opened { first, .. }] => *first,
@@ -379,7 +388,7 @@ fn committed_counts(
             |_| {},
         )
         .unwrap();
-        verifier.close(run);
+        verifier.close(SessionId(run));
         let out = report.output_ids;
         assert_eq!(out.len(), case.max_new_tokens, "run {run}: {out:?}");
         if rule == VerifyRule::SampleMatch {

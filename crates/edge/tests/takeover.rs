@@ -11,6 +11,7 @@ use tandem_bench::synthetic::SyntheticDrafter;
 use tandem_edge::{EdgeError, Link, SpecConfig};
 use tandem_engine::testing::{tiny_file, TinySpec};
 use tandem_engine::{Engine, EngineConfig, LlamaModel, WeightMode};
+use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::Incoming;
 use tandem_spec::{Block, VerifyRule};
@@ -74,12 +75,12 @@ impl Local {
         }
         if !self.taken && self.verdicts >= self.take_after {
             self.taken = true;
-            let e = self.v.set_takeover(SESSION, true);
+            let e = self.v.set_takeover(SessionId(SESSION), true);
             self.absorb(e)?;
         }
         if self.taken && !self.giving && self.decoded >= self.give_after {
             self.giving = true;
-            let e = self.v.set_takeover(SESSION, false);
+            let e = self.v.set_takeover(SessionId(SESSION), false);
             self.absorb(e)?;
         }
         Ok(())
@@ -88,7 +89,7 @@ impl Local {
 
 impl Link for Local {
     fn send(&mut self, block: Block) -> Result<(), EdgeError> {
-        let e = self.v.draft(SESSION, block);
+        let e = self.v.draft(SessionId(SESSION), block);
         self.absorb(e)
     }
 
@@ -107,8 +108,15 @@ fn a_session_taken_over_and_handed_back_is_the_targets() {
     let n = 40;
     // The target's own greedy answer: a cloud-only generation on the same verifier.
     let mut v = verifier();
-    v.open_generation(1, 0, &prompt, SamplingParams::default(), n, vec![])
-        .unwrap();
+    v.open_generation(
+        SessionId(1),
+        TenantId(0),
+        &prompt,
+        SamplingParams::default(),
+        n,
+        vec![],
+    )
+    .unwrap();
     let want: Vec<u32> = v
         .run_until_idle(0)
         .into_iter()
@@ -121,8 +129,8 @@ fn a_session_taken_over_and_handed_back_is_the_targets() {
     for (take_after, give_after, alpha, depth) in [(2, 5, 0.7, 2), (1, 1, 0.5, 3), (4, 12, 0.9, 1)]
     {
         v.open(
-            SESSION,
-            0,
+            SessionId(SESSION),
+            TenantId(0),
             &prompt,
             SamplingParams::default(),
             VerifyRule::Greedy,
@@ -185,6 +193,6 @@ fn a_session_taken_over_and_handed_back_is_the_targets() {
             link.decoded, link.verdicts, r.stats.stale_blocks
         );
         v = link.v;
-        v.close(SESSION);
+        v.close(SessionId(SESSION));
     }
 }

@@ -26,8 +26,29 @@ pub use grant::GrantPolicy;
 pub use pace::{ForwardCost, Pace};
 pub use pool::BlockPool;
 
-pub type SessionId = u64;
-pub type TenantId = u32;
+/// A session, speculation or cloud-only generation, as the verifier numbers it.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
+pub struct SessionId(pub u64);
+
+/// A tenant: who pays for a session (an API key names one; 0 is the default tenant).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
+pub struct TenantId(pub u32);
+
+impl std::fmt::Display for SessionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+impl std::fmt::Display for TenantId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
 
 /// While prompts wait, verify work leaves them `token_budget / PREFILL_RESERVE_DIV` tokens.
 pub const PREFILL_RESERVE_DIV: usize = 4;

@@ -6,31 +6,33 @@ fn sched(budget: usize, blocks: usize) -> Scheduler {
         ..SchedConfig::new(budget, 4, blocks)
     })
     .unwrap();
-    s.set_tenant(1, TenantConfig::weight(1.0)).unwrap();
-    s.set_tenant(2, TenantConfig::weight(3.0)).unwrap();
+    s.set_tenant(TenantId(1), TenantConfig::weight(1.0))
+        .unwrap();
+    s.set_tenant(TenantId(2), TenantConfig::weight(3.0))
+        .unwrap();
     s
 }
 
 #[test]
 fn a_long_prefill_never_delays_a_verify() {
     let mut s = sched(16, 64);
-    s.open(1, 1, 200).unwrap(); // a long prompt
-    s.open(2, 1, 4).unwrap();
+    s.open(SessionId(1), TenantId(1), 200).unwrap(); // a long prompt
+    s.open(SessionId(2), TenantId(1), 4).unwrap();
     // Prefill takes turns: session 2's short prompt is done by the second iteration.
     for _ in 0..2 {
         let p = s.schedule(0);
         s.update(&p, &[]);
     }
-    assert_eq!(s.sessions[&2].computed, 4);
-    assert!(s.sessions[&1].computed < 200);
+    assert_eq!(s.sessions[&SessionId(2)].computed, 4);
+    assert!(s.sessions[&SessionId(1)].computed < 200);
     for _ in 0..5 {
-        s.enqueue_verify(2, 5).unwrap();
+        s.enqueue_verify(SessionId(2), 5).unwrap();
         let p = s.schedule(0);
-        assert_eq!(p.chunks[0].session, 2, "{p:?}");
+        assert_eq!(p.chunks[0].session, SessionId(2), "{p:?}");
         assert_eq!(p.chunks[0].kind, WorkKind::Verify);
         assert!(p.tokens() <= 16);
         let kv = p.chunks[0].start + 3; // two positions rejected
-        s.update(&p, &[(2, kv)]);
+        s.update(&p, &[(SessionId(2), kv)]);
     }
     assert_eq!(s.stats().max_verify_wait, 1);
     assert!(s.pool().conserved());
@@ -40,10 +42,11 @@ fn a_long_prefill_never_delays_a_verify() {
 fn weights_split_the_budget_under_saturation() {
     let mut s = sched(12, 1000);
     for id in 0..6u64 {
-        s.open(id, if id < 3 { 1 } else { 2 }, 4).unwrap();
+        s.open(SessionId(id), TenantId(if id < 3 { 1 } else { 2 }), 4)
+            .unwrap();
     }
     for _ in 0..400 {
-        for id in 0..6u64 {
+        for id in (0..6u64).map(SessionId) {
             if s.sessions[&id].verifies.is_empty() {
                 s.enqueue_verify(id, 4).unwrap();
             }
@@ -56,7 +59,10 @@ fn weights_split_the_budget_under_saturation() {
             .collect();
         s.update(&p, &kv);
     }
-    let (a, b) = (s.tenant_positions(1) as f64, s.tenant_positions(2) as f64);
+    let (a, b) = (
+        s.tenant_positions(TenantId(1)) as f64,
+        s.tenant_positions(TenantId(2)) as f64,
+    );
     let share = b / (a + b);
     assert!((share - 0.75).abs() < 0.075, "{a} vs {b}");
 }
@@ -65,29 +71,29 @@ fn weights_split_the_budget_under_saturation() {
 fn a_full_pool_preempts_the_least_recently_active_session() {
     // 4 blocks of 4 tokens: two sessions of 8 tokens fill it.
     let mut s = sched(32, 4);
-    s.open(1, 1, 8).unwrap();
-    s.open(2, 1, 8).unwrap();
+    s.open(SessionId(1), TenantId(1), 8).unwrap();
+    s.open(SessionId(2), TenantId(1), 8).unwrap();
     let p = s.schedule(0);
     s.update(&p, &[]);
     assert_eq!(s.pool().num_free(), 0);
-    s.enqueue_verify(2, 4).unwrap();
+    s.enqueue_verify(SessionId(2), 4).unwrap();
     let p = s.schedule(0);
-    assert_eq!(p.preempted, vec![1]);
+    assert_eq!(p.preempted, vec![SessionId(1)]);
     assert_eq!(p.chunks.len(), 1);
-    s.update(&p, &[(2, 12)]);
+    s.update(&p, &[(SessionId(2), 12)]);
     // Idle, session 1 costs nothing; once its edge sends a block it recomputes its 8 known
     // tokens (there is room again), then verifies.
-    s.close(2);
+    s.close(SessionId(2));
     assert!(!s.has_work());
-    s.enqueue_verify(1, 2).unwrap();
+    s.enqueue_verify(SessionId(1), 2).unwrap();
     let p = s.schedule(0);
     assert_eq!(
         (p.chunks[0].session, p.chunks[0].start, p.chunks[0].len),
-        (1, 0, 8)
+        (SessionId(1), 0, 8)
     );
     assert_eq!(p.chunks[0].kind, WorkKind::Prefill);
     s.update(&p, &[]);
-    assert_eq!(s.sessions[&1].computed, 8);
+    assert_eq!(s.sessions[&SessionId(1)].computed, 8);
     let p = s.schedule(0);
     assert_eq!((p.chunks[0].kind, p.chunks[0].start), (WorkKind::Verify, 8));
     assert!(s.pool().conserved());
@@ -101,15 +107,16 @@ fn admission_refuses_a_saturated_verifier_and_enforces_session_quotas() {
         ..SchedConfig::new(8, 4, 64)
     })
     .unwrap();
-    s.set_tenant(1, TenantConfig::weight(1.0)).unwrap();
+    s.set_tenant(TenantId(1), TenantConfig::weight(1.0))
+        .unwrap();
     let quota = TenantConfig {
         max_sessions: Some(1),
         ..TenantConfig::default()
     };
-    s.set_tenant(2, quota).unwrap();
-    s.open(1, 1, 16).unwrap();
+    s.set_tenant(TenantId(2), quota).unwrap();
+    s.open(SessionId(1), TenantId(1), 16).unwrap();
     // 16 tokens wait; 8 more would pass 20.
-    let e = s.open(2, 1, 8).unwrap_err();
+    let e = s.open(SessionId(2), TenantId(1), 8).unwrap_err();
     assert!(
         matches!(
             e,
@@ -120,14 +127,14 @@ fn admission_refuses_a_saturated_verifier_and_enforces_session_quotas() {
         ),
         "{e}"
     );
-    s.open(2, 1, 4).unwrap();
+    s.open(SessionId(2), TenantId(1), 4).unwrap();
     let p = s.schedule(0);
     s.update(&p, &[]);
-    s.open(3, 2, 4).unwrap();
+    s.open(SessionId(3), TenantId(2), 4).unwrap();
     assert_eq!(
-        s.open(4, 2, 4),
+        s.open(SessionId(4), TenantId(2), 4),
         Err(SchedError::QuotaExceeded {
-            tenant: 2,
+            tenant: TenantId(2),
             what: "sessions",
             limit: 1
         })
@@ -137,10 +144,13 @@ fn admission_refuses_a_saturated_verifier_and_enforces_session_quotas() {
         s.update(&p, &[]);
     }
     assert_eq!(s.waiting_tokens(), 0);
-    assert!(matches!(s.open(5, 1, 4), Err(SchedError::Saturated { .. })));
+    assert!(matches!(
+        s.open(SessionId(5), TenantId(1), 4),
+        Err(SchedError::Saturated { .. })
+    ));
     assert_eq!(s.stats().refused, 3);
-    s.close(1);
-    s.open(5, 1, 4).unwrap();
+    s.close(SessionId(1));
+    s.open(SessionId(5), TenantId(1), 4).unwrap();
 }
 
 #[test]
@@ -150,19 +160,19 @@ fn a_tenant_over_its_kv_quota_preempts_only_its_own_sessions() {
         max_kv_blocks: Some(3),
         ..TenantConfig::default()
     };
-    s.set_tenant(2, quota).unwrap();
-    s.open(1, 1, 4).unwrap(); // tenant 1: one block, the least recently active
-    s.open(2, 2, 4).unwrap();
-    s.open(3, 2, 8).unwrap(); // tenant 2: three blocks, its quota
+    s.set_tenant(TenantId(2), quota).unwrap();
+    s.open(SessionId(1), TenantId(1), 4).unwrap(); // tenant 1: one block, the least recently active
+    s.open(SessionId(2), TenantId(2), 4).unwrap();
+    s.open(SessionId(3), TenantId(2), 8).unwrap(); // tenant 2: three blocks, its quota
     let p = s.schedule(0);
     s.update(&p, &[]);
-    assert_eq!(s.tenant_blocks(2), 3);
-    s.enqueue_verify(3, 4).unwrap(); // needs a fourth block
+    assert_eq!(s.tenant_blocks(TenantId(2)), 3);
+    s.enqueue_verify(SessionId(3), 4).unwrap(); // needs a fourth block
     let p = s.schedule(0);
-    assert_eq!(p.preempted, vec![2], "{p:?}");
-    s.update(&p, &[(3, 12)]);
-    assert_eq!(s.tenant_blocks(2), 3);
-    assert_eq!(s.pool().held(1), 1);
+    assert_eq!(p.preempted, vec![SessionId(2)], "{p:?}");
+    s.update(&p, &[(SessionId(3), 12)]);
+    assert_eq!(s.tenant_blocks(TenantId(2)), 3);
+    assert_eq!(s.pool().held(SessionId(1)), 1);
     // Session 2 cannot come back while session 3 holds the quota.
     let p = s.schedule(0);
     assert!(p.chunks.is_empty(), "{p:?}");
@@ -176,12 +186,12 @@ fn a_rate_quota_holds_a_tenant_to_its_tokens_per_second() {
         tokens_per_s: Some(100.0),
         ..TenantConfig::default()
     };
-    s.set_tenant(2, quota).unwrap();
-    s.open(1, 1, 4).unwrap();
-    s.open(2, 2, 4).unwrap();
+    s.set_tenant(TenantId(2), quota).unwrap();
+    s.open(SessionId(1), TenantId(1), 4).unwrap();
+    s.open(SessionId(2), TenantId(2), 4).unwrap();
     // Ten simulated seconds, an iteration every 10 ms, both sessions always with a block.
     for i in 0..1000u64 {
-        for id in [1, 2] {
+        for id in [SessionId(1), SessionId(2)] {
             if s.sessions[&id].verifies.is_empty() && s.sessions[&id].computed > 0 {
                 s.enqueue_verify(id, 4).unwrap();
             }
@@ -191,34 +201,34 @@ fn a_rate_quota_holds_a_tenant_to_its_tokens_per_second() {
         s.update(&p, &kv);
     }
     // 100/s for 10 s, plus a first burst of one second and one block of overdraft.
-    let limited = s.tenant_positions(2);
+    let limited = s.tenant_positions(TenantId(2));
     assert!((990..=100 * 11 + 4).contains(&limited), "{limited}");
-    assert!(s.tenant_positions(1) > 3 * limited);
+    assert!(s.tenant_positions(TenantId(1)) > 3 * limited);
 }
 
 #[test]
 fn an_idle_session_gives_its_kv_to_a_waiting_prompt() {
     // 4 blocks of 4 tokens; session 1 takes three and goes quiet.
     let mut s = sched(32, 4);
-    s.open(1, 1, 12).unwrap();
+    s.open(SessionId(1), TenantId(1), 12).unwrap();
     let p = s.schedule(0);
     s.update(&p, &[]);
     assert_eq!(s.pool().num_free(), 1);
-    s.open(2, 2, 8).unwrap();
+    s.open(SessionId(2), TenantId(2), 8).unwrap();
     // Quiet for less than idle_evict_ms: the new prompt takes the free block and waits.
     let p = s.schedule(100);
     assert!(p.preempted.is_empty(), "{p:?}");
-    assert_eq!((p.chunks[0].session, p.chunks[0].len), (2, 4));
+    assert_eq!((p.chunks[0].session, p.chunks[0].len), (SessionId(2), 4));
     s.update(&p, &[]);
     let p = s.schedule(600);
-    assert_eq!(p.preempted, vec![1]);
-    assert_eq!((p.chunks[0].session, p.chunks[0].start), (2, 4));
+    assert_eq!(p.preempted, vec![SessionId(1)]);
+    assert_eq!((p.chunks[0].session, p.chunks[0].start), (SessionId(2), 4));
     s.update(&p, &[]);
     // Session 1's edge sends a block: it recomputes when there is room, then verifies.
-    s.enqueue_verify(1, 2).unwrap();
-    s.close(2);
+    s.enqueue_verify(SessionId(1), 2).unwrap();
+    s.close(SessionId(2));
     let p = s.schedule(0);
-    assert_eq!((p.chunks[0].session, p.chunks[0].len), (1, 12));
+    assert_eq!((p.chunks[0].session, p.chunks[0].len), (SessionId(1), 12));
     s.update(&p, &[]);
     let p = s.schedule(0);
     assert_eq!(p.chunks[0].kind, WorkKind::Verify);
@@ -229,37 +239,37 @@ fn an_idle_session_gives_its_kv_to_a_waiting_prompt() {
 fn a_block_that_could_never_fit_is_refused_and_a_failed_forward_computes_nothing() {
     // 4 blocks of 4 tokens: a session at 14 tokens can take 2 more, never 3.
     let mut s = sched(32, 4);
-    s.open(1, 1, 14).unwrap();
+    s.open(SessionId(1), TenantId(1), 14).unwrap();
     let p = s.schedule(0);
     assert_eq!((p.chunks[0].start, p.chunks[0].len), (0, 14));
     // The forward failed: nothing is computed and the same chunk is planned again.
-    s.update(&p, &[(1, 0)]);
+    s.update(&p, &[(SessionId(1), 0)]);
     assert!(s.has_work());
     let again = s.schedule(0);
     assert_eq!(again.chunks, p.chunks);
     s.update(&again, &[]);
     assert!(matches!(
-        s.enqueue_verify(1, 3),
+        s.enqueue_verify(SessionId(1), 3),
         Err(SchedError::CannotFit {
             tokens: 17,
             needed: 5,
             capacity: 4
         })
     ));
-    s.enqueue_verify(1, 2).unwrap();
+    s.enqueue_verify(SessionId(1), 2).unwrap();
     // A tenant quota caps it the same way, and a prompt past the quota is refused.
     let quota = TenantConfig {
         max_kv_blocks: Some(2),
         ..TenantConfig::default()
     };
-    s.set_tenant(2, quota).unwrap();
+    s.set_tenant(TenantId(2), quota).unwrap();
     assert!(matches!(
-        s.open(2, 2, 9),
+        s.open(SessionId(2), TenantId(2), 9),
         Err(SchedError::QuotaExceeded { what, .. }) if what.starts_with("KV blocks")
     ));
-    s.open(2, 2, 8).unwrap();
+    s.open(SessionId(2), TenantId(2), 8).unwrap();
     assert!(matches!(
-        s.enqueue_verify(2, 1),
+        s.enqueue_verify(SessionId(2), 1),
         Err(SchedError::CannotFit { .. })
     ));
     assert!(s.pool().conserved());
@@ -268,17 +278,28 @@ fn a_block_that_could_never_fit_is_refused_and_a_failed_forward_computes_nothing
 #[test]
 fn refusals_name_the_problem() {
     let mut s = sched(8, 4);
-    assert_eq!(s.open(1, 9, 4), Err(SchedError::UnknownTenant(9)));
-    s.open(1, 1, 4).unwrap();
-    assert_eq!(s.open(1, 1, 4), Err(SchedError::DuplicateSession(1)));
+    assert_eq!(
+        s.open(SessionId(1), TenantId(9), 4),
+        Err(SchedError::UnknownTenant(TenantId(9)))
+    );
+    s.open(SessionId(1), TenantId(1), 4).unwrap();
+    assert_eq!(
+        s.open(SessionId(1), TenantId(1), 4),
+        Err(SchedError::DuplicateSession(SessionId(1)))
+    );
     assert!(matches!(
-        s.enqueue_verify(1, 9),
+        s.enqueue_verify(SessionId(1), 9),
         Err(SchedError::BlockTooLarge { len: 9, budget: 8 })
     ));
-    assert_eq!(s.enqueue_verify(7, 1), Err(SchedError::UnknownSession(7)));
+    assert_eq!(
+        s.enqueue_verify(SessionId(7), 1),
+        Err(SchedError::UnknownSession(SessionId(7)))
+    );
     assert!(matches!(
-        s.open(2, 1, 17),
+        s.open(SessionId(2), TenantId(1), 17),
         Err(SchedError::PromptTooLarge { .. })
     ));
-    assert!(s.set_tenant(3, TenantConfig::weight(0.0)).is_err());
+    assert!(s
+        .set_tenant(TenantId(3), TenantConfig::weight(0.0))
+        .is_err());
 }

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use proptest::prelude::*;
-use tandem_sched::{SchedConfig, Scheduler, TenantConfig, WorkKind};
+use tandem_sched::{SchedConfig, Scheduler, SessionId, TenantConfig, TenantId, WorkKind};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -35,18 +35,18 @@ proptest! {
     ) {
         let mut s = Scheduler::new(SchedConfig::new(budget, block_size, num_blocks)).unwrap();
         for t in 1..4 {
-            s.set_tenant(t, TenantConfig::weight(t as f64)).unwrap();
+            s.set_tenant(TenantId(t), TenantConfig::weight(t as f64)).unwrap();
         }
-        let mut open: Vec<u64> = Vec::new();
+        let mut open: Vec<SessionId> = Vec::new();
         // What the shell knows of each session: tokens known to the cloud after the last verdict.
-        let mut known: BTreeMap<u64, usize> = BTreeMap::new();
+        let mut known: BTreeMap<SessionId, usize> = BTreeMap::new();
         let mut next_id = 0u64;
         for o in ops {
             match o {
                 Op::Open { tenant, prompt } => {
-                    if s.open(next_id, tenant, prompt).is_ok() {
-                        open.push(next_id);
-                        known.insert(next_id, prompt);
+                    if s.open(SessionId(next_id), TenantId(tenant), prompt).is_ok() {
+                        open.push(SessionId(next_id));
+                        known.insert(SessionId(next_id), prompt);
                     }
                     next_id += 1;
                 }
@@ -78,7 +78,7 @@ proptest! {
                         }
                     }
                     // Verdicts: each verify chunk keeps `len - r` of its positions (r rejected).
-                    let kv: Vec<(u64, usize)> = p
+                    let kv: Vec<(SessionId, usize)> = p
                         .chunks
                         .iter()
                         .filter(|c| c.kind == WorkKind::Verify)
@@ -141,22 +141,22 @@ proptest! {
             ..SchedConfig::new(budget, block_size, num_blocks)
         };
         let mut s = Scheduler::new(cfg).unwrap();
-        s.set_tenant(1, TenantConfig { tokens_per_s: Some(rate), ..TenantConfig::weight(1.0) }).unwrap();
-        s.set_tenant(2, TenantConfig::weight(2.0)).unwrap();
-        s.set_tenant(3, TenantConfig::weight(1.0)).unwrap();
+        s.set_tenant(TenantId(1), TenantConfig { tokens_per_s: Some(rate), ..TenantConfig::weight(1.0) }).unwrap();
+        s.set_tenant(TenantId(2), TenantConfig::weight(2.0)).unwrap();
+        s.set_tenant(TenantId(3), TenantConfig::weight(1.0)).unwrap();
         let (mut now, mut rated) = (0u64, 0usize);
-        let mut open: Vec<u64> = Vec::new();
-        let mut tenant_of: BTreeMap<u64, u32> = BTreeMap::new();
-        let mut known: BTreeMap<u64, usize> = BTreeMap::new();
+        let mut open: Vec<SessionId> = Vec::new();
+        let mut tenant_of: BTreeMap<SessionId, u32> = BTreeMap::new();
+        let mut known: BTreeMap<SessionId, usize> = BTreeMap::new();
         let mut next_id = 0u64;
         for o in ops {
             match o {
                 TimedOp::Advance { ms } => now += ms,
                 TimedOp::Op(Op::Open { tenant, prompt }) => {
-                    if s.open(next_id, tenant, prompt).is_ok() {
-                        open.push(next_id);
-                        known.insert(next_id, prompt);
-                        tenant_of.insert(next_id, tenant);
+                    if s.open(SessionId(next_id), TenantId(tenant), prompt).is_ok() {
+                        open.push(SessionId(next_id));
+                        known.insert(SessionId(next_id), prompt);
+                        tenant_of.insert(SessionId(next_id), tenant);
                     }
                     next_id += 1;
                 }
@@ -193,7 +193,7 @@ proptest! {
                         rated as f64 <= allowed,
                         "{rated} positions for a tenant of {rate}/s by {now} ms (at most {allowed})"
                     );
-                    let kv: Vec<(u64, usize)> = p
+                    let kv: Vec<(SessionId, usize)> = p
                         .chunks
                         .iter()
                         .filter(|c| c.kind == WorkKind::Verify)

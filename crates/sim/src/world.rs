@@ -4,6 +4,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
+use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::uniform;
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{Block, EdgeSession, Incoming, Next, Output, SessionConfig, Shape, VerifyRule};
@@ -289,9 +290,9 @@ impl Sim {
                     }
                 };
                 Inbound::Open {
-                    session: sid,
+                    session: SessionId(sid),
                     new: NewSession {
-                        tenant: 0,
+                        tenant: TenantId(0),
                         prompt: s.prompt.clone(),
                         params: SamplingParams::default(),
                         max_tokens: self.cfg.new_tokens,
@@ -302,10 +303,12 @@ impl Sim {
                 }
             }
             Ev::Block { sid, block, .. } => Inbound::Draft {
-                session: sid,
+                session: SessionId(sid),
                 block,
             },
-            Ev::Close { sid, .. } => Inbound::Close { session: sid },
+            Ev::Close { sid, .. } => Inbound::Close {
+                session: SessionId(sid),
+            },
             _ => return,
         };
         self.replicas[r].core.receive(self.now, msg);
@@ -345,7 +348,7 @@ impl Sim {
     /// Send a replica's messages to their edges.
     fn emit(&mut self, out: Vec<Outgoing<()>>) {
         for o in out {
-            let sid = o.session;
+            let sid = o.session.0;
             self.send(sid, false, Ev::ToEdge { sid, msg: o.msg });
         }
     }

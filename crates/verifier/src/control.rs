@@ -265,9 +265,9 @@ mod tests {
     fn decisions_name_each_change_of_hands_once() {
         let mut c = control();
         let mut ctls: Vec<(SessionId, Ctl)> = (0..3)
-            .map(|id| (id, Ctl::new(Some(Shape::new(4, 2)))))
+            .map(|id| (SessionId(id), Ctl::new(Some(Shape::new(4, 2)))))
             .collect();
-        ctls.push((3, Ctl::new(None)));
+        ctls.push((SessionId(3), Ctl::new(None)));
         let load = |forwards| Load {
             forwards,
             tokens_per_forward: 200.0,
@@ -282,7 +282,8 @@ mod tests {
             taken.extend(d.takeovers);
         }
         assert_eq!(c.grants().current(), (0, 1));
-        assert_eq!(taken, vec![(0, true), (1, true), (2, true)]);
+        let ids = |on| (0..3).map(|i| (SessionId(i), on)).collect::<Vec<_>>();
+        assert_eq!(taken, ids(true));
         assert!(ctls[..3].iter().all(|(_, c)| c.is_cloud()));
         assert!(!ctls[3].1.is_cloud());
         // An idle spell relaxes a level and says so; γ 1 again, every session is handed back.
@@ -292,6 +293,6 @@ mod tests {
             ctls.iter_mut().map(|(id, c)| (*id, c)),
         );
         assert!(d.idle);
-        assert_eq!(d.takeovers, vec![(0, false), (1, false), (2, false)]);
+        assert_eq!(d.takeovers, ids(false));
     }
 }

@@ -43,7 +43,7 @@ impl<T: Target, H> VerifierCore<T, H> {
         let mut tables = Vec::with_capacity(plan.chunks.len());
         for c in &plan.chunks {
             let s = &self.sessions[&c.session];
-            let seq = SeqId(c.session);
+            let seq = SeqId(c.session.0);
             let chunk = match (c.kind, &s.work) {
                 (WorkKind::Prefill, work) => {
                     let end = c.start + c.len;
@@ -126,7 +126,7 @@ impl<T: Target, H> VerifierCore<T, H> {
         let mut enqueue = Vec::new();
         for c in &plan.chunks {
             let id = c.session;
-            let seq = SeqId(id);
+            let seq = SeqId(id.0);
             let s = self
                 .sessions
                 .get_mut(&id)

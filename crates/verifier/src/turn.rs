@@ -391,7 +391,7 @@ mod tests {
     use crate::control::IDLE_RELAX_MS;
     use crate::VerifierConfig;
     use tandem_engine::{EngineError, Logits, SeqChunk};
-    use tandem_sched::{ForwardCost, GrantPolicy};
+    use tandem_sched::{ForwardCost, GrantPolicy, TenantId};
 
     /// A target whose greedy token after position p is `p % 15 + 1`, each forward taking 1 ms.
     struct Flat;
@@ -429,11 +429,11 @@ mod tests {
             .with_grants(grants, 0)
     }
 
-    fn open(id: SessionId, mode: Mode) -> Inbound<u64> {
+    fn open(id: u64, mode: Mode) -> Inbound<u64> {
         Inbound::Open {
-            session: id,
+            session: SessionId(id),
             new: NewSession {
-                tenant: 0,
+                tenant: TenantId(0),
                 prompt: vec![3, 4, 5],
                 params: SamplingParams::default(),
                 max_tokens: 40,
@@ -460,7 +460,7 @@ mod tests {
             let t = v.turn(now * 1000);
             takeovers += t.takeovers;
             for o in &t.out {
-                assert_eq!(o.to, 100 + o.session, "each message reaches its own edge");
+                assert_eq!(o.to, 100 + o.session.0, "each message reaches its own edge");
                 n_decoded += usize::from(matches!(o.msg, ToEdge::Decoded(_)));
             }
             now += 1;
@@ -469,7 +469,7 @@ mod tests {
         // verifier.
         assert_eq!(v.control().grants().current(), (0, 1));
         assert_eq!(takeovers, 64);
-        assert!((0..64).all(|id| v.is_taken_over(id)));
+        assert!((0..64).all(|id| v.is_taken_over(SessionId(id))));
         assert!(
             n_decoded >= 64,
             "every session got decoded tokens: {n_decoded}"
@@ -481,8 +481,8 @@ mod tests {
         }
         assert_ne!(v.control().grants().current(), before, "relaxed");
         // A closed session no longer counts.
-        v.close(3);
-        assert!(!v.is_taken_over(3));
+        v.close(SessionId(3));
+        assert!(!v.is_taken_over(SessionId(3)));
     }
 
     #[test]
@@ -503,9 +503,9 @@ mod tests {
             matches!(
                 msgs[0],
                 (
-                    1,
+                    SessionId(1),
                     ToEdge::Error {
-                        error: VerifierError::DuplicateSession(1),
+                        error: VerifierError::DuplicateSession(SessionId(1)),
                         fatal: true,
                         ..
                     }
@@ -514,11 +514,11 @@ mod tests {
             "{msgs:?}"
         );
         assert!(
-            matches!(msgs[1], (1, ToEdge::Opened { grant, .. }) if *grant == (4, 2)),
+            matches!(msgs[1], (SessionId(1), ToEdge::Opened { grant, .. }) if *grant == (4, 2)),
             "{msgs:?}"
         );
         assert!(
-            matches!(msgs[2], (2, ToEdge::Token { done: false, .. })),
+            matches!(msgs[2], (SessionId(2), ToEdge::Token { done: false, .. })),
             "{msgs:?}"
         );
         // Both first tokens came 1 ms after their sessions opened (at 0): the turn's end.
@@ -535,10 +535,10 @@ mod tests {
         // a draft for it afterwards is refused by name.
         let mut now = 6_000;
         let mut last = None;
-        while v.session(2).is_some() {
+        while v.session(SessionId(2)).is_some() {
             let t = v.turn(now);
             now = t.ends_us + 1;
-            last = t.out.into_iter().rfind(|o| o.session == 2);
+            last = t.out.into_iter().rfind(|o| o.session == SessionId(2));
         }
         assert!(matches!(
             last.unwrap().msg,
@@ -547,7 +547,7 @@ mod tests {
         v.receive(
             now,
             Inbound::Draft {
-                session: 2,
+                session: SessionId(2),
                 block: Block {
                     epoch: 0,
                     index: 0,
@@ -557,9 +557,14 @@ mod tests {
                 },
             },
         );
-        v.receive(now, Inbound::Close { session: 1 });
+        v.receive(
+            now,
+            Inbound::Close {
+                session: SessionId(1),
+            },
+        );
         let t = v.turn(now);
-        assert!(t.forward.is_none() && v.session(1).is_none());
+        assert!(t.forward.is_none() && v.session(SessionId(1)).is_none());
         // Its answer is dropped: no record is left to reach it through.
         assert!(t.out.is_empty(), "{:?}", t.out);
     }

@@ -94,7 +94,7 @@ impl<T: Target, H> VerifierCore<T, H> {
             iteration_ms: 50.0,
             stats: VerifierStats::default(),
         };
-        v.set_tenant(0, TenantConfig::default())?;
+        v.set_tenant(TenantId(0), TenantConfig::default())?;
         Ok(v)
     }
 

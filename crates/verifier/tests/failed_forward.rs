@@ -7,6 +7,7 @@ use std::cell::Cell;
 use std::rc::Rc;
 
 use tandem_engine::{EngineError, Logits, SeqChunk};
+use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{Block, Verdict, VerifyRule};
 use tandem_verifier::{Event, Target, VerifierConfig, VerifierCore, VerifierError};
@@ -97,8 +98,8 @@ fn a_failed_verify_puts_the_session_back_and_the_block_verifies_afterwards() {
     let want = oracle(&PROMPT, 6);
     let (mut v, fail) = core();
     v.open(
-        1,
-        0,
+        SessionId(1),
+        TenantId(0),
         &PROMPT,
         SamplingParams::default(),
         VerifyRule::Greedy,
@@ -115,23 +116,23 @@ fn a_failed_verify_puts_the_session_back_and_the_block_verifies_afterwards() {
         tokens: want[1..4].to_vec(),
         q: vec![],
     };
-    let before = v.session(1).unwrap();
-    assert!(v.draft(1, block.clone()).is_empty());
-    assert!(v.session(1).unwrap().verifying);
+    let before = v.session(SessionId(1)).unwrap();
+    assert!(v.draft(SessionId(1), block.clone()).is_empty());
+    assert!(v.session(SessionId(1)).unwrap().verifying);
     fail.set(true);
     let events = v.step(0);
     assert!(
         matches!(
             events.as_slice(),
             [Event::Error {
-                session: 1,
+                session: SessionId(1),
                 error: VerifierError::Engine(_),
                 fatal: false
             }]
         ),
         "{events:?}"
     );
-    let after = v.session(1).unwrap();
+    let after = v.session(SessionId(1)).unwrap();
     assert_eq!(
         (after.committed_len, after.epoch, after.verified_positions),
         (
@@ -148,12 +149,15 @@ fn a_failed_verify_puts_the_session_back_and_the_block_verifies_afterwards() {
     );
     // The same block again, on a target that works: accepted whole, with the target's bonus.
     fail.set(false);
-    assert!(v.draft(1, block).is_empty());
+    assert!(v.draft(SessionId(1), block).is_empty());
     let vs = verdicts(&v.step(0));
     assert_eq!(vs.len(), 1);
     assert_eq!((vs[0].accepted, vs[0].token), (3, want[4]));
     // The first token and three drafted ones are committed; the bonus waits for the next block.
-    assert_eq!(v.session(1).unwrap().committed_len, PROMPT.len() + 4);
+    assert_eq!(
+        v.session(SessionId(1)).unwrap().committed_len,
+        PROMPT.len() + 4
+    );
 }
 
 #[test]
@@ -161,8 +165,8 @@ fn a_failed_takeover_step_is_decoded_again() {
     let want = oracle(&PROMPT, 8);
     let (mut v, fail) = core();
     v.open(
-        1,
-        0,
+        SessionId(1),
+        TenantId(0),
         &PROMPT,
         SamplingParams::default(),
         VerifyRule::Greedy,
@@ -172,7 +176,7 @@ fn a_failed_takeover_step_is_decoded_again() {
     .unwrap();
     let mut decoded = Vec::new();
     let mut events = v.step(0);
-    events.extend(v.set_takeover(1, true));
+    events.extend(v.set_takeover(SessionId(1), true));
     let mut failures = 0;
     for i in 0..40 {
         for e in events.drain(..) {
@@ -205,8 +209,15 @@ fn a_failed_takeover_step_is_decoded_again() {
 #[test]
 fn a_failed_generation_ends_with_the_error_and_frees_its_kv() {
     let (mut v, fail) = core();
-    v.open_generation(2, 0, &PROMPT, SamplingParams::default(), 10, vec![])
-        .unwrap();
+    v.open_generation(
+        SessionId(2),
+        TenantId(0),
+        &PROMPT,
+        SamplingParams::default(),
+        10,
+        vec![],
+    )
+    .unwrap();
     assert!(matches!(
         v.step(0).as_slice(),
         [Event::Token { done: false, .. }]
@@ -217,14 +228,14 @@ fn a_failed_generation_ends_with_the_error_and_frees_its_kv() {
         matches!(
             events.as_slice(),
             [Event::Error {
-                session: 2,
+                session: SessionId(2),
                 fatal: true,
                 ..
             }]
         ),
         "{events:?}"
     );
-    assert!(v.session(2).is_none(), "closed");
+    assert!(v.session(SessionId(2)).is_none(), "closed");
     let pool = v.scheduler().pool();
     assert_eq!(pool.num_free(), pool.num_blocks(), "its KV is freed");
     assert!(!v.has_work());

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use tandem_engine::testing::{tiny_file, TinySpec};
 use tandem_engine::{Engine, EngineConfig, LlamaModel, WeightMode};
+use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{Block, VerifyRule};
 use tandem_verifier::{Event, VerifierConfig, VerifierCore};
@@ -48,13 +49,20 @@ fn prompt(i: u64) -> Vec<u32> {
 /// Greedy cloud-only generations of `n` tokens for prompts 0..k, all at once.
 fn generate(v: &mut VerifierCore, k: u64, n: usize) -> HashMap<u64, Vec<u32>> {
     for i in 0..k {
-        v.open_generation(i, 0, &prompt(i), SamplingParams::default(), n, vec![])
-            .unwrap();
+        v.open_generation(
+            SessionId(i),
+            TenantId(0),
+            &prompt(i),
+            SamplingParams::default(),
+            n,
+            vec![],
+        )
+        .unwrap();
     }
     let mut out: HashMap<u64, Vec<u32>> = HashMap::new();
     for e in v.run_until_idle(0) {
         match e {
-            Event::Token { session, token, .. } => out.entry(session).or_default().push(token),
+            Event::Token { session, token, .. } => out.entry(session.0).or_default().push(token),
             Event::Preempted { .. } => {}
             other => panic!("unexpected {other:?}"),
         }
@@ -156,8 +164,8 @@ fn preempted_speculation_sessions_resume_identically() {
         .collect();
     for i in 0..4 {
         v.open(
-            i,
-            0,
+            SessionId(i),
+            TenantId(0),
             &prompt(i),
             SamplingParams::default(),
             VerifyRule::Greedy,
@@ -171,7 +179,7 @@ fn preempted_speculation_sessions_resume_identically() {
         let mut events = Vec::new();
         for e in edges.iter_mut() {
             if let Some(b) = e.block(10) {
-                events.extend(v.draft(e.session, b));
+                events.extend(v.draft(SessionId(e.session), b));
             }
         }
         if !v.has_work() && events.is_empty() {
@@ -183,7 +191,7 @@ fn preempted_speculation_sessions_resume_identically() {
         for ev in events {
             match ev {
                 Event::Opened { session, first } => {
-                    let e = &mut edges[session as usize];
+                    let e = &mut edges[session.0 as usize];
                     e.committed.push(first);
                     e.waiting = false;
                 }
@@ -191,7 +199,7 @@ fn preempted_speculation_sessions_resume_identically() {
                     session, verdict, ..
                 } => {
                     verdicts += 1;
-                    let e = &mut edges[session as usize];
+                    let e = &mut edges[session.0 as usize];
                     let drafted = e.drafted();
                     e.committed
                         .extend_from_slice(&drafted[..verdict.accepted.min(drafted.len())]);
@@ -217,7 +225,7 @@ fn preempted_speculation_sessions_resume_identically() {
             e.session,
             e.committed.len(),
             e.waiting,
-            v.session(e.session)
+            v.session(SessionId(e.session))
         );
     }
     assert!(s.preemptions > 0, "the pool must be too small for all four");
