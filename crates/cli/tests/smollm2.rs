@@ -613,7 +613,7 @@ fn grants_shrink_under_load_and_grow_back() {
     early
         .send(tandem_spec::Block {
             epoch: 0,
-            index: 0,
+            index: tandem_spec::BlockId(0),
             start_pos: p.len(),
             tokens: vec![opened.first_token],
             q: vec![],
@@ -914,9 +914,9 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
     let (mut link, opened) =
         GrpcLink::connect(&rt, &url, open(tok.fingerprint(), prompt.clone())).unwrap();
     let start = prompt.len() + 1; // after the committed first token
-    let block = |tokens: Vec<u32>, index| tandem_spec::Block {
+    let block = |tokens: Vec<u32>, index: u64| tandem_spec::Block {
         epoch: 0,
-        index,
+        index: tandem_spec::BlockId(index),
         start_pos: start,
         tokens,
         q: vec![],
@@ -932,7 +932,7 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
     assert!(err.contains("granted draft length"), "{err}");
     let wrong_pos = tandem_spec::Block {
         epoch: 0,
-        index: 2,
+        index: tandem_spec::BlockId(2),
         start_pos: start + 5,
         tokens: vec![5],
         q: vec![],
@@ -944,7 +944,7 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
     let Some(tandem_spec::Incoming::Verdict(v)) = link.recv(true).unwrap() else {
         panic!("expected a verdict");
     };
-    assert_eq!(v.block, 3);
+    assert_eq!(v.block, tandem_spec::BlockId(3));
 }
 
 /// Through the emulated link (real TCP proxy, jitter) the output is still the target's, and the

@@ -9,7 +9,7 @@ pub mod v1 {
 pub const PROTOCOL_VERSION: u32 = 1;
 
 use tandem_spec::sampling::SamplingParams;
-use tandem_spec::{Block, Decoded, Shape, Verdict, VerifyRule};
+use tandem_spec::{Block, BlockId, Decoded, Shape, Verdict, VerifyRule};
 
 /// A field-named reason why a message is not valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -75,7 +75,7 @@ impl From<&Block> for v1::Draft {
     fn from(b: &Block) -> Self {
         Self {
             epoch: b.epoch,
-            block: b.index,
+            block: b.index.0,
             start_pos: b.start_pos as u64,
             tokens: b.tokens.clone(),
             session_id: 0,
@@ -135,7 +135,7 @@ pub fn block_from_proto(d: v1::Draft, vocab: usize, max_len: usize) -> Result<Bl
     }
     Ok(Block {
         epoch: d.epoch,
-        index: d.block,
+        index: BlockId(d.block),
         start_pos: d.start_pos as usize,
         tokens: d.tokens,
         q,
@@ -146,7 +146,7 @@ impl From<Verdict> for v1::Verdict {
     fn from(v: Verdict) -> Self {
         Self {
             epoch: v.epoch,
-            block: v.block,
+            block: v.block.0,
             accepted: v.accepted as u32,
             token: v.token,
             verify_us: v.verify_us,
@@ -160,7 +160,7 @@ impl From<v1::Verdict> for Verdict {
     fn from(v: v1::Verdict) -> Self {
         Self {
             epoch: v.epoch,
-            block: v.block,
+            block: BlockId(v.block),
             accepted: v.accepted as usize,
             token: v.token,
             verify_us: v.verify_us,
@@ -202,7 +202,7 @@ mod tests {
     fn blocks_round_trip_and_bad_ones_name_the_field() {
         let b = Block {
             epoch: 2,
-            index: 7,
+            index: tandem_spec::BlockId(7),
             start_pos: 40,
             tokens: vec![1, 2, 3],
             q: vec![],

@@ -9,7 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::pipeline::{Block, Decoded, Verdict};
+use crate::pipeline::{Block, BlockId, Decoded, Verdict};
 use crate::sampling::SamplingParams;
 use crate::verify::{judge, target_token, VerifyRule};
 use crate::SpecError;
@@ -64,7 +64,7 @@ pub struct CloudSession {
     /// The target's token for position `committed_len`, when known.
     pending: Option<u32>,
     epoch: u64,
-    last_block: Option<u64>,
+    last_block: Option<BlockId>,
     /// Tokens in the session's target KV.
     kv_len: usize,
     max_len: usize,
@@ -177,7 +177,7 @@ impl CloudSession {
             return Err(SpecError::InvalidBlock(format!(
                 "block index {} does not follow {}",
                 b.index,
-                self.last_block.unwrap_or(0)
+                self.last_block.unwrap_or_default()
             )));
         }
         if b.tokens.is_empty() {
@@ -333,7 +333,7 @@ mod tests {
     fn block(epoch: u64, index: u64, start_pos: usize, tokens: &[u32]) -> Block {
         Block {
             epoch,
-            index,
+            index: BlockId(index),
             start_pos,
             tokens: tokens.to_vec(),
             q: vec![],

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use serde::Serialize;
 
 use crate::pipeline::{
-    Decoded, Next, Output, Pipeline, PipelineConfig, Shape, SparseDist, Verdict,
+    BlockId, Decoded, Next, Output, Pipeline, PipelineConfig, Shape, SparseDist, Verdict,
 };
 use crate::policy::{async_itl_ms, recommend, sync_itl_ms, Costs, Estimator};
 use crate::SpecError;
@@ -135,7 +135,7 @@ pub struct EdgeSession {
     cap: (usize, usize),
     est: Estimator,
     /// When each block in flight was sent (ms on the driver's clock).
-    sent_at: HashMap<u64, f64>,
+    sent_at: HashMap<BlockId, f64>,
     totals: Totals,
     m: Measured,
 }

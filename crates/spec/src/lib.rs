@@ -28,8 +28,8 @@ pub mod verify;
 pub use cloud_session::{BlockAction, CloudSession, DecodeAction, Feed, Finished};
 pub use edge::{EdgeSession, Incoming, Measured, Reaction, SessionConfig};
 pub use pipeline::{
-    Block, Decoded, Next, Output, Pipeline, PipelineConfig, PipelineStats, Shape, SparseDist,
-    Verdict,
+    Block, BlockId, Decoded, Next, Output, Pipeline, PipelineConfig, PipelineStats, Shape,
+    SparseDist, Verdict,
 };
 pub use verify::VerifyRule;
 

@@ -22,11 +22,23 @@ use crate::SpecError;
 /// A sparse draft distribution `(token, probability)` for one position (rejection sampling).
 pub type SparseDist = Vec<(u32, f32)>;
 
+/// A block's number within its session: 0, 1, 2, … in the order the edge sent them.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
+pub struct BlockId(pub u64);
+
+impl std::fmt::Display for BlockId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
 /// Drafted tokens sent for verification together.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Block {
     pub epoch: u64,
-    pub index: u64,
+    pub index: BlockId,
     /// Position of the first drafted token.
     pub start_pos: usize,
     pub tokens: Vec<u32>,
@@ -69,7 +81,7 @@ impl PartialEq<(u32, u32)> for Shape {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Verdict {
     pub epoch: u64,
-    pub block: u64,
+    pub block: BlockId,
     /// Leading drafted tokens that the target accepted.
     pub accepted: usize,
     /// The target's token at `start_pos + accepted`: correction, or bonus when all were accepted.
@@ -368,7 +380,7 @@ impl Pipeline {
         let q: Vec<SparseDist> = self.q.iter().skip(q_from).take(n).cloned().collect();
         let block = Block {
             epoch: self.epoch,
-            index: self.next_index,
+            index: BlockId(self.next_index),
             start_pos: self.sent,
             tokens,
             q,
@@ -696,7 +708,7 @@ mod tests {
         let mut p = pipeline(2, 2);
         let b = draft(&mut p, &[8, 9]);
         let mut wrong = verdict(&b[0], 1, 3);
-        wrong.block = 5;
+        wrong.block = BlockId(5);
         let e = p.on_verdict(wrong).unwrap_err().to_string();
         assert!(e.contains("block 5") && e.contains("block 0"), "{e}");
         let e = p.on_verdict(verdict(&b[0], 3, 3)).unwrap_err().to_string();

@@ -234,7 +234,7 @@ mod tests {
         );
         let mut v = Verdict {
             epoch: 0,
-            block: 0,
+            block: tandem_spec::BlockId(0),
             accepted: 2,
             token: 5,
             verify_us: 1000,

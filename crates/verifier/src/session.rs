@@ -131,7 +131,7 @@ pub(crate) struct Meter {
     pub opened_us: u64,
     pub last_commit_us: Option<u64>,
     /// Arrival times of blocks not yet answered, by block index, oldest first.
-    pub arrivals: VecDeque<(u64, u64)>,
+    pub arrivals: VecDeque<(tandem_spec::BlockId, u64)>,
 }
 
 /// The verifier's record of one open session. `H` is the driver's handle to reach its edge (a

@@ -550,7 +550,7 @@ mod tests {
                 session: SessionId(2),
                 block: Block {
                     epoch: 0,
-                    index: 0,
+                    index: tandem_spec::BlockId(0),
                     start_pos: 3,
                     tokens: vec![1],
                     q: vec![],

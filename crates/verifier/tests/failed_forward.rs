@@ -111,7 +111,7 @@ fn a_failed_verify_puts_the_session_back_and_the_block_verifies_afterwards() {
     // A block of the target's next three tokens, after the first.
     let block = Block {
         epoch: 0,
-        index: 0,
+        index: tandem_spec::BlockId(0),
         start_pos: 4,
         tokens: want[1..4].to_vec(),
         q: vec![],

@@ -135,7 +135,7 @@ impl Edge {
         self.index += 1;
         Some(Block {
             epoch: self.epoch,
-            index: self.index,
+            index: tandem_spec::BlockId(self.index),
             start_pos: prompt_len + at,
             tokens,
             q: vec![],
