@@ -5,7 +5,8 @@
 use std::collections::BTreeMap;
 
 use proptest::prelude::*;
-use tandem_sched::{SchedConfig, Scheduler, SessionId, TenantConfig, TenantId, WorkKind};
+use proptest::test_runner::TestCaseError;
+use tandem_sched::{SchedConfig, Scheduler, SessionId, StepPlan, TenantConfig, TenantId, WorkKind};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -22,6 +23,54 @@ fn op() -> impl Strategy<Value = Op> {
         5 => proptest::collection::vec(0usize..9, 0..12).prop_map(|reject| Op::Step { reject }),
         1 => (0usize..12).prop_map(|session| Op::Close { session }),
     ]
+}
+
+/// One iteration at `now_ms` with the shell's verdicts (the `reject[i]`-th verify chunk loses
+/// that many positions), checked before and after: the budget, the pool, one chunk per session,
+/// block tables that hold each chunk, chunks within what is known, and no session holding more
+/// blocks than its known tokens need.
+fn step(
+    s: &mut Scheduler,
+    now_ms: u64,
+    reject: &[usize],
+    known: &mut BTreeMap<SessionId, usize>,
+    open: &[SessionId],
+) -> Result<StepPlan, TestCaseError> {
+    let (budget, block_size) = (s.config().token_budget, s.pool().block_size());
+    let p = s.schedule(now_ms);
+    prop_assert!(p.tokens() <= budget, "{} > {budget}", p.tokens());
+    prop_assert!(s.pool().conserved());
+    let mut seen = std::collections::BTreeSet::new();
+    for c in &p.chunks {
+        prop_assert!(seen.insert(c.session), "one chunk per session");
+        prop_assert!(c.len > 0);
+        prop_assert!(c.blocks.len() * block_size >= c.start + c.len);
+        if c.kind == WorkKind::Prefill {
+            prop_assert!(c.start + c.len <= known[&c.session]);
+        } else {
+            prop_assert_eq!(c.start, known[&c.session]);
+        }
+    }
+    // Verdicts: each verify chunk keeps `len - r` of its positions (r rejected).
+    let kv: Vec<(SessionId, usize)> = p
+        .chunks
+        .iter()
+        .filter(|c| c.kind == WorkKind::Verify)
+        .enumerate()
+        .map(|(i, c)| {
+            let r = reject.get(i).copied().unwrap_or(0).min(c.len - 1);
+            (c.session, c.start + c.len - r)
+        })
+        .collect();
+    s.update(&p, &kv);
+    for &(id, k) in &kv {
+        known.insert(id, k);
+    }
+    prop_assert!(s.pool().conserved());
+    for &id in open {
+        prop_assert!(s.pool().held(id) <= s.pool().blocks_for(known[&id]));
+    }
+    Ok(p)
 }
 
 proptest! {
@@ -63,39 +112,7 @@ proptest! {
                     }
                 }
                 Op::Step { reject } => {
-                    let p = s.schedule(0);
-                    prop_assert!(p.tokens() <= budget, "{} > {budget}", p.tokens());
-                    prop_assert!(s.pool().conserved());
-                    let mut seen = std::collections::BTreeSet::new();
-                    for c in &p.chunks {
-                        prop_assert!(seen.insert(c.session), "one chunk per session");
-                        prop_assert!(c.len > 0);
-                        prop_assert!(c.blocks.len() * block_size >= c.start + c.len);
-                        if c.kind == WorkKind::Prefill {
-                            prop_assert!(c.start + c.len <= known[&c.session]);
-                        } else {
-                            prop_assert_eq!(c.start, known[&c.session]);
-                        }
-                    }
-                    // Verdicts: each verify chunk keeps `len - r` of its positions (r rejected).
-                    let kv: Vec<(SessionId, usize)> = p
-                        .chunks
-                        .iter()
-                        .filter(|c| c.kind == WorkKind::Verify)
-                        .enumerate()
-                        .map(|(i, c)| {
-                            let r = reject.get(i).copied().unwrap_or(0).min(c.len - 1);
-                            (c.session, c.start + c.len - r)
-                        })
-                        .collect();
-                    s.update(&p, &kv);
-                    for &(id, k) in &kv {
-                        known.insert(id, k);
-                    }
-                    prop_assert!(s.pool().conserved());
-                    for &id in &open {
-                        prop_assert!(s.pool().held(id) <= s.pool().blocks_for(known[&id]));
-                    }
+                    step(&mut s, 0, &reject, &mut known, &open)?;
                 }
             }
         }
@@ -173,44 +190,20 @@ proptest! {
                     }
                 }
                 TimedOp::Op(Op::Step { reject }) => {
-                    let p = s.schedule(now);
-                    prop_assert!(p.tokens() <= budget);
-                    prop_assert!(s.pool().conserved());
-                    for c in &p.chunks {
-                        prop_assert!(c.blocks.len() * block_size >= c.start + c.len);
-                        if c.kind == WorkKind::Prefill {
-                            prop_assert!(c.start + c.len <= known[&c.session]);
-                        } else {
-                            prop_assert_eq!(c.start, known[&c.session]);
-                        }
-                        if tenant_of[&c.session] == 1 {
-                            rated += c.len;
-                        }
-                    }
+                    let p = step(&mut s, now, &reject, &mut known, &open)?;
+                    rated += p
+                        .chunks
+                        .iter()
+                        .filter(|c| tenant_of[&c.session] == 1)
+                        .map(|c| c.len)
+                        .sum::<usize>();
+                    let budget = s.config().token_budget;
                     let burst = rate.max(budget as f64);
                     let allowed = burst + rate * now as f64 / 1000.0 + budget as f64;
                     prop_assert!(
                         rated as f64 <= allowed,
                         "{rated} positions for a tenant of {rate}/s by {now} ms (at most {allowed})"
                     );
-                    let kv: Vec<(SessionId, usize)> = p
-                        .chunks
-                        .iter()
-                        .filter(|c| c.kind == WorkKind::Verify)
-                        .enumerate()
-                        .map(|(i, c)| {
-                            let r = reject.get(i).copied().unwrap_or(0).min(c.len - 1);
-                            (c.session, c.start + c.len - r)
-                        })
-                        .collect();
-                    s.update(&p, &kv);
-                    for &(id, k) in &kv {
-                        known.insert(id, k);
-                    }
-                    prop_assert!(s.pool().conserved());
-                    for &id in &open {
-                        prop_assert!(s.pool().held(id) <= s.pool().blocks_for(known[&id]));
-                    }
                 }
             }
         }
