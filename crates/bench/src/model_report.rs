@@ -18,15 +18,32 @@ pub const SMOLLM2_FLOPS_PER_TOKEN: f64 = 0.269e9;
 
 /// Where the roofline's two numbers come from: given directly, from the machine's bandwidth and
 /// FLOP rate, or from a `tandem bench engine --out` report.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, clap::Args)]
 pub struct RooflineArgs {
+    /// The target's forward time for one token, ms (memory-bound).
+    #[arg(long)]
     pub verify_ms: Option<f64>,
+    /// The target's forward time per token once compute-bound, ms.
+    #[arg(long)]
     pub verify_ms_per_token: Option<f64>,
+    /// Memory bandwidth, GB/s: the one-token time is the weights' bytes at this rate.
+    #[arg(long)]
     pub bandwidth_gbs: Option<f64>,
+    /// The kernels' FLOP rate, GFLOP/s: the time per token is the FLOPs per token at this rate.
+    #[arg(long)]
     pub gflops: Option<f64>,
+    /// The target's weight bytes, MB (default: the report's, else SmolLM2-135M f32: 538).
+    #[arg(long)]
     pub weights_mb: Option<f64>,
+    /// The target's FLOPs per token, GFLOP (default: the report's, else SmolLM2-135M: 0.269).
+    #[arg(long)]
     pub gflop_per_token: Option<f64>,
+    /// A `tandem bench engine --out` report: its measured one-token forward, bandwidth and FLOP
+    /// rate fill what the flags above leave out.
+    #[arg(long)]
     pub engine_json: Option<std::path::PathBuf>,
+    /// Which of the report's runs (thread count).
+    #[arg(long, default_value_t = 1)]
     pub threads: usize,
 }
 

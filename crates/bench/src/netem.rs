@@ -12,15 +12,24 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc::unbounded_channel;
 use tokio::time::Instant;
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// The link a [`proxy`] emulates; the flags of `tandem netem`, checked by
+/// [`NetemConfig::validate`].
+#[derive(Debug, Clone, Copy, PartialEq, clap::Args)]
 pub struct NetemConfig {
+    /// Round trip added to the link, ms.
+    #[arg(long, default_value_t = 0.0)]
     pub rtt_ms: f64,
     /// Uniform jitter in ±jitter_ms per direction, per chunk.
+    #[arg(long, default_value_t = 0.0)]
     pub jitter_ms: f64,
-    /// 0 means unlimited.
+    /// Bandwidth, kbit/s; 0 means unlimited.
+    #[arg(long, default_value_t = 0.0)]
     pub bandwidth_kbit: f64,
-    /// Chance that a chunk needs a retransmission (costs one more round trip).
+    /// Chance that a chunk needs a retransmission (costs one more round trip), %.
+    #[arg(long, default_value_t = 0.0)]
     pub loss_pct: f64,
+    /// Seed of the jitter and loss draws.
+    #[arg(skip = 1u64)]
     pub seed: u64,
 }
 

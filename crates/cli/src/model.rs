@@ -78,31 +78,8 @@ pub(crate) struct PlanArgs {
     /// The edge's own work per verdict outside draft forwards, ms (`bench latency` measures it).
     #[arg(long, default_value_t = 0.0)]
     verdict_ms: f64,
-    /// The target's forward time for one token, ms (memory-bound).
-    #[arg(long)]
-    verify_ms: Option<f64>,
-    /// The target's forward time per token once compute-bound, ms.
-    #[arg(long)]
-    verify_ms_per_token: Option<f64>,
-    /// Memory bandwidth, GB/s: the one-token time is the weights' bytes at this rate.
-    #[arg(long)]
-    bandwidth_gbs: Option<f64>,
-    /// The kernels' FLOP rate, GFLOP/s: the time per token is the FLOPs per token at this rate.
-    #[arg(long)]
-    gflops: Option<f64>,
-    /// The target's weight bytes, MB (default: the report's, else SmolLM2-135M f32: 538).
-    #[arg(long)]
-    weights_mb: Option<f64>,
-    /// The target's FLOPs per token, GFLOP (default: the report's, else SmolLM2-135M: 0.269).
-    #[arg(long)]
-    gflop_per_token: Option<f64>,
-    /// A `tandem bench engine --out` report: its measured one-token forward, bandwidth and FLOP
-    /// rate fill what the flags above leave out.
-    #[arg(long)]
-    engine_json: Option<PathBuf>,
-    /// Which of the report's runs (thread count).
-    #[arg(long, default_value_t = 1)]
-    threads: usize,
+    #[command(flatten)]
+    roofline: tandem_bench::model_report::RooflineArgs,
     /// Session counts to plan for, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     sessions: Vec<usize>,
@@ -207,16 +184,7 @@ pub(crate) fn cmd_simulate(a: SimulateArgs) -> Result<()> {
 }
 
 pub(crate) fn cmd_plan(a: PlanArgs) -> Result<()> {
-    let roof = tandem_bench::model_report::RooflineArgs {
-        verify_ms: a.verify_ms,
-        verify_ms_per_token: a.verify_ms_per_token,
-        bandwidth_gbs: a.bandwidth_gbs,
-        gflops: a.gflops,
-        weights_mb: a.weights_mb,
-        gflop_per_token: a.gflop_per_token,
-        engine_json: a.engine_json,
-        threads: a.threads,
-    };
+    let roof = a.roofline;
     let q = tandem_bench::model_report::PlanQuery {
         alpha: a.alpha,
         draft_ms: a.draft_ms,

@@ -8,15 +8,8 @@ pub(crate) struct NetemArgs {
     listen: String,
     #[arg(long)]
     upstream: String,
-    #[arg(long, default_value_t = 0.0)]
-    rtt_ms: f64,
-    #[arg(long, default_value_t = 0.0)]
-    jitter_ms: f64,
-    /// 0 is unlimited.
-    #[arg(long, default_value_t = 0.0)]
-    bandwidth_kbit: f64,
-    #[arg(long, default_value_t = 0.0)]
-    loss_pct: f64,
+    #[command(flatten)]
+    link: tandem_bench::netem::NetemConfig,
 }
 
 #[derive(Subcommand)]
@@ -215,13 +208,7 @@ pub(crate) async fn shutdown_signal() {
 }
 
 pub(crate) fn cmd_netem(a: NetemArgs) -> Result<()> {
-    let cfg = tandem_bench::netem::NetemConfig {
-        rtt_ms: a.rtt_ms,
-        jitter_ms: a.jitter_ms,
-        bandwidth_kbit: a.bandwidth_kbit,
-        loss_pct: a.loss_pct,
-        seed: 1,
-    };
+    let cfg = a.link;
     cfg.validate()
         .map_err(|e| anyhow::anyhow!("invalid netem setting: {e}"))?;
     let upstream: std::net::SocketAddr = a.upstream.parse().with_context(|| {
@@ -238,8 +225,8 @@ pub(crate) fn cmd_netem(a: NetemArgs) -> Result<()> {
         eprintln!(
             "netem {} -> {upstream}: rtt {} ms ± {} ms",
             listener.local_addr()?,
-            a.rtt_ms,
-            a.jitter_ms
+            cfg.rtt_ms,
+            cfg.jitter_ms
         );
         tokio::select! {
             r = tandem_bench::netem::proxy(listener, upstream, cfg) => r?,
