@@ -324,9 +324,11 @@ impl Sim {
         let turn = rep.core.turn(self.now);
         rep.takeovers += turn.takeovers;
         let Some(f) = turn.forward else {
+            let more = rep.core.has_work();
             self.emit(turn.out);
-            if turn.throttled {
-                // Nothing could be planned (rate quotas): the batcher looks again shortly.
+            if more {
+                // Work, but no forward ran (rate quotas, or only preemptions): look again
+                // shortly, as the batcher does.
                 self.at(self.now + THROTTLED_US, Ev::Kick { r });
             }
             return;

@@ -12,10 +12,21 @@ use crate::{Target, VerifierError};
 
 impl<T: Target, H> VerifierCore<T, H> {
     /// Run one iteration: plan, one ragged forward, verdicts and tokens. `now_ms` is the clock the
-    /// rate quotas run on. Returns nothing when there was nothing to plan. Generations that end
-    /// are closed.
+    /// rate quotas run on. Returns nothing when there was nothing to plan. Sessions that end with
+    /// it (a finished generation, a fatal error) are closed, as [`VerifierCore::turn`] closes
+    /// them.
     pub fn step(&mut self, now_ms: u64) -> Vec<Event> {
         let events = self.iterate(now_ms);
+        for e in &events {
+            if let Event::Error {
+                session,
+                fatal: true,
+                ..
+            } = e
+            {
+                self.ended.push(*session);
+            }
+        }
         self.close_ended();
         events
     }
