@@ -74,12 +74,6 @@ impl Gauges {
 /// false when the edge is gone: the batcher then closes the session.
 pub type Reply = Arc<dyn Fn(ToEdge) -> bool + Send + Sync>;
 
-/// A [`Reply`] into a std channel.
-pub fn reply_to(tx: std::sync::mpsc::Sender<ToEdge>) -> Reply {
-    let tx = std::sync::Mutex::new(tx);
-    Arc::new(move |m| tx.lock().map(|t| t.send(m).is_ok()).unwrap_or(false))
-}
-
 /// Messages to the batcher.
 pub enum ToCloud {
     /// A message for the verifier core (open, draft, close).

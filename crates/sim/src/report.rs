@@ -89,7 +89,12 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow, SimError> {
         .collect();
     let (itl, ttft, tokens) = gaps(&all, sim.window);
     let committed: usize = all.iter().map(|s| s.committed).sum();
-    let decoded: usize = all.iter().map(|s| s.decoded).sum();
+    // Tokens that came as `Decoded` (the replica decoded them), as each edge counted them.
+    let decoded: usize = all
+        .iter()
+        .filter_map(|s| s.edge.as_ref())
+        .map(|e| e.measured().cloud_decoded)
+        .sum();
     let takeovers: usize = sim.replicas.iter().map(|r| r.takeovers).sum();
     let span = (sim.window.1 - sim.window.0) as f64 / 1e6;
     let forwards: u64 = sim.replicas.iter().map(|r| r.forwards).sum();

@@ -79,8 +79,6 @@ pub(crate) struct Session {
     pub(crate) committed: usize,
     /// The last committed token (the prompt's last at first).
     pub(crate) last: u32,
-    /// Tokens that came as `Decoded` (the replica decoded them).
-    pub(crate) decoded: usize,
     pub(crate) done: bool,
 }
 
@@ -220,7 +218,6 @@ impl Sim {
                         commits: Vec::new(),
                         committed: 0,
                         last,
-                        decoded: 0,
                         done: false,
                     },
                 );
@@ -426,7 +423,6 @@ impl Sim {
         };
         match es.on_message(now_ms, m) {
             Ok(r) => {
-                s.decoded += usize::from(matches!(m, Incoming::Decoded(_)));
                 self.outputs(sid, r.outputs);
             }
             Err(_) => self.errors += 1,

@@ -206,6 +206,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                             error: e.into(),
                             fatal: true,
                         });
+                        self.ended.push(id);
                         return;
                     }
                     c.step = Some((plan, before));
@@ -218,6 +219,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                         error: e.into(),
                         fatal: true,
                     });
+                    self.ended.push(id);
                     return;
                 }
             }

@@ -17,16 +17,6 @@ impl<T: Target, H> VerifierCore<T, H> {
     /// them.
     pub fn step(&mut self, now_ms: u64) -> Vec<Event> {
         let events = self.iterate(now_ms);
-        for e in &events {
-            if let Event::Error {
-                session,
-                fatal: true,
-                ..
-            } = e
-            {
-                self.ended.push(*session);
-            }
-        }
         self.close_ended();
         events
     }

@@ -344,16 +344,11 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 obs.extend(inter_token(&mut s.meter, at, 1));
                 ToEdge::Decoded(decoded)
             }
-            Event::Error { error, fatal, .. } => {
-                if fatal {
-                    self.ended.push(id);
-                }
-                ToEdge::Error {
-                    error,
-                    retry_after_ms: None,
-                    fatal,
-                }
-            }
+            Event::Error { error, fatal, .. } => ToEdge::Error {
+                error,
+                retry_after_ms: None,
+                fatal,
+            },
             Event::Preempted { .. } => {
                 turn.preemptions += 1;
                 return;

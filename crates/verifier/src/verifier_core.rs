@@ -62,8 +62,9 @@ pub struct VerifierCore<T: Target = Engine, H = ()> {
     pub(crate) held: Vec<crate::Event>,
     /// Sessions refused at admission, answered with the next turn.
     pub(crate) refusals: Vec<(SessionId, H, VerifierError)>,
-    /// Sessions that ended during an iteration (a finished or failed generation), closed once
-    /// their last messages are out.
+    /// Sessions that ended (a finished generation, anything that failed for good), closed once
+    /// their last messages are out: by the turn that sends them, or by the next step. Every
+    /// place that ends a session with a fatal error puts it here.
     pub(crate) ended: Vec<SessionId>,
     /// Mean forward time (ms), for the retry hint of a refused session.
     pub(crate) iteration_ms: f64,
