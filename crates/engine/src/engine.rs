@@ -142,7 +142,7 @@ impl Engine {
     }
 
     /// Run one ragged batch over block tables that a scheduler allocated (`tables[i]` holds chunk
-    /// `i`'s KV blocks, ids below [`num_blocks`](crate::kv::BlockTables::num_blocks) of this
+    /// `i`'s KV blocks, ids below [`num_blocks`](crate::kv::Sequences::num_blocks) of this
     /// engine's cache). The caller owns the allocation and the sequences' lengths: the engine only
     /// checks that the tables are in range, disjoint and long enough. An engine driven this way
     /// must not also allocate through [`forward`](Engine::forward).

@@ -1,11 +1,16 @@
 //! Paged KV cache: fixed-size blocks of `block_size` token slots from one pool sized by a memory
-//! budget, and a block table per sequence. The bookkeeping ([`BlockTables`]) holds no tensors and is
-//! tested on its own; [`PagedKvCache`] adds the f32 storage the attention reads.
+//! budget, and a block table per sequence. The blocks come from Tandem's one allocator,
+//! [`tandem_sched::BlockPool`]: the verifier's scheduler hands the engine its tables
+//! ([`crate::Engine::forward_paged`]); an engine that runs its own sequences keeps them in
+//! [`Sequences`] (lengths over a pool keyed by sequence). [`PagedKvCache`] adds the f32 storage
+//! the attention reads.
 //!
 //! Storage layout, per layer: `[num_blocks, block_size, n_kv_heads, head_dim]`.
 
 use std::collections::HashMap;
 use std::fmt;
+
+use tandem_sched::{BlockPool, SchedError};
 
 use crate::error::{EngineError, Result};
 
@@ -19,122 +24,95 @@ impl fmt::Display for SeqId {
     }
 }
 
-#[derive(Debug, Clone, Default)]
-struct SeqBlocks {
-    blocks: Vec<u32>,
-    len: usize,
-}
-
-/// Block allocation and per-sequence block tables; no tensors.
+/// The sequences an engine runs on its own: their lengths, and their KV blocks from the one
+/// allocator ([`tandem_sched::BlockPool`], keyed by sequence). No tensors.
 #[derive(Debug, Clone)]
-pub struct BlockTables {
-    block_size: usize,
-    num_blocks: usize,
-    free: Vec<u32>,
-    seqs: HashMap<SeqId, SeqBlocks>,
+pub struct Sequences {
+    pool: BlockPool<SeqId>,
+    lens: HashMap<SeqId, usize>,
 }
 
-impl BlockTables {
-    pub fn new(num_blocks: usize, block_size: usize) -> Self {
-        Self {
-            block_size,
-            num_blocks,
-            free: (0..num_blocks as u32).rev().collect(),
-            seqs: HashMap::new(),
-        }
+impl Sequences {
+    /// `num_blocks` blocks of `block_size` slots; both at least 1 ([`PagedKvCache::new`] checks).
+    pub fn new(num_blocks: usize, block_size: usize) -> Result<Self> {
+        Ok(Self {
+            pool: BlockPool::new(num_blocks, block_size).map_err(|e| {
+                EngineError::InvalidSetting {
+                    field: "kv_blocks",
+                    message: e.to_string(),
+                }
+            })?,
+            lens: HashMap::new(),
+        })
     }
 
     pub fn block_size(&self) -> usize {
-        self.block_size
+        self.pool.block_size()
     }
     pub fn num_blocks(&self) -> usize {
-        self.num_blocks
+        self.pool.num_blocks()
     }
     pub fn num_free_blocks(&self) -> usize {
-        self.free.len()
+        self.pool.num_free()
     }
     /// Tokens held for `seq`; 0 for a sequence the cache has never seen.
     pub fn seq_len(&self, seq: SeqId) -> usize {
-        self.seqs.get(&seq).map_or(0, |s| s.len)
+        self.lens.get(&seq).copied().unwrap_or(0)
     }
     pub fn contains(&self, seq: SeqId) -> bool {
-        self.seqs.contains_key(&seq)
+        self.lens.contains_key(&seq)
     }
     pub fn num_seqs(&self) -> usize {
-        self.seqs.len()
+        self.lens.len()
     }
     pub fn blocks(&self, seq: SeqId) -> &[u32] {
-        self.seqs.get(&seq).map_or(&[], |s| &s.blocks)
-    }
-
-    fn blocks_for(&self, len: usize) -> usize {
-        len.div_ceil(self.block_size)
+        self.pool.table(seq)
     }
 
     /// Grow every `(seq, new_len)` to `new_len` tokens, all or nothing: when the pool cannot hold
     /// them all, nothing changes and `OutOfBlocks` says how many blocks were missing.
     pub fn grow(&mut self, plan: &[(SeqId, usize)]) -> Result<()> {
-        let needed: usize = plan
-            .iter()
-            .map(|&(seq, len)| {
-                let have = self.seqs.get(&seq).map_or(0, |s| s.blocks.len());
-                self.blocks_for(len).saturating_sub(have)
-            })
-            .sum();
-        if needed > self.free.len() {
-            return Err(EngineError::OutOfBlocks {
+        self.pool.grow_all(plan).map_err(|e| match e {
+            SchedError::OutOfBlocks { needed, free } => EngineError::OutOfBlocks {
                 needed,
-                free: self.free.len(),
-                total: self.num_blocks,
-                block_size: self.block_size,
-            });
-        }
+                free,
+                total: self.pool.num_blocks(),
+                block_size: self.pool.block_size(),
+            },
+            e => EngineError::InvalidBatch(e.to_string()),
+        })?;
         for &(seq, len) in plan {
-            let want = self.blocks_for(len);
-            let entry = self.seqs.entry(seq).or_default();
-            while entry.blocks.len() < want {
-                let b = self
-                    .free
-                    .pop()
-                    .expect("invariant: counted free blocks above");
-                entry.blocks.push(b);
-            }
-            entry.len = entry.len.max(len);
+            let l = self.lens.entry(seq).or_default();
+            *l = (*l).max(len);
         }
         Ok(())
     }
 
     /// Keep the first `len` tokens of `seq`, returning whole blocks past them to the pool.
     pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
-        let keep = self.blocks_for(len);
-        let entry = self
-            .seqs
-            .get_mut(&seq)
+        let have = *self
+            .lens
+            .get(&seq)
             .ok_or(EngineError::UnknownSequence(seq))?;
-        if len > entry.len {
+        if len > have {
             return Err(EngineError::InvalidBatch(format!(
-                "cannot truncate sequence {seq} to {len} tokens: it holds {}",
-                entry.len
+                "cannot truncate sequence {seq} to {len} tokens: it holds {have}"
             )));
         }
-        while entry.blocks.len() > keep {
-            self.free
-                .push(entry.blocks.pop().expect("invariant: len checked"));
-        }
-        entry.len = len;
+        self.pool.truncate(seq, len);
+        self.lens.insert(seq, len);
         Ok(())
     }
 
     /// Drop `seq` and return all its blocks. Freeing an unknown sequence is a no-op.
     pub fn free(&mut self, seq: SeqId) {
-        if let Some(s) = self.seqs.remove(&seq) {
-            self.free.extend(s.blocks);
-        }
+        self.pool.free_all(seq);
+        self.lens.remove(&seq);
     }
 
-    /// Blocks held by sequences plus free blocks; equals `num_blocks` at all times.
-    pub fn accounted_blocks(&self) -> usize {
-        self.free.len() + self.seqs.values().map(|s| s.blocks.len()).sum::<usize>()
+    /// Every block is free or held by exactly one sequence.
+    pub fn conserved(&self) -> bool {
+        self.pool.conserved()
     }
 }
 
@@ -158,7 +136,7 @@ impl Default for KvConfig {
 
 /// The block tables plus the K and V storage of every layer.
 pub struct PagedKvCache {
-    pub tables: BlockTables,
+    pub tables: Sequences,
     pub(crate) kv_dim: usize,
     pub(crate) k: Vec<Vec<f32>>,
     pub(crate) v: Vec<Vec<f32>>,
@@ -185,7 +163,7 @@ impl PagedKvCache {
         }
         let floats = num_blocks * cfg.block_size * kv_dim;
         Ok(Self {
-            tables: BlockTables::new(num_blocks, cfg.block_size),
+            tables: Sequences::new(num_blocks, cfg.block_size)?,
             kv_dim,
             k: (0..n_layers).map(|_| vec![0f32; floats]).collect(),
             v: (0..n_layers).map(|_| vec![0f32; floats]).collect(),
@@ -210,7 +188,7 @@ mod tests {
 
     #[test]
     fn out_of_blocks_is_typed_and_changes_nothing() {
-        let mut t = BlockTables::new(4, 16);
+        let mut t = Sequences::new(4, 16).unwrap();
         t.grow(&[(SeqId(1), 40)]).unwrap(); // 3 blocks
         let err = t.grow(&[(SeqId(2), 10), (SeqId(3), 20)]).unwrap_err();
         assert!(matches!(
@@ -228,7 +206,7 @@ mod tests {
 
     #[test]
     fn truncate_returns_whole_blocks_only() {
-        let mut t = BlockTables::new(8, 4);
+        let mut t = Sequences::new(8, 4).unwrap();
         t.grow(&[(SeqId(7), 10)]).unwrap();
         assert_eq!(t.blocks(SeqId(7)).len(), 3);
         t.truncate(SeqId(7), 5).unwrap();
@@ -259,7 +237,7 @@ mod tests {
     proptest! {
         #[test]
         fn blocks_are_conserved(ops in proptest::collection::vec(op(), 1..80)) {
-            let mut t = BlockTables::new(12, 8);
+            let mut t = Sequences::new(12, 8).unwrap();
             for o in ops {
                 match o {
                     Op::Grow(s, n) => {
@@ -272,7 +250,7 @@ mod tests {
                     }
                     Op::Free(s) => t.free(SeqId(s)),
                 }
-                prop_assert_eq!(t.accounted_blocks(), 12);
+                prop_assert!(t.conserved());
                 for s in 0..5 {
                     let seq = SeqId(s);
                     prop_assert_eq!(t.blocks(seq).len(), t.seq_len(seq).div_ceil(8));

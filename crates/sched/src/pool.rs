@@ -1,19 +1,23 @@
 //! Fixed-size KV blocks: allocate, free, truncate. Every block is either free or owned by exactly one
-//! session; the scheduler decides which, the engine stores K and V in them.
+//! owner. This is Tandem's one KV allocator: the scheduler owns one for the verifier's sessions
+//! (the engine stores K and V in the blocks it hands out), and an engine that runs its own
+//! sequences (the edge's draft, tests, calibration) keeps one keyed by its sequence ids.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 
 use crate::{SchedError, SessionId};
 
+/// Blocks of `block_size` token slots, each free or owned by one `K`.
 #[derive(Debug, Clone)]
-pub struct BlockPool {
+pub struct BlockPool<K = SessionId> {
     block_size: usize,
     num_blocks: usize,
     free: Vec<u32>,
-    owned: HashMap<SessionId, Vec<u32>>,
+    owned: HashMap<K, Vec<u32>>,
 }
 
-impl BlockPool {
+impl<K: Copy + Eq + Hash> BlockPool<K> {
     pub fn new(num_blocks: usize, block_size: usize) -> Result<Self, SchedError> {
         if num_blocks == 0 || block_size == 0 {
             return Err(SchedError::InvalidConfig(
@@ -42,34 +46,58 @@ impl BlockPool {
     pub fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.block_size)
     }
-    pub fn table(&self, s: SessionId) -> &[u32] {
+    pub fn table(&self, s: K) -> &[u32] {
         self.owned.get(&s).map_or(&[], |v| v)
     }
-    pub fn held(&self, s: SessionId) -> usize {
+    pub fn held(&self, s: K) -> usize {
         self.table(s).len()
     }
 
     /// Extra blocks `s` needs to hold `tokens` slots.
-    pub fn shortfall(&self, s: SessionId, tokens: usize) -> usize {
+    pub fn shortfall(&self, s: K, tokens: usize) -> usize {
         self.blocks_for(tokens).saturating_sub(self.held(s))
     }
 
     /// Grow `s` to hold `tokens` slots; all or nothing.
-    pub fn grow(&mut self, s: SessionId, tokens: usize) -> Result<(), SchedError> {
-        let need = self.shortfall(s, tokens);
-        if need > self.free.len() {
+    pub fn grow(&mut self, s: K, tokens: usize) -> Result<(), SchedError> {
+        self.grow_all(&[(s, tokens)])
+    }
+
+    /// Grow every `(owner, tokens)` to hold `tokens` slots, all or nothing: when the pool cannot
+    /// hold them all, nothing changes and `OutOfBlocks` says how many blocks were missing. An
+    /// owner named twice is grown to the larger size.
+    pub fn grow_all(&mut self, plan: &[(K, usize)]) -> Result<(), SchedError> {
+        // In the plan's order, so that block ids are handed out deterministically.
+        let mut at: HashMap<K, usize> = HashMap::new();
+        let mut want: Vec<(K, usize)> = Vec::with_capacity(plan.len());
+        for &(s, tokens) in plan {
+            match at.get(&s) {
+                Some(&i) => want[i].1 = want[i].1.max(tokens),
+                None => {
+                    at.insert(s, want.len());
+                    want.push((s, tokens));
+                }
+            }
+        }
+        let needed: usize = want.iter().map(|&(s, t)| self.shortfall(s, t)).sum();
+        if needed > self.free.len() {
             return Err(SchedError::OutOfBlocks {
-                needed: need,
+                needed,
                 free: self.free.len(),
             });
         }
-        let new: Vec<u32> = (0..need).filter_map(|_| self.free.pop()).collect();
-        self.owned.entry(s).or_default().extend(new);
+        for (s, tokens) in want {
+            let need = self.shortfall(s, tokens);
+            let new: Vec<u32> = (0..need).filter_map(|_| self.free.pop()).collect();
+            if !new.is_empty() {
+                self.owned.entry(s).or_default().extend(new);
+            }
+        }
         Ok(())
     }
 
     /// Keep only the blocks `s` needs for `tokens` slots.
-    pub fn truncate(&mut self, s: SessionId, tokens: usize) {
+    pub fn truncate(&mut self, s: K, tokens: usize) {
         let keep = self.blocks_for(tokens);
         if let Some(t) = self.owned.get_mut(&s) {
             while t.len() > keep {
@@ -82,7 +110,7 @@ impl BlockPool {
         }
     }
 
-    pub fn free_all(&mut self, s: SessionId) {
+    pub fn free_all(&mut self, s: K) {
         self.truncate(s, 0);
     }
 
