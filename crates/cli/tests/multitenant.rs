@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
@@ -468,8 +467,15 @@ fn a_saturated_verifier_refuses_with_a_retry_hint() {
 
 /// Shutdown drains: health turns NOT_SERVING, a new session is refused with UNAVAILABLE, an open
 /// one keeps getting verdicts until it closes, and then the server stops.
-#[test]
-fn shutdown_drains_open_sessions_and_refuses_new_ones() {
+/// A verifier served with `drain_timeout`: its url, the trigger of its shutdown, and the server's
+/// result once it stops.
+fn drainable_server(
+    drain_timeout: Duration,
+) -> (
+    String,
+    tokio::sync::oneshot::Sender<()>,
+    std::sync::mpsc::Receiver<bool>,
+) {
     let (m, tok) = target();
     let engine = Engine::new(
         m.clone(),
@@ -492,12 +498,17 @@ fn shutdown_drains_open_sessions_and_refuses_new_ones() {
             async {
                 let _ = stopped.await;
             },
-            Duration::from_secs(30),
+            drain_timeout,
         )
         .await;
         done_tx.send(r.is_ok()).unwrap();
     });
-    let url = format!("http://{addr}");
+    (format!("http://{addr}"), stop, done)
+}
+
+#[test]
+fn shutdown_drains_open_sessions_and_refuses_new_ones() {
+    let (url, stop, done) = drainable_server(Duration::from_secs(30));
     let p = &prompts(1)[0];
     let rt = rt();
     let mut s = rt.block_on(open_raw(&url, None, p)).unwrap();
@@ -552,5 +563,19 @@ fn shutdown_drains_open_sessions_and_refuses_new_ones() {
         .unwrap();
     drop(s);
     assert!(done.recv_timeout(Duration::from_secs(10)).unwrap());
-    let _ = Arc::clone(m);
+}
+
+/// A session still open when the drain times out is ended by the verifier with UNAVAILABLE
+/// (open it again on another replica), and then the server stops.
+#[test]
+fn a_drain_that_times_out_ends_open_sessions_with_unavailable() {
+    let (url, stop, done) = drainable_server(Duration::from_millis(200));
+    let rt = rt();
+    let mut s = rt.block_on(open_raw(&url, None, &prompts(1)[0])).unwrap();
+    stop.send(()).unwrap();
+    let (code, msg) = rt.block_on(s.next()).unwrap_err();
+    assert_eq!(code, Code::Unavailable, "{msg}");
+    assert!(msg.contains("another replica"), "{msg}");
+    drop(s);
+    assert!(done.recv_timeout(Duration::from_secs(30)).unwrap());
 }

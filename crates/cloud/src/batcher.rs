@@ -19,6 +19,8 @@ const THROTTLED_WAIT: Duration = Duration::from_millis(2);
 /// Messages taken per turn at most, so that a flood of them cannot keep the forward from running.
 const MESSAGES_PER_TURN: usize = 4096;
 
+type Answer = Box<dyn FnOnce(&VerifierCore<Engine, Reply>)>;
+
 /// Drive `core` until every sender of `rx` is gone; returns the core. `tenant_names[t]` labels
 /// tenant `t` in the metrics.
 pub fn run_batcher(
@@ -46,13 +48,37 @@ pub fn run_batcher(
         } else {
             None
         };
+        // Answers to requests, given once this turn's messages are out.
+        let mut answers: Vec<Answer> = Vec::new();
         for m in first
             .into_iter()
             .chain(rx.try_iter().take(MESSAGES_PER_TURN))
         {
             match m {
                 ToCloud::Core(m) => core.receive(now_us(), m),
-                ToCloud::Query { session, reply } => reply(core.session(session)),
+                ToCloud::Query {
+                    session,
+                    tenant,
+                    reply,
+                } => answers.push(Box::new(move |c| {
+                    reply(c.session(session).filter(|s| s.tenant == tenant))
+                })),
+                ToCloud::Cancel {
+                    session,
+                    tenant,
+                    reply,
+                } => {
+                    let r = core.cancel(session, tenant);
+                    answers.push(Box::new(move |_| reply(r)));
+                }
+                ToCloud::Drain { reply } => {
+                    core.drain();
+                    answers.push(Box::new(move |c| reply(c.open_sessions())));
+                }
+                ToCloud::ShutDown { reply } => {
+                    core.shut_down();
+                    answers.push(Box::new(move |_| reply()));
+                }
             }
         }
         let t0 = Instant::now();
@@ -67,6 +93,9 @@ pub fn run_batcher(
             if !(o.to)(o.msg) && !ends {
                 core.receive(now_us(), Inbound::Close { session: o.session });
             }
+        }
+        for a in answers {
+            a(&core);
         }
     }
 }

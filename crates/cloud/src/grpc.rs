@@ -5,7 +5,6 @@
 //! and a `retry-after-ms` trailer; a bad draft is refused without ending the session; shutting
 //! down drains: no new sessions, open ones finish (up to a timeout).
 
-use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
@@ -19,7 +18,7 @@ use tandem_proto::v1::{
 };
 use tandem_proto::PROTOCOL_VERSION;
 use tandem_sched::{GrantPolicy, SessionId, TenantId};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -86,39 +85,41 @@ pub const DEFAULT_SATURATION_TOKENS: f64 = 40.0;
 /// What [`serve_grpc`] fails with.
 pub type TransportError = tonic::transport::Error;
 
-type Outbox = UnboundedSender<Result<CloudMessage, Status>>;
-
-/// An open speculation session as the service sees it: its tenant and its stream.
-struct Owned {
-    tenant: TenantId,
-    out: Outbox,
-}
-
-type SessionTable = Arc<Mutex<HashMap<SessionId, Owned>>>;
-
-/// A session's entry in the table, removed when this is dropped — also when the RPC is cancelled
-/// while it waits for the prefill, or fails on the way.
-struct Registered {
-    table: SessionTable,
-    id: SessionId,
-}
-
-impl Drop for Registered {
-    fn drop(&mut self) {
-        if let Ok(mut t) = self.table.lock() {
-            t.remove(&self.id);
-        }
-    }
-}
-
 pub struct Service {
     batcher: Arc<Mutex<Sender<ToCloud>>>,
     info: ServiceInfo,
     gauges: Arc<Gauges>,
     tenants: Arc<Tenants>,
     next_session: AtomicU64,
-    sessions: SessionTable,
+    /// Set when the drain begins: new sessions are refused here at once. The core refuses them
+    /// too (it drains on the same signal), in order with the messages already on their way.
     draining: Arc<AtomicBool>,
+}
+
+type Batcher = Arc<Mutex<Sender<ToCloud>>>;
+
+fn send_to(batcher: &Batcher, m: ToCloud) -> Result<(), Status> {
+    batcher
+        .lock()
+        .map_err(|_| Status::internal("batcher lock poisoned"))?
+        .send(m)
+        .map_err(|_| Status::unavailable("the verifier is shutting down"))
+}
+
+/// Send the request `make` builds around its reply, and wait for the answer.
+async fn ask<T: Send + 'static>(
+    batcher: &Batcher,
+    make: impl FnOnce(Box<dyn FnOnce(T) + Send>) -> ToCloud,
+) -> Result<T, Status> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    send_to(
+        batcher,
+        make(Box::new(move |t| {
+            let _ = tx.send(t);
+        })),
+    )?;
+    rx.await
+        .map_err(|_| Status::unavailable("the verifier is shutting down"))
 }
 
 fn error(code: tonic::Code, message: impl Into<String>) -> CloudMessage {
@@ -178,7 +179,6 @@ impl Service {
             gauges,
             tenants,
             next_session: AtomicU64::new(1),
-            sessions: Arc::new(Mutex::new(HashMap::new())),
             draining: Arc::new(AtomicBool::new(false)),
         }
     }
@@ -193,11 +193,7 @@ impl Service {
     }
 
     fn send(&self, m: ToCloud) -> Result<(), Status> {
-        self.batcher
-            .lock()
-            .map_err(|_| Status::internal("batcher lock poisoned"))?
-            .send(m)
-            .map_err(|_| Status::unavailable("the verifier is shutting down"))
+        send_to(&self.batcher, m)
     }
 
     /// The caller's tenant, from its `authorization` header.
@@ -218,20 +214,6 @@ impl Service {
             ));
         }
         Ok(())
-    }
-
-    /// One of `tenant`'s open sessions, or NOT_FOUND (whether it is another tenant's or none).
-    fn owned(&self, tenant: TenantId, id: SessionId) -> Result<Outbox, Status> {
-        let sessions = self
-            .sessions
-            .lock()
-            .map_err(|_| Status::internal("session table lock poisoned"))?;
-        match sessions.get(&id) {
-            Some(o) if o.tenant == tenant => Ok(o.out.clone()),
-            _ => Err(Status::not_found(format!(
-                "session_id: no open session {id} for this caller"
-            ))),
-        }
     }
 }
 
@@ -295,26 +277,6 @@ impl VerifierRpc for Service {
             };
             out.send(m).is_ok()
         });
-        {
-            let mut table = self
-                .sessions
-                .lock()
-                .map_err(|_| Status::internal("session table lock poisoned"))?;
-            // Checked again under the lock the drain empties the table with: a session is either
-            // refused here or seen (and ended) by the drain.
-            self.admitting()?;
-            table.insert(
-                session,
-                Owned {
-                    tenant,
-                    out: tx.clone(),
-                },
-            );
-        }
-        let registered = Registered {
-            table: self.sessions.clone(),
-            id: session,
-        };
         self.send(ToCloud::Core(Inbound::Open {
             session,
             new: NewSession {
@@ -367,7 +329,6 @@ impl VerifierRpc for Service {
                     _ => break,
                 }
             }
-            drop(registered);
             send(ToCloud::Core(Inbound::Close { session }));
         });
         Ok(Response::new(stream))
@@ -437,19 +398,15 @@ impl VerifierRpc for Service {
     ) -> Result<Response<SessionState>, Status> {
         let tenant = self.tenant(&req)?;
         let id = SessionId(req.into_inner().session_id);
-        self.owned(tenant, id)?;
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.send(ToCloud::Query {
+        let s = ask(&self.batcher, |reply| ToCloud::Query {
             session: id,
-            reply: Box::new(move |s| {
-                let _ = tx.send(s);
-            }),
+            tenant,
+            reply,
+        })
+        .await?
+        .ok_or_else(|| {
+            Status::not_found(format!("session_id: no open session {id} for this caller"))
         })?;
-        let s = rx
-            .await
-            .map_err(|_| Status::unavailable("the verifier is shutting down"))?
-            .filter(|s| s.tenant == tenant)
-            .ok_or_else(|| Status::not_found(format!("session_id: no open session {id}")))?;
         Ok(Response::new(SessionState {
             session_id: id.0,
             committed_len: s.committed_len as u64,
@@ -463,14 +420,15 @@ impl VerifierRpc for Service {
     async fn cancel(&self, req: Request<SessionRef>) -> Result<Response<Cancelled>, Status> {
         let tenant = self.tenant(&req)?;
         let id = SessionId(req.into_inner().session_id);
-        let out = self.owned(tenant, id)?;
-        if let Ok(mut s) = self.sessions.lock() {
-            s.remove(&id);
-        }
-        self.send(ToCloud::Core(Inbound::Close { session: id }))?;
-        let _ = out.send(Err(Status::cancelled(format!(
-            "session {id} was cancelled by its tenant"
-        ))));
+        ask(&self.batcher, |reply| ToCloud::Cancel {
+            session: id,
+            tenant,
+            reply,
+        })
+        .await?
+        .map_err(|_| {
+            Status::not_found(format!("session_id: no open session {id} for this caller"))
+        })?;
         Ok(Response::new(Cancelled {}))
     }
 }
@@ -531,11 +489,7 @@ pub async fn serve_grpc(
     reporter
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
-    let (draining, sessions, gauges) = (
-        service.draining.clone(),
-        service.sessions.clone(),
-        service.gauges.clone(),
-    );
+    let (draining, batcher) = (service.draining.clone(), service.batcher.clone());
     let drain = async move {
         shutdown.await;
         draining.store(true, Ordering::Relaxed);
@@ -544,18 +498,19 @@ pub async fn serve_grpc(
             .set_service_status("", tonic_health::ServingStatus::NotServing)
             .await;
         let deadline = tokio::time::Instant::now() + drain_timeout;
-        let busy = || {
-            gauges.sessions.load(Ordering::Relaxed) + gauges.generations.load(Ordering::Relaxed) > 0
-                || sessions.lock().map(|s| !s.is_empty()).unwrap_or(false)
-        };
-        while busy() && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        if let Ok(mut s) = sessions.lock() {
-            for (_, o) in s.drain() {
-                let _ = o.out.send(Err(Status::unavailable(
-                    "the verifier shut down: re-open the session on another replica",
-                )));
+        // The core stops admitting with the first Drain; its answer counts what is still open
+        // after it, so no session can slip in between the count and the shut-down.
+        loop {
+            match ask(&batcher, |reply| ToCloud::Drain { reply }).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) if tokio::time::Instant::now() >= deadline => {
+                    let _ = ask(&batcher, |reply| ToCloud::ShutDown {
+                        reply: Box::new(move || reply(())),
+                    })
+                    .await;
+                    break;
+                }
+                Ok(_) => tokio::time::sleep(Duration::from_millis(20)).await,
             }
         }
         tracing::info!("drained");

@@ -17,7 +17,7 @@ pub mod validation;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use tandem_sched::SessionId;
+use tandem_sched::{SessionId, TenantId};
 use tandem_verifier::{ErrorKind, Inbound, SessionState, ToEdge, VerifierCore, VerifierError};
 
 pub use batcher::run_batcher;
@@ -29,6 +29,8 @@ pub fn code(e: &VerifierError) -> tonic::Code {
         ErrorKind::AlreadyExists => tonic::Code::AlreadyExists,
         ErrorKind::InvalidArgument => tonic::Code::InvalidArgument,
         ErrorKind::ResourceExhausted => tonic::Code::ResourceExhausted,
+        ErrorKind::Cancelled => tonic::Code::Cancelled,
+        ErrorKind::Unavailable => tonic::Code::Unavailable,
         ErrorKind::Internal => tonic::Code::Internal,
     }
 }
@@ -74,16 +76,29 @@ impl Gauges {
 /// false when the edge is gone: the batcher then closes the session.
 pub type Reply = Arc<dyn Fn(ToEdge) -> bool + Send + Sync>;
 
-/// Messages to the batcher.
+/// Messages to the batcher. The requests among them are carried out in order with the messages
+/// before them, and answered once the turn that follows has sent its messages to the edges.
 pub enum ToCloud {
     /// A message for the verifier core (open, draft, close).
     Core(Inbound<Reply>),
-    /// The state of an open session (`None`: not open), answered in order with the messages
-    /// before it.
+    /// The state of `tenant`'s open session (`None`: not open, or another tenant's).
     Query {
         session: SessionId,
+        tenant: TenantId,
         reply: Box<dyn FnOnce(Option<SessionState>) + Send>,
     },
+    /// `tenant` ends its session ([`VerifierCore::cancel`]).
+    Cancel {
+        session: SessionId,
+        tenant: TenantId,
+        reply: Box<dyn FnOnce(Result<(), VerifierError>) + Send>,
+    },
+    /// Stop admitting ([`VerifierCore::drain`]); answered with the sessions still open.
+    Drain {
+        reply: Box<dyn FnOnce(usize) + Send>,
+    },
+    /// End every open session ([`VerifierCore::shut_down`]); answered once they are told.
+    ShutDown { reply: Box<dyn FnOnce() + Send> },
 }
 
 /// Time the target's forward of a chunk of `n` new tokens for each of `sizes` (ascending; the

@@ -52,6 +52,12 @@ pub enum VerifierError {
     Sched(#[from] SchedError),
     #[error("{0}")]
     Engine(String),
+    /// Its tenant cancelled the session.
+    #[error("session {0} was cancelled by its tenant")]
+    Cancelled(SessionId),
+    /// The verifier is draining or shut down: open the session on another replica.
+    #[error("the verifier is shutting down: open the session on another replica")]
+    Draining,
 }
 
 impl From<EngineError> for VerifierError {
@@ -61,7 +67,8 @@ impl From<EngineError> for VerifierError {
 }
 
 /// What kind of refusal a [`VerifierError`] is: the transport maps it to its own status codes
-/// (gRPC: `NOT_FOUND`, `ALREADY_EXISTS`, `INVALID_ARGUMENT`, `RESOURCE_EXHAUSTED`, `INTERNAL`).
+/// (gRPC: `NOT_FOUND`, `ALREADY_EXISTS`, `INVALID_ARGUMENT`, `RESOURCE_EXHAUSTED`, `CANCELLED`,
+/// `UNAVAILABLE`, `INTERNAL`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {
     NotFound,
@@ -69,6 +76,10 @@ pub enum ErrorKind {
     InvalidArgument,
     /// Refused for load or quota: the same request may succeed later.
     ResourceExhausted,
+    /// Ended at its tenant's request.
+    Cancelled,
+    /// This verifier is going away; another may serve the request.
+    Unavailable,
     Internal,
 }
 
@@ -86,6 +97,8 @@ impl VerifierError {
             VerifierError::Sched(
                 SchedError::PromptTooLarge { .. } | SchedError::BlockTooLarge { .. },
             ) => ErrorKind::InvalidArgument,
+            VerifierError::Cancelled(_) => ErrorKind::Cancelled,
+            VerifierError::Draining => ErrorKind::Unavailable,
             VerifierError::Sched(_) | VerifierError::Engine(_) => ErrorKind::Internal,
         }
     }

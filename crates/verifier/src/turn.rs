@@ -171,7 +171,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                     handle.clone(),
                 );
                 if let Err(e) = r {
-                    self.refusals.push((session, handle, e));
+                    self.dismissed.push((session, handle, e));
                 }
             }
             Inbound::Draft { session, block } => {
@@ -205,8 +205,8 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
             refused: 0,
             observations: Vec::new(),
         };
-        // Refusals at admission: the session never opened.
-        for (session, to, error) in std::mem::take(&mut self.refusals) {
+        // Refusals at admission (the session never opened), cancellations, the shut-down.
+        for (session, to, error) in std::mem::take(&mut self.dismissed) {
             let retry_after_ms = match &error {
                 VerifierError::Sched(SchedError::Saturated {
                     retry_iterations, ..
@@ -562,5 +562,83 @@ mod tests {
         assert!(t.forward.is_none() && v.session(SessionId(1)).is_none());
         // Its answer is dropped: no record is left to reach it through.
         assert!(t.out.is_empty(), "{:?}", t.out);
+    }
+
+    #[test]
+    fn cancel_drain_and_shut_down_free_their_sessions_and_say_why() {
+        let mut v = core();
+        v.set_tenant(TenantId(1), Default::default()).unwrap();
+        v.receive(0, open(1, SPEC));
+        v.receive(0, open(2, Mode::Generate));
+        v.receive(0, open(3, SPEC));
+        let t = v.turn(0);
+        assert_eq!(t.out.len(), 3);
+        let free = v.scheduler().pool().num_free();
+        // Another tenant's cancel finds nothing and changes nothing; the owner's ends it, frees
+        // its KV and tells its edge with the next turn.
+        assert_eq!(
+            v.cancel(SessionId(1), TenantId(1)),
+            Err(VerifierError::UnknownSession(SessionId(1)))
+        );
+        assert!(v.session(SessionId(1)).is_some());
+        assert_eq!(v.cancel(SessionId(1), TenantId(0)), Ok(()));
+        assert!(v.session(SessionId(1)).is_none());
+        assert!(
+            v.scheduler().pool().num_free() > free,
+            "its KV blocks are free"
+        );
+        assert_eq!(
+            v.cancel(SessionId(1), TenantId(0)),
+            Err(VerifierError::UnknownSession(SessionId(1)))
+        );
+        let t = v.turn(2_000);
+        let cancelled: Vec<_> = t.out.iter().filter(|o| o.session == SessionId(1)).collect();
+        assert_eq!(cancelled.len(), 1, "{:?}", t.out);
+        assert_eq!(cancelled[0].to, 101);
+        assert!(matches!(
+            cancelled[0].msg,
+            ToEdge::Error {
+                error: VerifierError::Cancelled(SessionId(1)),
+                fatal: true,
+                retry_after_ms: None,
+            }
+        ));
+        // Draining refuses a new session and keeps the open ones.
+        v.drain();
+        v.receive(3_000, open(4, SPEC));
+        let t = v.turn(3_000);
+        assert!(t.out.iter().any(|o| o.session == SessionId(4)
+            && matches!(
+                o.msg,
+                ToEdge::Error {
+                    error: VerifierError::Draining,
+                    fatal: true,
+                    ..
+                }
+            )));
+        assert_eq!(v.open_sessions(), 2);
+        // The shut-down ends both, each told once on its own handle, and every block is free.
+        v.shut_down();
+        assert_eq!(v.open_sessions(), 0);
+        let t = v.turn(4_000);
+        let mut told: Vec<(u64, u64)> = t
+            .out
+            .iter()
+            .filter(|o| {
+                matches!(
+                    o.msg,
+                    ToEdge::Error {
+                        error: VerifierError::Draining,
+                        fatal: true,
+                        ..
+                    }
+                )
+            })
+            .map(|o| (o.session.0, o.to))
+            .collect();
+        told.sort();
+        assert_eq!(told, vec![(2, 102), (3, 103)]);
+        let pool = v.scheduler().pool();
+        assert_eq!(pool.num_free(), pool.num_blocks());
     }
 }

@@ -60,8 +60,11 @@ pub struct VerifierCore<T: Target = Engine, H = ()> {
     /// Answers decided when a message arrived (a stale block, an early verdict, a refusal), sent
     /// with the next turn.
     pub(crate) held: Vec<crate::Event>,
-    /// Sessions refused at admission, answered with the next turn.
-    pub(crate) refusals: Vec<(SessionId, H, VerifierError)>,
+    /// Sessions ended outside a step (refused at admission, cancelled by their tenant, shut
+    /// down), told so with the next turn.
+    pub(crate) dismissed: Vec<(SessionId, H, VerifierError)>,
+    /// Draining: new sessions are refused, open ones go on ([`VerifierCore::drain`]).
+    pub(crate) draining: bool,
     /// Sessions that ended (a finished generation, anything that failed for good), closed once
     /// their last messages are out: by the turn that sends them, or by the next step. Every
     /// place that ends a session with a fatal error puts it here.
@@ -90,7 +93,8 @@ impl<T: Target, H> VerifierCore<T, H> {
             tenants: HashMap::new(),
             control: LoadControl::new(fixed, 0),
             held: Vec::new(),
-            refusals: Vec::new(),
+            dismissed: Vec::new(),
+            draining: false,
             ended: Vec::new(),
             iteration_ms: 50.0,
             stats: VerifierStats::default(),
@@ -150,8 +154,24 @@ impl<T: Target, H> VerifierCore<T, H> {
         self.sched.has_work()
     }
 
+    /// Stop admitting: every new session is refused with [`VerifierError::Draining`] from now
+    /// on; open ones go on until they end or [`VerifierCore::shut_down`].
+    pub fn drain(&mut self) {
+        self.draining = true;
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining
+    }
+
+    /// Open sessions of every kind.
+    pub fn open_sessions(&self) -> usize {
+        self.sessions.len()
+    }
+
     /// Admit a session: the one place a record is created. Refused with
-    /// [`VerifierError::Sched`] when saturated or over quota.
+    /// [`VerifierError::Sched`] when saturated or over quota, [`VerifierError::Draining`] when
+    /// draining.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn admit(
         &mut self,
@@ -164,6 +184,9 @@ impl<T: Target, H> VerifierCore<T, H> {
         now_us: u64,
         handle: H,
     ) -> Result<(), VerifierError> {
+        if self.draining {
+            return Err(VerifierError::Draining);
+        }
         if self.sessions.contains_key(&id) {
             return Err(VerifierError::DuplicateSession(id));
         }
@@ -224,6 +247,37 @@ impl<T: Target, H> VerifierCore<T, H> {
     pub fn close(&mut self, id: SessionId) {
         self.sessions.remove(&id);
         self.sched.close(id);
+    }
+
+    /// End `tenant`'s session `id` at its tenant's request: it is closed now, and its edge is
+    /// told with the next turn ([`VerifierError::Cancelled`]). A session that is not open, or is
+    /// another tenant's, is [`VerifierError::UnknownSession`] — the same answer for both, so that
+    /// a tenant cannot learn of another's sessions.
+    pub fn cancel(&mut self, id: SessionId, tenant: TenantId) -> Result<(), VerifierError> {
+        match self.sessions.remove(&id) {
+            Some(s) if s.tenant == tenant => {
+                self.sched.close(id);
+                self.dismissed
+                    .push((id, s.handle, VerifierError::Cancelled(id)));
+                Ok(())
+            }
+            Some(s) => {
+                self.sessions.insert(id, s);
+                Err(VerifierError::UnknownSession(id))
+            }
+            None => Err(VerifierError::UnknownSession(id)),
+        }
+    }
+
+    /// End every open session (the end of a drain): each is closed now and its edge told with
+    /// the next turn ([`VerifierError::Draining`]: open it again elsewhere). Admission stays
+    /// closed.
+    pub fn shut_down(&mut self) {
+        self.draining = true;
+        for (id, s) in std::mem::take(&mut self.sessions) {
+            self.sched.close(id);
+            self.dismissed.push((id, s.handle, VerifierError::Draining));
+        }
     }
 }
 
