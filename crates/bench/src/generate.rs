@@ -1,6 +1,7 @@
 //! Single-model generation (`tandem generate`): prefill the prompt, then decode one token per forward
 //! until an end-of-generation token or the token limit.
 
+use crate::Mode;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -28,7 +29,7 @@ pub struct GenOutput {
     pub itl_ms: Summary,
     /// Decode rate: generated tokens after the first, over the time after the first.
     pub tokens_per_s: f64,
-    pub mode: &'static str,
+    pub mode: Mode,
     pub model: String,
     pub weights: String,
     pub threads: usize,
@@ -108,7 +109,7 @@ pub fn output(
         ttft_ms: timing.ttft_ms,
         itl_ms: timing.itl_ms,
         tokens_per_s: timing.tokens_per_s,
-        mode: "local",
+        mode: Mode::Local,
         model: String::new(),
         weights: String::new(),
         threads: 0,
@@ -154,7 +155,7 @@ pub fn generate_remote(
     .with_context(|| format!("cloud-only generation on {url}"))?;
     rt.shutdown_timeout(std::time::Duration::from_millis(200));
     let mut o = output(tok, prompt_ids, out, &times, &text, &mut on_text)?;
-    o.mode = "cloud";
+    o.mode = Mode::CloudOnly;
     o.model = url.to_string();
     Ok(o)
 }

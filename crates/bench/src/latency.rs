@@ -9,6 +9,7 @@
 //! with the analytic model's prediction from the α, draft time, verify time and round trip measured
 //! in that same run.
 
+use crate::Mode;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -27,23 +28,49 @@ use crate::generate::{generate, generate_remote, GenOutput};
 use crate::speculate::SpecRun;
 use tandem_sim::stats::{round2, Summary};
 
-#[derive(Debug, Clone)]
+/// What `bench latency` runs (its flags; the model directory, the cores and the peer are set by
+/// the caller).
+#[derive(Debug, Clone, clap::Args)]
 pub struct LatencyArgs {
+    #[arg(skip)]
     pub home: PathBuf,
+    /// Round trips to emulate, ms.
+    #[arg(long, value_delimiter = ',', default_value = "0,20,50,100,200")]
     pub rtts: Vec<f64>,
-    /// Jitter as a fraction of the RTT (uniform ± this much per direction).
+    /// Jitter per direction, as a percentage of the RTT.
+    #[arg(long = "jitter-pct", default_value = "10", value_parser = crate::percent)]
     pub jitter_frac: f64,
+    /// Tokens generated per prompt.
+    #[arg(long, default_value_t = 48)]
     pub tokens: usize,
+    /// Chat prompts (repeat the flag for several; default: a few built-in ones).
+    #[arg(long = "prompt")]
     pub prompts: Vec<String>,
+    /// γ values of the synchronous sweep.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
     pub sync_gammas: Vec<usize>,
+    #[arg(long, default_value_t = 8)]
     pub max_gamma: usize,
+    #[arg(long, default_value_t = 4)]
     pub max_depth: usize,
+    #[arg(skip)]
     pub edge_cpus: CpuSet,
+    #[arg(skip)]
     pub cloud_cpus: CpuSet,
     /// llama.cpp's python and bench.py, to show its forward times beside ours.
+    #[arg(skip)]
     pub peer: Option<(PathBuf, PathBuf)>,
     /// The target as an f32 GGUF for llama.cpp (it cannot read the pulled file's dequantized form).
+    #[arg(skip)]
     pub peer_target: Option<PathBuf>,
+}
+
+/// The chat prompts of the one-session sweep when none are given.
+pub fn default_prompts() -> Vec<String> {
+    vec![
+        "Write a short story about a robot who learns to paint.".to_string(),
+        "Explain how a bicycle works, step by step.".to_string(),
+    ]
 }
 
 /// One draft under test.
@@ -58,7 +85,7 @@ pub struct Draft {
 pub struct Row {
     pub draft: String,
     pub rtt_ms: f64,
-    pub mode: String,
+    pub mode: Mode,
     pub gamma: usize,
     pub depth: usize,
     pub ttft_ms: f64,
@@ -196,7 +223,7 @@ fn peer_model(
 }
 
 /// Several prompts' outputs of one mode, folded into a row.
-fn fold(draft: &str, rtt: f64, mode: &str, outs: &[GenOutput], want: &[Vec<u32>]) -> Row {
+fn fold(draft: &str, rtt: f64, mode: Mode, outs: &[GenOutput], want: &[Vec<u32>]) -> Row {
     let n = outs.len().max(1) as f64;
     let mean = |f: &dyn Fn(&GenOutput) -> f64| outs.iter().map(f).sum::<f64>() / n;
     // The mean gap over all prompts weighs each prompt by its gaps; p50 is the prompts' mean p50
@@ -220,7 +247,7 @@ fn fold(draft: &str, rtt: f64, mode: &str, outs: &[GenOutput], want: &[Vec<u32>]
     Row {
         draft: draft.to_string(),
         rtt_ms: rtt,
-        mode: mode.to_string(),
+        mode,
         gamma: first.map_or(0, |s| s.gamma),
         depth: first.map_or(0, |s| s.depth),
         ttft_ms: round2(mean(&|o| o.ttft_ms)),
@@ -327,14 +354,16 @@ fn spec_runs(
         cloud: edge,
         edge,
         spec: SpecConfig {
-            draft_len: gamma,
-            depth,
-            max_new_tokens: a.tokens,
+            session: tandem_spec::edge::SessionConfig {
+                draft_len: gamma,
+                depth,
+                max_new_tokens: a.tokens,
+                auto,
+                granted: None,
+            },
             rule: VerifyRule::Greedy,
             params: SamplingParams::default(),
             q_top_k: 32,
-            auto,
-            granted: None,
         },
         rtt_ms: 0.0,
         jitter_ms: 0.0,
@@ -356,7 +385,10 @@ pub fn run(
     mut progress: impl FnMut(&Row),
 ) -> Result<LatencyReport> {
     if a.rtts.is_empty() || a.prompts.is_empty() || a.sync_gammas.is_empty() {
-        bail!("--rtts, --prompts and --sync-gammas must each name at least one value");
+        bail!("--rtts, --prompt and --sync-gammas must each name at least one value");
+    }
+    if a.max_gamma == 0 || a.max_depth == 0 || a.sync_gammas.contains(&0) {
+        bail!("--max-gamma, --max-depth and every --sync-gammas must be at least 1");
     }
     let prompts: Vec<Vec<u32>> = a
         .prompts
@@ -393,7 +425,7 @@ pub fn run(
             .iter()
             .map(|p| generate(&mut e, tok, p, a.tokens, &SamplingParams::default(), |_| {}))
             .collect::<Result<Vec<_>>>()?;
-        emit(fold(&d.name, 0.0, "edge-only", &outs, &[]), &mut rows);
+        emit(fold(&d.name, 0.0, Mode::EdgeOnly, &outs, &[]), &mut rows);
     }
     let mut want: Vec<Vec<u32>> = Vec::new();
     let mut calibration: Vec<(String, Costs)> = Vec::new();
@@ -416,12 +448,12 @@ pub fn run(
         if want.is_empty() {
             want = outs.iter().map(|o| o.output_ids.clone()).collect();
         }
-        emit(fold("-", rtt, "cloud-only", &outs, &want), &mut rows);
+        emit(fold("-", rtt, Mode::CloudOnly, &outs, &want), &mut rows);
         for d in drafts {
             let mut sync_rows = Vec::new();
             for &g in &a.sync_gammas {
                 let outs = spec_runs(a, target, d, tok, &url, &prompts, g, 1, None)?;
-                let mut r = fold(&d.name, rtt, "sync", &outs, &want);
+                let mut r = fold(&d.name, rtt, Mode::Sync, &outs, &want);
                 let own = r.link_rtt_ms;
                 predict(&mut r, own, prompts.len());
                 sync_rows.push(r.clone());
@@ -448,7 +480,7 @@ pub fn run(
             let outs = spec_runs(a, target, d, tok, &url, &prompts, gamma, depth, None)?;
             let link_rtt = sync_rows.iter().map(|r| r.link_rtt_ms).sum::<f64>()
                 / sync_rows.len().max(1) as f64;
-            let mut r = fold(&d.name, rtt, "async", &outs, &want);
+            let mut r = fold(&d.name, rtt, Mode::Async, &outs, &want);
             predict(&mut r, link_rtt, prompts.len());
             emit(r, &mut rows);
             let auto = AutoShape {
@@ -457,7 +489,7 @@ pub fn run(
                 prior: tandem_spec::edge::default_prior(rtt),
             };
             let outs = spec_runs(a, target, d, tok, &url, &prompts, 4, 2, Some(auto))?;
-            let mut r = fold(&d.name, rtt, "async-auto", &outs, &want);
+            let mut r = fold(&d.name, rtt, Mode::AsyncAuto, &outs, &want);
             predict(&mut r, link_rtt, prompts.len());
             emit(r, &mut rows);
         }
@@ -519,17 +551,17 @@ fn plan_pipelined(c: &Costs, max_gamma: usize, max_depth: usize) -> (usize, usiz
 
 fn summarize(rows: &[Row], drafts: &[Draft], rtts: &[f64]) -> Vec<Verdict> {
     let mut out = Vec::new();
-    let find = |d: &str, rtt: f64, mode: &str| {
+    let find = |d: &str, rtt: f64, mode: Mode| {
         rows.iter()
             .filter(|r| r.draft == d && r.rtt_ms == rtt && r.mode == mode)
             .collect::<Vec<_>>()
     };
     for d in drafts {
-        let edge = find(&d.name, 0.0, "edge-only")
+        let edge = find(&d.name, 0.0, Mode::EdgeOnly)
             .first()
             .map_or(0.0, |r| r.itl_ms.mean);
         for &rtt in rtts {
-            let Some(best) = find(&d.name, rtt, "sync")
+            let Some(best) = find(&d.name, rtt, Mode::Sync)
                 .into_iter()
                 .min_by(|x, y| x.itl_ms.mean.total_cmp(&y.itl_ms.mean))
             else {
@@ -540,17 +572,17 @@ fn summarize(rows: &[Row], drafts: &[Draft], rtts: &[f64]) -> Vec<Verdict> {
                     .first()
                     .map_or(0.0, |r| r.itl_ms.mean)
             };
-            let asy = itl("async");
+            let asy = itl(Mode::Async);
             out.push(Verdict {
                 draft: d.name.clone(),
                 rtt_ms: rtt,
                 best_sync_gamma: best.gamma,
                 best_sync_itl_ms: best.itl_ms.mean,
                 async_itl_ms: asy,
-                auto_itl_ms: itl("async-auto"),
+                auto_itl_ms: itl(Mode::AsyncAuto),
                 async_over_sync: round2(asy / best.itl_ms.mean),
                 edge_only_itl_ms: edge,
-                cloud_only_itl_ms: find("-", rtt, "cloud-only")
+                cloud_only_itl_ms: find("-", rtt, Mode::CloudOnly)
                     .first()
                     .map_or(0.0, |r| r.itl_ms.mean),
             });
@@ -572,7 +604,7 @@ pub fn table(r: &LatencyReport) -> String {
     s += "| draft | RTT ms | mode | γ | depth | TTFT ms | ITL mean | p50 | p99 | α | E[A] | wasted drafts | draft ms | edge ms/verdict | model ITL | model err | = target |\n";
     s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for x in &r.rows {
-        let spec = x.mode != "edge-only" && x.mode != "cloud-only";
+        let spec = x.mode != Mode::EdgeOnly && x.mode != Mode::CloudOnly;
         let opt = |v: Option<f64>, pct: bool| match v {
             Some(v) if pct => format!("{:+.0}%", v * 100.0),
             Some(v) => format!("{v:.1}"),
@@ -581,7 +613,7 @@ pub fn table(r: &LatencyReport) -> String {
         s += &format!(
             "| {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             x.draft,
-            if x.mode == "edge-only" { "-".into() } else { format!("{:.0}", x.rtt_ms) },
+            if x.mode == Mode::EdgeOnly { "-".into() } else { format!("{:.0}", x.rtt_ms) },
             x.mode,
             if spec { x.gamma.to_string() } else { "-".into() },
             if spec { x.depth.to_string() } else { "-".into() },

@@ -30,6 +30,72 @@ pub mod synthetic;
 
 /// The small tokio runtime every network piece runs on (gRPC clients and servers, the emulated
 /// link): one worker, so it never competes with an engine for a core.
+/// A `--…-pct` flag read as a fraction (10 → 0.1), refused unless within 0..100.
+pub fn percent(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a percentage"))?;
+    if !(0.0..100.0).contains(&v) {
+        return Err(format!("{v} is not a percentage within 0..100"));
+    }
+    Ok(v / 100.0)
+}
+
+/// How a run's tokens are produced: one name per mode, in every row, table, legend and flag.
+/// JSON and tables write `local`, `edge-only`, `cloud-only`, `sync`, `async`; `tandem generate
+/// --mode` takes `local`, `edge`, `cloud`, `sync`, `async`.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    /// One model alone on this machine.
+    Local,
+    /// The draft alone, on the edge.
+    #[value(name = "edge", alias = "edge-only")]
+    EdgeOnly,
+    /// The target streams every token (no draft).
+    #[value(name = "cloud", alias = "cloud-only")]
+    CloudOnly,
+    /// Speculation with one block in flight.
+    Sync,
+    /// Pipelined speculation: the edge drafts while blocks are on the wire.
+    Async,
+    /// Pipelined speculation whose γ and depth the edge's policy re-plans as it measures
+    /// (`tandem generate --mode async --auto`).
+    #[value(skip)]
+    AsyncAuto,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Local => "local",
+            Mode::EdgeOnly => "edge-only",
+            Mode::CloudOnly => "cloud-only",
+            Mode::Sync => "sync",
+            Mode::Async => "async",
+            Mode::AsyncAuto => "async-auto",
+        }
+    }
+
+    /// Speculation with `depth` blocks in flight: `sync` at 1, `async` past it.
+    pub fn of_depth(depth: usize) -> Self {
+        if depth <= 1 {
+            Mode::Sync
+        } else {
+            Mode::Async
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

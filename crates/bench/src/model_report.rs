@@ -167,18 +167,50 @@ pub struct PlanReport {
     pub plans: Vec<FleetRecommendation>,
 }
 
-/// What to plan for: one edge's costs and the sessions' shape limits and workload.
-#[derive(Debug, Clone)]
+/// What to plan for: one edge's costs and the sessions' shape limits and workload (`tandem
+/// plan`'s flags).
+#[derive(Debug, Clone, clap::Args)]
 pub struct PlanQuery {
+    /// Greedy acceptance rate per drafted token.
+    #[arg(long)]
     pub alpha: f64,
+    /// The draft's time per token, ms.
+    #[arg(long)]
     pub draft_ms: f64,
+    /// Network round trip, ms.
+    #[arg(long)]
     pub rtt_ms: f64,
-    /// The edge's own work per verdict outside draft forwards.
+    /// The edge's own work per verdict outside draft forwards, ms (`bench latency` measures it).
+    #[arg(long, default_value_t = 0.0)]
     pub verdict_ms: f64,
+    /// Session counts to plan for, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
     pub sessions: Vec<usize>,
+    #[arg(long, default_value_t = 8)]
     pub max_gamma: usize,
+    #[arg(long, default_value_t = 4)]
     pub max_depth: usize,
-    pub workload: Workload,
+    /// Each session's prompt, prefilled by the verifier (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub prompt_tokens: usize,
+    /// New tokens per session (0: endless sessions, the decoding steady state).
+    #[arg(long = "tokens", default_value_t = 0)]
+    pub new_tokens: usize,
+    /// Tokens one forward may compute (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    pub token_budget: usize,
+}
+
+impl PlanQuery {
+    /// The workload, with 0 (no limit) as `usize::MAX`.
+    pub fn workload(&self) -> Workload {
+        let unlimited = |n: usize| if n == 0 { usize::MAX } else { n };
+        Workload {
+            prompt_tokens: self.prompt_tokens,
+            new_tokens: unlimited(self.new_tokens),
+            token_budget: unlimited(self.token_budget),
+        }
+    }
 }
 
 /// The model for each session count.
@@ -191,8 +223,9 @@ pub fn run(q: &PlanQuery, roof: &RooflineArgs) -> Result<PlanReport> {
         ref sessions,
         max_gamma,
         max_depth,
-        ref workload,
+        ..
     } = *q;
+    let workload = &q.workload();
     if !(0.0..=1.0).contains(&alpha) {
         bail!("--alpha must be within 0..=1, got {alpha}");
     }

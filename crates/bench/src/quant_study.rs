@@ -6,6 +6,7 @@
 //! the end-to-end ITL of asynchronous speculation with it over an emulated round trip (the real
 //! verifier in its own process, netem between).
 
+use crate::Mode;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -303,25 +304,25 @@ pub fn run(
         rtt = l.rtts.first().copied();
         for row in &mut rows {
             let mine: Vec<_> = r.rows.iter().filter(|x| x.draft == row.draft).collect();
-            if let Some(x) = mine.iter().find(|x| x.mode == "async") {
+            if let Some(x) = mine.iter().find(|x| x.mode == Mode::Async) {
                 row.async_itl_ms = Some(x.itl_ms.mean);
                 row.async_shape = Some((x.gamma, x.depth));
             }
             row.best_sync_itl_ms = mine
                 .iter()
-                .filter(|x| x.mode == "sync")
+                .filter(|x| x.mode == Mode::Sync)
                 .map(|x| x.itl_ms.mean)
                 .reduce(f64::min);
             row.same_as_target = Some(
                 mine.iter()
-                    .filter(|x| x.mode != "edge-only")
+                    .filter(|x| x.mode != Mode::EdgeOnly)
                     .all(|x| x.same_as_target == Some(true)),
             );
         }
         cloud_only = r
             .rows
             .iter()
-            .find(|x| x.mode == "cloud-only")
+            .find(|x| x.mode == Mode::CloudOnly)
             .map(|x| x.itl_ms.mean);
     }
     Ok(QuantReport {

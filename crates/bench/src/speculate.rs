@@ -123,11 +123,19 @@ fn run_grpc(
         tokenizer_fingerprint: r.tokenizer.fingerprint().to_string(),
         prompt_ids: prompt_ids.to_vec(),
         params: r.spec.params,
-        max_tokens: r.spec.max_new_tokens as u32,
+        max_tokens: r.spec.session.max_new_tokens as u32,
         rule: r.spec.rule,
         // With the adaptive policy, ask for its bounds; the grant caps them.
-        want_draft_len: r.spec.auto.map_or(r.spec.draft_len, |a| a.max_draft_len) as u32,
-        want_depth: r.spec.auto.map_or(r.spec.depth, |a| a.max_depth) as u32,
+        want_draft_len: r
+            .spec
+            .session
+            .auto
+            .map_or(r.spec.session.draft_len, |a| a.max_draft_len) as u32,
+        want_depth: r
+            .spec
+            .session
+            .auto
+            .map_or(r.spec.session.depth, |a| a.max_depth) as u32,
         api_key: r.api_key.clone(),
     };
     // The draft prefills the prompt while the verifier prefills it too.
@@ -140,10 +148,8 @@ fn run_grpc(
         .map_err(|_| anyhow!("the gRPC connect thread panicked"))?
         .with_context(|| format!("opening a session on {url}"))?;
     prefilled.context("draft prefill")?;
-    let spec = SpecConfig {
-        granted: Some(tandem_spec::Shape::new(opened.draft_len, opened.depth)),
-        ..r.spec
-    };
+    let mut spec = r.spec;
+    spec.session.granted = Some(tandem_spec::Shape::new(opened.draft_len, opened.depth));
     let (report, text) = drive(
         r,
         &spec,
@@ -249,12 +255,16 @@ impl LocalVerifier {
     fn start(r: &SpecRun) -> Result<Self> {
         let engine = Engine::new(r.target.clone(), r.cloud).context("verifier engine")?;
         // Grant whatever this edge may ask for.
-        let (len, depth) = r.spec.auto.map_or((r.spec.draft_len, r.spec.depth), |a| {
-            (
-                a.max_draft_len.max(r.spec.draft_len),
-                a.max_depth.max(r.spec.depth),
-            )
-        });
+        let (len, depth) =
+            r.spec
+                .session
+                .auto
+                .map_or((r.spec.session.draft_len, r.spec.session.depth), |a| {
+                    (
+                        a.max_draft_len.max(r.spec.session.draft_len),
+                        a.max_depth.max(r.spec.session.depth),
+                    )
+                });
         let info = tandem_cloud::grpc::ServiceInfo::new(
             "in-process",
             &r.target,
@@ -337,7 +347,7 @@ fn finish(
         &mut |t: &str| on_show(Shown::Committed(t)),
     )?;
     let s = report.stats;
-    o.mode = if spec.depth == 1 { "sync" } else { "async" };
+    o.mode = crate::Mode::of_depth(spec.session.depth);
     o.weights = format!("{}+{}", r.target.format(), r.draft.format());
     o.threads = r.edge.threads + r.cloud.threads;
     o.spec = Some(SpecFields {
@@ -353,7 +363,7 @@ fn finish(
         depth: report.measured.final_depth,
         rtt_ms: r.rtt_ms,
         verify_rule: format!("{:?}", spec.rule.effective(&spec.params)).to_lowercase(),
-        auto: spec.auto.is_some(),
+        auto: spec.session.auto.is_some(),
         measured: report.measured,
     });
     Ok(o)

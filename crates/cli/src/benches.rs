@@ -105,50 +105,8 @@ pub(crate) struct PaperBenchArgs {
 
 #[derive(Args)]
 pub(crate) struct LoadBenchArgs {
-    /// Concurrent sessions (users), one row each.
-    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
-    sessions: Vec<usize>,
-    /// Acceptance rates of the synthetic drafts.
-    #[arg(long, value_delimiter = ',', default_value = "0.6,0.8,0.95")]
-    alpha: Vec<f64>,
-    #[arg(long, default_value_t = 50.0)]
-    rtt_ms: f64,
-    /// Jitter per direction, as a percentage of the RTT.
-    #[arg(long, default_value_t = 10.0)]
-    jitter_pct: f64,
-    /// Time a synthetic draft takes per token.
-    #[arg(long, default_value_t = 20.0)]
-    draft_ms: f64,
-    /// Seconds measured per row, after --warmup seconds of load that are not measured.
-    #[arg(long, default_value_t = 20.0)]
-    duration: f64,
-    #[arg(long, default_value_t = 10.0)]
-    warmup: f64,
-    /// γ and depth each edge asks for (the verifier's load-aware grant may give less); several
-    /// depths give a row each (1: synchronous speculation).
-    #[arg(long, default_value_t = 4)]
-    gamma: usize,
-    #[arg(long, value_delimiter = ',', default_value = "2")]
-    depth: Vec<usize>,
-    /// Tokens per session.
-    #[arg(long, default_value_t = 48)]
-    max_new: usize,
-    /// The verifier's token budget per forward.
-    #[arg(long, default_value_t = tandem_verifier::VerifierConfig::default().token_budget)]
-    token_budget: usize,
-    /// Grants shrink as tokens per forward near this (default: twice the measured ridge).
-    #[arg(long)]
-    saturation_tokens: Option<f64>,
-    /// The verifier's KV cache in MiB (large enough by default that 64 sessions run without
-    /// preemption: the sweep measures compute, not memory pressure).
-    #[arg(long, default_value_t = 2048)]
-    kv_budget_mb: usize,
-    /// Skip the cloud-only baseline.
-    #[arg(long)]
-    no_cloud_only: bool,
-    /// Chat prompts (repeat the flag for several).
-    #[arg(long = "prompt")]
-    prompts: Vec<String>,
+    #[command(flatten)]
+    load: tandem_bench::load::LoadArgs,
     #[command(flatten)]
     cores: Cores,
     #[command(flatten)]
@@ -157,25 +115,8 @@ pub(crate) struct LoadBenchArgs {
 
 #[derive(Args)]
 pub(crate) struct LatencyBenchArgs {
-    /// Round trips to emulate, ms.
-    #[arg(long, value_delimiter = ',', default_value = "0,20,50,100,200")]
-    rtts: Vec<f64>,
-    /// Jitter per direction, as a percentage of the RTT.
-    #[arg(long, default_value_t = 10.0)]
-    jitter_pct: f64,
-    /// Tokens generated per prompt.
-    #[arg(long, default_value_t = 48)]
-    tokens: usize,
-    /// Chat prompts (repeat the flag for several).
-    #[arg(long = "prompt")]
-    prompts: Vec<String>,
-    /// γ values of the synchronous sweep.
-    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
-    sync_gammas: Vec<usize>,
-    #[arg(long, default_value_t = 8)]
-    max_gamma: usize,
-    #[arg(long, default_value_t = 4)]
-    max_depth: usize,
+    #[command(flatten)]
+    latency: tandem_bench::latency::LatencyArgs,
     /// Drafts: quantization schemes of the target (w4a16, w8a16, w3a16, w2a16), groups of 32.
     #[arg(long, value_delimiter = ',', default_value = "w4a16,w8a16")]
     drafts: Vec<Scheme>,
@@ -259,30 +200,17 @@ pub(crate) fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
         .map(|d| (d.name, d.model))
         .collect();
     let (edge_cpus, cloud_cpus) = a.cores.split();
-    let prompts = if a.prompts.is_empty() {
-        load_prompts()
+    let prompts = if a.load.prompts.is_empty() {
+        load::default_prompts()
     } else {
-        a.prompts.clone()
+        a.load.prompts.clone()
     };
     let args = load::LoadArgs {
         home: home.to_path_buf(),
-        sessions: a.sessions.clone(),
-        alphas: a.alpha.clone(),
-        rtt_ms: a.rtt_ms,
-        jitter_frac: a.jitter_pct / 100.0,
-        draft_ms: a.draft_ms,
-        duration_s: a.duration,
-        warmup_s: a.warmup,
-        gamma: a.gamma.max(1),
-        depths: a.depth.clone(),
-        max_new: a.max_new,
         prompts,
-        token_budget: a.token_budget,
-        kv_budget_mb: a.kv_budget_mb,
-        cloud_only: !a.no_cloud_only,
         edge_cpus,
         cloud_cpus,
-        saturation_tokens: a.saturation_tokens,
+        ..a.load
     };
     let quiet = a.report.json;
     let r = load::run(&args, &target.model, &target.tokenizer, &drafts, |row| {
@@ -302,26 +230,6 @@ pub(crate) fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
         }
     })?;
     report(&r, a.report.out.as_deref(), a.report.json, load::table)
-}
-
-/// The default chat prompts of the load sweep.
-pub(crate) fn load_prompts() -> Vec<String> {
-    [
-        "Write a short story about a lighthouse keeper.",
-        "Explain how a bicycle works, step by step.",
-        "Describe a walk through a forest in autumn.",
-        "Write a letter to a friend about learning to cook.",
-    ]
-    .map(String::from)
-    .to_vec()
-}
-
-/// The default chat prompts of the one-session sweep.
-pub(crate) fn latency_prompts() -> Vec<String> {
-    vec![
-        "Write a short story about a robot who learns to paint.".to_string(),
-        "Explain how a bicycle works, step by step.".to_string(),
-    ]
 }
 
 /// The drafts made from the target by these schemes (groups of 32), made on first use.
@@ -371,8 +279,8 @@ pub(crate) fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()>
         })
         .map(|(v, _)| v)
         .collect();
-    let mut e2e_prompts = latency_prompts();
-    let mut alpha_prompts = load_prompts();
+    let mut e2e_prompts = tandem_bench::latency::default_prompts();
+    let mut alpha_prompts = tandem_bench::load::default_prompts();
     if q {
         e2e_prompts.truncate(1);
         alpha_prompts.truncate(1);
@@ -436,7 +344,7 @@ pub(crate) fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()>
         .transpose()?;
     let tokens = a.tokens.unwrap_or(if q { 16 } else { 48 });
     let jitter_frac = a.jitter_pct / 100.0;
-    let mut prompts = latency_prompts();
+    let mut prompts = latency::default_prompts();
     if q {
         prompts.truncate(1);
     }
@@ -473,7 +381,7 @@ pub(crate) fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()>
         gamma: 4,
         depths: if q { vec![2] } else { vec![1, 2] },
         max_new: tokens,
-        prompts: load_prompts(),
+        prompts: load::default_prompts(),
         token_budget: tandem_verifier::VerifierConfig::default().token_budget,
         kv_budget_mb: 2048,
         cloud_only: true,
@@ -528,24 +436,19 @@ pub(crate) fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result
         .as_ref()
         .map(|_| models::ensure_f32_copy(home))
         .transpose()?;
-    let prompts = if a.prompts.is_empty() {
-        latency_prompts()
+    let prompts = if a.latency.prompts.is_empty() {
+        latency::default_prompts()
     } else {
-        a.prompts.clone()
+        a.latency.prompts.clone()
     };
     let args = latency::LatencyArgs {
         home: home.to_path_buf(),
-        rtts: a.rtts.clone(),
-        jitter_frac: a.jitter_pct / 100.0,
-        tokens: a.tokens,
         prompts,
-        sync_gammas: a.sync_gammas.clone(),
-        max_gamma: a.max_gamma.max(1),
-        max_depth: a.max_depth.max(1),
         edge_cpus,
         cloud_cpus,
         peer,
         peer_target,
+        ..a.latency
     };
     let quiet = a.report.json;
     let r = latency::run(&args, &target.model, &target.tokenizer, &drafts, |row| {

@@ -2,15 +2,7 @@
 //! every mode side by side.
 
 use super::*;
-
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum Mode {
-    Local,
-    Edge,
-    Cloud,
-    Sync,
-    Async,
-}
+use tandem_bench::Mode;
 
 #[derive(Args)]
 pub(crate) struct GenerateArgs {
@@ -149,14 +141,14 @@ pub(crate) fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()
     }
     let spec = match a.mode {
         Mode::Local => a.model.clone(),
-        Mode::Edge | Mode::Sync | Mode::Async => {
+        Mode::EdgeOnly | Mode::Sync | Mode::Async => {
             if a.model == ModelSpec::Target {
                 ModelSpec::Draft
             } else {
                 a.model.clone()
             }
         }
-        Mode::Cloud => ModelSpec::Target,
+        Mode::CloudOnly | Mode::AsyncAuto => ModelSpec::Target,
     };
     let m = models::load(home, &spec, a.weights, a.json)?;
     let ids = if a.chat {
@@ -190,22 +182,24 @@ pub(crate) fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()
                 ..a.engine.config()
             },
             spec: tandem_edge::SpecConfig {
-                draft_len: a.gamma,
-                depth: if a.mode == Mode::Sync { 1 } else { a.depth },
-                max_new_tokens: a.max_tokens,
+                session: tandem_spec::edge::SessionConfig {
+                    draft_len: a.gamma,
+                    depth: if a.mode == Mode::Sync { 1 } else { a.depth },
+                    max_new_tokens: a.max_tokens,
+                    auto: a.auto.then(|| tandem_spec::edge::AutoShape {
+                        max_draft_len: a.max_gamma.max(1),
+                        max_depth: if a.mode == Mode::Sync {
+                            1
+                        } else {
+                            a.max_depth.max(1)
+                        },
+                        prior: tandem_spec::edge::default_prior(a.rtt_ms),
+                    }),
+                    granted: None,
+                },
                 rule: a.verify,
                 params,
                 q_top_k: 32,
-                auto: a.auto.then(|| tandem_spec::edge::AutoShape {
-                    max_draft_len: a.max_gamma.max(1),
-                    max_depth: if a.mode == Mode::Sync {
-                        1
-                    } else {
-                        a.max_depth.max(1)
-                    },
-                    prior: tandem_spec::edge::default_prior(a.rtt_ms),
-                }),
-                granted: None,
             },
             rtt_ms: a.rtt_ms,
             jitter_ms: a.jitter_ms,
@@ -213,7 +207,7 @@ pub(crate) fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()
             api_key: a.api_key.clone(),
         };
         tandem_bench::speculate::run(&run, &ids, &mut print)?
-    } else if let (Mode::Cloud, Some(url)) = (a.mode, &a.cloud) {
+    } else if let (Mode::CloudOnly, Some(url)) = (a.mode, &a.cloud) {
         tandem_bench::generate::generate_remote(
             url,
             a.api_key.as_deref(),
@@ -234,9 +228,8 @@ pub(crate) fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()
             &mut print,
         )?;
         o.mode = match a.mode {
-            Mode::Edge => "edge",
-            Mode::Cloud => "cloud",
-            _ => "local",
+            Mode::EdgeOnly | Mode::CloudOnly => a.mode,
+            _ => Mode::Local,
         };
         o
     };
@@ -318,7 +311,7 @@ pub(crate) fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
         ..one
     };
     // Speculation first, streamed: the draft here, the target behind an emulated link.
-    for (mode, depth) in [("async", a.depth), ("sync", 1)] {
+    for (mode, depth) in [(Mode::Async, a.depth), (Mode::Sync, 1)] {
         let run = tandem_bench::speculate::SpecRun {
             target: target.model.clone(),
             draft: draft.model.clone(),
@@ -326,14 +319,16 @@ pub(crate) fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
             cloud,
             edge,
             spec: tandem_edge::SpecConfig {
-                draft_len: a.gamma,
-                depth,
-                max_new_tokens: a.max_tokens,
+                session: tandem_spec::edge::SessionConfig {
+                    draft_len: a.gamma,
+                    depth,
+                    max_new_tokens: a.max_tokens,
+                    auto: None,
+                    granted: None,
+                },
                 rule: VerifyRule::Greedy,
                 params,
                 q_top_k: 32,
-                auto: None,
-                granted: None,
             },
             rtt_ms: a.rtt_ms,
             jitter_ms: a.rtt_ms / 10.0,
@@ -367,7 +362,10 @@ pub(crate) fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
         println!();
         rows.push((mode, out));
     }
-    for (mode, spec, cfg) in [("cloud-only", &target, cloud), ("edge-only", &draft, edge)] {
+    for (mode, spec, cfg) in [
+        (Mode::CloudOnly, &target, cloud),
+        (Mode::EdgeOnly, &draft, edge),
+    ] {
         let mut engine = Engine::new(spec.model.clone(), cfg)?;
         let mut out = generate(
             &mut engine,
@@ -377,7 +375,7 @@ pub(crate) fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
             &params,
             |_| {},
         )?;
-        if mode == "cloud-only" {
+        if mode == Mode::CloudOnly {
             // Every streamed token crosses the link once; the first waits for the request too.
             out.ttft_ms += a.rtt_ms;
         }
@@ -385,7 +383,7 @@ pub(crate) fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
     }
     let want = rows
         .iter()
-        .find(|r| r.0 == "cloud-only")
+        .find(|r| r.0 == Mode::CloudOnly)
         .map(|r| r.1.output_ids.clone())
         .unwrap_or_default();
     println!("| mode | TTFT ms | ITL mean ms | tokens/s | α | E[A] | same tokens as the target |");

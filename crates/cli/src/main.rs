@@ -243,3 +243,14 @@ fn parse_forward_cost(s: &str) -> Result<tandem_sched::ForwardCost, String> {
         ms_per_token: num(b, "MS_PER_TOKEN")?,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    /// Every subcommand's flags are well formed: no two with one name or id (clap checks this
+    /// only in debug builds, at parse time), defaults that parse.
+    #[test]
+    fn the_command_line_is_well_formed() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
+    }
+}

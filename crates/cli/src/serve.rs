@@ -55,16 +55,8 @@ pub(crate) struct ServeArgs {
     /// Serve without API keys (one tenant, `default`): only on a loopback address.
     #[arg(long)]
     no_auth: bool,
-    /// Tokens one forward may compute, all sessions together (verify blocks first, then chunks
-    /// of prompt prefill).
-    #[arg(long, default_value_t = tandem_verifier::VerifierConfig::default().token_budget)]
-    token_budget: usize,
-    /// Admission: open sessions beyond which new ones are refused (RESOURCE_EXHAUSTED).
-    #[arg(long, default_value_t = tandem_verifier::VerifierConfig::default().max_sessions)]
-    max_sessions: usize,
-    /// Admission: prompt tokens waiting for prefill beyond which new sessions are refused.
-    #[arg(long, default_value_t = tandem_verifier::VerifierConfig::default().max_waiting_tokens)]
-    max_waiting_tokens: usize,
+    #[command(flatten)]
+    verifier: tandem_verifier::VerifierConfig,
     /// On ctrl-c or SIGTERM, let open sessions finish for up to this many seconds.
     #[arg(long, default_value_t = 30.0)]
     drain_timeout_s: f64,
@@ -100,10 +92,10 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             a.drain_timeout_s
         );
     }
-    if a.token_budget <= a.max_draft_len as usize {
+    if a.verifier.token_budget <= a.max_draft_len as usize {
         bail!(
             "--token-budget {} must exceed --max-draft-len {} (a block and its correction go in one forward)",
-            a.token_budget,
+            a.verifier.token_budget,
             a.max_draft_len
         );
     }
@@ -140,13 +132,8 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             a.max_depth,
         )
     };
-    let cfg = tandem_verifier::VerifierConfig {
-        token_budget: a.token_budget,
-        max_sessions: a.max_sessions,
-        max_waiting_tokens: a.max_waiting_tokens,
-    };
     let auth = tenants.auth_required();
-    let (service, batcher) = tandem_cloud::grpc::start(engine, cfg, info, tenants)?;
+    let (service, batcher) = tandem_cloud::grpc::start(engine, a.verifier, info, tenants)?;
     let rt = tandem_bench::runtime()?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(addr)

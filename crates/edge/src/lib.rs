@@ -13,7 +13,6 @@ use std::time::Instant;
 
 use serde::Serialize;
 use tandem_engine::{Engine, EngineError};
-use tandem_spec::edge::AutoShape;
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::verify::VerifyRule;
 use tandem_spec::{
@@ -47,34 +46,15 @@ pub trait Link {
     }
 }
 
+/// What one speculation session of the edge runs: the shape it wants and may use (the edge core's
+/// [`SessionConfig`]) and how drafts are judged.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct SpecConfig {
-    pub draft_len: usize,
-    pub depth: usize,
-    pub max_new_tokens: usize,
+    pub session: SessionConfig,
     pub rule: VerifyRule,
     pub params: SamplingParams,
     /// Size of the sparse draft distribution sent for rejection sampling.
     pub q_top_k: usize,
-    /// Let the policy re-plan γ and depth as it measures (`draft_len` / `depth` are the start).
-    pub auto: Option<AutoShape>,
-    /// The verifier's grant at Open (γ, depth): the shape stays within it, and within each later
-    /// grant that verdicts bring as the verifier's load changes. `draft_len`, `depth` and the
-    /// auto bounds are what the edge wants; None: no limit.
-    pub granted: Option<tandem_spec::Shape>,
-}
-
-impl SpecConfig {
-    /// The shape part, for the edge's [`EdgeSession`].
-    pub fn session(&self) -> SessionConfig {
-        SessionConfig {
-            draft_len: self.draft_len,
-            depth: self.depth,
-            max_new_tokens: self.max_new_tokens,
-            auto: self.auto,
-            granted: self.granted,
-        }
-    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -147,7 +127,7 @@ pub fn run_with(
     mut on_update: impl FnMut(Update<'_>),
 ) -> Result<SpecReport, EdgeError> {
     let now = || start.elapsed().as_secs_f64() * 1e3;
-    let (mut es, first_out) = EdgeSession::new(now(), prompt.to_vec(), first, cfg.session(), eog)?;
+    let (mut es, first_out) = EdgeSession::new(now(), prompt.to_vec(), first, cfg.session, eog)?;
     let mut commit_ms = Vec::new();
     let mut draft_forwards = 0;
     let apply = |outs: Vec<Output>,

@@ -346,14 +346,16 @@ fn committed_counts(
             ..case.params
         };
         let cfg = SpecConfig {
-            draft_len: case.draft_len,
-            depth: case.depth,
-            max_new_tokens: case.max_new_tokens,
+            session: tandem_spec::edge::SessionConfig {
+                draft_len: case.draft_len,
+                depth: case.depth,
+                max_new_tokens: case.max_new_tokens,
+                auto: None,
+                granted: None,
+            },
             rule,
             params,
             q_top_k: Q_TOP_K,
-            auto: None,
-            granted: None,
         };
         verifier
             .open(

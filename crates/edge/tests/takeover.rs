@@ -158,14 +158,16 @@ fn a_session_taken_over_and_handed_back_is_the_targets() {
             handed_back: false,
         };
         let cfg = SpecConfig {
-            draft_len: 3,
-            depth,
-            max_new_tokens: n,
+            session: tandem_spec::edge::SessionConfig {
+                draft_len: 3,
+                depth,
+                max_new_tokens: n,
+                auto: None,
+                granted: None,
+            },
             rule: VerifyRule::Greedy,
             params: SamplingParams::default(),
             q_top_k: 0,
-            auto: None,
-            granted: None,
         };
         let mut d = SyntheticDrafter::new(prompt.len(), want.clone(), alpha, 0.0, 96, 3);
         let r = tandem_edge::run_with(

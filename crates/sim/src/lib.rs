@@ -42,32 +42,66 @@ pub enum SimError {
     Replica { replica: usize, message: String },
 }
 
-/// What one simulation runs.
-#[derive(Debug, Clone, Serialize)]
+/// The simulator's default target forward cost: `cloud serve --threads 1` on this project's CI
+/// machine.
+pub const DEFAULT_FORWARD_COST: ForwardCost = ForwardCost {
+    one_token_ms: 44.0,
+    ms_per_token: 2.2,
+};
+
+/// What one simulation runs. Its flags are `tandem simulate`'s (which sweeps `users` and the
+/// cloud-only baseline, and finds the forward cost).
+#[derive(Debug, Clone, Serialize, clap::Args)]
 pub struct SimConfig {
-    /// Closed-loop users: each opens session after session.
+    /// Closed-loop users: each opens session after session (`tandem simulate --sessions`).
+    #[arg(skip = 1usize)]
     pub users: usize,
+    /// Verifier replicas; users are spread over them round-robin.
+    #[arg(long, default_value_t = 1)]
     pub replicas: usize,
+    /// Greedy acceptance rate per drafted token.
+    #[arg(long, default_value_t = 0.8)]
     pub alpha: f64,
+    /// The draft's time per token, ms.
+    #[arg(long, default_value_t = 20.0)]
     pub draft_ms: f64,
-    /// Mean round trip; each session draws its own within ± `rtt_spread_pct`, and each message
-    /// gets ± `jitter_pct` of its half.
+    /// Mean round trip, ms.
+    #[arg(long, default_value_t = 50.0)]
     pub rtt_ms: f64,
+    /// Each session's round trip is drawn within ± this share of --rtt-ms.
+    #[arg(long, default_value_t = 0.0)]
     pub rtt_spread_pct: f64,
+    /// Each message's half of the round trip varies by ± this share.
+    #[arg(long, default_value_t = 10.0)]
     pub jitter_pct: f64,
-    /// 0: cloud-only (the verifier decodes every session).
+    /// Draft length (0: cloud-only, the verifier decodes every session).
+    #[arg(long, default_value_t = 4)]
     pub gamma: usize,
+    #[arg(long, default_value_t = 2)]
     pub depth: usize,
-    /// Replicas adapt γ and depth to their load and take sessions over, as `cloud serve` does
-    /// (false: every session keeps γ and depth).
+    /// Replicas adapt γ and depth to their load and take slow sessions over, as `cloud serve`
+    /// does; `--fixed-shape` holds every session's γ and depth.
+    #[arg(long = "fixed-shape", action = clap::ArgAction::SetFalse)]
     pub adaptive: bool,
+    #[arg(long, default_value_t = 40)]
     pub prompt_tokens: usize,
+    /// New tokens per session.
+    #[arg(long = "tokens", default_value_t = 48)]
     pub new_tokens: usize,
+    #[arg(long, default_value_t = 64)]
     pub token_budget: usize,
+    /// KV blocks of 16 token slots per replica.
+    #[arg(long, default_value_t = 65536)]
     pub kv_blocks: usize,
+    /// The target's forward cost (`tandem simulate --forward-cost` or `--engine-json`).
+    #[arg(skip = DEFAULT_FORWARD_COST)]
     pub cost: ForwardCost,
+    /// Simulated seconds before measuring, and measured.
+    #[arg(long = "warmup-s", default_value_t = 20.0)]
     pub warmup_s: f64,
+    #[arg(long = "duration-s", default_value_t = 40.0)]
     pub duration_s: f64,
+    #[arg(long, default_value_t = 1)]
     pub seed: u64,
 }
 

@@ -54,7 +54,7 @@ pub fn default_prior(rtt_ms: f64) -> Costs {
 }
 
 /// The shape an edge session wants and may use.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Serialize)]
 pub struct SessionConfig {
     /// γ and depth the edge wants (the start, with `auto`).
     pub draft_len: usize,

@@ -27,25 +27,32 @@ use crate::{Target, VerifierError};
 /// most its granted depth in flight).
 pub const MAX_QUEUED_BLOCKS: usize = 16;
 
-/// Settings of the verifier's scheduler, checked by [`VerifierCore::new`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// Settings of the verifier's scheduler, checked by [`VerifierCore::new`] (also `tandem cloud
+/// serve`'s flags).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::Args)]
 #[serde(default, deny_unknown_fields)]
 pub struct VerifierConfig {
-    /// Tokens one forward may compute, all sessions together.
+    /// Tokens one forward may compute, all sessions together (verify blocks first, then chunks
+    /// of prompt prefill).
+    #[arg(long, default_value_t = DEFAULTS.token_budget)]
     pub token_budget: usize,
-    /// Admission: open sessions beyond which new ones are refused.
+    /// Admission: open sessions beyond which new ones are refused (RESOURCE_EXHAUSTED).
+    #[arg(long, default_value_t = DEFAULTS.max_sessions)]
     pub max_sessions: usize,
     /// Admission: prompt tokens waiting for prefill beyond which new sessions are refused.
+    #[arg(long, default_value_t = DEFAULTS.max_waiting_tokens)]
     pub max_waiting_tokens: usize,
 }
 
+const DEFAULTS: VerifierConfig = VerifierConfig {
+    token_budget: 64,
+    max_sessions: 1024,
+    max_waiting_tokens: 4096,
+};
+
 impl Default for VerifierConfig {
     fn default() -> Self {
-        Self {
-            token_budget: 64,
-            max_sessions: 1024,
-            max_waiting_tokens: 4096,
-        }
+        DEFAULTS
     }
 }
 

@@ -7,6 +7,7 @@
 //! target's forward time is measured against tokens per forward, on the verifier's core, to find
 //! the ridge where it turns compute-bound.
 
+use crate::Mode;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -22,36 +23,78 @@ use tandem_sim::stats::{round2, Summary};
 mod report;
 mod session;
 
-pub use report::{mode_name, shape_label, table};
+pub use report::{mode_of, shape_label, table};
 use session::{drive, Job};
 pub use session::{synthetic_session, SyntheticEdge};
 
-#[derive(Debug, Clone)]
+/// What `bench load` runs (its flags; the model directory and the cores are set by the caller).
+#[derive(Debug, Clone, clap::Args)]
 pub struct LoadArgs {
+    #[arg(skip)]
     pub home: PathBuf,
+    /// Concurrent sessions (users), one row each.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
     pub sessions: Vec<usize>,
+    /// Acceptance rates of the synthetic drafts.
+    #[arg(long = "alpha", value_delimiter = ',', default_value = "0.6,0.8,0.95")]
     pub alphas: Vec<f64>,
+    #[arg(long, default_value_t = 50.0)]
     pub rtt_ms: f64,
+    /// Jitter per direction, as a percentage of the RTT.
+    #[arg(long = "jitter-pct", default_value = "10", value_parser = crate::percent)]
     pub jitter_frac: f64,
+    /// Time a synthetic draft takes per token.
+    #[arg(long, default_value_t = 20.0)]
     pub draft_ms: f64,
-    /// Seconds measured, after `warmup_s` seconds of load that are not (the first prompts'
-    /// prefill burst).
+    /// Seconds measured per row, after --warmup seconds of load that are not measured (the
+    /// first prompts' prefill burst).
+    #[arg(long = "duration", default_value_t = 20.0)]
     pub duration_s: f64,
+    #[arg(long = "warmup", default_value_t = 10.0)]
     pub warmup_s: f64,
-    /// What each edge asks for; the verifier's load-aware grant may give less. One row per depth
-    /// and α: depth 1 is synchronous speculation (`sync`), more is pipelined (`async`).
+    /// γ and depth each edge asks for (the verifier's load-aware grant may give less); several
+    /// depths give a row each and α: depth 1 is synchronous speculation (`sync`), more is
+    /// pipelined (`async`).
+    #[arg(long, default_value_t = 4)]
     pub gamma: usize,
+    #[arg(long = "depth", value_delimiter = ',', default_value = "2")]
     pub depths: Vec<usize>,
+    /// Tokens per session.
+    #[arg(long, default_value_t = 48)]
     pub max_new: usize,
+    /// Chat prompts (repeat the flag for several; default: a few built-in ones).
+    #[arg(long = "prompt")]
     pub prompts: Vec<String>,
+    /// The verifier's token budget per forward.
+    #[arg(long, default_value_t = tandem_verifier::VerifierConfig::default().token_budget)]
     pub token_budget: usize,
+    /// The verifier's KV cache in MiB (large enough by default that 64 sessions run without
+    /// preemption: the sweep measures compute, not memory pressure).
+    #[arg(long, default_value_t = 2048)]
     pub kv_budget_mb: usize,
+    /// Also measure cloud-only clients at each load (`--no-cloud-only` skips them).
+    #[arg(long = "no-cloud-only", action = clap::ArgAction::SetFalse)]
     pub cloud_only: bool,
+    #[arg(skip)]
     pub edge_cpus: CpuSet,
+    #[arg(skip)]
     pub cloud_cpus: CpuSet,
-    /// Grants shrink as tokens per forward near this; `None`: twice the measured ridge (where a
+    /// Grants shrink as tokens per forward near this (default: twice the measured ridge, where a
     /// forward takes about twice the one-token time).
+    #[arg(long)]
     pub saturation_tokens: Option<f64>,
+}
+
+/// The chat prompts of the load sweep when none are given.
+pub fn default_prompts() -> Vec<String> {
+    [
+        "Write a short story about a lighthouse keeper.",
+        "Explain how a bicycle works, step by step.",
+        "Describe a walk through a forest in autumn.",
+        "Write a letter to a friend about learning to cook.",
+    ]
+    .map(String::from)
+    .to_vec()
 }
 
 /// Target forward time against tokens per forward, on the verifier's cores.
@@ -71,7 +114,7 @@ pub struct Roofline {
 #[derive(Debug, Clone, Serialize)]
 pub struct LoadRow {
     /// `cloud-only`, `sync` (depth 1) or `async`.
-    pub mode: String,
+    pub mode: Mode,
     /// Blocks in flight each edge asked for (0 for cloud-only).
     pub depth: usize,
     pub sessions: usize,
@@ -131,7 +174,7 @@ pub struct LoadReport {
 /// The most sessions of the sweep a mode served within each SLO.
 #[derive(Debug, Clone, Serialize)]
 pub struct Capacity {
-    pub mode: String,
+    pub mode: Mode,
     /// Blocks in flight (0 for cloud-only).
     pub depth: usize,
     pub alpha: Option<f64>,
@@ -187,6 +230,12 @@ pub fn run(
     }
     if a.depths.contains(&0) {
         bail!("--depth: blocks in flight must each be at least 1");
+    }
+    if a.gamma == 0 {
+        bail!("--gamma: each edge drafts at least 1 token per block");
+    }
+    if a.prompts.is_empty() {
+        bail!("--prompt: give at least one prompt");
     }
     if let Some(x) = a.alphas.iter().find(|x| !(0.0..=1.0).contains(*x)) {
         bail!("--alpha: {x} is not a probability");
@@ -280,7 +329,7 @@ pub fn run(
     }
     let base = rows
         .iter()
-        .filter(|r| r.mode == "cloud-only")
+        .filter(|r| r.mode == Mode::CloudOnly)
         .min_by_key(|r| r.sessions)
         .map(|r| r.itl_ms.mean)
         .ok_or_else(|| anyhow!("no cloud-only baseline was run"))
@@ -288,9 +337,9 @@ pub fn run(
     let slo_ms = round2(3.0 * base);
     let mean_slo_ms = round2(1.5 * base);
     let mut capacity = Vec::new();
-    let mut modes: Vec<(String, usize, Option<f64>)> = Vec::new();
+    let mut modes: Vec<(Mode, usize, Option<f64>)> = Vec::new();
     for r in &rows {
-        let key = (r.mode.clone(), r.depth, r.alpha);
+        let key = (r.mode, r.depth, r.alpha);
         if !modes.contains(&key) {
             modes.push(key);
         }

@@ -1,20 +1,17 @@
 //! The sweep's report: mode names and the Markdown tables.
 
 use super::LoadReport;
+use crate::Mode;
 
 /// A row's mode by the blocks in flight its edges asked for: `cloud-only` (none), `sync` (1) or
 /// `async`.
-pub fn mode_name(depth: Option<usize>) -> &'static str {
-    match depth {
-        None => "cloud-only",
-        Some(1) => "sync",
-        Some(_) => "async",
-    }
+pub fn mode_of(depth: Option<usize>) -> Mode {
+    depth.map_or(Mode::CloudOnly, Mode::of_depth)
 }
 
 /// A row's mode for tables and legends: async rows name their depth.
-pub fn shape_label(mode: &str, depth: usize) -> String {
-    if mode == "async" {
+pub fn shape_label(mode: Mode, depth: usize) -> String {
+    if mode == Mode::Async {
         format!("async (depth {depth})")
     } else {
         mode.to_string()
@@ -66,7 +63,7 @@ pub fn table(r: &LoadReport) -> String {
         });
         s.push_str(&format!(
             "| {} | {} | {alpha} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} ({:.0}%) | {:.1} | {:.2}{bound} | {:.1} | {:.0}% | {ratio} | {} | {} |\n",
-            shape_label(&x.mode, x.depth),
+            shape_label(x.mode, x.depth),
             x.sessions,
             x.throughput_tok_s,
             x.itl_ms.mean,

@@ -13,7 +13,7 @@ use tandem_spec::VerifyRule;
 
 use crate::cloudproc::CloudProcess;
 
-use super::{mode_name, parse_metrics, LoadArgs, LoadRow};
+use super::{mode_of, parse_metrics, LoadArgs, LoadRow};
 use tandem_sim::stats::{round2, Summary};
 
 /// What one session produced: its commit times (absolute) and whether it was the target's.
@@ -114,14 +114,16 @@ pub fn synthetic_session(
     };
     let (mut link, opened) = GrpcLink::connect(rt, url, req)?;
     let cfg = SpecConfig {
-        draft_len: edge.gamma,
-        depth: edge.depth,
-        max_new_tokens: want.len(),
+        session: tandem_spec::edge::SessionConfig {
+            draft_len: edge.gamma,
+            depth: edge.depth,
+            max_new_tokens: want.len(),
+            auto: None,
+            granted: Some(tandem_spec::Shape::new(opened.draft_len, opened.depth)),
+        },
         rule: VerifyRule::Greedy,
         params: SamplingParams::default(),
         q_top_k: 0,
-        auto: None,
-        granted: Some(tandem_spec::Shape::new(opened.draft_len, opened.depth)),
     };
     let mut d = SyntheticDrafter::new(
         prompt.len(),
@@ -308,7 +310,7 @@ pub(super) fn drive(
         p99: round2(s.p99),
     };
     Ok(LoadRow {
-        mode: mode_name(spec.map(|s| s.1)).into(),
+        mode: mode_of(spec.map(|s| s.1)),
         depth: spec.map_or(0, |s| s.1),
         sessions: n,
         alpha,

@@ -15,6 +15,7 @@
 //! It writes `results.json`, `results.md` and PNG plots into the output folder, and checks its
 //! own output: every mode produced tokens, every output equals the target's, the plots exist.
 
+use crate::Mode;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -31,7 +32,7 @@ mod report;
 pub use report::markdown;
 
 use crate::latency::{Draft, LatencyArgs, LatencyReport};
-use crate::load::{mode_name, shape_label, LoadArgs, LoadReport, LoadRow};
+use crate::load::{mode_of, shape_label, LoadArgs, LoadReport, LoadRow};
 use tandem_sim::stats::round2;
 use tandem_sim::{SimConfig, SimRow};
 
@@ -66,7 +67,7 @@ pub struct DraftScore {
 #[derive(Debug, Clone, Serialize)]
 pub struct SimPoint {
     pub rtt_ms: f64,
-    pub mode: String,
+    pub mode: Mode,
     pub row: SimRow,
 }
 
@@ -164,11 +165,11 @@ fn score(d: &Draft, r: &LatencyReport) -> DraftScore {
     for g in r
         .rows
         .iter()
-        .filter(|x| x.draft == d.name && x.mode == "sync")
+        .filter(|x| x.draft == d.name && x.mode == Mode::Sync)
     {
         let same: Vec<_> = rows
             .iter()
-            .filter(|x| x.mode == "sync" && x.gamma == g.gamma)
+            .filter(|x| x.mode == Mode::Sync && x.gamma == g.gamma)
             .collect();
         if ea.iter().any(|e| e.0 == g.gamma) {
             continue;
@@ -189,7 +190,7 @@ fn score(d: &Draft, r: &LatencyReport) -> DraftScore {
         alpha: round2(alpha),
         draft_ms: rows
             .iter()
-            .find(|x| x.mode == "edge-only")
+            .find(|x| x.mode == Mode::EdgeOnly)
             .map_or(0.0, |x| x.itl_ms.mean),
         expected_accepted: ea,
     }
@@ -354,7 +355,7 @@ pub fn run(
                     };
                     out.push(SimPoint {
                         rtt_ms: rtt,
-                        mode: mode_name((gamma > 0).then_some(depth)).to_string(),
+                        mode: mode_of((gamma > 0).then_some(depth)),
                         row: tandem_sim::simulate(&cfg)?,
                     });
                 }
@@ -405,12 +406,12 @@ pub(crate) fn rel(predicted: f64, measured: f64) -> f64 {
 }
 
 /// The simulated point for a measured row: same RTT, sessions, mode and (speculating) depth.
-pub(crate) fn sim_for<'a>(
-    sims: &'a [SimPoint],
+pub(crate) fn sim_for(
+    sims: &[SimPoint],
     rtt: f64,
     users: usize,
-    (mode, depth): (&str, usize),
-) -> Option<&'a SimRow> {
+    (mode, depth): (Mode, usize),
+) -> Option<&SimRow> {
     sims.iter()
         .find(|s| {
             s.rtt_ms == rtt
@@ -443,7 +444,7 @@ fn model_checks(lat: &LatencyReport, loads: &[LoadReport], sims: &[SimPoint]) ->
     }
     for l in loads {
         for x in &l.rows {
-            let Some(s) = sim_for(sims, l.rtt_ms, x.sessions, (&x.mode, x.depth)) else {
+            let Some(s) = sim_for(sims, l.rtt_ms, x.sessions, (x.mode, x.depth)) else {
                 continue;
             };
             out.push(ModelCheck {
@@ -451,7 +452,7 @@ fn model_checks(lat: &LatencyReport, loads: &[LoadReport], sims: &[SimPoint]) ->
                 draft: "synthetic".into(),
                 rtt_ms: l.rtt_ms,
                 sessions: x.sessions,
-                mode: shape_label(&x.mode, x.depth),
+                mode: shape_label(x.mode, x.depth),
                 metric: "tok/s".into(),
                 measured: x.throughput_tok_s,
                 predicted: round2(s.predicted_tokens_per_s),
@@ -474,7 +475,7 @@ fn sanity(r: &PaperReport, target_greedy: &[Vec<u32>], dir: &Path) -> Vec<Sanity
         })
     };
     let lat = &r.latency;
-    for mode in ["edge-only", "cloud-only", "sync", "async"] {
+    for mode in [Mode::EdgeOnly, Mode::CloudOnly, Mode::Sync, Mode::Async] {
         let rows: Vec<_> = lat.rows.iter().filter(|x| x.mode == mode).collect();
         let empty = rows.iter().filter(|x| x.tokens == 0).count();
         check(
@@ -491,7 +492,11 @@ fn sanity(r: &PaperReport, target_greedy: &[Vec<u32>], dir: &Path) -> Vec<Sanity
             target_greedy.len()
         ),
     );
-    let spec: Vec<_> = lat.rows.iter().filter(|x| x.mode != "edge-only").collect();
+    let spec: Vec<_> = lat
+        .rows
+        .iter()
+        .filter(|x| x.mode != Mode::EdgeOnly)
+        .collect();
     let wrong = spec
         .iter()
         .filter(|x| x.same_as_target != Some(true))
@@ -502,7 +507,7 @@ fn sanity(r: &PaperReport, target_greedy: &[Vec<u32>], dir: &Path) -> Vec<Sanity
         format!("{} rows, {wrong} differ", spec.len()),
     );
     let rows: Vec<&LoadRow> = r.load.iter().flat_map(|l| &l.rows).collect();
-    for mode in ["cloud-only", "sync", "async"] {
+    for mode in [Mode::CloudOnly, Mode::Sync, Mode::Async] {
         let m: Vec<_> = rows.iter().filter(|x| x.mode == mode).collect();
         if m.is_empty() {
             continue;

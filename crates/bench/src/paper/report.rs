@@ -1,5 +1,6 @@
 //! `bench paper`'s outputs: the PNG plots and the Markdown report.
 
+use crate::Mode;
 use std::path::Path;
 
 use anyhow::Result;
@@ -60,10 +61,10 @@ pub(super) fn draw_plots(r: &PaperReport, dir: &Path) -> Result<Vec<String>> {
         let mut panels = Vec::new();
         for l in &r.load {
             let mut series = Vec::new();
-            let mut shapes: Vec<(&str, usize)> = Vec::new();
+            let mut shapes: Vec<(Mode, usize)> = Vec::new();
             for x in &l.rows {
-                if !shapes.contains(&(x.mode.as_str(), x.depth)) {
-                    shapes.push((x.mode.as_str(), x.depth));
+                if !shapes.contains(&(x.mode, x.depth)) {
+                    shapes.push((x.mode, x.depth));
                 }
             }
             for (i, &(mode, depth)) in shapes.iter().enumerate() {
@@ -74,8 +75,8 @@ pub(super) fn draw_plots(r: &PaperReport, dir: &Path) -> Result<Vec<String>> {
                     .map(|x| (x.sessions as f64, f(x)))
                     .collect();
                 let color = match mode {
-                    "cloud-only" => 7,
-                    "sync" => 0,
+                    Mode::CloudOnly => 7,
+                    Mode::Sync => 0,
                     _ => 1 + i,
                 };
                 let sim: Vec<(f64, f64)> = pts
@@ -225,7 +226,7 @@ pub fn markdown(r: &PaperReport) -> String {
         let shape = lat
             .rows
             .iter()
-            .find(|x| x.draft == v.draft && x.rtt_ms == v.rtt_ms && x.mode == "async")
+            .find(|x| x.draft == v.draft && x.rtt_ms == v.rtt_ms && x.mode == Mode::Async)
             .map_or(String::new(), |x| {
                 format!(" (γ {}, depth {})", x.gamma, x.depth)
             });
@@ -280,18 +281,18 @@ pub fn markdown(r: &PaperReport) -> String {
     s.push_str("| RTT ms | sessions | mode | tok/s measured | simulated | model | ITL mean / p99 ms | simulated mean / p99 | TTFT p50 ms | cloud-decoded | forward ms (busy) | sessions | wrong | model, isolated forward |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for l in &r.load {
         for x in &l.rows {
-            let sim = sim_for(&r.simulated, l.rtt_ms, x.sessions, (&x.mode, x.depth));
+            let sim = sim_for(&r.simulated, l.rtt_ms, x.sessions, (x.mode, x.depth));
             let iso = sim_for(
                 &r.simulated_isolated,
                 l.rtt_ms,
                 x.sessions,
-                (&x.mode, x.depth),
+                (x.mode, x.depth),
             );
             s.push_str(&format!(
                 "| {} | {} | {} | {:.1} | {} | {} | {:.1} / {:.1} | {} | {:.0} | {:.0}% | {:.1} ({:.0}%) | {} | {} | {} |\n",
                 l.rtt_ms,
                 x.sessions,
-                shape_label(&x.mode, x.depth),
+                shape_label(x.mode, x.depth),
                 x.throughput_tok_s,
                 sim.map_or("-".into(), |s| format!(
                     "{:.1} ({})",
@@ -337,18 +338,18 @@ pub fn markdown(r: &PaperReport) -> String {
     s.push_str("\n|---|---|");
     s.push_str(&"---|".repeat(users.len()));
     s.push('\n');
-    let mut keys: Vec<(f64, String, usize)> = Vec::new();
+    let mut keys: Vec<(f64, Mode, usize)> = Vec::new();
     for p in &r.simulated {
-        let k = (p.rtt_ms, p.mode.clone(), p.row.depth);
+        let k = (p.rtt_ms, p.mode, p.row.depth);
         if !keys.contains(&k) {
             keys.push(k);
         }
     }
     for (rtt, mode, depth) in keys {
-        s.push_str(&format!("| {rtt} | {} |", shape_label(&mode, depth)));
+        s.push_str(&format!("| {rtt} | {} |", shape_label(mode, depth)));
         for &u in &users {
             s.push_str(
-                &sim_for(&r.simulated, rtt, u, (&mode, depth)).map_or(" - |".into(), |x| {
+                &sim_for(&r.simulated, rtt, u, (mode, depth)).map_or(" - |".into(), |x| {
                     format!(" {:.1} ({:.0}) |", x.tokens_per_s, x.itl_ms.mean)
                 }),
             );
