@@ -8,7 +8,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use serde_json::Value;
 use tandem_engine::kernels;
@@ -17,15 +17,41 @@ use tandem_spec::sampling as sampler;
 
 use tandem_sim::stats::round2;
 
-#[derive(Debug, Clone)]
+/// What `bench engine` measures (its flags; the peer is set by the caller).
+#[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
+    /// Thread counts to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
     pub threads: Vec<usize>,
+    #[arg(long, default_value_t = 48)]
     pub decode_tokens: usize,
+    #[arg(long, value_delimiter = ',', default_value = "1,2,5,8,16")]
     pub chunks: Vec<usize>,
+    #[arg(long = "batch", value_delimiter = ',', default_value = "1,2,4,8,16,32")]
     pub batch_sizes: Vec<usize>,
+    /// Repetitions per measurement (the best is kept).
+    #[arg(long, default_value_t = 3)]
     pub repeats: usize,
+    #[arg(skip)]
     pub peer_python: Option<PathBuf>,
+    #[arg(skip)]
     pub peer_script: Option<PathBuf>,
+}
+
+impl BenchArgs {
+    /// Refuse settings the benchmark cannot run, naming the flag.
+    pub fn validate(&self) -> Result<()> {
+        if self.threads.is_empty() || self.threads.contains(&0) {
+            bail!("--threads: give one or more thread counts, each at least 1");
+        }
+        if self.chunks.contains(&0) || self.batch_sizes.contains(&0) {
+            bail!("--chunks and --batch: sizes must be at least 1");
+        }
+        if self.repeats == 0 || self.decode_tokens == 0 {
+            bail!("--repeats and --decode-tokens must be at least 1");
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -65,6 +65,22 @@ pub struct LatencyArgs {
     pub peer_target: Option<PathBuf>,
 }
 
+impl LatencyArgs {
+    /// Refuse settings the sweep cannot run, naming the flag.
+    pub fn validate(&self) -> Result<()> {
+        if self.rtts.is_empty() || self.prompts.is_empty() || self.sync_gammas.is_empty() {
+            bail!("--rtts, --prompt and --sync-gammas must each name at least one value");
+        }
+        if self.max_gamma == 0 || self.max_depth == 0 || self.sync_gammas.contains(&0) {
+            bail!("--max-gamma, --max-depth and every --sync-gammas must be at least 1");
+        }
+        if let Some(r) = self.rtts.iter().find(|r| !(r.is_finite() && **r >= 0.0)) {
+            bail!("--rtts: {r} is not a round trip in ms (0 or more)");
+        }
+        Ok(())
+    }
+}
+
 /// The chat prompts of the one-session sweep when none are given.
 pub fn default_prompts() -> Vec<String> {
     vec![
@@ -384,12 +400,7 @@ pub fn run(
     drafts: &[Draft],
     mut progress: impl FnMut(&Row),
 ) -> Result<LatencyReport> {
-    if a.rtts.is_empty() || a.prompts.is_empty() || a.sync_gammas.is_empty() {
-        bail!("--rtts, --prompt and --sync-gammas must each name at least one value");
-    }
-    if a.max_gamma == 0 || a.max_depth == 0 || a.sync_gammas.contains(&0) {
-        bail!("--max-gamma, --max-depth and every --sync-gammas must be at least 1");
-    }
+    a.validate()?;
     let prompts: Vec<Vec<u32>> = a
         .prompts
         .iter()

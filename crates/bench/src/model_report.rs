@@ -202,6 +202,37 @@ pub struct PlanQuery {
 }
 
 impl PlanQuery {
+    /// Refuse a query the model cannot answer, naming the flag.
+    pub fn validate(&self) -> Result<()> {
+        if !(0.0..=1.0).contains(&self.alpha) {
+            bail!("--alpha must be within 0..=1, got {}", self.alpha);
+        }
+        positive(Some(self.draft_ms), "--draft-ms")?;
+        if !(self.verdict_ms.is_finite() && self.verdict_ms >= 0.0) {
+            bail!(
+                "--verdict-ms must be a non-negative number of ms, got {}",
+                self.verdict_ms
+            );
+        }
+        if !(self.rtt_ms.is_finite() && self.rtt_ms >= 0.0) {
+            bail!("--rtt-ms must be 0 or more, got {}", self.rtt_ms);
+        }
+        if self.sessions.is_empty() || self.sessions.contains(&0) {
+            bail!("--sessions must list session counts of at least 1");
+        }
+        if self.max_gamma == 0 || self.max_depth == 0 {
+            bail!("--max-gamma and --max-depth must be at least 1");
+        }
+        let budget = self.workload().token_budget;
+        if budget <= self.max_gamma {
+            bail!(
+                "--token-budget {budget} must exceed --max-gamma {} (a block goes in one forward)",
+                self.max_gamma
+            );
+        }
+        Ok(())
+    }
+
     /// The workload, with 0 (no limit) as `usize::MAX`.
     pub fn workload(&self) -> Workload {
         let unlimited = |n: usize| if n == 0 { usize::MAX } else { n };
@@ -226,22 +257,7 @@ pub fn run(q: &PlanQuery, roof: &RooflineArgs) -> Result<PlanReport> {
         ..
     } = *q;
     let workload = &q.workload();
-    if !(0.0..=1.0).contains(&alpha) {
-        bail!("--alpha must be within 0..=1, got {alpha}");
-    }
-    positive(Some(draft_ms), "--draft-ms")?;
-    if !(verdict_ms.is_finite() && verdict_ms >= 0.0) {
-        bail!("--verdict-ms must be a non-negative number of ms, got {verdict_ms}");
-    }
-    if !(rtt_ms.is_finite() && rtt_ms >= 0.0) {
-        bail!("--rtt-ms must be 0 or more, got {rtt_ms}");
-    }
-    if sessions.is_empty() || sessions.contains(&0) {
-        bail!("--sessions must list session counts of at least 1");
-    }
-    if max_gamma == 0 || max_depth == 0 {
-        bail!("--max-gamma and --max-depth must be at least 1");
-    }
+    q.validate()?;
     let (forward, roofline_source) = roofline(roof)?;
     let c = Costs {
         alpha,
@@ -251,12 +267,6 @@ pub fn run(q: &PlanQuery, roof: &RooflineArgs) -> Result<PlanReport> {
         rtt_ms,
         verdict_ms,
     };
-    if workload.token_budget <= max_gamma {
-        bail!(
-            "--token-budget {} must exceed --max-gamma {max_gamma} (a block goes in one forward)",
-            workload.token_budget
-        );
-    }
     Ok(PlanReport {
         workload: *workload,
         alpha,

@@ -130,18 +130,8 @@ pub(crate) struct LatencyBenchArgs {
 
 #[derive(Args)]
 pub(crate) struct EngineBenchArgs {
-    /// Thread counts to measure, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,2")]
-    threads: Vec<usize>,
-    #[arg(long, default_value_t = 48)]
-    decode_tokens: usize,
-    #[arg(long, value_delimiter = ',', default_value = "1,2,5,8,16")]
-    chunks: Vec<usize>,
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
-    batch: Vec<usize>,
-    /// Repetitions per measurement (the best is kept).
-    #[arg(long, default_value_t = 3)]
-    repeats: usize,
+    #[command(flatten)]
+    bench: BenchArgs,
     #[command(flatten)]
     peer: PeerArgs,
     #[command(flatten)]
@@ -149,6 +139,7 @@ pub(crate) struct EngineBenchArgs {
 }
 
 pub(crate) fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
+    a.bench.validate()?;
     let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
     let draft = models::load(home, &ModelSpec::Draft, None, a.report.json)?;
     let peer = a.peer.find();
@@ -158,14 +149,11 @@ pub(crate) fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()
         .transpose()?;
     let (peer_python, peer_script) = peer.unzip();
     let args = BenchArgs {
-        threads: a.threads.clone(),
-        decode_tokens: a.decode_tokens,
-        chunks: a.chunks.clone(),
-        batch_sizes: a.batch.clone(),
-        repeats: a.repeats.max(1),
         peer_python,
         peer_script,
+        ..a.bench
     };
+
     let w4a8 = models::load(home, &ModelSpec::Draft, Some(WeightMode::W4A8), true)?;
     let r = bench::run(
         (&target.model, &target.path),

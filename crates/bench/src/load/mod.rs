@@ -85,6 +85,28 @@ pub struct LoadArgs {
     pub saturation_tokens: Option<f64>,
 }
 
+impl LoadArgs {
+    /// Refuse settings the sweep cannot run, naming the flag.
+    pub fn validate(&self) -> Result<()> {
+        if self.sessions.is_empty() || self.sessions.contains(&0) {
+            bail!("--sessions: give one or more counts, each at least 1");
+        }
+        if self.depths.contains(&0) {
+            bail!("--depth: blocks in flight must each be at least 1");
+        }
+        if self.gamma == 0 {
+            bail!("--gamma: each edge drafts at least 1 token per block");
+        }
+        if self.prompts.is_empty() {
+            bail!("--prompt: give at least one prompt");
+        }
+        if let Some(x) = self.alphas.iter().find(|x| !(0.0..=1.0).contains(*x)) {
+            bail!("--alpha: {x} is not a probability");
+        }
+        Ok(())
+    }
+}
+
 /// The chat prompts of the load sweep when none are given.
 pub fn default_prompts() -> Vec<String> {
     [
@@ -225,21 +247,7 @@ pub fn run(
     real_drafts: &[(String, Arc<LlamaModel>)],
     mut on_row: impl FnMut(&LoadRow),
 ) -> Result<LoadReport> {
-    if a.sessions.is_empty() || a.sessions.contains(&0) {
-        bail!("--sessions: give one or more counts, each at least 1");
-    }
-    if a.depths.contains(&0) {
-        bail!("--depth: blocks in flight must each be at least 1");
-    }
-    if a.gamma == 0 {
-        bail!("--gamma: each edge drafts at least 1 token per block");
-    }
-    if a.prompts.is_empty() {
-        bail!("--prompt: give at least one prompt");
-    }
-    if let Some(x) = a.alphas.iter().find(|x| !(0.0..=1.0).contains(*x)) {
-        bail!("--alpha: {x} is not a probability");
-    }
+    a.validate()?;
     let roof = roofline(target, &a.cloud_cpus).context("measuring the roofline")?;
     let saturation = a
         .saturation_tokens
