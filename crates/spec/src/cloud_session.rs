@@ -1,11 +1,23 @@
-//! The cloud's per-session verification bookkeeping, pure: which tokens to feed the target for a
-//! block, and the verdict from the target's logits.
+//! The cloud's per-session bookkeeping, pure: what to feed the target next (a block to verify, or
+//! the session's next token to decode), and what the target's logits commit.
 //!
-//! The cloud tracks the same committed sequence as the edge. Tokens the cloud produced itself (a
-//! correction) are committed but not yet fed through the target: they go at the front of the
-//! session's next forward. After a fully accepted block the cloud keeps the **pending prediction**,
-//! the target's token for the next position; the next block's first token is checked against it
-//! before any forward, and on a mismatch the verdict goes out at once with no target compute.
+//! The verifier never idles a session: in every forward in which it has no usable block, it
+//! decodes the session's next token itself and streams it ([`Decoded`]). Every token the cloud
+//! commits is told to the edge once, in position order: the first token at Open, then each
+//! verdict's accepted run and its correction or bonus, and each decoded token.
+//!
+//! Blocks therefore land behind the verifier. A block is **rebased** when it is planned, not when
+//! it arrives (a decode may run in between): its tokens at positions already committed are matched
+//! against them for free, and only the rest is verified. A block that contradicts a committed
+//! token is useless; the session moves to the next epoch and the block is dropped unanswered —
+//! the edge sees the same contradiction in the commits it has already been sent, and moves to the
+//! same epoch. A block whose every token is committed (and agrees) is dropped unanswered too: the
+//! edge sees it covered. Only a block that reaches past the committed tokens is verified and
+//! answered with a [`Verdict`]; a rejection in it moves the epoch on both sides.
+//!
+//! After every forward of the session, exactly one committed token is not yet in the target's
+//! KV (the last one): it is fed first in the session's next forward, whose first logits row then
+//! gives the target's token at the committed length.
 
 use serde::{Deserialize, Serialize};
 
@@ -14,34 +26,30 @@ use crate::sampling::SamplingParams;
 use crate::verify::{judge, target_token, VerifyRule};
 use crate::SpecError;
 
-/// What the target must compute for a block.
+/// What the target must compute for a verify or a decode.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Feed {
     /// Position of the first token fed (the session's KV length).
     pub start_pos: usize,
-    /// Unfed committed tokens, then the block's drafted tokens.
+    /// The last committed token, then the block's drafted tokens past the committed ones (none
+    /// for a decode).
     pub tokens: Vec<u32>,
-    /// Indices into `tokens` whose logits the verdict needs, in order.
+    /// Indices into `tokens` whose logits are needed, in order.
     pub logits_at: Vec<usize>,
 }
 
-/// What to do with an incoming block.
+/// What to do with the oldest block a session has queued, at the time its forward is planned.
 #[derive(Debug, Clone, PartialEq)]
 pub enum BlockAction {
     /// An older epoch's block: drop it, answer nothing.
     Stale,
-    /// Decided without the target (the first token contradicts the pending prediction).
-    Verdict(Verdict),
-    /// Run this forward, then call [`CloudSession::finish`].
-    Forward(Feed),
-}
-
-/// The next token of a session the verifier decodes itself.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DecodeAction {
-    /// Known without a forward (the pending prediction): committed now.
-    Ready(Decoded),
-    /// Feed these (the last committed token) and call [`CloudSession::finish_decode`].
+    /// Every token of it is committed and agrees: drop it, answer nothing.
+    Covered,
+    /// Its token at `pos` contradicts the committed one: the session moved to the next epoch;
+    /// drop it, answer nothing (the edge has the committed token).
+    Contradicted { pos: usize },
+    /// Its tokens past the committed ones need the target: run this forward, then
+    /// [`CloudSession::finish`].
     Forward(Feed),
 }
 
@@ -51,135 +59,82 @@ pub struct Finished {
     pub verdict: Verdict,
     /// Truncate the session's target KV to this many tokens (drops rejected draft tokens).
     pub kv_len: usize,
+    /// Drafted tokens the target judged in the forward, and how many of them it accepted.
+    pub judged: usize,
+    pub accepted: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CloudSession {
     pub rule: VerifyRule,
     pub params: SamplingParams,
-    /// Committed tokens, prompt included.
-    committed_len: usize,
-    /// Committed tokens not yet fed through the target (at most one: a correction).
-    unfed: Vec<u32>,
-    /// The target's token for position `committed_len`, when known.
-    pending: Option<u32>,
+    prompt_len: usize,
+    /// The committed sequence, prompt included. Its last token is not yet in the target's KV.
+    committed: Vec<u32>,
     epoch: u64,
     last_block: Option<BlockId>,
-    /// Tokens in the session's target KV.
+    /// Tokens in the session's target KV: `committed.len() - 1`.
     kv_len: usize,
     max_len: usize,
-    /// Counters: target positions verified, blocks decided without compute.
+    /// Counters: target positions verified (drafted tokens judged in a forward), blocks dropped
+    /// as covered or contradicted without a forward, tokens decoded.
     pub verified_positions: u64,
-    pub early_rejections: u64,
+    pub covered_blocks: u64,
+    pub contradicted_blocks: u64,
+    pub decoded_tokens: u64,
 }
 
 impl CloudSession {
-    /// A session whose prompt (`prompt_len` tokens) is fed; `first` is the target's token after it
-    /// (from the prefill's last logits). `max_len` bounds positions (the context limit).
+    /// A session whose prompt is fed; `first` is the target's token after it (from the prefill's
+    /// last logits), committed now and sent at Open. `max_len` bounds positions (the context
+    /// limit).
     pub fn new(
         rule: VerifyRule,
         params: SamplingParams,
-        prompt_len: usize,
+        prompt: &[u32],
         first: u32,
         max_len: usize,
     ) -> Self {
+        let mut committed = prompt.to_vec();
+        committed.push(first);
         Self {
             rule: rule.effective(&params),
             params,
-            committed_len: prompt_len,
-            unfed: Vec::new(),
-            pending: Some(first),
+            prompt_len: prompt.len(),
+            committed,
             epoch: 0,
             last_block: None,
-            kv_len: prompt_len,
+            kv_len: prompt.len(),
             max_len,
             verified_positions: 0,
-            early_rejections: 0,
+            covered_blocks: 0,
+            contradicted_blocks: 0,
+            decoded_tokens: 0,
         }
     }
 
     pub fn epoch(&self) -> u64 {
         self.epoch
     }
+    /// Committed tokens, prompt included.
     pub fn committed_len(&self) -> usize {
-        self.committed_len
+        self.committed.len()
+    }
+    /// The committed sequence, prompt included.
+    pub fn committed(&self) -> &[u32] {
+        &self.committed
+    }
+    /// The committed output (prompt excluded).
+    pub fn output(&self) -> &[u32] {
+        &self.committed[self.prompt_len..]
     }
     pub fn kv_len(&self) -> usize {
         self.kv_len
     }
-    pub fn pending(&self) -> Option<u32> {
-        self.pending
-    }
 
-    /// Decode the next token itself (the verifier took the session over): the pending prediction
-    /// when there is one, else a forward over the unfed committed token. Each decoded token moves
-    /// the session to the next epoch, so the edge's blocks in flight go stale.
-    pub fn decode(&mut self) -> Result<DecodeAction, SpecError> {
-        if self.committed_len >= self.max_len {
-            return Err(SpecError::Protocol(format!(
-                "the session reached the context limit {}",
-                self.max_len
-            )));
-        }
-        if let Some(p) = self.pending.take() {
-            let d = Decoded {
-                epoch: self.epoch,
-                pos: self.committed_len,
-                token: p,
-                resume: None,
-            };
-            self.unfed.push(p);
-            self.committed_len += 1;
-            self.epoch += 1;
-            return Ok(DecodeAction::Ready(d));
-        }
-        if self.unfed.is_empty() {
-            return Err(SpecError::Protocol(
-                "nothing to decode from: no committed token waits to be fed".into(),
-            ));
-        }
-        Ok(DecodeAction::Forward(Feed {
-            start_pos: self.kv_len,
-            tokens: self.unfed.clone(),
-            logits_at: vec![self.unfed.len() - 1],
-        }))
-    }
-
-    /// The target's logits after the plan of [`decode`](Self::decode): the next token, committed.
-    pub fn finish_decode(&mut self, row: &[f32]) -> Decoded {
-        self.kv_len += self.unfed.len();
-        let pos = self.committed_len;
-        let token = target_token(row, &self.params, pos as u64);
-        let d = Decoded {
-            epoch: self.epoch,
-            pos,
-            token,
-            resume: None,
-        };
-        self.unfed = vec![token];
-        self.committed_len += 1;
-        self.epoch += 1;
-        d
-    }
-
-    /// Judge an incoming block: stale, decided at once, or a forward to run.
-    pub fn on_block(&mut self, b: &Block) -> Result<BlockAction, SpecError> {
-        if b.epoch < self.epoch {
-            return Ok(BlockAction::Stale);
-        }
-        if b.epoch > self.epoch {
-            return Err(SpecError::InvalidBlock(format!(
-                "block {} has epoch {}, the session is at epoch {}",
-                b.index, b.epoch, self.epoch
-            )));
-        }
-        if self.last_block.is_some_and(|l| b.index <= l) {
-            return Err(SpecError::InvalidBlock(format!(
-                "block index {} does not follow {}",
-                b.index,
-                self.last_block.unwrap_or_default()
-            )));
-        }
+    /// Check a block as it arrives, before it is queued: well formed. Its epoch and position are
+    /// checked when it is planned (the blocks queued before it may still move the epoch).
+    pub fn check(&self, b: &Block) -> Result<(), SpecError> {
         if b.tokens.is_empty() {
             return Err(SpecError::InvalidBlock(format!(
                 "block {} has no tokens",
@@ -194,16 +149,12 @@ impl CloudSession {
                 b.tokens.len()
             )));
         }
-        let expected = self.committed_len;
-        if b.start_pos == expected + 1 && self.pending.is_some() {
-            // The edge committed the bonus and drafted after it.
-            let p = self.pending.take().expect("invariant: checked");
-            self.unfed.push(p);
-            self.committed_len += 1;
-        } else if b.start_pos != expected {
+        if b.start_pos <= self.prompt_len {
             return Err(SpecError::InvalidBlock(format!(
-                "block {} starts at position {}, expected {}",
-                b.index, b.start_pos, expected
+                "block {} starts at position {}, inside the prompt and its first token (the first draftable position is {})",
+                b.index,
+                b.start_pos,
+                self.prompt_len + 1
             )));
         }
         if b.start_pos + b.tokens.len() > self.max_len {
@@ -214,32 +165,63 @@ impl CloudSession {
                 self.max_len
             )));
         }
-        self.last_block = Some(b.index);
-        if let Some(p) = self.pending {
-            if b.tokens[0] != p {
-                self.early_rejections += 1;
-                let v = Verdict {
-                    epoch: self.epoch,
-                    block: b.index,
-                    accepted: 0,
-                    token: p,
-                    verify_us: 0,
-                    grant: None,
-                };
-                self.pending = None;
-                self.unfed.push(p);
-                self.committed_len += 1;
-                self.epoch += 1;
-                return Ok(BlockAction::Verdict(v));
-            }
+        Ok(())
+    }
+
+    /// Record that `b` (checked) is queued: block indices must increase.
+    pub fn accept_index(&mut self, b: &Block) -> Result<(), SpecError> {
+        if self.last_block.is_some_and(|l| b.index <= l) {
+            return Err(SpecError::InvalidBlock(format!(
+                "block index {} does not follow {}",
+                b.index,
+                self.last_block.unwrap_or_default()
+            )));
         }
-        let k = self.unfed.len();
-        let mut tokens = self.unfed.clone();
-        tokens.extend_from_slice(&b.tokens);
-        // Row for position start_pos (unless pending), then one per drafted token (the last one is
-        // the bonus position).
-        let first = if self.pending.is_some() { k } else { k - 1 };
-        let logits_at = (first..k + b.tokens.len()).collect();
+        self.last_block = Some(b.index);
+        Ok(())
+    }
+
+    /// Plan the oldest queued block now: stale, covered, contradicted (the epoch moves on), or
+    /// the forward that verifies its tokens past the committed ones. A current block that starts
+    /// beyond the committed tokens skipped some: refused by name.
+    pub fn plan_block(&mut self, b: &Block) -> Result<BlockAction, SpecError> {
+        if b.epoch < self.epoch {
+            return Ok(BlockAction::Stale);
+        }
+        if b.epoch > self.epoch {
+            return Err(SpecError::InvalidBlock(format!(
+                "block {} has epoch {}, the session is at epoch {}",
+                b.index, b.epoch, self.epoch
+            )));
+        }
+        let c = self.committed.len();
+        if b.start_pos > c {
+            return Err(SpecError::InvalidBlock(format!(
+                "block {} starts at position {}, beyond the {c} committed tokens",
+                b.index, b.start_pos
+            )));
+        }
+        let known = (c - b.start_pos).min(b.tokens.len());
+        if let Some(i) = (0..known).find(|&i| b.tokens[i] != self.committed[b.start_pos + i]) {
+            self.epoch += 1;
+            self.contradicted_blocks += 1;
+            return Ok(BlockAction::Contradicted {
+                pos: b.start_pos + i,
+            });
+        }
+        if known == b.tokens.len() {
+            self.covered_blocks += 1;
+            return Ok(BlockAction::Covered);
+        }
+        if c >= self.max_len {
+            return Err(SpecError::Protocol(format!(
+                "the session reached the context limit {}",
+                self.max_len
+            )));
+        }
+        let mut tokens = vec![self.committed[c - 1]];
+        tokens.extend_from_slice(&b.tokens[known..]);
+        let logits_at = (0..tokens.len()).collect();
         Ok(BlockAction::Forward(Feed {
             start_pos: self.kv_len,
             tokens,
@@ -247,76 +229,94 @@ impl CloudSession {
         }))
     }
 
-    /// Fold the target's logits for `b` (rows in the order of the plan's `logits_at`) into the
-    /// verdict, and move the session on.
-    pub fn finish(&mut self, b: &Block, rows: &[&[f32]]) -> Result<Finished, SpecError> {
-        let n = b.tokens.len();
-        let epoch = self.epoch;
-        let has_pending = self.pending.is_some();
-        let want = if has_pending { n } else { n + 1 };
-        if rows.len() != want {
+    /// The forward that decodes the session's next token: the last committed token, fed.
+    pub fn plan_decode(&self) -> Result<Feed, SpecError> {
+        if self.committed.len() >= self.max_len {
             return Err(SpecError::Protocol(format!(
-                "{} logits rows for a plan of {want}",
-                rows.len()
+                "the session reached the context limit {}",
+                self.max_len
             )));
         }
-        let start = b.start_pos;
-        // Row for position start + i.
-        let row = |i: usize| if has_pending { rows[i - 1] } else { rows[i] };
+        Ok(Feed {
+            start_pos: self.kv_len,
+            tokens: vec![*self.committed.last().expect("invariant: the first token")],
+            logits_at: vec![0],
+        })
+    }
+
+    /// The target's logits after [`plan_decode`](Self::plan_decode): the next token, committed.
+    /// It does not move the epoch: blocks in flight are rebased against it.
+    pub fn finish_decode(&mut self, row: &[f32]) -> Decoded {
+        self.kv_len += 1;
+        let pos = self.committed.len();
+        let token = target_token(row, &self.params, pos as u64);
+        self.committed.push(token);
+        self.decoded_tokens += 1;
+        Decoded {
+            epoch: self.epoch,
+            pos,
+            token,
+            grant: None,
+        }
+    }
+
+    /// Fold the target's logits for `b` (rows in the order of the plan's `logits_at`, as planned
+    /// by [`plan_block`](Self::plan_block) just before) into the verdict, and move the session
+    /// on: the accepted run and the correction or bonus are committed.
+    pub fn finish(&mut self, b: &Block, rows: &[&[f32]]) -> Result<Finished, SpecError> {
+        let c = self.committed.len();
+        let known = c - b.start_pos;
+        let m = b.tokens.len() - known;
+        if rows.len() != m + 1 {
+            return Err(SpecError::Protocol(format!(
+                "{} logits rows for a plan of {}",
+                rows.len(),
+                m + 1
+            )));
+        }
+        let epoch = self.epoch;
         let mut accepted = 0;
-        let mut token = None;
-        for i in 0..n {
-            let pos = (start + i) as u64;
-            let outcome = if i == 0 && has_pending {
-                Ok(()) // checked against the pending prediction in on_block
-            } else {
-                judge(
-                    self.rule,
-                    row(i),
-                    &self.params,
-                    pos,
-                    b.tokens[i],
-                    b.q.get(i),
-                )
-            };
-            match outcome {
+        let mut correction = None;
+        for i in 0..m {
+            let pos = (c + i) as u64;
+            match judge(
+                self.rule,
+                rows[i],
+                &self.params,
+                pos,
+                b.tokens[known + i],
+                b.q.get(known + i),
+            ) {
                 Ok(()) => accepted += 1,
-                Err(c) => {
-                    token = Some(c);
+                Err(t) => {
+                    correction = Some(t);
                     break;
                 }
             }
         }
-        self.verified_positions += n as u64;
-        self.unfed.clear();
-        let kv_len = start + accepted;
-        self.kv_len = kv_len;
-        self.committed_len = kv_len;
-        let token = match token {
-            Some(c) => {
-                // Rejection: the correction is committed and fed with the next block.
-                self.unfed.push(c);
-                self.committed_len += 1;
-                self.pending = None;
+        self.verified_positions += m as u64;
+        self.committed.extend_from_slice(&b.tokens[known..known + accepted]);
+        let token = match correction {
+            Some(t) => {
                 self.epoch += 1;
-                c
+                t
             }
-            None => {
-                let bonus = target_token(row(n), &self.params, (start + n) as u64);
-                self.pending = Some(bonus);
-                bonus
-            }
+            None => target_token(rows[m], &self.params, (c + m) as u64),
         };
+        self.committed.push(token);
+        self.kv_len = self.committed.len() - 1;
         Ok(Finished {
             verdict: Verdict {
                 epoch,
                 block: b.index,
-                accepted,
+                accepted: known + accepted,
                 token,
                 verify_us: 0,
                 grant: None,
             },
-            kv_len,
+            kv_len: self.kv_len,
+            judged: m,
+            accepted,
         })
     }
 }
@@ -325,9 +325,15 @@ impl CloudSession {
 mod tests {
     use super::*;
 
-    /// A session over a 3-token prompt whose prefill predicted 7.
+    /// A session over a 3-token prompt whose prefill predicted 7 (committed at position 3).
     fn session() -> CloudSession {
-        CloudSession::new(VerifyRule::Greedy, SamplingParams::default(), 3, 7, 64)
+        CloudSession::new(
+            VerifyRule::Greedy,
+            SamplingParams::default(),
+            &[1, 2, 3],
+            7,
+            64,
+        )
     }
 
     fn block(epoch: u64, index: u64, start_pos: usize, tokens: &[u32]) -> Block {
@@ -352,70 +358,98 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn a_first_token_against_the_pending_prediction_is_answered_without_a_forward() {
-        let mut s = session();
-        let a = s.on_block(&block(0, 0, 3, &[5, 6])).unwrap();
-        let BlockAction::Verdict(v) = a else {
-            panic!("{a:?}")
-        };
-        assert_eq!((v.accepted, v.token, v.verify_us), (0, 7, 0));
-        assert_eq!(
-            (s.epoch(), s.committed_len()),
-            (1, 4),
-            "the correction is committed"
-        );
-        // What the edge sent before it saw the rejection is stale; a block of the new epoch
-        // after the correction feeds the correction first.
-        assert_eq!(
-            s.on_block(&block(0, 1, 5, &[1])).unwrap(),
-            BlockAction::Stale
-        );
-        let BlockAction::Forward(f) = s.on_block(&block(1, 2, 4, &[8, 9])).unwrap() else {
-            panic!()
-        };
-        assert_eq!((f.start_pos, f.tokens.clone()), (3, vec![7, 8, 9]));
-        assert_eq!(f.logits_at, vec![0, 1, 2]);
+    fn refs(r: &[Vec<f32>]) -> Vec<&[f32]> {
+        r.iter().map(|x| x.as_slice()).collect()
     }
 
     #[test]
-    fn a_block_after_the_bonus_commits_it_and_the_verdict_judges_each_token() {
+    fn a_block_is_verified_past_the_committed_tokens_and_commits_its_run_and_bonus() {
         let mut s = session();
-        // The edge committed the first token (7) and drafted after it.
         let b = block(0, 0, 4, &[8, 9, 10]);
-        let BlockAction::Forward(f) = s.on_block(&b).unwrap() else {
+        s.check(&b).unwrap();
+        let BlockAction::Forward(f) = s.plan_block(&b).unwrap() else {
             panic!()
         };
-        assert_eq!(f.tokens, vec![7, 8, 9, 10], "the bonus fed in front");
+        assert_eq!((f.start_pos, f.tokens.clone()), (3, vec![7, 8, 9, 10]));
         // The target agrees with 8 and 9, then wants 4 where the draft said 10.
         let r = rows(&[8, 9, 4, 12]);
-        let rr: Vec<&[f32]> = f.logits_at.iter().map(|&i| r[i].as_slice()).collect();
-        let done = s.finish(&b, &rr).unwrap();
+        let done = s.finish(&b, &refs(&r)).unwrap();
         assert_eq!((done.verdict.accepted, done.verdict.token), (2, 4));
+        assert_eq!((done.judged, done.accepted), (3, 2));
         assert_eq!(done.kv_len, 6, "the rejected token's KV is cut");
-        assert_eq!((s.committed_len(), s.epoch()), (7, 1));
+        assert_eq!(s.committed(), &[1, 2, 3, 7, 8, 9, 4]);
+        assert_eq!(s.epoch(), 1, "a rejection moves the epoch");
+    }
+
+    #[test]
+    fn a_block_behind_the_decoded_tokens_is_rebased_not_replayed() {
+        let mut s = session();
+        // Two tokens decoded while the block travels: 8 at 4, 9 at 5.
+        for t in [8, 9] {
+            let f = s.plan_decode().unwrap();
+            assert_eq!(f.tokens.len(), 1);
+            let d = s.finish_decode(&rows(&[t])[0]);
+            assert_eq!((d.epoch, d.token), (0, t), "a decode keeps the epoch");
+        }
+        assert_eq!((s.committed_len(), s.kv_len()), (6, 5));
+        // The block agrees with both and drafts two more: only those are verified.
+        let b = block(0, 0, 4, &[8, 9, 10, 11]);
+        let BlockAction::Forward(f) = s.plan_block(&b).unwrap() else {
+            panic!()
+        };
+        assert_eq!((f.start_pos, f.tokens.clone()), (5, vec![9, 10, 11]));
+        let done = s.finish(&b, &refs(&rows(&[10, 11, 12]))).unwrap();
+        assert_eq!(
+            (done.verdict.accepted, done.verdict.token),
+            (4, 12),
+            "counted from the block's start"
+        );
+        assert_eq!((done.judged, done.accepted), (2, 2));
+        assert_eq!(s.committed(), &[1, 2, 3, 7, 8, 9, 10, 11, 12]);
+        assert_eq!(s.epoch(), 0);
+        // A block that contradicts a committed token moves the epoch, unanswered; the next one
+        // of the old epoch is stale; one wholly committed is covered.
+        let bad = block(0, 1, 8, &[11, 5]);
+        assert_eq!(
+            s.plan_block(&bad).unwrap(),
+            BlockAction::Contradicted { pos: 8 }
+        );
+        assert_eq!(s.epoch(), 1);
+        assert_eq!(
+            s.plan_block(&block(0, 2, 9, &[1])).unwrap(),
+            BlockAction::Stale
+        );
+        assert_eq!(
+            s.plan_block(&block(1, 3, 5, &[9, 10])).unwrap(),
+            BlockAction::Covered
+        );
     }
 
     #[test]
     fn bad_blocks_are_refused_by_name() {
         let mut s = session();
-        let e = s.on_block(&block(2, 0, 3, &[7])).unwrap_err().to_string();
+        let e = s.plan_block(&block(2, 0, 4, &[7])).unwrap_err().to_string();
         assert!(e.contains("epoch 2") && e.contains("epoch 0"), "{e}");
-        let e = s.on_block(&block(0, 0, 9, &[7])).unwrap_err().to_string();
-        assert!(e.contains("starts at position 9, expected 3"), "{e}");
-        let e = s.on_block(&block(0, 0, 3, &[])).unwrap_err().to_string();
+        let e = s.check(&block(0, 0, 3, &[7])).unwrap_err().to_string();
+        assert!(e.contains("inside the prompt"), "{e}");
+        let e = s.plan_block(&block(0, 0, 9, &[7])).unwrap_err().to_string();
+        assert!(e.contains("starts at position 9, beyond the 4 committed"), "{e}");
+        let e = s.check(&block(0, 0, 4, &[])).unwrap_err().to_string();
         assert!(e.contains("no tokens"), "{e}");
-        let mut short = CloudSession::new(VerifyRule::Greedy, SamplingParams::default(), 3, 7, 5);
-        let e = short
-            .on_block(&block(0, 0, 3, &[7, 1, 2]))
+        let short = CloudSession::new(
+            VerifyRule::Greedy,
+            SamplingParams::default(),
+            &[1, 2, 3],
+            7,
+            5,
+        );
+        let e = short.check(&block(0, 0, 4, &[7, 1, 2])).unwrap_err().to_string();
+        assert!(e.contains("beyond the context limit 5"), "{e}");
+        s.accept_index(&block(0, 4, 4, &[7])).unwrap();
+        let e = s
+            .accept_index(&block(0, 4, 4, &[7]))
             .unwrap_err()
             .to_string();
-        assert!(e.contains("beyond the context limit 5"), "{e}");
-        assert!(matches!(
-            s.on_block(&block(0, 4, 3, &[7])).unwrap(),
-            BlockAction::Forward(_)
-        ));
-        let e = s.on_block(&block(0, 4, 3, &[7])).unwrap_err().to_string();
         assert!(e.contains("index 4 does not follow 4"), "{e}");
     }
 }

@@ -19,7 +19,7 @@ use crate::SpecError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Incoming {
     Verdict(Verdict),
-    /// A token it decoded itself, having taken the session over.
+    /// A token it decoded itself, having no block of the session to verify.
     Decoded(Decoded),
 }
 
@@ -87,8 +87,11 @@ pub struct Measured {
     pub reshapes: usize,
     /// Sessions reopened after a lost connection.
     pub reconnects: usize,
-    /// Tokens the verifier decoded itself, having taken the session over under load.
+    /// Tokens the verifier decoded itself (no block of this session to verify at the time).
     pub cloud_decoded: usize,
+    /// The verifier's lead at the end: tokens it had committed past a block's start when it
+    /// planned the block (smoothed).
+    pub lead: f64,
 }
 
 /// What a message did, beyond the outputs: a rejected draft token, for the user's view.
@@ -138,6 +141,8 @@ pub struct EdgeSession {
     sent_at: HashMap<BlockId, f64>,
     totals: Totals,
     m: Measured,
+    /// The verifier's lead, smoothed over verdicts.
+    lead: f64,
 }
 
 impl EdgeSession {
@@ -176,7 +181,12 @@ impl EdgeSession {
             sent_at: HashMap::new(),
             totals: Totals::default(),
             m: Measured::default(),
+            lead: 0.0,
         };
+        let mut out = out;
+        if let Some(g) = cfg.granted {
+            out.extend(s.p.set_drafting(g.draft_len > 0));
+        }
         s.sent(now_ms, &out);
         Ok((s, out))
     }
@@ -198,6 +208,28 @@ impl EdgeSession {
                 self.sent_at.insert(b.index, now_ms);
             }
         }
+    }
+
+    /// A new grant from the verifier: draft within it (γ 0: draft nothing, the verifier decodes
+    /// every token).
+    fn apply_grant(&mut self, grant: Shape, want: (usize, usize)) -> Result<Vec<Output>, SpecError> {
+        self.cap = sizes(grant);
+        let mut out = self.p.set_drafting(grant.draft_len > 0);
+        out.extend(self.fit_shape(want)?);
+        Ok(out)
+    }
+
+    /// Follow the verifier's lead as the verdicts measure it: keep that many more tokens in
+    /// flight, so that blocks reach past what it decodes while they travel.
+    fn follow_lead(&mut self, verdicts_before: usize) -> Vec<Output> {
+        let (Some(l), true) = (
+            self.p.last_lead(),
+            self.p.stats().verdicts > verdicts_before,
+        ) else {
+            return Vec::new();
+        };
+        self.lead += 0.3 * (l as f64 - self.lead);
+        self.p.set_lead(self.lead.ceil() as usize)
     }
 
     /// Keep the pipeline's shape within the grant, aiming at `want`.
@@ -237,14 +269,18 @@ impl EdgeSession {
         let v = match msg {
             Incoming::Verdict(v) => v,
             Incoming::Decoded(d) => {
+                let (from, rejections) = (self.p.committed_len(), self.p.stats().rejections);
+                let before = self.p.tokens()[from..].to_vec();
                 r.outputs = self.p.on_decoded(d)?;
                 self.m.cloud_decoded += 1;
-                if let Some(resume) = d.resume {
-                    // Handed back: draft again within the grant.
-                    self.cap = sizes(resume);
-                    let want = (self.cfg.draft_len, self.cfg.depth);
-                    r.outputs.extend(self.fit_shape(want)?);
+                if self.p.stats().rejections > rejections {
+                    r.correction = before.first().map(|&b| (b, d.token));
                 }
+                if let Some(grant) = d.grant {
+                    let want = (self.cfg.draft_len, self.cfg.depth);
+                    r.outputs.extend(self.apply_grant(grant, want)?);
+                }
+                self.forget_answered();
                 self.sent(now_ms, &r.outputs);
                 return Ok(r);
             }
@@ -263,16 +299,17 @@ impl EdgeSession {
         }
         let (from, rejections) = (self.p.committed_len(), self.p.stats().rejections);
         let before = self.p.tokens()[from..].to_vec();
+        let verdicts = self.p.stats().verdicts;
         r.outputs = self.p.on_verdict(v)?;
+        r.outputs.extend(self.follow_lead(verdicts));
         // The verifier's load changed its grant: keep within it (and grow back into it).
         if let Some(grant) = v.grant {
-            self.cap = sizes(grant);
             let want = match self.cfg.auto {
                 // The policy re-plans within the new bounds below.
                 Some(_) => (self.p.config().draft_len, self.p.config().depth),
                 None => (self.cfg.draft_len, self.cfg.depth),
             };
-            r.outputs.extend(self.fit_shape(want)?);
+            r.outputs.extend(self.apply_grant(grant, want)?);
         }
         if self.p.stats().rejections > rejections {
             let now = &self.p.tokens()[from..];
@@ -286,8 +323,17 @@ impl EdgeSession {
             r.outputs.extend(self.p.set_shape(shape.0, shape.1)?);
             self.m.reshapes += 1;
         }
+        self.forget_answered();
         self.sent(now_ms, &r.outputs);
         Ok(r)
+    }
+
+    /// Blocks answered by commits alone (covered) or dropped get no verdict to time.
+    fn forget_answered(&mut self) {
+        if self.sent_at.len() > self.p.blocks_in_flight() {
+            let live: std::collections::HashSet<BlockId> = self.p.in_flight_ids().collect();
+            self.sent_at.retain(|id, _| live.contains(id));
+        }
     }
 
     /// With the adaptive policy: the shape to change to, when the model predicts a clear gain.
@@ -360,6 +406,7 @@ impl EdgeSession {
             verdict_ms: self.est.edge_ms_per_verdict().unwrap_or(0.0),
             final_draft_len: self.p.config().draft_len,
             final_depth: self.p.config().depth,
+            lead: self.lead,
             ..self.m
         }
     }

@@ -5,8 +5,9 @@
 //! - [`edge`]: the edge's session around it ([`EdgeSession`]): the verifier's grant, the
 //!   running estimates, the adaptive γ / depth, the decision to reopen after a lost connection.
 //!   The edge runtime and the simulator both drive it.
-//! - [`cloud_session`]: the cloud's per-session bookkeeping ([`CloudSession`]: pending
-//!   prediction, unfed corrections, what to feed the target, the verdict).
+//! - [`cloud_session`]: the cloud's per-session bookkeeping ([`CloudSession`]: the committed
+//!   sequence, blocks rebased onto it, what to feed the target for a verify or a decode, the
+//!   verdict).
 //! - [`verify`]: the rules that judge a draft token against the target's logits (greedy,
 //!   sample-and-match, rejection sampling).
 //! - [`sampling`]: temperature / top-k / top-p with draws keyed by (seed, position).
@@ -25,7 +26,7 @@ pub mod policy;
 pub mod sampling;
 pub mod verify;
 
-pub use cloud_session::{BlockAction, CloudSession, DecodeAction, Feed, Finished};
+pub use cloud_session::{BlockAction, CloudSession, Feed, Finished};
 pub use edge::{EdgeSession, Incoming, Measured, Reaction, SessionConfig};
 pub use pipeline::{
     Block, BlockId, Decoded, Next, Output, Pipeline, PipelineConfig, PipelineStats, Shape,

@@ -2,11 +2,23 @@
 //!
 //! The edge holds one token sequence: the prompt, the committed (verified) output, then a speculative
 //! tail of drafted tokens, some of them sent as blocks that are in flight. Up to `depth` blocks are in
-//! flight at once (`depth = 1` is synchronous speculation). Every verdict names the epoch it belongs
-//! to; a rejection increments the epoch on both sides, and every block and verdict of an older epoch
-//! is dropped and counted. A verdict `{accepted: a, token: t}` for a block starting at position `s`
-//! says: the first `a` drafted tokens are the target's, and the target's token at `s + a` is `t` — a
-//! correction when `a` is short of the block, the bonus when the whole block passed.
+//! flight at once (`depth = 1` is synchronous speculation), plus enough to cover the verifier's
+//! **lead**: the verifier never idles a session, it decodes the next token itself whenever it has
+//! no block to verify and streams it ([`Decoded`]), so blocks land behind it and only their tokens
+//! past its committed ones are verified.
+//!
+//! The cloud commits every position once, in order: the first token at Open, each verdict's
+//! accepted run and its correction or bonus, each decoded token. The edge takes each commit as it
+//! comes: a token that agrees with its tail is kept (the draft has fed it already); one that
+//! differs replaces the tail from there and rolls the draft back. When the tail token it replaces
+//! was sent in a block, that block is useless to the verifier too, which sees the same
+//! contradiction when it plans the block: both sides move to the next epoch, and every block and
+//! verdict of an older epoch is dropped and counted. A block whose every position is committed (and
+//! agrees) is answered by the commits themselves. A verdict `{accepted: a, token: t}` for a block
+//! starting at position `s` says: the first `a` drafted tokens are the target's (those before the
+//! verifier's committed length were matched, the rest verified), and the target's token at
+//! `s + a` is `t` — a correction when `a` is short of the block, the bonus when the whole block
+//! passed.
 //!
 //! The shell around it (draft engine, network) asks [`Pipeline::next`] what to do, feeds the draft
 //! model [`Pipeline::tokens`] from [`Pipeline::draft_fed`] on, reports each drafted token with
@@ -95,18 +107,18 @@ pub struct Verdict {
     pub grant: Option<Shape>,
 }
 
-/// A token the verifier decoded itself: under load it may take a session over and decode it like
-/// a cloud-only generation (no drafts, no verify), streaming each token. Every decoded token moves
-/// the verifier to the next epoch, so blocks still in flight go stale. `resume` (γ, depth) on the
-/// last one hands the session back: draft again from here, within that grant.
+/// A token the verifier decoded itself, in a forward in which it had no block of the session to
+/// verify. It does not move the epoch: blocks in flight are rebased against it. `grant`: the
+/// verifier's load changed this session's grant (γ 0: draft nothing, the verifier decodes every
+/// token; more: draft again within it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Decoded {
-    /// The verifier's epoch before this token.
+    /// The verifier's epoch when it decoded the token (never ahead of the edge's).
     pub epoch: u64,
     /// Absolute position of the token.
     pub pos: usize,
     pub token: u32,
-    pub resume: Option<Shape>,
+    pub grant: Option<Shape>,
 }
 
 /// What the shell must do after an event.
@@ -183,6 +195,9 @@ pub struct PipelineStats {
     pub stale_blocks: usize,
     /// Verdicts ignored because they belonged to an older epoch.
     pub stale_verdicts: usize,
+    /// Blocks answered by commits alone: every position committed (decoded or verified) and
+    /// agreeing before the verifier planned them.
+    pub covered_blocks: usize,
     /// Drafted tokens thrown away (rejected, or in stale blocks, or in the discarded tail).
     pub wasted_draft_tokens: usize,
 }
@@ -225,8 +240,13 @@ pub struct Pipeline {
     next_index: u64,
     draft_fed: usize,
     done: bool,
-    /// The verifier is decoding this session itself: nothing to draft until it hands it back.
-    cloud_decoding: bool,
+    /// The verifier's grant lets this session draft (γ 0: the verifier decodes every token).
+    drafting: bool,
+    /// Tokens the verifier is expected to commit past a block's start before it plans the block:
+    /// that many more tokens go in flight, in blocks of γ.
+    lead: usize,
+    /// The last verdict's block started this many tokens before the committed length.
+    last_lead: Option<usize>,
     stats: PipelineStats,
 }
 
@@ -270,7 +290,9 @@ impl Pipeline {
             next_index: 0,
             draft_fed: 0,
             done: false,
-            cloud_decoding: false,
+            drafting: true,
+            lead: 0,
+            last_lead: None,
             stats: PipelineStats::default(),
         })
     }
@@ -321,6 +343,45 @@ impl Pipeline {
         self.in_flight.len()
     }
 
+    /// The blocks in flight, oldest first.
+    pub fn in_flight_ids(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.in_flight.iter().map(|b| b.index)
+    }
+
+    /// Blocks in flight at most: `depth`, plus the verifier's lead in blocks of γ.
+    fn max_in_flight(&self) -> usize {
+        self.cfg.depth + self.lead.div_ceil(self.cfg.draft_len)
+    }
+
+    /// Draft (or not, with the verifier decoding every token: its grant was γ 0).
+    pub fn set_drafting(&mut self, on: bool) -> Vec<Output> {
+        self.drafting = on;
+        let mut out = Vec::new();
+        if on {
+            self.try_send(&mut out);
+        }
+        out
+    }
+    pub fn drafting(&self) -> bool {
+        self.drafting
+    }
+
+    /// Keep enough blocks in flight to cover `lead` tokens the verifier commits before it plans
+    /// a block.
+    pub fn set_lead(&mut self, lead: usize) -> Vec<Output> {
+        self.lead = lead;
+        let mut out = Vec::new();
+        self.try_send(&mut out);
+        out
+    }
+    pub fn lead(&self) -> usize {
+        self.lead
+    }
+    /// How far behind the committed length the last verdict's block started (what the lead was).
+    pub fn last_lead(&self) -> Option<usize> {
+        self.last_lead
+    }
+
     fn limit(&self) -> usize {
         self.prompt_len + self.cfg.max_new_tokens
     }
@@ -335,9 +396,9 @@ impl Pipeline {
     pub fn next(&self) -> Next {
         if self.done {
             Next::Done
-        } else if self.cloud_decoding
+        } else if !self.drafting
             || self.drafting_stopped()
-            || self.in_flight.len() >= self.cfg.depth
+            || self.in_flight.len() >= self.max_in_flight()
             || self.tokens.len() - self.sent >= self.cfg.draft_len
         {
             // Drafting runs only while a finished block could be sent at once: with depth 1 the
@@ -371,7 +432,7 @@ impl Pipeline {
     fn try_send(&mut self, out: &mut Vec<Output>) {
         let unsent = self.tokens.len() - self.sent;
         let full = unsent >= self.cfg.draft_len || (unsent > 0 && self.drafting_stopped());
-        if self.done || !full || self.in_flight.len() >= self.cfg.depth {
+        if self.done || !self.drafting || !full || self.in_flight.len() >= self.max_in_flight() {
             return;
         }
         let n = unsent.min(self.cfg.draft_len);
@@ -421,10 +482,16 @@ impl Pipeline {
         if self.committed >= self.limit() {
             self.done = true;
         }
-        out.push(Output::Commit {
-            pos: from,
-            tokens: self.tokens[from..end].to_vec(),
-        });
+        match out.last_mut() {
+            // Consecutive commits of one event go out as one.
+            Some(Output::Commit { pos, tokens }) if *pos + tokens.len() == from => {
+                tokens.extend_from_slice(&self.tokens[from..end]);
+            }
+            _ => out.push(Output::Commit {
+                pos: from,
+                tokens: self.tokens[from..end].to_vec(),
+            }),
+        }
         if self.done {
             // Nothing past the end is ever verified: drop it all.
             let wasted = self.tokens.len() - self.committed;
@@ -437,22 +504,52 @@ impl Pipeline {
         }
     }
 
-    /// Replace everything from `pos` on with the cloud's `token`, dropping the blocks in flight.
-    fn replace_from(&mut self, pos: usize, token: u32, out: &mut Vec<Output>) {
-        let wasted = self.tokens.len() - pos;
-        self.stats.wasted_draft_tokens += wasted;
-        self.stats.stale_blocks += self.in_flight.len();
-        self.in_flight.clear();
-        self.cut_tail(pos);
-        self.q.clear();
-        self.tokens.push(token);
-        self.stats.cloud_tokens += 1;
-        self.sent = pos + 1;
-        if self.draft_fed > pos {
-            self.draft_fed = pos;
-            out.push(Output::Rollback { to: pos });
+    /// The cloud committed `token` at `pos` (the next position: the cloud commits each once, in
+    /// order). A tail token that agrees is kept; one that differs is replaced with everything
+    /// after it, and when it was sent in a block, that block and those behind it are useless to
+    /// the verifier too: the epoch moves on (the verifier moves when it plans that block).
+    fn take(&mut self, pos: usize, token: u32, out: &mut Vec<Output>) -> Result<(), SpecError> {
+        if pos != self.committed {
+            return Err(SpecError::Protocol(format!(
+                "the verifier committed position {pos}, but the next one is {}",
+                self.committed
+            )));
+        }
+        if pos < self.tokens.len() && self.tokens[pos] == token {
+            self.stats.accepted += 1;
+            self.sent = self.sent.max(pos + 1);
+        } else {
+            if pos < self.tokens.len() {
+                self.stats.rejections += 1;
+            } else {
+                self.stats.cloud_tokens += 1;
+            }
+            if pos < self.sent {
+                self.epoch += 1;
+                self.stats.stale_blocks += self.in_flight.len();
+                self.in_flight.clear();
+            }
+            self.stats.wasted_draft_tokens += self.tokens.len().saturating_sub(pos);
+            self.cut_tail(pos);
+            self.q.clear();
+            self.tokens.push(token);
+            self.sent = pos + 1;
+            if self.draft_fed > pos {
+                self.draft_fed = pos;
+                out.push(Output::Rollback { to: pos });
+            }
         }
         self.commit_to(pos + 1, out);
+        // Blocks wholly committed are answered by the commits.
+        while self
+            .in_flight
+            .front()
+            .is_some_and(|b| b.start_pos + b.tokens.len() <= self.committed)
+        {
+            self.in_flight.pop_front();
+            self.stats.covered_blocks += 1;
+        }
+        Ok(())
     }
 
     pub fn on_verdict(&mut self, v: Verdict) -> Result<Vec<Output>, SpecError> {
@@ -480,10 +577,11 @@ impl Pipeline {
                 front.tokens.len()
             )));
         }
-        if front.start_pos + v.accepted < self.committed {
+        let start = front.start_pos;
+        if start > self.committed || start + v.accepted < self.committed {
             return Err(SpecError::Protocol(format!(
-                "verdict rejects position {} which is already committed",
-                front.start_pos + v.accepted
+                "verdict for the block at {start} accepting {} tokens does not continue the {} committed",
+                v.accepted, self.committed
             )));
         }
         let block = self
@@ -491,43 +589,15 @@ impl Pipeline {
             .pop_front()
             .expect("invariant: front checked");
         self.stats.verdicts += 1;
-        let start = block.start_pos;
-        let n = block.tokens.len();
-        // The block's first token may already be committed (it matched an earlier bonus).
-        let fresh = |i: usize| start + i >= self.committed;
-        self.stats.accepted += (0..v.accepted).filter(|&i| fresh(i)).count();
-        self.commit_to(start + v.accepted, &mut out);
-        if self.done {
-            return Ok(out);
-        }
-        let pos = start + v.accepted;
-        if v.accepted < n {
-            // Rejection: the cloud moved to the next epoch; so do we.
-            self.stats.rejections += 1;
-            self.epoch += 1;
-            self.replace_from(pos, v.token, &mut out);
-        } else if self.tokens.len() > pos {
-            if self.tokens[pos] == v.token {
-                // The next drafted token is the target's: it is verified already.
-                self.stats.accepted += 1;
-                self.commit_to(pos + 1, &mut out);
-            } else {
-                // The next block (if sent) will be rejected at its first token: act now. The cloud
-                // moves to the next epoch when it rejects that block; a block only drafted moves
-                // nothing.
-                let sent_next = self.in_flight.front().is_some_and(|b| b.start_pos == pos);
-                self.stats.rejections += 1;
-                if sent_next {
-                    self.epoch += 1;
-                }
-                self.replace_from(pos, v.token, &mut out);
+        self.last_lead = Some(self.committed - start);
+        for pos in self.committed..start + v.accepted {
+            if self.done {
+                return Ok(out);
             }
-        } else {
-            // Nothing drafted past the block: the bonus is committed, the draft feeds it next.
-            self.tokens.push(v.token);
-            self.stats.cloud_tokens += 1;
-            self.sent = pos + 1;
-            self.commit_to(pos + 1, &mut out);
+            self.take(pos, block.tokens[pos - start], &mut out)?;
+        }
+        if !self.done {
+            self.take(start + v.accepted, v.token, &mut out)?;
         }
         if !self.done {
             self.try_send(&mut out);
@@ -535,45 +605,20 @@ impl Pipeline {
         Ok(out)
     }
 
-    /// Whether the verifier is decoding this session itself.
-    pub fn cloud_decoding(&self) -> bool {
-        self.cloud_decoding
-    }
-
-    /// A token the verifier decoded itself ([`Decoded`]): commit it (dropping the speculative
-    /// tail and every block in flight), follow the verifier's epoch, and stop drafting until a
-    /// decoded token hands the session back (`resume`).
+    /// A token the verifier decoded itself ([`Decoded`]): committed like any other.
     pub fn on_decoded(&mut self, d: Decoded) -> Result<Vec<Output>, SpecError> {
         let mut out = Vec::new();
         if self.done {
             return Ok(out);
         }
-        if d.pos < self.committed {
-            // Already committed here (the bonus of the last verdict, or the first token).
-            if self.tokens[d.pos] != d.token {
-                return Err(SpecError::Protocol(format!(
-                    "decoded token {} at position {} contradicts the committed {}",
-                    d.token, d.pos, self.tokens[d.pos]
-                )));
-            }
-        }
-        if d.pos < self.committed && self.epoch <= d.epoch {
-            // The verifier moved past our epoch: whatever is in flight is stale. (Blocks of a
-            // later epoch — sent after we foresaw its rejection of an earlier one — are not.)
-            self.drop_speculation(&mut out);
-        } else if d.pos < self.committed {
-            // Known, and our blocks in flight are of a later epoch: they stand.
-        } else if d.pos > self.committed {
+        if d.epoch > self.epoch {
             return Err(SpecError::Protocol(format!(
-                "decoded token at position {} but {} tokens are committed",
-                d.pos, self.committed
+                "decoded token of epoch {}, ahead of the edge's epoch {}",
+                d.epoch, self.epoch
             )));
-        } else {
-            self.replace_from(d.pos, d.token, &mut out);
         }
-        self.epoch = self.epoch.max(d.epoch + 1);
-        self.cloud_decoding = d.resume.is_none();
-        if !self.done && !self.cloud_decoding {
+        self.take(d.pos, d.token, &mut out)?;
+        if !self.done {
             self.try_send(&mut out);
         }
         Ok(out)
@@ -599,7 +644,7 @@ impl Pipeline {
 
     pub fn on_connection_lost(&mut self) -> Vec<Output> {
         let mut out = Vec::new();
-        self.cloud_decoding = false;
+        self.drafting = true;
         self.drop_speculation(&mut out);
         self.epoch = 0;
         out

@@ -1,16 +1,17 @@
 //! The edge pipeline against the real verifier bookkeeping, with a fake target and draft, under
-//! arbitrary interleavings of drafting, block delivery, verdict delivery, dropped connections,
-//! reshapes and the verifier taking the session over (decoding it itself) and handing it back:
-//! the committed sequence is exactly the target's greedy continuation, no unverified token is ever
-//! committed, none twice, and stale blocks are dropped.
+//! arbitrary interleavings of drafting, block delivery, the verifier's own decode steps (blocks
+//! land before, during and after them: stale, partly and wholly agreeing), verdict delivery,
+//! dropped connections, reshapes, lead changes and grants of γ 0 and back: the committed sequence
+//! is exactly the target's greedy continuation, no unverified token is ever committed, no
+//! position is told or committed twice, and the two sides' epochs never drift.
 
 use std::collections::VecDeque;
 
 use proptest::prelude::*;
 use tandem_spec::sampling::{uniform, SamplingParams};
 use tandem_spec::{
-    Block, BlockAction, CloudSession, DecodeAction, Decoded, Next, Output, Pipeline,
-    PipelineConfig, Verdict, VerifyRule,
+    Block, BlockAction, CloudSession, Decoded, Next, Output, Pipeline, PipelineConfig, Shape,
+    Verdict, VerifyRule,
 };
 
 const VOCAB: usize = 8;
@@ -63,9 +64,16 @@ struct Cloud {
     session: CloudSession,
     kv: Vec<u32>,
     seed: u64,
-    /// Decoding the session itself, and whether to hand it back after the next token.
-    taken_over: bool,
-    stop: bool,
+    /// Blocks received, not yet planned.
+    queue: VecDeque<Block>,
+    /// Verify blocks (false: the grant is γ 0 and the verifier decodes every token; blocks still
+    /// queued are only matched once they are covered).
+    verify: bool,
+    /// A grant to send with the next decoded token.
+    grant: Option<Shape>,
+    limit: usize,
+    /// The next position the cloud tells the edge: each exactly once.
+    told: usize,
 }
 
 /// What the verifier sends the edge.
@@ -76,92 +84,107 @@ enum ToEdge {
 }
 
 impl Cloud {
-    /// Open (or re-open) a session from the edge's committed history.
-    fn open(history: &[u32], seed: u64) -> Self {
+    /// Open (or re-open) a session from the edge's committed history: the first token is
+    /// committed and told at once.
+    fn open(history: &[u32], seed: u64, limit: usize) -> (Self, u32) {
         let first = target(*history.last().unwrap(), history.len(), seed);
         let session = CloudSession::new(
             VerifyRule::Greedy,
             SamplingParams::default(),
-            history.len(),
+            history,
             first,
             10_000,
         );
-        Self {
+        let c = Self {
             session,
             kv: history.to_vec(),
             seed,
-            taken_over: false,
-            stop: false,
-        }
-    }
-
-    /// One token decoded by the verifier itself (it has taken the session over).
-    fn decode(&mut self) -> Decoded {
-        let mut d = match self
-            .session
-            .decode()
-            .expect("a committed token to decode from")
-        {
-            DecodeAction::Ready(d) => d,
-            DecodeAction::Forward(plan) => {
-                assert_eq!(
-                    self.kv.len(),
-                    plan.start_pos,
-                    "plan starts at the KV length"
-                );
-                self.kv.extend_from_slice(&plan.tokens);
-                let p = self.kv.len() - 1;
-                let row = logits_for(target(self.kv[p], p + 1, self.seed));
-                self.session.finish_decode(&row)
-            }
+            queue: VecDeque::new(),
+            verify: true,
+            grant: None,
+            limit,
+            told: history.len() + 1,
         };
-        if self.stop {
-            self.taken_over = false;
-            self.stop = false;
-            d.resume = Some(tandem_spec::Shape::new(2, 2));
-        }
-        d
+        (c, first)
     }
 
-    fn on_block(&mut self, b: &Block) -> Option<Verdict> {
-        match self.session.on_block(b).expect("edge sends valid blocks") {
-            BlockAction::Stale => None,
-            BlockAction::Verdict(v) => Some(v),
-            BlockAction::Forward(plan) => {
-                assert_eq!(
-                    self.kv.len(),
-                    plan.start_pos,
-                    "plan starts at the KV length"
-                );
-                self.kv.extend_from_slice(&plan.tokens);
-                let rows: Vec<Vec<f32>> = plan
-                    .logits_at
-                    .iter()
-                    .map(|&i| {
-                        let p = plan.start_pos + i;
-                        logits_for(target(self.kv[p], p + 1, self.seed))
-                    })
-                    .collect();
-                let refs: Vec<&[f32]> = rows.iter().map(|r| &r[..]).collect();
-                let f = self.session.finish(b, &refs).expect("rows match the plan");
-                self.kv.truncate(f.kv_len);
-                Some(f.verdict)
+    fn ended(&self) -> bool {
+        let c = self.session.committed();
+        c.len() >= self.limit || c.last() == Some(&EOG)
+    }
+
+    fn receive(&mut self, b: Block) -> Result<(), TestCaseError> {
+        self.session
+            .check(&b)
+            .and_then(|()| self.session.accept_index(&b))
+            .map_err(|e| TestCaseError::fail(format!("the edge sent a bad block: {e}")))?;
+        self.queue.push_back(b);
+        Ok(())
+    }
+
+    /// Run `plan` on the emulated target: the logits rows it asks for.
+    fn forward(&mut self, start_pos: usize, tokens: &[u32], at: &[usize]) -> Vec<Vec<f32>> {
+        assert_eq!(self.kv.len(), start_pos, "plan starts at the KV length");
+        self.kv.extend_from_slice(tokens);
+        at.iter()
+            .map(|&i| {
+                let p = start_pos + i;
+                logits_for(target(self.kv[p], p + 1, self.seed))
+            })
+            .collect()
+    }
+
+    /// One forward of the verifier for this session: the oldest usable block verified, or the
+    /// next token decoded. Blocks that need no forward are dropped on the way.
+    fn step(&mut self) -> Result<Option<ToEdge>, TestCaseError> {
+        if self.ended() {
+            return Ok(None);
+        }
+        while let Some(b) = self.queue.front().cloned() {
+            match self.session.plan_block(&b) {
+                Ok(BlockAction::Stale | BlockAction::Covered | BlockAction::Contradicted { .. }) => {
+                    self.queue.pop_front();
+                }
+                Ok(BlockAction::Forward(plan)) if self.verify => {
+                    self.queue.pop_front();
+                    let rows = self.forward(plan.start_pos, &plan.tokens, &plan.logits_at);
+                    let refs: Vec<&[f32]> = rows.iter().map(|r| &r[..]).collect();
+                    let f = self.session.finish(&b, &refs).expect("rows match the plan");
+                    self.kv.truncate(f.kv_len);
+                    let end = b.start_pos + f.verdict.accepted + 1;
+                    prop_assert!(end > self.told, "a verdict re-tells position {}", self.told);
+                    self.told = end;
+                    return Ok(Some(ToEdge::Verdict(f.verdict)));
+                }
+                Ok(BlockAction::Forward(_)) => break,
+                Err(e) => return Err(TestCaseError::fail(format!("planning a block: {e}"))),
             }
         }
+        let plan = self.session.plan_decode().expect("below the context limit");
+        let rows = self.forward(plan.start_pos, &plan.tokens, &plan.logits_at);
+        let mut d = self.session.finish_decode(&rows[0]);
+        prop_assert_eq!(d.pos, self.told, "each position is told once, in order");
+        self.told += 1;
+        d.grant = self.grant.take();
+        Ok(Some(ToEdge::Decoded(d)))
     }
 }
 
 #[derive(Debug, Clone, Copy)]
 enum Step {
     Draft,
+    /// A block reaches the verifier's queue.
     DeliverBlock,
-    DeliverVerdict,
+    /// One forward of the verifier for the session.
+    CloudStep,
+    DeliverToEdge,
     DropConnection,
     /// The policy changes γ and depth mid-stream.
     Reshape(usize, usize),
-    /// The verifier takes the session over, decodes a token, hands it back after the next one.
+    /// The edge keeps this many more blocks in flight for the verifier's lead.
+    Lead(usize),
+    /// The verifier's grant becomes γ 0 (it stops verifying, decodes every token) or back.
     TakeOver,
-    CloudDecode,
     HandBack,
 }
 
@@ -169,11 +192,12 @@ fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
         6 => Just(Step::Draft),
         3 => Just(Step::DeliverBlock),
-        3 => Just(Step::DeliverVerdict),
+        3 => Just(Step::CloudStep),
+        4 => Just(Step::DeliverToEdge),
         1 => Just(Step::DropConnection),
         1 => (1usize..8, 1usize..5).prop_map(|(g, d)| Step::Reshape(g, d)),
+        1 => (0usize..12).prop_map(Step::Lead),
         1 => Just(Step::TakeOver),
-        2 => Just(Step::CloudDecode),
         1 => Just(Step::HandBack),
     ]
 }
@@ -193,10 +217,10 @@ fn run(
         depth,
         max_new_tokens: max_new,
     };
-    let mut edge = Pipeline::new(prompt.clone(), cfg, vec![EOG]).unwrap();
-    let mut cloud = Cloud::open(&prompt, seed);
-    let (mut to_cloud, mut to_edge) = (VecDeque::<Block>::new(), VecDeque::<ToEdge>::new());
     let limit = prompt.len() + max_new;
+    let (mut cloud, first) = Cloud::open(&prompt, seed, limit);
+    let (mut edge, outs) = Pipeline::with_first(prompt.clone(), first, cfg, vec![EOG]).unwrap();
+    let (mut to_cloud, mut to_edge) = (VecDeque::<Block>::new(), VecDeque::<ToEdge>::new());
     let mut committed: Vec<u32> = Vec::new();
     let mut draft_kv = 0usize;
     let mut salt = 0u64;
@@ -234,6 +258,7 @@ fn run(
         }
         Ok(())
     };
+    handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
     let mut i = 0;
     let mut steps = 0;
     while edge.next() != Next::Done {
@@ -243,9 +268,8 @@ fn run(
         let s = schedule.get(i).copied().unwrap_or(match steps % 4 {
             0 => Step::Draft,
             1 => Step::DeliverBlock,
-            2 => Step::DeliverVerdict,
-            _ if cloud.taken_over && !cloud.stop => Step::HandBack,
-            _ => Step::CloudDecode,
+            2 => Step::DeliverToEdge,
+            _ => Step::CloudStep,
         });
         i += 1;
         match s {
@@ -258,28 +282,37 @@ fn run(
                 prop_assert_eq!(edge.draft_fed() + 1, edge.tokens().len());
                 handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
             }
-            // While the verifier decodes the session, blocks wait in its queue.
-            Step::DeliverBlock if !cloud.taken_over => {
+            Step::DeliverBlock => {
                 if let Some(b) = to_cloud.pop_front() {
-                    if let Some(v) = cloud.on_block(&b) {
-                        to_edge.push_back(ToEdge::Verdict(v));
-                    }
+                    cloud.receive(b)?;
                 }
             }
-            Step::DeliverVerdict => {
+            Step::CloudStep => {
+                if let Some(m) = cloud.step()? {
+                    to_edge.push_back(m);
+                }
+            }
+            Step::DeliverToEdge => {
                 let outs = match to_edge.pop_front() {
                     Some(ToEdge::Verdict(v)) => edge.on_verdict(v),
-                    Some(ToEdge::Decoded(d)) => edge.on_decoded(d),
+                    Some(ToEdge::Decoded(d)) => edge.on_decoded(d).map(|mut o| {
+                        if let Some(g) = d.grant {
+                            o.extend(edge.set_drafting(g.draft_len > 0));
+                        }
+                        o
+                    }),
                     None => Ok(Vec::new()),
                 }
                 .map_err(|e| TestCaseError::fail(e.to_string()))?;
                 handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
             }
-            Step::TakeOver => cloud.taken_over = true,
-            Step::HandBack if cloud.taken_over => cloud.stop = true,
-            Step::CloudDecode if cloud.taken_over && cloud.session.committed_len() < limit => {
-                let d = cloud.decode();
-                to_edge.push_back(ToEdge::Decoded(d));
+            Step::TakeOver => {
+                cloud.verify = false;
+                cloud.grant = Some(Shape::new(0, 1));
+            }
+            Step::HandBack => {
+                cloud.verify = true;
+                cloud.grant = Some(Shape::new(2, 2));
             }
             Step::DropConnection => {
                 to_cloud.clear();
@@ -287,14 +320,10 @@ fn run(
                 let outs = edge.on_connection_lost();
                 handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
                 let history = edge.tokens()[..edge.committed_len()].to_vec();
-                cloud = Cloud::open(&history, seed);
-                // The edge either commits the new session's first token at once or lets its next
-                // block be judged against it; both must stay exact.
-                if salt.is_multiple_of(2) {
-                    let first = target(*history.last().unwrap(), history.len(), seed);
-                    let outs = edge.on_reopened(first);
-                    handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
-                }
+                let (c, first) = Cloud::open(&history, seed, limit);
+                cloud = c;
+                let outs = edge.on_reopened(first);
+                handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
             }
             Step::Reshape(g, d) => {
                 let outs = edge
@@ -302,7 +331,17 @@ fn run(
                     .map_err(|e| TestCaseError::fail(e.to_string()))?;
                 handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
             }
+            Step::Lead(l) => {
+                let outs = edge.set_lead(l);
+                handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
+            }
             _ => {}
+        }
+        // The two sides move epochs together: a verdict is never of an epoch the edge left, and
+        // once nothing is on the way, both are at the same one.
+        prop_assert_eq!(edge.stats().stale_verdicts, 0, "a verdict went stale");
+        if to_cloud.is_empty() && to_edge.is_empty() && cloud.queue.is_empty() {
+            prop_assert_eq!(edge.epoch(), cloud.session.epoch(), "the epochs drifted");
         }
     }
     prop_assert_eq!(&committed, &want);
@@ -336,7 +375,7 @@ fn async_pipelining_keeps_blocks_in_flight() {
         depth: 3,
         max_new_tokens: 64,
     };
-    let mut edge = Pipeline::new(prompt, cfg, vec![EOG]).unwrap();
+    let (mut edge, _) = Pipeline::with_first(prompt, 6, cfg, vec![EOG]).unwrap();
     let mut sent = 0;
     while edge.next() == Next::Draft {
         let t = draft(edge.tokens(), 5, 1.0, 0);
@@ -361,8 +400,8 @@ fn depth_one_is_synchronous() {
         depth: 1,
         max_new_tokens: 64,
     };
-    let mut edge = Pipeline::new(prompt.clone(), cfg, vec![EOG]).unwrap();
-    let mut cloud = Cloud::open(&prompt, 5);
+    let (mut cloud, first) = Cloud::open(&prompt, 5, 67);
+    let (mut edge, _) = Pipeline::with_first(prompt.clone(), first, cfg, vec![EOG]).unwrap();
     let mut block = None;
     while edge.next() == Next::Draft {
         let t = draft(edge.tokens(), 5, 1.0, 0);
@@ -375,10 +414,13 @@ fn depth_one_is_synchronous() {
     assert_eq!(edge.next(), Next::Wait);
     assert_eq!(
         edge.tokens().len(),
-        prompt.len() + 3,
-        "nothing drafted past the block"
+        prompt.len() + 4,
+        "the first token and a block, nothing past it"
     );
-    let v = cloud.on_block(&block.unwrap()).unwrap();
+    cloud.receive(block.unwrap()).unwrap();
+    let Some(ToEdge::Verdict(v)) = cloud.step().unwrap() else {
+        panic!("a verdict")
+    };
     assert_eq!(v.accepted, 3);
     let outs = edge.on_verdict(v).unwrap();
     let committed: usize = outs
@@ -390,4 +432,48 @@ fn depth_one_is_synchronous() {
         .sum();
     assert_eq!(committed, 4, "three drafted tokens and the bonus");
     assert_eq!(edge.next(), Next::Draft);
+}
+
+#[test]
+fn a_block_that_lands_behind_the_verifier_is_matched_then_verified() {
+    // The verifier decodes two tokens while a perfect block of four travels: the two are matched
+    // for free, the other two verified, and the verdict commits them and the bonus.
+    let prompt = vec![1, 2, 3];
+    let cfg = PipelineConfig {
+        draft_len: 4,
+        depth: 1,
+        max_new_tokens: 64,
+    };
+    let (mut cloud, first) = Cloud::open(&prompt, 9, 67);
+    let (mut edge, _) = Pipeline::with_first(prompt, first, cfg, vec![EOG]).unwrap();
+    let mut block = None;
+    while edge.next() == Next::Draft {
+        let t = draft(edge.tokens(), 9, 1.0, 0);
+        for o in edge.on_drafted(t, None) {
+            if let Output::Send(b) = o {
+                block = Some(b);
+            }
+        }
+    }
+    let mut decoded = Vec::new();
+    for _ in 0..2 {
+        let Some(ToEdge::Decoded(d)) = cloud.step().unwrap() else {
+            panic!("a decode")
+        };
+        decoded.push(d);
+    }
+    cloud.receive(block.unwrap()).unwrap();
+    let Some(ToEdge::Verdict(v)) = cloud.step().unwrap() else {
+        panic!("a verdict")
+    };
+    assert_eq!((v.accepted, cloud.session.verified_positions), (4, 2));
+    let before = edge.stats().drafted;
+    for d in decoded {
+        let out = edge.on_decoded(d).unwrap();
+        assert!(!out.iter().any(|o| matches!(o, Output::Rollback { .. })), "{out:?}");
+    }
+    assert_eq!((edge.committed_len(), edge.epoch()), (6, 0), "agreeing decodes keep the tail");
+    edge.on_verdict(v).unwrap();
+    assert_eq!(edge.committed_len(), 9, "the rest of the block and the bonus");
+    assert_eq!(edge.stats().drafted, before, "nothing drafted again");
 }

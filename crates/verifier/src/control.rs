@@ -53,6 +53,14 @@ impl Ctl {
     pub fn is_cloud(&self) -> bool {
         self.cloud
     }
+
+    /// Mark the session taken over (the verifier decodes every token) or handed back.
+    pub fn set_cloud(&mut self, on: bool) {
+        if self.cloud != on {
+            self.cloud = on;
+            self.pace.restart();
+        }
+    }
 }
 
 /// The load as the verifier saw it before a turn.
@@ -170,17 +178,40 @@ impl LoadControl {
         g
     }
 
-    /// A verdict that judged `drafted` tokens is going out at `now_ms`: it carries a new grant
-    /// when the session's changed, and feeds the α and the session's pace.
-    pub fn on_verdict(&mut self, c: &mut Ctl, verdict: &mut Verdict, drafted: usize, now_ms: u64) {
-        if let Some(want) = c.want {
-            let now = self.grant_for(want);
+    /// The grant the session has now: γ 0 when the verifier decodes it (taken over), else its
+    /// share of the current level within what it asked for.
+    fn grant_now(&self, c: &Ctl) -> Option<Shape> {
+        let want = c.want?;
+        Some(if c.cloud {
+            Shape::new(0, 1)
+        } else {
+            self.grant_for(want)
+        })
+    }
+
+    /// A message of a speculation session is going out: `grant` is set when the session's grant
+    /// changed since it was last told.
+    fn tell_grant(&self, c: &mut Ctl, grant: &mut Option<Shape>) {
+        if let Some(now) = self.grant_now(c) {
             if now != c.granted {
-                verdict.grant = Some(now);
+                *grant = Some(now);
                 c.granted = now;
             }
         }
-        let accepted = verdict.accepted.min(drafted);
+    }
+
+    /// A verdict that judged `drafted` tokens past the committed ones, `accepted` of them, is
+    /// going out at `now_ms`: it carries a new grant when the session's changed, and feeds the α
+    /// and the session's pace.
+    pub fn on_verdict(
+        &mut self,
+        c: &mut Ctl,
+        verdict: &mut Verdict,
+        drafted: usize,
+        accepted: usize,
+        now_ms: u64,
+    ) {
+        self.tell_grant(c, &mut verdict.grant);
         if drafted > 0 {
             let judged = accepted + usize::from(accepted < drafted);
             self.accepted_recent = ALPHA_DECAY * self.accepted_recent + accepted as f64;
@@ -191,16 +222,13 @@ impl LoadControl {
         }
     }
 
-    /// A token the verifier decoded is going out; the last one (`handback`) carries the grant the
-    /// edge resumes with.
-    pub fn on_decoded(&self, c: &mut Ctl, handback: bool, decoded: &mut Decoded) {
-        if !handback {
-            return;
+    /// A token the verifier decoded is going out at `now_ms`: it carries a new grant when the
+    /// session's changed (γ 0 once taken over, the grant again when handed back).
+    pub fn on_decoded(&self, c: &mut Ctl, decoded: &mut Decoded, now_ms: u64) {
+        self.tell_grant(c, &mut decoded.grant);
+        if !c.cloud {
+            c.pace.on_commit(now_ms, 1);
         }
-        let g = self.grant_for(c.want.unwrap_or(Shape::new(1, 1)));
-        let resume = Shape::new(g.draft_len.max(1), g.depth.max(1));
-        decoded.resume = Some(resume);
-        c.granted = resume;
     }
 }
 
@@ -240,25 +268,29 @@ mod tests {
             verify_us: 1000,
             grant: None,
         };
-        c.on_verdict(&mut spec, &mut v, 4, 10);
+        c.on_verdict(&mut spec, &mut v, 4, 2, 10);
         assert_eq!(v.grant, None, "unchanged");
         // A cloud-only generation has no grant to carry.
-        c.on_verdict(&mut gen, &mut v, 0, 10);
+        c.on_verdict(&mut gen, &mut v, 0, 0, 10);
         assert_eq!(v.grant, None);
         let mut d = Decoded {
             epoch: 1,
             pos: 9,
             token: 3,
-            resume: None,
+            grant: None,
         };
-        c.on_decoded(&mut spec, false, &mut d);
-        assert_eq!(d.resume, None);
-        c.on_decoded(&mut spec, true, &mut d);
-        assert_eq!(
-            d.resume,
-            Some(Shape::new(4, 2)),
-            "handed back within the grant"
-        );
+        c.on_decoded(&mut spec, &mut d, 20);
+        assert_eq!(d.grant, None, "unchanged");
+        // Taken over: the next token says γ 0, once; handed back: the grant again.
+        spec.set_cloud(true);
+        c.on_decoded(&mut spec, &mut d, 30);
+        assert_eq!(d.grant, Some(Shape::new(0, 1)));
+        let mut d2 = Decoded { grant: None, ..d };
+        c.on_decoded(&mut spec, &mut d2, 40);
+        assert_eq!(d2.grant, None);
+        spec.set_cloud(false);
+        c.on_decoded(&mut spec, &mut d2, 50);
+        assert_eq!(d2.grant, Some(Shape::new(4, 2)), "handed back within the grant");
     }
 
     #[test]

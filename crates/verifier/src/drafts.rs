@@ -1,172 +1,68 @@
-//! Blocks arriving from an edge, and the takeover of a speculation session: what the core decides
-//! without a forward, and the work it hands the scheduler.
+//! Blocks arriving from an edge, and the plan of a speculation session's next forward: the
+//! oldest usable block verified, or else the session's next token decoded by the verifier
+//! itself. The verifier never idles a speculation session.
 
 use tandem_sched::SessionId;
-use tandem_spec::{Block, BlockAction, DecodeAction};
+use tandem_spec::{Block, BlockAction};
 
-use crate::session::{Event, Takeover, Work};
+use crate::session::{Event, Planned, Work};
 use crate::verifier_core::{VerifierCore, MAX_QUEUED_BLOCKS};
 use crate::{Target, VerifierError};
 
 impl<T: Target, H> VerifierCore<T, H> {
-    /// A draft block for `id`: queued behind the block in verification, or judged at once (a
-    /// stale block is dropped, a first token that contradicts the pending prediction is answered
-    /// without a forward). Returns what can be answered now.
+    /// A draft block for `id`: checked and queued. It is planned with the session's next
+    /// forward (rebased onto what is committed by then). Returns what can be answered now (a
+    /// refusal).
     pub fn draft(&mut self, id: SessionId, block: Block) -> Vec<Event> {
-        let Some(s) = self.sessions.get_mut(&id) else {
-            return vec![Event::Error {
+        let refuse = |error: VerifierError| {
+            vec![Event::Error {
                 session: id,
-                error: VerifierError::UnknownSession(id),
+                error,
                 fatal: false,
-            }];
+            }]
         };
-        let Work::Spec { queue, .. } = &mut s.work else {
-            return vec![Event::Error {
-                session: id,
-                error: VerifierError::Invalid(format!(
-                    "session {id} is a cloud-only generation: it takes no drafts"
-                )),
-                fatal: false,
-            }];
+        let Some(s) = self.sessions.get_mut(&id) else {
+            return refuse(VerifierError::UnknownSession(id));
+        };
+        let Work::Spec { queue, vs, .. } = &mut s.work else {
+            return refuse(VerifierError::Invalid(format!(
+                "session {id} is a cloud-only generation: it takes no drafts"
+            )));
+        };
+        let Some(vs) = vs.as_mut() else {
+            return refuse(VerifierError::Invalid(format!(
+                "draft: session {id} is not open yet (its prompt is being prefilled)"
+            )));
         };
         if queue.len() >= MAX_QUEUED_BLOCKS {
-            return vec![Event::Error {
-                session: id,
-                error: VerifierError::Invalid(format!(
-                    "draft.block: {} blocks already wait for verification (at most {MAX_QUEUED_BLOCKS})",
-                    queue.len()
-                )),
-                fatal: false,
-            }];
+            return refuse(VerifierError::Invalid(format!(
+                "draft.block: {} blocks already wait for verification (at most {MAX_QUEUED_BLOCKS})",
+                queue.len()
+            )));
+        }
+        if let Err(e) = vs.check(&block).and_then(|()| vs.accept_index(&block)) {
+            return refuse(e.into());
         }
         queue.push_back(block);
         let mut events = Vec::new();
-        self.advance(id, &mut events);
+        self.proceed(id, &mut events);
         events
     }
 
-    /// Move `id`'s queued blocks on while nothing of it is planned: stale blocks are dropped,
-    /// early verdicts answered, the first block that needs the target is enqueued.
-    pub(crate) fn advance(&mut self, id: SessionId, events: &mut Vec<Event>) {
+    /// Plan `id`'s next forward unless one is planned: blocks that need no forward are dropped on
+    /// the way (stale, covered, contradicted — none is answered), the oldest that needs one is
+    /// verified, and with none (or when the session is taken over) its next token is decoded. A
+    /// session that reached its limit or end-of-generation token plans nothing more.
+    pub(crate) fn proceed(&mut self, id: SessionId, events: &mut Vec<Event>) {
         let budget = self.sched.config().token_budget;
         let Some(s) = self.sessions.get_mut(&id) else {
             return;
         };
+        let verify = !s.ctl.is_cloud();
         let Work::Spec {
             vs: Some(vs),
             queue,
-            inflight,
-            takeover: None,
-            ..
-        } = &mut s.work
-        else {
-            return;
-        };
-        while inflight.is_none() {
-            let Some(b) = queue.pop_front() else { break };
-            let before = vs.clone();
-            let refuse = |e: VerifierError| Event::Error {
-                session: id,
-                error: e,
-                fatal: false,
-            };
-            match vs.on_block(&b) {
-                Ok(BlockAction::Stale) => self.stats.blocks_stale += 1,
-                Ok(BlockAction::Verdict(v)) => {
-                    self.stats.blocks_early += 1;
-                    events.push(Event::Verdict {
-                        session: id,
-                        verdict: v,
-                        drafted: 0,
-                        positions: 0,
-                    });
-                }
-                Ok(BlockAction::Forward(plan)) => {
-                    if plan.tokens.len() > budget {
-                        *vs = before;
-                        events.push(refuse(VerifierError::Invalid(format!(
-                            "draft.tokens: a block of {} tokens exceeds the verifier's token budget {budget}",
-                            b.tokens.len()
-                        ))));
-                        continue;
-                    }
-                    if let Err(e) = self.sched.enqueue_verify(id, plan.tokens.len()) {
-                        // It could never be computed (the session outgrew the KV cache).
-                        *vs = before;
-                        events.push(refuse(e.into()));
-                        continue;
-                    }
-                    *inflight = Some((b, plan, before));
-                }
-                Err(e) => {
-                    *vs = before;
-                    events.push(refuse(e.into()));
-                }
-            }
-        }
-    }
-
-    /// Move a speculation session on: its next block, or its next decoded token when the verifier
-    /// has taken it over.
-    pub(crate) fn proceed(&mut self, id: SessionId, events: &mut Vec<Event>) {
-        let taken_over = matches!(
-            self.sessions.get(&id).map(|s| &s.work),
-            Some(Work::Spec {
-                takeover: Some(_),
-                ..
-            })
-        );
-        if taken_over {
-            self.takeover_next(id, events);
-        } else {
-            self.advance(id, events);
-        }
-    }
-
-    /// Take a speculation session over (`on`) and decode it like a cloud-only generation, each
-    /// token an [`Event::Decoded`] — what a saturated verifier does, since a verified position
-    /// costs it as much as a decoded one and rejected ones are waste — or hand it back after the
-    /// next token (`!on`). A session not yet prefilled is taken over once it is.
-    pub fn set_takeover(&mut self, id: SessionId, on: bool) -> Vec<Event> {
-        let mut events = Vec::new();
-        let Some(s) = self.sessions.get_mut(&id) else {
-            return events;
-        };
-        let Work::Spec {
-            takeover, inflight, ..
-        } = &mut s.work
-        else {
-            return events;
-        };
-        match (on, takeover.as_mut()) {
-            (true, Some(c)) => c.stop = false,
-            (true, None) => {
-                *takeover = Some(Takeover {
-                    stop: false,
-                    step: None,
-                });
-                // A block already planned is verified first; the takeover follows its verdict.
-                if inflight.is_none() {
-                    self.takeover_next(id, &mut events);
-                }
-            }
-            (false, Some(c)) => c.stop = true,
-            (false, None) => {}
-        }
-        events
-    }
-
-    /// The next step of a session the verifier decodes: tokens known at once are sent at once,
-    /// then one forward is enqueued. Hands the session back when asked to, and ends it at its
-    /// limit or end-of-generation token.
-    pub(crate) fn takeover_next(&mut self, id: SessionId, events: &mut Vec<Event>) {
-        let Some(s) = self.sessions.get_mut(&id) else {
-            return;
-        };
-        let Work::Spec {
-            vs: Some(vs),
-            inflight: None,
-            takeover: Some(c),
+            planned: planned @ None,
             limit,
             eog,
             ..
@@ -174,61 +70,92 @@ impl<T: Target, H> VerifierCore<T, H> {
         else {
             return;
         };
-        if c.step.is_some() {
-            return;
+        if vs.committed_len() >= *limit || vs.committed().last().is_some_and(|t| eog.contains(t)) {
+            return; // the edge has every token it asked for and closes
         }
-        let handed_back = loop {
-            if vs.committed_len() >= *limit {
-                return; // the edge has every token it asked for and closes
-            }
+        let refuse = |e: VerifierError| Event::Error {
+            session: id,
+            error: e,
+            fatal: false,
+        };
+        while let Some(b) = queue.front() {
             let before = vs.clone();
-            match vs.decode() {
-                Ok(DecodeAction::Ready(d)) => {
-                    let end = eog.contains(&d.token) || vs.committed_len() >= *limit;
-                    let handback = c.stop && !end;
-                    events.push(Event::Decoded {
-                        session: id,
-                        decoded: d,
-                        handback,
-                    });
-                    if end {
-                        return;
-                    }
-                    if handback {
-                        break true;
-                    }
-                }
-                Ok(DecodeAction::Forward(plan)) => {
-                    if let Err(e) = self.sched.enqueue_verify(id, plan.tokens.len()) {
+            match vs.plan_block(b) {
+                Ok(BlockAction::Stale) => self.stats.blocks_stale += 1,
+                Ok(BlockAction::Covered) => self.stats.blocks_covered += 1,
+                Ok(BlockAction::Contradicted { .. }) => self.stats.blocks_contradicted += 1,
+                Ok(BlockAction::Forward(feed)) if verify => {
+                    // A block too large for one forward could never be verified, nor could one
+                    // of a session that outgrew the KV cache: the session ends with the reason
+                    // (dropping the block would leave the two sides' epochs apart).
+                    let refused = if feed.tokens.len() > budget {
+                        Err(VerifierError::Invalid(format!(
+                            "draft.tokens: a block of {} tokens exceeds the verifier's token budget {budget}",
+                            b.tokens.len()
+                        )))
+                    } else {
+                        self.sched
+                            .enqueue_verify(id, feed.tokens.len())
+                            .map_err(VerifierError::from)
+                    };
+                    if let Err(e) = refused {
                         *vs = before;
                         events.push(Event::Error {
                             session: id,
-                            error: e.into(),
+                            error: e,
                             fatal: true,
                         });
                         self.ended.push(id);
                         return;
                     }
-                    c.step = Some((plan, before));
+                    let block = queue.pop_front().expect("invariant: front");
+                    *planned = Some(Planned::Verify {
+                        block,
+                        feed,
+                        before,
+                    });
                     return;
                 }
+                // Taken over: the block waits until the decoded tokens cover it.
+                Ok(BlockAction::Forward(_)) => break,
                 Err(e) => {
                     *vs = before;
-                    events.push(Event::Error {
-                        session: id,
-                        error: e.into(),
-                        fatal: true,
-                    });
-                    self.ended.push(id);
-                    return;
+                    events.push(refuse(e.into()));
                 }
             }
-        };
-        if handed_back {
-            if let Work::Spec { takeover, .. } = &mut s.work {
-                *takeover = None;
-            }
-            self.advance(id, events);
+            queue.pop_front();
         }
+        let fatal = |e: VerifierError| Event::Error {
+            session: id,
+            error: e,
+            fatal: true,
+        };
+        match vs.plan_decode() {
+            Ok(feed) => match self.sched.enqueue_verify(id, feed.tokens.len()) {
+                Ok(()) => *planned = Some(Planned::Decode { feed }),
+                Err(e) => {
+                    events.push(fatal(e.into()));
+                    self.ended.push(id);
+                }
+            },
+            Err(e) => {
+                events.push(fatal(e.into()));
+                self.ended.push(id);
+            }
+        }
+    }
+
+    /// Take a speculation session over (`on`): the verifier verifies none of its blocks and
+    /// decodes every token, as for a cloud-only generation — what a saturated verifier does,
+    /// since a verified position costs it as much as a decoded one. Its edge is told to draft
+    /// nothing (a grant of γ 0) with the next token, and is told its grant again when the session
+    /// is handed back (`!on`). The load control has already marked the session.
+    pub fn set_takeover(&mut self, id: SessionId, on: bool) -> Vec<Event> {
+        let mut events = Vec::new();
+        if let Some(s) = self.sessions.get_mut(&id) {
+            s.ctl.set_cloud(on);
+        }
+        self.proceed(id, &mut events);
+        events
     }
 }

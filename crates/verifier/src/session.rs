@@ -14,12 +14,14 @@ use crate::VerifierError;
 pub enum Event {
     /// A speculation session's prompt is prefilled; `first` is the target's first token.
     Opened { session: SessionId, first: u32 },
-    /// A block's verdict; `drafted` tokens were judged (0 for a verdict decided without compute)
-    /// in a forward over `positions` positions (with an unfed correction or bonus in front).
+    /// A block's verdict: `drafted` tokens past the committed ones were judged and `accepted` of
+    /// them accepted, in a forward over `positions` positions (the last committed token in
+    /// front).
     Verdict {
         session: SessionId,
         verdict: Verdict,
         drafted: usize,
+        accepted: usize,
         positions: usize,
     },
     /// A token of a cloud-only generation.
@@ -36,14 +38,9 @@ pub enum Event {
     },
     /// The session's KV was dropped to make room; it is recomputed before its next verify.
     Preempted { session: SessionId },
-    /// A token of a speculation session the verifier decodes itself, having taken it over
-    /// ([`VerifierCore::set_takeover`](crate::VerifierCore::set_takeover)); `handback`: the last
-    /// one, the edge drafts again from here.
-    Decoded {
-        session: SessionId,
-        decoded: Decoded,
-        handback: bool,
-    },
+    /// A token of a speculation session the verifier decoded itself, in a forward in which the
+    /// session had no block to verify (or, taken over, verifies none).
+    Decoded { session: SessionId, decoded: Decoded },
 }
 
 impl Event {
@@ -59,12 +56,25 @@ impl Event {
     }
 }
 
-/// A speculation session the verifier has taken over: it decodes its tokens itself.
-pub(crate) struct Takeover {
-    /// Hand it back after the next token.
-    pub stop: bool,
-    /// The decode step planned for a forward, and the session as it was before.
-    pub step: Option<(Feed, CloudSession)>,
+/// The forward planned for a speculation session: one chunk per session per forward.
+pub(crate) enum Planned {
+    /// Verify a block's tokens past the committed ones; the session as it was before (the plan
+    /// may have moved nothing yet, but a failed forward puts it back).
+    Verify {
+        block: Block,
+        feed: Feed,
+        before: CloudSession,
+    },
+    /// Decode the session's next token.
+    Decode { feed: Feed },
+}
+
+impl Planned {
+    pub fn feed(&self) -> &Feed {
+        match self {
+            Planned::Verify { feed, .. } | Planned::Decode { feed } => feed,
+        }
+    }
 }
 
 /// Counters of the verifier.
@@ -72,10 +82,14 @@ pub(crate) struct Takeover {
 pub struct VerifierStats {
     /// Forward passes of the target (prefill chunks included).
     pub target_forwards: u64,
-    /// Blocks verified in a forward, decided without one, and dropped as stale.
+    /// Blocks verified in a forward; dropped without one as stale, covered (every token already
+    /// committed, agreeing) or contradicted (one disagrees with a committed token).
     pub blocks_verified: u64,
-    pub blocks_early: u64,
     pub blocks_stale: u64,
+    pub blocks_covered: u64,
+    pub blocks_contradicted: u64,
+    /// Tokens of speculation sessions the verifier decoded itself.
+    pub spec_decoded: u64,
     /// Largest number of sessions in one forward.
     pub max_batch: usize,
     /// Running mean of the tokens per forward (0 once the verifier goes idle): its load.
@@ -100,16 +114,16 @@ pub struct TenantStats {
 // One per session, never moved in bulk: the size difference does not matter.
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Work {
-    /// Speculation: the edge drafts, the verifier verifies (or decodes, having taken it over).
+    /// Speculation: the edge drafts, the verifier verifies its blocks and decodes the session
+    /// itself in every forward it has none to verify (every forward, once taken over).
     Spec {
         rule: VerifyRule,
         /// None until the prompt is prefilled.
         vs: Option<CloudSession>,
+        /// Blocks received, planned in order when the session's next forward is.
         queue: VecDeque<Block>,
-        /// The block planned for a forward, its plan and the session as it was before.
-        inflight: Option<(Block, Feed, CloudSession)>,
-        /// Set while the verifier decodes the session itself.
-        takeover: Option<Takeover>,
+        /// The forward planned for the session (None: nothing to do, or not yet prefilled).
+        planned: Option<Planned>,
         /// Committed tokens (prompt included) at which it ends, and its end-of-generation ids.
         limit: usize,
         eog: Vec<u32>,
@@ -167,17 +181,14 @@ impl<H> Session<H> {
     pub fn state(&self) -> SessionState {
         match &self.work {
             Work::Spec {
-                vs,
-                queue,
-                inflight,
-                ..
+                vs, queue, planned, ..
             } => SessionState {
                 tenant: self.tenant,
                 committed_len: vs.as_ref().map_or(self.prompt_len, |v| v.committed_len()),
                 epoch: vs.as_ref().map_or(0, |v| v.epoch()),
                 verified_positions: vs.as_ref().map_or(0, |v| v.verified_positions),
                 queued_blocks: queue.len(),
-                verifying: inflight.is_some(),
+                verifying: matches!(planned, Some(Planned::Verify { .. })),
                 prefilled: vs.is_some(),
             },
             Work::Generation { next, produced, .. } => SessionState {

@@ -6,7 +6,7 @@ use tandem_sched::{SessionId, StepPlan, WorkKind};
 use tandem_spec::sampling::sample;
 use tandem_spec::{CloudSession, Verdict};
 
-use crate::session::{Event, Takeover, Work};
+use crate::session::{Event, Planned, Work};
 use crate::verifier_core::VerifierCore;
 use crate::{Target, VerifierError};
 
@@ -63,29 +63,15 @@ impl<T: Target, H> VerifierCore<T, H> {
                     };
                     SeqChunk::new(seq, c.start, s.history[c.start..end].to_vec(), wanted)
                 }
-                (
-                    WorkKind::Verify,
-                    Work::Spec {
-                        takeover:
-                            Some(Takeover {
-                                step: Some((p, _)), ..
-                            }),
-                        ..
-                    },
-                ) => {
+                (WorkKind::Verify, Work::Spec { planned, .. }) => {
+                    let p = planned
+                        .as_ref()
+                        .expect("invariant: a planned session has its plan")
+                        .feed();
                     assert_eq!(
                         (p.start_pos, p.tokens.len()),
                         (c.start, c.len),
-                        "invariant: the scheduler's decode step matches the session's plan"
-                    );
-                    SeqChunk::new(seq, c.start, p.tokens.clone(), Wanted::Last)
-                }
-                (WorkKind::Verify, Work::Spec { inflight, .. }) => {
-                    let (_, p, _) = inflight.as_ref().expect("invariant: a verify has a block");
-                    assert_eq!(
-                        (p.start_pos, p.tokens.len()),
-                        (c.start, c.len),
-                        "invariant: the scheduler's verify matches the session's plan"
+                        "invariant: the scheduler's step matches the session's plan"
                     );
                     SeqChunk::new(
                         seq,
@@ -123,7 +109,6 @@ impl<T: Target, H> VerifierCore<T, H> {
     fn fold(&mut self, plan: &StepPlan, logits: &Logits, verify_us: u32, events: &mut Vec<Event>) {
         let mut kv_len = Vec::new();
         let mut follow = Vec::new();
-        let mut takeover_follow = Vec::new();
         let mut enqueue = Vec::new();
         for c in &plan.chunks {
             let id = c.session;
@@ -150,7 +135,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                             *vs = Some(CloudSession::new(
                                 *rule,
                                 s.params,
-                                s.prompt_len,
+                                &s.history[..s.prompt_len],
                                 first,
                                 max_len,
                             ));
@@ -179,85 +164,61 @@ impl<T: Target, H> VerifierCore<T, H> {
                         }
                     }
                 }
-                (
-                    WorkKind::Verify,
-                    Work::Spec {
-                        vs,
-                        takeover: Some(cd),
-                        limit,
-                        eog,
-                        ..
-                    },
-                ) if cd.step.is_some() => {
-                    let (p, _) = cd.step.take().expect("invariant: checked");
+                (WorkKind::Verify, Work::Spec { vs, planned, .. }) => {
                     let vs = vs.as_mut().expect("invariant: prefilled");
-                    let row = logits.last_for(seq).expect("invariant: asked for");
-                    let d = vs.finish_decode(row);
-                    s.history.truncate(p.start_pos);
-                    s.history.extend_from_slice(&p.tokens);
-                    kv_len.push((id, p.start_pos + p.tokens.len()));
-                    let end = eog.contains(&d.token) || vs.committed_len() >= *limit;
-                    let handback = cd.stop && !end;
-                    events.push(Event::Decoded {
-                        session: id,
-                        decoded: d,
-                        handback,
-                    });
-                    if let (true, Work::Spec { takeover, .. }) = (handback, &mut s.work) {
-                        *takeover = None;
-                        follow.push(id);
-                    } else if !end {
-                        takeover_follow.push(id);
-                    }
-                }
-                (
-                    WorkKind::Verify,
-                    Work::Spec {
-                        vs,
-                        inflight,
-                        takeover,
-                        ..
-                    },
-                ) => {
-                    let taken_over = takeover.is_some();
-                    let (b, p, before) = inflight.take().expect("invariant: planned");
-                    let vs = vs.as_mut().expect("invariant: prefilled");
-                    let rows: Vec<&[f32]> = logits.for_seq(seq).map(|(_, r)| r).collect();
-                    self.stats.blocks_verified += 1;
-                    match vs.finish(&b, &rows) {
-                        Ok(f) => {
-                            s.history.truncate(p.start_pos);
-                            s.history.extend_from_slice(&p.tokens);
-                            s.history.truncate(f.kv_len);
-                            kv_len.push((id, f.kv_len));
-                            stats.verified_positions += b.tokens.len() as u64;
-                            stats.drafted += b.tokens.len() as u64;
-                            stats.accepted += f.verdict.accepted.min(b.tokens.len()) as u64;
-                            events.push(Event::Verdict {
+                    match planned.take().expect("invariant: planned") {
+                        Planned::Decode { feed } => {
+                            let row = logits.last_for(seq).expect("invariant: asked for");
+                            let decoded = vs.finish_decode(row);
+                            s.history.truncate(feed.start_pos);
+                            s.history.extend_from_slice(&feed.tokens);
+                            kv_len.push((id, feed.start_pos + feed.tokens.len()));
+                            self.stats.spec_decoded += 1;
+                            events.push(Event::Decoded {
                                 session: id,
-                                verdict: Verdict {
-                                    verify_us,
-                                    ..f.verdict
-                                },
-                                drafted: b.tokens.len(),
-                                positions: p.tokens.len(),
+                                decoded,
                             });
                         }
-                        Err(e) => {
-                            *vs = before;
-                            kv_len.push((id, c.start));
-                            events.push(Event::Error {
-                                session: id,
-                                error: e.into(),
-                                fatal: false,
-                            });
+                        Planned::Verify {
+                            block: b,
+                            feed: p,
+                            before,
+                        } => {
+                            let rows: Vec<&[f32]> = logits.for_seq(seq).map(|(_, r)| r).collect();
+                            self.stats.blocks_verified += 1;
+                            match vs.finish(&b, &rows) {
+                                Ok(f) => {
+                                    s.history.truncate(p.start_pos);
+                                    s.history.extend_from_slice(&p.tokens);
+                                    s.history.truncate(f.kv_len);
+                                    kv_len.push((id, f.kv_len));
+                                    stats.verified_positions += f.judged as u64;
+                                    stats.drafted += f.judged as u64;
+                                    stats.accepted += f.accepted as u64;
+                                    events.push(Event::Verdict {
+                                        session: id,
+                                        verdict: Verdict {
+                                            verify_us,
+                                            ..f.verdict
+                                        },
+                                        drafted: f.judged,
+                                        accepted: f.accepted,
+                                        positions: p.tokens.len(),
+                                    });
+                                }
+                                Err(e) => {
+                                    *vs = before;
+                                    kv_len.push((id, c.start));
+                                    events.push(Event::Error {
+                                        session: id,
+                                        error: e.into(),
+                                        fatal: false,
+                                    });
+                                }
+                            }
                         }
                     }
-                    if taken_over {
-                        takeover_follow.push(id);
-                    } else {
-                        follow.push(id);
-                    }
+                    follow.push(id);
                 }
                 (
                     WorkKind::Verify,
@@ -289,7 +250,7 @@ impl<T: Target, H> VerifierCore<T, H> {
             }
         }
         self.sched.update(plan, &kv_len);
-        for id in follow.into_iter().chain(takeover_follow) {
+        for id in follow {
             self.proceed(id, events);
         }
         for id in enqueue {
@@ -305,15 +266,15 @@ impl<T: Target, H> VerifierCore<T, H> {
         }
     }
 
-    /// The engine refused the batch: nothing was computed. Verify blocks are put back as they
-    /// were and refused; a taken-over session's decode step is planned again; cloud-only
-    /// generations end with the error.
+    /// The engine refused the batch: nothing was computed. A speculation session is put back as
+    /// it was (its block queued again, first) and planned again; cloud-only generations end with
+    /// the error.
     fn failed(&mut self, plan: &StepPlan, e: EngineError, events: &mut Vec<Event>) {
         let msg = e.to_string();
         let kv_len: Vec<(SessionId, usize)> =
             plan.chunks.iter().map(|c| (c.session, c.start)).collect();
         self.sched.update(plan, &kv_len);
-        let (mut follow, mut takeover_follow) = (Vec::new(), Vec::new());
+        let mut follow = Vec::new();
         for c in &plan.chunks {
             let Some(s) = self.sessions.get_mut(&c.session) else {
                 continue;
@@ -321,25 +282,16 @@ impl<T: Target, H> VerifierCore<T, H> {
             let error = VerifierError::Engine(msg.clone());
             match &mut s.work {
                 Work::Spec {
-                    vs: Some(vs),
-                    takeover: Some(cd),
-                    ..
-                } if c.kind == WorkKind::Verify && cd.step.is_some() => {
-                    // Decoded again next turn.
-                    if let Some((_, before)) = cd.step.take() {
-                        *vs = before;
+                    vs, planned, queue, ..
+                } if c.kind == WorkKind::Verify => {
+                    // The block goes back to the front of the queue, planned again (rebased) with
+                    // the session's next forward; a decode step is planned again.
+                    if let Some(Planned::Verify { block, before, .. }) = planned.take() {
+                        if let Some(vs) = vs.as_mut() {
+                            *vs = before;
+                        }
+                        queue.push_front(block);
                     }
-                    takeover_follow.push(c.session);
-                }
-                Work::Spec { vs, inflight, .. } if c.kind == WorkKind::Verify => {
-                    if let (Some(vs), Some((_, _, before))) = (vs.as_mut(), inflight.take()) {
-                        *vs = before;
-                    }
-                    events.push(Event::Error {
-                        session: c.session,
-                        error,
-                        fatal: false,
-                    });
                     follow.push(c.session);
                 }
                 Work::Generation { .. } => {
@@ -353,7 +305,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                 Work::Spec { .. } => {} // its prefill chunk is planned again
             }
         }
-        for id in follow.into_iter().chain(takeover_follow) {
+        for id in follow {
             self.proceed(id, events);
         }
     }

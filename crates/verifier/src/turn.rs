@@ -298,11 +298,12 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
             Event::Verdict {
                 mut verdict,
                 drafted,
+                accepted,
                 positions,
                 ..
             } => {
                 self.control
-                    .on_verdict(&mut s.ctl, &mut verdict, drafted, at_ms);
+                    .on_verdict(&mut s.ctl, &mut verdict, drafted, accepted, at_ms);
                 // Blocks before this one were answered or went stale.
                 while let Some(&(b, t)) = s.meter.arrivals.front() {
                     if b > verdict.block {
@@ -315,7 +316,6 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                         });
                     }
                 }
-                let accepted = verdict.accepted.min(drafted);
                 if drafted > 0 {
                     obs.push(Observation::Verified {
                         tenant: s.tenant,
@@ -335,12 +335,8 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 }
                 ToEdge::Token { token, done }
             }
-            Event::Decoded {
-                mut decoded,
-                handback,
-                ..
-            } => {
-                self.control.on_decoded(&mut s.ctl, handback, &mut decoded);
+            Event::Decoded { mut decoded, .. } => {
+                self.control.on_decoded(&mut s.ctl, &mut decoded, at_ms);
                 obs.extend(inter_token(&mut s.meter, at, 1));
                 ToEdge::Decoded(decoded)
             }

@@ -233,8 +233,7 @@ impl<T: Target, H> VerifierCore<T, H> {
             rule,
             vs: None,
             queue: VecDeque::new(),
-            inflight: None,
-            takeover: None,
+            planned: None,
             limit: prompt_len + max_tokens.max(1),
             eog,
         }

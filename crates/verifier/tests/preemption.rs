@@ -9,7 +9,7 @@ use tandem_engine::testing::{tiny_file, TinySpec};
 use tandem_engine::{Engine, EngineConfig, LlamaModel, WeightMode};
 use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::SamplingParams;
-use tandem_spec::{Block, VerifyRule};
+use tandem_spec::{Next, Output, Pipeline, PipelineConfig, VerifyRule};
 use tandem_verifier::{Event, VerifierConfig, VerifierCore};
 
 const BLOCK: usize = 4;
@@ -97,49 +97,14 @@ fn preempted_generations_resume_identically() {
     assert_eq!(v.scheduler().pool().num_free(), 12);
 }
 
-/// A synchronous edge that drafts the target's own continuation, except at the positions it is
-/// told to get wrong; returns the committed tokens after the prompt.
-struct Edge {
-    session: u64,
-    want: Vec<u32>,
-    wrong_every: usize,
-    committed: Vec<u32>,
-    epoch: u64,
-    index: u64,
-    waiting: bool,
-}
-
-impl Edge {
-    /// The block it drafts after what it has committed: up to 3 tokens, every `wrong_every`-th
-    /// position wrong.
-    fn drafted(&self) -> Vec<u32> {
-        let at = self.committed.len();
-        (at..(at + 3).min(self.want.len()))
-            .map(|p| {
-                if (p + self.session as usize).is_multiple_of(self.wrong_every) {
-                    (self.want[p] + 1) % 90
-                } else {
-                    self.want[p]
-                }
-            })
-            .collect()
-    }
-
-    fn block(&mut self, prompt_len: usize) -> Option<Block> {
-        if self.waiting || self.committed.len() >= self.want.len() {
-            return None;
-        }
-        let at = self.committed.len();
-        let tokens = self.drafted();
-        self.waiting = true;
-        self.index += 1;
-        Some(Block {
-            epoch: self.epoch,
-            index: tandem_spec::BlockId(self.index),
-            start_pos: prompt_len + at,
-            tokens,
-            q: vec![],
-        })
+/// The edge's token at output position `k` of session `i`: the target's, except every
+/// `wrong_every`-th.
+fn drafted(want: &[u32], i: u64, k: usize, wrong_every: usize) -> u32 {
+    let t = want.get(k).copied().unwrap_or(0);
+    if (k + i as usize).is_multiple_of(wrong_every) {
+        (t + 1) % 90
+    } else {
+        t
     }
 }
 
@@ -149,19 +114,10 @@ fn preempted_speculation_sessions_resume_identically() {
     let n = 24;
     let mut reference = verifier(&m, 64, 64);
     let want = generate(&mut reference, 4, n);
-    // Four sessions of 10 + 24 tokens in a pool of 14 blocks (56 token slots).
+    // Four sessions of 10 + 24 tokens in a pool of 14 blocks (56 token slots), each driven by the
+    // real edge pipeline: blocks of 3, one in flight, drafts wrong every few positions.
     let mut v = verifier(&m, 14, 32);
-    let mut edges: Vec<Edge> = (0..4)
-        .map(|i| Edge {
-            session: i,
-            want: want[&i].clone(),
-            wrong_every: 3 + i as usize,
-            committed: Vec::new(),
-            epoch: 0,
-            index: 0,
-            waiting: true,
-        })
-        .collect();
+    let mut edges: Vec<Option<Pipeline>> = (0..4).map(|_| None).collect();
     for i in 0..4 {
         v.open(
             SessionId(i),
@@ -174,12 +130,27 @@ fn preempted_speculation_sessions_resume_identically() {
         )
         .unwrap();
     }
-    let mut verdicts = 0;
+    let cfg = PipelineConfig {
+        draft_len: 3,
+        depth: 1,
+        max_new_tokens: n,
+    };
+    let (mut verdicts, mut decoded) = (0, 0);
     for clock in 0..10_000u64 {
         let mut events = Vec::new();
-        for e in edges.iter_mut() {
-            if let Some(b) = e.block(10) {
-                events.extend(v.draft(SessionId(e.session), b));
+        for (i, e) in edges.iter_mut().enumerate() {
+            let Some(p) = e.as_mut() else { continue };
+            while p.next() == Next::Draft {
+                let k = p.tokens().len() - 10;
+                let t = drafted(&want[&(i as u64)], i as u64, k, 3 + i);
+                for o in p.on_drafted(t, None) {
+                    if let Output::Send(b) = o {
+                        events.extend(v.draft(SessionId(i as u64), b));
+                    }
+                }
+            }
+            if p.next() == Next::Done {
+                v.close(SessionId(i as u64));
             }
         }
         if !v.has_work() && events.is_empty() {
@@ -189,48 +160,43 @@ fn preempted_speculation_sessions_resume_identically() {
         // 10 ms per iteration: an edge that is done goes idle and gives its KV away after 500 ms.
         events.extend(v.step(clock * 10));
         for ev in events {
-            match ev {
-                Event::Opened { session, first } => {
-                    let e = &mut edges[session.0 as usize];
-                    e.committed.push(first);
-                    e.waiting = false;
+            let i = ev.session().0 as usize;
+            let got = match ev {
+                Event::Opened { first, .. } => {
+                    edges[i] = Some(
+                        Pipeline::with_first(prompt(i as u64), first, cfg, vec![])
+                            .unwrap()
+                            .0,
+                    );
+                    Ok(Vec::new())
                 }
-                Event::Verdict {
-                    session, verdict, ..
-                } => {
+                Event::Verdict { verdict, .. } => {
                     verdicts += 1;
-                    let e = &mut edges[session.0 as usize];
-                    let drafted = e.drafted();
-                    e.committed
-                        .extend_from_slice(&drafted[..verdict.accepted.min(drafted.len())]);
-                    e.committed.push(verdict.token);
-                    if verdict.accepted < drafted.len() {
-                        e.epoch += 1;
-                    }
-                    e.waiting = false;
+                    edges[i].as_mut().unwrap().on_verdict(verdict)
                 }
-                Event::Preempted { .. } => {}
+                Event::Decoded { decoded: d, .. } => {
+                    decoded += 1;
+                    edges[i].as_mut().unwrap().on_decoded(d)
+                }
+                Event::Preempted { .. } => Ok(Vec::new()),
                 other => panic!("unexpected {other:?}"),
+            };
+            for o in got.unwrap() {
+                if let Output::Send(b) = o {
+                    assert!(v.draft(SessionId(i as u64), b).is_empty());
+                }
             }
         }
     }
     let s = v.scheduler().stats();
     println!(
-        "{verdicts} verdicts, preemptions {}, {:?}",
+        "{verdicts} verdicts, {decoded} decoded, preemptions {}, {:?}",
         s.preemptions, v.stats
     );
-    for e in &edges {
-        println!(
-            "edge {}: {} committed, waiting {}, {:?}",
-            e.session,
-            e.committed.len(),
-            e.waiting,
-            v.session(SessionId(e.session))
-        );
-    }
     assert!(s.preemptions > 0, "the pool must be too small for all four");
-    for e in &edges {
-        assert!(e.committed.len() >= n, "session {} stalled", e.session);
-        assert_eq!(e.committed[..n], e.want[..], "session {}", e.session);
+    assert!(verdicts > 0 && decoded > 0, "both paths ran");
+    for (i, e) in edges.iter().enumerate() {
+        let p = e.as_ref().expect("opened");
+        assert_eq!(p.output(), &want[&(i as u64)][..], "session {i}");
     }
 }
