@@ -25,7 +25,7 @@ use tandem_engine::{
 use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::sampling::{distribution, sample, uniform};
-use tandem_spec::{Block, PipelineStats, Verdict, VerifyRule};
+use tandem_spec::{Block, PipelineStats, VerifyRule};
 use tandem_verifier::{Event, VerifierConfig, VerifierCore};
 
 const VOCAB: usize = 24;
@@ -185,18 +185,31 @@ fn dense(logits: &[f32], params: &SamplingParams) -> Vec<f64> {
 struct Local<'a> {
     verifier: &'a mut VerifierCore,
     session: u64,
+    /// Blocks reach the verifier only after its next forward (which decodes a token when it has
+    /// no block): they land behind it, to be rebased.
     lazy: bool,
     blocks: VecDeque<Block>,
-    verdicts: VecDeque<Verdict>,
+    inbox: VecDeque<tandem_spec::Incoming>,
 }
 
 impl Local<'_> {
-    fn verify(&mut self, block: Block) -> Result<(), EdgeError> {
-        let mut events = self.verifier.draft(SessionId(self.session), block);
-        events.extend(self.verifier.run_until_idle(0));
+    fn deliver(&mut self) -> Result<(), EdgeError> {
+        while let Some(b) = self.blocks.pop_front() {
+            let e = self.verifier.draft(SessionId(self.session), b);
+            self.absorb(e)?;
+        }
+        Ok(())
+    }
+
+    fn absorb(&mut self, events: Vec<Event>) -> Result<(), EdgeError> {
         for e in events {
             match e {
-                Event::Verdict { verdict, .. } => self.verdicts.push_back(verdict),
+                Event::Verdict { verdict, .. } => {
+                    self.inbox.push_back(tandem_spec::Incoming::Verdict(verdict))
+                }
+                Event::Decoded { decoded, .. } => {
+                    self.inbox.push_back(tandem_spec::Incoming::Decoded(decoded))
+                }
                 Event::Error { error, .. } => return Err(EdgeError::Refused(error.to_string())),
                 other => panic!("unexpected {other:?}"),
             }
@@ -207,25 +220,21 @@ impl Local<'_> {
 
 impl Link for Local<'_> {
     fn send(&mut self, block: Block) -> Result<(), EdgeError> {
+        self.blocks.push_back(block);
         if self.lazy {
-            self.blocks.push_back(block);
             Ok(())
         } else {
-            self.verify(block)
+            self.deliver()
         }
     }
 
     fn recv(&mut self, wait: bool) -> Result<Option<tandem_spec::Incoming>, EdgeError> {
-        while wait && self.verdicts.is_empty() {
-            let Some(b) = self.blocks.pop_front() else {
-                break;
-            };
-            self.verify(b)?;
+        while wait && self.inbox.is_empty() && self.verifier.has_work() {
+            let e = self.verifier.step(0);
+            self.absorb(e)?;
+            self.deliver()?;
         }
-        Ok(self
-            .verdicts
-            .pop_front()
-            .map(tandem_spec::Incoming::Verdict))
+        Ok(self.inbox.pop_front())
     }
 }
 
@@ -368,7 +377,8 @@ fn committed_counts(
                 vec![],
             )
             .unwrap();
-        let first = match verifier.run_until_idle(0).as_slice() {
+        // One forward prefills the prompt (and plans the first decode).
+        let first = match verifier.step(0).as_slice() {
             [Event::Opened { first, .. }] => *first,
             other => panic!("expected the session to open: {other:?}"),
         };
@@ -377,7 +387,7 @@ fn committed_counts(
             session: run,
             lazy: case.lazy,
             blocks: VecDeque::new(),
-            verdicts: VecDeque::new(),
+            inbox: VecDeque::new(),
         };
         let report = tandem_edge::run(
             draft,
@@ -425,14 +435,17 @@ fn check(rule: VerifyRule) {
         let before = verifier.stats;
         let (counts, stats) =
             committed_counts(rule, (ix, case), &target, &mut verifier, &mut draft);
-        let (early, verified) = (
-            verifier.stats.blocks_early - before.blocks_early,
+        let (early, verified, decoded) = (
+            verifier.stats.blocks_covered + verifier.stats.blocks_contradicted
+                - before.blocks_covered
+                - before.blocks_contradicted,
             verifier.stats.blocks_verified - before.blocks_verified,
+            verifier.stats.spec_decoded - before.spec_decoded,
         );
         println!(
             "{rule:?}, {}: {} drafted, {} accepted, {} rejections (acceptance {:.3}), \
              {} stale blocks, {} stale verdicts; the verifier: {verified} blocks verified, \
-             {early} decided early",
+             {early} matched without a forward, {decoded} tokens decoded",
             case.name,
             stats.drafted,
             stats.accepted,

@@ -1,7 +1,8 @@
-//! A saturated verifier takes a speculation session over — decodes it itself, streaming tokens —
-//! and later hands it back; the real edge runtime follows along (stale blocks dropped, drafting
-//! paused and resumed) and commits exactly the target's greedy output. Tiny random model, real
-//! verifier and scheduler, real pipeline.
+//! A saturated verifier takes a speculation session over — grants it γ 0 and decodes every token
+//! itself, verifying none of its blocks — and later hands it back; the real edge runtime follows
+//! along (drafting paused and resumed, blocks in flight matched against the decoded tokens) and
+//! commits exactly the target's greedy output. Tiny random model, real verifier and scheduler,
+//! real pipeline.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -47,6 +48,9 @@ struct Local {
     taken: bool,
     giving: bool,
     handed_back: bool,
+    /// The grant to tell with the next decoded token.
+    tell: Option<tandem_spec::Shape>,
+    decoded_at_takeover: usize,
 }
 
 impl Local {
@@ -57,14 +61,12 @@ impl Local {
                     self.verdicts += 1;
                     self.inbox.push_back(Incoming::Verdict(verdict));
                 }
-                Event::Decoded {
-                    mut decoded,
-                    handback,
-                    ..
-                } => {
+                Event::Decoded { mut decoded, .. } => {
                     self.decoded += 1;
-                    if handback {
-                        decoded.resume = Some(tandem_spec::Shape::new(3, 2));
+                    // The grant the core's turn would attach: γ 0 once taken over, the grant
+                    // again once handed back.
+                    decoded.grant = self.tell.take();
+                    if decoded.grant.is_some_and(|g| g.draft_len > 0) {
                         self.handed_back = true;
                     }
                     self.inbox.push_back(Incoming::Decoded(decoded));
@@ -75,11 +77,17 @@ impl Local {
         }
         if !self.taken && self.verdicts >= self.take_after {
             self.taken = true;
+            self.tell = Some(tandem_spec::Shape::new(0, 1));
+            self.decoded_at_takeover = self.decoded;
             let e = self.v.set_takeover(SessionId(SESSION), true);
             self.absorb(e)?;
         }
-        if self.taken && !self.giving && self.decoded >= self.give_after {
+        if self.taken
+            && !self.giving
+            && self.decoded >= self.decoded_at_takeover + self.give_after
+        {
             self.giving = true;
+            self.tell = Some(tandem_spec::Shape::new(3, 2));
             let e = self.v.set_takeover(SessionId(SESSION), false);
             self.absorb(e)?;
         }
@@ -138,8 +146,9 @@ fn a_session_taken_over_and_handed_back_is_the_targets() {
             vec![],
         )
         .unwrap();
+        // One forward prefills the prompt (and plans the first decode).
         let first = v
-            .run_until_idle(0)
+            .step(0)
             .into_iter()
             .find_map(|e| match e {
                 Event::Opened { first, .. } => Some(first),
@@ -156,6 +165,8 @@ fn a_session_taken_over_and_handed_back_is_the_targets() {
             taken: false,
             giving: false,
             handed_back: false,
+            tell: None,
+            decoded_at_takeover: 0,
         };
         let cfg = SpecConfig {
             session: tandem_spec::edge::SessionConfig {

@@ -6,7 +6,7 @@ pub mod v1 {
 }
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{Block, BlockId, Decoded, Shape, Verdict, VerifyRule};
@@ -164,8 +164,7 @@ impl From<v1::Verdict> for Verdict {
             accepted: v.accepted as usize,
             token: v.token,
             verify_us: v.verify_us,
-            grant: (v.grant_draft_len > 0 && v.grant_depth > 0)
-                .then_some(Shape::new(v.grant_draft_len, v.grant_depth)),
+            grant: (v.grant_depth > 0).then_some(Shape::new(v.grant_draft_len, v.grant_depth)),
         }
     }
 }
@@ -176,8 +175,8 @@ impl From<Decoded> for v1::Decoded {
             epoch: d.epoch,
             position: d.pos as u64,
             token: d.token,
-            resume_draft_len: d.resume.map_or(0, |r| r.draft_len),
-            resume_depth: d.resume.map_or(0, |r| r.depth),
+            grant_draft_len: d.grant.map_or(0, |g| g.draft_len),
+            grant_depth: d.grant.map_or(0, |g| g.depth.max(1)),
         }
     }
 }
@@ -188,8 +187,7 @@ impl From<v1::Decoded> for Decoded {
             epoch: d.epoch,
             pos: d.position as usize,
             token: d.token,
-            resume: (d.resume_draft_len > 0)
-                .then_some(Shape::new(d.resume_draft_len, d.resume_depth.max(1))),
+            grant: (d.grant_depth > 0).then_some(Shape::new(d.grant_draft_len, d.grant_depth)),
         }
     }
 }

@@ -441,6 +441,33 @@ impl Scheduler {
     /// A verify block of `len` tokens arrived for `id` (to be computed whole, after what is known).
     /// Refused when it exceeds the token budget or the session could never hold it.
     pub fn enqueue_verify(&mut self, id: SessionId, len: usize) -> Result<(), SchedError> {
+        self.room_for_verify(id, len, false)?;
+        let it = self.iteration;
+        let s = self
+            .sessions
+            .get_mut(&id)
+            .ok_or(SchedError::UnknownSession(id))?;
+        s.verifies.push_back((len, it));
+        s.last_active = it;
+        Ok(())
+    }
+
+    /// Replace `id`'s last queued verify (not yet planned) with one of `len` tokens, keeping its
+    /// place: a speculation session's decode step becomes a block's verify when the block
+    /// arrives before the step runs. Refused like [`enqueue_verify`](Self::enqueue_verify), and
+    /// with `UnknownSession` when nothing is queued; nothing changes when refused.
+    pub fn replace_verify(&mut self, id: SessionId, len: usize) -> Result<(), SchedError> {
+        self.room_for_verify(id, len, true)?;
+        if let Some(v) = self.sessions.get_mut(&id).and_then(|s| s.verifies.back_mut()) {
+            v.0 = len;
+        }
+        Ok(())
+    }
+
+    /// Refuse a verify of `len` tokens that could never be computed: larger than the budget, or
+    /// more KV than the session's tenant may hold (with its queued verifies, the last one
+    /// `replaced`).
+    fn room_for_verify(&self, id: SessionId, len: usize, replaced: bool) -> Result<(), SchedError> {
         if len > self.cfg.token_budget {
             return Err(SchedError::BlockTooLarge {
                 len,
@@ -451,7 +478,10 @@ impl Scheduler {
             .sessions
             .get(&id)
             .ok_or(SchedError::UnknownSession(id))?;
-        let queued: usize = s.verifies.iter().map(|v| v.0).sum();
+        let mut queued: usize = s.verifies.iter().map(|v| v.0).sum();
+        if replaced {
+            queued -= s.verifies.back().ok_or(SchedError::UnknownSession(id))?.0;
+        }
         let tokens = s.known + queued + len;
         let (needed, capacity) = (self.pool.blocks_for(tokens), self.block_capacity(s.tenant));
         if needed > capacity {
@@ -461,13 +491,6 @@ impl Scheduler {
                 capacity,
             });
         }
-        let it = self.iteration;
-        let s = self
-            .sessions
-            .get_mut(&id)
-            .ok_or(SchedError::UnknownSession(id))?;
-        s.verifies.push_back((len, it));
-        s.last_active = it;
         Ok(())
     }
 

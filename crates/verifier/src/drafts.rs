@@ -49,10 +49,11 @@ impl<T: Target, H> VerifierCore<T, H> {
         events
     }
 
-    /// Plan `id`'s next forward unless one is planned: blocks that need no forward are dropped on
-    /// the way (stale, covered, contradicted — none is answered), the oldest that needs one is
-    /// verified, and with none (or when the session is taken over) its next token is decoded. A
-    /// session that reached its limit or end-of-generation token plans nothing more.
+    /// Plan `id`'s next forward: blocks that need no forward are dropped on the way (stale,
+    /// covered, contradicted — none is answered), the oldest that needs one is verified, and with
+    /// none (or when the session is taken over) its next token is decoded. A decode step already
+    /// planned (not yet run) becomes the verify when a usable block has come; a planned verify
+    /// stands. A session that reached its limit or end-of-generation token plans nothing more.
     pub(crate) fn proceed(&mut self, id: SessionId, events: &mut Vec<Event>) {
         let budget = self.sched.config().token_budget;
         let Some(s) = self.sessions.get_mut(&id) else {
@@ -62,13 +63,19 @@ impl<T: Target, H> VerifierCore<T, H> {
         let Work::Spec {
             vs: Some(vs),
             queue,
-            planned: planned @ None,
+            planned,
             limit,
             eog,
             ..
         } = &mut s.work
         else {
             return;
+        };
+        // A decode step not yet run becomes a block's verify when a usable block is queued.
+        let upgrade = match planned {
+            None => false,
+            Some(Planned::Decode { .. }) => true,
+            Some(Planned::Verify { .. }) => return,
         };
         if vs.committed_len() >= *limit || vs.committed().last().is_some_and(|t| eog.contains(t)) {
             return; // the edge has every token it asked for and closes
@@ -93,6 +100,10 @@ impl<T: Target, H> VerifierCore<T, H> {
                             "draft.tokens: a block of {} tokens exceeds the verifier's token budget {budget}",
                             b.tokens.len()
                         )))
+                    } else if upgrade {
+                        self.sched
+                            .replace_verify(id, feed.tokens.len())
+                            .map_err(VerifierError::from)
                     } else {
                         self.sched
                             .enqueue_verify(id, feed.tokens.len())
@@ -124,6 +135,9 @@ impl<T: Target, H> VerifierCore<T, H> {
                 }
             }
             queue.pop_front();
+        }
+        if upgrade {
+            return; // the decode step stands
         }
         let fatal = |e: VerifierError| Event::Error {
             session: id,

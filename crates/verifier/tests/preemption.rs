@@ -194,7 +194,7 @@ fn preempted_speculation_sessions_resume_identically() {
         s.preemptions, v.stats
     );
     assert!(s.preemptions > 0, "the pool must be too small for all four");
-    assert!(verdicts > 0 && decoded > 0, "both paths ran");
+    assert!(verdicts > 0, "blocks were verified");
     for (i, e) in edges.iter().enumerate() {
         let p = e.as_ref().expect("opened");
         assert_eq!(p.output(), &want[&(i as u64)][..], "session {i}");
