@@ -204,12 +204,12 @@ impl Local<'_> {
     fn absorb(&mut self, events: Vec<Event>) -> Result<(), EdgeError> {
         for e in events {
             match e {
-                Event::Verdict { verdict, .. } => {
-                    self.inbox.push_back(tandem_spec::Incoming::Verdict(verdict))
-                }
-                Event::Decoded { decoded, .. } => {
-                    self.inbox.push_back(tandem_spec::Incoming::Decoded(decoded))
-                }
+                Event::Verdict { verdict, .. } => self
+                    .inbox
+                    .push_back(tandem_spec::Incoming::Verdict(verdict)),
+                Event::Decoded { decoded, .. } => self
+                    .inbox
+                    .push_back(tandem_spec::Incoming::Decoded(decoded)),
                 Event::Error { error, .. } => return Err(EdgeError::Refused(error.to_string())),
                 other => panic!("unexpected {other:?}"),
             }

@@ -82,9 +82,7 @@ impl Local {
             let e = self.v.set_takeover(SessionId(SESSION), true);
             self.absorb(e)?;
         }
-        if self.taken
-            && !self.giving
-            && self.decoded >= self.decoded_at_takeover + self.give_after
+        if self.taken && !self.giving && self.decoded >= self.decoded_at_takeover + self.give_after
         {
             self.giving = true;
             self.tell = Some(tandem_spec::Shape::new(3, 2));

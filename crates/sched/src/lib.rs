@@ -458,7 +458,11 @@ impl Scheduler {
     /// with `UnknownSession` when nothing is queued; nothing changes when refused.
     pub fn replace_verify(&mut self, id: SessionId, len: usize) -> Result<(), SchedError> {
         self.room_for_verify(id, len, true)?;
-        if let Some(v) = self.sessions.get_mut(&id).and_then(|s| s.verifies.back_mut()) {
+        if let Some(v) = self
+            .sessions
+            .get_mut(&id)
+            .and_then(|s| s.verifies.back_mut())
+        {
             v.0 = len;
         }
         Ok(())

@@ -78,6 +78,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow, SimError> {
         last_arrival: HashMap::new(),
         drafted: 0,
         accepted: 0,
+        judged: 0,
         done_sessions: Vec::new(),
         events: 0,
     };
@@ -149,7 +150,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow, SimError> {
             r2(decoded as f64 / committed.max(1) as f64)
         },
         takeovers,
-        acceptance: r2(sim.accepted as f64 / sim.drafted.max(1) as f64),
+        acceptance: r2(sim.accepted as f64 / sim.judged.max(1) as f64),
         predicted_itl_ms: r2(pred.itl_ms),
         predicted_tokens_per_s: r2(pred.tokens_per_s * (cfg.users as f64 / per as f64)),
         predicted_ttft_ms: r2(pred.ttft_ms),

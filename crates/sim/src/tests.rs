@@ -30,18 +30,29 @@ mod runs {
     }
 
     #[test]
-    fn the_simulation_is_lossless_and_agrees_with_the_model_when_prompts_are_short() {
+    fn the_simulation_is_lossless_and_speculation_never_commits_less_than_cloud_only() {
         for users in [1, 4, 16, 64] {
-            for gamma in [0, 4] {
-                let r = simulate(&cfg(users, gamma)).unwrap();
+            let cloud = simulate(&cfg(users, 0)).unwrap();
+            // As `cloud serve` runs by default: grants follow the load.
+            let spec = simulate(&SimConfig {
+                adaptive: true,
+                ..cfg(users, 4)
+            })
+            .unwrap();
+            println!("{users} users: cloud-only {cloud:?}\n  speculation {spec:?}");
+            for r in [&cloud, &spec] {
                 assert_eq!((r.wrong_tokens, r.protocol_errors), (0, 0), "{r:?}");
                 assert!(r.tokens_per_s > 0.0 && r.forwards > 0, "{r:?}");
-                let ratio = r.tokens_per_s / r.predicted_tokens_per_s;
-                assert!(
-                    (0.85..1.15).contains(&ratio),
-                    "{users} users, γ {gamma}: {r:?}"
-                );
             }
+            // The model of cloud-only decoding agrees with the simulation.
+            let ratio = cloud.tokens_per_s / cloud.predicted_tokens_per_s;
+            assert!((0.85..1.15).contains(&ratio), "{users} users: {cloud:?}");
+            // The verifier decodes a speculation session whenever it has no block to verify, so
+            // speculation commits at least what cloud-only does (within the simulation's noise).
+            assert!(
+                spec.tokens_per_s >= 0.97 * cloud.tokens_per_s,
+                "{users} users: {spec:?} against {cloud:?}"
+            );
         }
     }
 
@@ -172,7 +183,12 @@ mod adaptive {
             adaptive.takeovers > 0 && adaptive.cloud_decoded_share > 0.8,
             "{adaptive:?}"
         );
-        assert_eq!(fixed.cloud_decoded_share, 0.0, "{fixed:?}");
+        // Held to its shape, a session is still decoded by the verifier whenever it has no block
+        // to verify.
+        assert!(
+            fixed.cloud_decoded_share > 0.0 && fixed.takeovers == 0,
+            "{fixed:?}"
+        );
         assert!(
             adaptive.tokens_per_s > fixed.tokens_per_s,
             "{adaptive:?} vs {fixed:?}"

@@ -111,6 +111,8 @@ pub(crate) struct Sim {
     pub(crate) last_arrival: HashMap<(u64, bool), u64>,
     pub(crate) drafted: u64,
     pub(crate) accepted: u64,
+    /// Positions where a drafted token met the committed one (agreeing or not).
+    pub(crate) judged: u64,
     pub(crate) done_sessions: Vec<Session>,
     pub(crate) events: u64,
 }
@@ -490,6 +492,7 @@ impl Sim {
             Next::Done => {
                 let st = *p.stats();
                 self.accepted += st.accepted as u64;
+                self.judged += (st.accepted + st.rejections) as u64;
                 self.finish(sid);
             }
         }

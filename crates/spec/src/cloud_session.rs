@@ -277,11 +277,11 @@ impl CloudSession {
         let epoch = self.epoch;
         let mut accepted = 0;
         let mut correction = None;
-        for i in 0..m {
+        for (i, row) in rows[..m].iter().enumerate() {
             let pos = (c + i) as u64;
             match judge(
                 self.rule,
-                rows[i],
+                row,
                 &self.params,
                 pos,
                 b.tokens[known + i],
@@ -295,7 +295,8 @@ impl CloudSession {
             }
         }
         self.verified_positions += m as u64;
-        self.committed.extend_from_slice(&b.tokens[known..known + accepted]);
+        self.committed
+            .extend_from_slice(&b.tokens[known..known + accepted]);
         let token = match correction {
             Some(t) => {
                 self.epoch += 1;
@@ -433,7 +434,10 @@ mod tests {
         let e = s.check(&block(0, 0, 3, &[7])).unwrap_err().to_string();
         assert!(e.contains("inside the prompt"), "{e}");
         let e = s.plan_block(&block(0, 0, 9, &[7])).unwrap_err().to_string();
-        assert!(e.contains("starts at position 9, beyond the 4 committed"), "{e}");
+        assert!(
+            e.contains("starts at position 9, beyond the 4 committed"),
+            "{e}"
+        );
         let e = s.check(&block(0, 0, 4, &[])).unwrap_err().to_string();
         assert!(e.contains("no tokens"), "{e}");
         let short = CloudSession::new(
@@ -443,7 +447,10 @@ mod tests {
             7,
             5,
         );
-        let e = short.check(&block(0, 0, 4, &[7, 1, 2])).unwrap_err().to_string();
+        let e = short
+            .check(&block(0, 0, 4, &[7, 1, 2]))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("beyond the context limit 5"), "{e}");
         s.accept_index(&block(0, 4, 4, &[7])).unwrap();
         let e = s

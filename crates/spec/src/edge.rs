@@ -212,7 +212,11 @@ impl EdgeSession {
 
     /// A new grant from the verifier: draft within it (γ 0: draft nothing, the verifier decodes
     /// every token).
-    fn apply_grant(&mut self, grant: Shape, want: (usize, usize)) -> Result<Vec<Output>, SpecError> {
+    fn apply_grant(
+        &mut self,
+        grant: Shape,
+        want: (usize, usize),
+    ) -> Result<Vec<Output>, SpecError> {
         self.cap = sizes(grant);
         let mut out = self.p.set_drafting(grant.draft_len > 0);
         out.extend(self.fit_shape(want)?);

@@ -142,7 +142,9 @@ impl Cloud {
         }
         while let Some(b) = self.queue.front().cloned() {
             match self.session.plan_block(&b) {
-                Ok(BlockAction::Stale | BlockAction::Covered | BlockAction::Contradicted { .. }) => {
+                Ok(
+                    BlockAction::Stale | BlockAction::Covered | BlockAction::Contradicted { .. },
+                ) => {
                     self.queue.pop_front();
                 }
                 Ok(BlockAction::Forward(plan)) if self.verify => {
@@ -176,7 +178,7 @@ enum Step {
     /// A block reaches the verifier's queue.
     DeliverBlock,
     /// One forward of the verifier for the session.
-    CloudStep,
+    CloudForward,
     DeliverToEdge,
     DropConnection,
     /// The policy changes γ and depth mid-stream.
@@ -192,7 +194,7 @@ fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
         6 => Just(Step::Draft),
         3 => Just(Step::DeliverBlock),
-        3 => Just(Step::CloudStep),
+        3 => Just(Step::CloudForward),
         4 => Just(Step::DeliverToEdge),
         1 => Just(Step::DropConnection),
         1 => (1usize..8, 1usize..5).prop_map(|(g, d)| Step::Reshape(g, d)),
@@ -269,7 +271,7 @@ fn run(
             0 => Step::Draft,
             1 => Step::DeliverBlock,
             2 => Step::DeliverToEdge,
-            _ => Step::CloudStep,
+            _ => Step::CloudForward,
         });
         i += 1;
         match s {
@@ -287,7 +289,7 @@ fn run(
                     cloud.receive(b)?;
                 }
             }
-            Step::CloudStep => {
+            Step::CloudForward => {
                 if let Some(m) = cloud.step()? {
                     to_edge.push_back(m);
                 }
@@ -470,10 +472,21 @@ fn a_block_that_lands_behind_the_verifier_is_matched_then_verified() {
     let before = edge.stats().drafted;
     for d in decoded {
         let out = edge.on_decoded(d).unwrap();
-        assert!(!out.iter().any(|o| matches!(o, Output::Rollback { .. })), "{out:?}");
+        assert!(
+            !out.iter().any(|o| matches!(o, Output::Rollback { .. })),
+            "{out:?}"
+        );
     }
-    assert_eq!((edge.committed_len(), edge.epoch()), (6, 0), "agreeing decodes keep the tail");
+    assert_eq!(
+        (edge.committed_len(), edge.epoch()),
+        (6, 0),
+        "agreeing decodes keep the tail"
+    );
     edge.on_verdict(v).unwrap();
-    assert_eq!(edge.committed_len(), 9, "the rest of the block and the bonus");
+    assert_eq!(
+        edge.committed_len(),
+        9,
+        "the rest of the block and the bonus"
+    );
     assert_eq!(edge.stats().drafted, before, "nothing drafted again");
 }

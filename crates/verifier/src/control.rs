@@ -290,7 +290,11 @@ mod tests {
         assert_eq!(d2.grant, None);
         spec.set_cloud(false);
         c.on_decoded(&mut spec, &mut d2, 50);
-        assert_eq!(d2.grant, Some(Shape::new(4, 2)), "handed back within the grant");
+        assert_eq!(
+            d2.grant,
+            Some(Shape::new(4, 2)),
+            "handed back within the grant"
+        );
     }
 
     #[test]

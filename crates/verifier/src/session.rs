@@ -40,7 +40,10 @@ pub enum Event {
     Preempted { session: SessionId },
     /// A token of a speculation session the verifier decoded itself, in a forward in which the
     /// session had no block to verify (or, taken over, verifies none).
-    Decoded { session: SessionId, decoded: Decoded },
+    Decoded {
+        session: SessionId,
+        decoded: Decoded,
+    },
 }
 
 impl Event {
@@ -57,6 +60,8 @@ impl Event {
 }
 
 /// The forward planned for a speculation session: one chunk per session per forward.
+// One per session, never moved in bulk: the size difference does not matter.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Planned {
     /// Verify a block's tokens past the committed ones; the session as it was before (the plan
     /// may have moved nothing yet, but a failed forward puts it back).

@@ -121,7 +121,10 @@ fn a_failed_verify_puts_the_session_back_and_the_block_verifies_afterwards() {
     assert!(before.verifying, "the block is planned");
     fail.set(true);
     let events = v.step(0);
-    assert!(events.is_empty(), "a failed forward is not the edge's error: {events:?}");
+    assert!(
+        events.is_empty(),
+        "a failed forward is not the edge's error: {events:?}"
+    );
     let after = v.session(SessionId(1)).unwrap();
     assert_eq!(
         (after.committed_len, after.epoch, after.verified_positions),
