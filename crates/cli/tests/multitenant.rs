@@ -76,6 +76,8 @@ struct Raw {
     session: u64,
     first: u32,
     start: usize,
+    /// Tokens the verifier decoded and sent since Open.
+    decoded: usize,
 }
 
 async fn open_raw(url: &str, key: Option<&str>, prompt: &[u32]) -> Result<Raw, Status> {
@@ -88,7 +90,7 @@ async fn open_raw(url: &str, key: Option<&str>, prompt: &[u32]) -> Result<Raw, S
             tokenizer_fingerprint: tok.fingerprint().to_string(),
             prompt_ids: prompt.to_vec(),
             params: None,
-            max_tokens: 32,
+            max_tokens: 400,
             rule: 0,
             want_draft_len: 4,
             want_depth: 2,
@@ -104,6 +106,7 @@ async fn open_raw(url: &str, key: Option<&str>, prompt: &[u32]) -> Result<Raw, S
             session: o.session_id,
             first: o.first_token,
             start: prompt.len() + 1,
+            decoded: 0,
         }),
         other => panic!("expected Opened, got {other:?}"),
     }
@@ -118,12 +121,24 @@ impl Raw {
             .unwrap();
     }
 
-    /// The next message: a verdict (Ok) or a refusal (its code and text).
-    async fn next(&mut self) -> Result<tandem_proto::v1::Verdict, (Code, String)> {
+    /// The next message: a decoded token (checked to come at the next position), a verdict or
+    /// a refusal (its code and text).
+    async fn message(&mut self) -> Result<Reply, (Code, String)> {
         match tokio::time::timeout(Duration::from_secs(60), self.inbound.message()).await {
             Ok(Ok(Some(CloudMessage {
+                kind: Some(cloud_message::Kind::Decoded(d)),
+            }))) => {
+                assert_eq!(
+                    d.position as usize,
+                    self.start + self.decoded,
+                    "each position once, in order"
+                );
+                self.decoded += 1;
+                Ok(Reply::Decoded)
+            }
+            Ok(Ok(Some(CloudMessage {
                 kind: Some(cloud_message::Kind::Verdict(v)),
-            }))) => Ok(v),
+            }))) => Ok(Reply::Verdict(v)),
             Ok(Ok(Some(CloudMessage {
                 kind: Some(cloud_message::Kind::Error(e)),
             }))) => Err((Code::from_i32(e.code as i32), e.message)),
@@ -131,6 +146,21 @@ impl Raw {
             other => panic!("unexpected {other:?}"),
         }
     }
+
+    /// The next verdict (Ok) or refusal, past the tokens the verifier decodes meanwhile.
+    async fn next(&mut self) -> Result<tandem_proto::v1::Verdict, (Code, String)> {
+        loop {
+            if let Reply::Verdict(v) = self.message().await? {
+                return Ok(v);
+            }
+        }
+    }
+}
+
+/// What a raw session's next message was, past refusals.
+enum Reply {
+    Decoded,
+    Verdict(tandem_proto::v1::Verdict),
 }
 
 fn prompts(n: usize) -> Vec<Vec<u32>> {
@@ -295,7 +325,10 @@ fn a_hostile_tenant_cannot_touch_or_disturb_another() {
         Code::NotFound
     );
 
-    // B's own session: a block aimed at A's session, then every kind of malformed block.
+    // B's own session: a block aimed at A's session, then every kind of malformed block. Those
+    // refused on arrival are answered at once; a future epoch and a start past the committed
+    // tokens are refused when the block is planned (with the session's next forward). Between
+    // the answers the verifier keeps decoding B's session ([`Raw::next`] skips those tokens).
     let mut b = rt.block_on(open_raw(&url, Some(KEY_B), &ps[1])).unwrap();
     let ok = |index: u64, epoch: u64, start: usize, tokens: Vec<u32>| Draft {
         epoch,
@@ -332,11 +365,21 @@ fn a_hostile_tenant_cannot_touch_or_disturb_another() {
             "draft.tokens",
         ),
         (
-            ok(4, 0, start + 7, vec![first]),
+            ok(4, 0, start - 1, vec![first]),
             Code::InvalidArgument,
-            "starts at position",
+            "inside the prompt",
         ),
         (ok(5, 3, start, vec![first]), Code::InvalidArgument, "epoch"),
+        (
+            ok(6, 0, start + 4000, vec![first]),
+            Code::InvalidArgument,
+            "beyond the",
+        ),
+        (
+            ok(6, 0, start, vec![first]),
+            Code::InvalidArgument,
+            "does not follow",
+        ),
     ];
     for (d, code, text) in cases {
         b.draft(d);
@@ -344,24 +387,6 @@ fn a_hostile_tenant_cannot_touch_or_disturb_another() {
         assert_eq!(got, code, "{text}: {msg}");
         assert!(msg.contains(text), "{text}: {msg}");
     }
-    // A block in place of the first token that contradicts it is rejected at once (the pending
-    // prediction), with the first token as the correction, moving B to epoch 1...
-    b.draft(ok(6, 0, start - 1, vec![(first + 1) % 1000]));
-    let v = rt.block_on(b.next()).unwrap();
-    assert_eq!((v.epoch, v.accepted, v.token), (0, 0, first));
-    // ...so a block of epoch 0 is stale: dropped without an answer; block order is kept.
-    b.draft(ok(7, 0, start, vec![first]));
-    b.draft(ok(6, 1, start, vec![1]));
-    let (code, msg) = rt.block_on(b.next()).unwrap_err();
-    assert_eq!(code, Code::InvalidArgument);
-    assert!(msg.contains("does not follow"), "{msg}");
-    b.draft(ok(8, 1, start, vec![1]));
-    let v = rt.block_on(b.next()).unwrap();
-    assert_eq!(
-        (v.epoch, v.block),
-        (1, 8),
-        "a block of the current epoch is answered"
-    );
     // An empty message and a second Open are refused; the session goes on.
     b.out.send(EdgeMessage { kind: None }).unwrap();
     assert_eq!(rt.block_on(b.next()).unwrap_err().0, Code::InvalidArgument);
@@ -381,12 +406,10 @@ fn a_hostile_tenant_cannot_touch_or_disturb_another() {
     assert_eq!(gen_a.join().unwrap(), want_a, "A's output changed");
 }
 
-/// Admission: past the verifier's session limit, or a tenant's quota, a new session is refused
-/// with RESOURCE_EXHAUSTED and a `retry-after-ms` trailer; a freed slot admits again.
-/// Takeover by pace, on an unloaded verifier: an edge whose drafts are always wrong and slow
-/// commits a token per round, slower than the verifier decodes one on its own, so the verifier
-/// takes that session over; an edge whose drafts are right and fast keeps speculating. Both get
-/// exactly the target's output.
+/// On an unloaded verifier: an edge whose drafts are always wrong and slow is decoded by the
+/// verifier (which never idles a session, and takes a slow one over by pace); an edge whose drafts
+/// are right and fast commits most of its tokens by verdicts. Both get exactly the target's
+/// output.
 #[test]
 fn a_slow_speculation_session_is_taken_over_and_a_fast_one_is_not() {
     let (m, tok) = target();
@@ -422,9 +445,15 @@ fn a_slow_speculation_session_is_taken_over_and_a_fast_one_is_not() {
     );
     let fast = run(1.0, 1.0);
     assert_eq!(fast.output_ids, w, "fast session");
-    assert_eq!(fast.measured.cloud_decoded, 0, "{:?}", fast.measured);
+    assert!(
+        fast.measured.cloud_decoded < w.len() / 4,
+        "verdicts should have committed most of the fast session: {:?}",
+        fast.measured
+    );
 }
 
+/// Admission: past the verifier's session limit, or a tenant's quota, a new session is refused
+/// with RESOURCE_EXHAUSTED and a `retry-after-ms` trailer; a freed slot admits again.
 #[test]
 fn a_saturated_verifier_refuses_with_a_retry_hint() {
     let cfg = VerifierConfig {
@@ -544,17 +573,8 @@ fn shutdown_drains_open_sessions_and_refuses_new_ones() {
     assert_eq!(status, not_serving);
     let e = rt.block_on(open_raw(&url, None, p)).err().unwrap();
     assert_eq!(e.code(), Code::Unavailable, "{e:?}");
-    // The open session still verifies (a block that drafts the first token is accepted).
-    s.draft(Draft {
-        epoch: 0,
-        block: 0,
-        start_pos: s.start as u64 - 1,
-        tokens: vec![s.first],
-        q: vec![],
-        session_id: 0,
-    });
-    let v = rt.block_on(s.next()).unwrap();
-    assert_eq!(v.accepted, 1);
+    // The open session is still served: its tokens keep coming.
+    assert!(matches!(rt.block_on(s.message()), Ok(Reply::Decoded)));
     assert!(done.try_recv().is_err(), "the server waits for the session");
     s.out
         .send(EdgeMessage {
