@@ -23,6 +23,9 @@ pub enum Incoming {
     Decoded(Decoded),
 }
 
+/// The verifier's lead the edge drafts ahead for, at most (tokens).
+const MAX_LEAD: usize = 32;
+
 /// Attempts to reopen a session after the connection is lost, 100 ms apart, doubling.
 pub const REOPEN_ATTEMPTS: u32 = 4;
 
@@ -223,16 +226,21 @@ impl EdgeSession {
         Ok(out)
     }
 
-    /// Follow the verifier's lead as the verdicts measure it: keep that many more tokens in
-    /// flight, so that blocks reach past what it decodes while they travel.
-    fn follow_lead(&mut self, verdicts_before: usize) -> Vec<Output> {
-        let (Some(l), true) = (
-            self.p.last_lead(),
-            self.p.stats().verdicts > verdicts_before,
-        ) else {
+    /// Follow the verifier's lead: keep that many more tokens in flight, so that blocks reach
+    /// past what it decodes while they travel. A verdict measures it (how far past the block's
+    /// start the verifier had committed); a block covered by commits before it was verified says
+    /// the lead was longer than the blocks reached: one token more each time.
+    fn follow_lead(&mut self, verdicts_before: usize, covered_before: usize) -> Vec<Output> {
+        let s = *self.p.stats();
+        let mut lead = self.lead;
+        lead += (s.covered_blocks - covered_before) as f64;
+        if let (Some(l), true) = (self.p.last_lead(), s.verdicts > verdicts_before) {
+            lead += 0.3 * (l as f64 - lead);
+        }
+        if lead == self.lead {
             return Vec::new();
-        };
-        self.lead += 0.3 * (l as f64 - self.lead);
+        }
+        self.lead = lead.min(MAX_LEAD as f64);
         self.p.set_lead(self.lead.ceil() as usize)
     }
 
@@ -275,7 +283,9 @@ impl EdgeSession {
             Incoming::Decoded(d) => {
                 let (from, rejections) = (self.p.committed_len(), self.p.stats().rejections);
                 let before = self.p.tokens()[from..].to_vec();
+                let (verdicts, covered) = (self.p.stats().verdicts, self.p.stats().covered_blocks);
                 r.outputs = self.p.on_decoded(d)?;
+                r.outputs.extend(self.follow_lead(verdicts, covered));
                 self.m.cloud_decoded += 1;
                 if self.p.stats().rejections > rejections {
                     r.correction = before.first().map(|&b| (b, d.token));
@@ -303,9 +313,9 @@ impl EdgeSession {
         }
         let (from, rejections) = (self.p.committed_len(), self.p.stats().rejections);
         let before = self.p.tokens()[from..].to_vec();
-        let verdicts = self.p.stats().verdicts;
+        let (verdicts, covered) = (self.p.stats().verdicts, self.p.stats().covered_blocks);
         r.outputs = self.p.on_verdict(v)?;
-        r.outputs.extend(self.follow_lead(verdicts));
+        r.outputs.extend(self.follow_lead(verdicts, covered));
         // The verifier's load changed its grant: keep within it (and grow back into it).
         if let Some(grant) = v.grant {
             let want = match self.cfg.auto {

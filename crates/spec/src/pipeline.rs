@@ -198,6 +198,9 @@ pub struct PipelineStats {
     /// Blocks answered by commits alone: every position committed (decoded or verified) and
     /// agreeing before the verifier planned them.
     pub covered_blocks: usize,
+    /// Tokens verdicts committed (their verified runs and corrections or bonuses; not the
+    /// tokens the verifier decoded on its own).
+    pub verdict_tokens: usize,
     /// Drafted tokens thrown away (rejected, or in stale blocks, or in the discarded tail).
     pub wasted_draft_tokens: usize,
 }
@@ -213,12 +216,12 @@ impl PipelineStats {
             self.accepted as f64 / judged as f64
         }
     }
-    /// Mean tokens committed per verdict (accepted plus the cloud's token), E[A].
+    /// Mean tokens committed per verdict (its verified run plus the cloud's token), E[A].
     pub fn mean_accepted(&self) -> f64 {
         if self.verdicts == 0 {
             0.0
         } else {
-            (self.accepted + self.cloud_tokens) as f64 / self.verdicts as f64
+            self.verdict_tokens as f64 / self.verdicts as f64
         }
     }
 }
@@ -590,14 +593,19 @@ impl Pipeline {
             .expect("invariant: front checked");
         self.stats.verdicts += 1;
         self.last_lead = Some(self.committed - start);
+        let from = self.committed;
         for pos in self.committed..start + v.accepted {
             if self.done {
-                return Ok(out);
+                break;
             }
             self.take(pos, block.tokens[pos - start], &mut out)?;
         }
         if !self.done {
             self.take(start + v.accepted, v.token, &mut out)?;
+        }
+        self.stats.verdict_tokens += self.committed - from;
+        if self.done {
+            return Ok(out);
         }
         if !self.done {
             self.try_send(&mut out);
