@@ -31,6 +31,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::SpecError;
 
+/// Blocks an edge may have in flight at most (a verifier queues no more per session).
+pub const MAX_BLOCKS_IN_FLIGHT: usize = 16;
+
 /// A sparse draft distribution `(token, probability)` for one position (rejection sampling).
 pub type SparseDist = Vec<(u32, f32)>;
 
@@ -353,7 +356,7 @@ impl Pipeline {
 
     /// Blocks in flight at most: `depth`, plus the verifier's lead in blocks of γ.
     fn max_in_flight(&self) -> usize {
-        self.cfg.depth + self.lead.div_ceil(self.cfg.draft_len)
+        (self.cfg.depth + self.lead.div_ceil(self.cfg.draft_len)).min(MAX_BLOCKS_IN_FLIGHT)
     }
 
     /// Draft (or not, with the verifier decoding every token: its grant was γ 0).

@@ -59,11 +59,12 @@ impl<T: Target, H> VerifierCore<T, H> {
         let Some(s) = self.sessions.get_mut(&id) else {
             return;
         };
-        let verify = !s.ctl.is_cloud();
+        let taken_over = s.ctl.is_cloud();
         let Work::Spec {
             vs: Some(vs),
             queue,
             planned,
+            draft,
             limit,
             eog,
             ..
@@ -89,9 +90,15 @@ impl<T: Target, H> VerifierCore<T, H> {
             let before = vs.clone();
             match vs.plan_block(b) {
                 Ok(BlockAction::Stale) => self.stats.blocks_stale += 1,
-                Ok(BlockAction::Covered) => self.stats.blocks_covered += 1,
-                Ok(BlockAction::Contradicted { .. }) => self.stats.blocks_contradicted += 1,
-                Ok(BlockAction::Forward(feed)) if verify => {
+                Ok(BlockAction::Covered) => {
+                    self.stats.blocks_covered += 1;
+                    draft.record(b.tokens.len(), b.tokens.len());
+                }
+                Ok(BlockAction::Contradicted { pos }) => {
+                    self.stats.blocks_contradicted += 1;
+                    draft.record(pos - b.start_pos, pos - b.start_pos + 1);
+                }
+                Ok(BlockAction::Forward(feed)) if !taken_over && draft.verify(b.index) => {
                     // A block too large for one forward could never be verified, nor could one
                     // of a session that outgrew the KV cache: the session ends with the reason
                     // (dropping the block would leave the two sides' epochs apart).
@@ -127,7 +134,8 @@ impl<T: Target, H> VerifierCore<T, H> {
                     });
                     return;
                 }
-                // Taken over: the block waits until the decoded tokens cover it.
+                // Taken over, or a draft not worth verifying: the block waits until the decoded
+                // tokens cover it.
                 Ok(BlockAction::Forward(_)) => break,
                 Err(e) => {
                     *vs = before;

@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 
 use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::SamplingParams;
-use tandem_spec::{Block, CloudSession, Decoded, Feed, Verdict, VerifyRule};
+use tandem_spec::{Block, BlockId, CloudSession, Decoded, Feed, Verdict, VerifyRule};
 
 use crate::control::Ctl;
 use crate::VerifierError;
@@ -129,6 +129,8 @@ pub(crate) enum Work {
         queue: VecDeque<Block>,
         /// The forward planned for the session (None: nothing to do, or not yet prefilled).
         planned: Option<Planned>,
+        /// How often its drafts turn out right: whether verifying its blocks pays.
+        draft: DraftRecord,
         /// Committed tokens (prompt included) at which it ends, and its end-of-generation ids.
         limit: usize,
         eog: Vec<u32>,
@@ -141,6 +143,65 @@ pub(crate) enum Work {
         max_tokens: usize,
         eog: Vec<u32>,
     },
+}
+
+/// How often a speculation session's drafted tokens turn out to be the target's, over its recent
+/// blocks (verified, covered by decoded tokens, contradicted). Verifying a block costs the forward
+/// a logits row per drafted token (the output head is a fifth of SmolLM2's weights), so a draft
+/// that is almost always wrong is not verified — its blocks wait until decoded tokens cover them,
+/// which keeps measuring it — but for one block in [`PROBE_EVERY`], so that a draft that gets
+/// better is verified again.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DraftRecord {
+    accepted: f64,
+    judged: f64,
+    skipped: u32,
+    /// The decision for the block it was last asked about.
+    decided: Option<(BlockId, bool)>,
+}
+
+/// Below this share of drafted tokens right, blocks are not verified.
+pub(crate) const MIN_VERIFY_ALPHA: f64 = 0.3;
+/// A session whose blocks are not verified still has one in this many verified.
+pub(crate) const PROBE_EVERY: u32 = 8;
+/// Each block's weight decays by this per block after it.
+const DRAFT_DECAY: f64 = 0.9;
+
+impl Default for DraftRecord {
+    /// Before any block: a draft about as good as a 4-bit copy of the target, worth two tokens.
+    fn default() -> Self {
+        Self {
+            accepted: 1.4,
+            judged: 2.0,
+            skipped: 0,
+            decided: None,
+        }
+    }
+}
+
+impl DraftRecord {
+    /// `judged` drafted tokens met the committed ones, `accepted` of them right.
+    pub fn record(&mut self, accepted: usize, judged: usize) {
+        self.accepted = DRAFT_DECAY * self.accepted + accepted as f64;
+        self.judged = DRAFT_DECAY * self.judged + judged as f64;
+    }
+
+    pub fn alpha(&self) -> f64 {
+        self.accepted / self.judged.max(1e-9)
+    }
+
+    /// Whether to verify block `id` (the oldest usable one), decided once per block.
+    pub fn verify(&mut self, id: BlockId) -> bool {
+        if let Some((b, v)) = self.decided {
+            if b == id {
+                return v;
+            }
+        }
+        let v = self.alpha() >= MIN_VERIFY_ALPHA || self.skipped + 1 >= PROBE_EVERY;
+        self.skipped = if v { 0 } else { self.skipped + 1 };
+        self.decided = Some((id, v));
+        v
+    }
 }
 
 /// When a session's tokens reached its edge, for the time to first token, the inter-token

@@ -164,7 +164,12 @@ impl<T: Target, H> VerifierCore<T, H> {
                         }
                     }
                 }
-                (WorkKind::Verify, Work::Spec { vs, planned, .. }) => {
+                (
+                    WorkKind::Verify,
+                    Work::Spec {
+                        vs, planned, draft, ..
+                    },
+                ) => {
                     let vs = vs.as_mut().expect("invariant: prefilled");
                     match planned.take().expect("invariant: planned") {
                         Planned::Decode { feed } => {
@@ -195,6 +200,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                                     stats.verified_positions += f.judged as u64;
                                     stats.drafted += f.judged as u64;
                                     stats.accepted += f.accepted as u64;
+                                    draft.record(f.accepted, f.judged.min(f.accepted + 1));
                                     events.push(Event::Verdict {
                                         session: id,
                                         verdict: Verdict {

@@ -25,7 +25,7 @@ use crate::{Target, VerifierError};
 
 /// Blocks one session may have waiting behind the one being verified (a well-behaved edge has at
 /// most its granted depth in flight).
-pub const MAX_QUEUED_BLOCKS: usize = 16;
+pub const MAX_QUEUED_BLOCKS: usize = tandem_spec::pipeline::MAX_BLOCKS_IN_FLIGHT;
 
 /// Settings of the verifier's scheduler, checked by [`VerifierCore::new`] (also `tandem cloud
 /// serve`'s flags).
@@ -234,6 +234,7 @@ impl<T: Target, H> VerifierCore<T, H> {
             vs: None,
             queue: VecDeque::new(),
             planned: None,
+            draft: Default::default(),
             limit: prompt_len + max_tokens.max(1),
             eog,
         }
