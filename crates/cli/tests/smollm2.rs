@@ -513,6 +513,63 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
     }
 }
 
+/// Protocol 2 over a real TCP link with delay (0, 50 and 150 ms round trips, ±10% jitter), where
+/// blocks land behind the tokens the verifier decodes meanwhile: greedy speculation is the
+/// target's greedy output, sample-and-match the target's own seeded sample, and a draft that is
+/// always wrong still finishes with the target's output.
+#[test]
+fn every_rule_stays_the_targets_through_netem_at_0_50_and_150_ms() {
+    let (m, tok) = target();
+    let upstream: std::net::SocketAddr =
+        grpc_server().trim_start_matches("http://").parse().unwrap();
+    let p = tok
+        .encode("The history of the printing press begins in")
+        .unwrap();
+    let want = greedy(&mut engine(m), SeqId(7), &p, 16);
+    let params = tandem_spec::sampling::SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 11,
+    };
+    let sampled = tandem_bench::generate::generate(&mut engine(m), tok, &p, 16, &params, |_| {})
+        .unwrap()
+        .output_ids;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    for rtt in [0.0, 50.0, 150.0] {
+        let addr = on_loopback(move |l| async move {
+            let cfg = tandem_bench::netem::NetemConfig {
+                rtt_ms: rtt,
+                jitter_ms: rtt / 10.0,
+                ..Default::default()
+            };
+            tandem_bench::netem::proxy(l, upstream, cfg).await.unwrap();
+        });
+        let url = format!("http://{addr}");
+        let greedy_p = tandem_spec::sampling::SamplingParams::default();
+        let rule = tandem_spec::VerifyRule::Greedy;
+        let out = spec_out(&p, 3, 2, 0.0, greedy_p, rule, 16, Some(url.clone()));
+        assert_eq!(out.output_ids, want, "greedy at {rtt} ms");
+        let rule = tandem_spec::VerifyRule::SampleMatch;
+        let out = spec_out(&p, 3, 2, 0.0, params, rule, 16, Some(url.clone()));
+        assert_eq!(out.output_ids, sampled, "sample-and-match at {rtt} ms");
+        let wrong = tandem_bench::load::SyntheticEdge {
+            alpha: 0.0,
+            draft_ms: 5.0,
+            gamma: 3,
+            depth: 2,
+            seed: 3,
+            vocab: m.cfg.vocab as u32,
+        };
+        let out = tandem_bench::load::synthetic_session(&rt, &url, tok, &p, &want, wrong).unwrap();
+        assert_eq!(out.output_ids, want, "an always-wrong draft at {rtt} ms");
+    }
+}
+
 /// With sample-and-match, speculation commits exactly what the target samples by itself with the
 /// same seed: every position's draw is keyed by (seed, position).
 #[test]
