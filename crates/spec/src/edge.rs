@@ -26,6 +26,14 @@ pub enum Incoming {
 /// The verifier's lead the edge drafts ahead for, at most (tokens).
 const MAX_LEAD: usize = 32;
 
+/// A draft right less often than this (over its recent judged positions) is paused: the verifier
+/// decodes the session anyway, and draft forwards would only delay the edge's handling of each
+/// token it streams.
+const MIN_DRAFT_ALPHA: f64 = 0.3;
+/// Judged positions (decayed) before the edge judges its draft, and tokens it then pauses for.
+const DRAFT_JUDGED_MIN: f64 = 8.0;
+const PAUSE_TOKENS: usize = 16;
+
 /// Attempts to reopen a session after the connection is lost, 100 ms apart, doubling.
 pub const REOPEN_ATTEMPTS: u32 = 4;
 
@@ -95,6 +103,8 @@ pub struct Measured {
     /// The verifier's lead at the end: tokens it had committed past a block's start when it
     /// planned the block (smoothed).
     pub lead: f64,
+    /// Times drafting was paused because the draft was almost always wrong.
+    pub draft_pauses: usize,
 }
 
 /// What a message did, beyond the outputs: a rejected draft token, for the user's view.
@@ -146,6 +156,13 @@ pub struct EdgeSession {
     m: Measured,
     /// The verifier's lead, smoothed over verdicts.
     lead: f64,
+    /// The grant lets the session draft (γ > 0).
+    granted_drafting: bool,
+    /// The draft's recent record (decayed accepted and judged positions) and the counters seen.
+    recent: (f64, f64),
+    seen: (usize, usize),
+    /// Drafting is paused (a useless draft) until this many tokens are committed.
+    paused_until: Option<usize>,
 }
 
 impl EdgeSession {
@@ -185,10 +202,15 @@ impl EdgeSession {
             totals: Totals::default(),
             m: Measured::default(),
             lead: 0.0,
+            granted_drafting: true,
+            recent: (0.0, 0.0),
+            seen: (0, 0),
+            paused_until: None,
         };
         let mut out = out;
         if let Some(g) = cfg.granted {
-            out.extend(s.p.set_drafting(g.draft_len > 0));
+            s.granted_drafting = g.draft_len > 0;
+            out.extend(s.p.set_drafting(s.granted_drafting));
         }
         s.sent(now_ms, &out);
         Ok((s, out))
@@ -221,7 +243,10 @@ impl EdgeSession {
         want: (usize, usize),
     ) -> Result<Vec<Output>, SpecError> {
         self.cap = sizes(grant);
-        let mut out = self.p.set_drafting(grant.draft_len > 0);
+        self.granted_drafting = grant.draft_len > 0;
+        let mut out = self
+            .p
+            .set_drafting(self.granted_drafting && self.paused_until.is_none());
         out.extend(self.fit_shape(want)?);
         Ok(out)
     }
@@ -294,6 +319,7 @@ impl EdgeSession {
                     let want = (self.cfg.draft_len, self.cfg.depth);
                     r.outputs.extend(self.apply_grant(grant, want)?);
                 }
+                r.outputs.extend(self.gate_drafting());
                 self.forget_answered();
                 self.sent(now_ms, &r.outputs);
                 return Ok(r);
@@ -337,9 +363,39 @@ impl EdgeSession {
             r.outputs.extend(self.p.set_shape(shape.0, shape.1)?);
             self.m.reshapes += 1;
         }
+        r.outputs.extend(self.gate_drafting());
         self.forget_answered();
         self.sent(now_ms, &r.outputs);
         Ok(r)
+    }
+
+    /// Pause a draft that is almost always wrong, for [`PAUSE_TOKENS`] commits, then try again.
+    fn gate_drafting(&mut self) -> Vec<Output> {
+        let s = *self.p.stats();
+        let (a, r) = (s.accepted - self.seen.0, s.rejections - self.seen.1);
+        self.seen = (s.accepted, s.rejections);
+        let decay = 0.9f64.powi((a + r) as i32);
+        self.recent = (
+            decay * self.recent.0 + a as f64,
+            decay * self.recent.1 + (a + r) as f64,
+        );
+        let committed = self.p.committed_len();
+        match self.paused_until {
+            Some(at) if committed >= at => {
+                self.paused_until = None;
+                self.recent = (0.0, 0.0);
+                self.p.set_drafting(self.granted_drafting)
+            }
+            Some(_) => Vec::new(),
+            None if self.recent.1 >= DRAFT_JUDGED_MIN
+                && self.recent.0 < MIN_DRAFT_ALPHA * self.recent.1 =>
+            {
+                self.paused_until = Some(committed + PAUSE_TOKENS);
+                self.m.draft_pauses += 1;
+                self.p.set_drafting(false)
+            }
+            None => Vec::new(),
+        }
     }
 
     /// Blocks answered by commits alone (covered) or dropped get no verdict to time.
@@ -513,6 +569,51 @@ mod tests {
             r.outputs
         );
         assert_eq!(s.committed(), &[1, 2, 3, 7, 8, 42]);
+    }
+
+    #[test]
+    fn a_draft_that_is_almost_always_wrong_is_paused_and_tried_again() {
+        let cfg = SessionConfig {
+            draft_len: 2,
+            depth: 1,
+            max_new_tokens: 60,
+            auto: None,
+            granted: Some(Shape::new(2, 1)),
+        };
+        let (mut s, _) = EdgeSession::new(0.0, vec![1, 2, 3], 7, cfg, vec![]).unwrap();
+        // Every token the verifier decodes contradicts what the edge drafted there.
+        let mut t = 0.0;
+        let mut decode = |s: &mut EdgeSession| {
+            t += 40.0;
+            let pos = s.pipeline().committed_len();
+            let d = Decoded {
+                epoch: s.pipeline().epoch(),
+                pos,
+                token: 50,
+                grant: None,
+            };
+            s.on_message(t, Incoming::Decoded(d)).unwrap();
+        };
+        let mut paused_at = None;
+        for k in 0..20 {
+            if s.next() == Next::Draft {
+                draft(&mut s, 0.0, &[9]);
+            }
+            decode(&mut s);
+            if s.measured().draft_pauses > 0 {
+                paused_at = Some(k);
+                break;
+            }
+        }
+        let at = paused_at.expect("paused");
+        assert!(at >= 7, "judged on a few positions first: {at}");
+        assert_eq!(s.next(), Next::Wait, "no drafting while paused");
+        for _ in 0..PAUSE_TOKENS - 1 {
+            decode(&mut s);
+            assert_eq!(s.next(), Next::Wait);
+        }
+        decode(&mut s);
+        assert_eq!(s.next(), Next::Draft, "tried again after the pause");
     }
 
     #[test]
