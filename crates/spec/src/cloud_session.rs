@@ -76,12 +76,8 @@ pub struct CloudSession {
     /// Tokens in the session's target KV: `committed.len() - 1`.
     kv_len: usize,
     max_len: usize,
-    /// Counters: target positions verified (drafted tokens judged in a forward), blocks dropped
-    /// as covered or contradicted without a forward, tokens decoded.
+    /// Target positions verified (drafted tokens judged in a forward).
     pub verified_positions: u64,
-    pub covered_blocks: u64,
-    pub contradicted_blocks: u64,
-    pub decoded_tokens: u64,
 }
 
 impl CloudSession {
@@ -107,9 +103,6 @@ impl CloudSession {
             kv_len: prompt.len(),
             max_len,
             verified_positions: 0,
-            covered_blocks: 0,
-            contradicted_blocks: 0,
-            decoded_tokens: 0,
         }
     }
 
@@ -204,13 +197,11 @@ impl CloudSession {
         let known = (c - b.start_pos).min(b.tokens.len());
         if let Some(i) = (0..known).find(|&i| b.tokens[i] != self.committed[b.start_pos + i]) {
             self.epoch += 1;
-            self.contradicted_blocks += 1;
             return Ok(BlockAction::Contradicted {
                 pos: b.start_pos + i,
             });
         }
         if known == b.tokens.len() {
-            self.covered_blocks += 1;
             return Ok(BlockAction::Covered);
         }
         if c >= self.max_len {
@@ -251,7 +242,6 @@ impl CloudSession {
         let pos = self.committed.len();
         let token = target_token(row, &self.params, pos as u64);
         self.committed.push(token);
-        self.decoded_tokens += 1;
         Decoded {
             epoch: self.epoch,
             pos,

@@ -537,7 +537,6 @@ impl Pipeline {
             }
             self.stats.wasted_draft_tokens += self.tokens.len().saturating_sub(pos);
             self.cut_tail(pos);
-            self.q.clear();
             self.tokens.push(token);
             self.sent = pos + 1;
             if self.draft_fed > pos {

@@ -144,8 +144,7 @@ impl LoadControl {
             let cloud = grant_g == 0
                 || cloud_itl.is_some_and(|i| prefer_cloud(c.pace.ms_per_token(), i, c.cloud));
             if c.cloud != cloud {
-                c.cloud = cloud;
-                c.pace.restart();
+                c.set_cloud(cloud);
                 d.takeovers.push((id, cloud));
             }
         }

@@ -86,8 +86,9 @@ impl<T: Target, H> VerifierCore<T, H> {
             error: e,
             fatal: false,
         };
+        // Planning a block changes the session only when it is contradicted (the epoch moves):
+        // a plan to verify, or a refusal, leaves it as it was, so nothing needs putting back.
         while let Some(b) = queue.front() {
-            let before = vs.clone();
             match vs.plan_block(b) {
                 Ok(BlockAction::Stale) => self.stats.blocks_stale += 1,
                 Ok(BlockAction::Covered) => {
@@ -117,7 +118,6 @@ impl<T: Target, H> VerifierCore<T, H> {
                             .map_err(VerifierError::from)
                     };
                     if let Err(e) = refused {
-                        *vs = before;
                         events.push(Event::Error {
                             session: id,
                             error: e,
@@ -127,20 +127,13 @@ impl<T: Target, H> VerifierCore<T, H> {
                         return;
                     }
                     let block = queue.pop_front().expect("invariant: front");
-                    *planned = Some(Planned::Verify {
-                        block,
-                        feed,
-                        before,
-                    });
+                    *planned = Some(Planned::Verify { block, feed });
                     return;
                 }
                 // Taken over, or a draft not worth verifying: the block waits until the decoded
                 // tokens cover it.
                 Ok(BlockAction::Forward(_)) => break,
-                Err(e) => {
-                    *vs = before;
-                    events.push(refuse(e.into()));
-                }
+                Err(e) => events.push(refuse(e.into())),
             }
             queue.pop_front();
         }

@@ -60,16 +60,10 @@ impl Event {
 }
 
 /// The forward planned for a speculation session: one chunk per session per forward.
-// One per session, never moved in bulk: the size difference does not matter.
-#[allow(clippy::large_enum_variant)]
 pub(crate) enum Planned {
-    /// Verify a block's tokens past the committed ones; the session as it was before (the plan
-    /// may have moved nothing yet, but a failed forward puts it back).
-    Verify {
-        block: Block,
-        feed: Feed,
-        before: CloudSession,
-    },
+    /// Verify a block's tokens past the committed ones (planning moved nothing: a failed
+    /// forward only puts the block back).
+    Verify { block: Block, feed: Feed },
     /// Decode the session's next token.
     Decode { feed: Feed },
 }

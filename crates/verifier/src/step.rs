@@ -184,11 +184,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                                 decoded,
                             });
                         }
-                        Planned::Verify {
-                            block: b,
-                            feed: p,
-                            before,
-                        } => {
+                        Planned::Verify { block: b, feed: p } => {
                             let rows: Vec<&[f32]> = logits.for_seq(seq).map(|(_, r)| r).collect();
                             self.stats.blocks_verified += 1;
                             match vs.finish(&b, &rows) {
@@ -212,8 +208,8 @@ impl<T: Target, H> VerifierCore<T, H> {
                                         positions: p.tokens.len(),
                                     });
                                 }
+                                // Refused before it changed anything.
                                 Err(e) => {
-                                    *vs = before;
                                     kv_len.push((id, c.start));
                                     events.push(Event::Error {
                                         session: id,
@@ -292,10 +288,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                 } if c.kind == WorkKind::Verify => {
                     // The block goes back to the front of the queue, planned again (rebased) with
                     // the session's next forward; a decode step is planned again.
-                    if let Some(Planned::Verify { block, before, .. }) = planned.take() {
-                        if let Some(vs) = vs.as_mut() {
-                            *vs = before;
-                        }
+                    if let Some(Planned::Verify { block, .. }) = planned.take() {
                         queue.push_front(block);
                     }
                     follow.push(c.session);
