@@ -58,8 +58,13 @@ impl CloudProcess {
             said.push_str(&line);
             said.push('\n');
         };
-        // Keep draining its stderr so that it never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines.by_ref() {});
+        // Keep draining its stderr so that it never blocks on a full pipe; what it logs (at the
+        // level TANDEM_LOG asks for) goes on to ours.
+        std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                eprintln!("[verifier] {line}");
+            }
+        });
         Ok(Self {
             child,
             addr,

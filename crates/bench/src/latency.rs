@@ -19,7 +19,8 @@ use serde_json::Value;
 use tandem_edge::SpecConfig;
 use tandem_engine::{CpuSet, Engine, EngineConfig, LlamaModel, Tokenizer};
 use tandem_spec::edge::AutoShape;
-use tandem_spec::policy::{async_itl_ms, session_itl_ms, sync_itl_ms, Costs};
+use tandem_spec::never_idle;
+use tandem_spec::policy::Costs;
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::VerifyRule;
 
@@ -222,7 +223,7 @@ fn peer_model(
                 verdict_ms: c.verdict_ms,
             };
             let sync = (1..=max_gamma)
-                .map(|g| sync_itl_ms(&costs, g))
+                .map(|g| never_idle::itl_ms(&costs, g, 1))
                 .fold(f64::MAX, f64::min);
             let (g, d) = plan_pipelined(&costs, max_gamma, max_depth);
             out.push(PeerModel {
@@ -231,7 +232,7 @@ fn peer_model(
                 edge_only_itl_ms: round2(1e3 / d_tok_s),
                 cloud_only_itl_ms: round2(1e3 / t_tok_s),
                 best_sync_itl_ms: round2(sync),
-                best_async_itl_ms: round2(async_itl_ms(&costs, g, d)),
+                best_async_itl_ms: round2(never_idle::itl_ms(&costs, g, d)),
             });
         }
     }
@@ -297,26 +298,23 @@ fn fold(draft: &str, rtt: f64, mode: Mode, outs: &[GenOutput], want: &[Vec<u32>]
     }
 }
 
-/// The model's inputs as measured in `r`, with the link's mean round trip `link_rtt_ms` (from
-/// the synchronous rows at this RTT: the nominal RTT plus what netem's jitter, the proxy and TCP
-/// add; the smallest recent one, which the edge's policy uses, under-states a round's cost).
-fn costs_of(r: &Row, link_rtt_ms: f64) -> Costs {
-    Costs {
+/// The model's ITL for `r`, over sessions as long as the row's (`prompts` outputs of `r.tokens`
+/// tokens in all; each one's first token comes from the prefill): the row's α and draft time,
+/// the emulated round trip `rtt_ms`, and for the verifier's forward the cloud-only ITL measured
+/// at this RTT (`decode_ms`: what one forward of this session costs the verifier). The row's own
+/// verify and network times are not the model's inputs under protocol 2: a block's verdict comes
+/// whenever the verifier reaches it, not a round trip after it was sent.
+fn predict(r: &mut Row, rtt_ms: f64, decode_ms: f64, prompts: usize) {
+    let c = Costs {
         alpha: r.acceptance_rate,
         draft_ms: r.draft_ms,
-        verify_ms: r.verify_ms,
+        verify_ms: decode_ms,
         verify_ms_per_token: 0.0,
-        rtt_ms: link_rtt_ms,
+        rtt_ms,
         verdict_ms: r.verdict_ms,
-    }
-}
-
-/// The model's ITL for `r`, over sessions as long as the row's (`prompts` outputs of
-/// `r.tokens` tokens in all; each one's first token comes from the prefill).
-fn predict(r: &mut Row, link_rtt_ms: f64, prompts: usize) {
-    let c = costs_of(r, link_rtt_ms);
+    };
     let gaps = (r.tokens / prompts.max(1)).saturating_sub(1);
-    let p = session_itl_ms(&c, r.gamma, r.depth, gaps);
+    let p = never_idle::session_itl_ms(&c, r.gamma, r.depth, gaps);
     r.predicted_itl_ms = Some(round2(p));
     r.model_error = Some(round2((r.itl_ms.mean - p) / p * 100.0) / 100.0);
 }
@@ -459,14 +457,15 @@ pub fn run(
         if want.is_empty() {
             want = outs.iter().map(|o| o.output_ids.clone()).collect();
         }
-        emit(fold("-", rtt, Mode::CloudOnly, &outs, &want), &mut rows);
+        let cloud_only = fold("-", rtt, Mode::CloudOnly, &outs, &want);
+        let decode_ms = cloud_only.itl_ms.mean;
+        emit(cloud_only, &mut rows);
         for d in drafts {
             let mut sync_rows = Vec::new();
             for &g in &a.sync_gammas {
                 let outs = spec_runs(a, target, d, tok, &url, &prompts, g, 1, None)?;
                 let mut r = fold(&d.name, rtt, Mode::Sync, &outs, &want);
-                let own = r.link_rtt_ms;
-                predict(&mut r, own, prompts.len());
+                predict(&mut r, rtt, decode_ms, prompts.len());
                 sync_rows.push(r.clone());
                 emit(r, &mut rows);
             }
@@ -478,21 +477,21 @@ pub fn run(
                     c
                 }
             };
-            // Plan for this RTT from the calibration's α and times and this run's round trip.
-            let net = sync_rows.iter().map(|r| r.net_ms).sum::<f64>() / sync_rows.len() as f64;
+            // Plan for this RTT from the calibration's α and draft time, the emulated round trip
+            // and the verifier's forward as cloud-only measured it.
             let (gamma, depth) = plan_pipelined(
                 &Costs {
-                    rtt_ms: net,
+                    rtt_ms: rtt,
+                    verify_ms: decode_ms,
+                    verify_ms_per_token: 0.0,
                     ..costs
                 },
                 a.max_gamma,
                 a.max_depth,
             );
             let outs = spec_runs(a, target, d, tok, &url, &prompts, gamma, depth, None)?;
-            let link_rtt = sync_rows.iter().map(|r| r.link_rtt_ms).sum::<f64>()
-                / sync_rows.len().max(1) as f64;
             let mut r = fold(&d.name, rtt, Mode::Async, &outs, &want);
-            predict(&mut r, link_rtt, prompts.len());
+            predict(&mut r, rtt, decode_ms, prompts.len());
             emit(r, &mut rows);
             let auto = AutoShape {
                 max_draft_len: a.max_gamma,
@@ -501,7 +500,7 @@ pub fn run(
             };
             let outs = spec_runs(a, target, d, tok, &url, &prompts, 4, 2, Some(auto))?;
             let mut r = fold(&d.name, rtt, Mode::AsyncAuto, &outs, &want);
-            predict(&mut r, link_rtt, prompts.len());
+            predict(&mut r, rtt, decode_ms, prompts.len());
             emit(r, &mut rows);
         }
     }
@@ -551,7 +550,7 @@ fn plan_pipelined(c: &Costs, max_gamma: usize, max_depth: usize) -> (usize, usiz
     let mut best = (f64::MAX, 1, 2);
     for g in 1..=max_gamma.max(1) {
         for d in 2..=max_depth.max(2) {
-            let t = async_itl_ms(c, g, d);
+            let t = never_idle::itl_ms(c, g, d);
             if t < best.0 * (1.0 - 1e-9) {
                 best = (t, g, d);
             }
@@ -751,6 +750,12 @@ mod tests {
         assert_eq!(m.len(), 2);
         assert_eq!(m[0].edge_only_itl_ms, 20.0);
         assert_eq!(m[0].cloud_only_itl_ms, 100.0);
-        assert!(m[1].best_sync_itl_ms > m[0].best_sync_itl_ms);
+        // Protocol 2: a longer round trip never costs more than the verifier decoding alone
+        // (here one chunk of 1 token: 15 + 5·2 ms), which a poor draft is held to.
+        assert!(m[1].best_sync_itl_ms >= m[0].best_sync_itl_ms);
+        assert!(
+            m.iter().all(|m| m.best_async_itl_ms <= 25.0 + 1e-9),
+            "{m:?}"
+        );
     }
 }

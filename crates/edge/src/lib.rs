@@ -138,7 +138,16 @@ pub fn run_with(
      -> Result<(), EdgeError> {
         for o in outs {
             match o {
-                Output::Send(b) => link.send(b)?,
+                Output::Send(b) => {
+                    tracing::debug!(
+                        t = start.elapsed().as_secs_f64() * 1e3,
+                        epoch = b.epoch,
+                        start = b.start_pos,
+                        len = b.tokens.len(),
+                        "edge sends a block"
+                    );
+                    link.send(b)?
+                }
                 Output::Rollback { to } => draft.rollback(to)?,
                 Output::Commit { tokens, .. } => {
                     let t = start.elapsed().as_secs_f64() * 1e3;
@@ -172,9 +181,21 @@ pub fn run_with(
                 let v = link.recv(true);
                 // A wait that ends in a lost connection is a wait too.
                 idle_ms += w.elapsed().as_secs_f64() * 1e3;
+                tracing::debug!(
+                    t = now(),
+                    waited = w.elapsed().as_secs_f64() * 1e3,
+                    "edge waited"
+                );
                 arrived.push(v?.ok_or(EdgeError::LinkClosed)?);
             }
             for m in arrived {
+                tracing::debug!(
+                    t = now(),
+                    msg = ?m,
+                    committed = es.pipeline().committed_len(),
+                    drafted = es.pipeline().tokens().len(),
+                    "edge receives"
+                );
                 let r = es.on_message(now(), m)?;
                 apply(r.outputs, draft, link, &mut commit_ms, &mut fresh)?;
                 show(&mut on_update, &mut fresh, tail(&es), r.correction);

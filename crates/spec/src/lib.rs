@@ -12,6 +12,8 @@
 //!   sample-and-match, rejection sampling).
 //! - [`sampling`]: temperature / top-k / top-p with draws keyed by (seed, position).
 //! - [`policy`]: the analytic model of one session's speculation and the γ / depth it recommends.
+//! - [`never_idle`]: the model of protocol 2 (the verifier decodes a session whenever it has no
+//!   usable block of it): a run is paced by the verifier until the edge catches up, then by the edge.
 //! - [`capacity`]: the model for many sessions on one verifier: its roofline, queueing, and the
 //!   γ, depth and batch token budget it recommends ([`capacity::recommend_fleet`]).
 //!
@@ -21,6 +23,7 @@
 pub mod capacity;
 pub mod cloud_session;
 pub mod edge;
+pub mod never_idle;
 pub mod pipeline;
 pub mod policy;
 pub mod sampling;

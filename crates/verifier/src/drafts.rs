@@ -89,7 +89,20 @@ impl<T: Target, H> VerifierCore<T, H> {
         // Planning a block changes the session only when it is contradicted (the epoch moves):
         // a plan to verify, or a refusal, leaves it as it was, so nothing needs putting back.
         while let Some(b) = queue.front() {
-            match vs.plan_block(b) {
+            let action = vs.plan_block(b);
+            tracing::debug!(
+                session = id.0,
+                committed = vs.committed_len(),
+                start = b.start_pos,
+                len = b.tokens.len(),
+                epoch = b.epoch,
+                action = ?action.as_ref().map(|a| match a {
+                    BlockAction::Forward(f) => format!("forward {}", f.tokens.len()),
+                    other => format!("{other:?}"),
+                }),
+                "verifier plans a block"
+            );
+            match action {
                 Ok(BlockAction::Stale) => self.stats.blocks_stale += 1,
                 Ok(BlockAction::Covered) => {
                     self.stats.blocks_covered += 1;

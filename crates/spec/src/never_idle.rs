@@ -1,0 +1,178 @@
+//! The model of protocol 2's speculation (the verifier never idles a session), for one session on
+//! an otherwise idle verifier.
+//!
+//! Think in runs again: a run starts when the verifier commits a token the edge's draft did not
+//! have (a correction, or the first token at Open) and ends at the next one. Through a run the
+//! verifier never waits: each forward it verifies the oldest block that has landed and reaches
+//! past its committed tokens, or else decodes the session's next token itself. The edge learns
+//! the run's first token half a round trip later, rolls back and drafts on from it, feeding in
+//! one forward whatever the verifier streamed meanwhile. Its first blocks therefore land behind
+//! the verifier, covered; only when the edge, drafting faster than the verifier decodes, has
+//! caught up do its blocks reach past the committed tokens and commit several tokens a forward.
+//! From then on the session is paced by the edge. So a run of K tokens the draft gets right
+//! costs `S(K + 1)`, where `S(j)` is the time at which an endless run commits its j-th token —
+//! never later than `j` decode forwards, which is cloud-only's pace.
+//!
+//! `S` is computed by stepping the schedule once (blocks of γ, at most `depth` plus the lead in
+//! blocks in flight); the run lengths are geometric in α as in [`crate::policy`], and a session
+//! of n tokens is the same recursion over the tokens left.
+
+use crate::policy::Costs;
+
+/// Longest session the recursion runs over; longer ones use the steady state.
+const SESSION_MAX: usize = 2048;
+
+/// One forward of the verifier for this session: `m` drafted tokens verified (0: a decode).
+fn forward_ms(c: &Costs, m: usize) -> f64 {
+    c.verify_ms + c.verify_ms_per_token * (m + 1) as f64
+}
+
+/// Commit times `S(1..=n)` of an endless run that starts with a token committed at time 0,
+/// with the edge `reaction` ms late to act on it (busy in a draft forward).
+pub fn run_schedule(c: &Costs, gamma: usize, depth: usize, n: usize, reaction: f64) -> Vec<f64> {
+    let g = gamma.max(1);
+    let half = c.rtt_ms / 2.0;
+    let decode = forward_ms(c, 0);
+    // The verifier's lead in tokens when a block lands: the edge keeps that much more in flight.
+    let lead = (c.rtt_ms / decode).ceil() as usize;
+    let max_in_flight =
+        (depth.max(1) + lead.div_ceil(g)).min(crate::pipeline::MAX_BLOCKS_IN_FLIGHT);
+    let step = c.draft_ms.max(1e-3) + c.verdict_ms;
+
+    // Verifier state: committed tokens of the run, the time its current forward ends.
+    let mut commit = Vec::with_capacity(n);
+    let mut v_time = 0.0f64;
+    // Edge state: drafted frontier, tokens sent, its clock; blocks: (end, landing time).
+    let mut e_time = half + reaction;
+    let (mut drafted, mut sent) = (0usize, 0usize);
+    let mut blocks: Vec<(usize, f64)> = Vec::new();
+    let mut next_block = 0;
+    while commit.len() < n {
+        // Let the edge work until the verifier's next forward starts.
+        while e_time <= v_time {
+            // Commits it has heard of by now (each reaches it half a round trip after).
+            let known = commit.iter().take_while(|&&t| t + half <= e_time).count();
+            let flying = blocks.iter().filter(|&&(end, _)| end > known).count();
+            if flying >= max_in_flight && drafted >= known {
+                // Full: wait for the next commit to reach it.
+                match commit.get(known) {
+                    Some(&t) => e_time = e_time.max(t + half),
+                    None => break,
+                }
+                continue;
+            }
+            // A forward feeds what was streamed past its tail, and drafts one token.
+            drafted = drafted.max(known) + 1;
+            sent = sent.max(known);
+            e_time += step;
+            if drafted - sent >= g {
+                sent = drafted;
+                blocks.push((drafted, e_time + half));
+            }
+        }
+        // The verifier plans its forward at v_time: the oldest landed block reaching past it.
+        let j = commit.len();
+        while next_block < blocks.len() && blocks[next_block].0 <= j {
+            next_block += 1; // covered
+        }
+        let usable = blocks
+            .get(next_block)
+            .filter(|&&(_, land)| land <= v_time)
+            .map(|&(end, _)| end);
+        let (m, fresh) = match usable {
+            Some(end) => {
+                next_block += 1;
+                (end - j, end - j + 1)
+            }
+            None => (0, 1),
+        };
+        v_time += forward_ms(c, m);
+        for _ in 0..fresh.min(n - commit.len()) {
+            commit.push(v_time);
+        }
+    }
+    commit
+}
+
+/// Expected inter-token latency of a session that commits `tokens` tokens after its first.
+pub fn session_itl_ms(c: &Costs, gamma: usize, depth: usize, tokens: usize) -> f64 {
+    let n = tokens.clamp(1, SESSION_MAX);
+    let a = c.alpha.clamp(0.0, 1.0);
+    let first = run_schedule(c, gamma, depth, n, 0.0);
+    let later = run_schedule(c, gamma, depth, n, c.draft_ms / 2.0);
+    // P(K = k) for k tokens the draft gets right before the next correction, and P(K ≥ k).
+    let p = |k: usize| (1.0 - a) * a.powi(k as i32);
+    let at_least = |k: usize| a.powi(k as i32);
+    // t[m]: expected time to commit m more tokens from the start of a (later) run.
+    let expect = |m: usize, s: &[f64], t: &[f64]| {
+        let mut e = 0.0;
+        for k in 0..m {
+            e += p(k) * (s[k] + t[m - k - 1]);
+        }
+        e + at_least(m) * s[m - 1]
+    };
+    let mut t = vec![0.0f64; n + 1];
+    for m in 1..n {
+        t[m] = expect(m, &later, &t);
+    }
+    expect(n, &first, &t) / n as f64
+}
+
+/// Steady-state ITL: the expected run time over the expected tokens per run.
+pub fn itl_ms(c: &Costs, gamma: usize, depth: usize) -> f64 {
+    session_itl_ms(c, gamma, depth, SESSION_MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn costs(alpha: f64, draft_ms: f64, rtt_ms: f64) -> Costs {
+        Costs {
+            alpha,
+            draft_ms,
+            verify_ms: 50.0,
+            verify_ms_per_token: 0.0,
+            rtt_ms,
+            verdict_ms: 0.0,
+        }
+    }
+
+    #[test]
+    fn a_draft_slower_than_the_verifiers_decode_leaves_cloud_only_pace() {
+        for rtt in [0.0, 100.0, 200.0] {
+            let itl = session_itl_ms(&costs(0.9, 80.0, rtt), 4, 2, 48);
+            assert!((itl - 50.0).abs() < 1e-9, "rtt {rtt}: {itl}");
+        }
+        // A useless draft, however fast, too.
+        let itl = session_itl_ms(&costs(0.0, 5.0, 100.0), 4, 2, 48);
+        assert!((itl - 50.0).abs() < 1e-9, "{itl}");
+    }
+
+    #[test]
+    fn a_perfect_fast_draft_is_paced_by_the_edge_once_caught_up() {
+        // α 1: one run; the edge drafts 20 ms tokens, the verifier decodes in 50 ms (and verifies
+        // at most a block a forward: γ new tokens, the bonus being the next block's first).
+        // Deep enough that the blocks in flight cover the round trip (else it is Little's law:
+        // tokens in flight over the time a block takes to be answered).
+        let s = run_schedule(&costs(1.0, 20.0, 100.0), 4, 8, 400, 0.0);
+        assert!(s.windows(2).all(|w| w[0] <= w[1]));
+        // It starts at the verifier's pace ...
+        assert_eq!(s[0], 50.0);
+        // ... and ends at the edge's: 100 tokens take about 100 draft forwards.
+        let late = (s[399] - s[299]) / 100.0;
+        assert!((late - 20.0).abs() < 1.0, "{late}");
+        // Never behind cloud-only.
+        assert!(s
+            .iter()
+            .enumerate()
+            .all(|(j, &t)| t <= 50.0 * (j + 1) as f64));
+    }
+
+    #[test]
+    fn a_longer_round_trip_costs_a_correction_more_cloud_paced_tokens() {
+        let itl = |rtt| session_itl_ms(&costs(0.9, 15.0, rtt), 4, 2, 200);
+        let (near, far) = (itl(0.0), itl(200.0));
+        assert!(near < far && far < 50.0, "{near} {far}");
+    }
+}
