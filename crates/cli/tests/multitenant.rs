@@ -599,3 +599,73 @@ fn a_drain_that_times_out_ends_open_sessions_with_unavailable() {
     drop(s);
     assert!(done.recv_timeout(Duration::from_secs(30)).unwrap());
 }
+
+/// Flow control over gRPC: an edge that stops acknowledging what it received gets one window of
+/// decoded tokens and then nothing, however long it waits; each Ack lets the verifier go on from
+/// where it stopped, with the target's tokens.
+#[test]
+fn an_edge_that_stops_acknowledging_is_not_decoded_further() {
+    use tandem_spec::FLOW_WINDOW;
+    let (_, tok) = target();
+    let (url, _) = grpc_server_with(
+        1000.0,
+        true,
+        Tenants::open(),
+        VerifierConfig::default(),
+        256 << 20,
+    );
+    let p = tok
+        .encode_chat("Count from 1 to 200, separated by commas.")
+        .unwrap();
+    let w = want(&p, FLOW_WINDOW + 20, 1);
+    assert!(w.len() > FLOW_WINDOW + 17, "a fixture this long: {w:?}");
+    let rt = rt();
+    rt.block_on(async {
+        let mut r = open_raw(&url, None, &p).await.unwrap();
+        let got = |r: &Raw| r.decoded;
+        for _ in 0..FLOW_WINDOW {
+            assert!(matches!(r.message().await, Ok(Reply::Decoded)));
+        }
+        let quiet = Duration::from_millis(1500);
+        assert!(
+            tokio::time::timeout(quiet, r.inbound.message())
+                .await
+                .is_err(),
+            "nothing past the window without an ack"
+        );
+        // Ack 16 more tokens than Open did: 16 more come, then nothing again.
+        let acked = r.start + 16;
+        r.out
+            .send(EdgeMessage {
+                kind: Some(edge_message::Kind::Ack(tandem_proto::v1::Ack {
+                    committed: acked as u64,
+                })),
+            })
+            .unwrap();
+        for _ in 0..16 {
+            assert!(matches!(r.message().await, Ok(Reply::Decoded)));
+        }
+        assert_eq!(got(&r), FLOW_WINDOW + 16);
+        assert!(
+            tokio::time::timeout(quiet, r.inbound.message())
+                .await
+                .is_err(),
+            "nothing past the new window"
+        );
+        // An ack of tokens never sent is refused by name; the session goes on.
+        r.out
+            .send(EdgeMessage {
+                kind: Some(edge_message::Kind::Ack(tandem_proto::v1::Ack {
+                    committed: 1 << 40,
+                })),
+            })
+            .unwrap();
+        match r.message().await {
+            Err((Code::InvalidArgument | Code::FailedPrecondition, m)) => {
+                assert!(m.contains("ack.committed"), "{m}")
+            }
+            Err(other) => panic!("{other:?}"),
+            Ok(_) => panic!("expected the refusal"),
+        }
+    });
+}

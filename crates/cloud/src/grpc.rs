@@ -312,6 +312,14 @@ impl VerifierRpc for Service {
                         }
                     },
                     Ok(Some(EdgeMessage {
+                        kind: Some(edge_message::Kind::Ack(a)),
+                    })) => {
+                        let committed = usize::try_from(a.committed).unwrap_or(usize::MAX);
+                        if !send(ToCloud::Core(Inbound::Ack { session, committed })) {
+                            break;
+                        }
+                    }
+                    Ok(Some(EdgeMessage {
                         kind: Some(edge_message::Kind::Open(_)),
                     })) => {
                         let _ = tx.send(Ok(error(

@@ -3,7 +3,7 @@
 //! thread blocks on a channel only when its pipeline is full.
 
 use tandem_proto::v1::verifier_client::VerifierClient;
-use tandem_proto::v1::{cloud_message, edge_message, EdgeMessage, Open, Opened};
+use tandem_proto::v1::{cloud_message, edge_message, Ack, EdgeMessage, Open, Opened};
 use tandem_proto::{rule_to_proto, PROTOCOL_VERSION};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{Block, Verdict, VerifyRule};
@@ -157,6 +157,16 @@ impl Link for GrpcLink {
         self.out
             .send(EdgeMessage {
                 kind: Some(edge_message::Kind::Draft((&block).into())),
+            })
+            .map_err(|_| EdgeError::LinkClosed)
+    }
+
+    fn ack(&mut self, committed: usize) -> Result<(), EdgeError> {
+        self.out
+            .send(EdgeMessage {
+                kind: Some(edge_message::Kind::Ack(Ack {
+                    committed: committed as u64,
+                })),
             })
             .map_err(|_| EdgeError::LinkClosed)
     }

@@ -36,6 +36,9 @@ pub enum EdgeError {
 /// The edge's side of a connection to a verifier session.
 pub trait Link {
     fn send(&mut self, block: Block) -> Result<(), EdgeError>;
+    /// Tell the verifier that the first `committed` tokens have arrived (flow control: it
+    /// commits at most [`tandem_spec::FLOW_WINDOW`] past the last ack).
+    fn ack(&mut self, committed: usize) -> Result<(), EdgeError>;
     /// The next message: waits for one when `wait`, else returns `None` if none has arrived.
     fn recv(&mut self, wait: bool) -> Result<Option<Incoming>, EdgeError>;
     /// After [`EdgeError::LinkClosed`]: open a new session whose prompt is the committed `history`
@@ -149,6 +152,7 @@ pub fn run_with(
                     link.send(b)?
                 }
                 Output::Rollback { to } => draft.rollback(to)?,
+                Output::Ack { committed } => link.ack(committed)?,
                 Output::Commit { tokens, .. } => {
                     let t = start.elapsed().as_secs_f64() * 1e3;
                     commit_ms.extend(std::iter::repeat_n(t, tokens.len()));

@@ -228,6 +228,11 @@ impl Link for Local<'_> {
         }
     }
 
+    fn ack(&mut self, committed: usize) -> Result<(), EdgeError> {
+        let e = self.verifier.ack(SessionId(self.session), committed);
+        self.absorb(e)
+    }
+
     fn recv(&mut self, wait: bool) -> Result<Option<tandem_spec::Incoming>, EdgeError> {
         while wait && self.inbox.is_empty() && self.verifier.has_work() {
             let e = self.verifier.step(0);

@@ -99,6 +99,11 @@ impl Link for Local {
         self.absorb(e)
     }
 
+    fn ack(&mut self, committed: usize) -> Result<(), EdgeError> {
+        let e = self.v.ack(SessionId(SESSION), committed);
+        self.absorb(e)
+    }
+
     fn recv(&mut self, wait: bool) -> Result<Option<Incoming>, EdgeError> {
         while wait && self.inbox.is_empty() && self.v.has_work() {
             let e = self.v.step(0);

@@ -34,6 +34,12 @@ pub(crate) enum Ev {
         sid: u64,
         block: Block,
     },
+    /// The edge acknowledges its first `committed` tokens (flow control).
+    Ack {
+        r: usize,
+        sid: u64,
+        committed: usize,
+    },
     Close {
         r: usize,
         sid: u64,
@@ -226,7 +232,7 @@ impl Sim {
                 let r = user % self.cfg.replicas;
                 self.send(sid, true, Ev::Open { r, sid });
             }
-            Ev::Open { r, .. } | Ev::Block { r, .. } | Ev::Close { r, .. } => {
+            Ev::Open { r, .. } | Ev::Block { r, .. } | Ev::Ack { r, .. } | Ev::Close { r, .. } => {
                 if self.replicas[r].busy {
                     self.replicas[r].inbox.push(ev);
                 } else {
@@ -304,6 +310,10 @@ impl Sim {
             Ev::Block { sid, block, .. } => Inbound::Draft {
                 session: SessionId(sid),
                 block,
+            },
+            Ev::Ack { sid, committed, .. } => Inbound::Ack {
+                session: SessionId(sid),
+                committed,
             },
             Ev::Close { sid, .. } => Inbound::Close {
                 session: SessionId(sid),
@@ -440,6 +450,10 @@ impl Sim {
                 }
                 Output::Commit { pos, tokens } => self.commit(sid, pos, &tokens),
                 Output::Rollback { .. } => {}
+                Output::Ack { committed } => {
+                    let r = self.sessions.get(&sid).map_or(0, |s| s.replica);
+                    self.send(sid, true, Ev::Ack { r, sid, committed });
+                }
             }
         }
     }

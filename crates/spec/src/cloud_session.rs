@@ -21,6 +21,12 @@
 
 use serde::{Deserialize, Serialize};
 
+/// Flow control: the verifier commits at most this many tokens past the last one the edge has
+/// acknowledged, so a session whose edge stops reading is not decoded further. The edge acks
+/// every [`ACK_EVERY`] tokens, well inside the window.
+pub const FLOW_WINDOW: usize = 64;
+pub const ACK_EVERY: usize = 16;
+
 use crate::pipeline::{Block, BlockId, Decoded, Verdict};
 use crate::sampling::SamplingParams;
 use crate::verify::{judge, target_token, VerifyRule};
@@ -76,6 +82,8 @@ pub struct CloudSession {
     /// Tokens in the session's target KV: `committed.len() - 1`.
     kv_len: usize,
     max_len: usize,
+    /// Committed tokens the edge has said it received (flow control).
+    acked: usize,
     /// Target positions verified (drafted tokens judged in a forward).
     pub verified_positions: u64,
 }
@@ -93,7 +101,9 @@ impl CloudSession {
     ) -> Self {
         let mut committed = prompt.to_vec();
         committed.push(first);
+        let acked = committed.len();
         Self {
+            acked,
             rule: rule.effective(&params),
             params,
             prompt_len: prompt.len(),
@@ -123,6 +133,24 @@ impl CloudSession {
     }
     pub fn kv_len(&self) -> usize {
         self.kv_len
+    }
+
+    /// The edge has received the first `committed` tokens. Acks never go back; one beyond what
+    /// was committed is refused by name.
+    pub fn ack(&mut self, committed: usize) -> Result<(), SpecError> {
+        if committed > self.committed.len() {
+            return Err(SpecError::Protocol(format!(
+                "ack.committed: {committed} tokens acknowledged, only {} committed",
+                self.committed.len()
+            )));
+        }
+        self.acked = self.acked.max(committed);
+        Ok(())
+    }
+
+    /// Whether the verifier may commit more now: fewer than [`FLOW_WINDOW`] tokens are unacked.
+    pub fn window_open(&self) -> bool {
+        self.committed.len() < self.acked + FLOW_WINDOW
     }
 
     /// Check a block as it arrives, before it is queued: well formed. Its epoch and position are

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
+use crate::cloud_session::ACK_EVERY;
 use crate::pipeline::{
     BlockId, Decoded, Next, Output, Pipeline, PipelineConfig, Shape, SparseDist, Verdict,
 };
@@ -163,6 +164,8 @@ pub struct EdgeSession {
     seen: (usize, usize),
     /// Drafting is paused (a useless draft) until this many tokens are committed.
     paused_until: Option<usize>,
+    /// Committed tokens last acknowledged to the verifier (flow control).
+    acked: usize,
 }
 
 impl EdgeSession {
@@ -206,7 +209,9 @@ impl EdgeSession {
             recent: (0.0, 0.0),
             seen: (0, 0),
             paused_until: None,
+            acked: 0,
         };
+        s.acked = s.p.committed_len();
         let mut out = out;
         if let Some(g) = cfg.granted {
             s.granted_drafting = g.draft_len > 0;
@@ -321,6 +326,7 @@ impl EdgeSession {
                 }
                 r.outputs.extend(self.gate_drafting());
                 self.forget_answered();
+                self.ack(&mut r.outputs);
                 self.sent(now_ms, &r.outputs);
                 return Ok(r);
             }
@@ -365,8 +371,20 @@ impl EdgeSession {
         }
         r.outputs.extend(self.gate_drafting());
         self.forget_answered();
+        self.ack(&mut r.outputs);
         self.sent(now_ms, &r.outputs);
         Ok(r)
+    }
+
+    /// Acknowledge the committed tokens every [`ACK_EVERY`] of them, so that the verifier, which
+    /// commits at most [`FLOW_WINDOW`](crate::cloud_session::FLOW_WINDOW) past the last ack, keeps going. (Not once the session is
+    /// done: the verifier stops at the token limit or end of generation by itself.)
+    fn ack(&mut self, out: &mut Vec<Output>) {
+        let c = self.p.committed_len();
+        if self.p.next() != Next::Done && c >= self.acked + ACK_EVERY {
+            self.acked = c;
+            out.push(Output::Ack { committed: c });
+        }
     }
 
     /// Pause a draft that is almost always wrong, for [`PAUSE_TOKENS`] commits, then try again.
@@ -461,7 +479,9 @@ impl EdgeSession {
     /// A session reopened over the committed history answered with the target's `first` token.
     pub fn on_reopened(&mut self, first: u32) -> Vec<Output> {
         self.m.reconnects += 1;
-        self.p.on_reopened(first)
+        let out = self.p.on_reopened(first);
+        self.acked = self.p.committed_len();
+        out
     }
 
     /// What the session measured so far.

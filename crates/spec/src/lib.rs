@@ -29,7 +29,7 @@ pub mod policy;
 pub mod sampling;
 pub mod verify;
 
-pub use cloud_session::{BlockAction, CloudSession, Feed, Finished};
+pub use cloud_session::{BlockAction, CloudSession, Feed, Finished, ACK_EVERY, FLOW_WINDOW};
 pub use edge::{EdgeSession, Incoming, Measured, Reaction, SessionConfig};
 pub use pipeline::{
     Block, BlockId, Decoded, Next, Output, Pipeline, PipelineConfig, PipelineStats, Shape,

@@ -134,6 +134,9 @@ pub enum Output {
     Commit { pos: usize, tokens: Vec<u32> },
     /// Truncate the draft model's KV cache to `to` tokens.
     Rollback { to: usize },
+    /// Tell the verifier that every committed token before `committed` has arrived (flow
+    /// control: see [`crate::cloud_session::FLOW_WINDOW`]).
+    Ack { committed: usize },
 }
 
 /// What the shell should do next.

@@ -81,6 +81,9 @@ impl<T: Target, H> VerifierCore<T, H> {
         if vs.committed_len() >= *limit || vs.committed().last().is_some_and(|t| eog.contains(t)) {
             return; // the edge has every token it asked for and closes
         }
+        if !vs.window_open() {
+            return; // its edge is not reading: nothing more until it acks (see Self::ack)
+        }
         let refuse = |e: VerifierError| Event::Error {
             session: id,
             error: e,
@@ -171,6 +174,25 @@ impl<T: Target, H> VerifierCore<T, H> {
                 self.ended.push(id);
             }
         }
+    }
+
+    /// The edge of `id` has received its first `committed` tokens: a session held back by flow
+    /// control goes on. An ack beyond the committed tokens is refused (the session goes on).
+    pub fn ack(&mut self, id: SessionId, committed: usize) -> Vec<Event> {
+        let mut events = Vec::new();
+        let Some(Work::Spec { vs: Some(vs), .. }) = self.sessions.get_mut(&id).map(|s| &mut s.work)
+        else {
+            return events;
+        };
+        if let Err(e) = vs.ack(committed) {
+            events.push(Event::Error {
+                session: id,
+                error: e.into(),
+                fatal: false,
+            });
+        }
+        self.proceed(id, &mut events);
+        events
     }
 
     /// Take a speculation session over (`on`): the verifier verifies none of its blocks and

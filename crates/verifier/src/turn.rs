@@ -46,6 +46,11 @@ pub enum Inbound<H> {
         session: SessionId,
         block: Block,
     },
+    /// The edge has received the session's first `committed` tokens (flow control).
+    Ack {
+        session: SessionId,
+        committed: usize,
+    },
     /// The edge closed the session, or its transport is gone.
     Close {
         session: SessionId,
@@ -183,6 +188,10 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                     a.push_back((block.index, now_us));
                 }
                 let e = self.draft(session, block);
+                self.held.extend(e);
+            }
+            Inbound::Ack { session, committed } => {
+                let e = self.ack(session, committed);
                 self.held.extend(e);
             }
             Inbound::Close { session } => self.close(session),
