@@ -729,7 +729,9 @@ fn metrics_are_scraped_over_http_and_parse() {
         0.0,
         tandem_spec::sampling::SamplingParams::default(),
         tandem_spec::VerifyRule::Greedy,
-        16,
+        // Long enough that some verified block has accepted tokens: under protocol 2 a short
+        // session's right drafts can all be covered by the verifier's own decodes first.
+        48,
         Some(url),
     );
     let mut c = std::net::TcpStream::connect(maddr).unwrap();
