@@ -607,13 +607,7 @@ fn a_drain_that_times_out_ends_open_sessions_with_unavailable() {
 fn an_edge_that_stops_acknowledging_is_not_decoded_further() {
     use tandem_spec::FLOW_WINDOW;
     let (_, tok) = target();
-    let (url, _) = grpc_server_with(
-        1000.0,
-        true,
-        Tenants::open(),
-        VerifierConfig::default(),
-        256 << 20,
-    );
+    let (url, _) = new_grpc_server(tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS);
     let p = tok
         .encode_chat("Count from 1 to 200, separated by commas.")
         .unwrap();
@@ -622,7 +616,6 @@ fn an_edge_that_stops_acknowledging_is_not_decoded_further() {
     let rt = rt();
     rt.block_on(async {
         let mut r = open_raw(&url, None, &p).await.unwrap();
-        let got = |r: &Raw| r.decoded;
         for _ in 0..FLOW_WINDOW {
             assert!(matches!(r.message().await, Ok(Reply::Decoded)));
         }
@@ -645,7 +638,7 @@ fn an_edge_that_stops_acknowledging_is_not_decoded_further() {
         for _ in 0..16 {
             assert!(matches!(r.message().await, Ok(Reply::Decoded)));
         }
-        assert_eq!(got(&r), FLOW_WINDOW + 16);
+        assert_eq!(r.decoded, FLOW_WINDOW + 16);
         assert!(
             tokio::time::timeout(quiet, r.inbound.message())
                 .await

@@ -602,17 +602,6 @@ fn grpc_server() -> &'static String {
     URL.get_or_init(|| new_grpc_server(tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS).0)
 }
 
-/// A verifier of its own, for a test that reads the server's load: its URL and its gauges.
-fn new_grpc_server(saturation_tokens: f64) -> (String, std::sync::Arc<tandem_cloud::Gauges>) {
-    grpc_server_with(
-        saturation_tokens,
-        false,
-        tandem_cloud::tenants::Tenants::open(),
-        tandem_verifier::VerifierConfig::default(),
-        256 << 20,
-    )
-}
-
 /// Grants follow the load: while a generation keeps a verifier (saturated at 1 token per forward)
 /// busy, the grant shrinks a level every few forwards down to γ 0 — the verifier decodes sessions
 /// itself: a new session is granted γ 0, and a session opened before gets the target's tokens

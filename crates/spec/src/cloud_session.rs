@@ -22,9 +22,9 @@
 use serde::{Deserialize, Serialize};
 
 /// Flow control: the verifier commits at most this many tokens past the last one the edge has
-/// acknowledged, so a session whose edge stops reading is not decoded further. The edge acks
-/// every [`ACK_EVERY`] tokens, well inside the window.
+/// acknowledged, so a session whose edge stops reading is not decoded further.
 pub const FLOW_WINDOW: usize = 64;
+/// The edge acks every this many committed tokens, well inside [`FLOW_WINDOW`].
 pub const ACK_EVERY: usize = 16;
 
 use crate::pipeline::{Block, BlockId, Decoded, Verdict};

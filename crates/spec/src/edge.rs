@@ -377,8 +377,9 @@ impl EdgeSession {
     }
 
     /// Acknowledge the committed tokens every [`ACK_EVERY`] of them, so that the verifier, which
-    /// commits at most [`FLOW_WINDOW`](crate::cloud_session::FLOW_WINDOW) past the last ack, keeps going. (Not once the session is
-    /// done: the verifier stops at the token limit or end of generation by itself.)
+    /// commits at most [`FLOW_WINDOW`](crate::cloud_session::FLOW_WINDOW) past the last ack,
+    /// keeps going. (Not once the session is done: the verifier stops at the token limit or end
+    /// of generation by itself.)
     fn ack(&mut self, out: &mut Vec<Output>) {
         let c = self.p.committed_len();
         if self.p.next() != Next::Done && c >= self.acked + ACK_EVERY {

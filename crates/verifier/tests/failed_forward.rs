@@ -2,73 +2,13 @@
 //! was and planned again (its block verifies afterwards as if nothing had happened, a decode step
 //! runs again), and a cloud-only generation ends with the error and frees its KV.
 
-use std::cell::Cell;
-use std::rc::Rc;
+mod common;
 
-use tandem_engine::{EngineError, Logits, SeqChunk};
+use common::{core, oracle};
 use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{Block, Verdict, VerifyRule};
-use tandem_verifier::{Event, Target, VerifierConfig, VerifierCore};
-
-const VOCAB: usize = 16;
-
-/// The target's greedy token after `token` at `pos`.
-fn next(pos: usize, token: u32) -> u32 {
-    ((pos as u32 * 7 + token) % 15) + 1
-}
-
-/// The target's greedy continuation of `prompt`, `n` tokens.
-fn oracle(prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut seq = prompt.to_vec();
-    for _ in 0..n {
-        let p = seq.len() - 1;
-        seq.push(next(p, seq[p]));
-    }
-    seq[prompt.len()..].to_vec()
-}
-
-/// A one-hot target whose forwards fail while `fail` is set.
-struct Flaky {
-    fail: Rc<Cell<bool>>,
-}
-
-impl Target for Flaky {
-    fn vocab(&self) -> usize {
-        VOCAB
-    }
-    fn context_len(&self) -> usize {
-        1024
-    }
-    fn kv_geometry(&self) -> (usize, usize) {
-        (4, 64)
-    }
-    fn forward_timed(
-        &mut self,
-        batch: &[SeqChunk],
-        _tables: &[Vec<u32>],
-    ) -> (Result<Logits, EngineError>, u32) {
-        if self.fail.get() {
-            return (
-                Err(EngineError::InvalidBatch("the device fell over".into())),
-                10,
-            );
-        }
-        (
-            Ok(Logits::one_hot(batch, VOCAB, |_, pos, t| next(pos, t))),
-            10,
-        )
-    }
-}
-
-fn core() -> (VerifierCore<Flaky>, Rc<Cell<bool>>) {
-    let fail = Rc::new(Cell::new(false));
-    let target = Flaky { fail: fail.clone() };
-    (
-        VerifierCore::new(target, VerifierConfig::default()).unwrap(),
-        fail,
-    )
-}
+use tandem_verifier::Event;
 
 const PROMPT: [u32; 3] = [3, 4, 5];
 

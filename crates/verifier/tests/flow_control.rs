@@ -2,41 +2,13 @@
 //! the last one its edge acknowledged, so a session whose edge stops reading is not decoded
 //! further; each ack lets it go on, and an ack of tokens never committed is refused by name.
 
-use tandem_engine::{EngineError, Logits, SeqChunk};
+mod common;
+
+use common::{core, next};
 use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{VerifyRule, FLOW_WINDOW};
-use tandem_verifier::{Event, Target, VerifierConfig, VerifierCore};
-
-const VOCAB: usize = 16;
-
-fn next(pos: usize, token: u32) -> u32 {
-    ((pos as u32 * 7 + token) % 15) + 1
-}
-
-struct OneHot;
-
-impl Target for OneHot {
-    fn vocab(&self) -> usize {
-        VOCAB
-    }
-    fn context_len(&self) -> usize {
-        1024
-    }
-    fn kv_geometry(&self) -> (usize, usize) {
-        (4, 256)
-    }
-    fn forward_timed(
-        &mut self,
-        batch: &[SeqChunk],
-        _tables: &[Vec<u32>],
-    ) -> (Result<Logits, EngineError>, u32) {
-        (
-            Ok(Logits::one_hot(batch, VOCAB, |_, pos, t| next(pos, t))),
-            10,
-        )
-    }
-}
+use tandem_verifier::Event;
 
 const PROMPT: [u32; 3] = [3, 4, 5];
 const S: SessionId = SessionId(1);
@@ -54,7 +26,7 @@ fn decoded(events: &[Event]) -> Vec<(usize, u32)> {
 
 #[test]
 fn an_edge_that_does_not_acknowledge_is_decoded_one_window_ahead_and_no_further() {
-    let mut v: VerifierCore<OneHot> = VerifierCore::new(OneHot, VerifierConfig::default()).unwrap();
+    let (mut v, _) = core();
     v.open(
         S,
         TenantId(0),

@@ -134,6 +134,18 @@ pub fn grpc_server_with(
     }
 }
 
+/// A verifier of its own (open to every tenant, default settings, a 256 MiB KV cache), for a
+/// test that reads the server's load or holds its sessions: its URL and its gauges.
+pub fn new_grpc_server(saturation_tokens: f64) -> (String, std::sync::Arc<tandem_cloud::Gauges>) {
+    grpc_server_with(
+        saturation_tokens,
+        false,
+        tandem_cloud::tenants::Tenants::open(),
+        tandem_verifier::VerifierConfig::default(),
+        256 << 20,
+    )
+}
+
 /// One speculative run: in-process behind `rtt_ms`, or against the verifier at `cloud_url`.
 #[allow(clippy::too_many_arguments)]
 pub fn spec_out(
