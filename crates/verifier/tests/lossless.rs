@@ -1,0 +1,493 @@
+//! The real edge session ([`EdgeSession`]) against the real verifier core, driven through the
+//! same turn interface as the server and the simulator, under arbitrary interleavings: drafting,
+//! blocks reaching the verifier before, during and after its own decodes (stale, partly and
+//! wholly agreeing), verdicts and decoded tokens reaching the edge late, acks, dropped
+//! connections and reopened sessions, and cloud-only generations opening and closing beside it
+//! so that the grant shrinks, takes the session over (γ 0) and hands it back.
+//!
+//! Checked at every step: every committed token is the target's greedy token, commits are
+//! contiguous and never repeat a position; the verifier tells each position once (a verdict
+//! only tells positions past the ones already told); the draft is fed each token once, and rolled
+//! back only where a token it was fed changed; no verdict is of an epoch the edge left; and once
+//! nothing is on the way, both sides are at the same epoch.
+
+mod common;
+
+use std::cell::Cell;
+use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
+
+use common::{next, VOCAB};
+use proptest::prelude::*;
+use tandem_sched::{GrantPolicy, SessionId, TenantId};
+use tandem_spec::sampling::{uniform, SamplingParams};
+use tandem_spec::{
+    Block, BlockId, EdgeSession, Incoming, Next, Output, SessionConfig, Shape, VerifyRule,
+};
+use tandem_verifier::{Inbound, Mode, NewSession, ToEdge, VerifierConfig, VerifierCore};
+
+const PROMPT: [u32; 3] = [3, 4, 5];
+const EOG: u32 = 13;
+
+/// The target's greedy continuation, up to `n` tokens or the end-of-generation token.
+fn oracle(prompt: &[u32], n: usize, eog: &[u32]) -> Vec<u32> {
+    let mut seq = prompt.to_vec();
+    while seq.len() < prompt.len() + n {
+        let p = seq.len() - 1;
+        let t = next(p, seq[p]);
+        seq.push(t);
+        if eog.contains(&t) {
+            break;
+        }
+    }
+    seq[prompt.len()..].to_vec()
+}
+
+/// The draft's token after `seq`: the target's with probability `alpha`, else a wrong one.
+fn draft(seq: &[u32], seed: u64, alpha: f64, salt: u64) -> u32 {
+    let p = seq.len() - 1;
+    let t = next(p, seq[p]);
+    if uniform(seed, (p as u64) << 20 | salt, 3) < alpha {
+        t
+    } else {
+        t % (VOCAB as u32 - 1) + 1
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Step {
+    Draft,
+    /// The edge drafts until it has to wait (or is told to stop).
+    DraftAll,
+    /// The oldest message on the way to the verifier arrives.
+    Up,
+    /// One turn of the verifier (a forward, if any session has work).
+    Turn,
+    /// The oldest message on the way to the edge arrives.
+    Down,
+    /// The connection drops (both directions lose what is on the way); the edge reopens.
+    Drop,
+    /// A cloud-only generation opens beside the session (the load rises), or one closes.
+    LoadOn,
+    LoadOff,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        20 => Just(Step::Draft),
+        4 => Just(Step::DraftAll),
+        10 => Just(Step::Up),
+        8 => Just(Step::Turn),
+        10 => Just(Step::Down),
+        1 => Just(Step::Drop),
+        2 => Just(Step::LoadOn),
+        2 => Just(Step::LoadOff),
+    ]
+}
+
+enum ToCloud {
+    Draft(Block),
+    Ack(usize),
+}
+
+struct World {
+    v: VerifierCore<common::OneHot, u64>,
+    now_us: u64,
+    /// The speculation session's id on the verifier (a new one per connection).
+    id: SessionId,
+    load: Vec<SessionId>,
+    next_id: u64,
+    up: VecDeque<ToCloud>,
+    down: VecDeque<ToEdge>,
+    /// Blocks sent on this connection, for the positions their verdicts tell.
+    sent: HashMap<BlockId, Block>,
+    /// The next position the verifier tells the edge (each once, in order).
+    told: usize,
+    seen: Seen,
+}
+
+/// How often a run took each path, to check that the interleavings reach them all.
+#[derive(Debug, Default, Clone, Copy)]
+struct Seen {
+    /// Sessions taken over (or handed back) by the load control.
+    takeovers: usize,
+    verdicts: usize,
+    /// Verdicts of blocks that started behind the verifier (rebased: their leading tokens had
+    /// been decoded meanwhile).
+    rebased: usize,
+    decoded: usize,
+    reconnects: usize,
+    /// Blocks answered by the verifier's decodes alone.
+    covered: usize,
+}
+
+impl World {
+    fn fresh_id(&mut self) -> SessionId {
+        self.next_id += 1;
+        SessionId(self.next_id)
+    }
+
+    /// One turn: the speculation session's messages go on the way to the edge, checked as they
+    /// leave; the generations' are dropped.
+    fn turn(&mut self) -> Result<(), TestCaseError> {
+        self.now_us += 1_000;
+        let t = self.v.turn(self.now_us);
+        self.seen.takeovers += t.takeovers;
+        for o in t.out {
+            if o.session != self.id {
+                if o.msg.ends() {
+                    self.load.retain(|&s| s != o.session);
+                }
+                continue;
+            }
+            match &o.msg {
+                ToEdge::Decoded(d) => {
+                    prop_assert_eq!(d.pos, self.told, "each position is told once, in order");
+                    self.told += 1;
+                    self.seen.decoded += 1;
+                }
+                ToEdge::Verdict(v) => {
+                    let b = &self.sent[&v.block];
+                    let end = b.start_pos + v.accepted + 1;
+                    prop_assert!(end > self.told, "a verdict re-tells position {}", self.told);
+                    prop_assert!(v.accepted <= b.tokens.len());
+                    self.seen.verdicts += 1;
+                    self.seen.rebased += usize::from(b.start_pos < self.told);
+                    self.told = end;
+                }
+                ToEdge::Opened { .. } => {}
+                m => return Err(TestCaseError::fail(format!("the session got {m:?}"))),
+            }
+            self.down.push_back(o.msg);
+        }
+        Ok(())
+    }
+
+    /// Open the speculation session over `history` and turn until it is prefilled: the first
+    /// token and the grant.
+    fn open(
+        &mut self,
+        history: &[u32],
+        max_tokens: usize,
+        want: Shape,
+    ) -> Result<(u32, Shape), TestCaseError> {
+        self.id = self.fresh_id();
+        self.sent.clear();
+        self.v.receive(
+            self.now_us,
+            Inbound::Open {
+                session: self.id,
+                new: NewSession {
+                    tenant: TenantId(0),
+                    prompt: history.to_vec(),
+                    params: SamplingParams::default(),
+                    max_tokens,
+                    eog: vec![EOG],
+                    mode: Mode::Speculate {
+                        rule: VerifyRule::Greedy,
+                        want,
+                    },
+                },
+                handle: self.id.0,
+            },
+        );
+        self.told = history.len();
+        for _ in 0..100 {
+            self.turn()?;
+            if let Some(ToEdge::Opened { first, grant }) = self.down.pop_front() {
+                prop_assert_eq!(first, next(history.len() - 1, history[history.len() - 1]));
+                self.told = history.len() + 1;
+                return Ok((first, grant));
+            }
+        }
+        Err(TestCaseError::fail("the session never opened"))
+    }
+}
+
+/// The shell's view of the edge: what it committed and what its draft model was fed.
+struct Shell {
+    want: Vec<u32>,
+    committed: Vec<u32>,
+    /// The tokens in the draft model's KV, in order.
+    draft_kv: Vec<u32>,
+    rollbacks: Vec<usize>,
+}
+
+impl Shell {
+    fn handle(&mut self, outs: Vec<Output>, w: &mut World) -> Result<(), TestCaseError> {
+        for o in outs {
+            match o {
+                Output::Send(b) => {
+                    w.sent.insert(b.index, b.clone());
+                    w.up.push_back(ToCloud::Draft(b));
+                }
+                Output::Ack { committed } => w.up.push_back(ToCloud::Ack(committed)),
+                Output::Rollback { to } => self.rollbacks.push(to),
+                Output::Commit { pos, tokens } => {
+                    prop_assert_eq!(
+                        pos,
+                        PROMPT.len() + self.committed.len(),
+                        "commits are contiguous, never repeated"
+                    );
+                    for (i, t) in tokens.iter().enumerate() {
+                        let k = self.committed.len() + i;
+                        prop_assert!(k < self.want.len(), "committed past the end");
+                        prop_assert_eq!(
+                            *t,
+                            self.want[k],
+                            "committed token {} is not the target's",
+                            k
+                        );
+                    }
+                    self.committed.extend(tokens);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// After the edge handled something: its rollbacks truncate the draft's KV, each only where
+    /// a token the draft was fed is no longer the edge's (a token that agrees is kept).
+    fn roll_back(&mut self, e: &EdgeSession) -> Result<(), TestCaseError> {
+        for to in std::mem::take(&mut self.rollbacks) {
+            if to < self.draft_kv.len() {
+                let now = e.pipeline().tokens().get(to);
+                prop_assert!(
+                    now != Some(&self.draft_kv[to]),
+                    "rolled the draft back to {} though its token there still holds",
+                    to
+                );
+                self.draft_kv.truncate(to);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn run(
+    seed: u64,
+    alpha: f64,
+    gamma: usize,
+    depth: usize,
+    max_new: usize,
+    schedule: &[Step],
+) -> Result<Seen, TestCaseError> {
+    let target = common::OneHot {
+        fail: Rc::new(Cell::new(false)),
+    };
+    let grants = GrantPolicy::new(4, 3, 4.0).with_cloud_decode();
+    let v = VerifierCore::new(target, VerifierConfig::default())
+        .unwrap()
+        .with_grants(grants, 0);
+    let mut w = World {
+        v,
+        now_us: 0,
+        id: SessionId(0),
+        load: Vec::new(),
+        next_id: 0,
+        up: VecDeque::new(),
+        down: VecDeque::new(),
+        sent: HashMap::new(),
+        told: 0,
+        seen: Seen::default(),
+    };
+    let want_shape = Shape::new(gamma as u32, depth as u32);
+    let (first, grant) = w.open(&PROMPT, max_new, want_shape)?;
+    let cfg = SessionConfig {
+        draft_len: gamma,
+        depth,
+        max_new_tokens: max_new,
+        auto: None,
+        granted: Some(grant),
+    };
+    let (mut edge, outs) = EdgeSession::new(0.0, PROMPT.to_vec(), first, cfg, vec![EOG]).unwrap();
+    let mut shell = Shell {
+        want: oracle(&PROMPT, max_new, &[EOG]),
+        committed: Vec::new(),
+        draft_kv: Vec::new(),
+        rollbacks: Vec::new(),
+    };
+    shell.handle(outs, &mut w)?;
+    shell.roll_back(&edge)?;
+    let (mut i, mut steps, mut salt) = (0, 0, 0u64);
+    while edge.next() != Next::Done {
+        steps += 1;
+        prop_assert!(steps < 20_000, "no progress");
+        let now_ms = w.now_us as f64 / 1e3;
+        let s = schedule.get(i).copied().unwrap_or(match steps % 4 {
+            0 => Step::Draft,
+            1 => Step::Up,
+            2 => Step::Down,
+            _ => Step::Turn,
+        });
+        i += 1;
+        match s {
+            Step::Draft | Step::DraftAll => {
+                let mut n = if matches!(s, Step::Draft) { 1 } else { 64 };
+                while n > 0 && edge.next() == Next::Draft {
+                    n -= 1;
+                    // The shell feeds what the draft has not seen, then drafts.
+                    let p = edge.pipeline();
+                    prop_assert_eq!(p.draft_fed(), shell.draft_kv.len(), "the draft's KV length");
+                    prop_assert_eq!(&p.tokens()[..p.draft_fed()], &shell.draft_kv[..]);
+                    shell.draft_kv = p.tokens().to_vec();
+                    salt += 1;
+                    let t = draft(p.tokens(), seed, alpha, salt);
+                    let outs = edge.on_drafted(now_ms, t, None, 1.0, false);
+                    shell.handle(outs, &mut w)?;
+                    shell.roll_back(&edge)?;
+                }
+            }
+            Step::Up => match w.up.pop_front() {
+                Some(ToCloud::Draft(block)) => w.v.receive(
+                    w.now_us,
+                    Inbound::Draft {
+                        session: w.id,
+                        block,
+                    },
+                ),
+                Some(ToCloud::Ack(committed)) => w.v.receive(
+                    w.now_us,
+                    Inbound::Ack {
+                        session: w.id,
+                        committed,
+                    },
+                ),
+                None => {}
+            },
+            Step::Turn => w.turn()?,
+            Step::Down => {
+                let msg = match w.down.pop_front() {
+                    Some(ToEdge::Verdict(v)) => Some(Incoming::Verdict(v)),
+                    Some(ToEdge::Decoded(d)) => Some(Incoming::Decoded(d)),
+                    Some(m) => return Err(TestCaseError::fail(format!("unexpected {m:?}"))),
+                    None => None,
+                };
+                if let Some(msg) = msg {
+                    let r = edge.on_message(now_ms, msg).map_err(|e| {
+                        TestCaseError::fail(format!("the edge refused {msg:?}: {e}"))
+                    })?;
+                    shell.handle(r.outputs, &mut w)?;
+                    shell.roll_back(&edge)?;
+                }
+            }
+            Step::Drop => {
+                w.up.clear();
+                w.down.clear();
+                let old = w.id;
+                w.v.receive(w.now_us, Inbound::Close { session: old });
+                let outs = edge.on_connection_lost();
+                shell.handle(outs, &mut w)?;
+                shell.roll_back(&edge)?;
+                let reopen = edge.reopen(0).expect("a first attempt");
+                let history = edge.committed().to_vec();
+                let (first, _) = w.open(&history, reopen.max_tokens, want_shape)?;
+                let outs = edge.on_reopened(first);
+                shell.handle(outs, &mut w)?;
+                shell.roll_back(&edge)?;
+            }
+            Step::LoadOn if w.load.len() < 6 => {
+                let id = w.fresh_id();
+                w.v.receive(
+                    w.now_us,
+                    Inbound::Open {
+                        session: id,
+                        new: NewSession {
+                            tenant: TenantId(0),
+                            prompt: vec![1, 2],
+                            params: SamplingParams::default(),
+                            max_tokens: 60,
+                            eog: vec![],
+                            mode: Mode::Generate,
+                        },
+                        handle: id.0,
+                    },
+                );
+                w.load.push(id);
+            }
+            Step::LoadOff => {
+                if let Some(id) = w.load.pop() {
+                    w.v.receive(w.now_us, Inbound::Close { session: id });
+                }
+            }
+            _ => {}
+        }
+        prop_assert_eq!(
+            edge.pipeline().stats().stale_verdicts,
+            0,
+            "a verdict went stale"
+        );
+        let state = w.v.session(w.id);
+        if let Some(st) = state.filter(|st| st.queued_blocks == 0 && !st.verifying) {
+            if w.up.is_empty() && w.down.is_empty() {
+                prop_assert_eq!(edge.pipeline().epoch(), st.epoch, "the epochs drifted");
+            }
+        }
+    }
+    prop_assert_eq!(&shell.committed, &shell.want);
+    w.seen.reconnects = edge.measured().reconnects;
+    w.seen.covered = edge.pipeline().stats().covered_blocks;
+    Ok(w.seen)
+}
+
+fn case() -> impl Strategy<Value = (u64, f64, usize, usize, usize, Vec<Step>)> {
+    (
+        0u64..10_000,
+        prop_oneof![Just(0.0), Just(0.6), Just(0.9), Just(1.0), 0.0f64..1.0],
+        1usize..6,
+        1usize..4,
+        1usize..70,
+        proptest::collection::vec(step(), 0..400),
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    #[test]
+    fn the_edge_session_and_the_verifier_core_commit_the_targets_tokens(
+        (seed, alpha, gamma, depth, max_new, schedule) in case()
+    ) {
+        run(seed, alpha, gamma, depth, max_new, &schedule)?;
+    }
+}
+
+/// The interleavings the proptest draws reach every path it is meant to cover, in a good share of
+/// cases: a strategy that drifted to (say) never verifying would pass the proptest vacuously.
+#[test]
+fn the_interleavings_reach_every_path() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::TestRunner;
+    let mut runner = TestRunner::deterministic();
+    let cases = 200;
+    let mut with = [0usize; 6];
+    for _ in 0..cases {
+        let (seed, alpha, gamma, depth, max_new, schedule) =
+            case().new_tree(&mut runner).unwrap().current();
+        let s = run(seed, alpha, gamma, depth, max_new, &schedule).unwrap();
+        let took = [
+            s.takeovers,
+            s.verdicts,
+            s.rebased,
+            s.decoded,
+            s.reconnects,
+            s.covered,
+        ];
+        for (n, t) in with.iter_mut().zip(took) {
+            *n += usize::from(t > 0);
+        }
+    }
+    let names = [
+        "takeovers",
+        "verdicts",
+        "rebased verdicts",
+        "decodes",
+        "reconnects",
+        "covered blocks",
+    ];
+    for (name, n) in names.iter().zip(with) {
+        assert!(
+            n >= cases / 5,
+            "only {n} of {cases} cases had {name}: {with:?}"
+        );
+    }
+}
