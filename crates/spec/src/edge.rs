@@ -10,10 +10,11 @@ use std::collections::HashMap;
 use serde::Serialize;
 
 use crate::cloud_session::ACK_EVERY;
+use crate::never_idle;
 use crate::pipeline::{
     BlockId, Decoded, Next, Output, Pipeline, PipelineConfig, Shape, SparseDist, Verdict,
 };
-use crate::policy::{async_itl_ms, recommend, sync_itl_ms, Costs, Estimator};
+use crate::policy::{Costs, Estimator};
 use crate::SpecError;
 
 /// What the verifier sends a session.
@@ -425,29 +426,18 @@ impl EdgeSession {
         }
     }
 
-    /// With the adaptive policy: the shape to change to, when the model predicts a clear gain.
+    /// With the adaptive policy: the shape to change to, when protocol 2's model
+    /// ([`never_idle`]) predicts a clear gain over the current one.
     fn replan(&self) -> Option<(usize, usize)> {
         let a = self.cfg.auto?;
         let s = *self.p.stats();
         let costs = self.est.costs(s.accepted, s.accepted + s.rejections);
-        let (max_g, max_d) = (a.max_draft_len.min(self.cap.0), a.max_depth.min(self.cap.1));
-        let plan = recommend(&costs, max_g.max(1), max_d.max(1));
+        let max_g = a.max_draft_len.min(self.cap.0).max(1);
+        let max_d = a.max_depth.min(self.cap.1).max(1);
         let (g, d) = (self.p.config().draft_len, self.p.config().depth);
-        // Synchronous speculation (depth 1) only chooses γ, by its own model.
-        let (want, best_ms, now_ms) = if max_d <= 1 {
-            (
-                (plan.sync_gamma, 1),
-                plan.predicted_sync_itl_ms,
-                sync_itl_ms(&costs, g),
-            )
-        } else {
-            (
-                (plan.gamma, plan.depth),
-                plan.predicted_async_itl_ms,
-                async_itl_ms(&costs, g, d),
-            )
-        };
-        (want != (g, d) && best_ms < REPLAN_GAIN * now_ms).then_some(want)
+        let (best_g, best_d, best_ms) = never_idle::best_shape(&costs, max_g, max_d);
+        let now_ms = never_idle::itl_ms(&costs, g, d);
+        ((best_g, best_d) != (g, d) && best_ms < REPLAN_GAIN * now_ms).then_some((best_g, best_d))
     }
 
     /// The edge spent `ms` of its own time (outside draft forwards and waits for the verifier)

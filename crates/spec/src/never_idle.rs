@@ -126,9 +126,61 @@ pub fn session_itl_ms(c: &Costs, gamma: usize, depth: usize, tokens: usize) -> f
     expect(n, &first, &t) / n as f64
 }
 
-/// Steady-state ITL: that of a session of [`SESSION_MAX`] tokens.
+/// Steady-state ITL of an endless session, by renewal: runs of K + 1 tokens (K geometric in α)
+/// follow one another, each costing `S(K + 1)` from its start, so the ITL is
+/// `E[S(K + 1)] / E[K + 1]`. Runs longer than [`SESSION_MAX`] are counted at the pace the schedule
+/// ends with. One schedule and a sum: cheap enough for the edge to re-plan with at every verdict.
 pub fn itl_ms(c: &Costs, gamma: usize, depth: usize) -> f64 {
-    session_itl_ms(c, gamma, depth, SESSION_MAX)
+    let a = c.alpha.clamp(0.0, 1.0);
+    let tokens = if a < 1.0 - 1e-12 {
+        1.0 / (1.0 - a)
+    } else {
+        f64::INFINITY
+    };
+    // Only as long a schedule as the runs need (P(K ≥ n) below 1e-9), at most SESSION_MAX.
+    let n = if a <= 0.0 {
+        1
+    } else if !tokens.is_finite() {
+        SESSION_MAX
+    } else {
+        ((1e-9f64.ln() / a.ln()).ceil() as usize).clamp(2, SESSION_MAX)
+    };
+    let s = run_schedule(c, gamma, depth, n, c.draft_ms / 2.0);
+    // The final pace, over the schedule's last quarter (commits come a block at a time).
+    let w = (n / 4).max(1);
+    let pace = if n > w {
+        (s[n - 1] - s[n - 1 - w]) / w as f64
+    } else {
+        s[0]
+    };
+    if !tokens.is_finite() {
+        return pace;
+    }
+    let mut e = 0.0;
+    let mut p = 1.0 - a; // P(K = k)
+    for &t in &s {
+        e += p * t;
+        p *= a;
+    }
+    // P(K ≥ n) = aⁿ: those runs reach S(n), then go on at the final pace for K + 1 − n more
+    // tokens (1/(1 − α) on average past the n-th).
+    e += a.powi(n as i32) * (s[n - 1] + pace * tokens);
+    e / tokens
+}
+
+/// The γ (≤ `max_gamma`) and depth (≤ `max_depth`) with the lowest steady-state ITL, and that
+/// ITL (ties go to the shorter block, then the shallower pipeline: less drafting wasted).
+pub fn best_shape(c: &Costs, max_gamma: usize, max_depth: usize) -> (usize, usize, f64) {
+    let mut best = (1, 1, f64::MAX);
+    for g in 1..=max_gamma.max(1) {
+        for d in 1..=max_depth.max(1) {
+            let t = itl_ms(c, g, d);
+            if t < best.2 * (1.0 - 1e-9) {
+                best = (g, d, t);
+            }
+        }
+    }
+    best
 }
 
 #[cfg(test)]
@@ -175,6 +227,22 @@ mod tests {
             .iter()
             .enumerate()
             .all(|(j, &t)| t <= 50.0 * (j + 1) as f64));
+    }
+
+    #[test]
+    fn the_steady_state_is_the_long_sessions_itl() {
+        for (alpha, draft, rtt) in [(0.0, 10.0, 50.0), (0.67, 14.0, 100.0), (0.96, 19.0, 200.0)] {
+            let c = costs(alpha, draft, rtt);
+            for (g, d) in [(1, 1), (4, 2), (8, 4)] {
+                let (steady, long) = (itl_ms(&c, g, d), session_itl_ms(&c, g, d, SESSION_MAX));
+                assert!(
+                    (steady / long - 1.0).abs() < 0.01,
+                    "α {alpha} γ {g} d {d}: {steady} against {long}"
+                );
+            }
+        }
+        // α 1: the edge's pace, once caught up.
+        assert!((itl_ms(&costs(1.0, 20.0, 100.0), 4, 8) - 20.0).abs() < 0.5);
     }
 
     #[test]

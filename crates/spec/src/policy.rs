@@ -1,4 +1,7 @@
-//! The analytic model of distributed speculation, and the γ / depth it recommends.
+//! The analytic model of protocol 1's speculation (the verifier waits for the edge's blocks),
+//! which the capacity model and the benches' synchronous rows still use, and the running
+//! estimates of its inputs that the edge's policy plans with (by protocol 2's model:
+//! [`crate::never_idle`]).
 //!
 //! With per-token acceptance rate α and γ drafted tokens per block, the tokens committed per verify
 //! round are `E[A] = (1 − α^(γ+1)) / (1 − α)` (accepted prefix plus the cloud's token).
@@ -175,43 +178,6 @@ pub fn verdicts_per_run(alpha: f64, gamma: usize) -> f64 {
     let (a, g) = (alpha.clamp(0.0, 1.0 - 1e-12), gamma.max(1) as i32);
     let ag = a.powi(g);
     1.0 + a * ag / (1.0 - ag)
-}
-
-/// A recommended shape and its predicted inter-token latencies.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Recommendation {
-    pub gamma: usize,
-    pub depth: usize,
-    pub sync_gamma: usize,
-    pub predicted_async_itl_ms: f64,
-    pub predicted_sync_itl_ms: f64,
-    pub expected_accepted: f64,
-}
-
-/// The γ (≤ `max_gamma`) and depth (≤ `max_depth`) with the lowest predicted async ITL, and the
-/// best synchronous γ for comparison.
-pub fn recommend(c: &Costs, max_gamma: usize, max_depth: usize) -> Recommendation {
-    let mut best = (f64::MAX, 1, 1);
-    for g in 1..=max_gamma.max(1) {
-        for d in 1..=max_depth.max(1) {
-            let t = async_itl_ms(c, g, d);
-            // Prefer the shallower pipeline on ties: fewer tokens wasted on rejections.
-            if t < best.0 * (1.0 - 1e-9) {
-                best = (t, g, d);
-            }
-        }
-    }
-    let (sync_t, sync_g) = (1..=max_gamma.max(1))
-        .map(|g| (sync_itl_ms(c, g), g))
-        .fold((f64::MAX, 1), |a, b| if b.0 < a.0 { b } else { a });
-    Recommendation {
-        gamma: best.1,
-        depth: best.2,
-        sync_gamma: sync_g,
-        predicted_async_itl_ms: best.0,
-        predicted_sync_itl_ms: sync_t,
-        expected_accepted: expected_accepted(c.alpha, best.1),
-    }
 }
 
 /// Running estimates of the model's inputs, from what the edge observes: its own draft forwards,
@@ -455,16 +421,5 @@ mod tests {
         assert!((c.verify_ms - 60.0).abs() < 1e-6, "{c:?}");
         assert!((c.rtt_ms - 80.0).abs() < 1e-6, "{c:?}");
         assert!((c.alpha - 0.9).abs() < 0.01, "{c:?}");
-    }
-
-    #[test]
-    fn async_beats_sync_at_high_rtt_and_high_alpha() {
-        let c = costs(0.9, 150.0);
-        let p = recommend(&c, 8, 6);
-        assert!(p.depth > 1, "{p:?}");
-        assert!(p.predicted_async_itl_ms < p.predicted_sync_itl_ms, "{p:?}");
-        // With no network and a poor draft, pipelining buys little.
-        let p0 = recommend(&costs(0.3, 0.0), 8, 6);
-        assert!(p0.gamma <= 3, "{p0:?}");
     }
 }
