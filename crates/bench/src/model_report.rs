@@ -302,7 +302,7 @@ pub fn table(r: &PlanReport) -> String {
             w.prompt_tokens, w.new_tokens, w.token_budget
         );
     }
-    s += "\n| sessions | recommended | E[A] | ITL ms | TTFT ms | tokens/s | best sync (ITL ms) | cloud-only (ITL ms, tokens/s) | tokens/forward | wait ms | verifier busy | token budget |\n";
+    s += "\n| sessions | recommended | E[A] | ITL ms | TTFT ms | tokens/s | best sync (ITL ms) | cloud-only (ITL ms, tokens/s) | tokens/forward | tokens per session's forward | verifier busy | token budget |\n";
     s += "|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for p in &r.plans {
         let b = &p.best;
@@ -312,7 +312,7 @@ pub fn table(r: &PlanReport) -> String {
             tandem_spec::policy::expected_accepted(r.alpha, b.gamma)
         };
         s += &format!(
-            "| {} | {} | {:.2} | {:.1} | {:.0} | {:.1} | γ {} ({:.1}) | {:.1}, {:.1} | {:.1} | {:.1} | {:.0}% | {} |\n",
+            "| {} | {} | {:.2} | {:.1} | {:.0} | {:.1} | γ {} ({:.1}) | {:.1}, {:.1} | {:.1} | {:.2} | {:.0}% | {} |\n",
             p.sessions,
             shape(b),
             ea,
@@ -324,7 +324,7 @@ pub fn table(r: &PlanReport) -> String {
             p.cloud_only.itl_ms,
             p.cloud_only.tokens_per_s,
             b.batch_tokens,
-            b.wait_ms,
+            b.tokens_per_block,
             b.utilization * 100.0,
             p.token_budget
         );
@@ -332,16 +332,12 @@ pub fn table(r: &PlanReport) -> String {
     if let Some(p) = r.plans.first() {
         let st = &p.stages;
         s += &format!(
-            "\nstages at {} session(s), γ {}: drafting {:.1} ms, network {:.1} ms, verification {:.1} ms (async runs at the slowest; balanced when verification ≈ γ·draft + network{})\n",
+            "\nstages at {} session(s), γ {}: drafting {:.1} ms, network {:.1} ms, verification {:.1} ms\n",
             p.sessions,
             if p.best.gamma > 0 { p.best.gamma } else { p.best_sync.gamma },
             st.draft_ms,
             st.network_ms,
             st.verify_ms,
-            match st.balanced_gamma {
-                Some(g) => format!(": γ ≈ {g:.1}"),
-                None => ": verification is faster than the network alone".to_string(),
-            }
         );
     }
     s

@@ -1,27 +1,27 @@
 //! The analytic model for many sessions sharing one verifier: the target's forward time as a
-//! roofline, a queueing term for N sessions, and the γ, depth and batch token budget it
-//! recommends. One session with the verifier to itself is [`crate::policy`]'s model, which this
-//! one calls for each session's own rounds.
+//! roofline, how N sessions share its forwards, and the γ, depth and batch token budget it
+//! recommends. One session with the verifier to itself is [`crate::never_idle`]'s model, which
+//! this one calls for each session's own schedule.
 //!
 //! **Roofline.** A forward of n tokens costs `max(t₁, s·n)`: at least the time to stream the
 //! weights once (`t₁`, memory-bound), and `s` per token once its FLOPs dominate. From the
 //! machine: `t₁ = weight bytes / bandwidth`, `s = FLOPs per token / FLOP rate`; or fitted to
 //! measured forwards ([`ForwardCost::fit`]). The ridge `t₁ / s` is where the two meet.
 //!
-//! **Queueing.** N closed-loop sessions each send a block of γ + 1 positions per verdict they
-//! need; the verifier batches whatever is queued into one forward. At a fixed point of the rate λ
-//! (blocks per ms, all decoding sessions), a forward carries `b = clamp(λ·F, 1, A)` blocks (those
-//! that arrive while the previous one runs; A the sessions decoding, not waiting for their first
-//! token), takes `F = max(t₁, s·b·(γ + 1))`, and a block waits on average `U·(N − 1)/N · F / 2`
-//! for the forward in progress (`U = λ·F / b`, the busy share; its own session's earlier blocks
-//! are not in the way), plus whole forwards when a round of work passes the token budget. Each
-//! session's rounds are then [`crate::policy`]'s with that wait plus `F` as the verify time. γ 0
-//! is cloud decoding: every session in every forward, one token each, `ITL = max(t₁, s·N)`.
+//! **Sharing.** Under protocol 2 the verifier never idles a decoding session: every forward
+//! carries one chunk per session, a decode (one position) or a block's tokens past the committed
+//! ones (plus the last committed token). So a forward holds `N · c` positions (`c` the mean chunk)
+//! and takes `F = max(t₁, s·N·c)`, or k forwards per round once that passes the token budget; each
+//! session then runs [`crate::never_idle`]'s schedule with `k·F` as its decode time, which gives
+//! its ITL and its chunk — a slower forward lets the edge catch up with the verifier's lead more
+//! often, so chunks grow with load. The fixed point of the two is the operating point. γ 0 is
+//! cloud decoding: every session in every forward, one token each, `ITL = max(t₁, s·N)`.
 //! [`operate_on`] adds the workload: prompts, finite sessions, the budget and saturation.
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::{async_itl_ms, expected_accepted, verdicts_per_run, Costs};
+use crate::never_idle::{steady, Steady};
+use crate::policy::Costs;
 
 /// Weight of a new memory-bound forward's time in the one-token time ([`ForwardCost::observe`]).
 const OBSERVE_SMOOTHING: f64 = 0.05;
@@ -130,11 +130,12 @@ pub struct Operating {
     pub batch_tokens: f64,
     /// One forward's time.
     pub forward_ms: f64,
-    /// A block's mean wait for the forward in progress.
+    /// A block's mean wait for the forward in progress (0 under protocol 2: a block is verified
+    /// in the session's next chunk, which its schedule already counts).
     pub wait_ms: f64,
     /// The verifier's busy share.
     pub utilization: f64,
-    /// Tokens committed per verified block (E[A] for synchronous rounds).
+    /// Tokens committed per forward of a session (1 when the verifier only decodes).
     pub tokens_per_block: f64,
     /// Time to first token (0 for endless sessions without prompts).
     pub ttft_ms: f64,
@@ -193,84 +194,81 @@ pub fn operate_on(
         (w.new_tokens.max(1) as f64).min(1e12),
     );
     let depth = if gamma == 0 { 1 } else { depth.max(1) };
-    let pos = (gamma + 1) as f64;
-    // Tokens committed per verified block: synchronous rounds commit E[A]; a pipelined run
-    // commits 1/(1 − α) tokens over its verdicts; cloud decoding one per step.
-    let a = c.alpha.clamp(0.0, 1.0);
-    let tokens_per_block = if gamma == 0 {
-        1.0
-    } else if depth == 1 {
-        expected_accepted(a, gamma)
-    } else if a > 1.0 - 1e-9 {
-        gamma as f64
-    } else {
-        1.0 / (1.0 - a) / verdicts_per_run(a, gamma)
+    // One session's steady state with the verifier running a forward of `ms` for it (one chunk
+    // per session per forward: a decode or a block's new tokens), per protocol 2's model.
+    let session = |ms: f64| {
+        if gamma == 0 {
+            Steady {
+                itl_ms: ms,
+                positions_per_forward: 1.0,
+                tokens_per_forward: 1.0,
+            }
+        } else {
+            steady(
+                &Costs {
+                    verify_ms: ms,
+                    verify_ms_per_token: 0.0,
+                    ..*c
+                },
+                gamma,
+                depth,
+            )
+        }
     };
-    // Fixed point over the forward's size and time, the wait, and the decoding share.
-    let (mut b, mut fwd, mut wait, mut share) = (1.0f64, f.ms(pos), 0.0f64, 1.0f64);
-    let (mut itl, mut ttft, mut tokens) = (f.ms(pos), 0.0f64, pos);
-    for _ in 0..1000 {
+    // Fixed point over the forward's size and time and the decoding share. Every decoding
+    // session has a chunk in every round of forwards (the verifier never idles it); a round
+    // takes k forwards when its positions pass the token budget.
+    let mut st = session(f.ms(1.0));
+    let (mut fwd, mut k, mut share) = (f.ms(1.0), 1.0f64, 1.0f64);
+    let (mut itl, mut ttft, mut tokens) = (st.itl_ms, 0.0f64, 1.0f64);
+    for _ in 0..200 {
         let active = (n * share).max(1.0).min(n);
-        // Work per forward: the blocks (or decode steps) that arrive during one, plus prompts.
-        let blocks_per_ms = active / itl / tokens_per_block;
         let cycle = ttft + (m - 1.0) * itl;
         let prompts_per_ms = if prompt > 0.0 {
             n * prompt / cycle.max(1e-9)
         } else {
             0.0
         };
-        let b_new = if gamma == 0 {
-            active
-        } else {
-            (blocks_per_ms * fwd).clamp(1.0, active)
-        };
+        let verify_tokens = active * st.positions_per_forward;
+        let k_new = (verify_tokens / budget).max(1.0);
+        let room = (budget - verify_tokens / k_new).max(budget / 4.0).max(1.0);
+        let chunk = prompt.min(room);
         // The roofline is convex: a forward that carries a prompt chunk costs far more than one
         // that does not, so the mean forward is the mix of the two, not the forward of the mean.
-        let verify_tokens = b_new * pos;
-        let k = (verify_tokens / budget).max(1.0);
-        let room = (budget - verify_tokens / k).max(budget / 4.0).max(1.0);
-        let chunk = prompt.min(room);
         let with_prompt = if chunk > 0.0 {
             (prompts_per_ms * fwd / chunk).min(1.0)
         } else {
             0.0
         };
-        let fwd_plain = f.ms(verify_tokens / k);
-        let fwd_prompt = f.ms((verify_tokens / k + chunk).min(budget));
+        let fwd_plain = f.ms(verify_tokens / k_new);
+        let fwd_prompt = f.ms((verify_tokens / k_new + chunk).min(budget));
         let fwd_new = with_prompt * fwd_prompt + (1.0 - with_prompt) * fwd_plain;
-        let (itl_new, wait_new) = if gamma == 0 {
-            (k * fwd_new, 0.0)
-        } else {
-            let util = (blocks_per_ms * fwd_new * k / b_new).min(1.0);
-            let wait = util * (n - 1.0) / n * fwd_new / 2.0 + (k - 1.0) * fwd_new;
-            let costs = Costs {
-                verify_ms: wait + fwd_new,
-                verify_ms_per_token: 0.0,
-                ..*c
-            };
-            (async_itl_ms(&costs, gamma, depth), wait)
-        };
-        // A prompt gets what verify work leaves of each forward (at least a quarter: the
+        let st_new = session(k_new * fwd_new);
+        // Finite sessions wait at least a round trip and a forward for their first token; a
+        // prompt gets what verify work leaves of each forward (at least a quarter: the
         // scheduler's reserve for waiting prompts).
-        // Finite sessions wait at least a round trip and a forward for their first token.
         let ttft_new = if prompt > 0.0 || m < 1e11 {
-            c.rtt_ms + wait_new + fwd_prompt * (prompt / room).ceil().max(1.0)
+            c.rtt_ms + fwd_prompt * (prompt / room).ceil().max(1.0)
         } else {
             0.0
         };
         let share_new = if m > 1e11 {
             1.0
         } else {
-            let decoding = (m - 1.0) * itl_new;
+            let decoding = (m - 1.0) * st_new.itl_ms;
             decoding / (decoding + ttft_new).max(1e-9)
         };
-        b += 0.5 * (b_new - b);
+        let moved = (fwd_new - fwd).abs() + (st_new.itl_ms - itl).abs() + (ttft_new - ttft).abs();
         fwd += 0.5 * (fwd_new - fwd);
-        wait += 0.5 * (wait_new - wait);
-        itl += 0.5 * (itl_new - itl);
+        k += 0.5 * (k_new - k);
         ttft += 0.5 * (ttft_new - ttft);
         share += 0.5 * (share_new - share);
-        tokens = verify_tokens / k + with_prompt * chunk;
+        st = session(k * fwd);
+        itl = st.itl_ms;
+        tokens = verify_tokens / k_new + with_prompt * chunk;
+        if moved < 1e-9 {
+            break;
+        }
     }
     let active = (n * share).max(1.0).min(n);
     let mut tokens_per_s = if m > 1e11 {
@@ -279,38 +277,26 @@ pub fn operate_on(
         n * m * 1e3 / (ttft + (m - 1.0) * itl)
     };
     // Saturation: the verifier computes at most a full budget per forward. Each committed token
-    // costs its share of a block's positions plus its session's prompt; beyond that rate new
-    // prompts queue (verify work goes first), so the time to first token absorbs the excess
-    // while decoding sessions keep their pace at full forwards.
+    // costs its share of its session's chunks plus its session's prompt; beyond that rate new
+    // prompts queue (decoding goes first), so the time to first token absorbs the excess while
+    // decoding sessions keep their pace at full forwards.
     let full = budget.min(1e6);
     let positions_per_ms = full / f.ms(full);
-    let per_token = pos / tokens_per_block + if m > 1e11 { 0.0 } else { prompt / m };
+    let per_token =
+        st.positions_per_forward / st.tokens_per_forward + if m > 1e11 { 0.0 } else { prompt / m };
     let cap = positions_per_ms / per_token * 1e3;
     if tokens_per_s > cap && budget < 1e11 {
         tokens_per_s = cap;
         fwd = f.ms(full);
         tokens = full;
-        if gamma == 0 {
-            itl = fwd;
-            wait = 0.0;
-        } else {
-            wait = fwd / 2.0;
-            let costs = Costs {
-                verify_ms: wait + fwd,
-                verify_ms_per_token: 0.0,
-                ..*c
-            };
-            itl = async_itl_ms(&costs, gamma, depth);
-        }
+        // Every decoding session's chunk, in rounds of full forwards.
+        let rounds = (active * st.positions_per_forward / full).max(1.0);
+        st = session(rounds * fwd);
+        itl = st.itl_ms;
         if m < 1e11 {
             ttft = (n * m * 1e3 / cap - (m - 1.0) * itl).max(ttft);
         }
     }
-    let busy = if gamma == 0 {
-        1.0
-    } else {
-        (active / itl / tokens_per_block * fwd / b).min(1.0)
-    };
     Operating {
         gamma,
         depth,
@@ -318,9 +304,10 @@ pub fn operate_on(
         tokens_per_s,
         batch_tokens: tokens,
         forward_ms: fwd,
-        wait_ms: wait,
-        utilization: busy,
-        tokens_per_block,
+        wait_ms: 0.0,
+        // The verifier never idles a decoding session: it runs forwards back to back.
+        utilization: 1.0,
+        tokens_per_block: st.tokens_per_forward,
         ttft_ms: ttft,
     }
 }
@@ -477,20 +464,19 @@ mod tests {
     }
 
     #[test]
-    fn one_session_is_the_single_session_model_with_the_forward_as_verify_time() {
+    fn one_session_is_the_single_session_model_with_the_forward_as_decode_time() {
         let c = costs(0.8, 10.0, 50.0);
         for (g, d) in [(4, 1), (3, 2), (1, 1)] {
             let o = operate(&c, &FWD, 1, g, d);
+            // Below the ridge every forward costs the one-token time.
             let alone = Costs {
-                verify_ms: FWD.ms((g + 1) as f64),
+                verify_ms: FWD.one_token_ms,
                 ..c
             };
-            assert!(
-                (o.itl_ms - async_itl_ms(&alone, g, d)).abs() < 1e-6,
-                "{o:?}"
-            );
-            assert_eq!(o.wait_ms, 0.0, "nobody else to wait for");
-            assert!((o.batch_tokens - (g + 1) as f64).abs() < 1e-9);
+            let s = crate::never_idle::steady(&alone, g, d);
+            assert!((o.itl_ms - s.itl_ms).abs() < 1e-6, "{o:?} {s:?}");
+            assert!((o.batch_tokens - s.positions_per_forward).abs() < 1e-9);
+            assert!(o.itl_ms < FWD.one_token_ms, "a good draft beats decoding");
         }
     }
 
@@ -505,24 +491,31 @@ mod tests {
     }
 
     #[test]
-    fn load_fills_forwards_and_adds_waiting_up_to_the_compute_bound() {
+    fn load_fills_forwards_up_to_the_compute_bound() {
         let c = costs(0.8, 10.0, 50.0);
         let few = operate(&c, &FWD, 2, 4, 1);
         let many = operate(&c, &FWD, 64, 4, 1);
         assert!(many.batch_tokens > few.batch_tokens);
-        assert!(many.wait_ms > few.wait_ms && many.itl_ms > few.itl_ms);
-        assert!(many.utilization > 0.9, "{many:?}");
-        // Throughput cannot pass the compute roofline: E[A] tokens per γ + 1 positions.
-        let cap = 1e3 / FWD.ms_per_token * expected_accepted(0.8, 4) / 5.0;
+        assert!(many.forward_ms > few.forward_ms && many.itl_ms > few.itl_ms);
+        // Throughput cannot pass the compute roofline: each committed token costs its session's
+        // positions per committed token.
+        let per_token = many.batch_tokens / 64.0 / many.tokens_per_block;
+        let cap = 1e3 / FWD.ms_per_token / per_token;
         assert!(many.tokens_per_s <= cap * 1.0001, "{many:?} vs {cap}");
         assert!(many.tokens_per_s > 0.8 * cap, "{many:?} vs {cap}");
-        // Monotone in the number of sessions.
+        // Below the ridge more sessions commit more, at the same ITL; past it a verified
+        // position costs as much as a decoded token and the rejected ones are waste, so a fixed
+        // γ 4 commits less than the verifier decoding everyone (why the grant shrinks γ).
         let mut last = 0.0;
-        for n in [1, 2, 4, 8, 16, 32, 64, 128] {
+        for n in [1, 2, 4, 8] {
             let o = operate(&c, &FWD, n, 4, 1);
-            assert!(o.tokens_per_s >= last * 0.999, "n {n}: {o:?}");
+            assert!(
+                o.tokens_per_s > last && o.itl_ms == few.itl_ms,
+                "n {n}: {o:?}"
+            );
             last = o.tokens_per_s;
         }
+        assert!(many.tokens_per_s < operate(&c, &FWD, 64, 0, 1).tokens_per_s);
     }
 
     #[test]
@@ -543,10 +536,18 @@ mod tests {
         // A crowd: full forwards; each committed token costs itself and 40/48 of a prompt.
         for gamma in [0, 4] {
             let crowd = operate_on(&c, &FWD, 256, gamma, 2, &w);
+            let chunk = crate::never_idle::steady(
+                &Costs {
+                    verify_ms: crowd.forward_ms,
+                    ..c
+                },
+                gamma.max(1),
+                2,
+            );
             let per = if gamma == 0 {
                 1.0
             } else {
-                5.0 / crowd.tokens_per_block
+                chunk.positions_per_forward / chunk.tokens_per_forward
             } + 40.0 / 48.0;
             let cap = 64.0 / FWD.ms(64.0) / per * 1e3;
             assert!((crowd.tokens_per_s - cap).abs() < 1e-6, "{crowd:?}");

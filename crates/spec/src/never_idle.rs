@@ -28,9 +28,19 @@ fn forward_ms(c: &Costs, m: usize) -> f64 {
     c.verify_ms + c.verify_ms_per_token * (m + 1) as f64
 }
 
-/// Commit times `S(1..=n)` of an endless run that starts with a token committed at time 0,
-/// with the edge `reaction` ms late to act on it (busy in a draft forward).
-pub fn run_schedule(c: &Costs, gamma: usize, depth: usize, n: usize, reaction: f64) -> Vec<f64> {
+/// An endless run's schedule, per committed token `j` (from 0): when it is committed, and the
+/// positions the verifier computed for the session and the forwards it ran for it by then (a
+/// decode is one position, a block's verification its new tokens plus the last committed one).
+#[derive(Debug, Clone, Default)]
+pub struct Schedule {
+    pub commit: Vec<f64>,
+    pub positions: Vec<f64>,
+    pub forwards: Vec<f64>,
+}
+
+/// The schedule `S(1..=n)` of an endless run that starts with a token committed at time 0, with
+/// the edge `reaction` ms late to act on it (busy in a draft forward).
+pub fn run_schedule(c: &Costs, gamma: usize, depth: usize, n: usize, reaction: f64) -> Schedule {
     let g = gamma.max(1);
     let half = c.rtt_ms / 2.0;
     let decode = forward_ms(c, 0);
@@ -40,9 +50,12 @@ pub fn run_schedule(c: &Costs, gamma: usize, depth: usize, n: usize, reaction: f
         (depth.max(1) + lead.div_ceil(g)).min(crate::pipeline::MAX_BLOCKS_IN_FLIGHT);
     let step = c.draft_ms.max(1e-3) + c.verdict_ms;
 
-    // Verifier state: committed tokens of the run, the time its current forward ends.
+    // Verifier state: committed tokens of the run, the time its current forward ends, the
+    // positions and forwards so far.
     let mut commit = Vec::with_capacity(n);
+    let (mut positions, mut forwards) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let mut v_time = 0.0f64;
+    let (mut v_positions, mut v_forwards) = (0.0f64, 0.0f64);
     // Edge state: drafted frontier, tokens sent, its clock; blocks: (end, landing time).
     let mut e_time = half + reaction;
     let (mut drafted, mut sent) = (0usize, 0usize);
@@ -95,19 +108,27 @@ pub fn run_schedule(c: &Costs, gamma: usize, depth: usize, n: usize, reaction: f
             None => (0, 1),
         };
         v_time += forward_ms(c, m);
+        v_positions += (m + 1) as f64;
+        v_forwards += 1.0;
         for _ in 0..fresh.min(n - commit.len()) {
             commit.push(v_time);
+            positions.push(v_positions);
+            forwards.push(v_forwards);
         }
     }
-    commit
+    Schedule {
+        commit,
+        positions,
+        forwards,
+    }
 }
 
 /// Expected inter-token latency of a session that commits `tokens` tokens after its first.
 pub fn session_itl_ms(c: &Costs, gamma: usize, depth: usize, tokens: usize) -> f64 {
     let n = tokens.clamp(1, SESSION_MAX);
     let a = c.alpha.clamp(0.0, 1.0);
-    let first = run_schedule(c, gamma, depth, n, 0.0);
-    let later = run_schedule(c, gamma, depth, n, c.draft_ms / 2.0);
+    let first = run_schedule(c, gamma, depth, n, 0.0).commit;
+    let later = run_schedule(c, gamma, depth, n, c.draft_ms / 2.0).commit;
     // P(K = k) for k tokens the draft gets right before the next correction, and P(K ≥ k).
     let p = |k: usize| (1.0 - a) * a.powi(k as i32);
     let at_least = |k: usize| a.powi(k as i32);
@@ -126,11 +147,23 @@ pub fn session_itl_ms(c: &Costs, gamma: usize, depth: usize, tokens: usize) -> f
     expect(n, &first, &t) / n as f64
 }
 
-/// Steady-state ITL of an endless session, by renewal: runs of K + 1 tokens (K geometric in α)
+/// What an endless session costs in the steady state.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Steady {
+    /// Mean gap between committed tokens.
+    pub itl_ms: f64,
+    /// Positions the verifier computes for the session per forward (its chunk: 1 for a decode).
+    pub positions_per_forward: f64,
+    /// Tokens committed per forward of the session.
+    pub tokens_per_forward: f64,
+}
+
+/// The steady state of an endless session, by renewal: runs of K + 1 tokens (K geometric in α)
 /// follow one another, each costing `S(K + 1)` from its start, so the ITL is
-/// `E[S(K + 1)] / E[K + 1]`. Runs longer than [`SESSION_MAX`] are counted at the pace the schedule
-/// ends with. One schedule and a sum: cheap enough for the edge to re-plan with at every verdict.
-pub fn itl_ms(c: &Costs, gamma: usize, depth: usize) -> f64 {
+/// `E[S(K + 1)] / E[K + 1]`, and the positions and forwards likewise. Runs longer than
+/// [`SESSION_MAX`] are counted at the rates the schedule ends with. One schedule and a sum:
+/// cheap enough for the edge to re-plan with at every verdict.
+pub fn steady(c: &Costs, gamma: usize, depth: usize) -> Steady {
     let a = c.alpha.clamp(0.0, 1.0);
     let tokens = if a < 1.0 - 1e-12 {
         1.0 / (1.0 - a)
@@ -146,26 +179,42 @@ pub fn itl_ms(c: &Costs, gamma: usize, depth: usize) -> f64 {
         ((1e-9f64.ln() / a.ln()).ceil() as usize).clamp(2, SESSION_MAX)
     };
     let s = run_schedule(c, gamma, depth, n, c.draft_ms / 2.0);
-    // The final pace, over the schedule's last quarter (commits come a block at a time).
+    // The final rate of each (per token), over the schedule's last quarter (commits come a block
+    // at a time).
     let w = (n / 4).max(1);
-    let pace = if n > w {
-        (s[n - 1] - s[n - 1 - w]) / w as f64
-    } else {
-        s[0]
+    let rate = |v: &[f64]| {
+        if n > w {
+            (v[n - 1] - v[n - 1 - w]) / w as f64
+        } else {
+            v[0]
+        }
     };
-    if !tokens.is_finite() {
-        return pace;
+    let mean = |v: &[f64]| {
+        if !tokens.is_finite() {
+            return rate(v);
+        }
+        let mut e = 0.0;
+        let mut p = 1.0 - a; // P(K = k)
+        for &x in v {
+            e += p * x;
+            p *= a;
+        }
+        // P(K ≥ n) = aⁿ: those runs reach v(n), then go on at the final rate for K + 1 − n more
+        // tokens (1/(1 − α) on average past the n-th).
+        e += a.powi(n as i32) * (v[n - 1] + rate(v) * tokens);
+        e / tokens
+    };
+    let (time, positions, forwards) = (mean(&s.commit), mean(&s.positions), mean(&s.forwards));
+    Steady {
+        itl_ms: time,
+        positions_per_forward: positions / forwards,
+        tokens_per_forward: 1.0 / forwards,
     }
-    let mut e = 0.0;
-    let mut p = 1.0 - a; // P(K = k)
-    for &t in &s {
-        e += p * t;
-        p *= a;
-    }
-    // P(K ≥ n) = aⁿ: those runs reach S(n), then go on at the final pace for K + 1 − n more
-    // tokens (1/(1 − α) on average past the n-th).
-    e += a.powi(n as i32) * (s[n - 1] + pace * tokens);
-    e / tokens
+}
+
+/// Steady-state ITL ([`steady`]).
+pub fn itl_ms(c: &Costs, gamma: usize, depth: usize) -> f64 {
+    steady(c, gamma, depth).itl_ms
 }
 
 /// The γ (≤ `max_gamma`) and depth (≤ `max_depth`) with the lowest steady-state ITL, and that
@@ -215,7 +264,7 @@ mod tests {
         // at most a block a forward: γ new tokens, the bonus being the next block's first).
         // Deep enough that the blocks in flight cover the round trip (else it is Little's law:
         // tokens in flight over the time a block takes to be answered).
-        let s = run_schedule(&costs(1.0, 20.0, 100.0), 4, 8, 400, 0.0);
+        let s = run_schedule(&costs(1.0, 20.0, 100.0), 4, 8, 400, 0.0).commit;
         assert!(s.windows(2).all(|w| w[0] <= w[1]));
         // It starts at the verifier's pace ...
         assert_eq!(s[0], 50.0);
@@ -241,8 +290,12 @@ mod tests {
                 );
             }
         }
-        // α 1: the edge's pace, once caught up.
-        assert!((itl_ms(&costs(1.0, 20.0, 100.0), 4, 8) - 20.0).abs() < 0.5);
+        // α 1: the edge's pace, once caught up: a block of 4 a forward, bonus included.
+        let s = steady(&costs(1.0, 20.0, 100.0), 4, 8);
+        assert!((s.itl_ms - 20.0).abs() < 0.5, "{s:?}");
+        // A useless draft: the verifier decodes, one position and one token a forward.
+        let s = steady(&costs(0.0, 20.0, 100.0), 4, 2);
+        assert_eq!((s.positions_per_forward, s.tokens_per_forward), (1.0, 1.0));
     }
 
     #[test]
