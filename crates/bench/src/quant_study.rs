@@ -13,7 +13,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use tandem_engine::{CpuSet, Engine, EngineConfig, GgufFile, LlamaModel, Tokenizer, WeightMode};
-use tandem_quant::{QuantConfig, Scheme};
+use tandem_quant::{Method, QuantConfig, Scheme};
 use tandem_spec::sampling::SamplingParams;
 
 use crate::latency::{Draft, LatencyArgs};
@@ -35,6 +35,7 @@ pub const SKIPPED_LAYERS: [usize; 6] = [14, 15, 16, 17, 18, 19];
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Variant {
     pub scheme: Scheme,
+    pub method: Method,
     pub group: usize,
     /// Activations fake-quantized per token to this many bits (None: 16-bit, as the weights'
     /// dequantized values meet f32 activations).
@@ -52,6 +53,9 @@ impl Variant {
         if self.skip {
             s.push_str(&format!("-skip{skipped}"));
         }
+        if self.method != Method::Rtn {
+            s.push_str(&format!("-{}", self.method.name()));
+        }
         s
     }
 }
@@ -60,13 +64,21 @@ impl Variant {
 pub fn variants() -> Vec<Variant> {
     let v = |scheme, group, act_bits, skip| Variant {
         scheme,
+        method: Method::Rtn,
         group,
         act_bits,
         skip,
     };
+    let gptq = |scheme, group| Variant {
+        method: Method::Gptq,
+        ..v(scheme, group, None, false)
+    };
     vec![
         v(Scheme::W8A16, 32, None, false),
         v(Scheme::W4A16, 32, None, false),
+        gptq(Scheme::W4A16, 32),
+        gptq(Scheme::W4A16, 128),
+        gptq(Scheme::W3A16, 32),
         v(Scheme::W4A16, 64, None, false),
         v(Scheme::W4A16, 128, None, false),
         v(Scheme::W3A16, 32, None, false),
@@ -149,6 +161,7 @@ fn load_variant(
 ) -> Result<(Draft, f64, f64)> {
     let cfg = QuantConfig {
         scheme: v.scheme,
+        method: v.method,
         group_size: v.group,
         ..QuantConfig::default()
     };

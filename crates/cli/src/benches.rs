@@ -262,8 +262,12 @@ pub(crate) fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()>
         .zip(&names)
         .filter(|(v, n)| match &a.drafts {
             Some(d) => d.contains(n),
-            // Quick: only drafts made from the default W4A16 file.
-            None => !q || (v.scheme == Scheme::W4A16 && v.group == 32),
+            // Quick: only drafts made from the RTN W4A16 file (no calibration run).
+            None => {
+                !q || (v.scheme == Scheme::W4A16
+                    && v.group == 32
+                    && v.method == tandem_quant::Method::Rtn)
+            }
         })
         .map(|(v, _)| v)
         .collect();

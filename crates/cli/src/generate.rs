@@ -85,6 +85,10 @@ pub(crate) struct QuantizeArgs {
     /// w4a16, w8a16, or f32 (no quantization: the target as an f32 GGUF).
     #[arg(long, default_value = "w4a16")]
     scheme: Scheme,
+    /// rtn (round to nearest) or gptq (error feedback, calibrated on the target's activations
+    /// over the shipped calibration text: data/calibration/).
+    #[arg(long, default_value = "rtn")]
+    method: Method,
     /// Weights per scale: 32, 64 or 128.
     #[arg(long, default_value_t = 32)]
     group_size: usize,
@@ -97,6 +101,10 @@ pub(crate) struct QuantizeArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// Instead of quantizing: write the calibration text (the target's greedy answers to
+    /// data/calibration/prompts.txt, at most 192 tokens each) to this file.
+    #[arg(long, value_name = "FILE")]
+    write_calibration: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -255,8 +263,12 @@ pub(crate) fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()
 }
 
 pub(crate) fn cmd_quantize(home: &std::path::Path, a: QuantizeArgs) -> Result<()> {
+    if let Some(out) = &a.write_calibration {
+        return write_calibration(home, out);
+    }
     let cfg = QuantConfig {
         scheme: a.scheme,
+        method: a.method,
         group_size: a.group_size,
         embedding: a.embedding,
     };
@@ -279,13 +291,48 @@ pub(crate) fn cmd_quantize(home: &std::path::Path, a: QuantizeArgs) -> Result<()
         r.scheme_bits_per_weight,
         r.file_bits_per_weight
     );
-    println!("| layer | mean relative weight error |\n|---|---|");
+    let out_err = r.per_layer_output();
+    println!("| layer | mean relative weight error | mean relative output error (calibration) |\n|---|---|---|");
     for (l, e) in r.per_layer() {
-        println!("| {l} | {e:.4} |");
+        let o = out_err
+            .get(&l)
+            .map_or("-".to_string(), |o| format!("{o:.4}"));
+        println!("| {l} | {e:.4} | {o} |");
     }
     for t in r.tensors.iter().filter(|t| t.layer.is_none()) {
         println!("| {} ({}) | {:.4} |", t.name, t.format, t.rel_error);
     }
+    Ok(())
+}
+
+/// The calibration text: the target's greedy answers to the shipped calibration prompts.
+fn write_calibration(home: &std::path::Path, out: &std::path::Path) -> Result<()> {
+    use tandem_quant::calibration;
+    let target = models::load(home, &ModelSpec::Target, None, false)?;
+    let prompts: Vec<&str> = calibration::PROMPTS
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .collect();
+    let max_tokens = 192;
+    let bar = indicatif::ProgressBar::new(max_tokens as u64);
+    bar.set_message(format!("answering {} prompts", prompts.len()));
+    let cpus = tandem_engine::CpuSet::allowed().unwrap_or_default();
+    let text = calibration::generate(
+        &target.model,
+        &target.tokenizer,
+        &prompts,
+        max_tokens,
+        cpus,
+        &|step| bar.set_position(step as u64),
+    )?;
+    bar.finish_and_clear();
+    std::fs::write(out, &text).with_context(|| format!("writing {}", out.display()))?;
+    let tokens = target.tokenizer.encode(&text)?.len();
+    println!(
+        "wrote {} ({} prompts, {tokens} tokens)",
+        out.display(),
+        prompts.len()
+    );
     Ok(())
 }
 

@@ -21,7 +21,7 @@ use tandem_bench::generate::generate;
 use tandem_engine::{CpuSet, Engine, EngineConfig, WeightMode};
 use tandem_models::pull;
 use tandem_models::store::{self as models, ModelSpec};
-use tandem_quant::{EmbedPrecision, QuantConfig, Scheme};
+use tandem_quant::{EmbedPrecision, Method, QuantConfig, Scheme};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::VerifyRule;
 

@@ -10,7 +10,7 @@ use crate::affinity::{self, CpuSet};
 use crate::batch::{Logits, SeqChunk, Wanted};
 use crate::error::{EngineError, Result};
 use crate::kv::{KvConfig, PagedKvCache, SeqId};
-use crate::models::llama::LlamaModel;
+use crate::models::llama::{LlamaModel, Observer};
 
 /// Engine settings, checked once by [`Engine::new`].
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
@@ -112,6 +112,24 @@ impl Engine {
     /// (`start_pos == seq_len`); a sequence the cache has not seen starts at 0. Nothing changes
     /// when the batch is refused (bad token, position, duplicate sequence, or no KV blocks left).
     pub fn forward(&mut self, batch: &[SeqChunk]) -> Result<Logits> {
+        self.forward_inner(batch, None)
+    }
+
+    /// [`forward`](Engine::forward), showing `observe` every layer's input rows at each
+    /// [`Site`](crate::Site) (calibration: the activations a quantizer minimizes its error on).
+    pub fn forward_observed(
+        &mut self,
+        batch: &[SeqChunk],
+        observe: Observer<'_>,
+    ) -> Result<Logits> {
+        self.forward_inner(batch, Some(observe))
+    }
+
+    fn forward_inner(
+        &mut self,
+        batch: &[SeqChunk],
+        observe: Option<Observer<'_>>,
+    ) -> Result<Logits> {
         self.check(batch)?;
         for s in batch {
             let expected = self.kv.tables.seq_len(s.seq);
@@ -132,7 +150,7 @@ impl Engine {
             .iter()
             .map(|s| self.kv.tables.blocks(s.seq).to_vec())
             .collect();
-        let out = self.run(batch, &tables);
+        let out = self.run(batch, &tables, observe);
         if out.is_err() {
             for s in batch {
                 let _ = self.kv.tables.truncate(s.seq, s.start_pos);
@@ -179,7 +197,7 @@ impl Engine {
                 )));
             }
         }
-        self.run(batch, tables)
+        self.run(batch, tables, None)
     }
 
     /// Checks that do not depend on who allocates the KV blocks.
@@ -227,7 +245,12 @@ impl Engine {
         Ok(())
     }
 
-    fn run(&mut self, batch: &[SeqChunk], tables: &[Vec<u32>]) -> Result<Logits> {
+    fn run(
+        &mut self,
+        batch: &[SeqChunk],
+        tables: &[Vec<u32>],
+        observe: Option<Observer<'_>>,
+    ) -> Result<Logits> {
         let bs = self.kv.tables.block_size();
         let slots: Vec<usize> = batch
             .iter()
@@ -241,6 +264,6 @@ impl Engine {
         let model = Arc::clone(&self.model);
         let kv = &mut self.kv;
         self.pool
-            .install(|| model.forward(batch, kv, &tables, &slots))
+            .install(|| model.forward(batch, kv, &tables, &slots, observe))
     }
 }

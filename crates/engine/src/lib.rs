@@ -30,5 +30,5 @@ pub use engine::{Engine, EngineConfig};
 pub use error::{EngineError, Result};
 pub use gguf::GgufFile;
 pub use kv::SeqId;
-pub use models::llama::{LlamaConfig, LlamaModel, WeightMode};
+pub use models::llama::{LlamaConfig, LlamaModel, Observer, Site, WeightMode};
 pub use tokenizer::Tokenizer;

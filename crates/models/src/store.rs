@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use crate::{ModelError, Result, WithContext};
 use tandem_engine::{GgufFile, LlamaModel, Tokenizer, WeightMode};
-use tandem_quant::{QuantConfig, Report};
+use tandem_quant::gptq::{self, Hessians};
+use tandem_quant::{calibration, Calibration, Method, QuantConfig, Report};
 
 use crate::pull;
 
@@ -96,8 +97,29 @@ pub fn quantize_target(home: &Path, cfg: &QuantConfig, out: &Path, quiet: bool) 
         out.file_name().and_then(|n| n.to_str()).unwrap_or("draft"),
         std::process::id()
     ));
+    let hessians = match cfg.method {
+        Method::Gptq => Some(calibrated(&src, &mut g, quiet)?),
+        Method::Rtn => None,
+    };
+    let bar = (!quiet).then(|| bar(0, "quantizing tensors"));
+    let t0 = std::time::Instant::now();
+    let progress = |done: usize, total: usize| {
+        if let Some(b) = &bar {
+            b.set_length(total as u64);
+            b.set_position(done as u64);
+        }
+    };
+    let calib = Calibration {
+        hessians: hessians.as_deref(),
+        progress: Some(&progress),
+        ..Calibration::default()
+    };
     let mut f = fs::File::create(&part).with_context(|| format!("creating {}", part.display()))?;
-    let report = tandem_quant::quantize_file(&mut g, cfg, &mut f);
+    let report = tandem_quant::quantize_file(&mut g, cfg, &calib, &mut f);
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+        eprintln!("quantized in {:.1} s", t0.elapsed().as_secs_f64());
+    }
     drop(f);
     match report {
         Ok(r) => {
@@ -111,14 +133,76 @@ pub fn quantize_target(home: &Path, cfg: &QuantConfig, out: &Path, quiet: bool) 
     }
 }
 
+fn bar(len: u64, what: &str) -> indicatif::ProgressBar {
+    let b = indicatif::ProgressBar::new(len);
+    b.set_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} ({eta})")
+            .expect("invariant: a valid template")
+            .progress_chars("=> "),
+    );
+    b.set_message(what.to_string());
+    b
+}
+
+/// The Hessians of the target's layer inputs on the shipped calibration text
+/// ([`tandem_quant::calibration`]), for GPTQ.
+fn calibrate(g: &mut GgufFile, quiet: bool) -> Result<Hessians> {
+    let tok = Tokenizer::from_gguf(g).context("the target's tokenizer")?;
+    let tokens = tok
+        .encode(calibration::TEXT)
+        .context("tokenizing the calibration text")?;
+    let model = Arc::new(LlamaModel::load(g, WeightMode::F32).context("loading the target")?);
+    let bar = (!quiet).then(|| bar(tokens.len() as u64, "calibrating on the target"));
+    let progress = |done: usize| {
+        if let Some(b) = &bar {
+            b.set_position(done as u64);
+        }
+    };
+    let cpus = tandem_engine::CpuSet::allowed().unwrap_or_default();
+    let t0 = std::time::Instant::now();
+    let h = gptq::collect(&model, &tokens, CALIBRATION_WINDOW, cpus, &progress)
+        .context("collecting the calibration Hessians")?;
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+        eprintln!(
+            "calibrated on {} tokens of the target's chat turns in {:.1} s",
+            h.tokens,
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    Ok(h)
+}
+
+/// The Hessians for the target at `src`, collected once per process (a study makes several GPTQ
+/// drafts from the same target).
+fn calibrated(src: &Path, g: &mut GgufFile, quiet: bool) -> Result<Arc<Hessians>> {
+    static MEMO: std::sync::Mutex<Option<(PathBuf, Arc<Hessians>)>> = std::sync::Mutex::new(None);
+    let mut memo = MEMO.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((p, h)) = memo.as_ref() {
+        if p == src {
+            return Ok(h.clone());
+        }
+    }
+    let h = Arc::new(calibrate(g, quiet)?);
+    *memo = Some((src.to_path_buf(), h.clone()));
+    Ok(h)
+}
+
+/// Tokens per calibration context (each window starts afresh, as a chat does).
+const CALIBRATION_WINDOW: usize = 512;
+
 /// Where a quantized copy of the target with `cfg` lives by default.
 pub fn quantized_path(home: &Path, cfg: &QuantConfig) -> PathBuf {
     let name = match cfg.scheme {
         tandem_quant::Scheme::F32 => "SmolLM2-135M-Instruct.f32.gguf".to_string(),
         s => format!(
-            "SmolLM2-135M-Instruct.{}-g{}.gguf",
+            "SmolLM2-135M-Instruct.{}-g{}{}.gguf",
             s.name(),
-            cfg.group_size
+            cfg.group_size,
+            match cfg.method {
+                Method::Rtn => "",
+                Method::Gptq => "-gptq",
+            }
         ),
     };
     pull::models_dir(home).join(name)

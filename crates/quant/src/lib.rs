@@ -12,7 +12,9 @@
 //! The embedding (tied to the output head) has its own precision, Q8_0 by default; norm vectors stay
 //! f32. Activations are never quantized: that is what the `A16` means.
 
+pub mod calibration;
 pub mod eval;
+pub mod gptq;
 
 use std::collections::BTreeMap;
 use std::io::{BufWriter, Seek, Write};
@@ -21,6 +23,7 @@ use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{ggml_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use half::f16;
+use rayon::prelude::*;
 use serde::Serialize;
 use tandem_engine::GgufFile;
 
@@ -136,9 +139,41 @@ impl std::str::FromStr for EmbedPrecision {
     }
 }
 
+/// How the linear layers' weights are put on the grid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Method {
+    /// Round each weight to the nearest level.
+    Rtn,
+    /// [`gptq`]: error feedback weighted by the Hessian of the layer's inputs on a calibration
+    /// text.
+    Gptq,
+}
+
+impl std::str::FromStr for Method {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "rtn" => Ok(Self::Rtn),
+            "gptq" => Ok(Self::Gptq),
+            _ => Err(format!("unknown quantization method `{s}` (rtn, gptq)")),
+        }
+    }
+}
+
+impl Method {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Rtn => "rtn",
+            Self::Gptq => "gptq",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct QuantConfig {
     pub scheme: Scheme,
+    pub method: Method,
     /// Weights per scale: 32, 64 or 128.
     pub group_size: usize,
     pub embedding: EmbedPrecision,
@@ -148,6 +183,7 @@ impl Default for QuantConfig {
     fn default() -> Self {
         Self {
             scheme: Scheme::W4A16,
+            method: Method::Rtn,
             group_size: 32,
             embedding: EmbedPrecision::Q8_0,
         }
@@ -160,6 +196,12 @@ impl QuantConfig {
             return Err(QuantError::InvalidSetting {
                 field: "group_size",
                 message: format!("{} is not one of 32, 64, 128", self.group_size),
+            });
+        }
+        if self.method == Method::Gptq && self.scheme == Scheme::F32 {
+            return Err(QuantError::InvalidSetting {
+                field: "method",
+                message: "gptq quantizes to a grid; the f32 scheme has none".into(),
             });
         }
         Ok(())
@@ -236,6 +278,9 @@ pub struct TensorReport {
     pub bytes: usize,
     /// ‖W − Ŵ‖ / ‖W‖ over the tensor.
     pub rel_error: f64,
+    /// The same for the layer's output on the calibration inputs (when quantized with them):
+    /// `sqrt(tr(ΔW·H·ΔWᵀ) / tr(W·H·Wᵀ))`, H the Hessian of its inputs.
+    pub rel_output_error: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -251,11 +296,21 @@ pub struct Report {
 impl Report {
     /// Mean relative weight error of each layer's linear tensors, by layer index.
     pub fn per_layer(&self) -> BTreeMap<usize, f64> {
+        self.mean_by_layer(|t| Some(t.rel_error))
+    }
+
+    /// Mean relative output error on the calibration inputs of each layer's linear tensors, when
+    /// they were quantized with the Hessians.
+    pub fn per_layer_output(&self) -> BTreeMap<usize, f64> {
+        self.mean_by_layer(|t| t.rel_output_error)
+    }
+
+    fn mean_by_layer(&self, of: impl Fn(&TensorReport) -> Option<f64>) -> BTreeMap<usize, f64> {
         let mut acc: BTreeMap<usize, (f64, usize)> = BTreeMap::new();
         for t in &self.tensors {
-            if let Some(l) = t.layer {
+            if let (Some(l), Some(x)) = (t.layer, of(t)) {
                 let e = acc.entry(l).or_default();
-                e.0 += t.rel_error;
+                e.0 += x;
                 e.1 += 1;
             }
         }
@@ -285,13 +340,120 @@ fn qerr(name: &str) -> impl Fn(candle_core::Error) -> QuantError + '_ {
     }
 }
 
+/// What quantizing a file may be calibrated with, and told about its progress.
+#[derive(Clone, Copy, Default)]
+pub struct Calibration<'a> {
+    /// The Hessians of the target's layer inputs ([`gptq::collect`]): required by GPTQ, and with
+    /// any method they give each tensor's output error.
+    pub hessians: Option<&'a gptq::Hessians>,
+    pub gptq: gptq::GptqConfig,
+    /// Told (tensors done, tensors in all) as the file is made.
+    pub progress: Option<&'a (dyn Fn(usize, usize) + Sync)>,
+}
+
+/// One tensor of the draft, with its report (matrices) and its scheme bits (linear layers).
+struct Made {
+    tensor: QTensor,
+    report: Option<TensorReport>,
+    scheme_bits: Option<(f64, usize)>,
+}
+
+fn quantize_tensor(
+    name: &str,
+    dims: &[usize],
+    w: &[f32],
+    cfg: &QuantConfig,
+    calib: &Calibration<'_>,
+) -> Result<Made> {
+    let is_embed = name == "token_embd.weight" || name == "output.weight";
+    let linear = dims.len() == 2 && !is_embed;
+    let target = if linear && cfg.scheme == Scheme::F32 {
+        None
+    } else if linear {
+        Some((cfg.scheme.dtype(), cfg.group_size))
+    } else if is_embed {
+        match cfg.embedding {
+            EmbedPrecision::Q8_0 => Some((GgmlDType::Q8_0, QK)),
+            EmbedPrecision::Q4_0 => Some((GgmlDType::Q4_0, QK)),
+            EmbedPrecision::F16 => Some((GgmlDType::F16, 0)),
+            EmbedPrecision::F32 => None,
+        }
+    } else {
+        None
+    };
+    let cols = *dims.last().unwrap_or(&0);
+    let qt = match target {
+        Some((dtype @ (GgmlDType::Q4_0 | GgmlDType::Q8_0), group)) => {
+            if !cols.is_multiple_of(QK) {
+                return Err(QuantError::Tensor {
+                    name: name.to_string(),
+                    message: format!("{cols} columns are not a multiple of {QK}"),
+                });
+            }
+            let bits = if dtype == GgmlDType::Q4_0 {
+                cfg.scheme.bits().min(4)
+            } else {
+                8
+            };
+            let hessian = calib.hessians.and_then(|h| h.of_tensor(name));
+            let bytes = match (cfg.method, linear) {
+                (Method::Gptq, true) => {
+                    let h = hessian.ok_or_else(|| QuantError::Tensor {
+                        name: name.to_string(),
+                        message: "no calibration Hessian for this tensor's input".into(),
+                    })?;
+                    gptq::quantize(w, cols, h, group, bits, &calib.gptq)?
+                }
+                _ => quantize_symmetric(w, cols, group, bits),
+            };
+            ggml_file::qtensor_from_ggml(dtype, &bytes, dims.to_vec(), &Device::Cpu)
+                .map_err(qerr(name))?
+        }
+        Some((dtype, _)) => {
+            let t = Tensor::from_slice(w, dims, &Device::Cpu).map_err(qerr(name))?;
+            QTensor::quantize(&t, dtype).map_err(qerr(name))?
+        }
+        None => {
+            let t = Tensor::from_slice(w, dims, &Device::Cpu).map_err(qerr(name))?;
+            QTensor::quantize(&t, GgmlDType::F32).map_err(qerr(name))?
+        }
+    };
+    let report = if dims.len() == 2 {
+        let back = tandem_engine::gguf::dequantize_f32(name, &qt)?;
+        let h = calib.hessians.and_then(|h| h.of_tensor(name));
+        Some(TensorReport {
+            rel_output_error: h.map(|h| gptq::output_error(w, &back, cols, h)),
+            name: name.to_string(),
+            layer: layer_of(name),
+            format: format!("{:?}", qt.dtype()).to_lowercase(),
+            params: w.len(),
+            bytes: qt.storage_size_in_bytes(),
+            rel_error: rel_error(w, &back),
+        })
+    } else {
+        None
+    };
+    Ok(Made {
+        tensor: qt,
+        report,
+        scheme_bits: linear.then(|| (cfg.scheme_bits_per_weight(cols), w.len())),
+    })
+}
+
 /// Quantize the model in `src` (read as f32) and write the draft to `out`.
 pub fn quantize_file<W: Write + Seek>(
     src: &mut GgufFile,
     cfg: &QuantConfig,
+    calib: &Calibration<'_>,
     out: &mut W,
 ) -> Result<Report> {
     cfg.validate()?;
+    if cfg.method == Method::Gptq && calib.hessians.is_none() {
+        return Err(QuantError::InvalidSetting {
+            field: "method",
+            message: "gptq needs the calibration Hessians".into(),
+        });
+    }
     let mut infos: Vec<(String, Vec<usize>, u64)> = src
         .content
         .tensor_infos
@@ -299,71 +461,34 @@ pub fn quantize_file<W: Write + Seek>(
         .map(|(n, i)| (n.clone(), i.shape.dims().to_vec(), i.offset))
         .collect();
     infos.sort_by_key(|(_, _, off)| *off);
-    let mut tensors: Vec<(String, QTensor)> = Vec::with_capacity(infos.len());
+    let weights: Vec<(String, Vec<usize>, Vec<f32>)> = infos
+        .into_iter()
+        .map(|(name, dims, _)| {
+            let w = src.tensor_f32(&name, &dims)?;
+            Ok((name, dims, w))
+        })
+        .collect::<Result<_>>()?;
+    // Each tensor on its own, in parallel (GPTQ's factorizations dominate).
+    let total = weights.len();
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    let made: Vec<Made> = weights
+        .par_iter()
+        .map(|(name, dims, w)| {
+            let m = quantize_tensor(name, dims, w, cfg, calib);
+            let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            if let Some(p) = calib.progress {
+                p(n, total);
+            }
+            m
+        })
+        .collect::<Result<_>>()?;
+    let mut tensors: Vec<(String, QTensor)> = Vec::with_capacity(made.len());
     let mut reports = Vec::new();
     let mut scheme_bits = Vec::new();
-    for (name, dims, _) in &infos {
-        let w = src.tensor_f32(name, dims)?;
-        let is_embed = name == "token_embd.weight" || name == "output.weight";
-        let linear = dims.len() == 2 && !is_embed;
-        let target = if linear && cfg.scheme == Scheme::F32 {
-            None
-        } else if linear {
-            Some((cfg.scheme.dtype(), cfg.group_size))
-        } else if is_embed {
-            match cfg.embedding {
-                EmbedPrecision::Q8_0 => Some((GgmlDType::Q8_0, QK)),
-                EmbedPrecision::Q4_0 => Some((GgmlDType::Q4_0, QK)),
-                EmbedPrecision::F16 => Some((GgmlDType::F16, 0)),
-                EmbedPrecision::F32 => None,
-            }
-        } else {
-            None
-        };
-        let cols = *dims.last().unwrap_or(&0);
-        let qt = match target {
-            Some((dtype @ (GgmlDType::Q4_0 | GgmlDType::Q8_0), group)) => {
-                if cols % QK != 0 {
-                    return Err(QuantError::Tensor {
-                        name: name.clone(),
-                        message: format!("{cols} columns are not a multiple of {QK}"),
-                    });
-                }
-                let bits = if dtype == GgmlDType::Q4_0 {
-                    cfg.scheme.bits().min(4)
-                } else {
-                    8
-                };
-                let bytes = quantize_symmetric(&w, cols, group, bits);
-                ggml_file::qtensor_from_ggml(dtype, &bytes, dims.clone(), &Device::Cpu)
-                    .map_err(qerr(name))?
-            }
-            Some((dtype, _)) => {
-                let t =
-                    Tensor::from_slice(&w, dims.as_slice(), &Device::Cpu).map_err(qerr(name))?;
-                QTensor::quantize(&t, dtype).map_err(qerr(name))?
-            }
-            None => {
-                let t =
-                    Tensor::from_slice(&w, dims.as_slice(), &Device::Cpu).map_err(qerr(name))?;
-                QTensor::quantize(&t, GgmlDType::F32).map_err(qerr(name))?
-            }
-        };
-        if linear {
-            scheme_bits.push((cfg.scheme_bits_per_weight(cols), w.len()));
-        }
-        if dims.len() == 2 {
-            let back = tandem_engine::gguf::dequantize_f32(name, &qt)?;
-            reports.push(TensorReport {
-                name: name.clone(),
-                layer: layer_of(name),
-                format: format!("{:?}", qt.dtype()).to_lowercase(),
-                params: w.len(),
-                bytes: qt.storage_size_in_bytes(),
-                rel_error: rel_error(&w, &back),
-            });
-        }
-        tensors.push((name.clone(), qt));
+    for (m, (name, _, _)) in made.into_iter().zip(weights) {
+        reports.extend(m.report);
+        scheme_bits.extend(m.scheme_bits);
+        tensors.push((name, m.tensor));
     }
 
     let mut meta: Vec<(String, Value)> = src
@@ -382,6 +507,10 @@ pub fn quantize_file<W: Write + Seek>(
     meta.push((
         "tandem.quant.scheme".into(),
         Value::String(cfg.scheme.name().into()),
+    ));
+    meta.push((
+        "tandem.quant.method".into(),
+        Value::String(cfg.method.name().into()),
     ));
     meta.push((
         "tandem.quant.group_size".into(),
@@ -490,6 +619,61 @@ mod tests {
     }
 
     #[test]
+    fn gptq_lowers_every_layers_output_error_on_the_calibration_inputs_and_loads() {
+        use std::sync::Arc;
+        use tandem_engine::testing::{tiny_file, TinySpec};
+        let mut src = tiny_file(&TinySpec::default()).unwrap();
+        let target = Arc::new(
+            tandem_engine::LlamaModel::load(&mut src, tandem_engine::WeightMode::F32).unwrap(),
+        );
+        let vocab = target.cfg.vocab as u32;
+        let tokens: Vec<u32> = (0..600u32).map(|i| (i * 37 + i / 7) % vocab).collect();
+        let h = gptq::collect(&target, &tokens, 200, Default::default(), &|_| {}).unwrap();
+        assert_eq!(h.tokens, 600);
+        let mut run = |method| {
+            let cfg = QuantConfig {
+                method,
+                ..QuantConfig::default()
+            };
+            let calib = Calibration {
+                hessians: Some(&h),
+                ..Calibration::default()
+            };
+            let mut buf = std::io::Cursor::new(Vec::new());
+            let rep = quantize_file(&mut src, &cfg, &calib, &mut buf).unwrap();
+            (rep, buf.into_inner())
+        };
+        let (rtn, _) = run(Method::Rtn);
+        let (gptq, bytes) = run(Method::Gptq);
+        assert!(run(Method::Gptq).1 == bytes, "deterministic");
+        let mut linear = 0;
+        for (r, g) in rtn.tensors.iter().zip(&gptq.tensors) {
+            let (Some(er), Some(eg)) = (r.rel_output_error, g.rel_output_error) else {
+                continue;
+            };
+            linear += 1;
+            assert!(eg < er, "{}: GPTQ {eg:.4} against RTN {er:.4}", g.name);
+        }
+        assert_eq!(
+            linear,
+            7 * target.cfg.n_layer,
+            "every linear tensor has its Hessian"
+        );
+        let mut g = GgufFile::from_bytes("gptq.gguf", bytes).unwrap();
+        assert_eq!(g.string("tandem.quant.method").unwrap(), "gptq");
+        let m = tandem_engine::LlamaModel::load(&mut g, tandem_engine::WeightMode::Native).unwrap();
+        assert_eq!(m.format(), "q4_0");
+        // GPTQ without its Hessians is refused by name.
+        let cfg = QuantConfig {
+            method: Method::Gptq,
+            ..QuantConfig::default()
+        };
+        let mut sink = std::io::Cursor::new(Vec::new());
+        let err = quantize_file(&mut src, &cfg, &Calibration::default(), &mut sink).unwrap_err();
+        assert!(err.to_string().contains("calibration Hessians"), "{err}");
+    }
+
+    #[test]
     fn tiny_model_quantizes_and_loads_back() {
         use tandem_engine::testing::{tiny_file, TinySpec};
         let mut src = tiny_file(&TinySpec::default()).unwrap();
@@ -497,11 +681,12 @@ mod tests {
             // 128-wide groups on 64- and 96-wide rows: short last groups.
             let cfg = QuantConfig {
                 scheme,
+                method: Method::Rtn,
                 group_size: 128,
                 embedding: EmbedPrecision::Q8_0,
             };
             let mut buf = std::io::Cursor::new(Vec::new());
-            let rep = quantize_file(&mut src, &cfg, &mut buf).unwrap();
+            let rep = quantize_file(&mut src, &cfg, &Calibration::default(), &mut buf).unwrap();
             let bound = if scheme == Scheme::W4A16 { 0.2 } else { 0.01 };
             for t in &rep.tensors {
                 assert!(t.rel_error < bound, "{}: {}", t.name, t.rel_error);
@@ -521,7 +706,13 @@ mod tests {
             group_size: 48,
             ..QuantConfig::default()
         };
-        let err = quantize_file(&mut src, &bad, &mut std::io::Cursor::new(Vec::new())).unwrap_err();
+        let err = quantize_file(
+            &mut src,
+            &bad,
+            &Calibration::default(),
+            &mut std::io::Cursor::new(Vec::new()),
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("group_size"), "{err}");
     }
 }

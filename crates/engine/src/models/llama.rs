@@ -47,6 +47,40 @@ impl std::str::FromStr for WeightMode {
     }
 }
 
+/// Where a layer's linear tensors read their input: what a forward can show an observer
+/// ([`crate::Engine::forward_observed`]), for calibrating a quantizer on the real activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub enum Site {
+    /// The attention norm's output: the input of `attn_q`, `attn_k` and `attn_v`.
+    Attention,
+    /// The heads' attention output: the input of `attn_output`.
+    AttentionOutput,
+    /// The FFN norm's output: the input of `ffn_gate` and `ffn_up`.
+    Ffn,
+    /// The gated activation: the input of `ffn_down`.
+    FfnDown,
+}
+
+impl Site {
+    /// The layer and site whose input a linear tensor of layer `blk.N` reads, by its GGUF name.
+    pub fn of_tensor(name: &str) -> Option<(usize, Site)> {
+        let rest = name.strip_prefix("blk.")?;
+        let (layer, tensor) = rest.split_once('.')?;
+        let site = match tensor {
+            "attn_q.weight" | "attn_k.weight" | "attn_v.weight" => Site::Attention,
+            "attn_output.weight" => Site::AttentionOutput,
+            "ffn_gate.weight" | "ffn_up.weight" => Site::Ffn,
+            "ffn_down.weight" => Site::FfnDown,
+            _ => return None,
+        };
+        Some((layer.parse().ok()?, site))
+    }
+}
+
+/// Called with each layer's input rows at each [`Site`] (`[tokens, width]`, row-major) during a
+/// forward.
+pub type Observer<'a> = &'a mut (dyn FnMut(usize, Site, &[f32]) + Send);
+
 /// Model hyper-parameters, read from GGUF metadata.
 #[derive(Debug, Clone, Serialize)]
 pub struct LlamaConfig {
@@ -393,19 +427,21 @@ impl LlamaModel {
     /// Run one ragged batch. The caller has validated the batch and the block tables (see
     /// [`crate::Engine::forward`]): `tables[i]` holds chunk `i`'s KV blocks, `slots[t]` is the KV
     /// slot of token `t`.
+    /// `observe`, when given, sees every layer's input at each [`Site`].
     pub(crate) fn forward(
         &self,
         batch: &[SeqChunk],
         kv: &mut PagedKvCache,
         tables: &[&[u32]],
         slots: &[usize],
+        observe: Option<Observer<'_>>,
     ) -> Result<Logits> {
         #[cfg(target_arch = "x86_64")]
         if kernels::Isa::selected() == kernels::Isa::Avx512 {
             // SAFETY: the AVX-512 path is selected only on a CPU that runs it.
-            return unsafe { self.forward_avx512(batch, kv, tables, slots) };
+            return unsafe { self.forward_avx512(batch, kv, tables, slots, observe) };
         }
-        self.forward_with(batch, kv, tables, slots)
+        self.forward_with(batch, kv, tables, slots, observe)
     }
 
     /// [`Self::forward`] with the code around the matmuls (norms, RoPE, attention, activations)
@@ -419,8 +455,9 @@ impl LlamaModel {
         kv: &mut PagedKvCache,
         tables: &[&[u32]],
         slots: &[usize],
+        observe: Option<Observer<'_>>,
     ) -> Result<Logits> {
-        self.forward_with(batch, kv, tables, slots)
+        self.forward_with(batch, kv, tables, slots, observe)
     }
 
     #[inline(always)]
@@ -430,6 +467,7 @@ impl LlamaModel {
         kv: &mut PagedKvCache,
         tables: &[&[u32]],
         slots: &[usize],
+        mut observe: Option<Observer<'_>>,
     ) -> Result<Logits> {
         let c = &self.cfg;
         let (d, kvd, hd, ff) = (c.dim, c.kv_dim(), c.head_dim, c.ff_dim);
@@ -472,12 +510,18 @@ impl LlamaModel {
                 fake_quantize_rows(x, width, b);
             }
         };
+        let mut seen = |li: usize, site: Site, x: &[f32]| {
+            if let Some(o) = observe.as_mut() {
+                o(li, site, x);
+            }
+        };
         for (li, l) in self.layers.iter().enumerate() {
             if self.skip[li] {
                 continue;
             }
             kernels::rms_norm(&x, &l.attn_norm, c.rms_eps, &mut h);
             fake(&mut h, d);
+            seen(li, Site::Attention, &h);
             l.wq.forward(&h, n_tok, &mut q)?;
             l.wk.forward(&h, n_tok, &mut k)?;
             l.wv.forward(&h, n_tok, &mut v)?;
@@ -507,14 +551,17 @@ impl LlamaModel {
                 attend(qv, ks, vs, n_ctx, scale, at, out)
             });
             fake(&mut att, d);
+            seen(li, Site::AttentionOutput, &att);
             l.wo.forward(&att, n_tok, &mut o)?;
             add(&mut x, &o);
             kernels::rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut h);
             fake(&mut h, d);
+            seen(li, Site::Ffn, &h);
             l.gate.forward(&h, n_tok, &mut g)?;
             l.up.forward(&h, n_tok, &mut u)?;
             kernels::silu_mul(&mut g, &u);
             fake(&mut g, ff);
+            seen(li, Site::FfnDown, &g);
             l.down.forward(&g, n_tok, &mut o)?;
             add(&mut x, &o);
         }
