@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use tandem_engine::{CpuSet, Engine, EngineConfig, LlamaModel, SeqChunk, SeqId, Tokenizer, Wanted};
+use tandem_engine::{CpuSet, LlamaModel, SeqChunk, SeqId, Tokenizer, Wanted};
 
 use crate::Result;
 
@@ -28,15 +28,7 @@ pub fn generate(
     cpus: CpuSet,
     progress: &dyn Fn(usize),
 ) -> Result<String> {
-    let mut e = Engine::new(
-        model.clone(),
-        EngineConfig {
-            threads: cpus.len().max(1),
-            cpus,
-            kv_budget_bytes: 1 << 30,
-            ..EngineConfig::default()
-        },
-    )?;
+    let mut e = crate::eval::engine(model, cpus, 1 << 30)?;
     let greedy = |row: &[f32]| {
         row.iter()
             .enumerate()

@@ -15,6 +15,24 @@ fn bad(message: &str) -> QuantError {
     }
 }
 
+/// An engine for `model` on `cpus` (a thread each, one when none are named) with a KV cache of
+/// `kv_budget_bytes`: what measuring and calibrating run on.
+pub(crate) fn engine(
+    model: &Arc<LlamaModel>,
+    cpus: CpuSet,
+    kv_budget_bytes: usize,
+) -> Result<Engine> {
+    Ok(Engine::new(
+        model.clone(),
+        EngineConfig {
+            threads: cpus.len().max(1),
+            cpus,
+            kv_budget_bytes,
+            ..EngineConfig::default()
+        },
+    )?)
+}
+
 /// Perplexity of `model` on the first tokens of `tokens`, scored in windows of `window` tokens
 /// (each window starts a fresh context; its first token is not scored).
 pub fn perplexity(
@@ -26,15 +44,7 @@ pub fn perplexity(
     if window < 2 {
         return Err(bad("the perplexity window must hold at least 2 tokens"));
     }
-    let mut e = Engine::new(
-        model.clone(),
-        EngineConfig {
-            threads: cpus.len().max(1),
-            cpus,
-            kv_budget_bytes: 128 << 20,
-            ..EngineConfig::default()
-        },
-    )?;
+    let mut e = crate::eval::engine(model, cpus, 128 << 20)?;
     let (mut nll, mut n) = (0f64, 0usize);
     for (w, win) in tokens.chunks(window).enumerate() {
         if win.len() < 2 {
@@ -105,14 +115,7 @@ pub fn teacher_forced_hits(
     if want.is_empty() {
         return Ok(Vec::new());
     }
-    let mut e = Engine::new(
-        draft.clone(),
-        EngineConfig {
-            threads: 1,
-            kv_budget_bytes: 64 << 20,
-            ..EngineConfig::default()
-        },
-    )?;
+    let mut e = engine(draft, CpuSet::default(), 64 << 20)?;
     let mut tokens = prompt.to_vec();
     tokens.extend_from_slice(&want[..want.len() - 1]);
     let at: Vec<usize> = (prompt.len() - 1..tokens.len()).collect();

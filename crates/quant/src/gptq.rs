@@ -26,16 +26,16 @@ use std::sync::Arc;
 use half::f16;
 use nalgebra::DMatrix;
 use rayon::prelude::*;
-use tandem_engine::{CpuSet, Engine, EngineConfig, LlamaModel, SeqChunk, SeqId, Site, Wanted};
+use tandem_engine::{CpuSet, LlamaModel, SeqChunk, SeqId, Site, Wanted};
 
-use crate::{QuantError, Result, QK};
+use crate::{check_shapes, pack_blocks, Grid, QuantError, Result};
 
 /// How much a context's first token counts in the Hessians, against any other token. It is the
 /// attention sink: every later token attends to it, so an error in its keys and values reaches
-/// them all. Measured on SmolLM2 (perplexity against the f32 target on 2,048 tokens of the Rust
-/// Book and of the calibration text): weight 1 left GPTQ worse than RTN (21.0 and 3.92 against
-/// 19.4 and 3.85), leaving the first tokens out was worse still (28.9), 6 / 16 / 40 / 128 gave
-/// 19.1 / 18.2 / 18.6 / 19.0 (the target: 15.9 and 2.96).
+/// them all. Measured once on SmolLM2 with a throwaway probe (`eval::perplexity` on 2,048 tokens
+/// of the Rust Book; the target 15.9, RTN 19.4): weight 1 gave 21.0 (worse than RTN), leaving
+/// each window's first 4 tokens out 28.9 (at dampening 0.01), weights 6 / 16 / 40 / 128 gave
+/// 19.1 / 18.2 / 18.6 / 19.0. `tandem bench quant` measures the file made with 16.
 pub const FIRST_TOKEN_WEIGHT: f32 = 16.0;
 
 /// GPTQ's settings.
@@ -92,15 +92,7 @@ pub fn collect(
             message: "no calibration tokens".into(),
         });
     }
-    let mut e = Engine::new(
-        model.clone(),
-        EngineConfig {
-            threads: cpus.len().max(1),
-            cpus,
-            kv_budget_bytes: 128 << 20,
-            ..EngineConfig::default()
-        },
-    )?;
+    let mut e = crate::eval::engine(model, cpus, 128 << 20)?;
     // f32 sums per window (GEMMs over the window's tokens, accumulated in place), added into
     // the f64 totals once per window.
     let mut h = Hessians::default();
@@ -154,49 +146,6 @@ pub fn collect(
     Ok(h)
 }
 
-/// The symmetric grid of `bits` (2–4: Q4_0's container, 8: Q8_0's): a group's scale from its
-/// weights, and a weight's code (its level, unsigned as stored) given the inverse scale.
-#[derive(Clone, Copy)]
-struct Grid {
-    low: bool,
-    qmax: f32,
-}
-
-impl Grid {
-    fn new(bits: usize) -> Self {
-        let low = bits <= 4;
-        Self {
-            low,
-            qmax: if low {
-                (1u32 << (bits - 1)) as f32
-            } else {
-                127.0
-            },
-        }
-    }
-
-    /// The group's scale, f16 as stored (the value of largest magnitude lands on the lowest level
-    /// for a low-bit grid; ±127 steps for 8 bits).
-    fn scale(&self, g: impl Iterator<Item = f32>) -> f16 {
-        let d = if self.low {
-            let m = g.fold(0f32, |a, x| if x.abs() > a.abs() { x } else { a });
-            m / -self.qmax
-        } else {
-            g.fold(0f32, |a, x| a.max(x.abs())) / self.qmax
-        };
-        f16::from_f32(d)
-    }
-
-    /// The level of `x` (signed) at inverse scale `inv`.
-    fn level(&self, x: f32, inv: f32) -> f32 {
-        if self.low {
-            (x * inv).round().clamp(-self.qmax, self.qmax - 1.0)
-        } else {
-            (x * inv).round().clamp(-127.0, 127.0)
-        }
-    }
-}
-
 /// GPTQ of the rows of `w` (`cols` wide, a multiple of 32) against the Hessian `h` of the layer's
 /// inputs, into [`crate::quantize_symmetric`]'s blocks and grid (groups of `group` weights along
 /// a row).
@@ -208,13 +157,7 @@ pub fn quantize(
     bits: usize,
     cfg: &GptqConfig,
 ) -> Result<Vec<u8>> {
-    assert!(
-        group.is_multiple_of(QK)
-            && cols.is_multiple_of(QK)
-            && w.len().is_multiple_of(cols)
-            && matches!(bits, 2..=4 | 8),
-        "invariant: caller checked the shapes and the bits"
-    );
+    check_shapes(w, cols, group, bits);
     if h.nrows() != cols || h.ncols() != cols {
         return Err(QuantError::InvalidSetting {
             field: "calibration",
@@ -282,23 +225,7 @@ pub fn quantize(
         }
     }
 
-    // The blocks, row by row, as quantize_symmetric writes them.
-    let mut out = Vec::with_capacity(rows * cols / QK * if grid.low { 18 } else { 34 });
-    for r in 0..rows {
-        for b in (0..cols).step_by(QK) {
-            let d = scales[r * groups + b / group];
-            out.extend_from_slice(&d.to_le_bytes());
-            let lv = &levels[r * cols + b..r * cols + b + QK];
-            if grid.low {
-                for l in 0..QK / 2 {
-                    out.push((lv[l] + 8.0) as u8 | (((lv[l + QK / 2] + 8.0) as u8) << 4));
-                }
-            } else {
-                out.extend(lv.iter().map(|&q| (q as i8) as u8));
-            }
-        }
-    }
-    Ok(out)
+    Ok(pack_blocks(&grid, cols, group, &scales, &levels))
 }
 
 /// `U`, upper triangular with `H⁻¹ = Uᵀ·U`, by one Cholesky factorization and one triangular

@@ -223,6 +223,24 @@ impl QuantConfig {
 /// block of a group carries the group's scale. A b-bit grid below 8 has the levels −2^(b−1) ..
 /// 2^(b−1) − 1, with the value of largest magnitude on −2^(b−1).
 pub fn quantize_symmetric(w: &[f32], cols: usize, group: usize, bits: usize) -> Vec<u8> {
+    check_shapes(w, cols, group, bits);
+    let grid = Grid::new(bits);
+    let (rows, groups) = (w.len() / cols, cols.div_ceil(group));
+    let mut scales = Vec::with_capacity(rows * groups);
+    let mut levels = Vec::with_capacity(w.len());
+    for row in w.chunks_exact(cols) {
+        for g in row.chunks(group) {
+            let d16 = grid.scale(g.iter().copied());
+            let dq = d16.to_f32();
+            let inv = if dq != 0.0 { 1.0 / dq } else { 0.0 };
+            scales.push(d16);
+            levels.extend(g.iter().map(|&x| grid.level(x, inv)));
+        }
+    }
+    pack_blocks(&grid, cols, group, &scales, &levels)
+}
+
+fn check_shapes(w: &[f32], cols: usize, group: usize, bits: usize) {
     assert!(
         group.is_multiple_of(QK)
             && cols.is_multiple_of(QK)
@@ -230,38 +248,66 @@ pub fn quantize_symmetric(w: &[f32], cols: usize, group: usize, bits: usize) -> 
             && matches!(bits, 2..=4 | 8),
         "invariant: caller checked the shapes and the bits"
     );
-    let low = bits <= 4;
-    let (block_bytes, qmax) = if low {
-        (18, (1u32 << (bits - 1)) as f32)
-    } else {
-        (34, 127.0f32)
-    };
-    let mut out = Vec::with_capacity(w.len() / QK * block_bytes);
-    for g in w.chunks_exact(cols).flat_map(|row| row.chunks(group)) {
-        let d = if low {
-            // The value of largest magnitude lands exactly on the lowest level (−8 for 4 bits).
-            let m = g
-                .iter()
-                .copied()
-                .fold(0f32, |a, x| if x.abs() > a.abs() { x } else { a });
-            m / -qmax
+}
+
+/// The symmetric grid of `bits` (2–4: Q4_0's container, 8: Q8_0's): a group's scale from its
+/// weights, and a weight's code (its level, unsigned as stored) given the inverse scale.
+#[derive(Clone, Copy)]
+pub(crate) struct Grid {
+    low: bool,
+    qmax: f32,
+}
+
+impl Grid {
+    pub(crate) fn new(bits: usize) -> Self {
+        let low = bits <= 4;
+        Self {
+            low,
+            qmax: if low {
+                (1u32 << (bits - 1)) as f32
+            } else {
+                127.0
+            },
+        }
+    }
+
+    /// The group's scale, f16 as stored (the value of largest magnitude lands on the lowest level
+    /// for a low-bit grid; ±127 steps for 8 bits).
+    pub(crate) fn scale(&self, g: impl Iterator<Item = f32>) -> f16 {
+        let d = if self.low {
+            let m = g.fold(0f32, |a, x| if x.abs() > a.abs() { x } else { a });
+            m / -self.qmax
         } else {
-            g.iter().fold(0f32, |a, x| a.max(x.abs())) / qmax
+            g.fold(0f32, |a, x| a.max(x.abs())) / self.qmax
         };
-        let d16 = f16::from_f32(d);
-        let dq = d16.to_f32();
-        let inv = if dq != 0.0 { 1.0 / dq } else { 0.0 };
-        for b in g.chunks_exact(QK) {
-            out.extend_from_slice(&d16.to_le_bytes());
-            if low {
-                let q = |x: f32| ((x * inv).round().clamp(-qmax, qmax - 1.0) + 8.0) as u8;
+        f16::from_f32(d)
+    }
+
+    /// The level of `x` (signed) at inverse scale `inv`.
+    pub(crate) fn level(&self, x: f32, inv: f32) -> f32 {
+        if self.low {
+            (x * inv).round().clamp(-self.qmax, self.qmax - 1.0)
+        } else {
+            (x * inv).round().clamp(-127.0, 127.0)
+        }
+    }
+}
+
+/// Rows of signed `levels` (`cols` each) and their groups' `scales` (`cols / group` rounded up
+/// per row) as Q4_0 blocks (codes offset by 8, two per byte: a block's first half in the low
+/// nibbles) or Q8_0 blocks (i8), every block carrying its group's scale.
+fn pack_blocks(grid: &Grid, cols: usize, group: usize, scales: &[f16], levels: &[f32]) -> Vec<u8> {
+    let groups = cols.div_ceil(group);
+    let mut out = Vec::with_capacity(levels.len() / QK * if grid.low { 18 } else { 34 });
+    for (r, row) in levels.chunks_exact(cols).enumerate() {
+        for (b, lv) in row.chunks_exact(QK).enumerate() {
+            out.extend_from_slice(&scales[r * groups + b * QK / group].to_le_bytes());
+            if grid.low {
                 for l in 0..QK / 2 {
-                    out.push(q(b[l]) | (q(b[l + QK / 2]) << 4));
+                    out.push((lv[l] + 8.0) as u8 | (((lv[l + QK / 2] + 8.0) as u8) << 4));
                 }
             } else {
-                for &x in b {
-                    out.push(((x * inv).round().clamp(-127.0, 127.0) as i8) as u8);
-                }
+                out.extend(lv.iter().map(|&q| (q as i8) as u8));
             }
         }
     }
