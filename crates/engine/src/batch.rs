@@ -2,6 +2,7 @@
 //! logits that come back only where they were asked for.
 
 use crate::kv::SeqId;
+use crate::tree::Parent;
 
 /// Which of a chunk's tokens need logits.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,13 +27,17 @@ impl Wanted {
     }
 }
 
-/// New tokens of one sequence: `tokens[i]` sits at position `start_pos + i`.
+/// New tokens of one sequence: `tokens[i]` goes to KV slot `start_pos + i`. In a linear chunk
+/// (`parents` empty) that is also its position. In a tree chunk, `parents[i]` says where token
+/// `i` hangs (see [`crate::tree`]): after the slot before it, or as the child of an earlier slot,
+/// one position after it.
 #[derive(Debug, Clone)]
 pub struct SeqChunk {
     pub seq: SeqId,
     pub start_pos: usize,
     pub tokens: Vec<u32>,
     pub logits: Wanted,
+    pub parents: Vec<Parent>,
 }
 
 impl SeqChunk {
@@ -42,7 +47,40 @@ impl SeqChunk {
             start_pos,
             tokens,
             logits,
+            parents: Vec::new(),
         }
+    }
+
+    /// A tree chunk: `parents[i]` is where `tokens[i]` hangs.
+    pub fn tree(
+        seq: SeqId,
+        start_pos: usize,
+        tokens: Vec<u32>,
+        parents: Vec<Parent>,
+        logits: Wanted,
+    ) -> Self {
+        Self {
+            seq,
+            start_pos,
+            tokens,
+            logits,
+            parents,
+        }
+    }
+
+    /// Each token's position, for a chunk whose parents are in the chunk or linear slots before
+    /// it (what a verifier sends: its sequences are linear between forwards).
+    pub fn positions(&self) -> Vec<usize> {
+        let mut pos: Vec<usize> = Vec::with_capacity(self.tokens.len());
+        for i in 0..self.tokens.len() {
+            let slot = self.start_pos + i;
+            pos.push(match self.parents.get(i) {
+                None | Some(Parent::Previous) => slot,
+                Some(&Parent::Slot(q)) if q >= self.start_pos => pos[q - self.start_pos] + 1,
+                Some(&Parent::Slot(q)) => q + 1,
+            });
+        }
+        pos
     }
 }
 
@@ -52,7 +90,7 @@ pub struct LogitsRow {
     pub seq: SeqId,
     /// Index into the chunk's tokens.
     pub index: usize,
-    /// Absolute position of that token.
+    /// Position of that token (its KV slot, unless it is a tree node).
     pub pos: usize,
     /// Index of that token in the whole batch.
     pub token: usize,
@@ -94,8 +132,9 @@ impl Logits {
     ) -> Self {
         let (mut rows, mut data, mut t0) = (Vec::new(), Vec::new(), 0);
         for c in batch {
+            let positions = c.positions();
             for i in c.logits.indices(c.tokens.len()) {
-                let pos = c.start_pos + i;
+                let pos = positions[i];
                 let mut row = vec![0f32; vocab];
                 row[next(c.seq, pos, c.tokens[i]) as usize] = 1.0;
                 data.extend_from_slice(&row);

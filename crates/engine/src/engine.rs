@@ -1,7 +1,7 @@
 //! [`Engine`]: one model, one paged KV cache and one thread pool. Validates a ragged batch, grows the
 //! sequences' block tables (all or nothing) and runs the forward pass.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -11,6 +11,7 @@ use crate::batch::{Logits, SeqChunk, Wanted};
 use crate::error::{EngineError, Result};
 use crate::kv::{KvConfig, PagedKvCache, SeqId};
 use crate::models::llama::{LlamaModel, Observer};
+use crate::tree::{NodeCtx, Parent};
 
 /// Engine settings, checked once by [`Engine::new`].
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
@@ -41,6 +42,9 @@ pub struct Engine {
     model: Arc<LlamaModel>,
     kv: PagedKvCache,
     pool: rayon::ThreadPool,
+    /// The tree nodes that end a sequence the engine runs itself (its last `len` slots); a
+    /// sequence without an entry is linear.
+    tails: HashMap<SeqId, Vec<NodeCtx>>,
 }
 
 impl Engine {
@@ -78,7 +82,12 @@ impl Engine {
                 field: "threads",
                 message: e.to_string(),
             })?;
-        Ok(Self { model, kv, pool })
+        Ok(Self {
+            model,
+            kv,
+            pool,
+            tails: HashMap::new(),
+        })
     }
 
     pub fn model(&self) -> &Arc<LlamaModel> {
@@ -100,12 +109,102 @@ impl Engine {
 
     /// Keep the first `len` tokens of `seq` (rejecting a draft rolls back this way).
     pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
-        self.kv.tables.truncate(seq, len)
+        let have = self.kv.tables.seq_len(seq);
+        self.kv.tables.truncate(seq, len)?;
+        if let Some(tail) = self.tails.get_mut(&seq) {
+            let base = have - tail.len();
+            if len <= base {
+                self.tails.remove(&seq);
+            } else {
+                tail.truncate(len - base);
+            }
+        }
+        Ok(())
     }
 
     /// Drop `seq` and return its KV blocks to the pool.
     pub fn free(&mut self, seq: SeqId) {
-        self.kv.tables.free(seq)
+        self.kv.tables.free(seq);
+        self.tails.remove(&seq);
+    }
+
+    /// Whether `seq` ends in tree nodes.
+    pub fn has_tree(&self, seq: SeqId) -> bool {
+        self.tails.contains_key(&seq)
+    }
+
+    /// Keep, of `seq`'s slots, the first `len` and then the tree path `path` (ascending slots,
+    /// each the child of the one before, the first a child of slot `len - 1`): their K and V
+    /// move down to slots `len..`, the rest is dropped, and the sequence is linear again.
+    pub fn keep_path(&mut self, seq: SeqId, len: usize, path: &[usize]) -> Result<()> {
+        let have = self.kv.tables.seq_len(seq);
+        if !self.kv.tables.contains(seq) {
+            return Err(EngineError::UnknownSequence(seq));
+        }
+        let tail = self.tails.get(&seq).map_or(&[][..], |t| t.as_slice());
+        let base = have - tail.len();
+        let ctx_of = |s: usize| {
+            if s < base {
+                NodeCtx::linear(s)
+            } else {
+                tail[s - base].clone()
+            }
+        };
+        let bad = |m: String| EngineError::InvalidBatch(format!("sequence {seq}: {m}"));
+        if len > have {
+            return Err(bad(format!("cannot keep {len} of its {have} tokens")));
+        }
+        let mut want = if len == 0 {
+            None
+        } else {
+            Some(NodeCtx::linear(len - 1))
+        };
+        for (i, &s) in path.iter().enumerate() {
+            if s < len || s >= have || (i > 0 && s <= path[i - 1]) {
+                return Err(bad(format!(
+                    "path slot {s} is not an ascending slot in {len}..{have}"
+                )));
+            }
+            let expect = match &want {
+                Some(w) => w.child(s),
+                None => NodeCtx {
+                    pos: 0,
+                    linear: 0,
+                    extra: vec![s],
+                },
+            };
+            if ctx_of(s) != expect {
+                return Err(bad(format!(
+                    "slot {s} is not the child of the path before it"
+                )));
+            }
+            want = Some(expect);
+        }
+        let table = self.kv.tables.blocks(seq).to_vec();
+        copy_slots(&mut self.kv, &table, len, path);
+        self.kv.tables.truncate(seq, len + path.len())?;
+        self.tails.remove(&seq);
+        Ok(())
+    }
+
+    /// [`keep_path`](Engine::keep_path) for a sequence whose blocks a scheduler allocated: K and
+    /// V of slots `path` move to slots `len..` of `table`. The caller owns the length (now
+    /// `len + path.len()`) and the tree's shape (a verifier's tree is the chunk it just ran).
+    pub fn keep_path_paged(&mut self, table: &[u32], len: usize, path: &[usize]) -> Result<()> {
+        let bs = self.kv.tables.block_size();
+        let cap = table.len() * bs;
+        if path.iter().any(|&s| s >= cap) || path.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(EngineError::InvalidBatch(format!(
+                "path {path:?} is not ascending within the table's {cap} slots"
+            )));
+        }
+        if path.first().is_some_and(|&s| s < len) {
+            return Err(EngineError::InvalidBatch(format!(
+                "path {path:?} starts below the kept length {len}"
+            )));
+        }
+        copy_slots(&mut self.kv, table, len, path);
+        Ok(())
     }
 
     /// Run one ragged batch. Each chunk must continue its sequence exactly where its KV ends
@@ -145,16 +244,36 @@ impl Engine {
             .iter()
             .map(|s| (s.seq, s.start_pos + s.tokens.len()))
             .collect();
+        let ctx: Vec<NodeCtx> = batch
+            .iter()
+            .map(|s| {
+                let tail = self.tails.get(&s.seq).map_or(&[][..], |t| t.as_slice());
+                contexts(s, tail)
+            })
+            .collect::<Result<Vec<_>>>()?
+            .concat();
         self.kv.tables.grow(&plan)?;
         let tables: Vec<Vec<u32>> = batch
             .iter()
             .map(|s| self.kv.tables.blocks(s.seq).to_vec())
             .collect();
-        let out = self.run(batch, &tables, observe);
+        let out = self.run(batch, &tables, &ctx, observe);
         if out.is_err() {
             for s in batch {
                 let _ = self.kv.tables.truncate(s.seq, s.start_pos);
             }
+            return out;
+        }
+        // Tree nodes join their sequence's tail.
+        let mut t0 = 0;
+        for s in batch {
+            let n = s.tokens.len();
+            for (i, c) in ctx[t0..t0 + n].iter().enumerate() {
+                if self.tails.contains_key(&s.seq) || *c != NodeCtx::linear(s.start_pos + i) {
+                    self.tails.entry(s.seq).or_default().push(c.clone());
+                }
+            }
+            t0 += n;
         }
         out
     }
@@ -197,7 +316,13 @@ impl Engine {
                 )));
             }
         }
-        self.run(batch, tables, None)
+        // A scheduler's sequences are linear between forwards: a tree lives in one chunk.
+        let ctx: Vec<NodeCtx> = batch
+            .iter()
+            .map(|s| contexts(s, &[]))
+            .collect::<Result<Vec<_>>>()?
+            .concat();
+        self.run(batch, tables, &ctx, None)
     }
 
     /// Checks that do not depend on who allocates the KV blocks.
@@ -232,6 +357,14 @@ impl Engine {
                     max: cfg.context_len,
                 });
             }
+            if !s.parents.is_empty() && s.parents.len() != s.tokens.len() {
+                return Err(EngineError::InvalidBatch(format!(
+                    "sequence {}: {} parents for {} tokens",
+                    s.seq,
+                    s.parents.len(),
+                    s.tokens.len()
+                )));
+            }
             if let Wanted::At(ix) = &s.logits {
                 if ix.windows(2).any(|w| w[0] >= w[1]) || ix.iter().any(|&i| i >= s.tokens.len()) {
                     return Err(EngineError::InvalidBatch(format!(
@@ -249,6 +382,7 @@ impl Engine {
         &mut self,
         batch: &[SeqChunk],
         tables: &[Vec<u32>],
+        ctx: &[NodeCtx],
         observe: Option<Observer<'_>>,
     ) -> Result<Logits> {
         let bs = self.kv.tables.block_size();
@@ -264,6 +398,64 @@ impl Engine {
         let model = Arc::clone(&self.model);
         let kv = &mut self.kv;
         self.pool
-            .install(|| model.forward(batch, kv, &tables, &slots, observe))
+            .install(|| model.forward(batch, kv, &tables, &slots, ctx, observe))
+    }
+}
+
+/// Each token's position and context in `chunk`, whose sequence ends in `tail` (tree nodes in
+/// its last `tail.len()` slots before the chunk).
+fn contexts(chunk: &SeqChunk, tail: &[NodeCtx]) -> Result<Vec<NodeCtx>> {
+    let start = chunk.start_pos;
+    let base = start - tail.len();
+    let mut out: Vec<NodeCtx> = Vec::with_capacity(chunk.tokens.len());
+    let mut tree = !tail.is_empty();
+    for i in 0..chunk.tokens.len() {
+        let slot = start + i;
+        let c = match chunk.parents.get(i).copied().unwrap_or(Parent::Previous) {
+            Parent::Previous if tree => {
+                return Err(EngineError::InvalidBatch(format!(
+                "sequence {}: token {i} continues linearly after tree nodes (keep a path first)",
+                chunk.seq
+            )))
+            }
+            Parent::Previous => NodeCtx::linear(slot),
+            Parent::Slot(q) if q >= slot => {
+                return Err(EngineError::InvalidBatch(format!(
+                    "sequence {}: token {i}'s parent slot {q} is not before its slot {slot}",
+                    chunk.seq
+                )))
+            }
+            Parent::Slot(q) => {
+                let parent = if q >= start {
+                    out[q - start].clone()
+                } else if q >= base {
+                    tail[q - base].clone()
+                } else {
+                    NodeCtx::linear(q)
+                };
+                parent.child(slot)
+            }
+        };
+        tree |= c != NodeCtx::linear(slot);
+        out.push(c);
+    }
+    Ok(out)
+}
+
+/// Move the K and V of `table`'s slots `path[i]` to slot `len + i`, every layer (ascending slots
+/// at or above `len`: each copy goes down, onto a slot already read).
+fn copy_slots(kv: &mut PagedKvCache, table: &[u32], len: usize, path: &[usize]) {
+    let bs = kv.tables.block_size();
+    let d = kv.kv_dim;
+    let phys = |s: usize| table[s / bs] as usize * bs + s % bs;
+    for (i, &from) in path.iter().enumerate() {
+        let to = len + i;
+        if to == from {
+            continue;
+        }
+        let (f, t) = (phys(from) * d, phys(to) * d);
+        for layer in kv.k.iter_mut().chain(kv.v.iter_mut()) {
+            layer.copy_within(f..f + d, t);
+        }
     }
 }

@@ -23,6 +23,7 @@ pub mod kv;
 pub mod models;
 pub mod testing;
 pub mod tokenizer;
+pub mod tree;
 
 pub use affinity::CpuSet;
 pub use batch::{Logits, LogitsRow, SeqChunk, Wanted};
@@ -32,3 +33,4 @@ pub use gguf::GgufFile;
 pub use kv::SeqId;
 pub use models::llama::{LlamaConfig, LlamaModel, Observer, Site, WeightMode};
 pub use tokenizer::Tokenizer;
+pub use tree::{NodeCtx, Parent};

@@ -16,6 +16,7 @@ use crate::error::{EngineError, Result};
 use crate::gguf::{dequantize_f32, native_block_type, GgufFile};
 use crate::kernels::{self, RowData};
 use crate::kv::PagedKvCache;
+use crate::tree::NodeCtx;
 
 /// How weights are held in memory and multiplied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -426,7 +427,7 @@ impl LlamaModel {
 
     /// Run one ragged batch. The caller has validated the batch and the block tables (see
     /// [`crate::Engine::forward`]): `tables[i]` holds chunk `i`'s KV blocks, `slots[t]` is the KV
-    /// slot of token `t`.
+    /// slot of token `t` and `ctx[t]` its position and what it attends to.
     /// `observe`, when given, sees every layer's input at each [`Site`].
     pub(crate) fn forward(
         &self,
@@ -434,14 +435,15 @@ impl LlamaModel {
         kv: &mut PagedKvCache,
         tables: &[&[u32]],
         slots: &[usize],
+        ctx: &[NodeCtx],
         observe: Option<Observer<'_>>,
     ) -> Result<Logits> {
         #[cfg(target_arch = "x86_64")]
         if kernels::Isa::selected() == kernels::Isa::Avx512 {
             // SAFETY: the AVX-512 path is selected only on a CPU that runs it.
-            return unsafe { self.forward_avx512(batch, kv, tables, slots, observe) };
+            return unsafe { self.forward_avx512(batch, kv, tables, slots, ctx, observe) };
         }
-        self.forward_with(batch, kv, tables, slots, observe)
+        self.forward_with(batch, kv, tables, slots, ctx, observe)
     }
 
     /// [`Self::forward`] with the code around the matmuls (norms, RoPE, attention, activations)
@@ -455,9 +457,10 @@ impl LlamaModel {
         kv: &mut PagedKvCache,
         tables: &[&[u32]],
         slots: &[usize],
+        ctx: &[NodeCtx],
         observe: Option<Observer<'_>>,
     ) -> Result<Logits> {
-        self.forward_with(batch, kv, tables, slots, observe)
+        self.forward_with(batch, kv, tables, slots, ctx, observe)
     }
 
     #[inline(always)]
@@ -467,20 +470,17 @@ impl LlamaModel {
         kv: &mut PagedKvCache,
         tables: &[&[u32]],
         slots: &[usize],
+        ctx: &[NodeCtx],
         mut observe: Option<Observer<'_>>,
     ) -> Result<Logits> {
         let c = &self.cfg;
         let (d, kvd, hd, ff) = (c.dim, c.kv_dim(), c.head_dim, c.ff_dim);
         let n_tok: usize = batch.iter().map(|s| s.tokens.len()).sum();
-        // Per token: its position and the range of KV slots it attends to.
-        let mut pos = Vec::with_capacity(n_tok);
         let mut seq_of = Vec::with_capacity(n_tok);
         for (i, s) in batch.iter().enumerate() {
-            for j in 0..s.tokens.len() {
-                pos.push(s.start_pos + j);
-                seq_of.push(i);
-            }
+            seq_of.extend(std::iter::repeat_n(i, s.tokens.len()));
         }
+        let pos: Vec<usize> = ctx.iter().map(|c| c.pos).collect();
         let rope = RopeTable::new(&pos, hd, c.rope_base);
 
         let mut x = vec![0f32; n_tok * d]; // [n_tok, dim]
@@ -541,8 +541,12 @@ impl LlamaModel {
                 let kvh = head / rep;
                 let qv = &q[t * d + head * hd..t * d + (head + 1) * hd];
                 let table = tables[seq_of[t]];
-                let n_ctx = pos[t] + 1;
-                let at = |j: usize| (table[j / bs] as usize * bs + j % bs) * kvd + kvh * hd;
+                let cx = &ctx[t];
+                let n_ctx = cx.len();
+                let at = |j: usize| {
+                    let s = cx.slot(j);
+                    (table[s / bs] as usize * bs + s % bs) * kvd + kvh * hd
+                };
                 #[cfg(target_arch = "x86_64")]
                 if avx512 {
                     // SAFETY: the AVX-512 path is selected only on a CPU that runs it.
@@ -574,7 +578,7 @@ impl LlamaModel {
                 rows.push(LogitsRow {
                     seq: s.seq,
                     index: i,
-                    pos: s.start_pos + i,
+                    pos: pos[t0 + i],
                     token: t0 + i,
                 });
             }
