@@ -374,6 +374,7 @@ fn spec_runs(
                 max_new_tokens: a.tokens,
                 auto,
                 granted: None,
+                tree: tandem_spec::TreeConfig::LINEAR,
             },
             rule: VerifyRule::Greedy,
             params: SamplingParams::default(),

@@ -136,6 +136,7 @@ fn run_grpc(
             .session
             .auto
             .map_or(r.spec.session.depth, |a| a.max_depth) as u32,
+        want_side_nodes: r.spec.session.tree.side_nodes as u32,
         api_key: r.api_key.clone(),
     };
     // The draft prefills the prompt while the verifier prefills it too.
@@ -150,6 +151,7 @@ fn run_grpc(
     prefilled.context("draft prefill")?;
     let mut spec = r.spec;
     spec.session.granted = Some(tandem_spec::Shape::new(opened.draft_len, opened.depth));
+    spec.session.tree.side_nodes = spec.session.tree.side_nodes.min(opened.side_nodes as usize);
     let (report, text) = drive(
         r,
         &spec,

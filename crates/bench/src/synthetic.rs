@@ -4,6 +4,7 @@
 //! the verdicts are real.
 
 use tandem_edge::{Drafter, EdgeError, Proposal};
+use tandem_spec::{BranchJob, SpecError};
 
 /// A synthetic edge for load generation: it knows the target's greedy continuation of its prompt
 /// and drafts each token correctly with probability `alpha` (a seeded draw per position and
@@ -72,11 +73,20 @@ impl Drafter for SyntheticDrafter {
             token,
             q: None,
             prefill: false,
+            hedge: None,
         })
     }
 
     fn rollback(&mut self, _len: usize) -> Result<(), EdgeError> {
         Ok(())
+    }
+
+    fn branch(&mut self, _: &[u32], job: BranchJob) -> Result<(Vec<u32>, usize), EdgeError> {
+        // It proposes no second choices, so its pipeline never asks for a branch.
+        Err(EdgeError::Spec(SpecError::Protocol(format!(
+            "the synthetic edge drafts linear blocks; a branch at {} was asked for",
+            job.pos
+        ))))
     }
 }
 

@@ -94,6 +94,7 @@ async fn open_raw(url: &str, key: Option<&str>, prompt: &[u32]) -> Result<Raw, S
             rule: 0,
             want_draft_len: 4,
             want_depth: 2,
+            want_side_nodes: 0,
         })),
     })
     .unwrap();
@@ -337,6 +338,7 @@ fn a_hostile_tenant_cannot_touch_or_disturb_another() {
         tokens,
         q: vec![],
         session_id: 0,
+        side: vec![],
     };
     let first = b.first;
     let start = b.start;

@@ -487,6 +487,7 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
                         prior: tandem_spec::edge::default_prior(rtt),
                     }),
                     granted: None,
+                    tree: tandem_spec::TreeConfig::LINEAR,
                 },
                 rule: tandem_spec::VerifyRule::Greedy,
                 params: tandem_spec::sampling::SamplingParams::default(),
@@ -632,6 +633,7 @@ fn grants_shrink_under_load_and_grow_back() {
             rule: tandem_spec::VerifyRule::Greedy,
             want_draft_len: 8,
             want_depth: 4,
+            want_side_nodes: 0,
             api_key: None,
         };
         tandem_edge::grpc::GrpcLink::connect(rt, &url, req).unwrap()
@@ -936,6 +938,7 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
         rule: tandem_spec::VerifyRule::Greedy,
         want_draft_len: 4,
         want_depth: 2,
+        want_side_nodes: 0,
         api_key: None,
     };
     let prompt = tok.encode("The capital of France is").unwrap();
@@ -970,6 +973,7 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
         start_pos: start,
         tokens,
         q: vec![],
+        side: vec![],
     };
     // Past the tokens the verifier decodes meanwhile (each position once, in order), the next
     // refusal.
@@ -996,6 +1000,7 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
         start_pos: start - 1,
         tokens: vec![5],
         q: vec![],
+        side: vec![],
     };
     link.send(wrong_pos).unwrap();
     let err = refusal(&mut link);

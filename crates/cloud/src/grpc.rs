@@ -242,6 +242,11 @@ impl VerifierRpc for Service {
         // The batcher grants within what the edge asks for, as its load allows.
         let gamma = o.want_draft_len.clamp(1, self.info.max_draft_len);
         let depth = o.want_depth.clamp(1, self.info.max_depth);
+        // Token trees: the side nodes a block may carry (their positions count in the forward's
+        // token budget like any other).
+        let side_nodes = o
+            .want_side_nodes
+            .min(tandem_spec::tree::MAX_SIDE_NODES as u32);
         let session = SessionId(self.next_session.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = unbounded_channel();
         let out = tx.clone();
@@ -254,6 +259,7 @@ impl VerifierRpc for Service {
                         draft_len: grant.draft_len,
                         depth: grant.depth,
                         first_token: first,
+                        side_nodes,
                     })),
                 }),
                 ToEdge::Verdict(v) => Ok(CloudMessage {
@@ -301,7 +307,13 @@ impl VerifierRpc for Service {
                 match inbound.message().await {
                     Ok(Some(EdgeMessage {
                         kind: Some(edge_message::Kind::Draft(d)),
-                    })) => match validation::draft(d, session.0, vocab, gamma as usize) {
+                    })) => match validation::draft(
+                        d,
+                        session.0,
+                        vocab,
+                        gamma as usize,
+                        side_nodes as usize,
+                    ) {
                         Ok(block) => {
                             if !send(ToCloud::Core(Inbound::Draft { session, block })) {
                                 break;

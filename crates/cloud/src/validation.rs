@@ -68,6 +68,7 @@ pub struct ValidOpen {
     pub max_tokens: usize,
     pub want_draft_len: u32,
     pub want_depth: u32,
+    pub want_side_nodes: u32,
 }
 
 pub fn open(o: v1::Open, m: &ModelInfo) -> Result<ValidOpen, Status> {
@@ -89,6 +90,7 @@ pub fn open(o: v1::Open, m: &ModelInfo) -> Result<ValidOpen, Status> {
         max_tokens: o.max_tokens as usize,
         want_draft_len: o.want_draft_len,
         want_depth: o.want_depth,
+        want_side_nodes: o.want_side_nodes,
     })
 }
 
@@ -109,15 +111,23 @@ pub fn generate(r: v1::GenerateRequest, m: &ModelInfo) -> Result<ValidGenerate, 
     })
 }
 
-/// A draft block on the stream of `session`, with at most `max_len` (the granted γ) tokens.
-pub fn draft(d: v1::Draft, session: u64, vocab: usize, max_len: usize) -> Result<Block, Status> {
+/// A draft block on the stream of `session`, with at most `max_len` (the granted γ) tokens and
+/// `max_side` side nodes.
+pub fn draft(
+    d: v1::Draft,
+    session: u64,
+    vocab: usize,
+    max_len: usize,
+    max_side: usize,
+) -> Result<Block, Status> {
     if d.session_id != 0 && d.session_id != session {
         return Err(Status::not_found(format!(
             "draft.session_id: {} is not this stream's session; blocks go on their own session's stream",
             d.session_id
         )));
     }
-    block_from_proto(d, vocab, max_len).map_err(|e| Status::invalid_argument(e.to_string()))
+    block_from_proto(d, vocab, max_len, max_side)
+        .map_err(|e| Status::invalid_argument(e.to_string()))
 }
 
 #[cfg(test)]
@@ -144,6 +154,7 @@ mod tests {
             rule: 0,
             want_draft_len: 4,
             want_depth: 2,
+            want_side_nodes: 0,
         }
     }
 
@@ -217,20 +228,46 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            draft(d.clone(), 4, 100, 4).unwrap_err().code(),
+            draft(d.clone(), 4, 100, 4, 0).unwrap_err().code(),
             tonic::Code::NotFound
         );
-        assert!(draft(d.clone(), 3, 100, 4).is_ok());
+        assert!(draft(d.clone(), 3, 100, 4, 0).is_ok());
         let e = draft(
             v1::Draft {
                 tokens: vec![1; 5],
+                ..d.clone()
+            },
+            3,
+            100,
+            4,
+            0,
+        )
+        .unwrap_err();
+        assert!(e.message().starts_with("draft.tokens"), "{}", e.message());
+        // Side nodes beyond the grant, or outside the vocabulary, are refused by name.
+        let side = |token| v1::SideNode { parent: 0, token };
+        let tree = v1::Draft {
+            side: vec![side(7), side(8)],
+            ..d.clone()
+        };
+        assert!(draft(tree.clone(), 3, 100, 4, 2).is_ok());
+        let e = draft(tree, 3, 100, 4, 1).unwrap_err();
+        assert!(
+            e.message().contains("2 side nodes exceed the 1 granted"),
+            "{}",
+            e.message()
+        );
+        let e = draft(
+            v1::Draft {
+                side: vec![side(100)],
                 ..d
             },
             3,
             100,
             4,
+            2,
         )
         .unwrap_err();
-        assert!(e.message().starts_with("draft.tokens"), "{}", e.message());
+        assert!(e.message().starts_with("draft.side") && e.message().contains("100"));
     }
 }

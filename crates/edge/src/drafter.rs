@@ -1,10 +1,10 @@
 //! What proposes draft tokens: the draft model ([`EngineDrafter`]), or anything else that
 //! implements [`Drafter`] (the load generator's synthetic edges, `tandem_bench::synthetic`).
 
-use tandem_engine::{Engine, SeqChunk, SeqId, Wanted};
-use tandem_spec::sampling::sample;
-use tandem_spec::sampling::SamplingParams;
+use tandem_engine::{Engine, Parent, SeqChunk, SeqId, Wanted};
+use tandem_spec::sampling::{sample, second_choice, SamplingParams};
 use tandem_spec::verify::{draft_sample, VerifyRule};
+use tandem_spec::{BranchJob, Hedge};
 
 use crate::{EdgeError, SpecConfig};
 
@@ -16,6 +16,8 @@ pub struct Proposal {
     pub q: Option<Vec<(u32, f32)>>,
     /// This call also fed the prompt (its time is a prefill, not a draft step).
     pub prefill: bool,
+    /// The draft's second choice there and how sure it was of `token` (for token trees).
+    pub hedge: Option<Hedge>,
 }
 
 pub trait Drafter {
@@ -23,6 +25,10 @@ pub trait Drafter {
     fn propose(&mut self, tokens: &[u32]) -> Result<Proposal, EdgeError>;
     /// Forget everything drafted past the first `len` tokens.
     fn rollback(&mut self, len: usize) -> Result<(), EdgeError>;
+    /// Draft `job`'s branch after `tokens` (prompt, committed and drafted so far: the branch
+    /// hangs beside `tokens[job.pos]`). Returns its tokens (`job.first` first) and the forwards
+    /// it took; the draft's state after it is as before.
+    fn branch(&mut self, tokens: &[u32], job: BranchJob) -> Result<(Vec<u32>, usize), EdgeError>;
 }
 
 /// The sequence the edge drafts on.
@@ -60,6 +66,43 @@ impl<'a> EngineDrafter<'a> {
     }
 }
 
+impl EngineDrafter<'_> {
+    /// The rule's token at `pos` from the draft's logits there, its distribution when the rule
+    /// needs it, and the second choice.
+    fn choose(&self, row: &[f32], pos: u64) -> Proposal {
+        let (token, q, params) = match self.rule {
+            VerifyRule::Greedy => {
+                let p = SamplingParams::default();
+                (sample(row, &p, pos), None, p)
+            }
+            VerifyRule::SampleMatch => {
+                let dp = SamplingParams {
+                    seed: self.params.seed ^ 0xed6e,
+                    ..self.params
+                };
+                (sample(row, &dp, pos), None, dp)
+            }
+            VerifyRule::Rejection => {
+                let (t, q) = draft_sample(row, &self.params, pos, self.q_top_k);
+                // Token trees are not verified by rejection sampling: no second choice.
+                return Proposal {
+                    token: t,
+                    q: Some(q),
+                    prefill: false,
+                    hedge: None,
+                };
+            }
+        };
+        let hedge = second_choice(row, &params, token).map(|(alt, p_top)| Hedge { alt, p_top });
+        Proposal {
+            token,
+            q,
+            prefill: false,
+            hedge,
+        }
+    }
+}
+
 impl Drafter for EngineDrafter<'_> {
     fn propose(&mut self, toks: &[u32]) -> Result<Proposal, EdgeError> {
         let fed = self.engine.seq_len(SEQ);
@@ -68,23 +111,43 @@ impl Drafter for EngineDrafter<'_> {
         let logits =
             self.engine
                 .forward(&[SeqChunk::new(SEQ, fed, toks[fed..].to_vec(), Wanted::Last)])?;
-        let pos = toks.len() as u64;
-        let row = logits.row(0);
-        let (token, q) = match self.rule {
-            VerifyRule::Greedy => (sample(row, &SamplingParams::default(), pos), None),
-            VerifyRule::SampleMatch => {
-                let dp = SamplingParams {
-                    seed: self.params.seed ^ 0xed6e,
-                    ..self.params
-                };
-                (sample(row, &dp, pos), None)
+        Ok(Proposal {
+            prefill,
+            ..self.choose(logits.row(0), toks.len() as u64)
+        })
+    }
+
+    fn branch(&mut self, toks: &[u32], job: BranchJob) -> Result<(Vec<u32>, usize), EdgeError> {
+        let fed = self.engine.seq_len(SEQ);
+        if job.pos == 0 || job.pos > fed || job.pos >= toks.len() {
+            return Err(EdgeError::Spec(tandem_spec::SpecError::Protocol(format!(
+                "a branch at position {} of a draft that fed {fed} of {} tokens",
+                job.pos,
+                toks.len()
+            ))));
+        }
+        // The branch grows as tree nodes after the fed tokens, each the child of the one before
+        // (the first, of the main path's token before it); then it is cut off again.
+        let mut out = vec![job.first];
+        let mut parent = job.pos - 1;
+        let grown = (|| -> Result<(), EdgeError> {
+            for i in 1..job.len {
+                let slot = fed + i - 1;
+                let logits = self.engine.forward(&[SeqChunk::tree(
+                    SEQ,
+                    slot,
+                    vec![out[i - 1]],
+                    vec![Parent::Slot(parent)],
+                    Wanted::Last,
+                )])?;
+                out.push(self.choose(logits.row(0), (job.pos + i) as u64).token);
+                parent = slot;
             }
-            VerifyRule::Rejection => {
-                let (t, q) = draft_sample(row, &self.params, pos, self.q_top_k);
-                (t, Some(q))
-            }
-        };
-        Ok(Proposal { token, q, prefill })
+            Ok(())
+        })();
+        self.engine.truncate(SEQ, fed)?;
+        grown?;
+        Ok((out, job.len - 1))
     }
 
     fn rollback(&mut self, len: usize) -> Result<(), EdgeError> {

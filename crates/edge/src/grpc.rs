@@ -25,6 +25,8 @@ pub struct OpenRequest {
     pub rule: VerifyRule,
     pub want_draft_len: u32,
     pub want_depth: u32,
+    /// Side nodes per block for token trees (0: linear blocks).
+    pub want_side_nodes: u32,
     /// The tenant's API key, sent as `authorization: Bearer <key>` (None: a verifier without
     /// tenants).
     pub api_key: Option<String>,
@@ -88,6 +90,7 @@ impl GrpcLink {
                 rule: rule_to_proto(req.rule) as i32,
                 want_draft_len: req.want_draft_len,
                 want_depth: req.want_depth,
+                want_side_nodes: req.want_side_nodes,
             };
             out.send(EdgeMessage {
                 kind: Some(edge_message::Kind::Open(open)),

@@ -213,13 +213,23 @@ pub fn run_with(
                         token: t,
                         q,
                         prefill,
+                        hedge,
                     } = draft.propose(es.pipeline().tokens())?;
                     draft_forwards += 1;
                     let ms = t0.elapsed().as_secs_f64() * 1e3;
                     forward_ms += ms;
-                    let outs = es.on_drafted(now(), t, q, ms, prefill);
+                    let outs = es.on_drafted_hedged(now(), t, q, hedge, ms, prefill);
                     apply(outs, draft, link, &mut commit_ms, &mut fresh)?;
                     show(&mut on_update, &mut fresh, tail(&es), None);
+                }
+                Next::Branch(job) => {
+                    let t0 = Instant::now();
+                    let (tokens, forwards) = draft.branch(es.pipeline().tokens(), job)?;
+                    draft_forwards += forwards;
+                    let ms = t0.elapsed().as_secs_f64() * 1e3;
+                    forward_ms += ms;
+                    let outs = es.on_branch(now(), job, tokens, forwards, ms)?;
+                    apply(outs, draft, link, &mut commit_ms, &mut fresh)?;
                 }
             }
             Ok(false)

@@ -366,6 +366,7 @@ fn committed_counts(
                 max_new_tokens: case.max_new_tokens,
                 auto: None,
                 granted: None,
+                tree: tandem_spec::TreeConfig::LINEAR,
             },
             rule,
             params,

@@ -178,6 +178,7 @@ fn a_session_taken_over_and_handed_back_is_the_targets() {
                 max_new_tokens: n,
                 auto: None,
                 granted: None,
+                tree: tandem_spec::TreeConfig::LINEAR,
             },
             rule: VerifyRule::Greedy,
             params: SamplingParams::default(),

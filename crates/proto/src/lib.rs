@@ -6,10 +6,10 @@ pub mod v1 {
 }
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 use tandem_spec::sampling::SamplingParams;
-use tandem_spec::{Block, BlockId, Decoded, Shape, Verdict, VerifyRule};
+use tandem_spec::{Block, BlockId, Decoded, Shape, SideNode, Verdict, VerifyRule};
 
 /// A field-named reason why a message is not valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -78,6 +78,14 @@ impl From<&Block> for v1::Draft {
             block: b.index.0,
             start_pos: b.start_pos as u64,
             tokens: b.tokens.clone(),
+            side: b
+                .side
+                .iter()
+                .map(|s| v1::SideNode {
+                    parent: s.parent,
+                    token: s.token,
+                })
+                .collect(),
             session_id: 0,
             q: b.q
                 .iter()
@@ -92,8 +100,14 @@ impl From<&Block> for v1::Draft {
     }
 }
 
-/// A draft block checked against the vocabulary and the granted draft length.
-pub fn block_from_proto(d: v1::Draft, vocab: usize, max_len: usize) -> Result<Block, FieldError> {
+/// A draft block checked against the vocabulary, the granted draft length and the granted side
+/// nodes (the tree's shape is checked by the session: `CloudSession::check`).
+pub fn block_from_proto(
+    d: v1::Draft,
+    vocab: usize,
+    max_len: usize,
+    max_side: usize,
+) -> Result<Block, FieldError> {
     if d.tokens.is_empty() {
         return Err(bad("draft.tokens", "a block needs at least one token"));
     }
@@ -118,6 +132,18 @@ pub fn block_from_proto(d: v1::Draft, vocab: usize, max_len: usize) -> Result<Bl
             format!("{} distributions for {} tokens", d.q.len(), d.tokens.len()),
         ));
     }
+    if d.side.len() > max_side {
+        return Err(bad(
+            "draft.side",
+            format!("{} side nodes exceed the {max_side} granted", d.side.len()),
+        ));
+    }
+    if let Some(s) = d.side.iter().find(|s| s.token as usize >= vocab) {
+        return Err(bad(
+            "draft.side",
+            format!("token id {} is outside the vocabulary ({vocab})", s.token),
+        ));
+    }
     let mut q = Vec::with_capacity(d.q.len());
     for dist in d.q {
         let mut v = Vec::with_capacity(dist.entries.len());
@@ -139,6 +165,14 @@ pub fn block_from_proto(d: v1::Draft, vocab: usize, max_len: usize) -> Result<Bl
         start_pos: d.start_pos as usize,
         tokens: d.tokens,
         q,
+        side: d
+            .side
+            .iter()
+            .map(|s| SideNode {
+                parent: s.parent,
+                token: s.token,
+            })
+            .collect(),
     })
 }
 
@@ -152,6 +186,7 @@ impl From<Verdict> for v1::Verdict {
             verify_us: v.verify_us,
             grant_draft_len: v.grant.map_or(0, |g| g.draft_len),
             grant_depth: v.grant.map_or(0, |g| g.depth),
+            side_end: v.side_end,
         }
     }
 }
@@ -162,6 +197,7 @@ impl From<v1::Verdict> for Verdict {
             epoch: v.epoch,
             block: BlockId(v.block),
             accepted: v.accepted as usize,
+            side_end: v.side_end,
             token: v.token,
             verify_us: v.verify_us,
             grant: (v.grant_depth > 0).then_some(Shape::new(v.grant_draft_len, v.grant_depth)),
@@ -204,16 +240,41 @@ mod tests {
             start_pos: 40,
             tokens: vec![1, 2, 3],
             q: vec![],
+            side: vec![
+                SideNode {
+                    parent: 1,
+                    token: 9,
+                },
+                SideNode {
+                    parent: 3,
+                    token: 4,
+                },
+            ],
         };
-        assert_eq!(block_from_proto(v1::Draft::from(&b), 100, 8).unwrap(), b);
-        let e = block_from_proto(v1::Draft::from(&b), 3, 8).unwrap_err();
+        assert_eq!(block_from_proto(v1::Draft::from(&b), 100, 8, 2).unwrap(), b);
+        let e = block_from_proto(v1::Draft::from(&b), 3, 8, 2).unwrap_err();
         assert_eq!(e.field, "draft.tokens");
-        let e = block_from_proto(v1::Draft::from(&b), 100, 2).unwrap_err();
+        let e = block_from_proto(v1::Draft::from(&b), 100, 8, 1).unwrap_err();
+        assert_eq!(e.field, "draft.side");
+        let e = block_from_proto(v1::Draft::from(&b), 100, 2, 2).unwrap_err();
         assert!(e.message.contains("granted draft length"), "{e}");
         let bad_p = v1::SamplingParams {
             temperature: -1.0,
             ..Default::default()
         };
         assert_eq!(params_from_proto(Some(bad_p)).unwrap_err().field, "params");
+        // A verdict's path end goes through the wire, absent or not.
+        for side_end in [None, Some(0), Some(5)] {
+            let v = Verdict {
+                epoch: 1,
+                block: BlockId(2),
+                accepted: 3,
+                side_end,
+                token: 8,
+                verify_us: 0,
+                grant: None,
+            };
+            assert_eq!(Verdict::from(v1::Verdict::from(v)), v);
+        }
     }
 }

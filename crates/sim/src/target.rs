@@ -52,4 +52,7 @@ impl Target for SimTarget {
         let us = (self.cost.ms(t0 as f64) * 1e3).round() as u32;
         (Ok(logits), us)
     }
+    fn keep_path(&mut self, _: &[u32], _: usize, _: &[usize]) -> Result<(), EngineError> {
+        Ok(()) // one-hot logits: no KV to move
+    }
 }

@@ -7,7 +7,9 @@ use std::collections::{BinaryHeap, HashMap};
 use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::uniform;
 use tandem_spec::sampling::SamplingParams;
-use tandem_spec::{Block, EdgeSession, Incoming, Next, Output, SessionConfig, Shape, VerifyRule};
+use tandem_spec::{
+    Block, EdgeSession, Incoming, Next, Output, SessionConfig, Shape, TreeConfig, VerifyRule,
+};
 use tandem_verifier::{Inbound, Mode, NewSession, Outgoing, ToEdge, VerifierCore};
 
 use crate::target::{target_token, SimTarget, VOCAB};
@@ -376,6 +378,7 @@ impl Sim {
                     max_new_tokens: self.cfg.new_tokens,
                     auto: None,
                     granted: Some(grant),
+                    tree: TreeConfig::LINEAR,
                 };
                 let now_ms = self.now as f64 / 1e3;
                 let (es, outs) = EdgeSession::new(now_ms, s.prompt.clone(), first, cfg, Vec::new())
@@ -503,6 +506,9 @@ impl Sim {
                 self.at(t, Ev::Drafted { sid, token });
             }
             Next::Wait => {}
+            Next::Branch(_) => {
+                unreachable!("invariant: the simulator's edges draft linear blocks")
+            }
             Next::Done => {
                 let st = *p.stats();
                 self.accepted += st.accepted as u64;

@@ -29,6 +29,7 @@ pub const ACK_EVERY: usize = 16;
 
 use crate::pipeline::{Block, BlockId, Decoded, Verdict};
 use crate::sampling::SamplingParams;
+use crate::tree::{Node, Step};
 use crate::verify::{judge, target_token, VerifyRule};
 use crate::SpecError;
 
@@ -42,6 +43,22 @@ pub struct Feed {
     pub tokens: Vec<u32>,
     /// Indices into `tokens` whose logits are needed, in order.
     pub logits_at: Vec<usize>,
+    /// A token tree's feed: `parents[i]` is the index of token `i`'s parent in `tokens` (token 0,
+    /// the last committed one, is linear; its entry is 0). Empty for a linear feed.
+    pub parents: Vec<usize>,
+    /// The block's node of each token of a tree feed (token 0: the node the committed tokens
+    /// reached). Empty for a linear feed.
+    pub nodes: Vec<Node>,
+    /// How often the committed tokens diverted the walk from the tree's expected path: the
+    /// epoch moves that often when the forward is run ([`CloudSession::finish`]), not when it is
+    /// planned (a plan may wait and be made again).
+    pub diverted: u64,
+}
+
+impl Feed {
+    pub fn is_tree(&self) -> bool {
+        !self.parents.is_empty()
+    }
 }
 
 /// What to do with the oldest block a session has queued, at the time its forward is planned.
@@ -60,7 +77,7 @@ pub enum BlockAction {
 }
 
 /// The verdict of a block plus how far the target's KV must be cut back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Finished {
     pub verdict: Verdict,
     /// Truncate the session's target KV to this many tokens (drops rejected draft tokens).
@@ -68,6 +85,10 @@ pub struct Finished {
     /// Drafted tokens the target judged in the forward, and how many of them it accepted.
     pub judged: usize,
     pub accepted: usize,
+    /// A tree feed: the indices into its tokens of the accepted path (after token 0), whose K
+    /// and V move down to the slots after the feed's first (`Engine::keep_path_paged`). Empty
+    /// otherwise.
+    pub keep: Vec<usize>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -162,6 +183,16 @@ impl CloudSession {
                 b.index
             )));
         }
+        if b.is_tree() {
+            if self.rule.needs_q() {
+                return Err(SpecError::InvalidBlock(format!(
+                    "block {}: token trees are verified greedily or by sample-and-match, not by rejection sampling",
+                    b.index
+                )));
+            }
+            b.check_tree()
+                .map_err(|e| SpecError::InvalidBlock(format!("block {}: {e}", b.index)))?;
+        }
         if self.rule.needs_q() && b.q.len() != b.tokens.len() {
             return Err(SpecError::InvalidBlock(format!(
                 "block {}: rejection sampling needs one draft distribution per token ({} for {} tokens)",
@@ -178,11 +209,11 @@ impl CloudSession {
                 self.prompt_len + 1
             )));
         }
-        if b.start_pos + b.tokens.len() > self.max_len {
+        if b.start_pos + b.reach() > self.max_len {
             return Err(SpecError::InvalidBlock(format!(
                 "block {} reaches position {}, beyond the context limit {}",
                 b.index,
-                b.start_pos + b.tokens.len(),
+                b.start_pos + b.reach(),
                 self.max_len
             )));
         }
@@ -222,6 +253,9 @@ impl CloudSession {
                 b.index, b.start_pos
             )));
         }
+        if b.is_tree() {
+            return self.plan_tree(b);
+        }
         let known = (c - b.start_pos).min(b.tokens.len());
         if let Some(i) = (0..known).find(|&i| b.tokens[i] != self.committed[b.start_pos + i]) {
             self.epoch += 1;
@@ -232,12 +266,7 @@ impl CloudSession {
         if known == b.tokens.len() {
             return Ok(BlockAction::Covered);
         }
-        if c >= self.max_len {
-            return Err(SpecError::Protocol(format!(
-                "the session reached the context limit {}",
-                self.max_len
-            )));
-        }
+        self.room()?;
         let mut tokens = vec![self.committed[c - 1]];
         tokens.extend_from_slice(&b.tokens[known..]);
         let logits_at = (0..tokens.len()).collect();
@@ -245,6 +274,73 @@ impl CloudSession {
             start_pos: self.kv_len,
             tokens,
             logits_at,
+            parents: Vec::new(),
+            nodes: Vec::new(),
+            diverted: 0,
+        }))
+    }
+
+    fn room(&self) -> Result<(), SpecError> {
+        if self.committed.len() >= self.max_len {
+            return Err(SpecError::Protocol(format!(
+                "the session reached the context limit {}",
+                self.max_len
+            )));
+        }
+        Ok(())
+    }
+
+    /// [`plan_block`](Self::plan_block) for a token tree: walk it along the committed tokens
+    /// (each diversion from the expected path moves the epoch, as the edge's view of its own
+    /// tree does: at once for a block dropped here, with the forward for one verified), then
+    /// feed the subtree below where the walk stopped.
+    fn plan_tree(&mut self, b: &Block) -> Result<BlockAction, SpecError> {
+        let c = self.committed.len();
+        let mut at = Node::Root;
+        let mut diverted = 0;
+        for pos in b.start_pos..c {
+            match b.step(at, self.committed[pos]) {
+                Step::Expected(n) => at = n,
+                Step::Diverted(n) => {
+                    diverted += 1;
+                    at = n;
+                }
+                Step::Off => {
+                    self.epoch += diverted + 1;
+                    return Ok(BlockAction::Contradicted { pos });
+                }
+                Step::Leaf => {
+                    self.epoch += diverted;
+                    return Ok(BlockAction::Covered);
+                }
+            }
+        }
+        if b.children(at).is_empty() {
+            self.epoch += diverted;
+            return Ok(BlockAction::Covered);
+        }
+        self.room()?;
+        // Depth first from `at`: every parent before its children.
+        let mut tokens = vec![self.committed[c - 1]];
+        let mut parents = vec![0];
+        let mut nodes = vec![at];
+        let mut stack: Vec<(Node, usize)> = vec![(at, 0)];
+        while let Some((n, i)) = stack.pop() {
+            for k in b.children(n).into_iter().rev() {
+                stack.push((k, tokens.len()));
+                tokens.push(b.token(k).expect("invariant: a child has a token"));
+                parents.push(i);
+                nodes.push(k);
+            }
+        }
+        let logits_at = (0..tokens.len()).collect();
+        Ok(BlockAction::Forward(Feed {
+            start_pos: self.kv_len,
+            tokens,
+            logits_at,
+            parents,
+            nodes,
+            diverted,
         }))
     }
 
@@ -260,6 +356,9 @@ impl CloudSession {
             start_pos: self.kv_len,
             tokens: vec![*self.committed.last().expect("invariant: the first token")],
             logits_at: vec![0],
+            parents: Vec::new(),
+            nodes: Vec::new(),
+            diverted: 0,
         })
     }
 
@@ -279,9 +378,17 @@ impl CloudSession {
     }
 
     /// Fold the target's logits for `b` (rows in the order of the plan's `logits_at`, as planned
-    /// by [`plan_block`](Self::plan_block) just before) into the verdict, and move the session
-    /// on: the accepted run and the correction or bonus are committed.
-    pub fn finish(&mut self, b: &Block, rows: &[&[f32]]) -> Result<Finished, SpecError> {
+    /// by [`plan_block`](Self::plan_block) just before, in `feed`) into the verdict, and move the
+    /// session on: the accepted run and the correction or bonus are committed.
+    pub fn finish(
+        &mut self,
+        b: &Block,
+        feed: &Feed,
+        rows: &[&[f32]],
+    ) -> Result<Finished, SpecError> {
+        if feed.is_tree() {
+            return self.finish_tree(b, feed, rows);
+        }
         let c = self.committed.len();
         let known = c - b.start_pos;
         let m = b.tokens.len() - known;
@@ -329,6 +436,7 @@ impl CloudSession {
                 epoch,
                 block: b.index,
                 accepted: known + accepted,
+                side_end: None,
                 token,
                 verify_us: 0,
                 grant: None,
@@ -336,6 +444,77 @@ impl CloudSession {
             kv_len: self.kv_len,
             judged: m,
             accepted,
+            keep: Vec::new(),
+        })
+    }
+
+    /// [`finish`](Self::finish) for a tree feed: from the node the committed tokens reached,
+    /// follow the target's token at each node to the child that guessed it; the epoch moves at
+    /// each diversion from the expected path and at a rejection (none at a leaf: the bonus).
+    fn finish_tree(
+        &mut self,
+        b: &Block,
+        feed: &Feed,
+        rows: &[&[f32]],
+    ) -> Result<Finished, SpecError> {
+        if rows.len() != feed.tokens.len() {
+            return Err(SpecError::Protocol(format!(
+                "{} logits rows for a plan of {}",
+                rows.len(),
+                feed.tokens.len()
+            )));
+        }
+        self.epoch += feed.diverted;
+        let epoch = self.epoch;
+        let c = self.committed.len();
+        let mut i = 0;
+        let mut keep = Vec::new();
+        let token = loop {
+            let at = feed.nodes[i];
+            let pos = b.start_pos + b.path_len(at);
+            let t = target_token(rows[i], &self.params, pos as u64);
+            let next = match b.step(at, t) {
+                Step::Expected(n) => n,
+                Step::Diverted(n) => {
+                    self.epoch += 1;
+                    n
+                }
+                Step::Off => {
+                    self.epoch += 1;
+                    break t;
+                }
+                Step::Leaf => break t,
+            };
+            let j = (i + 1..feed.tokens.len())
+                .find(|&j| feed.parents[j] == i && feed.nodes[j] == next)
+                .expect("invariant: the feed holds the subtree below its first node");
+            keep.push(j);
+            self.committed.push(feed.tokens[j]);
+            i = j;
+        };
+        let last = feed.nodes[i];
+        let judged = feed.tokens.len() - 1;
+        self.verified_positions += judged as u64;
+        self.committed.push(token);
+        self.kv_len = self.committed.len() - 1;
+        let accepted = self.committed.len() - 1 - c;
+        Ok(Finished {
+            verdict: Verdict {
+                epoch,
+                block: b.index,
+                accepted: b.path_len(last),
+                side_end: match last {
+                    Node::Side(m) => Some(m as u32),
+                    _ => None,
+                },
+                token,
+                verify_us: 0,
+                grant: None,
+            },
+            kv_len: self.kv_len,
+            judged,
+            accepted,
+            keep,
         })
     }
 }
@@ -362,6 +541,7 @@ mod tests {
             start_pos,
             tokens: tokens.to_vec(),
             q: vec![],
+            side: vec![],
         }
     }
 
@@ -370,7 +550,7 @@ mod tests {
         tokens
             .iter()
             .map(|&t| {
-                let mut r = vec![0f32; 16];
+                let mut r = vec![0f32; 64];
                 r[t as usize] = 1.0;
                 r
             })
@@ -392,7 +572,7 @@ mod tests {
         assert_eq!((f.start_pos, f.tokens.clone()), (3, vec![7, 8, 9, 10]));
         // The target agrees with 8 and 9, then wants 4 where the draft said 10.
         let r = rows(&[8, 9, 4, 12]);
-        let done = s.finish(&b, &refs(&r)).unwrap();
+        let done = s.finish(&b, &f, &refs(&r)).unwrap();
         assert_eq!((done.verdict.accepted, done.verdict.token), (2, 4));
         assert_eq!((done.judged, done.accepted), (3, 2));
         assert_eq!(done.kv_len, 6, "the rejected token's KV is cut");
@@ -417,7 +597,7 @@ mod tests {
             panic!()
         };
         assert_eq!((f.start_pos, f.tokens.clone()), (5, vec![9, 10, 11]));
-        let done = s.finish(&b, &refs(&rows(&[10, 11, 12]))).unwrap();
+        let done = s.finish(&b, &f, &refs(&rows(&[10, 11, 12]))).unwrap();
         assert_eq!(
             (done.verdict.accepted, done.verdict.token),
             (4, 12),
@@ -442,6 +622,199 @@ mod tests {
             s.plan_block(&block(1, 3, 5, &[9, 10])).unwrap(),
             BlockAction::Covered
         );
+    }
+
+    /// Main 8 9 10; 20 beside 9, continued by 21; 30 beside 8.
+    fn tree_block() -> Block {
+        use crate::tree::SideNode;
+        Block {
+            side: vec![
+                SideNode {
+                    parent: 1,
+                    token: 20,
+                },
+                SideNode {
+                    parent: 3,
+                    token: 21,
+                },
+                SideNode {
+                    parent: 0,
+                    token: 30,
+                },
+            ],
+            ..block(0, 0, 4, &[8, 9, 10])
+        }
+    }
+
+    /// Rows for a tree feed from a target whose continuation after the prompt's first token is
+    /// `want`: a node on that path gets its next token, any other node token 0.
+    fn tree_rows(b: &Block, f: &Feed, want: &[u32]) -> Vec<Vec<f32>> {
+        let next: Vec<u32> = f
+            .nodes
+            .iter()
+            .map(|&n| {
+                let path: Vec<u32> = b.path_to(n).iter().map(|&m| b.token(m).unwrap()).collect();
+                if want.starts_with(&path) {
+                    want[path.len()]
+                } else {
+                    0
+                }
+            })
+            .collect();
+        rows(&next)
+    }
+
+    #[test]
+    fn a_tree_commits_the_path_the_target_follows() {
+        // The main path right: its run and the bonus, nothing moves.
+        let b = tree_block();
+        for (want, accepted, side_end, token, epoch, committed) in [
+            (
+                vec![8, 9, 10, 11],
+                3,
+                None,
+                11,
+                0,
+                vec![1, 2, 3, 7, 8, 9, 10, 11],
+            ),
+            // The branch beside 9 right: the path 8 20 21 and the bonus; the diversion moves the
+            // epoch.
+            (
+                vec![8, 20, 21, 5],
+                3,
+                Some(1),
+                5,
+                1,
+                vec![1, 2, 3, 7, 8, 20, 21, 5],
+            ),
+            // The branch right at its first token only: a correction after it.
+            (vec![8, 20, 6], 2, Some(0), 6, 2, vec![1, 2, 3, 7, 8, 20, 6]),
+            // Every guess wrong at the first position: the correction.
+            (vec![40], 0, None, 40, 1, vec![1, 2, 3, 7, 40]),
+        ] {
+            let mut s = session();
+            s.check(&b).unwrap();
+            let BlockAction::Forward(f) = s.plan_block(&b).unwrap() else {
+                panic!()
+            };
+            assert_eq!(f.tokens.len(), 7, "the committed token and every node");
+            assert_eq!(f.nodes[0], Node::Root);
+            let r = tree_rows(&b, &f, &want);
+            let done = s.finish(&b, &f, &refs(&r)).unwrap();
+            let v = done.verdict;
+            assert_eq!(
+                (v.accepted, v.side_end, v.token),
+                (accepted, side_end, token),
+                "{want:?}"
+            );
+            assert_eq!(s.committed(), &committed[..]);
+            assert_eq!(s.epoch(), epoch, "{want:?}");
+            assert_eq!(done.kv_len, committed.len() - 1);
+            let kept: Vec<u32> = done.keep.iter().map(|&j| f.tokens[j]).collect();
+            assert_eq!(
+                kept,
+                committed[4..committed.len() - 1],
+                "the KV keeps the path"
+            );
+            assert!(b.named_path(v.accepted, v.side_end).is_some());
+        }
+    }
+
+    #[test]
+    fn decodes_that_divert_a_tree_move_the_epoch_once_when_it_is_verified_or_dropped() {
+        let b = tree_block();
+        let mut s = session();
+        for t in [8, 20] {
+            s.plan_decode().unwrap();
+            s.finish_decode(&rows(&[t])[0]);
+        }
+        // Planned twice (a plan may wait): the epoch moves with the forward, once.
+        for _ in 0..2 {
+            let BlockAction::Forward(f) = s.plan_block(&b).unwrap() else {
+                panic!()
+            };
+            assert_eq!((f.tokens.clone(), f.diverted), (vec![20, 21], 1));
+            assert_eq!(s.epoch(), 0);
+        }
+        let BlockAction::Forward(f) = s.plan_block(&b).unwrap() else {
+            panic!()
+        };
+        let done = s
+            .finish(&b, &f, &refs(&tree_rows(&b, &f, &[8, 20, 21, 5])))
+            .unwrap();
+        assert_eq!(
+            (
+                done.verdict.epoch,
+                done.verdict.accepted,
+                done.verdict.side_end
+            ),
+            (1, 3, Some(1))
+        );
+        assert_eq!(s.committed(), &[1, 2, 3, 7, 8, 20, 21, 5]);
+        // A tree the decodes walk to a leaf is covered; one they leave is contradicted, and each
+        // diversion on the way counts.
+        let mut s = session();
+        for t in [8, 20, 21] {
+            s.plan_decode().unwrap();
+            s.finish_decode(&rows(&[t])[0]);
+        }
+        assert_eq!(s.plan_block(&b).unwrap(), BlockAction::Covered);
+        assert_eq!(s.epoch(), 1);
+        let mut s = session();
+        for t in [8, 20, 3] {
+            s.plan_decode().unwrap();
+            s.finish_decode(&rows(&[t])[0]);
+        }
+        assert_eq!(
+            s.plan_block(&b).unwrap(),
+            BlockAction::Contradicted { pos: 6 }
+        );
+        assert_eq!(s.epoch(), 2);
+    }
+
+    #[test]
+    fn bad_trees_are_refused_by_name() {
+        let s = session();
+        let mut b = tree_block();
+        b.side[2].token = 8;
+        let e = s.check(&b).unwrap_err().to_string();
+        assert!(e.contains("two guesses of token 8"), "{e}");
+        let rs = CloudSession::new(
+            VerifyRule::Rejection,
+            SamplingParams {
+                temperature: 0.8,
+                ..SamplingParams::default()
+            },
+            &[1, 2, 3],
+            7,
+            64,
+        );
+        let e = rs.check(&tree_block()).unwrap_err().to_string();
+        assert!(e.contains("not by rejection sampling"), "{e}");
+        // A branch past the context limit, though the main path is within it.
+        let short = CloudSession::new(
+            VerifyRule::Greedy,
+            SamplingParams::default(),
+            &[1, 2, 3],
+            7,
+            5,
+        );
+        let deep = Block {
+            side: vec![
+                crate::tree::SideNode {
+                    parent: 0,
+                    token: 30,
+                },
+                crate::tree::SideNode {
+                    parent: 1,
+                    token: 31,
+                },
+            ],
+            ..block(0, 0, 4, &[8])
+        };
+        let e = short.check(&deep).unwrap_err().to_string();
+        assert!(e.contains("reaches position 6"), "{e}");
+        s.check(&tree_block()).unwrap();
     }
 
     #[test]

@@ -12,7 +12,8 @@ use serde::Serialize;
 use crate::cloud_session::ACK_EVERY;
 use crate::never_idle;
 use crate::pipeline::{
-    BlockId, Decoded, Next, Output, Pipeline, PipelineConfig, Shape, SparseDist, Verdict,
+    BlockId, BranchJob, Decoded, Hedge, Next, Output, Pipeline, PipelineConfig, Shape, SparseDist,
+    TreeConfig, Verdict,
 };
 use crate::policy::{Costs, Estimator};
 use crate::SpecError;
@@ -78,6 +79,8 @@ pub struct SessionConfig {
     /// The verifier's grant at Open (γ, depth): the shape stays within it, and within each later
     /// grant that verdicts bring as the verifier's load changes. None: no limit.
     pub granted: Option<Shape>,
+    /// Token trees (within the side nodes the verifier granted at Open).
+    pub tree: TreeConfig,
 }
 
 /// What the edge measured during a session (milliseconds).
@@ -185,7 +188,8 @@ impl EdgeSession {
             depth: cfg.depth.min(cap.1).max(1),
             max_new_tokens: cfg.max_new_tokens,
         };
-        let (p, out) = Pipeline::with_first(prompt, first, pcfg, eog)?;
+        let (mut p, out) = Pipeline::with_first(prompt, first, pcfg, eog)?;
+        p.set_tree(cfg.tree);
         let prior = cfg.auto.map_or(
             Costs {
                 alpha: 0.0,
@@ -296,14 +300,49 @@ impl EdgeSession {
         ms: f64,
         prefill: bool,
     ) -> Vec<Output> {
+        self.on_drafted_hedged(now_ms, token, q, None, ms, prefill)
+    }
+
+    /// [`on_drafted`](Self::on_drafted) with the draft's second choice (token trees).
+    pub fn on_drafted_hedged(
+        &mut self,
+        now_ms: f64,
+        token: u32,
+        q: Option<SparseDist>,
+        hedge: Option<Hedge>,
+        ms: f64,
+        prefill: bool,
+    ) -> Vec<Output> {
         if !prefill {
             self.est.on_draft(ms);
             self.totals.draft_ms += ms;
             self.totals.draft_steps += 1;
         }
-        let out = self.p.on_drafted(token, q);
+        let out = self.p.on_drafted_hedged(token, q, hedge);
         self.sent(now_ms, &out);
         out
+    }
+
+    /// The draft drafted the branch [`Next::Branch`] asked for, at `now_ms`, in `forwards`
+    /// forwards of `ms` in all.
+    pub fn on_branch(
+        &mut self,
+        now_ms: f64,
+        job: BranchJob,
+        tokens: Vec<u32>,
+        forwards: usize,
+        ms: f64,
+    ) -> Result<Vec<Output>, SpecError> {
+        if forwards > 0 {
+            for _ in 0..forwards {
+                self.est.on_draft(ms / forwards as f64);
+            }
+            self.totals.draft_ms += ms;
+            self.totals.draft_steps += forwards;
+        }
+        let out = self.p.on_branch(job, tokens)?;
+        self.sent(now_ms, &out);
+        Ok(out)
     }
 
     /// A message from the verifier arrived at `now_ms`.
@@ -504,6 +543,7 @@ mod tests {
             max_new_tokens: 20,
             auto,
             granted: Some(Shape::new(4, 2)),
+            tree: TreeConfig::LINEAR,
         };
         EdgeSession::new(0.0, vec![1, 2, 3], 7, cfg, vec![]).unwrap()
     }
@@ -538,6 +578,7 @@ mod tests {
             epoch: 0,
             block: sent[0].index,
             accepted: 4,
+            side_end: None,
             token: 12,
             verify_us: 30_000,
             grant: Some(Shape::new(2, 1)),
@@ -568,6 +609,7 @@ mod tests {
             epoch: 0,
             block: sent[0].index,
             accepted: 1,
+            side_end: None,
             token: 42,
             verify_us: 0,
             grant: None,
@@ -590,6 +632,7 @@ mod tests {
             max_new_tokens: 60,
             auto: None,
             granted: Some(Shape::new(2, 1)),
+            tree: TreeConfig::LINEAR,
         };
         let (mut s, _) = EdgeSession::new(0.0, vec![1, 2, 3], 7, cfg, vec![]).unwrap();
         // Every token the verifier decodes contradicts what the edge drafted there.
@@ -664,6 +707,7 @@ mod tests {
             max_new_tokens: 50,
             auto: Some(auto),
             granted: None,
+            tree: TreeConfig::LINEAR,
         };
         let (mut s, _) = EdgeSession::new(0.0, vec![1, 2, 3], 7, cfg, vec![]).unwrap();
         let sent = draft(&mut s, 0.0, &[8]);
@@ -671,6 +715,7 @@ mod tests {
             epoch: 0,
             block: sent[0].index,
             accepted: 1,
+            side_end: None,
             token: 9,
             verify_us: 60_000,
             grant: None,

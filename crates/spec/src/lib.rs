@@ -27,14 +27,16 @@ pub mod never_idle;
 pub mod pipeline;
 pub mod policy;
 pub mod sampling;
+pub mod tree;
 pub mod verify;
 
 pub use cloud_session::{BlockAction, CloudSession, Feed, Finished, ACK_EVERY, FLOW_WINDOW};
 pub use edge::{EdgeSession, Incoming, Measured, Reaction, SessionConfig};
 pub use pipeline::{
-    Block, BlockId, Decoded, Next, Output, Pipeline, PipelineConfig, PipelineStats, Shape,
-    SparseDist, Verdict,
+    Block, BlockId, BranchJob, Decoded, Hedge, Next, Output, Pipeline, PipelineConfig,
+    PipelineStats, Shape, SparseDist, TreeConfig, Verdict,
 };
+pub use tree::{Node, SideNode, Step};
 pub use verify::VerifyRule;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -25,10 +25,11 @@
 //! [`Pipeline::on_drafted`], each verdict with [`Pipeline::on_verdict`], and carries out the returned
 //! [`Output`]s: send a block, truncate the draft KV, show committed tokens to the user.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
+use crate::tree::{Node, SideNode, Step};
 use crate::SpecError;
 
 /// Blocks an edge may have in flight at most (a verifier queues no more per session).
@@ -59,6 +60,9 @@ pub struct Block {
     pub tokens: Vec<u32>,
     /// The draft's distribution at each token (empty unless the verify rule needs it).
     pub q: Vec<SparseDist>,
+    /// Guesses beside the main path `tokens` (a token tree; see [`crate::tree`]).
+    #[serde(default)]
+    pub side: Vec<crate::tree::SideNode>,
 }
 
 /// How speculation is shaped: γ drafted tokens per block (`draft_len`), up to `depth` blocks in
@@ -97,8 +101,12 @@ impl PartialEq<(u32, u32)> for Shape {
 pub struct Verdict {
     pub epoch: u64,
     pub block: BlockId,
-    /// Leading drafted tokens that the target accepted.
+    /// Drafted tokens from the block's start that the target accepted: the main path's first
+    /// `accepted`, or the path to side node `side_end`.
     pub accepted: usize,
+    /// The accepted path ends on this side node (a token tree's branch won).
+    #[serde(default)]
+    pub side_end: Option<u32>,
     /// The target's token at `start_pos + accepted`: correction, or bonus when all were accepted.
     pub token: u32,
     /// Microseconds the verifier's forward pass took for this verdict (0 when it was decided
@@ -144,10 +152,62 @@ pub enum Output {
 pub enum Next {
     /// Draft one more token (after feeding `tokens()[draft_fed()..]`).
     Draft,
+    /// Draft a branch of a token tree, then report it with [`Pipeline::on_branch`].
+    Branch(BranchJob),
     /// Nothing to draft until a verdict arrives.
     Wait,
     /// Generation is over: the token limit or an end-of-generation token was committed.
     Done,
+}
+
+/// Token trees: where the edge sends its draft's second choice beside the main path (see
+/// [`crate::tree`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct TreeConfig {
+    /// Side nodes per block at most (0: linear blocks).
+    pub side_nodes: usize,
+    /// Tokens per branch: the second choice, then what the draft continues it with.
+    pub branch_len: usize,
+    /// Branch where the draft's probability of its own token is below this.
+    pub below: f32,
+}
+
+impl TreeConfig {
+    pub const LINEAR: TreeConfig = TreeConfig {
+        side_nodes: 0,
+        branch_len: 1,
+        below: 0.0,
+    };
+}
+
+/// The draft's second choice at a position, and its probability of its first.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Hedge {
+    pub alt: u32,
+    pub p_top: f32,
+}
+
+/// A branch to draft: `first` at position `pos` (beside the main path's token there: a child of
+/// the main path's token at `pos − 1`), then `len − 1` tokens continuing it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BranchJob {
+    pub pos: usize,
+    pub first: u32,
+    pub len: usize,
+}
+
+/// A block in flight and the path through its tree that the edge's tail follows (the main path,
+/// until committed tokens divert it into a branch).
+#[derive(Debug, Clone)]
+struct InFlight {
+    block: Block,
+    path: Vec<Node>,
+}
+
+impl InFlight {
+    fn end(&self) -> usize {
+        self.block.start_pos + self.path.len()
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -196,6 +256,10 @@ pub struct PipelineStats {
     pub rejections: usize,
     /// Tokens the cloud supplied (corrections and bonus tokens that were not drafted).
     pub cloud_tokens: usize,
+    /// Committed tokens that a token tree's branch guessed (after the main path missed).
+    pub branch_hits: usize,
+    /// Side nodes sent.
+    pub side_nodes: usize,
     /// Blocks dropped unanswered: made stale by an earlier rejection, lost with a connection, or
     /// still in flight when the generation ended.
     pub stale_blocks: usize,
@@ -244,7 +308,14 @@ pub struct Pipeline {
     committed: usize,
     /// `tokens[..sent]` are committed or inside sent blocks.
     sent: usize,
-    in_flight: VecDeque<Block>,
+    in_flight: VecDeque<InFlight>,
+    /// The block a verdict is being applied for (not counted stale or covered meanwhile).
+    answering: Option<BlockId>,
+    tree: TreeConfig,
+    /// The draft's second choices in the unsent tail, by position.
+    hedges: BTreeMap<usize, Hedge>,
+    /// Branches drafted for the unsent tail, by the position of their first token.
+    branches: BTreeMap<usize, Vec<u32>>,
     epoch: u64,
     next_index: u64,
     draft_fed: usize,
@@ -295,6 +366,10 @@ impl Pipeline {
             committed: n,
             sent: n,
             in_flight: VecDeque::new(),
+            answering: None,
+            tree: TreeConfig::LINEAR,
+            hedges: BTreeMap::new(),
+            branches: BTreeMap::new(),
             epoch: 0,
             next_index: 0,
             draft_fed: 0,
@@ -354,7 +429,82 @@ impl Pipeline {
 
     /// The blocks in flight, oldest first.
     pub fn in_flight_ids(&self) -> impl Iterator<Item = BlockId> + '_ {
-        self.in_flight.iter().map(|b| b.index)
+        self.in_flight.iter().map(|f| f.block.index)
+    }
+
+    /// Send token trees shaped so from the next block on.
+    pub fn set_tree(&mut self, tree: TreeConfig) {
+        self.tree = tree;
+    }
+    pub fn tree(&self) -> TreeConfig {
+        self.tree
+    }
+
+    /// The next block's branch points: positions of the unsent tail whose draft was unsure,
+    /// least sure first, as many as the side-node budget holds; and each branch's length.
+    fn branch_points(&self, n: usize) -> (Vec<usize>, usize) {
+        let t = self.tree;
+        let len = t.branch_len.min(t.side_nodes).max(1);
+        let count = t.side_nodes / len;
+        if count == 0 {
+            return (Vec::new(), len);
+        }
+        let mut points: Vec<(usize, f32)> = self
+            .hedges
+            .range(self.sent..self.sent + n)
+            .filter(|(_, h)| h.p_top < t.below)
+            .map(|(&p, h)| (p, h.p_top))
+            .collect();
+        points.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
+        points.truncate(count);
+        let mut points: Vec<usize> = points.into_iter().map(|(p, _)| p).collect();
+        points.sort_unstable();
+        (points, len)
+    }
+
+    /// The branch to draft before the next block can go, if any.
+    fn branch_job(&self) -> Option<BranchJob> {
+        let n = self.ready_to_send()?;
+        let (points, len) = self.branch_points(n);
+        let pos = points
+            .into_iter()
+            .find(|p| !self.branches.contains_key(p))?;
+        // A branch stops at the token limit; a one-token branch is the second choice alone.
+        let len = len.min(self.limit() - pos);
+        if len <= 1 {
+            return None;
+        }
+        Some(BranchJob {
+            pos,
+            first: self.hedges[&pos].alt,
+            len,
+        })
+    }
+
+    /// A branch the shell drafted for [`Next::Branch`]: its tokens, the job's `first` first.
+    pub fn on_branch(
+        &mut self,
+        job: BranchJob,
+        tokens: Vec<u32>,
+    ) -> Result<Vec<Output>, SpecError> {
+        if self.branch_job() != Some(job)
+            || tokens.len() != job.len
+            || tokens.first() != Some(&job.first)
+        {
+            return Err(SpecError::Protocol(format!(
+                "a branch at position {} that was not asked for, or not as asked",
+                job.pos
+            )));
+        }
+        // A drafted end of generation ends the branch.
+        let end = tokens
+            .iter()
+            .position(|t| self.eog.contains(t))
+            .map_or(tokens.len(), |i| i + 1);
+        self.branches.insert(job.pos, tokens[..end].to_vec());
+        let mut out = Vec::new();
+        self.try_send(&mut out);
+        Ok(out)
     }
 
     /// Blocks in flight at most: `depth`, plus the verifier's lead in blocks of γ.
@@ -405,6 +555,8 @@ impl Pipeline {
     pub fn next(&self) -> Next {
         if self.done {
             Next::Done
+        } else if let Some(job) = self.branch_job() {
+            Next::Branch(job)
         } else if !self.drafting
             || self.drafting_stopped()
             || self.in_flight.len() >= self.max_in_flight()
@@ -422,12 +574,25 @@ impl Pipeline {
     /// The draft model produced `token` for position `tokens().len()` (having fed everything
     /// before it); `q` is its distribution there when the verify rule needs it.
     pub fn on_drafted(&mut self, token: u32, q: Option<SparseDist>) -> Vec<Output> {
+        self.on_drafted_hedged(token, q, None)
+    }
+
+    /// [`on_drafted`](Self::on_drafted) with the draft's second choice there (token trees).
+    pub fn on_drafted_hedged(
+        &mut self,
+        token: u32,
+        q: Option<SparseDist>,
+        hedge: Option<Hedge>,
+    ) -> Vec<Output> {
         debug_assert_eq!(
             self.next(),
             Next::Draft,
             "invariant: the shell drafts only when told to"
         );
         self.draft_fed = self.tokens.len();
+        if let Some(h) = hedge.filter(|h| h.alt != token && !self.eog.contains(&token)) {
+            self.hedges.insert(self.tokens.len(), h);
+        }
         self.tokens.push(token);
         if let Some(q) = q {
             self.q.push_back(q);
@@ -438,27 +603,58 @@ impl Pipeline {
         out
     }
 
-    fn try_send(&mut self, out: &mut Vec<Output>) {
+    /// The length of the block that could go now, if one could.
+    fn ready_to_send(&self) -> Option<usize> {
         let unsent = self.tokens.len() - self.sent;
         let full = unsent >= self.cfg.draft_len || (unsent > 0 && self.drafting_stopped());
-        if self.done || !self.drafting || !full || self.in_flight.len() >= self.max_in_flight() {
+        (!self.done && self.drafting && full && self.in_flight.len() < self.max_in_flight())
+            .then(|| unsent.min(self.cfg.draft_len))
+    }
+
+    fn try_send(&mut self, out: &mut Vec<Output>) {
+        let Some(n) = self.ready_to_send() else {
             return;
+        };
+        if self.branch_job().is_some() {
+            return; // a branch of this block is still to be drafted
         }
-        let n = unsent.min(self.cfg.draft_len);
+        let (points, _) = self.branch_points(n);
         let tokens = self.tokens[self.sent..self.sent + n].to_vec();
         let q_from = self.sent - self.committed.min(self.sent);
         let q: Vec<SparseDist> = self.q.iter().skip(q_from).take(n).cloned().collect();
+        let mut side = Vec::new();
+        for p in points {
+            let chain = self
+                .branches
+                .get(&p)
+                .map_or_else(|| vec![self.hedges[&p].alt], |c| c.clone());
+            for (i, &token) in chain.iter().enumerate() {
+                let parent = if i == 0 {
+                    (p - self.sent) as u32
+                } else {
+                    (n + side.len() - 1) as u32
+                };
+                side.push(SideNode { parent, token });
+            }
+        }
         let block = Block {
             epoch: self.epoch,
             index: BlockId(self.next_index),
             start_pos: self.sent,
             tokens,
             q,
+            side,
         };
         self.next_index += 1;
         self.sent += n;
+        self.hedges = self.hedges.split_off(&self.sent);
+        self.branches = self.branches.split_off(&self.sent);
         self.stats.blocks_sent += 1;
-        self.in_flight.push_back(block.clone());
+        self.stats.side_nodes += block.side.len();
+        self.in_flight.push_back(InFlight {
+            path: (0..n).map(Node::Main).collect(),
+            block: block.clone(),
+        });
         out.push(Output::Send(block));
     }
 
@@ -467,6 +663,22 @@ impl Pipeline {
     fn cut_tail(&mut self, len: usize) {
         self.tokens.truncate(len);
         self.q.truncate(len.saturating_sub(self.committed));
+        self.hedges.split_off(&len);
+        self.branches.split_off(&len);
+    }
+
+    /// Drop the blocks in flight after the first `keep`, counting them stale (not the one a
+    /// verdict answers).
+    fn drop_in_flight(&mut self, keep: usize) {
+        let keep = keep.min(self.in_flight.len());
+        let answering = self
+            .in_flight
+            .iter()
+            .skip(keep)
+            .filter(|f| Some(f.block.index) == self.answering)
+            .count();
+        self.stats.stale_blocks += self.in_flight.len() - keep - answering;
+        self.in_flight.truncate(keep);
     }
 
     /// Mark `tokens[self.committed..upto]` verified: trim q, apply the limit and end-of-generation.
@@ -506,8 +718,7 @@ impl Pipeline {
             let wasted = self.tokens.len() - self.committed;
             self.stats.wasted_draft_tokens += wasted;
             self.cut_tail(self.committed);
-            self.stats.stale_blocks += self.in_flight.len();
-            self.in_flight.clear();
+            self.drop_in_flight(0);
             self.sent = self.committed;
             self.draft_fed = self.draft_fed.min(self.committed);
         }
@@ -527,6 +738,19 @@ impl Pipeline {
         if pos < self.tokens.len() && self.tokens[pos] == token {
             self.stats.accepted += 1;
             self.sent = self.sent.max(pos + 1);
+        } else if let Some((keep, branch)) = self.divert(pos, token) {
+            // A branch of the block in flight here guessed it: the tail follows the branch.
+            self.stats.branch_hits += 1;
+            self.epoch += 1;
+            self.drop_in_flight(keep);
+            self.stats.wasted_draft_tokens += self.tokens.len() - pos;
+            self.cut_tail(pos);
+            self.tokens.extend_from_slice(&branch);
+            self.sent = pos + branch.len();
+            if self.draft_fed > pos {
+                self.draft_fed = pos;
+                out.push(Output::Rollback { to: pos });
+            }
         } else {
             if pos < self.tokens.len() {
                 self.stats.rejections += 1;
@@ -535,8 +759,7 @@ impl Pipeline {
             }
             if pos < self.sent {
                 self.epoch += 1;
-                self.stats.stale_blocks += self.in_flight.len();
-                self.in_flight.clear();
+                self.drop_in_flight(0);
             }
             self.stats.wasted_draft_tokens += self.tokens.len().saturating_sub(pos);
             self.cut_tail(pos);
@@ -548,16 +771,54 @@ impl Pipeline {
             }
         }
         self.commit_to(pos + 1, out);
-        // Blocks wholly committed are answered by the commits.
-        while self
-            .in_flight
-            .front()
-            .is_some_and(|b| b.start_pos + b.tokens.len() <= self.committed)
-        {
+        self.pop_covered();
+        Ok(())
+    }
+
+    /// Blocks wholly committed are answered by the commits (not the one a verdict answers).
+    fn pop_covered(&mut self) {
+        while let Some(f) = self.in_flight.front() {
+            if f.end() > self.committed || self.answering == Some(f.block.index) {
+                break;
+            }
             self.in_flight.pop_front();
             self.stats.covered_blocks += 1;
         }
-        Ok(())
+    }
+
+    /// A committed `token` at `pos` that differs from the tail: when the block in flight there
+    /// has a branch that guessed it, its path turns into that branch; returns how many blocks
+    /// in flight stay (that one and those before it: one a verdict answers, ending at `pos`)
+    /// and the branch's tokens from `pos` on (the new tail).
+    fn divert(&mut self, pos: usize, token: u32) -> Option<(usize, Vec<u32>)> {
+        let i = self
+            .in_flight
+            .iter()
+            .position(|f| f.block.start_pos <= pos && pos < f.end())?;
+        let f = &mut self.in_flight[i];
+        let start = f.block.start_pos;
+        if !f.block.is_tree() {
+            return None;
+        }
+        let at = if pos == start {
+            Node::Root
+        } else {
+            f.path[pos - start - 1]
+        };
+        let Step::Diverted(n) = f.block.step(at, token) else {
+            return None;
+        };
+        f.path.truncate(pos - start);
+        f.path.push(n);
+        f.path.extend(f.block.expected_below(n));
+        let b = &f.block;
+        Some((
+            i + 1,
+            f.path[pos - start..]
+                .iter()
+                .map(|&n| b.token(n).expect("invariant: path nodes have tokens"))
+                .collect(),
+        ))
     }
 
     pub fn on_verdict(&mut self, v: Verdict) -> Result<Vec<Output>, SpecError> {
@@ -572,19 +833,26 @@ impl Pipeline {
                 v.block
             )));
         };
+        let front = &front.block;
         if front.index != v.block {
             return Err(SpecError::Protocol(format!(
                 "verdict for block {} but block {} is the oldest in flight",
                 v.block, front.index
             )));
         }
-        if v.accepted > front.tokens.len() {
+        if v.accepted > front.tokens.len() && v.side_end.is_none() {
             return Err(SpecError::Protocol(format!(
                 "verdict accepts {} tokens of a {}-token block",
                 v.accepted,
                 front.tokens.len()
             )));
         }
+        let Some(path) = front.named_path(v.accepted, v.side_end) else {
+            return Err(SpecError::Protocol(format!(
+                "verdict names a path of {} tokens to side node {:?}, which block {} does not have",
+                v.accepted, v.side_end, front.index
+            )));
+        };
         let start = front.start_pos;
         if start > self.committed || start + v.accepted < self.committed {
             return Err(SpecError::Protocol(format!(
@@ -592,22 +860,34 @@ impl Pipeline {
                 v.accepted, self.committed
             )));
         }
-        let block = self
-            .in_flight
-            .pop_front()
-            .expect("invariant: front checked");
+        let path: Vec<u32> = path
+            .iter()
+            .map(|&n| front.token(n).expect("invariant: path nodes have tokens"))
+            .collect();
         self.stats.verdicts += 1;
         self.last_lead = Some(self.committed - start);
         let from = self.committed;
+        self.answering = Some(v.block);
+        let mut taken = Ok(());
         for pos in self.committed..start + v.accepted {
-            if self.done {
+            if self.done || taken.is_err() {
                 break;
             }
-            self.take(pos, block.tokens[pos - start], &mut out)?;
+            taken = self.take(pos, path[pos - start], &mut out);
         }
-        if !self.done {
-            self.take(start + v.accepted, v.token, &mut out)?;
+        if !self.done && taken.is_ok() {
+            taken = self.take(start + v.accepted, v.token, &mut out);
         }
+        self.answering = None;
+        if self
+            .in_flight
+            .front()
+            .is_some_and(|f| f.block.index == v.block)
+        {
+            self.in_flight.pop_front();
+        }
+        self.pop_covered();
+        taken?;
         self.stats.verdict_tokens += self.committed - from;
         if self.done {
             return Ok(out);
@@ -666,9 +946,8 @@ impl Pipeline {
     /// Forget every block in flight and the speculative tail; the draft rolls back to the
     /// committed sequence.
     fn drop_speculation(&mut self, out: &mut Vec<Output>) {
-        self.stats.stale_blocks += self.in_flight.len();
         self.stats.wasted_draft_tokens += self.tokens.len() - self.committed;
-        self.in_flight.clear();
+        self.drop_in_flight(0);
         self.cut_tail(self.committed);
         self.q.clear();
         self.sent = self.committed;
@@ -713,6 +992,7 @@ mod tests {
             epoch: b.epoch,
             block: b.index,
             accepted,
+            side_end: None,
             token,
             verify_us: 0,
             grant: None,
@@ -773,6 +1053,150 @@ mod tests {
         assert!(e.contains("accepts 3 tokens of a 2-token block"), "{e}");
         // Nothing changed: the right verdict still applies.
         assert!(!p.on_verdict(verdict(&b[0], 2, 3)).unwrap().is_empty());
+    }
+
+    /// Draft `tokens` with second choices `alts` (confidence 0.1 where given), answering branch
+    /// jobs with `branch(job)`; returns the blocks sent.
+    fn draft_tree(
+        p: &mut Pipeline,
+        tokens: &[u32],
+        alts: &[Option<u32>],
+        branch: impl Fn(BranchJob) -> Vec<u32>,
+    ) -> Vec<Block> {
+        let mut sent = Vec::new();
+        for (&t, &alt) in tokens.iter().zip(alts) {
+            assert_eq!(p.next(), Next::Draft);
+            let h = alt.map(|alt| Hedge { alt, p_top: 0.1 });
+            let mut outs = p.on_drafted_hedged(t, None, h);
+            while let Next::Branch(job) = p.next() {
+                outs.extend(p.on_branch(job, branch(job)).unwrap());
+            }
+            sent.extend(outs.into_iter().filter_map(|o| match o {
+                Output::Send(b) => Some(b),
+                _ => None,
+            }));
+        }
+        sent
+    }
+
+    #[test]
+    fn unsure_positions_get_branches_within_the_budget() {
+        let mut p = pipeline(3, 2);
+        p.set_tree(TreeConfig {
+            side_nodes: 4,
+            branch_len: 2,
+            below: 0.5,
+        });
+        // Unsure at 5 and 6 (second choices 40, 41); each branch continues its choice.
+        let b = draft_tree(&mut p, &[8, 9, 10], &[None, Some(40), Some(41)], |job| {
+            vec![job.first, job.first + 10]
+        });
+        assert_eq!(b.len(), 1);
+        assert_eq!(
+            b[0].side,
+            vec![
+                SideNode {
+                    parent: 1,
+                    token: 40
+                },
+                SideNode {
+                    parent: 3,
+                    token: 50
+                },
+                SideNode {
+                    parent: 2,
+                    token: 41
+                },
+                SideNode {
+                    parent: 5,
+                    token: 51
+                },
+            ]
+        );
+        b[0].check_tree().unwrap();
+        assert_eq!(p.stats().side_nodes, 4);
+        // A branch not asked for is refused.
+        let job = BranchJob {
+            pos: 9,
+            first: 1,
+            len: 2,
+        };
+        assert!(p.on_branch(job, vec![1, 2]).is_err());
+    }
+
+    #[test]
+    fn a_decode_that_a_branch_guessed_keeps_its_block_and_a_verdict_can_end_in_a_branch() {
+        let tree = TreeConfig {
+            side_nodes: 2,
+            branch_len: 2,
+            below: 0.5,
+        };
+        // Block 0: 8 9 10 at 4, with 40 50 beside 9; block 1 after it.
+        let mut p = pipeline(3, 2);
+        p.set_tree(tree);
+        let b = draft_tree(
+            &mut p,
+            &[8, 9, 10, 11, 12, 13],
+            &[None, Some(40), None, None, None, None],
+            |job| vec![job.first, 50],
+        );
+        assert_eq!(b.len(), 2);
+        // The verifier decodes 8 then 40: the branch guessed it, the tail follows the branch,
+        // block 0 stays in flight (the verifier verifies its branch), block 1 is stale.
+        p.on_decoded(Decoded {
+            epoch: 0,
+            pos: 4,
+            token: 8,
+            grant: None,
+        })
+        .unwrap();
+        let out = p
+            .on_decoded(Decoded {
+                epoch: 0,
+                pos: 5,
+                token: 40,
+                grant: None,
+            })
+            .unwrap();
+        assert!(out.contains(&Output::Rollback { to: 5 }), "{out:?}");
+        assert_eq!(p.tokens(), &[1, 2, 3, 7, 8, 40, 50]);
+        assert_eq!((p.epoch(), p.blocks_in_flight()), (1, 1));
+        assert_eq!((p.stats().branch_hits, p.stats().stale_blocks), (1, 1));
+        // Its verdict (of the new epoch) ends on the branch's second node: 50 and a bonus.
+        let v = Verdict {
+            epoch: 1,
+            side_end: Some(1),
+            ..verdict(&b[0], 3, 60)
+        };
+        p.on_verdict(v).unwrap();
+        assert_eq!(p.output(), &[7, 8, 40, 50, 60]);
+        assert_eq!(p.blocks_in_flight(), 0);
+        // The same branch found by the verifier's forward: the verdict alone moves the tail.
+        let mut p = pipeline(3, 2);
+        p.set_tree(tree);
+        let b = draft_tree(&mut p, &[8, 9, 10], &[None, Some(40), None], |job| {
+            vec![job.first, 50]
+        });
+        let v = Verdict {
+            side_end: Some(0),
+            ..verdict(&b[0], 2, 61)
+        };
+        p.on_verdict(v).unwrap();
+        assert_eq!(p.output(), &[7, 8, 40, 61]);
+        assert_eq!(
+            p.epoch(),
+            2,
+            "the diversion and the correction inside the branch"
+        );
+        // A verdict naming a path the block lacks is refused by name.
+        let mut p = pipeline(3, 2);
+        let b = draft(&mut p, &[8, 9, 10]);
+        let v = Verdict {
+            side_end: Some(0),
+            ..verdict(&b[0], 2, 61)
+        };
+        let e = p.on_verdict(v).unwrap_err().to_string();
+        assert!(e.contains("which block 0 does not have"), "{e}");
     }
 
     #[test]

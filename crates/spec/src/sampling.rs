@@ -110,6 +110,24 @@ pub fn distribution(logits: &[f32], p: &SamplingParams) -> Vec<(u32, f32)> {
         .collect()
 }
 
+/// How sure a model is of `chosen` under `p` (its probability, at temperature 1 when greedy) and
+/// its most likely other token: the draft's second choice, for a token tree.
+pub fn second_choice(logits: &[f32], p: &SamplingParams, chosen: u32) -> Option<(u32, f32)> {
+    if p.is_greedy() {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let total: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+        let p_chosen = ((logits.get(chosen as usize)? - max) as f64).exp() / total;
+        let alt = (0..logits.len())
+            .filter(|&i| i != chosen as usize)
+            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]).then(b.cmp(&a)))?;
+        return Some((alt as u32, p_chosen as f32));
+    }
+    let dist = distribution(logits, p);
+    let p_chosen = dist.iter().find(|(t, _)| *t == chosen).map_or(0.0, |d| d.1);
+    let alt = dist.iter().find(|(t, _)| *t != chosen)?.0;
+    Some((alt, p_chosen))
+}
+
 /// Draw from a sparse distribution with the uniform `u`.
 pub fn draw(dist: &[(u32, f32)], u: f64) -> u32 {
     let mut acc = 0.0f64;
@@ -133,6 +151,21 @@ pub fn sample(logits: &[f32], p: &SamplingParams, position: u64) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_second_choice_is_the_likeliest_other_token() {
+        let logits = [0.0, 3.0, 1.0, 2.9];
+        let (alt, p) = second_choice(&logits, &SamplingParams::default(), 1).unwrap();
+        assert_eq!(alt, 3);
+        let e: Vec<f64> = logits.iter().map(|&l| (l as f64 - 3.0).exp()).collect();
+        assert!((p as f64 - 1.0 / e.iter().sum::<f64>()).abs() < 1e-6);
+        assert_eq!(
+            second_choice(&logits, &SamplingParams::default(), 3)
+                .unwrap()
+                .0,
+            1
+        );
+    }
 
     #[test]
     fn draws_are_keyed_by_seed_and_position() {

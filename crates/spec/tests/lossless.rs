@@ -3,15 +3,17 @@
 //! land before, during and after them: stale, partly and wholly agreeing), verdict delivery,
 //! dropped connections, reshapes, lead changes and grants of γ 0 and back: the committed sequence
 //! is exactly the target's greedy continuation, no unverified token is ever committed, no
-//! position is told or committed twice, and the two sides' epochs never drift.
+//! position is told or committed twice, the two sides' epochs never drift, and the target's KV
+//! holds exactly the committed tokens after each forward. Blocks may be token trees (second
+//! choices and branches beside the main path).
 
 use std::collections::VecDeque;
 
 use proptest::prelude::*;
 use tandem_spec::sampling::{uniform, SamplingParams};
 use tandem_spec::{
-    Block, BlockAction, CloudSession, Decoded, Next, Output, Pipeline, PipelineConfig, Shape,
-    Verdict, VerifyRule,
+    Block, BlockAction, CloudSession, Decoded, Feed, Hedge, Next, Output, Pipeline, PipelineConfig,
+    Shape, TreeConfig, Verdict, VerifyRule,
 };
 
 const VOCAB: usize = 8;
@@ -43,6 +45,22 @@ fn draft(seq: &[u32], seed: u64, alpha: f64, salt: u64) -> u32 {
     } else {
         (t + 1 + (salt % 3) as u32) % VOCAB as u32
     }
+}
+
+/// The draft's second choice beside `token`: often the target's token when the draft missed.
+fn hedge(seq: &[u32], token: u32, seed: u64, salt: u64) -> Option<Hedge> {
+    let pos = seq.len();
+    let t = target(*seq.last().unwrap(), pos, seed);
+    let u = uniform(seed ^ 0x4ed9, (pos as u64) << 16 | salt, 5);
+    let alt = if t != token && u < 0.6 {
+        t
+    } else {
+        (token + 1 + (salt % 5) as u32) % VOCAB as u32
+    };
+    (alt != token).then_some(Hedge {
+        alt,
+        p_top: uniform(seed ^ 0x4ed9, (pos as u64) << 16 | salt, 6) as f32,
+    })
 }
 
 fn oracle(prompt: &[u32], max_new: usize, seed: u64) -> Vec<u32> {
@@ -122,16 +140,42 @@ impl Cloud {
         Ok(())
     }
 
-    /// Run `plan` on the emulated target: the logits rows it asks for.
-    fn forward(&mut self, start_pos: usize, tokens: &[u32], at: &[usize]) -> Vec<Vec<f32>> {
-        assert_eq!(self.kv.len(), start_pos, "plan starts at the KV length");
-        self.kv.extend_from_slice(tokens);
-        at.iter()
-            .map(|&i| {
-                let p = start_pos + i;
-                logits_for(target(self.kv[p], p + 1, self.seed))
-            })
+    /// Run `plan` on the emulated target: the logits rows it asks for (each token's from its
+    /// own position: a tree's siblings share one).
+    fn forward(&mut self, plan: &Feed) -> Vec<Vec<f32>> {
+        assert_eq!(
+            self.kv.len(),
+            plan.start_pos,
+            "plan starts at the KV length"
+        );
+        let mut pos: Vec<usize> = Vec::new();
+        for i in 0..plan.tokens.len() {
+            pos.push(match plan.parents.get(i) {
+                Some(&q) if i > 0 => pos[q] + 1,
+                _ => plan.start_pos + i,
+            });
+        }
+        plan.logits_at
+            .iter()
+            .map(|&i| logits_for(target(plan.tokens[i], pos[i] + 1, self.seed)))
             .collect()
+    }
+
+    /// The target's KV after `plan` and its verdict: the fed tokens of the accepted path only.
+    fn keep(&mut self, plan: &Feed, keep: &[usize], kv_len: usize) -> Result<(), TestCaseError> {
+        if plan.is_tree() {
+            self.kv.push(plan.tokens[0]);
+            self.kv.extend(keep.iter().map(|&j| plan.tokens[j]));
+        } else {
+            self.kv.extend_from_slice(&plan.tokens);
+        }
+        self.kv.truncate(kv_len);
+        prop_assert_eq!(
+            &self.kv[..],
+            &self.session.committed()[..kv_len],
+            "the KV holds the committed tokens"
+        );
+        Ok(())
     }
 
     /// One forward of the verifier for this session: the oldest usable block verified, or the
@@ -149,10 +193,13 @@ impl Cloud {
                 }
                 Ok(BlockAction::Forward(plan)) if self.verify => {
                     self.queue.pop_front();
-                    let rows = self.forward(plan.start_pos, &plan.tokens, &plan.logits_at);
+                    let rows = self.forward(&plan);
                     let refs: Vec<&[f32]> = rows.iter().map(|r| &r[..]).collect();
-                    let f = self.session.finish(&b, &refs).expect("rows match the plan");
-                    self.kv.truncate(f.kv_len);
+                    let f = self
+                        .session
+                        .finish(&b, &plan, &refs)
+                        .expect("rows match the plan");
+                    self.keep(&plan, &f.keep, f.kv_len)?;
                     let end = b.start_pos + f.verdict.accepted + 1;
                     prop_assert!(end > self.told, "a verdict re-tells position {}", self.told);
                     self.told = end;
@@ -163,8 +210,9 @@ impl Cloud {
             }
         }
         let plan = self.session.plan_decode().expect("below the context limit");
-        let rows = self.forward(plan.start_pos, &plan.tokens, &plan.logits_at);
+        let rows = self.forward(&plan);
         let mut d = self.session.finish_decode(&rows[0]);
+        self.keep(&plan, &[], self.session.kv_len())?;
         prop_assert_eq!(d.pos, self.told, "each position is told once, in order");
         self.told += 1;
         d.grant = self.grant.take();
@@ -204,12 +252,14 @@ fn step() -> impl Strategy<Value = Step> {
     ]
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run(
     seed: u64,
     alpha: f64,
     gamma: usize,
     depth: usize,
     max_new: usize,
+    tree: TreeConfig,
     schedule: &[Step],
 ) -> Result<(), TestCaseError> {
     let prompt: Vec<u32> = (0..3).map(|i| (seed as u32 + i) % 7).collect();
@@ -222,6 +272,7 @@ fn run(
     let limit = prompt.len() + max_new;
     let (mut cloud, first) = Cloud::open(&prompt, seed, limit);
     let (mut edge, outs) = Pipeline::with_first(prompt.clone(), first, cfg, vec![EOG]).unwrap();
+    edge.set_tree(tree);
     let (mut to_cloud, mut to_edge) = (VecDeque::<Block>::new(), VecDeque::<ToEdge>::new());
     let mut committed: Vec<u32> = Vec::new();
     let mut draft_kv = 0usize;
@@ -282,9 +333,23 @@ fn run(
                 draft_kv = edge.tokens().len(); // the shell feeds everything before drafting
                 salt += 1;
                 let t = draft(edge.tokens(), seed, alpha, salt);
-                let outs = edge.on_drafted(t, None);
+                let h = hedge(edge.tokens(), t, seed, salt);
+                let outs = edge.on_drafted_hedged(t, None, h);
                 prop_assert_eq!(edge.draft_fed() + 1, edge.tokens().len());
                 handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
+                // The branches of a block about to go: the draft continues each second choice.
+                while let Next::Branch(job) = edge.next() {
+                    let mut seq = edge.tokens()[..job.pos].to_vec();
+                    seq.push(job.first);
+                    while seq.len() < job.pos + job.len {
+                        salt += 1;
+                        seq.push(draft(&seq, seed, alpha, salt));
+                    }
+                    let outs = edge
+                        .on_branch(job, seq[job.pos..].to_vec())
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
+                }
             }
             Step::DeliverBlock => {
                 if let Some(b) = to_cloud.pop_front() {
@@ -364,9 +429,15 @@ proptest! {
         gamma in 1usize..8,
         depth in 1usize..5,
         max_new in 1usize..40,
+        tree in prop_oneof![
+            1 => Just(TreeConfig::LINEAR),
+            2 => (1usize..7, 1usize..4, 0.4f32..1.0).prop_map(|(side_nodes, branch_len, below)| {
+                TreeConfig { side_nodes, branch_len, below }
+            }),
+        ],
         schedule in proptest::collection::vec(step(), 0..300),
     ) {
-        run(seed, alpha, gamma, depth, max_new, &schedule)?;
+        run(seed, alpha, gamma, depth, max_new, tree, &schedule)?;
     }
 }
 

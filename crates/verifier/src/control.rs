@@ -263,6 +263,7 @@ mod tests {
             epoch: 0,
             block: tandem_spec::BlockId(0),
             accepted: 2,
+            side_end: None,
             token: 5,
             verify_us: 1000,
             grant: None,

@@ -89,7 +89,8 @@ impl<T: Target, H> VerifierCore<T, H> {
             error: e,
             fatal: false,
         };
-        // Planning a block changes the session only when it is contradicted (the epoch moves):
+        // Planning a block changes the session only when it drops the block (a contradiction, or a
+        // token tree diverted, moves the epoch):
         // a plan to verify, or a refusal, leaves it as it was, so nothing needs putting back.
         while let Some(b) = queue.front() {
             let action = vs.plan_block(b);

@@ -1,7 +1,7 @@
 //! One iteration of the verifier: the scheduler's plan, one ragged forward of the target over it,
 //! and the verdicts and tokens folded from its logits.
 
-use tandem_engine::{EngineError, Logits, SeqChunk, SeqId, Wanted};
+use tandem_engine::{EngineError, Logits, Parent, SeqChunk, SeqId, Wanted};
 use tandem_sched::{SessionId, StepPlan, WorkKind};
 use tandem_spec::sampling::sample;
 use tandem_spec::{CloudSession, Verdict};
@@ -73,12 +73,22 @@ impl<T: Target, H> VerifierCore<T, H> {
                         (c.start, c.len),
                         "invariant: the scheduler's step matches the session's plan"
                     );
-                    SeqChunk::new(
-                        seq,
-                        c.start,
-                        p.tokens.clone(),
-                        Wanted::At(p.logits_at.clone()),
-                    )
+                    let wanted = Wanted::At(p.logits_at.clone());
+                    if p.is_tree() {
+                        // Token 0 continues the sequence; the others hang in the tree.
+                        let parents = p
+                            .parents
+                            .iter()
+                            .enumerate()
+                            .map(|(i, &q)| match i {
+                                0 => Parent::Previous,
+                                _ => Parent::Slot(c.start + q),
+                            })
+                            .collect();
+                        SeqChunk::tree(seq, c.start, p.tokens.clone(), parents, wanted)
+                    } else {
+                        SeqChunk::new(seq, c.start, p.tokens.clone(), wanted)
+                    }
                 }
                 (WorkKind::Verify, Work::Generation { next, .. }) => {
                     let t = next.expect("invariant: a decode step follows the prefill");
@@ -187,10 +197,24 @@ impl<T: Target, H> VerifierCore<T, H> {
                         Planned::Verify { block: b, feed: p } => {
                             let rows: Vec<&[f32]> = logits.for_seq(seq).map(|(_, r)| r).collect();
                             self.stats.blocks_verified += 1;
-                            match vs.finish(&b, &rows) {
+                            match vs.finish(&b, &p, &rows) {
                                 Ok(f) => {
                                     s.history.truncate(p.start_pos);
-                                    s.history.extend_from_slice(&p.tokens);
+                                    s.history.push(p.tokens[0]);
+                                    if p.is_tree() {
+                                        s.history.extend(f.keep.iter().map(|&j| p.tokens[j]));
+                                        let slots: Vec<usize> =
+                                            f.keep.iter().map(|&j| p.start_pos + j).collect();
+                                        // A failed move is a broken invariant of the table, not
+                                        // of the session: the verdict stands on the logits.
+                                        self.engine
+                                            .keep_path(&c.blocks, p.start_pos + 1, &slots)
+                                            .expect(
+                                                "invariant: the path lies in the session's table",
+                                            );
+                                    } else {
+                                        s.history.extend_from_slice(&p.tokens[1..]);
+                                    }
                                     s.history.truncate(f.kv_len);
                                     kv_len.push((id, f.kv_len));
                                     stats.verified_positions += f.judged as u64;

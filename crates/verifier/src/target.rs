@@ -18,6 +18,9 @@ pub trait Target {
         batch: &[SeqChunk],
         tables: &[Vec<u32>],
     ) -> (Result<Logits, EngineError>, u32);
+    /// Keep a token tree's accepted path: the K and V of `table`'s slots `path` move to the
+    /// slots from `len` on (see [`Engine::keep_path_paged`]).
+    fn keep_path(&mut self, table: &[u32], len: usize, path: &[usize]) -> Result<(), EngineError>;
 }
 
 impl Target for Engine {
@@ -42,5 +45,9 @@ impl Target for Engine {
         let t0 = std::time::Instant::now();
         let r = self.forward_paged(batch, tables);
         (r, t0.elapsed().as_micros().min(u32::MAX as u128) as u32)
+    }
+
+    fn keep_path(&mut self, table: &[u32], len: usize, path: &[usize]) -> Result<(), EngineError> {
+        self.keep_path_paged(table, len, path)
     }
 }

@@ -414,6 +414,9 @@ mod tests {
             let l = Logits::one_hot(batch, 16, |_, pos, _| ((pos + 1) % 15 + 1) as u32);
             (Ok(l), 1000)
         }
+        fn keep_path(&mut self, _: &[u32], _: usize, _: &[usize]) -> Result<(), EngineError> {
+            Ok(()) // one-hot logits: no KV to move
+        }
     }
 
     fn core() -> VerifierCore<Flat, u64> {
@@ -554,6 +557,7 @@ mod tests {
                     start_pos: 3,
                     tokens: vec![1],
                     q: vec![],
+                    side: vec![],
                 },
             },
         );

@@ -55,6 +55,7 @@ fn a_failed_verify_puts_the_session_back_and_the_block_verifies_afterwards() {
         start_pos: 4,
         tokens: want[1..4].to_vec(),
         q: vec![],
+        side: vec![],
     };
     assert!(v.draft(SessionId(1), block).is_empty());
     let before = v.session(SessionId(1)).unwrap();

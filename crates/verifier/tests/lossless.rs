@@ -3,7 +3,9 @@
 //! blocks reaching the verifier before, during and after its own decodes (stale, partly and
 //! wholly agreeing), verdicts and decoded tokens reaching the edge late, acks, dropped
 //! connections and reopened sessions, and cloud-only generations opening and closing beside it
-//! so that the grant shrinks, takes the session over (γ 0) and hands it back.
+//! so that the grant shrinks, takes the session over (γ 0) and hands it back. Blocks may be token
+//! trees: the draft's second choices (sometimes the target's token) and branches continuing
+//! them, which the verifier's tokens and decodes divert into.
 //!
 //! Checked at every step: every committed token is the target's greedy token, commits are
 //! contiguous and never repeat a position; the verifier tells each position once (a verdict
@@ -22,7 +24,8 @@ use proptest::prelude::*;
 use tandem_sched::{GrantPolicy, SessionId, TenantId};
 use tandem_spec::sampling::{uniform, SamplingParams};
 use tandem_spec::{
-    Block, BlockId, EdgeSession, Incoming, Next, Output, SessionConfig, Shape, VerifyRule,
+    Block, BlockId, EdgeSession, Hedge, Incoming, Next, Output, SessionConfig, Shape, TreeConfig,
+    VerifyRule,
 };
 use tandem_verifier::{Inbound, Mode, NewSession, ToEdge, VerifierConfig, VerifierCore};
 
@@ -52,6 +55,23 @@ fn draft(seq: &[u32], seed: u64, alpha: f64, salt: u64) -> u32 {
     } else {
         t % (VOCAB as u32 - 1) + 1
     }
+}
+
+/// The draft's second choice beside `token` after `seq`: the target's token half the time when
+/// the draft missed, else another wrong one; its confidence, a draw.
+fn hedge(seq: &[u32], token: u32, seed: u64, salt: u64) -> Option<Hedge> {
+    let p = seq.len() - 1;
+    let t = next(p, seq[p]);
+    let u = uniform(seed, (p as u64) << 20 | salt, 4);
+    let alt = if t != token && u < 0.5 {
+        t
+    } else {
+        (token + 1 + (u * 7.0) as u32) % VOCAB as u32
+    };
+    (alt != token).then_some(Hedge {
+        alt,
+        p_top: uniform(seed, (p as u64) << 20 | salt, 5) as f32,
+    })
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -119,6 +139,10 @@ struct Seen {
     reconnects: usize,
     /// Blocks answered by the verifier's decodes alone.
     covered: usize,
+    /// Verdicts whose accepted path ended in a branch, and committed tokens a branch guessed
+    /// (by a verdict or by a decode).
+    side_verdicts: usize,
+    branch_hits: usize,
 }
 
 impl World {
@@ -150,8 +174,13 @@ impl World {
                     let b = &self.sent[&v.block];
                     let end = b.start_pos + v.accepted + 1;
                     prop_assert!(end > self.told, "a verdict re-tells position {}", self.told);
-                    prop_assert!(v.accepted <= b.tokens.len());
+                    prop_assert!(
+                        b.named_path(v.accepted, v.side_end).is_some(),
+                        "a verdict names a path its block lacks: {:?}",
+                        v
+                    );
                     self.seen.verdicts += 1;
+                    self.seen.side_verdicts += usize::from(v.side_end.is_some());
                     self.seen.rebased += usize::from(b.start_pos < self.told);
                     self.told = end;
                 }
@@ -264,14 +293,25 @@ impl Shell {
     }
 }
 
-fn run(
+#[derive(Debug, Clone, Copy)]
+struct Case {
     seed: u64,
     alpha: f64,
     gamma: usize,
     depth: usize,
     max_new: usize,
-    schedule: &[Step],
-) -> Result<Seen, TestCaseError> {
+    tree: TreeConfig,
+}
+
+fn run(c: Case, schedule: &[Step]) -> Result<Seen, TestCaseError> {
+    let Case {
+        seed,
+        alpha,
+        gamma,
+        depth,
+        max_new,
+        tree,
+    } = c;
     let target = common::OneHot {
         fail: Rc::new(Cell::new(false)),
     };
@@ -299,6 +339,7 @@ fn run(
         max_new_tokens: max_new,
         auto: None,
         granted: Some(grant),
+        tree,
     };
     let (mut edge, outs) = EdgeSession::new(0.0, PROMPT.to_vec(), first, cfg, vec![EOG]).unwrap();
     let mut shell = Shell {
@@ -333,9 +374,25 @@ fn run(
                     shell.draft_kv = p.tokens().to_vec();
                     salt += 1;
                     let t = draft(p.tokens(), seed, alpha, salt);
-                    let outs = edge.on_drafted(now_ms, t, None, 1.0, false);
+                    let h = hedge(p.tokens(), t, seed, salt);
+                    let outs = edge.on_drafted_hedged(now_ms, t, None, h, 1.0, false);
                     shell.handle(outs, &mut w)?;
                     shell.roll_back(&edge)?;
+                    // Branches before the block goes: the draft continues each second choice
+                    // (its KV is as before afterwards).
+                    while let Next::Branch(job) = edge.next() {
+                        let mut seq = edge.pipeline().tokens()[..job.pos].to_vec();
+                        seq.push(job.first);
+                        while seq.len() < job.pos + job.len {
+                            salt += 1;
+                            seq.push(draft(&seq, seed, alpha, salt));
+                        }
+                        let branch = seq[job.pos..].to_vec();
+                        let outs = edge
+                            .on_branch(now_ms, job, branch, job.len - 1, 1.0)
+                            .map_err(|e| TestCaseError::fail(format!("branch refused: {e}")))?;
+                        shell.handle(outs, &mut w)?;
+                    }
                 }
             }
             Step::Up => match w.up.pop_front() {
@@ -427,16 +484,41 @@ fn run(
     prop_assert_eq!(&shell.committed, &shell.want);
     w.seen.reconnects = edge.measured().reconnects;
     w.seen.covered = edge.pipeline().stats().covered_blocks;
+    w.seen.branch_hits = edge.pipeline().stats().branch_hits;
     Ok(w.seen)
 }
 
-fn case() -> impl Strategy<Value = (u64, f64, usize, usize, usize, Vec<Step>)> {
+fn tree() -> impl Strategy<Value = TreeConfig> {
+    prop_oneof![
+        1 => Just(TreeConfig::LINEAR),
+        4 => (1usize..7, 1usize..4, 0.5f32..1.0).prop_map(|(side_nodes, branch_len, below)| {
+            TreeConfig {
+                side_nodes,
+                branch_len,
+                below,
+            }
+        }),
+    ]
+}
+
+fn case() -> impl Strategy<Value = (Case, Vec<Step>)> {
     (
-        0u64..10_000,
-        prop_oneof![Just(0.0), Just(0.6), Just(0.9), Just(1.0), 0.0f64..1.0],
-        1usize..6,
-        1usize..4,
-        1usize..70,
+        (
+            0u64..10_000,
+            prop_oneof![Just(0.0), Just(0.6), Just(0.9), Just(1.0), 0.0f64..1.0],
+            1usize..6,
+            1usize..4,
+            1usize..70,
+            tree(),
+        )
+            .prop_map(|(seed, alpha, gamma, depth, max_new, tree)| Case {
+                seed,
+                alpha,
+                gamma,
+                depth,
+                max_new,
+                tree,
+            }),
         proptest::collection::vec(step(), 0..400),
     )
 }
@@ -445,9 +527,9 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
     #[test]
     fn the_edge_session_and_the_verifier_core_commit_the_targets_tokens(
-        (seed, alpha, gamma, depth, max_new, schedule) in case()
+        (c, schedule) in case()
     ) {
-        run(seed, alpha, gamma, depth, max_new, &schedule)?;
+        run(c, &schedule)?;
     }
 }
 
@@ -459,11 +541,10 @@ fn the_interleavings_reach_every_path() {
     use proptest::test_runner::TestRunner;
     let mut runner = TestRunner::deterministic();
     let cases = 200;
-    let mut with = [0usize; 6];
+    let mut with = [0usize; 8];
     for _ in 0..cases {
-        let (seed, alpha, gamma, depth, max_new, schedule) =
-            case().new_tree(&mut runner).unwrap().current();
-        let s = run(seed, alpha, gamma, depth, max_new, &schedule).unwrap();
+        let (c, schedule) = case().new_tree(&mut runner).unwrap().current();
+        let s = run(c, &schedule).unwrap();
         let took = [
             s.takeovers,
             s.verdicts,
@@ -471,6 +552,8 @@ fn the_interleavings_reach_every_path() {
             s.decoded,
             s.reconnects,
             s.covered,
+            s.side_verdicts,
+            s.branch_hits.saturating_sub(s.side_verdicts),
         ];
         for (n, t) in with.iter_mut().zip(took) {
             *n += usize::from(t > 0);
@@ -483,11 +566,12 @@ fn the_interleavings_reach_every_path() {
         "decodes",
         "reconnects",
         "covered blocks",
+        "verdicts ending in a branch",
+        "decodes diverted into a branch",
     ];
-    for (name, n) in names.iter().zip(with) {
-        assert!(
-            n >= cases / 5,
-            "only {n} of {cases} cases had {name}: {with:?}"
-        );
+    // The tree paths need a tree, a miss and a second choice that hits: rarer by design.
+    let min = [5, 5, 5, 5, 5, 5, 10, 10].map(|d| cases / d);
+    for ((name, n), min) in names.iter().zip(with).zip(min) {
+        assert!(n >= min, "only {n} of {cases} cases had {name}: {with:?}");
     }
 }

@@ -110,6 +110,7 @@ pub fn synthetic_session(
         rule: VerifyRule::Greedy,
         want_draft_len: edge.gamma as u32,
         want_depth: edge.depth as u32,
+        want_side_nodes: 0,
         api_key: None,
     };
     let (mut link, opened) = GrpcLink::connect(rt, url, req)?;
@@ -120,6 +121,7 @@ pub fn synthetic_session(
             max_new_tokens: want.len(),
             auto: None,
             granted: Some(tandem_spec::Shape::new(opened.draft_len, opened.depth)),
+            tree: tandem_spec::TreeConfig::LINEAR,
         },
         rule: VerifyRule::Greedy,
         params: SamplingParams::default(),

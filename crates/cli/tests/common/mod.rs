@@ -196,6 +196,7 @@ pub fn spec_out_as(
                 max_new_tokens: max_new,
                 auto: None,
                 granted: None,
+                tree: tandem_spec::TreeConfig::LINEAR,
             },
             rule,
             params,

@@ -55,6 +55,9 @@ impl Target for OneHot {
             10,
         )
     }
+    fn keep_path(&mut self, _: &[u32], _: usize, _: &[usize]) -> Result<(), EngineError> {
+        Ok(()) // one-hot logits: no KV to move
+    }
 }
 
 /// A verifier core on a [`OneHot`] target, and the switch that makes its forwards fail.
