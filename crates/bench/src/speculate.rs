@@ -24,6 +24,9 @@ pub struct SpecFields {
     pub drafted: usize,
     pub wasted_draft_tokens: usize,
     pub stale_blocks: usize,
+    /// Token trees: side nodes sent, and committed tokens a branch guessed.
+    pub side_nodes: usize,
+    pub branch_hits: usize,
     pub target_forwards: u64,
     pub rounds: usize,
     pub gamma: usize,
@@ -358,6 +361,8 @@ fn finish(
         drafted: s.drafted,
         wasted_draft_tokens: s.wasted_draft_tokens,
         stale_blocks: s.stale_blocks,
+        side_nodes: s.side_nodes,
+        branch_hits: s.branch_hits,
         // Known for the in-process verifier; a shared remote one counts all its tenants'.
         target_forwards: 0,
         rounds: s.verdicts,

@@ -1102,3 +1102,171 @@ fn grpc_generate_is_the_targets_greedy_output() {
     });
     assert_eq!(got, want);
 }
+
+/// Token trees on SmolLM2 through a real gRPC verifier. Hand-made trees (the main path right,
+/// a side branch right, every path wrong): whatever the verifier decoded before the block
+/// landed, every token it commits is the target's, and a verdict names a path of its block. The
+/// edge runtime with trees (greedy, and sample-and-match at temperature 0.9): the output is the
+/// target's own.
+#[test]
+fn token_trees_over_real_grpc_commit_the_targets_tokens() {
+    use tandem_edge::grpc::{GrpcLink, OpenRequest};
+    use tandem_edge::Link;
+    use tandem_spec::{Incoming, SideNode};
+    let (m, tok) = target();
+    let url = grpc_server().clone();
+    let prompt = tok.encode_chat("Name three colours.").unwrap();
+    let want = greedy(&mut engine(m), SeqId(9), &prompt, 16);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let not = |t: u32| (t + 1) % 1000;
+    let w = |i: usize| want[i];
+    let side = |parent, token| SideNode { parent, token };
+    let cases: Vec<(&str, Vec<u32>, Vec<SideNode>)> = vec![
+        (
+            "main path right",
+            want[1..9].to_vec(),
+            vec![side(4, not(w(5))), side(6, not(w(7)))],
+        ),
+        (
+            "side branch right",
+            [&want[1..5], &[not(w(5)), w(6), w(7), w(8)][..]].concat(),
+            vec![
+                side(2, not(w(3))),
+                side(4, w(5)),
+                side(9, w(6)),
+                side(10, w(7)),
+            ],
+        ),
+        (
+            "every path wrong",
+            [&want[1..5], &[not(w(5)), not(w(6))][..]].concat(),
+            vec![side(4, not(not(w(5)))), side(6, w(7))],
+        ),
+    ];
+    let mut side_verdicts = 0;
+    for (name, tokens, side_nodes) in cases {
+        let req = OpenRequest {
+            tokenizer_fingerprint: tok.fingerprint().into(),
+            prompt_ids: prompt.clone(),
+            params: tandem_spec::sampling::SamplingParams::default(),
+            max_tokens: 16,
+            rule: tandem_spec::VerifyRule::Greedy,
+            want_draft_len: 8,
+            want_depth: 2,
+            want_side_nodes: 8,
+            api_key: None,
+        };
+        let (mut link, opened) = GrpcLink::connect(&rt, &url, req).unwrap();
+        assert_eq!((opened.first_token, opened.side_nodes), (w(0), 8));
+        let block = tandem_spec::Block {
+            epoch: 0,
+            index: tandem_spec::BlockId(0),
+            start_pos: prompt.len() + 1,
+            tokens,
+            q: vec![],
+            side: side_nodes,
+        };
+        link.send(block.clone()).unwrap();
+        // Every position the verifier tells, once and in order, is the target's.
+        let mut told = vec![w(0)];
+        while told.len() < 16 {
+            match link.recv(true).unwrap().expect("a message") {
+                Incoming::Decoded(d) => {
+                    assert_eq!(d.pos, prompt.len() + told.len(), "{name}");
+                    told.push(d.token);
+                }
+                Incoming::Verdict(v) => {
+                    let path = block
+                        .named_path(v.accepted, v.side_end)
+                        .unwrap_or_else(|| panic!("{name}: {v:?} names no path of the block"));
+                    let known = prompt.len() + told.len() - block.start_pos;
+                    told.extend(path[known..].iter().map(|&n| block.token(n).unwrap()));
+                    told.push(v.token);
+                    side_verdicts += usize::from(v.side_end.is_some());
+                }
+            }
+        }
+        told.truncate(16);
+        assert_eq!(told, want, "{name}");
+        link.close();
+    }
+    eprintln!("{side_verdicts} verdicts ended in a branch");
+
+    // The edge runtime drafting trees: the target's greedy output, and its own sampling.
+    let cut = want
+        .iter()
+        .position(|&t| tok.is_eog(t))
+        .map_or(want.len(), |i| i + 1);
+    let mut sent = 0;
+    for (g, d, tree) in [
+        (
+            4,
+            2,
+            tandem_spec::TreeConfig {
+                side_nodes: 4,
+                branch_len: 2,
+                below: 0.6,
+            },
+        ),
+        (
+            3,
+            3,
+            tandem_spec::TreeConfig {
+                side_nodes: 6,
+                branch_len: 3,
+                below: 0.8,
+            },
+        ),
+    ] {
+        let out = spec_out_tree(
+            None,
+            &prompt,
+            g,
+            d,
+            0.0,
+            tandem_spec::sampling::SamplingParams::default(),
+            tandem_spec::VerifyRule::Greedy,
+            16,
+            Some(url.clone()),
+            tree,
+        );
+        assert_eq!(out.output_ids, want[..cut], "γ={g} depth={d} {tree:?}");
+        sent += out.spec.as_ref().unwrap().side_nodes;
+    }
+    assert!(
+        sent > 0,
+        "the draft was unsure somewhere: side nodes went out"
+    );
+    let p = tok.encode("Once upon a time").unwrap();
+    let params = tandem_spec::sampling::SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 11,
+    };
+    let own = tandem_bench::generate::generate(&mut engine(m), tok, &p, 16, &params, |_| {})
+        .unwrap()
+        .output_ids;
+    let out = spec_out_tree(
+        None,
+        &p,
+        4,
+        2,
+        0.0,
+        params,
+        tandem_spec::VerifyRule::SampleMatch,
+        16,
+        Some(url),
+        tandem_spec::TreeConfig {
+            side_nodes: 4,
+            branch_len: 2,
+            below: 0.9,
+        },
+    );
+    assert_eq!(out.output_ids, own, "sample-and-match over trees");
+    assert!(out.spec.as_ref().unwrap().side_nodes > 0);
+}

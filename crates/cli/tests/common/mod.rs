@@ -176,6 +176,34 @@ pub fn spec_out_as(
     max_new: usize,
     cloud_url: Option<String>,
 ) -> tandem_bench::generate::GenOutput {
+    spec_out_tree(
+        api_key,
+        prompt,
+        gamma,
+        depth,
+        rtt_ms,
+        params,
+        rule,
+        max_new,
+        cloud_url,
+        tandem_spec::TreeConfig::LINEAR,
+    )
+}
+
+/// [`spec_out_as`] sending token trees shaped by `tree`.
+#[allow(clippy::too_many_arguments)]
+pub fn spec_out_tree(
+    api_key: Option<String>,
+    prompt: &[u32],
+    gamma: usize,
+    depth: usize,
+    rtt_ms: f64,
+    params: tandem_spec::sampling::SamplingParams,
+    rule: tandem_spec::VerifyRule,
+    max_new: usize,
+    cloud_url: Option<String>,
+    tree: tandem_spec::TreeConfig,
+) -> tandem_bench::generate::GenOutput {
     let (draft, tok) = draft();
     let (target, _) = target();
     let one = EngineConfig {
@@ -196,7 +224,7 @@ pub fn spec_out_as(
                 max_new_tokens: max_new,
                 auto: None,
                 granted: None,
-                tree: tandem_spec::TreeConfig::LINEAR,
+                tree,
             },
             rule,
             params,
@@ -210,8 +238,14 @@ pub fn spec_out_as(
     let out = tandem_bench::speculate::run(&run, prompt, |_| {}).unwrap();
     let s = out.spec.as_ref().unwrap();
     eprintln!(
-        "γ={gamma} depth={depth} rtt={rtt_ms}: α={} E[A]={} rounds={} stale={} wasted={}",
-        s.acceptance_rate, s.mean_accepted, s.rounds, s.stale_blocks, s.wasted_draft_tokens
+        "γ={gamma} depth={depth} rtt={rtt_ms}: α={} E[A]={} rounds={} stale={} wasted={} side nodes={} branch hits={}",
+        s.acceptance_rate,
+        s.mean_accepted,
+        s.rounds,
+        s.stale_blocks,
+        s.wasted_draft_tokens,
+        s.side_nodes,
+        s.branch_hits
     );
     out
 }
