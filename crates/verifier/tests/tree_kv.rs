@@ -101,6 +101,9 @@ fn last_logits(m: &Arc<LlamaModel>, seq: &[u32]) -> Vec<f32> {
         .to_vec()
 }
 
+/// A tree case: its name, main path, side nodes, and the verdict's accepted count and side end.
+type Case = (&'static str, Vec<u32>, Vec<SideNode>, usize, Option<u32>);
+
 fn side(parent: u32, token: u32) -> SideNode {
     SideNode { parent, token }
 }
@@ -127,7 +130,7 @@ fn trees_commit_the_targets_tokens_and_keep_only_the_accepted_path() {
         let want = continuation(&m, &prompt, &params, 12);
         let w = |i: usize| want[i];
         // (main path, side nodes, accepted, side_end): the block starts after the first token.
-        let cases: Vec<(&str, Vec<u32>, Vec<SideNode>, usize, Option<u32>)> = vec![
+        let cases: Vec<Case> = vec![
             (
                 "main path right",
                 vec![w(1), w(2), w(3)],
