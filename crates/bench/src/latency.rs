@@ -22,7 +22,9 @@ use tandem_spec::edge::AutoShape;
 use tandem_spec::never_idle;
 use tandem_spec::policy::Costs;
 use tandem_spec::sampling::SamplingParams;
-use tandem_spec::VerifyRule;
+use tandem_spec::{TreeConfig, VerifyRule};
+
+const LINEAR: TreeConfig = TreeConfig::LINEAR;
 
 use crate::cloudproc::{CloudProcess, Link};
 use crate::generate::{generate, generate_remote, GenOutput};
@@ -54,6 +56,10 @@ pub struct LatencyArgs {
     pub max_gamma: usize,
     #[arg(long, default_value_t = 4)]
     pub max_depth: usize,
+    /// Token trees for the async-tree rows: side nodes per block, tokens per branch, and the
+    /// draft confidence below which it branches (`none`: no tree rows).
+    #[arg(long, default_value = "4:2:0.6", value_parser = parse_tree)]
+    pub tree: TreeArg,
     #[arg(skip)]
     pub edge_cpus: CpuSet,
     #[arg(skip)]
@@ -82,6 +88,39 @@ impl LatencyArgs {
     }
 }
 
+/// A `--tree` flag: token trees of this shape, or none.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TreeArg(pub Option<TreeConfig>);
+
+/// `SIDE:LEN:BELOW` (side nodes per block, tokens per branch, confidence threshold), or `none`.
+pub fn parse_tree(s: &str) -> Result<TreeArg, String> {
+    if s == "none" {
+        return Ok(TreeArg(None));
+    }
+    let parts: Vec<&str> = s.split(':').collect();
+    let bad = || format!("`{s}` is not SIDE:LEN:BELOW (e.g. 4:2:0.6) or none");
+    let [n, l, b] = parts[..] else {
+        return Err(bad());
+    };
+    let t = TreeConfig {
+        side_nodes: n.parse().map_err(|_| bad())?,
+        branch_len: l.parse().map_err(|_| bad())?,
+        below: b.parse().map_err(|_| bad())?,
+    };
+    if t.side_nodes == 0 || t.branch_len == 0 || !(t.below > 0.0 && t.below <= 1.0) {
+        return Err(format!(
+            "`{s}`: side nodes and branch length must be at least 1, the threshold in (0, 1]"
+        ));
+    }
+    if t.side_nodes > tandem_spec::tree::MAX_SIDE_NODES {
+        return Err(format!(
+            "`{s}`: at most {} side nodes per block",
+            tandem_spec::tree::MAX_SIDE_NODES
+        ));
+    }
+    Ok(TreeArg(Some(t)))
+}
+
 /// The chat prompts of the one-session sweep when none are given.
 pub fn default_prompts() -> Vec<String> {
     vec![
@@ -108,9 +147,14 @@ pub struct Row {
     pub ttft_ms: f64,
     pub itl_ms: Summary,
     pub acceptance_rate: f64,
+    /// α counting a token tree's branch hits as accepted (= `acceptance_rate` without trees).
+    pub tree_acceptance_rate: f64,
     pub mean_accepted: f64,
     pub wasted_draft_tokens: usize,
     pub drafted: usize,
+    /// Token trees: side nodes sent and committed tokens a branch guessed.
+    pub side_nodes: usize,
+    pub branch_hits: usize,
     pub tokens: usize,
     /// Measured draft forward, verifier forward and round trip (ms; speculative modes).
     pub draft_ms: f64,
@@ -137,6 +181,8 @@ pub struct Verdict {
     pub best_sync_itl_ms: f64,
     pub async_itl_ms: f64,
     pub auto_itl_ms: f64,
+    /// The async-tree row's ITL (0 without one).
+    pub tree_itl_ms: f64,
     /// Async (planned) ITL over the best sync ITL.
     pub async_over_sync: f64,
     pub edge_only_itl_ms: f64,
@@ -274,6 +320,15 @@ fn fold(draft: &str, rtt: f64, mode: Mode, outs: &[GenOutput], want: &[Vec<u32>]
             p99: round2(outs.iter().map(|o| o.itl_ms.p99).fold(0.0, f64::max)),
         },
         acceptance_rate: round2(spec(&|s| s.acceptance_rate)),
+        tree_acceptance_rate: round2(spec(&|s| s.tree_acceptance_rate)),
+        side_nodes: outs
+            .iter()
+            .filter_map(|o| o.spec.as_ref().map(|s| s.side_nodes))
+            .sum(),
+        branch_hits: outs
+            .iter()
+            .filter_map(|o| o.spec.as_ref().map(|s| s.branch_hits))
+            .sum(),
         mean_accepted: round2(spec(&|s| s.mean_accepted)),
         wasted_draft_tokens: outs
             .iter()
@@ -354,6 +409,7 @@ fn spec_runs(
     gamma: usize,
     depth: usize,
     auto: Option<AutoShape>,
+    tree: TreeConfig,
 ) -> Result<Vec<GenOutput>> {
     let edge = EngineConfig {
         threads: a.edge_cpus.len().max(1),
@@ -374,7 +430,7 @@ fn spec_runs(
                 max_new_tokens: a.tokens,
                 auto,
                 granted: None,
-                tree: tandem_spec::TreeConfig::LINEAR,
+                tree,
             },
             rule: VerifyRule::Greedy,
             params: SamplingParams::default(),
@@ -464,7 +520,7 @@ pub fn run(
         for d in drafts {
             let mut sync_rows = Vec::new();
             for &g in &a.sync_gammas {
-                let outs = spec_runs(a, target, d, tok, &url, &prompts, g, 1, None)?;
+                let outs = spec_runs(a, target, d, tok, &url, &prompts, g, 1, None, LINEAR)?;
                 let mut r = fold(&d.name, rtt, Mode::Sync, &outs, &want);
                 predict(&mut r, rtt, decode_ms, prompts.len());
                 sync_rows.push(r.clone());
@@ -490,16 +546,24 @@ pub fn run(
                 a.max_gamma,
                 a.max_depth,
             );
-            let outs = spec_runs(a, target, d, tok, &url, &prompts, gamma, depth, None)?;
+            let outs = spec_runs(
+                a, target, d, tok, &url, &prompts, gamma, depth, None, LINEAR,
+            )?;
             let mut r = fold(&d.name, rtt, Mode::Async, &outs, &want);
             predict(&mut r, rtt, decode_ms, prompts.len());
             emit(r, &mut rows);
+            if let Some(tree) = a.tree.0 {
+                let outs = spec_runs(a, target, d, tok, &url, &prompts, gamma, depth, None, tree)?;
+                let mut r = fold(&d.name, rtt, Mode::AsyncTree, &outs, &want);
+                predict(&mut r, rtt, decode_ms, prompts.len());
+                emit(r, &mut rows);
+            }
             let auto = AutoShape {
                 max_draft_len: a.max_gamma,
                 max_depth: a.max_depth,
                 prior: tandem_spec::edge::default_prior(rtt),
             };
-            let outs = spec_runs(a, target, d, tok, &url, &prompts, 4, 2, Some(auto))?;
+            let outs = spec_runs(a, target, d, tok, &url, &prompts, 4, 2, Some(auto), LINEAR)?;
             let mut r = fold(&d.name, rtt, Mode::AsyncAuto, &outs, &want);
             predict(&mut r, rtt, decode_ms, prompts.len());
             emit(r, &mut rows);
@@ -591,6 +655,7 @@ fn summarize(rows: &[Row], drafts: &[Draft], rtts: &[f64]) -> Vec<Verdict> {
                 best_sync_itl_ms: best.itl_ms.mean,
                 async_itl_ms: asy,
                 auto_itl_ms: itl(Mode::AsyncAuto),
+                tree_itl_ms: itl(Mode::AsyncTree),
                 async_over_sync: round2(asy / best.itl_ms.mean),
                 edge_only_itl_ms: edge,
                 cloud_only_itl_ms: find("-", rtt, Mode::CloudOnly)
@@ -612,8 +677,8 @@ pub fn table(r: &LatencyReport) -> String {
         if r.edge_cpus.is_empty() { "any" } else { &r.edge_cpus },
         if r.cloud_cpus.is_empty() { "any" } else { &r.cloud_cpus },
     );
-    s += "| draft | RTT ms | mode | γ | depth | TTFT ms | ITL mean | p50 | p99 | α | E[A] | wasted drafts | draft ms | edge ms/verdict | model ITL | model err | = target |\n";
-    s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    s += "| draft | RTT ms | mode | γ | depth | TTFT ms | ITL mean | p50 | p99 | α | α with branches | E[A] | side nodes | branch hits | wasted drafts | draft ms | edge ms/verdict | model ITL | model err | = target |\n";
+    s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for x in &r.rows {
         let spec = x.mode != Mode::EdgeOnly && x.mode != Mode::CloudOnly;
         let opt = |v: Option<f64>, pct: bool| match v {
@@ -622,7 +687,7 @@ pub fn table(r: &LatencyReport) -> String {
             None => "-".into(),
         };
         s += &format!(
-            "| {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             x.draft,
             if x.mode == Mode::EdgeOnly { "-".into() } else { format!("{:.0}", x.rtt_ms) },
             x.mode,
@@ -633,7 +698,10 @@ pub fn table(r: &LatencyReport) -> String {
             x.itl_ms.p50,
             x.itl_ms.p99,
             if spec { format!("{:.2}", x.acceptance_rate) } else { "-".into() },
+            if spec { format!("{:.2}", x.tree_acceptance_rate) } else { "-".into() },
             if spec { format!("{:.2}", x.mean_accepted) } else { "-".into() },
+            if spec { x.side_nodes.to_string() } else { "-".into() },
+            if spec { x.branch_hits.to_string() } else { "-".into() },
             if spec { format!("{}/{}", x.wasted_draft_tokens, x.drafted) } else { "-".into() },
             if spec { format!("{:.1}", x.draft_ms) } else { "-".into() },
             if spec { format!("{:.1}", x.verdict_ms) } else { "-".into() },
@@ -642,11 +710,18 @@ pub fn table(r: &LatencyReport) -> String {
             x.same_as_target.map_or("-", |b| if b { "yes" } else { "NO" }),
         );
     }
-    s += "\n| draft | RTT ms | edge-only ITL | cloud-only ITL | best sync ITL (γ) | async ITL | async / best sync | auto ITL |\n";
-    s += "|---|---|---|---|---|---|---|---|\n";
+    s += "\n| draft | RTT ms | edge-only ITL | cloud-only ITL | best sync ITL (γ) | async ITL | async / best sync | auto ITL | tree ITL | async / cloud-only | tree / cloud-only |\n";
+    s += "|---|---|---|---|---|---|---|---|---|---|---|\n";
     for v in &r.summary {
+        let over = |x: f64| {
+            if x > 0.0 && v.cloud_only_itl_ms > 0.0 {
+                format!("{:.2}", x / v.cloud_only_itl_ms)
+            } else {
+                "-".into()
+            }
+        };
         s += &format!(
-            "| {} | {:.0} | {:.1} | {:.1} | {:.1} ({}) | {:.1} | {:.2} | {:.1} |\n",
+            "| {} | {:.0} | {:.1} | {:.1} | {:.1} ({}) | {:.1} | {:.2} | {:.1} | {:.1} | {} | {} |\n",
             v.draft,
             v.rtt_ms,
             v.edge_only_itl_ms,
@@ -655,7 +730,10 @@ pub fn table(r: &LatencyReport) -> String {
             v.best_sync_gamma,
             v.async_itl_ms,
             v.async_over_sync,
-            v.auto_itl_ms
+            v.auto_itl_ms,
+            v.tree_itl_ms,
+            over(v.async_itl_ms),
+            over(v.tree_itl_ms)
         );
     }
     s +=

@@ -66,6 +66,9 @@ pub enum Mode {
     /// (`tandem generate --mode async --auto`).
     #[value(skip)]
     AsyncAuto,
+    /// Pipelined speculation sending token trees (the draft's second choices where unsure).
+    #[value(skip)]
+    AsyncTree,
 }
 
 impl Mode {
@@ -77,6 +80,7 @@ impl Mode {
             Mode::Sync => "sync",
             Mode::Async => "async",
             Mode::AsyncAuto => "async-auto",
+            Mode::AsyncTree => "async-tree",
         }
     }
 

@@ -27,6 +27,8 @@ pub struct SpecFields {
     /// Token trees: side nodes sent, and committed tokens a branch guessed.
     pub side_nodes: usize,
     pub branch_hits: usize,
+    /// α counting a branch's hit as accepted.
+    pub tree_acceptance_rate: f64,
     pub target_forwards: u64,
     pub rounds: usize,
     pub gamma: usize,
@@ -363,6 +365,7 @@ fn finish(
         stale_blocks: s.stale_blocks,
         side_nodes: s.side_nodes,
         branch_hits: s.branch_hits,
+        tree_acceptance_rate: round2(s.tree_acceptance_rate() * 100.0) / 100.0,
         // Known for the in-process verifier; a shared remote one counts all its tenants'.
         target_forwards: 0,
         rounds: s.verdicts,

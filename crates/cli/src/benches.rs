@@ -94,6 +94,9 @@ pub(crate) struct PaperBenchArgs {
     duration: Option<f64>,
     #[arg(long)]
     warmup: Option<f64>,
+    /// Token trees for the async-tree rows (SIDE:LEN:BELOW, or none).
+    #[arg(long, default_value = "4:2:0.6", value_parser = tandem_bench::latency::parse_tree)]
+    tree: tandem_bench::latency::TreeArg,
     #[command(flatten)]
     cores: Cores,
     #[command(flatten)]
@@ -286,6 +289,8 @@ pub(crate) fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()>
         sync_gammas: if q { vec![2] } else { vec![1, 2, 3] },
         max_gamma: 8,
         max_depth: 4,
+        // bench quant compares drafts on linear blocks.
+        tree: tandem_bench::latency::TreeArg(None),
         edge_cpus,
         cloud_cpus,
         peer: None,
@@ -353,6 +358,7 @@ pub(crate) fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()>
         sync_gammas: if q { vec![2] } else { vec![1, 2, 3, 4] },
         max_gamma: 8,
         max_depth: 4,
+        tree: a.tree,
         edge_cpus,
         cloud_cpus,
         peer,

@@ -34,6 +34,10 @@ pub(crate) struct GenerateArgs {
     /// Jitter of the emulated link, ± ms per direction (at most half the RTT).
     #[arg(long, default_value_t = 0.0)]
     jitter_ms: f64,
+    /// Token trees (sync/async): SIDE:LEN:BELOW sends up to SIDE side nodes per block, branches
+    /// of LEN tokens where the draft's confidence is below BELOW (e.g. 4:2:0.6); none: linear.
+    #[arg(long, value_parser = tandem_bench::latency::parse_tree, default_value = "none")]
+    tree: tandem_bench::latency::TreeArg,
     /// How the verifier judges sampled drafts: sample-match or rejection (greedy when temperature is 0).
     #[arg(long, default_value = "sample-match")]
     verify: VerifyRule,
@@ -156,7 +160,8 @@ pub(crate) fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()
                 a.model.clone()
             }
         }
-        Mode::CloudOnly | Mode::AsyncAuto => ModelSpec::Target,
+        // Rows of the benchmarks, not modes of this command (clap never parses them).
+        Mode::CloudOnly | Mode::AsyncAuto | Mode::AsyncTree => ModelSpec::Target,
     };
     let m = models::load(home, &spec, a.weights, a.json)?;
     let ids = if a.chat {
@@ -204,7 +209,7 @@ pub(crate) fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()
                         prior: tandem_spec::edge::default_prior(a.rtt_ms),
                     }),
                     granted: None,
-                    tree: tandem_spec::TreeConfig::LINEAR,
+                    tree: a.tree.0.unwrap_or(tandem_spec::TreeConfig::LINEAR),
                 },
                 rule: a.verify,
                 params,

@@ -256,7 +256,8 @@ pub struct PipelineStats {
     pub rejections: usize,
     /// Tokens the cloud supplied (corrections and bonus tokens that were not drafted).
     pub cloud_tokens: usize,
-    /// Committed tokens that a token tree's branch guessed (after the main path missed).
+    /// Committed tokens that a token tree's branch guessed where the main path missed (each
+    /// also counts as a rejection of the main path's token).
     pub branch_hits: usize,
     /// Side nodes sent.
     pub side_nodes: usize,
@@ -284,6 +285,16 @@ impl PipelineStats {
             0.0
         } else {
             self.accepted as f64 / judged as f64
+        }
+    }
+    /// α counting a branch's hit as an accepted guess: the share of judged positions where the
+    /// block had the target's token on some path.
+    pub fn tree_acceptance_rate(&self) -> f64 {
+        let judged = self.accepted + self.rejections;
+        if judged == 0 {
+            0.0
+        } else {
+            (self.accepted + self.branch_hits) as f64 / judged as f64
         }
     }
     /// Mean tokens committed per verdict (its verified run plus the cloud's token), E[A].
@@ -739,7 +750,9 @@ impl Pipeline {
             self.stats.accepted += 1;
             self.sent = self.sent.max(pos + 1);
         } else if let Some((keep, branch)) = self.divert(pos, token) {
-            // A branch of the block in flight here guessed it: the tail follows the branch.
+            // A branch of the block in flight here guessed it: the tail follows the branch. The
+            // main path's token was wrong (a rejection), the branch's right (a hit).
+            self.stats.rejections += 1;
             self.stats.branch_hits += 1;
             self.epoch += 1;
             self.drop_in_flight(keep);
