@@ -60,6 +60,11 @@ pub struct LatencyArgs {
     /// draft confidence below which it branches (`none`: no tree rows).
     #[arg(long, default_value = "4:2:0.6", value_parser = parse_tree)]
     pub tree: TreeArg,
+    /// Sampling temperatures to measure the verify rules at (top-k 40, top-p 0.95, one seed):
+    /// at each RTT, cloud-only sampled, and async by sample-and-match, by rejection sampling
+    /// and by sample-and-match over trees. None: greedy rows only.
+    #[arg(long, value_delimiter = ',')]
+    pub temperatures: Vec<f32>,
     #[arg(skip)]
     pub edge_cpus: CpuSet,
     #[arg(skip)]
@@ -142,6 +147,9 @@ pub struct Row {
     pub draft: String,
     pub rtt_ms: f64,
     pub mode: Mode,
+    /// Sampling temperature (0: greedy) and the verify rule of a speculative row.
+    pub temperature: f32,
+    pub rule: String,
     pub gamma: usize,
     pub depth: usize,
     pub ttft_ms: f64,
@@ -311,6 +319,8 @@ fn fold(draft: &str, rtt: f64, mode: Mode, outs: &[GenOutput], want: &[Vec<u32>]
         draft: draft.to_string(),
         rtt_ms: rtt,
         mode,
+        temperature: 0.0,
+        rule: first.map_or("-".into(), |s| s.verify_rule.clone()),
         gamma: first.map_or(0, |s| s.gamma),
         depth: first.map_or(0, |s| s.depth),
         ttft_ms: round2(mean(&|o| o.ttft_ms)),
@@ -411,6 +421,33 @@ fn spec_runs(
     auto: Option<AutoShape>,
     tree: TreeConfig,
 ) -> Result<Vec<GenOutput>> {
+    sampled_runs(
+        a,
+        (target, d, tok, url, prompts),
+        (gamma, depth, auto, tree),
+        VerifyRule::Greedy,
+        SamplingParams::default(),
+    )
+}
+
+/// Who and what a run speaks to: the target, the draft, the tokenizer, the verifier's URL and
+/// the prompts.
+type Party<'a> = (
+    &'a Arc<LlamaModel>,
+    &'a Draft,
+    &'a Tokenizer,
+    &'a str,
+    &'a [Vec<u32>],
+);
+
+/// [`spec_runs`] under a verify rule and sampling parameters: (γ, depth, policy, tree).
+fn sampled_runs(
+    a: &LatencyArgs,
+    (target, d, tok, url, prompts): Party<'_>,
+    (gamma, depth, auto, tree): (usize, usize, Option<AutoShape>, TreeConfig),
+    rule: VerifyRule,
+    params: SamplingParams,
+) -> Result<Vec<GenOutput>> {
     let edge = EngineConfig {
         threads: a.edge_cpus.len().max(1),
         cpus: a.edge_cpus,
@@ -432,8 +469,8 @@ fn spec_runs(
                 granted: None,
                 tree,
             },
-            rule: VerifyRule::Greedy,
-            params: SamplingParams::default(),
+            rule,
+            params,
             q_top_k: 32,
         },
         rtt_ms: 0.0,
@@ -568,6 +605,64 @@ pub fn run(
             predict(&mut r, rtt, decode_ms, prompts.len());
             emit(r, &mut rows);
         }
+        // Sampling: cloud-only at each temperature, then each rule at async's shape. Only
+        // sample-and-match reproduces the target's own draws token for token (checked);
+        // rejection sampling matches their distribution (tested in the suite, not here).
+        for &t in &a.temperatures {
+            let params = SamplingParams {
+                temperature: t,
+                top_k: 40,
+                top_p: 0.95,
+                seed: 7,
+            };
+            let outs = prompts
+                .iter()
+                .map(|p| generate_remote(&url, None, tok, p, a.tokens, &params, |_| {}))
+                .collect::<Result<Vec<_>>>()?;
+            let own: Vec<Vec<u32>> = outs.iter().map(|o| o.output_ids.clone()).collect();
+            let mut r = fold("-", rtt, Mode::CloudOnly, &outs, &own);
+            r.temperature = t;
+            emit(r, &mut rows);
+            for d in drafts {
+                let Some(shape) = rows
+                    .iter()
+                    .find(|r| r.draft == d.name && r.rtt_ms == rtt && r.mode == Mode::Async)
+                    .map(|r| (r.gamma, r.depth))
+                else {
+                    continue;
+                };
+                let party = (target, d, tok, url.as_str(), &prompts[..]);
+                let cases = [
+                    (Mode::Async, VerifyRule::SampleMatch, LINEAR),
+                    (Mode::Async, VerifyRule::Rejection, LINEAR),
+                ]
+                .into_iter()
+                .chain(
+                    a.tree
+                        .0
+                        .map(|tr| (Mode::AsyncTree, VerifyRule::SampleMatch, tr)),
+                );
+                for (mode, rule, tree) in cases {
+                    let outs =
+                        sampled_runs(a, party, (shape.0, shape.1, None, tree), rule, params)?;
+                    let check: &[Vec<u32>] = if rule == VerifyRule::SampleMatch {
+                        &own
+                    } else {
+                        &[]
+                    };
+                    let mut r = fold(&d.name, rtt, mode, &outs, check);
+                    r.temperature = t;
+                    let decode_ms = rows
+                        .iter()
+                        .find(|x| {
+                            x.mode == Mode::CloudOnly && x.rtt_ms == rtt && x.temperature == t
+                        })
+                        .map_or(0.0, |x| x.itl_ms.mean);
+                    predict(&mut r, rtt, decode_ms, prompts.len());
+                    emit(r, &mut rows);
+                }
+            }
+        }
     }
     drop(link);
     drop(cloud);
@@ -628,7 +723,7 @@ fn summarize(rows: &[Row], drafts: &[Draft], rtts: &[f64]) -> Vec<Verdict> {
     let mut out = Vec::new();
     let find = |d: &str, rtt: f64, mode: Mode| {
         rows.iter()
-            .filter(|r| r.draft == d && r.rtt_ms == rtt && r.mode == mode)
+            .filter(|r| r.draft == d && r.rtt_ms == rtt && r.mode == mode && r.temperature == 0.0)
             .collect::<Vec<_>>()
     };
     for d in drafts {
@@ -677,8 +772,8 @@ pub fn table(r: &LatencyReport) -> String {
         if r.edge_cpus.is_empty() { "any" } else { &r.edge_cpus },
         if r.cloud_cpus.is_empty() { "any" } else { &r.cloud_cpus },
     );
-    s += "| draft | RTT ms | mode | γ | depth | TTFT ms | ITL mean | p50 | p99 | α | α with branches | E[A] | side nodes | branch hits | wasted drafts | draft ms | edge ms/verdict | model ITL | model err | = target |\n";
-    s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    s += "| draft | RTT ms | mode | T | rule | γ | depth | TTFT ms | ITL mean | p50 | p99 | α | α with branches | E[A] | side nodes | branch hits | wasted drafts | draft ms | edge ms/verdict | model ITL | model err | = target |\n";
+    s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for x in &r.rows {
         let spec = x.mode != Mode::EdgeOnly && x.mode != Mode::CloudOnly;
         let opt = |v: Option<f64>, pct: bool| match v {
@@ -687,10 +782,12 @@ pub fn table(r: &LatencyReport) -> String {
             None => "-".into(),
         };
         s += &format!(
-            "| {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             x.draft,
             if x.mode == Mode::EdgeOnly { "-".into() } else { format!("{:.0}", x.rtt_ms) },
             x.mode,
+            x.temperature,
+            if spec { x.rule.as_str() } else { "-" },
             if spec { x.gamma.to_string() } else { "-".into() },
             if spec { x.depth.to_string() } else { "-".into() },
             x.ttft_ms,

@@ -82,7 +82,7 @@ pub(crate) struct PaperBenchArgs {
     /// Draft schemes (groups of 32) (default w4a16,w8a16; quick: w4a16). The first one's α and
     /// speed drive the synthetic edges of the load sweep.
     #[arg(long, value_delimiter = ',')]
-    drafts: Option<Vec<Scheme>>,
+    drafts: Option<Vec<DraftChoice>>,
     /// Jitter per direction, as a percentage of the RTT.
     #[arg(long, default_value_t = 10.0)]
     jitter_pct: f64,
@@ -120,9 +120,10 @@ pub(crate) struct LoadBenchArgs {
 pub(crate) struct LatencyBenchArgs {
     #[command(flatten)]
     latency: tandem_bench::latency::LatencyArgs,
-    /// Drafts: quantization schemes of the target (w4a16, w8a16, w3a16, w2a16), groups of 32.
+    /// Drafts: quantization schemes of the target (w4a16, w8a16, w3a16, w2a16), groups of 32,
+    /// rounded to nearest or, with `-gptq` (e.g. w4a16-gptq), calibrated by GPTQ.
     #[arg(long, value_delimiter = ',', default_value = "w4a16,w8a16")]
-    drafts: Vec<Scheme>,
+    drafts: Vec<DraftChoice>,
     #[command(flatten)]
     cores: Cores,
     #[command(flatten)]
@@ -186,7 +187,11 @@ pub(crate) fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()
 pub(crate) fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
     use tandem_bench::load;
     let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
-    let drafts: Vec<_> = drafts_of(home, &[Scheme::W4A16, Scheme::W8A16], a.report.json)?
+    let two = [
+        DraftChoice::rtn(Scheme::W4A16),
+        DraftChoice::rtn(Scheme::W8A16),
+    ];
+    let drafts: Vec<_> = drafts_of(home, &two, a.report.json)?
         .into_iter()
         .map(|d| (d.name, d.model))
         .collect();
@@ -223,22 +228,58 @@ pub(crate) fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
     report(&r, a.report.out.as_deref(), a.report.json, load::table)
 }
 
+/// A draft a benchmark runs: a quantization scheme of the target and how its weights were put
+/// on the grid (`w4a16`, `w4a16-gptq`, ...).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DraftChoice {
+    scheme: Scheme,
+    method: Method,
+}
+
+impl DraftChoice {
+    const fn rtn(scheme: Scheme) -> Self {
+        Self {
+            scheme,
+            method: Method::Rtn,
+        }
+    }
+}
+
+impl std::str::FromStr for DraftChoice {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let (scheme, method) = match s.strip_suffix("-gptq") {
+            Some(scheme) => (scheme, Method::Gptq),
+            None => (s, Method::Rtn),
+        };
+        Ok(Self {
+            scheme: scheme.parse()?,
+            method,
+        })
+    }
+}
+
 /// The drafts made from the target by these schemes (groups of 32), made on first use.
 pub(crate) fn drafts_of(
     home: &std::path::Path,
-    schemes: &[Scheme],
+    choices: &[DraftChoice],
     quiet: bool,
 ) -> Result<Vec<tandem_bench::latency::Draft>> {
-    schemes
+    choices
         .iter()
-        .map(|scheme| {
+        .map(|c| {
             let cfg = QuantConfig {
-                scheme: *scheme,
+                scheme: c.scheme,
+                method: c.method,
                 ..QuantConfig::default()
             };
             cfg.validate()?;
             let path = models::ensure_quantized(home, &cfg, quiet)?;
-            tandem_bench::latency::load_draft(&format!("{}-g32", scheme.name()), &path)
+            let name = match c.method {
+                Method::Rtn => format!("{}-g32", c.scheme.name()),
+                m => format!("{}-g32-{}", c.scheme.name(), m.name()),
+            };
+            tandem_bench::latency::load_draft(&name, &path)
         })
         .collect()
 }
@@ -291,6 +332,7 @@ pub(crate) fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()>
         max_depth: 4,
         // bench quant compares drafts on linear blocks.
         tree: tandem_bench::latency::TreeArg(None),
+        temperatures: Vec::new(),
         edge_cpus,
         cloud_cpus,
         peer: None,
@@ -328,9 +370,12 @@ pub(crate) fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()>
     let q = a.quick;
     let target = models::load(home, &ModelSpec::Target, None, a.json)?;
     let schemes = a.drafts.clone().unwrap_or(if q {
-        vec![Scheme::W4A16]
+        vec![DraftChoice::rtn(Scheme::W4A16)]
     } else {
-        vec![Scheme::W4A16, Scheme::W8A16]
+        vec![
+            DraftChoice::rtn(Scheme::W4A16),
+            DraftChoice::rtn(Scheme::W8A16),
+        ]
     });
     let drafts = drafts_of(home, &schemes, a.json)?;
     let (edge_cpus, cloud_cpus) = a.cores.split();
@@ -359,6 +404,7 @@ pub(crate) fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()>
         max_gamma: 8,
         max_depth: 4,
         tree: a.tree,
+        temperatures: Vec::new(),
         edge_cpus,
         cloud_cpus,
         peer,

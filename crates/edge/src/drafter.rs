@@ -75,13 +75,11 @@ impl EngineDrafter<'_> {
                 let p = SamplingParams::default();
                 (sample(row, &p, pos), None, p)
             }
-            VerifyRule::SampleMatch => {
-                let dp = SamplingParams {
-                    seed: self.params.seed ^ 0xed6e,
-                    ..self.params
-                };
-                (sample(row, &dp, pos), None, dp)
-            }
+            // The target draws its token at `pos` by inverse CDF on one uniform keyed by (seed,
+            // pos); the draft draws from its own distribution on the same uniform, so wherever
+            // the two distributions are close it draws the same token (coupled draws). The
+            // target's draw does not depend on the draft's: lossless either way.
+            VerifyRule::SampleMatch => (sample(row, &self.params, pos), None, self.params),
             VerifyRule::Rejection => {
                 let (t, q) = draft_sample(row, &self.params, pos, self.q_top_k);
                 // Token trees are not verified by rejection sampling: no second choice.
