@@ -226,9 +226,21 @@ pub fn ensure_quantized(home: &Path, cfg: &QuantConfig, quiet: bool) -> Result<P
     Ok(out)
 }
 
-/// The default draft (W4A16, groups of 32), made from the target on first use.
+/// The default draft's quantization: W4A16, groups of 32, by GPTQ (with act-order). Measured
+/// against round-to-nearest of the same file size (`tandem bench quant --drafts
+/// w4a16-g32,w4a16-g32-gptq --no-e2e --alpha-tokens 96`): perplexity 1.10× the target's against
+/// 1.20×, greedy α 0.84 against 0.74, the same decode speed; making it takes about two minutes
+/// on two cores, once.
+pub fn default_draft() -> QuantConfig {
+    QuantConfig {
+        method: tandem_quant::Method::Gptq,
+        ..QuantConfig::default()
+    }
+}
+
+/// The default draft ([`default_draft`]), made from the target on first use.
 pub fn ensure_draft(home: &Path, quiet: bool) -> Result<PathBuf> {
-    ensure_quantized(home, &QuantConfig::default(), quiet)
+    ensure_quantized(home, &default_draft(), quiet)
 }
 
 /// The target as an f32 GGUF (embedding included), for llama.cpp to run beside Tandem.

@@ -47,6 +47,11 @@ pub struct GptqConfig {
     pub block: usize,
     /// Feed each column's rounding error forward (off: plain rounding, for comparison).
     pub feedback: bool,
+    /// Quantize the columns in order of decreasing Hessian diagonal (GPTQ's "act-order"): the
+    /// inputs with the most energy first, while the most columns are left to absorb their error.
+    /// A group's scale is still one per 32 consecutive columns of the file, fixed when the first
+    /// of its columns is reached.
+    pub act_order: bool,
 }
 
 impl Default for GptqConfig {
@@ -57,6 +62,7 @@ impl Default for GptqConfig {
             damp: 0.1,
             block: 128,
             feedback: true,
+            act_order: true,
         }
     }
 }
@@ -183,21 +189,39 @@ pub fn quantize(
     for i in 0..cols {
         h[(i, i)] += damp;
     }
+    // The order columns are quantized in: `order[k]` is the file's column quantized k-th; the
+    // weights and the Hessian are permuted to it, and `at[c]` is where file column `c` went.
+    let mut order: Vec<usize> = (0..cols).collect();
+    if cfg.act_order {
+        order.sort_by(|&a, &b| h[(b, b)].total_cmp(&h[(a, a)]).then(a.cmp(&b)));
+    }
+    let mut at = vec![0; cols];
+    for (k, &c) in order.iter().enumerate() {
+        at[c] = k;
+    }
+    let h = DMatrix::from_fn(cols, cols, |i, j| h[(order[i], order[j])]);
+    let mut wm = DMatrix::from_fn(rows, cols, |r, k| wm[(r, order[k])]);
     let u = upper_factor_of_inverse(h)?;
 
     let groups = cols.div_ceil(group);
     let mut scales = vec![f16::ZERO; rows * groups];
+    let mut scaled = vec![false; groups];
     let mut levels = vec![0f32; rows * cols];
     let block = cfg.block.max(1);
     for i1 in (0..cols).step_by(block) {
         let i2 = (i1 + block).min(cols);
         let mut err = DMatrix::<f64>::zeros(rows, i2 - i1);
         for i in i1..i2 {
-            let g = i / group;
-            if i % group == 0 {
-                let end = (i + group).min(cols);
+            let c = order[i];
+            let g = c / group;
+            if !scaled[g] {
+                // The group's first column reached: its scale from the group as corrected so far.
+                scaled[g] = true;
+                let members: Vec<usize> = (g * group..((g + 1) * group).min(cols))
+                    .map(|m| at[m])
+                    .collect();
                 for r in 0..rows {
-                    scales[r * groups + g] = grid.scale((i..end).map(|j| wm[(r, j)] as f32));
+                    scales[r * groups + g] = grid.scale(members.iter().map(|&k| wm[(r, k)] as f32));
                 }
             }
             let uii = u[(i, i)];
@@ -206,7 +230,7 @@ pub fn quantize(
                 let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
                 let x = wm[(r, i)];
                 let q = grid.level(x as f32, inv);
-                levels[r * cols + i] = q;
+                levels[r * cols + c] = q;
                 err[(r, i - i1)] = (x - (q * d) as f64) / uii;
             }
             if cfg.feedback {
