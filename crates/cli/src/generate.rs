@@ -38,9 +38,11 @@ pub(crate) struct GenerateArgs {
     /// of LEN tokens where the draft's confidence is below BELOW (e.g. 4:2:0.6); none: linear.
     #[arg(long, value_parser = tandem_bench::latency::parse_tree, default_value = "none")]
     tree: tandem_bench::latency::TreeArg,
-    /// How the verifier judges sampled drafts: sample-match or rejection (greedy when temperature is 0).
-    #[arg(long, default_value = "sample-match")]
-    verify: VerifyRule,
+    /// How the verifier judges sampled drafts: sample-match, rejection, or auto (greedy when
+    /// temperature is 0). auto: rejection sampling, which commits more (docs/RESULTS.md), or
+    /// sample-and-match with --tree (trees are not verified by rejection sampling).
+    #[arg(long, default_value = "auto")]
+    verify: RuleChoice,
     /// Threads of the verifier's engine (sync/async).
     #[arg(long, default_value_t = 1)]
     cloud_threads: usize,
@@ -211,7 +213,7 @@ pub(crate) fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()
                     granted: None,
                     tree: a.tree.0.unwrap_or(tandem_spec::TreeConfig::LINEAR),
                 },
-                rule: a.verify,
+                rule: a.verify.rule(a.tree.0.is_some()),
                 params,
                 q_top_k: 32,
             },
@@ -476,4 +478,35 @@ pub(crate) fn cmd_info(home: &std::path::Path, a: InfoArgs) -> Result<()> {
     });
     println!("{}", serde_json::to_string_pretty(&info)?);
     Ok(())
+}
+
+/// `--verify`: a verify rule, or the one that commits more for this run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RuleChoice {
+    Auto,
+    Rule(VerifyRule),
+}
+
+impl RuleChoice {
+    /// The rule to verify sampled drafts with: rejection sampling, unless the blocks are trees.
+    pub(crate) fn rule(self, trees: bool) -> VerifyRule {
+        match self {
+            RuleChoice::Rule(r) => r,
+            RuleChoice::Auto if trees => VerifyRule::SampleMatch,
+            RuleChoice::Auto => VerifyRule::Rejection,
+        }
+    }
+}
+
+impl std::str::FromStr for RuleChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(RuleChoice::Auto),
+            s => s
+                .parse()
+                .map(RuleChoice::Rule)
+                .map_err(|e: String| format!("{e}, or auto")),
+        }
+    }
 }

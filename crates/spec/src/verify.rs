@@ -56,11 +56,12 @@ impl VerifyRule {
     }
 }
 
-/// Stream ids of the counter-based draws, so that no two uses of one position share a draw.
+/// Stream ids of the counter-based draws. The target's draw and the draft's share one (coupled
+/// draws: each on its own distribution); acceptance and the residual have their own, so that a
+/// rejection-sampling verdict is independent of the draft's token given its distribution.
 pub const STREAM_TARGET: u64 = 0;
 pub const STREAM_ACCEPT: u64 = 1;
 pub const STREAM_RESIDUAL: u64 = 2;
-pub const STREAM_DRAFT: u64 = 3;
 
 /// The target's own token at `pos` (bonus or pending prediction): argmax, or a draw from `p`.
 pub fn target_token(logits: &[f32], params: &SamplingParams, pos: u64) -> u32 {
@@ -127,7 +128,10 @@ pub fn rejection_step(
 }
 
 /// The edge's draw from its draft distribution: `q` is the renormalised top-k (after temperature)
-/// that goes on the wire, `d` a draw from it keyed by (seed, position).
+/// that goes on the wire, `d` a draw from it on the uniform the target's own draw at `pos` uses
+/// (coupled: where the verifier decodes the position itself, the draft's token agrees with it as
+/// often as the two distributions allow). Rejection sampling stays exact: `d` is a draw from `q`,
+/// independent of the acceptance and residual uniforms (other streams).
 pub fn draft_sample(
     logits: &[f32],
     params: &SamplingParams,
@@ -144,7 +148,7 @@ pub fn draft_sample(
         ..*params
     };
     let q = distribution(logits, &p);
-    let d = draw(&q, uniform(params.seed ^ 0x5eed_d2af, pos, STREAM_DRAFT));
+    let d = draw(&q, uniform(params.seed, pos, STREAM_TARGET));
     (d, q)
 }
 
