@@ -137,6 +137,9 @@ pub struct QuantRow {
     pub best_sync_itl_ms: Option<f64>,
     /// Every speculative output equal to the target's.
     pub same_as_target: Option<bool>,
+    /// The teacher-forced guesses by the draft's confidence: how often its argmax, and its top
+    /// two, held the target's token.
+    pub confidence: Vec<tandem_quant::eval::Bucket>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -257,10 +260,15 @@ pub fn run(
         let (d, file_mb, scheme_mb) = load_variant(&a.home, v, &a.skip_layers, a.quiet)?;
         log(&format!("{}: perplexity, α, decode speed", d.name));
         let ppl = perplexity(&d.model, corpus, a.window, a.edge_cpus)?;
-        let hits = pairs
+        let guesses = pairs
             .iter()
-            .map(|(p, w)| tandem_quant::eval::teacher_forced_hits(&d.model, p, w))
+            .map(|(p, w)| tandem_quant::eval::teacher_forced_guesses(&d.model, p, w))
             .collect::<Result<Vec<_>, _>>()?;
+        let hits: Vec<Vec<bool>> = guesses
+            .iter()
+            .map(|g| g.iter().map(|x| x.first).collect())
+            .collect();
+        let confidence = tandem_quant::eval::by_confidence(&guesses.concat());
         // Decode speed on the edge's core, the verifier not yet started: best of two runs.
         let mut speed = 0f64;
         let mut e = Engine::new(
@@ -298,6 +306,7 @@ pub fn run(
             mean_accepted: round2(mean_accepted(&hits, a.gamma)),
             mean_accepted_model: round2(tandem_spec::policy::expected_accepted(alpha, a.gamma)),
             draft_tok_s: round2(speed),
+            confidence,
             async_itl_ms: None,
             async_shape: None,
             best_sync_itl_ms: None,
@@ -390,6 +399,24 @@ pub fn table(r: &QuantReport) -> String {
             opt(x.best_sync_itl_ms),
             x.same_as_target.map_or("-", |b| if b { "yes" } else { "NO" }),
         ));
+    }
+    s += "\nBy the draft's confidence (its top-1 probability), teacher-forced: positions, and the share where its argmax / its top two held the target's token:\n\n| draft |";
+    let buckets = tandem_quant::eval::CONFIDENCE_BUCKETS;
+    for (lo, hi) in buckets {
+        s += &format!(" p {lo:.1}–{:.1} |", hi.min(1.0));
+    }
+    s += "\n|---|";
+    s += &"---|".repeat(buckets.len());
+    s += "\n";
+    for x in &r.rows {
+        s += &format!("| {} |", x.draft);
+        for b in &x.confidence {
+            s += &format!(
+                " {}: {:.2} / {:.2} |",
+                b.positions, b.first, b.first_or_second
+            );
+        }
+        s += "\n";
     }
     s
 }

@@ -112,6 +112,29 @@ pub fn teacher_forced_hits(
     prompt: &[u32],
     want: &[u32],
 ) -> Result<Vec<bool>> {
+    Ok(teacher_forced_guesses(draft, prompt, want)?
+        .iter()
+        .map(|g| g.first)
+        .collect())
+}
+
+/// What the draft guessed at one position of the target's continuation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Guess {
+    /// Its argmax is the target's token.
+    pub first: bool,
+    /// Its second choice is.
+    pub second: bool,
+    /// Its probability of its argmax (softmax at temperature 1): its confidence.
+    pub p_top: f32,
+}
+
+/// [`teacher_forced_hits`] with the draft's second choice and confidence at each position.
+pub fn teacher_forced_guesses(
+    draft: &Arc<LlamaModel>,
+    prompt: &[u32],
+    want: &[u32],
+) -> Result<Vec<Guess>> {
     if want.is_empty() {
         return Ok(Vec::new());
     }
@@ -120,16 +143,84 @@ pub fn teacher_forced_hits(
     tokens.extend_from_slice(&want[..want.len() - 1]);
     let at: Vec<usize> = (prompt.len() - 1..tokens.len()).collect();
     let l = e.forward(&[SeqChunk::new(SeqId(1), 0, tokens, Wanted::At(at))])?;
+    let greedy = tandem_spec::sampling::SamplingParams::default();
     Ok(want
         .iter()
         .enumerate()
-        .map(|(i, &w)| tandem_spec::sampling::argmax(l.row(i)) == w)
+        .map(|(i, &w)| {
+            let row = l.row(i);
+            let top = tandem_spec::sampling::argmax(row);
+            let (alt, p_top) =
+                tandem_spec::sampling::second_choice(row, &greedy, top).unwrap_or((top, 1.0));
+            Guess {
+                first: top == w,
+                second: alt == w && top != w,
+                p_top,
+            }
+        })
         .collect())
+}
+
+/// The confidence buckets a draft's guesses are told by: `[lower, upper)` of its top-1 probability.
+pub const CONFIDENCE_BUCKETS: [(f32, f32); 5] =
+    [(0.0, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 1.01)];
+
+/// Per confidence bucket: positions, the share the draft's argmax got right, and the share its
+/// top two did.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Bucket {
+    pub lower: f32,
+    pub upper: f32,
+    pub positions: usize,
+    pub first: f64,
+    pub first_or_second: f64,
+}
+
+/// [`Bucket`]s of `guesses`.
+pub fn by_confidence(guesses: &[Guess]) -> Vec<Bucket> {
+    CONFIDENCE_BUCKETS
+        .iter()
+        .map(|&(lower, upper)| {
+            let g: Vec<&Guess> = guesses
+                .iter()
+                .filter(|g| g.p_top >= lower && g.p_top < upper)
+                .collect();
+            let n = g.len().max(1) as f64;
+            Bucket {
+                lower,
+                upper: upper.min(1.0),
+                positions: g.len(),
+                first: g.iter().filter(|g| g.first).count() as f64 / n,
+                first_or_second: g.iter().filter(|g| g.first || g.second).count() as f64 / n,
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn guesses_fall_into_their_confidence_buckets() {
+        let g = |first, second, p_top| Guess {
+            first,
+            second,
+            p_top,
+        };
+        let b = by_confidence(&[
+            g(true, false, 0.95),
+            g(false, true, 0.2),
+            g(false, false, 0.25),
+            g(true, false, 1.0),
+        ]);
+        assert_eq!(
+            (b[0].positions, b[0].first, b[0].first_or_second),
+            (2, 0.0, 0.5)
+        );
+        assert_eq!((b[4].positions, b[4].first), (2, 1.0));
+        assert_eq!(b[2].positions, 0);
+    }
 
     #[test]
     fn mean_accepted_counts_runs_up_to_gamma_plus_the_targets_token() {
