@@ -1147,20 +1147,25 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
             vec![side(4, not(not(w(5)))), side(6, w(7))],
         ),
     ];
+    // A tree is granted only as many side nodes as fit one forward with γ and the committed
+    // token (the test server: a budget of 64 tokens, γ up to 8).
+    let greedy_open = |want_side_nodes| OpenRequest {
+        tokenizer_fingerprint: tok.fingerprint().into(),
+        prompt_ids: prompt.clone(),
+        params: tandem_spec::sampling::SamplingParams::default(),
+        max_tokens: 16,
+        rule: tandem_spec::VerifyRule::Greedy,
+        want_draft_len: 8,
+        want_depth: 2,
+        want_side_nodes,
+        api_key: None,
+    };
+    let (link, opened) = GrpcLink::connect(&rt, &url, greedy_open(1000)).unwrap();
+    assert_eq!(opened.side_nodes, 64 - 8 - 1);
+    link.close();
     let mut side_verdicts = 0;
     for (name, tokens, side_nodes) in cases {
-        let req = OpenRequest {
-            tokenizer_fingerprint: tok.fingerprint().into(),
-            prompt_ids: prompt.clone(),
-            params: tandem_spec::sampling::SamplingParams::default(),
-            max_tokens: 16,
-            rule: tandem_spec::VerifyRule::Greedy,
-            want_draft_len: 8,
-            want_depth: 2,
-            want_side_nodes: 8,
-            api_key: None,
-        };
-        let (mut link, opened) = GrpcLink::connect(&rt, &url, req).unwrap();
+        let (mut link, opened) = GrpcLink::connect(&rt, &url, greedy_open(8)).unwrap();
         assert_eq!((opened.first_token, opened.side_nodes), (w(0), 8));
         let block = tandem_spec::Block {
             epoch: 0,

@@ -35,6 +35,9 @@ pub struct ServiceInfo {
     pub eog: Vec<u32>,
     pub max_draft_len: u32,
     pub max_depth: u32,
+    /// Side nodes a token tree may carry per block ([`start`] keeps a whole tree within the
+    /// forward's token budget: a tree that exceeded it could never be verified).
+    pub max_side_nodes: u32,
     /// Tokens per forward at which the target is saturated: sessions get smaller grants as the
     /// load nears it ([`GrantPolicy`]), told with their next verdict.
     pub saturation_tokens: f64,
@@ -68,6 +71,7 @@ impl ServiceInfo {
             eog: tokenizer.eog_ids(),
             max_draft_len: max_draft_len.max(1),
             max_depth: max_depth.max(1),
+            max_side_nodes: tandem_spec::tree::MAX_SIDE_NODES as u32,
             saturation_tokens: DEFAULT_SATURATION_TOKENS,
             forward_cost: None,
             adapt: true,
@@ -244,9 +248,7 @@ impl VerifierRpc for Service {
         let depth = o.want_depth.clamp(1, self.info.max_depth);
         // Token trees: the side nodes a block may carry (their positions count in the forward's
         // token budget like any other).
-        let side_nodes = o
-            .want_side_nodes
-            .min(tandem_spec::tree::MAX_SIDE_NODES as u32);
+        let side_nodes = o.want_side_nodes.min(self.info.max_side_nodes);
         let session = SessionId(self.next_session.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = unbounded_channel();
         let out = tx.clone();
@@ -459,7 +461,7 @@ impl VerifierRpc for Service {
 pub fn start(
     engine: tandem_engine::Engine,
     cfg: tandem_verifier::VerifierConfig,
-    info: ServiceInfo,
+    mut info: ServiceInfo,
     tenants: Tenants,
 ) -> Result<
     (
@@ -479,6 +481,9 @@ pub fn start(
             }
         }
     };
+    // A block's forward feeds the last committed token, γ tokens and the side nodes.
+    let room = (cfg.token_budget as u32).saturating_sub(info.max_draft_len + 1);
+    info.max_side_nodes = info.max_side_nodes.min(room);
     let mut core = VerifierCore::new(engine, cfg)?.with_grants(grants, 0);
     for (id, cfg) in tenants.configs() {
         core.set_tenant(id, cfg)?;
