@@ -254,6 +254,18 @@ impl EdgeSession {
     ) -> Result<Vec<Output>, SpecError> {
         self.cap = sizes(grant);
         self.granted_drafting = grant.draft_len > 0;
+        // A grant below the one at Open means a loaded verifier, where every verified position
+        // costs it what a decoded one does: side nodes go first, before γ does, and come back
+        // with the full grant.
+        let full = self
+            .cfg
+            .granted
+            .is_none_or(|g| grant.draft_len >= g.draft_len && grant.depth >= g.depth);
+        self.p.set_tree(if full {
+            self.cfg.tree
+        } else {
+            TreeConfig::LINEAR
+        });
         let mut out = self
             .p
             .set_drafting(self.granted_drafting && self.paused_until.is_none());
@@ -599,6 +611,37 @@ mod tests {
         s.on_edge_work(2.0);
         s.on_edge_work(5.0);
         assert_eq!(s.measured().verdict_ms, 7.0);
+    }
+
+    #[test]
+    fn a_shrinking_grant_drops_the_trees_first_and_the_full_grant_brings_them_back() {
+        let tree = TreeConfig {
+            side_nodes: 4,
+            branch_len: 1,
+            below: 0.5,
+        };
+        let cfg = SessionConfig {
+            draft_len: 4,
+            depth: 2,
+            max_new_tokens: 40,
+            auto: None,
+            granted: Some(Shape::new(4, 2)),
+            tree,
+        };
+        let (mut s, _) = EdgeSession::new(0.0, vec![1, 2, 3], 7, cfg, vec![]).unwrap();
+        assert_eq!(s.pipeline().tree(), tree);
+        let decoded = |s: &EdgeSession, grant| Decoded {
+            epoch: s.pipeline().epoch(),
+            pos: s.pipeline().committed_len(),
+            token: 9,
+            grant: Some(grant),
+        };
+        let d = decoded(&s, Shape::new(2, 1));
+        s.on_message(10.0, Incoming::Decoded(d)).unwrap();
+        assert_eq!(s.pipeline().tree(), TreeConfig::LINEAR);
+        let d = decoded(&s, Shape::new(4, 2));
+        s.on_message(20.0, Incoming::Decoded(d)).unwrap();
+        assert_eq!(s.pipeline().tree(), tree);
     }
 
     #[test]
