@@ -76,7 +76,11 @@ impl SeqChunk {
             let slot = self.start_pos + i;
             pos.push(match self.parents.get(i) {
                 None | Some(Parent::Previous) => slot,
-                Some(&Parent::Slot(q)) if q >= self.start_pos => pos[q - self.start_pos] + 1,
+                Some(&Parent::Slot(q)) if q >= self.start_pos && q < slot => {
+                    pos[q - self.start_pos] + 1
+                }
+                // Not a parent the engine accepts; counted as the slot before.
+                Some(&Parent::Slot(q)) if q >= slot => slot,
                 Some(&Parent::Slot(q)) => q + 1,
             });
         }

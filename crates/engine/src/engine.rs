@@ -167,11 +167,7 @@ impl Engine {
             }
             let expect = match &want {
                 Some(w) => w.child(s),
-                None => NodeCtx {
-                    pos: 0,
-                    linear: 0,
-                    extra: vec![s],
-                },
+                None => NodeCtx::first(s),
             };
             if ctx_of(s) != expect {
                 return Err(bad(format!(

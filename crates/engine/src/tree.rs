@@ -59,6 +59,17 @@ impl NodeCtx {
         }
     }
 
+    /// A node at `slot` whose parent is before the sequence's first slot (position 0).
+    pub fn first(slot: usize) -> Self {
+        let mut c = Self {
+            pos: 0,
+            linear: 0,
+            extra: vec![slot],
+        };
+        c.normalize();
+        c
+    }
+
     /// Fold tail slots that continue the linear run into it: the same context, one form.
     fn normalize(&mut self) {
         let run = self
@@ -103,5 +114,7 @@ mod tests {
                 .collect::<Vec<_>>(),
             vec![0, 1, 2, 3, 4, 6, 7]
         );
+        assert_eq!(NodeCtx::first(0), NodeCtx::linear(0));
+        assert_eq!(NodeCtx::first(3).extra, vec![3]);
     }
 }

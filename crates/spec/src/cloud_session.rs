@@ -217,6 +217,17 @@ impl CloudSession {
                 self.max_len
             )));
         }
+        // Every node of a tree takes a KV slot of its own (siblings share a position, not a
+        // slot): the forward that verifies it ends at most this far.
+        if b.is_tree() && b.start_pos + b.tokens.len() + b.side.len() > self.max_len {
+            return Err(SpecError::InvalidBlock(format!(
+                "block {}: its {} nodes from position {} need KV slots beyond the context limit {}",
+                b.index,
+                b.tokens.len() + b.side.len(),
+                b.start_pos,
+                self.max_len
+            )));
+        }
         Ok(())
     }
 
@@ -320,18 +331,19 @@ impl CloudSession {
             return Ok(BlockAction::Covered);
         }
         self.room()?;
-        // Depth first from `at`: every parent before its children.
+        // Depth first from `at`, expected children first: every parent before its children,
+        // and the expected path in consecutive slots (kept as it lies when it is accepted).
         let mut tokens = vec![self.committed[c - 1]];
         let mut parents = vec![0];
         let mut nodes = vec![at];
-        let mut stack: Vec<(Node, usize)> = vec![(at, 0)];
-        while let Some((n, i)) = stack.pop() {
-            for k in b.children(n).into_iter().rev() {
-                stack.push((k, tokens.len()));
-                tokens.push(b.token(k).expect("invariant: a child has a token"));
-                parents.push(i);
-                nodes.push(k);
-            }
+        let mut stack: Vec<(Node, usize)> =
+            b.children(at).into_iter().rev().map(|k| (k, 0)).collect();
+        while let Some((n, parent)) = stack.pop() {
+            let i = tokens.len();
+            tokens.push(b.token(n).expect("invariant: a child has a token"));
+            parents.push(parent);
+            nodes.push(n);
+            stack.extend(b.children(n).into_iter().rev().map(|k| (k, i)));
         }
         let logits_at = (0..tokens.len()).collect();
         Ok(BlockAction::Forward(Feed {
@@ -814,6 +826,28 @@ mod tests {
         };
         let e = short.check(&deep).unwrap_err().to_string();
         assert!(e.contains("reaches position 6"), "{e}");
+        // Siblings share a position but not a KV slot: a tree whose positions fit but whose
+        // nodes need slots past the limit is refused too (it could never be fed).
+        let wide = CloudSession::new(
+            VerifyRule::Greedy,
+            SamplingParams::default(),
+            &[1, 2, 3],
+            7,
+            8,
+        );
+        let mut bushy = block(0, 0, 4, &[8, 9]);
+        bushy.side = (0..3)
+            .map(|i| crate::tree::SideNode {
+                parent: 0,
+                token: 20 + i,
+            })
+            .collect();
+        assert_eq!(bushy.start_pos + bushy.reach(), 6, "positions fit");
+        let e = wide.check(&bushy).unwrap_err().to_string();
+        assert!(
+            e.contains("need KV slots beyond the context limit 8"),
+            "{e}"
+        );
         s.check(&tree_block()).unwrap();
     }
 

@@ -480,8 +480,11 @@ impl Pipeline {
         let pos = points
             .into_iter()
             .find(|p| !self.branches.contains_key(p))?;
-        // A branch stops at the token limit; a one-token branch is the second choice alone.
-        let len = len.min(self.limit() - pos);
+        // A branch stops at the token limit, and its nodes, drafted in KV slots after the fed
+        // tokens, within it; a one-token branch is the second choice alone.
+        let len = len
+            .min(self.limit() - pos)
+            .min((self.limit() + 1).saturating_sub(self.draft_fed));
         if len <= 1 {
             return None;
         }
@@ -631,6 +634,8 @@ impl Pipeline {
         }
         let (points, _) = self.branch_points(n);
         let tokens = self.tokens[self.sent..self.sent + n].to_vec();
+        // Every node takes a KV slot on the verifier: the tree's nodes stay within the limit.
+        let mut room = self.limit().saturating_sub(self.sent + n);
         let q_from = self.sent - self.committed.min(self.sent);
         let q: Vec<SparseDist> = self.q.iter().skip(q_from).take(n).cloned().collect();
         let mut side = Vec::new();
@@ -639,6 +644,10 @@ impl Pipeline {
                 .branches
                 .get(&p)
                 .map_or_else(|| vec![self.hedges[&p].alt], |c| c.clone());
+            if chain.len() > room {
+                break;
+            }
+            room -= chain.len();
             for (i, &token) in chain.iter().enumerate() {
                 let parent = if i == 0 {
                     (p - self.sent) as u32

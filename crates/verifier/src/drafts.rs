@@ -122,8 +122,8 @@ impl<T: Target, H> VerifierCore<T, H> {
                     // (dropping the block would leave the two sides' epochs apart).
                     let refused = if feed.tokens.len() > budget {
                         Err(VerifierError::Invalid(format!(
-                            "draft.tokens: a block of {} tokens exceeds the verifier's token budget {budget}",
-                            b.tokens.len()
+                            "draft.tokens: a block of {} tokens to feed exceeds the verifier's token budget {budget}",
+                            feed.tokens.len()
                         )))
                     } else if upgrade {
                         self.sched
