@@ -478,7 +478,7 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
             edge: one,
             spec: tandem_edge::SpecConfig {
                 session: tandem_spec::edge::SessionConfig {
-                    draft_len: 8,
+                    draft_len: 1,
                     depth,
                     max_new_tokens: n,
                     auto: Some(tandem_spec::edge::AutoShape {
@@ -509,8 +509,9 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
         // busy machine adds is measured by `bench latency`).
         assert!(mm.net_ms >= rtt * 0.95, "{mm:?}");
         assert!(mm.final_depth <= depth && mm.final_draft_len <= 8, "{mm:?}");
-        // Starting at γ = 8 with an α ≈ 0.7 draft, it shortens the blocks.
-        assert!(mm.reshapes >= 1 && mm.final_draft_len < 8, "{mm:?}");
+        // Starting at γ = 1 with the default draft (right about 85% of the time), it lengthens
+        // the blocks.
+        assert!(mm.reshapes >= 1 && mm.final_draft_len > 1, "{mm:?}");
     }
 }
 
