@@ -310,6 +310,7 @@ fn a_hostile_tenant_cannot_touch_or_disturb_another() {
             VerifyRule::Greedy,
             max_new,
             Some(url_a),
+            tandem_spec::TreeConfig::LINEAR,
         )
         .output_ids
     });

@@ -627,15 +627,10 @@ fn grants_shrink_under_load_and_grow_back() {
     // decode for them (a decode would be load at a saturation of one token per forward).
     let connect = |rt: &tokio::runtime::Runtime, max_tokens: u32| {
         let req = tandem_edge::grpc::OpenRequest {
-            tokenizer_fingerprint: tok.fingerprint().to_string(),
-            prompt_ids: p.clone(),
-            params: tandem_spec::sampling::SamplingParams::default(),
             max_tokens,
-            rule: tandem_spec::VerifyRule::Greedy,
             want_draft_len: 8,
             want_depth: 4,
-            want_side_nodes: 0,
-            api_key: None,
+            ..greedy_open(tok.fingerprint(), &p)
         };
         tandem_edge::grpc::GrpcLink::connect(rt, &url, req).unwrap()
     };
@@ -922,7 +917,7 @@ fn speculation_over_real_grpc_is_lossless() {
 
 #[test]
 fn grpc_refuses_bad_sessions_and_drafts_by_name() {
-    use tandem_edge::grpc::{GrpcLink, OpenRequest};
+    use tandem_edge::grpc::GrpcLink;
     use tandem_edge::Link;
     let (_, tok) = target();
     let url = grpc_server().clone();
@@ -931,17 +926,7 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
         .enable_all()
         .build()
         .unwrap();
-    let open = |fp: &str, ids: Vec<u32>| OpenRequest {
-        tokenizer_fingerprint: fp.into(),
-        prompt_ids: ids,
-        params: tandem_spec::sampling::SamplingParams::default(),
-        max_tokens: 16,
-        rule: tandem_spec::VerifyRule::Greedy,
-        want_draft_len: 4,
-        want_depth: 2,
-        want_side_nodes: 0,
-        api_key: None,
-    };
+    let open = |fp: &str, ids: Vec<u32>| greedy_open(fp, &ids);
     let prompt = tok.encode("The capital of France is").unwrap();
     let err = GrpcLink::connect(&rt, &url, open("0123", prompt.clone()))
         .err()
@@ -1150,23 +1135,17 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
     ];
     // A tree is granted only as many side nodes as fit one forward with γ and the committed
     // token (the test server: a budget of 64 tokens, γ up to 8).
-    let greedy_open = |want_side_nodes| OpenRequest {
-        tokenizer_fingerprint: tok.fingerprint().into(),
-        prompt_ids: prompt.clone(),
-        params: tandem_spec::sampling::SamplingParams::default(),
-        max_tokens: 16,
-        rule: tandem_spec::VerifyRule::Greedy,
+    let tree_open = |want_side_nodes| OpenRequest {
         want_draft_len: 8,
-        want_depth: 2,
         want_side_nodes,
-        api_key: None,
+        ..greedy_open(tok.fingerprint(), &prompt)
     };
-    let (link, opened) = GrpcLink::connect(&rt, &url, greedy_open(1000)).unwrap();
+    let (link, opened) = GrpcLink::connect(&rt, &url, tree_open(1000)).unwrap();
     assert_eq!(opened.side_nodes, 64 - 8 - 1);
     link.close();
     let mut side_verdicts = 0;
     for (name, tokens, side_nodes) in cases {
-        let (mut link, opened) = GrpcLink::connect(&rt, &url, greedy_open(8)).unwrap();
+        let (mut link, opened) = GrpcLink::connect(&rt, &url, tree_open(8)).unwrap();
         assert_eq!((opened.first_token, opened.side_nodes), (w(0), 8));
         let block = tandem_spec::Block {
             epoch: 0,
@@ -1228,7 +1207,7 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
             },
         ),
     ] {
-        let out = spec_out_tree(
+        let out = spec_out_as(
             None,
             &prompt,
             g,
@@ -1257,7 +1236,7 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
     let own = tandem_bench::generate::generate(&mut engine(m), tok, &p, 16, &params, |_| {})
         .unwrap()
         .output_ids;
-    let out = spec_out_tree(
+    let out = spec_out_as(
         None,
         &p,
         4,

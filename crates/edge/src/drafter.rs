@@ -48,6 +48,9 @@ pub struct EngineDrafter<'a> {
     rule: VerifyRule,
     params: SamplingParams,
     q_top_k: usize,
+    /// The session sends token trees: each draw also names the draft's second choice (a pass
+    /// over the vocabulary, skipped without trees).
+    hedges: bool,
 }
 
 impl<'a> EngineDrafter<'a> {
@@ -62,6 +65,7 @@ impl<'a> EngineDrafter<'a> {
             rule: cfg.rule.effective(&cfg.params),
             params: cfg.params,
             q_top_k: cfg.q_top_k,
+            hedges: cfg.session.tree.side_nodes > 0,
         }
     }
 }
@@ -91,7 +95,11 @@ impl EngineDrafter<'_> {
                 };
             }
         };
-        let hedge = second_choice(row, &params, token).map(|(alt, p_top)| Hedge { alt, p_top });
+        let hedge = self
+            .hedges
+            .then(|| second_choice(row, &params, token))
+            .flatten()
+            .map(|(alt, p_top)| Hedge { alt, p_top });
         Proposal {
             token,
             q,

@@ -240,14 +240,11 @@ impl Engine {
             .iter()
             .map(|s| (s.seq, s.start_pos + s.tokens.len()))
             .collect();
-        let ctx: Vec<NodeCtx> = batch
-            .iter()
-            .map(|s| {
-                let tail = self.tails.get(&s.seq).map_or(&[][..], |t| t.as_slice());
-                contexts(s, tail)
-            })
-            .collect::<Result<Vec<_>>>()?
-            .concat();
+        let mut ctx = Vec::with_capacity(plan.iter().map(|p| p.1).sum());
+        for s in batch {
+            let tail = self.tails.get(&s.seq).map_or(&[][..], |t| t.as_slice());
+            contexts(s, tail, &mut ctx)?;
+        }
         self.kv.tables.grow(&plan)?;
         let tables: Vec<Vec<u32>> = batch
             .iter()
@@ -313,11 +310,10 @@ impl Engine {
             }
         }
         // A scheduler's sequences are linear between forwards: a tree lives in one chunk.
-        let ctx: Vec<NodeCtx> = batch
-            .iter()
-            .map(|s| contexts(s, &[]))
-            .collect::<Result<Vec<_>>>()?
-            .concat();
+        let mut ctx = Vec::with_capacity(batch.iter().map(|s| s.tokens.len()).sum());
+        for s in batch {
+            contexts(s, &[], &mut ctx)?;
+        }
         self.run(batch, tables, &ctx, None)
     }
 
@@ -399,11 +395,11 @@ impl Engine {
 }
 
 /// Each token's position and context in `chunk`, whose sequence ends in `tail` (tree nodes in
-/// its last `tail.len()` slots before the chunk).
-fn contexts(chunk: &SeqChunk, tail: &[NodeCtx]) -> Result<Vec<NodeCtx>> {
+/// its last `tail.len()` slots before the chunk), appended to `all` (the batch's so far).
+fn contexts(chunk: &SeqChunk, tail: &[NodeCtx], all: &mut Vec<NodeCtx>) -> Result<()> {
     let start = chunk.start_pos;
     let base = start - tail.len();
-    let mut out: Vec<NodeCtx> = Vec::with_capacity(chunk.tokens.len());
+    let first = all.len();
     let mut tree = !tail.is_empty();
     for i in 0..chunk.tokens.len() {
         let slot = start + i;
@@ -423,7 +419,7 @@ fn contexts(chunk: &SeqChunk, tail: &[NodeCtx]) -> Result<Vec<NodeCtx>> {
             }
             Parent::Slot(q) => {
                 let parent = if q >= start {
-                    out[q - start].clone()
+                    all[first + q - start].clone()
                 } else if q >= base {
                     tail[q - base].clone()
                 } else {
@@ -433,9 +429,9 @@ fn contexts(chunk: &SeqChunk, tail: &[NodeCtx]) -> Result<Vec<NodeCtx>> {
             }
         };
         tree |= c != NodeCtx::linear(slot);
-        out.push(c);
+        all.push(c);
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Move the K and V of `table`'s slots `path[i]` to slot `len + i`, every layer (ascending slots

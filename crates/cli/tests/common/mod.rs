@@ -93,6 +93,22 @@ where
     addr_rx.recv().unwrap()
 }
 
+/// A greedy session's Open over `prompt`: 16 tokens, γ 4, depth 2, linear blocks, no API key
+/// (tests change what they need with `..`).
+pub fn greedy_open(fingerprint: &str, prompt: &[u32]) -> tandem_edge::grpc::OpenRequest {
+    tandem_edge::grpc::OpenRequest {
+        tokenizer_fingerprint: fingerprint.to_string(),
+        prompt_ids: prompt.to_vec(),
+        params: tandem_spec::sampling::SamplingParams::default(),
+        max_tokens: 16,
+        rule: tandem_spec::VerifyRule::Greedy,
+        want_draft_len: 4,
+        want_depth: 2,
+        want_side_nodes: 0,
+        api_key: None,
+    }
+}
+
 /// A verifier with these tenants, scheduler settings and KV cache size; with `pace`, it measures
 /// its forward cost first and takes slow speculation sessions over on their own.
 pub fn grpc_server_with(
@@ -159,25 +175,7 @@ pub fn spec_out(
     cloud_url: Option<String>,
 ) -> tandem_bench::generate::GenOutput {
     spec_out_as(
-        None, prompt, gamma, depth, rtt_ms, params, rule, max_new, cloud_url,
-    )
-}
-
-/// [`spec_out`] as the tenant whose API key is `api_key`.
-#[allow(clippy::too_many_arguments)]
-pub fn spec_out_as(
-    api_key: Option<String>,
-    prompt: &[u32],
-    gamma: usize,
-    depth: usize,
-    rtt_ms: f64,
-    params: tandem_spec::sampling::SamplingParams,
-    rule: tandem_spec::VerifyRule,
-    max_new: usize,
-    cloud_url: Option<String>,
-) -> tandem_bench::generate::GenOutput {
-    spec_out_tree(
-        api_key,
+        None,
         prompt,
         gamma,
         depth,
@@ -190,9 +188,10 @@ pub fn spec_out_as(
     )
 }
 
-/// [`spec_out_as`] sending token trees shaped by `tree`.
+/// [`spec_out`] as the tenant whose API key is `api_key` (None: no key), sending token trees
+/// shaped by `tree`.
 #[allow(clippy::too_many_arguments)]
-pub fn spec_out_tree(
+pub fn spec_out_as(
     api_key: Option<String>,
     prompt: &[u32],
     gamma: usize,
