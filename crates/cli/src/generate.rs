@@ -39,8 +39,8 @@ pub(crate) struct GenerateArgs {
     #[arg(long, value_parser = tandem_bench::latency::parse_tree, default_value = "none")]
     tree: tandem_bench::latency::TreeArg,
     /// How the verifier judges sampled drafts: sample-match, rejection, or auto (greedy when
-    /// temperature is 0). auto: rejection sampling, which commits more (docs/RESULTS.md), or
-    /// sample-and-match with --tree (trees are not verified by rejection sampling).
+    /// temperature is 0). auto: rejection sampling, which commits more, on linear blocks and
+    /// over trees (docs/RESULTS.md).
     #[arg(long, default_value = "auto")]
     verify: RuleChoice,
     /// Threads of the verifier's engine (sync/async).
@@ -213,7 +213,7 @@ pub(crate) fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()
                     granted: None,
                     tree: a.tree.0.unwrap_or(tandem_spec::TreeConfig::LINEAR),
                 },
-                rule: a.verify.rule(a.tree.0.is_some()),
+                rule: a.verify.rule(),
                 params,
                 q_top_k: 32,
             },
@@ -488,11 +488,10 @@ pub(crate) enum RuleChoice {
 }
 
 impl RuleChoice {
-    /// The rule to verify sampled drafts with: rejection sampling, unless the blocks are trees.
-    pub(crate) fn rule(self, trees: bool) -> VerifyRule {
+    /// The rule to verify sampled drafts with: rejection sampling unless one was named.
+    pub(crate) fn rule(self) -> VerifyRule {
         match self {
             RuleChoice::Rule(r) => r,
-            RuleChoice::Auto if trees => VerifyRule::SampleMatch,
             RuleChoice::Auto => VerifyRule::Rejection,
         }
     }

@@ -566,6 +566,8 @@ fn every_rule_stays_the_targets_through_netem_at_0_50_and_150_ms() {
             depth: 2,
             seed: 3,
             vocab: m.cfg.vocab as u32,
+            tree: tandem_spec::TreeConfig::LINEAR,
+            cover: 0.0,
         };
         let out = tandem_bench::load::synthetic_session(&rt, &url, tok, &p, &want, wrong).unwrap();
         assert_eq!(out.output_ids, want, "an always-wrong draft at {rtt} ms");
@@ -1245,7 +1247,7 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
         params,
         tandem_spec::VerifyRule::SampleMatch,
         16,
-        Some(url),
+        Some(url.clone()),
         tandem_spec::TreeConfig {
             side_nodes: 4,
             branch_len: 2,
@@ -1254,4 +1256,31 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
     );
     assert_eq!(out.output_ids, own, "sample-and-match over trees");
     assert!(out.spec.as_ref().unwrap().side_nodes > 0);
+    // Rejection sampling over trees goes through too (its distribution is tested on the tiny
+    // models, crates/edge/tests/distribution.rs): the verifier judges the main tokens with their
+    // q and the second draws beside them on what the main token left.
+    let tree = tandem_spec::TreeConfig {
+        side_nodes: 4,
+        branch_len: 2,
+        below: 0.9,
+    };
+    let out = spec_out_as(
+        None,
+        &p,
+        4,
+        2,
+        0.0,
+        params,
+        tandem_spec::VerifyRule::Rejection,
+        16,
+        Some(url),
+        tree,
+    );
+    let stats = out.spec.as_ref().unwrap();
+    assert!(stats.side_nodes > 0, "{stats:?}");
+    assert!(
+        out.output_ids.len() == 16 || out.output_ids.last().is_some_and(|&t| tok.is_eog(t)),
+        "{:?}",
+        out.output_ids
+    );
 }

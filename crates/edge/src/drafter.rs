@@ -3,7 +3,7 @@
 
 use tandem_engine::{Engine, Parent, SeqChunk, SeqId, Wanted};
 use tandem_spec::sampling::{sample, second_choice, SamplingParams};
-use tandem_spec::verify::{draft_sample, VerifyRule};
+use tandem_spec::verify::{draft_sample, draft_sibling, VerifyRule};
 use tandem_spec::{BranchJob, Hedge};
 
 use crate::{EdgeError, SpecConfig};
@@ -86,12 +86,20 @@ impl EngineDrafter<'_> {
             VerifyRule::SampleMatch => (sample(row, &self.params, pos), None, self.params),
             VerifyRule::Rejection => {
                 let (t, q) = draft_sample(row, &self.params, pos, self.q_top_k);
-                // Token trees are not verified by rejection sampling: no second choice.
+                // The second guess: a second draw from q, without the first (see
+                // `draft_sibling`), and how likely the drawn token was.
+                let hedge = self
+                    .hedges
+                    .then(|| {
+                        let p_top = q.iter().find(|e| e.0 == t).map_or(0.0, |e| e.1);
+                        draft_sibling(&q, t, self.params.seed, pos).map(|alt| Hedge { alt, p_top })
+                    })
+                    .flatten();
                 return Proposal {
                     token: t,
                     q: Some(q),
                     prefill: false,
-                    hedge: None,
+                    hedge,
                 };
             }
         };
@@ -146,7 +154,14 @@ impl Drafter for EngineDrafter<'_> {
                     vec![Parent::Slot(parent)],
                     Wanted::Last,
                 )])?;
-                out.push(self.choose(logits.row(0), (job.pos + i) as u64).token);
+                let (row, pos) = (logits.row(0), (job.pos + i) as u64);
+                // Under rejection sampling a branch's tokens are point masses, committed with
+                // the target's probability of them: the draft's likeliest token is the best bet.
+                out.push(if self.rule == VerifyRule::Rejection {
+                    sample(row, &SamplingParams::default(), pos)
+                } else {
+                    self.choose(row, pos).token
+                });
                 parent = slot;
             }
             Ok(())

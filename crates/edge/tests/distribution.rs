@@ -25,7 +25,7 @@ use tandem_engine::{
 use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::sampling::{distribution, sample, uniform};
-use tandem_spec::{Block, PipelineStats, VerifyRule};
+use tandem_spec::{Block, PipelineStats, TreeConfig, VerifyRule};
 use tandem_verifier::{Event, VerifierConfig, VerifierCore};
 
 const VOCAB: usize = 24;
@@ -292,6 +292,7 @@ struct Case {
     depth: usize,
     lazy: bool,
     max_new_tokens: usize,
+    tree: TreeConfig,
 }
 
 const T1: SamplingParams = SamplingParams {
@@ -301,7 +302,14 @@ const T1: SamplingParams = SamplingParams {
     seed: 0,
 };
 
-fn cases() -> [Case; 3] {
+/// A branch (the second choice and one more token) beside every drafted token.
+const EVERYWHERE: TreeConfig = TreeConfig {
+    side_nodes: 4,
+    branch_len: 2,
+    below: 1.01,
+};
+
+fn cases() -> [Case; 5] {
     [
         // Output positions 1 and 2 are both judged drafts, in the first block or, after a
         // rejection at 1, in the next.
@@ -312,6 +320,7 @@ fn cases() -> [Case; 3] {
             depth: 1,
             lazy: false,
             max_new_tokens: 3,
+            tree: TreeConfig::LINEAR,
         },
         // A second block is in flight when the first is judged; a rejection makes it stale and
         // position 2 is drafted again in the next epoch.
@@ -327,6 +336,7 @@ fn cases() -> [Case; 3] {
             depth: 2,
             lazy: true,
             max_new_tokens: 5,
+            tree: TreeConfig::LINEAR,
         },
         // One-token blocks in flight: after an accepted first block, position 2 is the target's
         // bonus, and the verifier judges the block in flight there against it (the pending
@@ -338,6 +348,36 @@ fn cases() -> [Case; 3] {
             depth: 3,
             lazy: true,
             max_new_tokens: 4,
+            tree: TreeConfig::LINEAR,
+        },
+        // Token trees: the draft's second choice, continued by one token, beside every drafted
+        // token; the target's draws pick the path (sample-and-match) or judge the main token,
+        // then the branch as a point mass, on what the main token left (rejection sampling).
+        // Synchronous, eager: positions 1 and 2 are judged in the first block's tree.
+        Case {
+            name: "T=1.0, γ=2, depth 1, eager, trees 4:2 everywhere",
+            params: T1,
+            draft_len: 2,
+            depth: 1,
+            lazy: false,
+            // Room past the main path for the side nodes' KV slots.
+            max_new_tokens: 6,
+            tree: EVERYWHERE,
+        },
+        // Lazy, blocks in flight: the verifier's own decodes also divert the trees.
+        Case {
+            name: "T=0.7 top-k 12 top-p 0.95, γ=2, depth 2, lazy, trees 4:2 everywhere",
+            params: SamplingParams {
+                temperature: 0.7,
+                top_k: 12,
+                top_p: 0.95,
+                seed: 0,
+            },
+            draft_len: 2,
+            depth: 2,
+            lazy: true,
+            max_new_tokens: 5,
+            tree: EVERYWHERE,
         },
     ]
 }
@@ -366,7 +406,7 @@ fn committed_counts(
                 max_new_tokens: case.max_new_tokens,
                 auto: None,
                 granted: None,
-                tree: tandem_spec::TreeConfig::LINEAR,
+                tree: case.tree,
             },
             rule,
             params,
@@ -425,6 +465,8 @@ fn committed_counts(
         stats.rejections += s.rejections;
         stats.stale_blocks += s.stale_blocks;
         stats.stale_verdicts += s.stale_verdicts;
+        stats.branch_hits += s.branch_hits;
+        stats.side_nodes += s.side_nodes;
     }
     (counts, stats)
 }
@@ -450,8 +492,8 @@ fn check(rule: VerifyRule) {
         );
         println!(
             "{rule:?}, {}: {} drafted, {} accepted, {} rejections (acceptance {:.3}), \
-             {} stale blocks, {} stale verdicts; the verifier: {verified} blocks verified, \
-             {early} matched without a forward, {decoded} tokens decoded",
+             {} stale blocks, {} stale verdicts, {} side nodes, {} branch hits; the verifier: \
+             {verified} blocks verified, {early} matched without a forward, {decoded} tokens decoded",
             case.name,
             stats.drafted,
             stats.accepted,
@@ -459,6 +501,8 @@ fn check(rule: VerifyRule) {
             stats.acceptance_rate(),
             stats.stale_blocks,
             stats.stale_verdicts,
+            stats.side_nodes,
+            stats.branch_hits,
         );
         for pos in 1..3 {
             let (x, dof) = chi2(&counts[pos], &want[pos]);
@@ -489,6 +533,11 @@ fn check(rule: VerifyRule) {
         assert!(
             stats.accepted > some && stats.rejections > some,
             "{rule:?}, {}: both verdicts must be common: {stats:?}",
+            case.name
+        );
+        assert!(
+            case.tree.side_nodes == 0 || stats.branch_hits > some,
+            "{rule:?}, {}: the branches must be committed often: {stats:?}",
             case.name
         );
         assert!(

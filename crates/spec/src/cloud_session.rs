@@ -27,10 +27,10 @@ pub const FLOW_WINDOW: usize = 64;
 /// The edge acks every this many committed tokens, well inside [`FLOW_WINDOW`].
 pub const ACK_EVERY: usize = 16;
 
-use crate::pipeline::{Block, BlockId, Decoded, Verdict};
+use crate::pipeline::{Block, BlockId, Decoded, SparseDist, Verdict};
 use crate::sampling::SamplingParams;
 use crate::tree::{Node, Step};
-use crate::verify::{judge, target_token, VerifyRule};
+use crate::verify::{judge, judge_guesses, target_token, without, Guess, VerifyRule};
 use crate::SpecError;
 
 /// What the target must compute for a verify or a decode.
@@ -184,12 +184,6 @@ impl CloudSession {
             )));
         }
         if b.is_tree() {
-            if self.rule.needs_q() {
-                return Err(SpecError::InvalidBlock(format!(
-                    "block {}: token trees are verified greedily or by sample-and-match, not by rejection sampling",
-                    b.index
-                )));
-            }
             b.check_tree()
                 .map_err(|e| SpecError::InvalidBlock(format!("block {}: {e}", b.index)))?;
         }
@@ -460,9 +454,11 @@ impl CloudSession {
         })
     }
 
-    /// [`finish`](Self::finish) for a tree feed: from the node the committed tokens reached,
-    /// follow the target's token at each node to the child that guessed it; the epoch moves at
-    /// each diversion from the expected path and at a rejection (none at a leaf: the bonus).
+    /// [`finish`](Self::finish) for a tree feed: from the node the committed tokens reached, judge
+    /// each node's children ([`judge_guesses`]: the target's token picks the child under greedy
+    /// and sample-and-match, recursive residuals under rejection sampling) and follow the one
+    /// committed; the epoch moves at each diversion from the expected path and at a rejection
+    /// (none at a leaf: the bonus).
     fn finish_tree(
         &mut self,
         b: &Block,
@@ -483,19 +479,49 @@ impl CloudSession {
         let mut keep = Vec::new();
         let token = loop {
             let at = feed.nodes[i];
-            let pos = b.start_pos + b.path_len(at);
-            let t = target_token(rows[i], &self.params, pos as u64);
-            let next = match b.step(at, t) {
-                Step::Expected(n) => n,
-                Step::Diverted(n) => {
-                    self.epoch += 1;
-                    n
+            let pos = (b.start_pos + b.path_len(at)) as u64;
+            let kids = b.children(at);
+            if kids.is_empty() {
+                break target_token(rows[i], &self.params, pos); // a leaf: the bonus
+            }
+            let tokens: Vec<u32> = kids
+                .iter()
+                .map(|&k| b.token(k).expect("invariant: a child has a token"))
+                .collect();
+            // Under rejection sampling a main token was drawn from the q sent with it, and each
+            // side token beside it from that q without the tokens before it (see
+            // `verify::draft_sibling`); a branch's continuation is a point mass.
+            let q = match kids[0] {
+                Node::Main(m) if self.rule.needs_q() => b.q.get(m),
+                _ => None,
+            };
+            let rests: Vec<SparseDist> = match q {
+                Some(q) => (1..tokens.len())
+                    .map(|j| without(q, &tokens[..j]))
+                    .collect(),
+                None => Vec::new(),
+            };
+            let guesses: Vec<Guess> = match q {
+                Some(q) => std::iter::once(Guess::Drawn(tokens[0], q))
+                    .chain(
+                        tokens[1..]
+                            .iter()
+                            .zip(&rests)
+                            .map(|(&t, r)| Guess::Drawn(t, r)),
+                    )
+                    .collect(),
+                None => tokens.iter().map(|&t| Guess::Point(t)).collect(),
+            };
+            let next = match judge_guesses(self.rule, rows[i], &self.params, pos, &guesses) {
+                Ok(0) => kids[0],
+                Ok(k) => {
+                    self.epoch += 1; // a diversion
+                    kids[k]
                 }
-                Step::Off => {
+                Err(t) => {
                     self.epoch += 1;
                     break t;
                 }
-                Step::Leaf => break t,
             };
             let j = (i + 1..feed.tokens.len())
                 .find(|&j| feed.parents[j] == i && feed.nodes[j] == next)
@@ -801,8 +827,12 @@ mod tests {
             7,
             64,
         );
+        // Under rejection sampling a tree's main path carries its q; side nodes are point masses.
         let e = rs.check(&tree_block()).unwrap_err().to_string();
-        assert!(e.contains("not by rejection sampling"), "{e}");
+        assert!(e.contains("needs one draft distribution per token"), "{e}");
+        let mut with_q = tree_block();
+        with_q.q = vec![vec![(0, 1.0)]; with_q.tokens.len()];
+        rs.check(&with_q).unwrap();
         // A branch past the context limit, though the main path is within it.
         let short = CloudSession::new(
             VerifyRule::Greedy,

@@ -316,6 +316,8 @@ pub struct Pipeline {
     tokens: Vec<u32>,
     /// Draft distributions of the speculative tail, by position (rejection sampling only).
     q: VecDeque<SparseDist>,
+    /// The drafts come with their distributions (rejection sampling).
+    drawn_q: bool,
     committed: usize,
     /// `tokens[..sent]` are committed or inside sent blocks.
     sent: usize,
@@ -374,6 +376,7 @@ impl Pipeline {
             prompt_len: n,
             tokens: prompt,
             q: VecDeque::new(),
+            drawn_q: false,
             committed: n,
             sent: n,
             in_flight: VecDeque::new(),
@@ -609,6 +612,7 @@ impl Pipeline {
         }
         self.tokens.push(token);
         if let Some(q) = q {
+            self.drawn_q = true;
             self.q.push_back(q);
         }
         self.stats.drafted += 1;
@@ -768,6 +772,11 @@ impl Pipeline {
             self.stats.wasted_draft_tokens += self.tokens.len() - pos;
             self.cut_tail(pos);
             self.tokens.extend_from_slice(&branch);
+            if self.drawn_q {
+                // A branch's tokens are point masses with no q of their own; they are in flight
+                // already, so these only keep `q` aligned with the tail.
+                self.q.extend(branch.iter().map(|_| SparseDist::new()));
+            }
             self.sent = pos + branch.len();
             if self.draft_fed > pos {
                 self.draft_fed = pos;

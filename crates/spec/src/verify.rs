@@ -6,7 +6,10 @@
 //!   Lossless for any sampling parameters with token ids alone on the wire.
 //! - **Rejection sampling**: accept the draft token `d` with probability `min(1, p(d)/q(d))`; on
 //!   rejection draw from `normalize(max(0, p − q))`. The edge drew `d` from the sparse `q` it sends
-//!   with the block, so the committed token is distributed exactly as `p`.
+//!   with the block, so the committed token is distributed exactly as `p`. At a node of a token
+//!   tree the guesses are judged in turn, each against what the ones before it left of `p`
+//!   ([`recursive_rejection`]): a side token beside a main one is a draw from `q` without the
+//!   main token ([`draft_sibling`]); a branch's continuation is a point mass.
 //!
 //! A position whose target token is already known (the pending prediction after a fully accepted
 //! block) is always judged by matching against that token, which was itself drawn from `p`.
@@ -62,6 +65,12 @@ impl VerifyRule {
 pub const STREAM_TARGET: u64 = 0;
 pub const STREAM_ACCEPT: u64 = 1;
 pub const STREAM_RESIDUAL: u64 = 2;
+/// The edge's draw of a second guess beside its drawn token (a token tree under rejection
+/// sampling).
+pub const STREAM_DRAFT_SIBLING: u64 = 3;
+/// The `i`-th guess after the first at a position (a token tree's siblings) is judged on stream
+/// `STREAM_SIBLING + i`.
+pub const STREAM_SIBLING: u64 = 16;
 
 /// The target's own token at `pos` (bonus or pending prediction): argmax, or a draw from `p`.
 pub fn target_token(logits: &[f32], params: &SamplingParams, pos: u64) -> u32 {
@@ -77,18 +86,48 @@ pub fn judge(
     d: u32,
     q: Option<&SparseDist>,
 ) -> Result<(), u32> {
+    let guess = Guess::Drawn(d, q.map_or(&[][..], |q| &q[..]));
+    judge_guesses(rule, logits, params, pos, &[guess]).map(|_| ())
+}
+
+/// A guess at one position, as the rejection rule sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Guess<'a> {
+    /// The draft's token, drawn from its distribution `q` (the main path).
+    Drawn(u32, &'a [(u32, f32)]),
+    /// A token the edge chose without drawing (a token tree's second choice, a branch's
+    /// continuation): a point mass.
+    Point(u32),
+}
+
+impl Guess<'_> {
+    pub fn token(&self) -> u32 {
+        match *self {
+            Guess::Drawn(t, _) | Guess::Point(t) => t,
+        }
+    }
+}
+
+/// Judge the guesses at one position (a tree node's children, the expected one first):
+/// `Ok(i)` commits `guesses[i]`, `Err(t)` commits `t`, which is none of them. Greedy and
+/// sample-and-match follow the target's own token; rejection sampling judges the guesses in turn,
+/// each against what the ones before it left of `p` (recursive residuals), so the committed
+/// token is distributed as `p` whichever guesses were sent.
+pub fn judge_guesses(
+    rule: VerifyRule,
+    logits: &[f32],
+    params: &SamplingParams,
+    pos: u64,
+    guesses: &[Guess],
+) -> Result<usize, u32> {
     match rule.effective(params) {
         VerifyRule::Greedy | VerifyRule::SampleMatch => {
             let t = target_token(logits, params, pos);
-            if t == d {
-                Ok(())
-            } else {
-                Err(t)
-            }
+            guesses.iter().position(|g| g.token() == t).ok_or(t)
         }
         VerifyRule::Rejection => {
             let p = distribution(logits, params);
-            rejection_step(&p, q.map_or(&[][..], |q| &q[..]), params.seed, pos, d)
+            recursive_rejection(&p, guesses, params.seed, pos)
         }
     }
 }
@@ -99,32 +138,93 @@ fn prob(dist: &[(u32, f32)], t: u32) -> f64 {
         .map_or(0.0, |(_, p)| *p as f64)
 }
 
-/// One step of speculative rejection sampling with target `p` and draft `q` (both sparse).
-pub fn rejection_step(
+/// The uniform that judges the `i`-th guess at a position: the first has the stream linear
+/// blocks use, each sibling after it one of its own.
+fn accept_uniform(seed: u64, pos: u64, i: usize) -> f64 {
+    let stream = if i == 0 {
+        STREAM_ACCEPT
+    } else {
+        STREAM_SIBLING + i as u64
+    };
+    uniform(seed, pos, stream)
+}
+
+/// Speculative rejection sampling over several guesses at one position, target `p` (sparse).
+///
+/// The residual `r` starts as `p`. A guess drawn from `q` is accepted with probability
+/// `min(1, r(d)/q(d))`, else `r ← normalize(max(0, r − q))`; a point mass `t` is accepted with
+/// probability `r(t)`, else `r ← normalize(r` without `t)`. When none is accepted the token is a
+/// draw from the last `r`. Each step keeps the committed token distributed as the `r` it started
+/// from, for any choice of the point masses (even one made after seeing the drawn guess), as long
+/// as the drawn guess was a draw from its `q` and no guess depends on the uniforms judging them.
+pub fn recursive_rejection(
     p: &[(u32, f32)],
-    q: &[(u32, f32)],
+    guesses: &[Guess],
     seed: u64,
     pos: u64,
-    d: u32,
-) -> Result<(), u32> {
-    let (pd, qd) = (prob(p, d), prob(q, d));
-    if qd > 0.0 && uniform(seed, pos, STREAM_ACCEPT) < (pd / qd).min(1.0) {
-        return Ok(());
+) -> Result<usize, u32> {
+    let mut r: Vec<(u32, f64)> = p.iter().map(|&(t, x)| (t, x as f64)).collect();
+    let at = |r: &[(u32, f64)], t: u32| r.iter().find(|(x, _)| *x == t).map_or(0.0, |e| e.1);
+    for (i, g) in guesses.iter().enumerate() {
+        let u = accept_uniform(seed, pos, i);
+        match *g {
+            Guess::Drawn(d, q) => {
+                let qd = prob(q, d);
+                if qd > 0.0 && u < (at(&r, d) / qd).min(1.0) {
+                    return Ok(i);
+                }
+                let q: std::collections::HashMap<u32, f64> =
+                    q.iter().map(|&(t, x)| (t, x as f64)).collect();
+                r.iter_mut()
+                    .for_each(|(t, x)| *x = (*x - q.get(t).copied().unwrap_or(0.0)).max(0.0));
+            }
+            Guess::Point(t) => {
+                if u < at(&r, t) {
+                    return Ok(i);
+                }
+                r.iter_mut()
+                    .filter(|(x, _)| *x == t)
+                    .for_each(|e| e.1 = 0.0);
+            }
+        }
+        r.retain(|&(_, x)| x > 0.0);
+        let total: f64 = r.iter().map(|e| e.1).sum();
+        if total <= 0.0 {
+            // Nothing left: the guesses held all of p, where one is accepted for certain; only
+            // reached through rounding. The target's own draw decides.
+            let t = draw(p, uniform(seed, pos, STREAM_RESIDUAL));
+            return guesses.iter().position(|g| g.token() == t).ok_or(t);
+        }
+        r.iter_mut().for_each(|e| e.1 /= total);
     }
-    let mut residual: Vec<(u32, f32)> = p
+    let r: Vec<(u32, f32)> = r.into_iter().map(|(t, x)| (t, x as f32)).collect();
+    Err(draw(&r, uniform(seed, pos, STREAM_RESIDUAL)))
+}
+
+/// `q` without `tokens`, renormalised (empty when nothing is left): what a guess drawn after
+/// them, without replacement, is drawn from.
+pub fn without(q: &[(u32, f32)], tokens: &[u32]) -> SparseDist {
+    let rest: Vec<(u32, f32)> = q
         .iter()
-        .map(|&(t, pt)| (t, (pt as f64 - prob(q, t)).max(0.0) as f32))
-        .filter(|&(_, r)| r > 0.0)
+        .copied()
+        .filter(|(t, _)| !tokens.contains(t))
         .collect();
-    let total: f64 = residual.iter().map(|&(_, r)| r as f64).sum();
+    let total: f64 = rest.iter().map(|e| e.1 as f64).sum();
     if total <= 0.0 {
-        // p ≤ q everywhere means p = q, where acceptance is certain; only reached through rounding.
-        return Err(draw(p, uniform(seed, pos, STREAM_RESIDUAL)));
+        return Vec::new();
     }
-    residual
-        .iter_mut()
-        .for_each(|(_, r)| *r = (*r as f64 / total) as f32);
-    Err(draw(&residual, uniform(seed, pos, STREAM_RESIDUAL)))
+    rest.into_iter()
+        .map(|(t, x)| (t, (x as f64 / total) as f32))
+        .collect()
+}
+
+/// The edge's second guess beside its drawn token `d` under rejection sampling: a draw from `q`
+/// without `d` (sampling without replacement, on a stream of its own), judged by the verifier as
+/// a draw from [`without`]`(q, [d])` — which commits it far more often than the draft's second
+/// choice would as a point mass (only where the target's probability exceeds the draft's).
+pub fn draft_sibling(q: &[(u32, f32)], d: u32, seed: u64, pos: u64) -> Option<u32> {
+    let rest = without(q, &[d]);
+    (!rest.is_empty()).then(|| draw(&rest, uniform(seed, pos, STREAM_DRAFT_SIBLING)))
 }
 
 /// The edge's draw from its draft distribution: `q` is the renormalised top-k (after temperature)
@@ -278,6 +378,121 @@ mod tests {
         };
         let (m, r) = (acc(VerifyRule::SampleMatch), acc(VerifyRule::Rejection));
         assert!(r > m, "rejection {r} vs match {m}");
+    }
+
+    #[test]
+    fn rejection_over_a_tree_node_commits_the_target_distribution() {
+        // The main token drawn from q, then the draft's next choices as point masses: the
+        // committed token follows p (χ², 5 dof, 0.999 quantile 20.5). A point mass is committed
+        // only where p exceeds q (the residual's support): here tokens 0 and 4, which the draft
+        // ranks low, so only with every other token as a guess are the side guesses committed
+        // often. A second guess drawn without replacement is committed often (Σ min(r, q')).
+        let want_of = |params: &SamplingParams| target_probs(params);
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        };
+        let run = |p: &SamplingParams, guesses: usize, wrong: bool| {
+            let (d, q) = draft_sample(&DRAFT, p, 17, 6);
+            let alts: Vec<u32> = q.iter().map(|e| e.0).filter(|&t| t != d).collect();
+            let mut g = vec![Guess::Drawn(d, &q[..])];
+            // guesses 0: a second draw, without replacement, then a point mass.
+            let sibling = draft_sibling(&q, d, p.seed, 17);
+            let rest = without(&q, &[d]);
+            if guesses == 0 {
+                let s = sibling.expect("q has more than one token");
+                g.push(Guess::Drawn(s, &rest));
+                g.extend(alts.iter().find(|&&t| t != s).map(|&t| Guess::Point(t)));
+            }
+            g.extend(
+                alts.iter()
+                    .take(guesses.saturating_sub(1))
+                    .map(|&t| Guess::Point(t)),
+            );
+            let tp = distribution(&TARGET, p);
+            if wrong {
+                // Planted: the second guess judged against p itself, not against the residual.
+                if rejection_step_linear(&tp, &q, p.seed, d) {
+                    return (d, 0);
+                }
+                if uniform(p.seed, 17, STREAM_SIBLING + 1) < prob(&tp, alts[0]) {
+                    return (alts[0], 1);
+                }
+                return (draw(&tp, uniform(p.seed, 17, STREAM_RESIDUAL)), 9);
+            }
+            match recursive_rejection(&tp, &g, p.seed, 17) {
+                Ok(i) => (g[i].token(), i),
+                Err(t) => {
+                    assert!(
+                        g.iter().all(|x| x.token() != t),
+                        "a correction equals a guess"
+                    );
+                    (t, 9)
+                }
+            }
+        };
+        for (guesses, p, sides) in [
+            (0, params, true),
+            (
+                0,
+                SamplingParams {
+                    temperature: 0.7,
+                    top_k: 4,
+                    ..params
+                },
+                true,
+            ),
+            (2, params, false),
+            (6, params, true),
+            (
+                3,
+                SamplingParams {
+                    temperature: 0.7,
+                    top_k: 4,
+                    ..params
+                },
+                false,
+            ),
+        ] {
+            let mut counts = vec![0usize; 6];
+            let mut side = 0;
+            for seed in 0..40_000u64 {
+                let (t, i) = run(&SamplingParams { seed, ..p }, guesses, false);
+                counts[t as usize] += 1;
+                side += usize::from((1..9).contains(&i));
+            }
+            let want = want_of(&p);
+            let (c, w): (Vec<usize>, Vec<f64>) = counts
+                .iter()
+                .zip(&want)
+                .filter(|(_, &x)| x > 0.0)
+                .map(|(&c, &x)| (c, x))
+                .unzip();
+            assert_eq!(c.iter().sum::<usize>(), 40_000, "token outside p's support");
+            let x = chi2(&c, &w);
+            assert!(
+                x < 20.5,
+                "{guesses} guesses {p:?}: chi2 {x}, counts {counts:?}, want {want:?}"
+            );
+            assert!(
+                !sides || side > 4000,
+                "the side guesses are committed {side} times"
+            );
+        }
+        let mut counts = vec![0usize; 6];
+        for seed in 0..40_000u64 {
+            counts[run(&SamplingParams { seed, ..params }, 2, true).0 as usize] += 1;
+        }
+        let x = chi2(&counts, &want_of(&params));
+        assert!(x > 100.0, "the planted rule passes: chi2 {x}");
+    }
+
+    /// The linear rule's acceptance alone (for the planted variant above).
+    fn rejection_step_linear(p: &[(u32, f32)], q: &[(u32, f32)], seed: u64, d: u32) -> bool {
+        let qd = prob(q, d);
+        qd > 0.0 && uniform(seed, 17, STREAM_ACCEPT) < (prob(p, d) / qd).min(1.0)
     }
 
     #[test]
