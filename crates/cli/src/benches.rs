@@ -429,6 +429,13 @@ pub(crate) fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()>
         token_budget: tandem_verifier::VerifierConfig::default().token_budget,
         kv_budget_mb: 2048,
         cloud_only: true,
+        // Tree rows beside the async ones (not in the quick run).
+        tree: if q {
+            tandem_bench::latency::TreeArg(None)
+        } else {
+            a.tree
+        },
+        cover: 0.6,
         edge_cpus,
         cloud_cpus,
         saturation_tokens: None,

@@ -16,6 +16,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
 use tandem_engine::{CpuSet, Engine, EngineConfig, LlamaModel, Tokenizer};
 use tandem_spec::sampling::SamplingParams;
+use tandem_spec::TreeConfig;
 
 use crate::cloudproc::{CloudProcess, Link};
 use tandem_sim::stats::{round2, Summary};
@@ -79,6 +80,13 @@ pub struct LoadArgs {
     pub edge_cpus: CpuSet,
     #[arg(skip)]
     pub cloud_cpus: CpuSet,
+    /// Token trees for async-tree rows beside each async row (`SIDE:LEN:BELOW`, as `bench
+    /// latency --tree`; `none`: no tree rows). The synthetic draft is unsure at every miss and as
+    /// often at a hit, and its second choice is right for --cover of the misses.
+    #[arg(long, default_value = "none", value_parser = crate::latency::parse_tree)]
+    pub tree: crate::latency::TreeArg,
+    #[arg(long, default_value_t = 0.6)]
+    pub cover: f64,
     /// Grants shrink as tokens per forward near this (default: twice the measured ridge, where a
     /// forward takes about twice the one-token time).
     #[arg(long)]
@@ -102,6 +110,9 @@ impl LoadArgs {
         }
         if let Some(x) = self.alphas.iter().find(|x| !(0.0..=1.0).contains(*x)) {
             bail!("--alpha: {x} is not a probability");
+        }
+        if !(0.0..=1.0).contains(&self.cover) {
+            bail!("--cover: {} is not a probability", self.cover);
         }
         Ok(())
     }
@@ -165,6 +176,9 @@ pub struct LoadRow {
     /// speculation sessions the verifier took over.
     pub preemptions: f64,
     pub takeovers: f64,
+    /// Token trees: side nodes sent per committed token, and commits a branch guessed.
+    pub side_nodes_per_token: f64,
+    pub branch_hits: usize,
     pub sessions_run: usize,
     /// Sessions whose output differed from the target's (must be 0), and refused or failed ones.
     pub mismatches: usize,
@@ -329,9 +343,13 @@ pub fn run(
         }
         for &alpha in &a.alphas {
             for &depth in &a.depths {
-                let r = drive(&job, n, Some((alpha, depth)), &cloud)?;
-                on_row(&r);
-                rows.push(r);
+                let trees =
+                    std::iter::once(TreeConfig::LINEAR).chain(a.tree.0.filter(|_| depth > 1));
+                for tree in trees {
+                    let r = drive(&job, n, Some((alpha, depth, tree)), &cloud)?;
+                    on_row(&r);
+                    rows.push(r);
+                }
             }
         }
     }

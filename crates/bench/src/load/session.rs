@@ -9,7 +9,7 @@ use tandem_edge::grpc::{GrpcLink, OpenRequest};
 use tandem_edge::SpecConfig;
 use tandem_engine::Tokenizer;
 use tandem_spec::sampling::SamplingParams;
-use tandem_spec::VerifyRule;
+use tandem_spec::{TreeConfig, VerifyRule};
 
 use crate::cloudproc::CloudProcess;
 
@@ -29,6 +29,9 @@ pub(super) struct SessionOut {
     /// Tokens the verifier decoded itself (taken over), and all the session's tokens.
     pub(super) cloud_decoded: usize,
     pub(super) tokens: usize,
+    /// Side nodes sent, and commits a branch guessed.
+    pub(super) side_nodes: usize,
+    pub(super) branch_hits: usize,
 }
 
 /// Per-token gaps of the commits inside `window`: a commit of k tokens after a gap g counts k
@@ -79,6 +82,9 @@ pub(super) struct Job<'a> {
     pub(super) a: &'a LoadArgs,
 }
 
+/// A speculative row's synthetic edges: α, blocks in flight, token trees.
+pub(super) type Spec = (f64, usize, TreeConfig);
+
 /// What one synthetic edge asks the verifier for, and how it drafts.
 #[derive(Debug, Clone, Copy)]
 pub struct SyntheticEdge {
@@ -89,6 +95,10 @@ pub struct SyntheticEdge {
     pub seed: u64,
     /// The target's vocabulary size (a wrong guess is a token id below it).
     pub vocab: u32,
+    /// Token trees (`TreeConfig::LINEAR`: none), and the share of misses the second choice
+    /// covers.
+    pub tree: TreeConfig,
+    pub cover: f64,
 }
 
 /// One synthetic speculation session against the verifier at `url`: `want` is the target's greedy
@@ -110,7 +120,7 @@ pub fn synthetic_session(
         rule: VerifyRule::Greedy,
         want_draft_len: edge.gamma as u32,
         want_depth: edge.depth as u32,
-        want_side_nodes: 0,
+        want_side_nodes: edge.tree.side_nodes as u32,
         api_key: None,
     };
     let (mut link, opened) = GrpcLink::connect(rt, url, req)?;
@@ -121,7 +131,10 @@ pub fn synthetic_session(
             max_new_tokens: want.len(),
             auto: None,
             granted: Some(tandem_spec::Shape::new(opened.draft_len, opened.depth)),
-            tree: tandem_spec::TreeConfig::LINEAR,
+            tree: TreeConfig {
+                side_nodes: edge.tree.side_nodes.min(opened.side_nodes as usize),
+                ..edge.tree
+            },
         },
         rule: VerifyRule::Greedy,
         params: SamplingParams::default(),
@@ -135,6 +148,9 @@ pub fn synthetic_session(
         edge.vocab,
         edge.seed,
     );
+    if edge.tree.side_nodes > 0 {
+        d = d.with_cover(edge.cover);
+    }
     let r = tandem_edge::run_with(
         &mut d,
         tok.eog_ids(),
@@ -154,7 +170,7 @@ fn spec_session(
     j: &Job<'_>,
     rt: &tokio::runtime::Runtime,
     k: usize,
-    (alpha, depth): (f64, usize),
+    (alpha, depth, tree): Spec,
     seed: u64,
 ) -> Result<SessionOut> {
     let (prompt, want) = (&j.prompts[k], &j.wants[k]);
@@ -166,6 +182,8 @@ fn spec_session(
         depth,
         seed,
         vocab: j.vocab,
+        tree,
+        cover: j.a.cover,
     };
     let r = synthetic_session(rt, j.url, j.tok, prompt, want, edge)?;
     Ok(SessionOut {
@@ -177,6 +195,8 @@ fn spec_session(
         rejections: r.stats.rejections,
         cloud_decoded: r.measured.cloud_decoded,
         tokens: r.output_ids.len(),
+        side_nodes: r.stats.side_nodes,
+        branch_hits: r.stats.branch_hits,
     })
 }
 
@@ -208,16 +228,18 @@ fn cloud_session(j: &Job<'_>, rt: &tokio::runtime::Runtime, k: usize) -> Result<
         rejections: 0,
         cloud_decoded: out.len(),
         tokens: out.len(),
+        side_nodes: 0,
+        branch_hits: 0,
     })
 }
 
 /// N closed-loop users for `duration_s`: each starts sessions one after another (prompts in turn)
 /// until the window closes, then finishes the one it is in.
-/// `spec`: the synthetic edges' α and depth; `None`: cloud-only clients.
+/// `spec`: the synthetic edges' α, depth and trees; `None`: cloud-only clients.
 pub(super) fn drive(
     j: &Job<'_>,
     n: usize,
-    spec: Option<(f64, usize)>,
+    spec: Option<Spec>,
     cloud: &CloudProcess,
 ) -> Result<LoadRow> {
     let alpha = spec.map(|s| s.0);
@@ -312,7 +334,10 @@ pub(super) fn drive(
         p99: round2(s.p99),
     };
     Ok(LoadRow {
-        mode: mode_of(spec.map(|s| s.1)),
+        mode: match spec {
+            Some((_, d, t)) if t.side_nodes > 0 && d > 1 => crate::Mode::AsyncTree,
+            s => mode_of(s.map(|s| s.1)),
+        },
         depth: spec.map_or(0, |s| s.1),
         sessions: n,
         alpha,
@@ -354,6 +379,13 @@ pub(super) fn drive(
         },
         preemptions: delta("tandem:preemptions_total"),
         takeovers: delta("tandem:takeovers_total"),
+        side_nodes_per_token: {
+            let (n, t) = outs
+                .iter()
+                .fold((0, 0), |s, o| (s.0 + o.side_nodes, s.1 + o.tokens));
+            round2(n as f64 / t.max(1) as f64)
+        },
+        branch_hits: outs.iter().map(|o| o.branch_hits).sum(),
         sessions_run: outs.len(),
         mismatches: outs.iter().filter(|o| !o.ok).count(),
         failures,
@@ -378,6 +410,8 @@ mod tests {
             rejections: 0,
             cloud_decoded: 0,
             tokens: 5,
+            side_nodes: 0,
+            branch_hits: 0,
         };
         let (itl, ttft) = gaps(&[o], (t0, t0 + Duration::from_secs(1)));
         assert_eq!(ttft.len(), 1);
