@@ -20,7 +20,7 @@ use tandem_edge::SpecConfig;
 use tandem_engine::{CpuSet, Engine, EngineConfig, LlamaModel, Tokenizer};
 use tandem_spec::edge::AutoShape;
 use tandem_spec::never_idle;
-use tandem_spec::policy::Costs;
+use tandem_spec::policy::{tree_alpha, Costs};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{TreeConfig, VerifyRule};
 
@@ -62,7 +62,7 @@ pub struct LatencyArgs {
     pub tree: TreeArg,
     /// Sampling temperatures to measure the verify rules at (top-k 40, top-p 0.95, one seed):
     /// at each RTT, cloud-only sampled, and async by sample-and-match, by rejection sampling
-    /// and by sample-and-match over trees. None: greedy rows only.
+    /// on linear blocks and over trees. None: greedy rows only.
     #[arg(long, value_delimiter = ',')]
     pub temperatures: Vec<f32>,
     #[arg(skip)]
@@ -369,9 +369,18 @@ fn fold(draft: &str, rtt: f64, mode: Mode, outs: &[GenOutput], want: &[Vec<u32>]
 /// at this RTT (`decode_ms`: what one forward of this session costs the verifier). The row's own
 /// verify and network times are not the model's inputs under protocol 2: a block's verdict comes
 /// whenever the verifier reaches it, not a round trip after it was sent.
-fn predict(r: &mut Row, rtt_ms: f64, decode_ms: f64, prompts: usize) {
+///
+/// Trees (`branch_len` > 1) enter as the linear draft that commits as many tokens per run
+/// ([`tree_alpha`]), with the share of misses the row's branches covered.
+fn predict(r: &mut Row, rtt_ms: f64, decode_ms: f64, prompts: usize, branch_len: usize) {
+    let a = r.acceptance_rate;
+    let cover = if a < 1.0 {
+        ((r.tree_acceptance_rate - a) / (1.0 - a)).clamp(0.0, 1.0)
+    } else {
+        0.0
+    };
     let c = Costs {
-        alpha: r.acceptance_rate,
+        alpha: tree_alpha(a, cover, branch_len),
         draft_ms: r.draft_ms,
         verify_ms: decode_ms,
         verify_ms_per_token: 0.0,
@@ -559,7 +568,7 @@ pub fn run(
             for &g in &a.sync_gammas {
                 let outs = spec_runs(a, target, d, tok, &url, &prompts, g, 1, None, LINEAR)?;
                 let mut r = fold(&d.name, rtt, Mode::Sync, &outs, &want);
-                predict(&mut r, rtt, decode_ms, prompts.len());
+                predict(&mut r, rtt, decode_ms, prompts.len(), 1);
                 sync_rows.push(r.clone());
                 emit(r, &mut rows);
             }
@@ -587,12 +596,12 @@ pub fn run(
                 a, target, d, tok, &url, &prompts, gamma, depth, None, LINEAR,
             )?;
             let mut r = fold(&d.name, rtt, Mode::Async, &outs, &want);
-            predict(&mut r, rtt, decode_ms, prompts.len());
+            predict(&mut r, rtt, decode_ms, prompts.len(), 1);
             emit(r, &mut rows);
             if let Some(tree) = a.tree.0 {
                 let outs = spec_runs(a, target, d, tok, &url, &prompts, gamma, depth, None, tree)?;
                 let mut r = fold(&d.name, rtt, Mode::AsyncTree, &outs, &want);
-                predict(&mut r, rtt, decode_ms, prompts.len());
+                predict(&mut r, rtt, decode_ms, prompts.len(), tree.branch_len);
                 emit(r, &mut rows);
             }
             let auto = AutoShape {
@@ -602,7 +611,7 @@ pub fn run(
             };
             let outs = spec_runs(a, target, d, tok, &url, &prompts, 4, 2, Some(auto), LINEAR)?;
             let mut r = fold(&d.name, rtt, Mode::AsyncAuto, &outs, &want);
-            predict(&mut r, rtt, decode_ms, prompts.len());
+            predict(&mut r, rtt, decode_ms, prompts.len(), 1);
             emit(r, &mut rows);
         }
         // Sampling: cloud-only at each temperature, then each rule at async's shape. Only
@@ -637,11 +646,10 @@ pub fn run(
                     (Mode::Async, VerifyRule::Rejection, LINEAR),
                 ]
                 .into_iter()
-                .chain(
-                    a.tree
-                        .0
-                        .map(|tr| (Mode::AsyncTree, VerifyRule::SampleMatch, tr)),
-                );
+                .chain(a.tree.0.into_iter().flat_map(|tr| {
+                    [VerifyRule::SampleMatch, VerifyRule::Rejection]
+                        .map(|rule| (Mode::AsyncTree, rule, tr))
+                }));
                 for (mode, rule, tree) in cases {
                     let outs =
                         sampled_runs(a, party, (shape.0, shape.1, None, tree), rule, params)?;
@@ -658,7 +666,7 @@ pub fn run(
                             x.mode == Mode::CloudOnly && x.rtt_ms == rtt && x.temperature == t
                         })
                         .map_or(0.0, |x| x.itl_ms.mean);
-                    predict(&mut r, rtt, decode_ms, prompts.len());
+                    predict(&mut r, rtt, decode_ms, prompts.len(), tree.branch_len);
                     emit(r, &mut rows);
                 }
             }
