@@ -507,7 +507,7 @@ fn sanity(r: &PaperReport, target_greedy: &[Vec<u32>], dir: &Path) -> Vec<Sanity
         format!("{} rows, {wrong} differ", spec.len()),
     );
     let rows: Vec<&LoadRow> = r.load.iter().flat_map(|l| &l.rows).collect();
-    for mode in [Mode::CloudOnly, Mode::Sync, Mode::Async] {
+    for mode in [Mode::CloudOnly, Mode::Sync, Mode::Async, Mode::AsyncTree] {
         let m: Vec<_> = rows.iter().filter(|x| x.mode == mode).collect();
         if m.is_empty() {
             continue;
