@@ -162,8 +162,7 @@ pub fn teacher_forced_guesses(
 }
 
 /// The confidence buckets a draft's guesses are told by: `[lower, upper)` of its top-1 probability.
-pub const CONFIDENCE_BUCKETS: [(f32, f32); 5] =
-    [(0.0, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 1.01)];
+pub use tandem_spec::tree::CONFIDENCE_BUCKETS;
 
 /// Per confidence bucket: positions, the share the draft's argmax got right, and the share its
 /// top two did.

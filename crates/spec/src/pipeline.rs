@@ -274,6 +274,19 @@ pub struct PipelineStats {
     pub verdict_tokens: usize,
     /// Drafted tokens thrown away (rejected, or in stale blocks, or in the discarded tail).
     pub wasted_draft_tokens: usize,
+    /// Committed positions the draft had guessed, by its confidence there
+    /// ([`crate::tree::CONFIDENCE_BUCKETS`]; counted only when it names second choices, i.e.
+    /// with token trees on).
+    pub by_confidence: [ConfidenceCount; 5],
+}
+
+/// Committed positions of one confidence bucket: guessed, right, and wrong but the second
+/// choice (or second draw) right.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct ConfidenceCount {
+    pub judged: usize,
+    pub accepted: usize,
+    pub covered: usize,
 }
 
 impl PipelineStats {
@@ -325,7 +338,8 @@ pub struct Pipeline {
     /// The block a verdict is being applied for (not counted stale or covered meanwhile).
     answering: Option<BlockId>,
     tree: TreeConfig,
-    /// The draft's second choices in the unsent tail, by position.
+    /// The draft's second choices in the speculative tail, by position (kept until committed:
+    /// the per-confidence counts).
     hedges: BTreeMap<usize, Hedge>,
     /// Branches drafted for the unsent tail, by the position of their first token.
     branches: BTreeMap<usize, Vec<u32>>,
@@ -671,7 +685,6 @@ impl Pipeline {
         };
         self.next_index += 1;
         self.sent += n;
-        self.hedges = self.hedges.split_off(&self.sent);
         self.branches = self.branches.split_off(&self.sent);
         self.stats.blocks_sent += 1;
         self.stats.side_nodes += block.side.len();
@@ -758,6 +771,16 @@ impl Pipeline {
                 "the verifier committed position {pos}, but the next one is {}",
                 self.committed
             )));
+        }
+        if let Some(h) = self.hedges.remove(&pos).filter(|_| pos < self.tokens.len()) {
+            let b = crate::tree::confidence_bucket(h.p_top);
+            let c = &mut self.stats.by_confidence[b];
+            c.judged += 1;
+            if self.tokens[pos] == token {
+                c.accepted += 1;
+            } else if h.alt == token {
+                c.covered += 1;
+            }
         }
         if pos < self.tokens.len() && self.tokens[pos] == token {
             self.stats.accepted += 1;
@@ -1028,6 +1051,62 @@ mod tests {
             verify_us: 0,
             grant: None,
         }
+    }
+
+    #[test]
+    fn committed_positions_are_counted_by_the_drafts_confidence() {
+        // Linear blocks (no side-node budget), second choices named all the same.
+        let mut p = pipeline(3, 1);
+        let mut sent = Vec::new();
+        for (t, alt, p_top) in [(8, 18, 0.2), (9, 19, 0.95), (10, 20, 0.6)] {
+            sent.extend(
+                p.on_drafted_hedged(t, None, Some(Hedge { alt, p_top }))
+                    .into_iter()
+                    .filter_map(|o| match o {
+                        Output::Send(b) => Some(b),
+                        _ => None,
+                    }),
+            );
+        }
+        // The target takes 8 and 19 (the second choice where the draft was sure): two judged,
+        // one accepted, one covered; position 2 is never judged.
+        p.on_verdict(verdict(&sent[0], 1, 19)).unwrap();
+        let c = p.stats().by_confidence;
+        assert_eq!(
+            c[0],
+            ConfidenceCount {
+                judged: 1,
+                accepted: 1,
+                covered: 0
+            }
+        );
+        assert_eq!(
+            c[4],
+            ConfidenceCount {
+                judged: 1,
+                accepted: 0,
+                covered: 1
+            }
+        );
+        assert_eq!(c.iter().map(|c| c.judged).sum::<usize>(), 2);
+        // A token the verifier decoded over a drafted one counts too.
+        let b = draft_tree(&mut p, &[30], &[Some(31)], |_| unreachable!());
+        assert!(b.is_empty(), "γ 3: the block is not full");
+        p.on_decoded(Decoded {
+            epoch: p.epoch(),
+            pos: p.committed_len(),
+            token: 32,
+            grant: None,
+        })
+        .unwrap();
+        assert_eq!(
+            p.stats().by_confidence[0],
+            ConfidenceCount {
+                judged: 2,
+                accepted: 1,
+                covered: 0
+            }
+        );
     }
 
     #[test]

@@ -49,6 +49,19 @@ pub enum Step {
 /// Side nodes a block may carry at most.
 pub const MAX_SIDE_NODES: usize = 64;
 
+/// Buckets of the draft's probability of its own token, `[lower, upper)`: where it is unsure
+/// enough to branch, and what each bucket's guesses are worth.
+pub const CONFIDENCE_BUCKETS: [(f32, f32); 5] =
+    [(0.0, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 1.01)];
+
+/// The bucket of [`CONFIDENCE_BUCKETS`] that holds `p`.
+pub fn confidence_bucket(p: f32) -> usize {
+    CONFIDENCE_BUCKETS
+        .iter()
+        .position(|&(_, upper)| p < upper)
+        .unwrap_or(CONFIDENCE_BUCKETS.len() - 1)
+}
+
 impl Block {
     /// Whether the block carries side nodes.
     pub fn is_tree(&self) -> bool {
