@@ -2,7 +2,7 @@
 //! implements [`Drafter`] (the load generator's synthetic edges, `tandem_bench::synthetic`).
 
 use tandem_engine::{Engine, Parent, SeqChunk, SeqId, Wanted};
-use tandem_spec::sampling::{sample, second_choice, SamplingParams};
+use tandem_spec::sampling::{argmax, sample, second_choice, SamplingParams};
 use tandem_spec::verify::{draft_sample, draft_sibling, VerifyRule};
 use tandem_spec::{BranchJob, Hedge};
 
@@ -158,7 +158,7 @@ impl Drafter for EngineDrafter<'_> {
                 // Under rejection sampling a branch's tokens are point masses, committed with
                 // the target's probability of them: the draft's likeliest token is the best bet.
                 out.push(if self.rule == VerifyRule::Rejection {
-                    sample(row, &SamplingParams::default(), pos)
+                    argmax(row)
                 } else {
                     self.choose(row, pos).token
                 });

@@ -309,6 +309,13 @@ const EVERYWHERE: TreeConfig = TreeConfig {
     below: 1.01,
 };
 
+const T07: SamplingParams = SamplingParams {
+    temperature: 0.7,
+    top_k: 12,
+    top_p: 0.95,
+    seed: 0,
+};
+
 fn cases() -> [Case; 5] {
     [
         // Output positions 1 and 2 are both judged drafts, in the first block or, after a
@@ -326,12 +333,7 @@ fn cases() -> [Case; 5] {
         // position 2 is drafted again in the next epoch.
         Case {
             name: "T=0.7 top-k 12 top-p 0.95, γ=2, depth 2, lazy",
-            params: SamplingParams {
-                temperature: 0.7,
-                top_k: 12,
-                top_p: 0.95,
-                seed: 0,
-            },
+            params: T07,
             draft_len: 2,
             depth: 2,
             lazy: true,
@@ -367,12 +369,7 @@ fn cases() -> [Case; 5] {
         // Lazy, blocks in flight: the verifier's own decodes also divert the trees.
         Case {
             name: "T=0.7 top-k 12 top-p 0.95, γ=2, depth 2, lazy, trees 4:2 everywhere",
-            params: SamplingParams {
-                temperature: 0.7,
-                top_k: 12,
-                top_p: 0.95,
-                seed: 0,
-            },
+            params: T07,
             draft_len: 2,
             depth: 2,
             lazy: true,

@@ -27,10 +27,10 @@ pub const FLOW_WINDOW: usize = 64;
 /// The edge acks every this many committed tokens, well inside [`FLOW_WINDOW`].
 pub const ACK_EVERY: usize = 16;
 
-use crate::pipeline::{Block, BlockId, Decoded, SparseDist, Verdict};
+use crate::pipeline::{Block, BlockId, Decoded, Verdict};
 use crate::sampling::SamplingParams;
 use crate::tree::{Node, Step};
-use crate::verify::{judge, judge_guesses, target_token, without, Guess, VerifyRule};
+use crate::verify::{judge, judge_guesses, target_token, Guess, VerifyRule};
 use crate::SpecError;
 
 /// What the target must compute for a verify or a decode.
@@ -484,34 +484,23 @@ impl CloudSession {
             if kids.is_empty() {
                 break target_token(rows[i], &self.params, pos); // a leaf: the bonus
             }
-            let tokens: Vec<u32> = kids
+            // Under rejection sampling a main token was drawn from the q sent with it and each
+            // side token beside it is a sibling draw (see `verify::draft_sibling`); a branch's
+            // continuation is a point mass.
+            let guesses: Vec<Guess> = kids
                 .iter()
-                .map(|&k| b.token(k).expect("invariant: a child has a token"))
+                .map(|&k| {
+                    let t = b.token(k).expect("invariant: a child has a token");
+                    match k {
+                        Node::Main(m) if self.rule.needs_q() => match b.q.get(m) {
+                            Some(q) => Guess::Drawn(t, q),
+                            None => Guess::Point(t),
+                        },
+                        Node::Side(_) if matches!(kids[0], Node::Main(_)) => Guess::Sibling(t),
+                        _ => Guess::Point(t),
+                    }
+                })
                 .collect();
-            // Under rejection sampling a main token was drawn from the q sent with it, and each
-            // side token beside it from that q without the tokens before it (see
-            // `verify::draft_sibling`); a branch's continuation is a point mass.
-            let q = match kids[0] {
-                Node::Main(m) if self.rule.needs_q() => b.q.get(m),
-                _ => None,
-            };
-            let rests: Vec<SparseDist> = match q {
-                Some(q) => (1..tokens.len())
-                    .map(|j| without(q, &tokens[..j]))
-                    .collect(),
-                None => Vec::new(),
-            };
-            let guesses: Vec<Guess> = match q {
-                Some(q) => std::iter::once(Guess::Drawn(tokens[0], q))
-                    .chain(
-                        tokens[1..]
-                            .iter()
-                            .zip(&rests)
-                            .map(|(&t, r)| Guess::Drawn(t, r)),
-                    )
-                    .collect(),
-                None => tokens.iter().map(|&t| Guess::Point(t)).collect(),
-            };
             let next = match judge_guesses(self.rule, rows[i], &self.params, pos, &guesses) {
                 Ok(0) => kids[0],
                 Ok(k) => {

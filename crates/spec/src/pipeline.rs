@@ -327,10 +327,9 @@ pub struct Pipeline {
     prompt_len: usize,
     /// Prompt, committed output, speculative tail.
     tokens: Vec<u32>,
-    /// Draft distributions of the speculative tail, by position (rejection sampling only).
-    q: VecDeque<SparseDist>,
-    /// The drafts come with their distributions (rejection sampling).
-    drawn_q: bool,
+    /// Draft distributions of the speculative tail, by position (rejection sampling only; a
+    /// branch's tokens, point masses, have none).
+    q: BTreeMap<usize, SparseDist>,
     committed: usize,
     /// `tokens[..sent]` are committed or inside sent blocks.
     sent: usize,
@@ -389,8 +388,7 @@ impl Pipeline {
             eog,
             prompt_len: n,
             tokens: prompt,
-            q: VecDeque::new(),
-            drawn_q: false,
+            q: BTreeMap::new(),
             committed: n,
             sent: n,
             in_flight: VecDeque::new(),
@@ -620,15 +618,15 @@ impl Pipeline {
             Next::Draft,
             "invariant: the shell drafts only when told to"
         );
-        self.draft_fed = self.tokens.len();
+        let pos = self.tokens.len();
+        self.draft_fed = pos;
         if let Some(h) = hedge.filter(|h| h.alt != token && !self.eog.contains(&token)) {
-            self.hedges.insert(self.tokens.len(), h);
+            self.hedges.insert(pos, h);
+        }
+        if let Some(q) = q {
+            self.q.insert(pos, q);
         }
         self.tokens.push(token);
-        if let Some(q) = q {
-            self.drawn_q = true;
-            self.q.push_back(q);
-        }
         self.stats.drafted += 1;
         let mut out = Vec::new();
         self.try_send(&mut out);
@@ -654,8 +652,11 @@ impl Pipeline {
         let tokens = self.tokens[self.sent..self.sent + n].to_vec();
         // Every node takes a KV slot on the verifier: the tree's nodes stay within the limit.
         let mut room = self.limit().saturating_sub(self.sent + n);
-        let q_from = self.sent - self.committed.min(self.sent);
-        let q: Vec<SparseDist> = self.q.iter().skip(q_from).take(n).cloned().collect();
+        let q: Vec<SparseDist> = self
+            .q
+            .range(self.sent..self.sent + n)
+            .map(|e| e.1.clone())
+            .collect();
         let mut side = Vec::new();
         for p in points {
             let chain = self
@@ -695,11 +696,10 @@ impl Pipeline {
         out.push(Output::Send(block));
     }
 
-    /// Keep `tokens[..len]`, dropping draft distributions past it (`q` is either empty or aligned
-    /// with the speculative tail `tokens[committed..]`).
+    /// Keep `tokens[..len]`, dropping the draft distributions, second choices and branches past it.
     fn cut_tail(&mut self, len: usize) {
         self.tokens.truncate(len);
-        self.q.truncate(len.saturating_sub(self.committed));
+        self.q.split_off(&len);
         self.hedges.split_off(&len);
         self.branches.split_off(&len);
     }
@@ -733,9 +733,7 @@ impl Pipeline {
             end = from + i + 1;
             self.done = true;
         }
-        for _ in from..end {
-            self.q.pop_front();
-        }
+        self.q = self.q.split_off(&end);
         self.committed = end;
         if self.committed >= self.limit() {
             self.done = true;
@@ -772,7 +770,7 @@ impl Pipeline {
                 self.committed
             )));
         }
-        if let Some(h) = self.hedges.remove(&pos).filter(|_| pos < self.tokens.len()) {
+        if let Some(h) = self.hedges.remove(&pos) {
             let b = crate::tree::confidence_bucket(h.p_top);
             let c = &mut self.stats.by_confidence[b];
             c.judged += 1;
@@ -795,11 +793,6 @@ impl Pipeline {
             self.stats.wasted_draft_tokens += self.tokens.len() - pos;
             self.cut_tail(pos);
             self.tokens.extend_from_slice(&branch);
-            if self.drawn_q {
-                // A branch's tokens are point masses with no q of their own; they are in flight
-                // already, so these only keep `q` aligned with the tail.
-                self.q.extend(branch.iter().map(|_| SparseDist::new()));
-            }
             self.sent = pos + branch.len();
             if self.draft_fed > pos {
                 self.draft_fed = pos;

@@ -95,15 +95,17 @@ pub fn judge(
 pub enum Guess<'a> {
     /// The draft's token, drawn from its distribution `q` (the main path).
     Drawn(u32, &'a [(u32, f32)]),
-    /// A token the edge chose without drawing (a token tree's second choice, a branch's
-    /// continuation): a point mass.
+    /// A later draw, without replacement, from the first guess's `q` (a side token beside a
+    /// drawn main token: [`draft_sibling`]); a point mass when the first guess was not drawn.
+    Sibling(u32),
+    /// A token the edge chose without drawing (a branch's continuation): a point mass.
     Point(u32),
 }
 
 impl Guess<'_> {
     pub fn token(&self) -> u32 {
         match *self {
-            Guess::Drawn(t, _) | Guess::Point(t) => t,
+            Guess::Drawn(t, _) | Guess::Sibling(t) | Guess::Point(t) => t,
         }
     }
 }
@@ -153,8 +155,9 @@ fn accept_uniform(seed: u64, pos: u64, i: usize) -> f64 {
 ///
 /// The residual `r` starts as `p`. A guess drawn from `q` is accepted with probability
 /// `min(1, r(d)/q(d))`, else `r ← normalize(max(0, r − q))`; a point mass `t` is accepted with
-/// probability `r(t)`, else `r ← normalize(r` without `t)`. When none is accepted the token is a
-/// draw from the last `r`. Each step keeps the committed token distributed as the `r` it started
+/// probability `r(t)`, else `r ← normalize(r` without `t)`; a sibling is judged as drawn from
+/// the first guess's `q` without the guesses before it ([`without`]). When none is accepted the
+/// token is a draw from the last `r`. Each step keeps the committed token distributed as the `r` it started
 /// from, for any choice of the point masses (even one made after seeing the drawn guess), as long
 /// as the drawn guess was a draw from its `q` and no guess depends on the uniforms judging them.
 pub fn recursive_rejection(
@@ -165,9 +168,23 @@ pub fn recursive_rejection(
 ) -> Result<usize, u32> {
     let mut r: Vec<(u32, f64)> = p.iter().map(|&(t, x)| (t, x as f64)).collect();
     let at = |r: &[(u32, f64)], t: u32| r.iter().find(|(x, _)| *x == t).map_or(0.0, |e| e.1);
+    let first_q = match guesses.first() {
+        Some(&Guess::Drawn(_, q)) => Some(q),
+        _ => None,
+    };
+    let mut rest: SparseDist;
     for (i, g) in guesses.iter().enumerate() {
         let u = accept_uniform(seed, pos, i);
-        match *g {
+        let g = match (*g, first_q) {
+            (Guess::Sibling(t), Some(q)) => {
+                let before: Vec<u32> = guesses[..i].iter().map(Guess::token).collect();
+                rest = without(q, &before);
+                Guess::Drawn(t, &rest)
+            }
+            (Guess::Sibling(t), None) => Guess::Point(t),
+            (g, _) => g,
+        };
+        match g {
             Guess::Drawn(d, q) => {
                 let qd = prob(q, d);
                 if qd > 0.0 && u < (at(&r, d) / qd).min(1.0) {
@@ -178,7 +195,7 @@ pub fn recursive_rejection(
                 r.iter_mut()
                     .for_each(|(t, x)| *x = (*x - q.get(t).copied().unwrap_or(0.0)).max(0.0));
             }
-            Guess::Point(t) => {
+            Guess::Point(t) | Guess::Sibling(t) => {
                 if u < at(&r, t) {
                     return Ok(i);
                 }
@@ -273,6 +290,20 @@ mod tests {
     const TARGET: [f32; 6] = [2.0, 1.5, 0.2, -0.5, 1.0, 0.0];
     const DRAFT: [f32; 6] = [0.5, 2.2, 0.4, 0.8, -1.0, 0.3];
 
+    /// χ² of `counts` on the support of `probs`, and the count outside it.
+    fn chi2_on_support(counts: &[usize], probs: &[f64]) -> (f64, usize) {
+        let (c, w): (Vec<usize>, Vec<f64>) = counts
+            .iter()
+            .zip(probs)
+            .filter(|(_, &p)| p > 0.0)
+            .map(|(&c, &p)| (c, p))
+            .unzip();
+        (
+            chi2(&c, &w),
+            counts.iter().sum::<usize>() - c.iter().sum::<usize>(),
+        )
+    }
+
     fn target_probs(params: &SamplingParams) -> Vec<f64> {
         let d = distribution(&TARGET, params);
         (0..6).map(|t| prob(&d, t)).collect()
@@ -320,18 +351,8 @@ mod tests {
             let want = target_probs(&params);
             for rule in [VerifyRule::SampleMatch, VerifyRule::Rejection] {
                 let counts = committed_counts(rule, params, 40_000);
-                let (c, w): (Vec<usize>, Vec<f64>) = counts
-                    .iter()
-                    .zip(&want)
-                    .filter(|(_, &p)| p > 0.0)
-                    .map(|(&c, &p)| (c, p))
-                    .unzip();
-                assert_eq!(
-                    counts.iter().sum::<usize>(),
-                    c.iter().sum::<usize>(),
-                    "{rule:?}: token outside p's support"
-                );
-                let x = chi2(&c, &w);
+                let (x, outside) = chi2_on_support(&counts, &want);
+                assert_eq!(outside, 0, "{rule:?}: token outside p's support");
                 assert!(
                     x < 20.5,
                     "{rule:?} {params:?}: chi2 {x}, counts {counts:?}, want {want:?}"
@@ -387,7 +408,6 @@ mod tests {
         // only where p exceeds q (the residual's support): here tokens 0 and 4, which the draft
         // ranks low, so only with every other token as a guess are the side guesses committed
         // often. A second guess drawn without replacement is committed often (Σ min(r, q')).
-        let want_of = |params: &SamplingParams| target_probs(params);
         let params = SamplingParams {
             temperature: 1.0,
             top_k: 0,
@@ -399,11 +419,9 @@ mod tests {
             let alts: Vec<u32> = q.iter().map(|e| e.0).filter(|&t| t != d).collect();
             let mut g = vec![Guess::Drawn(d, &q[..])];
             // guesses 0: a second draw, without replacement, then a point mass.
-            let sibling = draft_sibling(&q, d, p.seed, 17);
-            let rest = without(&q, &[d]);
             if guesses == 0 {
-                let s = sibling.expect("q has more than one token");
-                g.push(Guess::Drawn(s, &rest));
+                let s = draft_sibling(&q, d, p.seed, 17).expect("q has more than one token");
+                g.push(Guess::Sibling(s));
                 g.extend(alts.iter().find(|&&t| t != s).map(|&t| Guess::Point(t)));
             }
             g.extend(
@@ -463,15 +481,9 @@ mod tests {
                 counts[t as usize] += 1;
                 side += usize::from((1..9).contains(&i));
             }
-            let want = want_of(&p);
-            let (c, w): (Vec<usize>, Vec<f64>) = counts
-                .iter()
-                .zip(&want)
-                .filter(|(_, &x)| x > 0.0)
-                .map(|(&c, &x)| (c, x))
-                .unzip();
-            assert_eq!(c.iter().sum::<usize>(), 40_000, "token outside p's support");
-            let x = chi2(&c, &w);
+            let want = target_probs(&p);
+            let (x, outside) = chi2_on_support(&counts, &want);
+            assert_eq!(outside, 0, "token outside p's support");
             assert!(
                 x < 20.5,
                 "{guesses} guesses {p:?}: chi2 {x}, counts {counts:?}, want {want:?}"
@@ -485,7 +497,7 @@ mod tests {
         for seed in 0..40_000u64 {
             counts[run(&SamplingParams { seed, ..params }, 2, true).0 as usize] += 1;
         }
-        let x = chi2(&counts, &want_of(&params));
+        let x = chi2(&counts, &target_probs(&params));
         assert!(x > 100.0, "the planted rule passes: chi2 {x}");
     }
 
