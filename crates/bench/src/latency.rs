@@ -20,7 +20,7 @@ use tandem_edge::SpecConfig;
 use tandem_engine::{CpuSet, Engine, EngineConfig, LlamaModel, Tokenizer};
 use tandem_spec::edge::AutoShape;
 use tandem_spec::never_idle;
-use tandem_spec::policy::{tree_alpha, Costs};
+use tandem_spec::policy::{lane_alpha, Costs};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{TreeConfig, VerifyRule};
 
@@ -56,9 +56,10 @@ pub struct LatencyArgs {
     pub max_gamma: usize,
     #[arg(long, default_value_t = 4)]
     pub max_depth: usize,
-    /// Token trees for the async-tree rows: side nodes per block, tokens per branch, and the
-    /// draft confidence below which it branches (`none`: no tree rows).
-    #[arg(long, default_value = "4:2:0.6", value_parser = parse_tree)]
+    /// Token trees for the async-tree rows: lanes beside the main path at most, the draft
+    /// confidence below which it forks one, and the least chance a lane must have
+    /// (`LANES:BELOW[:MIN]`; `none`: no tree rows).
+    #[arg(long, default_value = "3:0.5", value_parser = parse_tree)]
     pub tree: TreeArg,
     /// Sampling temperatures to measure the verify rules at (top-k 40, top-p 0.95, one seed):
     /// at each RTT, cloud-only sampled, and async by sample-and-match, by rejection sampling
@@ -97,31 +98,35 @@ impl LatencyArgs {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TreeArg(pub Option<TreeConfig>);
 
-/// `SIDE:LEN:BELOW` (side nodes per block, tokens per branch, confidence threshold), or `none`.
+/// `LANES:BELOW[:MIN]` (lanes growing beside the main path at most, the confidence below which
+/// the draft forks one, and the least chance a lane must have to be the target's path; default
+/// 0.05), or `none`. Blocks ask for room for every lane: `LANES × 8` side nodes, within the
+/// protocol's limit.
 pub fn parse_tree(s: &str) -> Result<TreeArg, String> {
     if s == "none" {
         return Ok(TreeArg(None));
     }
     let parts: Vec<&str> = s.split(':').collect();
-    let bad = || format!("`{s}` is not SIDE:LEN:BELOW (e.g. 4:2:0.6) or none");
-    let [n, l, b] = parts[..] else {
-        return Err(bad());
+    let bad = || format!("`{s}` is not LANES:BELOW[:MIN] (e.g. 3:0.5 or 3:0.5:0.05) or none");
+    let (l, b, m) = match parts[..] {
+        [l, b] => (l, b, "0.05"),
+        [l, b, m] => (l, b, m),
+        _ => return Err(bad()),
     };
+    let lanes: usize = l.parse().map_err(|_| bad())?;
     let t = TreeConfig {
-        side_nodes: n.parse().map_err(|_| bad())?,
-        branch_len: l.parse().map_err(|_| bad())?,
+        side_nodes: (lanes * 8).min(tandem_spec::tree::MAX_SIDE_NODES),
+        lanes,
         below: b.parse().map_err(|_| bad())?,
+        min_chance: m.parse().map_err(|_| bad())?,
     };
-    if t.side_nodes == 0 || t.branch_len == 0 || !(t.below > 0.0 && t.below <= 1.0) {
+    if t.lanes == 0 || !(t.below > 0.0 && t.below <= 1.0) || !(0.0..=1.0).contains(&t.min_chance) {
         return Err(format!(
-            "`{s}`: side nodes and branch length must be at least 1, the threshold in (0, 1]"
+            "`{s}`: at least one lane, the threshold in (0, 1], the least chance in [0, 1]"
         ));
     }
-    if t.side_nodes > tandem_spec::tree::MAX_SIDE_NODES {
-        return Err(format!(
-            "`{s}`: at most {} side nodes per block",
-            tandem_spec::tree::MAX_SIDE_NODES
-        ));
+    if t.lanes > 8 {
+        return Err(format!("`{s}`: at most 8 lanes"));
     }
     Ok(TreeArg(Some(t)))
 }
@@ -370,9 +375,10 @@ fn fold(draft: &str, rtt: f64, mode: Mode, outs: &[GenOutput], want: &[Vec<u32>]
 /// verify and network times are not the model's inputs under protocol 2: a block's verdict comes
 /// whenever the verifier reaches it, not a round trip after it was sent.
 ///
-/// Trees (`branch_len` > 1) enter as the linear draft that commits as many tokens per run
-/// ([`tree_alpha`]), with the share of misses the row's branches covered.
-fn predict(r: &mut Row, rtt_ms: f64, decode_ms: f64, prompts: usize, branch_len: usize) {
+/// Trees enter as the linear draft that commits as many tokens per run ([`lane_alpha`]: a miss a
+/// lane covered is a hit), with the share of misses the row's lanes covered; what they cost is
+/// in the row's draft time.
+fn predict(r: &mut Row, rtt_ms: f64, decode_ms: f64, prompts: usize) {
     let a = r.acceptance_rate;
     let cover = if a < 1.0 {
         ((r.tree_acceptance_rate - a) / (1.0 - a)).clamp(0.0, 1.0)
@@ -380,7 +386,7 @@ fn predict(r: &mut Row, rtt_ms: f64, decode_ms: f64, prompts: usize, branch_len:
         0.0
     };
     let c = Costs {
-        alpha: tree_alpha(a, cover, branch_len),
+        alpha: lane_alpha(a, cover),
         draft_ms: r.draft_ms,
         verify_ms: decode_ms,
         verify_ms_per_token: 0.0,
@@ -568,7 +574,7 @@ pub fn run(
             for &g in &a.sync_gammas {
                 let outs = spec_runs(a, target, d, tok, &url, &prompts, g, 1, None, LINEAR)?;
                 let mut r = fold(&d.name, rtt, Mode::Sync, &outs, &want);
-                predict(&mut r, rtt, decode_ms, prompts.len(), 1);
+                predict(&mut r, rtt, decode_ms, prompts.len());
                 sync_rows.push(r.clone());
                 emit(r, &mut rows);
             }
@@ -596,12 +602,12 @@ pub fn run(
                 a, target, d, tok, &url, &prompts, gamma, depth, None, LINEAR,
             )?;
             let mut r = fold(&d.name, rtt, Mode::Async, &outs, &want);
-            predict(&mut r, rtt, decode_ms, prompts.len(), 1);
+            predict(&mut r, rtt, decode_ms, prompts.len());
             emit(r, &mut rows);
             if let Some(tree) = a.tree.0 {
                 let outs = spec_runs(a, target, d, tok, &url, &prompts, gamma, depth, None, tree)?;
                 let mut r = fold(&d.name, rtt, Mode::AsyncTree, &outs, &want);
-                predict(&mut r, rtt, decode_ms, prompts.len(), tree.branch_len);
+                predict(&mut r, rtt, decode_ms, prompts.len());
                 emit(r, &mut rows);
             }
             let auto = AutoShape {
@@ -611,7 +617,7 @@ pub fn run(
             };
             let outs = spec_runs(a, target, d, tok, &url, &prompts, 4, 2, Some(auto), LINEAR)?;
             let mut r = fold(&d.name, rtt, Mode::AsyncAuto, &outs, &want);
-            predict(&mut r, rtt, decode_ms, prompts.len(), 1);
+            predict(&mut r, rtt, decode_ms, prompts.len());
             emit(r, &mut rows);
         }
         // Sampling: cloud-only at each temperature, then each rule at async's shape. Only
@@ -666,7 +672,7 @@ pub fn run(
                             x.mode == Mode::CloudOnly && x.rtt_ms == rtt && x.temperature == t
                         })
                         .map_or(0.0, |x| x.itl_ms.mean);
-                    predict(&mut r, rtt, decode_ms, prompts.len(), tree.branch_len);
+                    predict(&mut r, rtt, decode_ms, prompts.len());
                     emit(r, &mut rows);
                 }
             }

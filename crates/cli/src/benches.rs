@@ -94,8 +94,8 @@ pub(crate) struct PaperBenchArgs {
     duration: Option<f64>,
     #[arg(long)]
     warmup: Option<f64>,
-    /// Token trees for the async-tree rows (SIDE:LEN:BELOW, or none).
-    #[arg(long, default_value = "4:2:0.6", value_parser = tandem_bench::latency::parse_tree)]
+    /// Token trees for the async-tree rows (LANES:BELOW[:MIN], or none).
+    #[arg(long, default_value = "3:0.5", value_parser = tandem_bench::latency::parse_tree)]
     tree: tandem_bench::latency::TreeArg,
     #[command(flatten)]
     cores: Cores,

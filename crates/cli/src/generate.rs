@@ -34,8 +34,10 @@ pub(crate) struct GenerateArgs {
     /// Jitter of the emulated link, ± ms per direction (at most half the RTT).
     #[arg(long, default_value_t = 0.0)]
     jitter_ms: f64,
-    /// Token trees (sync/async): SIDE:LEN:BELOW sends up to SIDE side nodes per block, branches
-    /// of LEN tokens where the draft's confidence is below BELOW (e.g. 4:2:0.6); none: linear.
+    /// Token trees (sync/async): LANES:BELOW[:MIN] grows up to LANES lanes beside the main path,
+    /// forked where the draft's confidence is below BELOW (and the lane's chance to be the
+    /// target's path at least MIN, default 0.05), carried on across blocks (e.g. 3:0.5); none:
+    /// linear.
     #[arg(long, value_parser = tandem_bench::latency::parse_tree, default_value = "none")]
     tree: tandem_bench::latency::TreeArg,
     /// How the verifier judges sampled drafts: sample-match, rejection, or auto (greedy when

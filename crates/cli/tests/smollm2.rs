@@ -1112,7 +1112,11 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
         .unwrap();
     let not = |t: u32| (t + 1) % 1000;
     let w = |i: usize| want[i];
-    let side = |parent, token| SideNode { parent, token };
+    let side = |parent, token| SideNode {
+        parent,
+        token,
+        point: false,
+    };
     let cases: Vec<(&str, Vec<u32>, Vec<SideNode>)> = vec![
         (
             "main path right",
@@ -1146,6 +1150,57 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
     assert_eq!(opened.side_nodes, 64 - 8 - 1);
     link.close();
     let mut side_verdicts = 0;
+    // A lane across two blocks: block 0's branch beside its third token runs to its end, and
+    // block 1 carries it on from its root (whatever is committed before it), beside a main path
+    // that went on from block 0's main path. Committing the lane keeps block 1: it is verified
+    // along the lane, not dropped as stale.
+    let lane_blocks = {
+        let s0 = prompt.len() + 1;
+        vec![
+            tandem_spec::Block {
+                epoch: 0,
+                index: tandem_spec::BlockId(0),
+                start_pos: s0,
+                tokens: vec![w(1), w(2), not(w(3)), not(w(4))],
+                q: vec![],
+                side: vec![side(2, w(3)), side(4, w(4))],
+            },
+            tandem_spec::Block {
+                epoch: 0,
+                index: tandem_spec::BlockId(1),
+                start_pos: s0 + 4,
+                tokens: vec![not(w(5)), w(6), w(7), w(8)],
+                q: vec![],
+                side: vec![side(0, w(5)), side(4, w(6)), side(5, w(7)), side(6, w(8))],
+            },
+        ]
+    };
+    {
+        let (mut link, _) = GrpcLink::connect(&rt, &url, tree_open(8)).unwrap();
+        for b in &lane_blocks {
+            link.send(b.clone()).unwrap();
+        }
+        let mut told = vec![w(0)];
+        let mut lane_verdicts = 0;
+        while told.len() < 16 {
+            match link.recv(true).unwrap().expect("a message") {
+                Incoming::Decoded(d) => told.push(d.token),
+                Incoming::Verdict(v) => {
+                    let b = &lane_blocks[v.block.0 as usize];
+                    let path = b.named_path(v.accepted, v.side_end).expect("a path");
+                    let known = prompt.len() + told.len() - b.start_pos;
+                    told.extend(path[known..].iter().map(|&n| b.token(n).unwrap()));
+                    told.push(v.token);
+                    lane_verdicts += usize::from(v.block.0 == 1 && v.side_end.is_some());
+                    assert_eq!(v.epoch, 0, "a diversion moves no epoch");
+                }
+            }
+        }
+        told.truncate(16);
+        assert_eq!(told, want, "a lane across two blocks");
+        assert_eq!(lane_verdicts, 1, "block 1 was verified along the lane");
+        link.close();
+    }
     for (name, tokens, side_nodes) in cases {
         let (mut link, opened) = GrpcLink::connect(&rt, &url, tree_open(8)).unwrap();
         assert_eq!((opened.first_token, opened.side_nodes), (w(0), 8));
@@ -1194,18 +1249,20 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
             4,
             2,
             tandem_spec::TreeConfig {
-                side_nodes: 4,
-                branch_len: 2,
+                side_nodes: 8,
+                lanes: 2,
                 below: 0.6,
+                min_chance: 0.0,
             },
         ),
         (
             3,
             3,
             tandem_spec::TreeConfig {
-                side_nodes: 6,
-                branch_len: 3,
+                side_nodes: 9,
+                lanes: 3,
                 below: 0.8,
+                min_chance: 0.0,
             },
         ),
     ] {
@@ -1235,7 +1292,9 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
         top_p: 0.95,
         seed: 11,
     };
-    let own = tandem_bench::generate::generate(&mut engine(m), tok, &p, 16, &params, |_| {})
+    // Long enough that the edge gets ahead of the verifier's lead, where it forks lanes.
+    const SAMPLED: usize = 40;
+    let own = tandem_bench::generate::generate(&mut engine(m), tok, &p, SAMPLED, &params, |_| {})
         .unwrap()
         .output_ids;
     let out = spec_out_as(
@@ -1246,12 +1305,13 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
         0.0,
         params,
         tandem_spec::VerifyRule::SampleMatch,
-        16,
+        SAMPLED,
         Some(url.clone()),
         tandem_spec::TreeConfig {
-            side_nodes: 4,
-            branch_len: 2,
+            side_nodes: 8,
+            lanes: 2,
             below: 0.9,
+            min_chance: 0.0,
         },
     );
     assert_eq!(out.output_ids, own, "sample-and-match over trees");
@@ -1260,9 +1320,10 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
     // models, crates/edge/tests/distribution.rs): the verifier judges the main tokens with their
     // q and the second draws beside them on what the main token left.
     let tree = tandem_spec::TreeConfig {
-        side_nodes: 4,
-        branch_len: 2,
+        side_nodes: 8,
+        lanes: 2,
         below: 0.9,
+        min_chance: 0.0,
     };
     let out = spec_out_as(
         None,
@@ -1272,14 +1333,14 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
         0.0,
         params,
         tandem_spec::VerifyRule::Rejection,
-        16,
+        SAMPLED,
         Some(url),
         tree,
     );
     let stats = out.spec.as_ref().unwrap();
     assert!(stats.side_nodes > 0, "{stats:?}");
     assert!(
-        out.output_ids.len() == 16 || out.output_ids.last().is_some_and(|&t| tok.is_eog(t)),
+        out.output_ids.len() == SAMPLED || out.output_ids.last().is_some_and(|&t| tok.is_eog(t)),
         "{:?}",
         out.output_ids
     );

@@ -245,7 +245,11 @@ mod tests {
         .unwrap_err();
         assert!(e.message().starts_with("draft.tokens"), "{}", e.message());
         // Side nodes beyond the grant, or outside the vocabulary, are refused by name.
-        let side = |token| v1::SideNode { parent: 0, token };
+        let side = |token| v1::SideNode {
+            parent: 0,
+            token,
+            point: false,
+        };
         let tree = v1::Draft {
             side: vec![side(7), side(8)],
             ..d.clone()

@@ -2,9 +2,9 @@
 //! implements [`Drafter`] (the load generator's synthetic edges, `tandem_bench::synthetic`).
 
 use tandem_engine::{Engine, Parent, SeqChunk, SeqId, Wanted};
-use tandem_spec::sampling::{argmax, sample, second_choice, SamplingParams};
+use tandem_spec::sampling::{sample, second_choice, SamplingParams};
 use tandem_spec::verify::{draft_sample, draft_sibling, VerifyRule};
-use tandem_spec::{BranchJob, Hedge};
+use tandem_spec::Hedge;
 
 use crate::{EdgeError, SpecConfig};
 
@@ -21,14 +21,22 @@ pub struct Proposal {
 }
 
 pub trait Drafter {
-    /// The next token after `tokens` (prompt, committed and drafted tokens so far).
-    fn propose(&mut self, tokens: &[u32]) -> Result<Proposal, EdgeError>;
+    /// Grow each leaf of the draft tree by one token: leaf `i` is `base` (prompt, committed and
+    /// drafted tokens every leaf shares) followed by `leaves[i]`. Returns one proposal per leaf,
+    /// in order. A linear draft has one leaf, empty: the next token after `base`.
+    fn grow(&mut self, base: &[u32], leaves: &[Vec<u32>]) -> Result<Vec<Proposal>, EdgeError>;
+    /// The next token after `tokens`.
+    fn propose(&mut self, tokens: &[u32]) -> Result<Proposal, EdgeError> {
+        let mut p = self.grow(tokens, &[Vec::new()])?;
+        Ok(p.remove(0))
+    }
     /// Forget everything drafted past the first `len` tokens.
     fn rollback(&mut self, len: usize) -> Result<(), EdgeError>;
-    /// Draft `job`'s branch after `tokens` (prompt, committed and drafted so far: the branch
-    /// hangs beside `tokens[job.pos]`). Returns its tokens (`job.first` first) and the forwards
-    /// it took; the draft's state after it is as before.
-    fn branch(&mut self, tokens: &[u32], job: BranchJob) -> Result<(Vec<u32>, usize), EdgeError>;
+}
+
+/// How many leading tokens `a` and `b` share.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 /// The sequence the edge drafts on.
@@ -42,7 +50,14 @@ pub fn prefill_draft(draft: &mut Engine, prompt: &[u32]) -> Result<(), EdgeError
     Ok(())
 }
 
-/// The draft model: one forward over the tokens it has not fed yet, then the rule's sampling.
+/// The draft model: one forward over the tokens it has not fed yet — the leaves of the draft
+/// tree as tree nodes of one chunk — then the rule's sampling at each leaf.
+///
+/// The draft's KV holds the tokens every leaf shares as linear slots and the tree below them
+/// as tree nodes; it is kept across forwards and reconciled with each call's leaves by token
+/// path (a slot's K and V depend only on the tokens on its path), so the caller never says what
+/// changed: tokens that left every leaf are dropped, the base's path through the tree becomes
+/// linear again, and only the new tip of each leaf is fed.
 pub struct EngineDrafter<'a> {
     engine: &'a mut Engine,
     rule: VerifyRule,
@@ -51,21 +66,115 @@ pub struct EngineDrafter<'a> {
     /// The session sends token trees: each draw also names the draft's second choice (a pass
     /// over the vocabulary, skipped without trees).
     hedges: bool,
+    /// The tokens of the sequence's linear slots.
+    linear: Vec<u32>,
+    /// Its tree nodes after them (slot `linear.len() + i`): token and parent slot.
+    tail: Vec<(u32, usize)>,
 }
 
 impl<'a> EngineDrafter<'a> {
-    /// A drafter over `engine`, whose sequence holds nothing or exactly the `prompt_len`-token
-    /// prompt.
-    pub fn new(engine: &'a mut Engine, prompt_len: usize, cfg: &SpecConfig) -> Self {
-        if engine.seq_len(SEQ) != prompt_len {
+    /// A drafter over `engine`, whose sequence holds nothing or exactly `prompt` (see
+    /// [`prefill_draft`]).
+    pub fn new(engine: &'a mut Engine, prompt: &[u32], cfg: &SpecConfig) -> Self {
+        let linear = if engine.seq_len(SEQ) == prompt.len() && !engine.has_tree(SEQ) {
+            prompt.to_vec()
+        } else {
             engine.free(SEQ);
-        }
+            Vec::new()
+        };
         Self {
             engine,
             rule: cfg.rule.effective(&cfg.params),
             params: cfg.params,
             q_top_k: cfg.q_top_k,
-            hedges: cfg.session.tree.side_nodes > 0,
+            hedges: cfg.session.tree.is_tree(),
+            linear,
+            tail: Vec::new(),
+        }
+    }
+
+    /// The tail slot holding `token` as a child of slot `parent`.
+    fn child(&self, parent: usize, token: u32) -> Option<usize> {
+        let l = self.linear.len();
+        self.tail
+            .iter()
+            .position(|&(t, p)| p == parent && t == token)
+            .map(|i| l + i)
+    }
+
+    /// How far `path` runs in the draft's KV: tokens matched, and the slot of the last.
+    fn reach(&self, path: &[u32]) -> (usize, Option<usize>) {
+        let mut m = common_prefix(&self.linear, path);
+        let mut at = m.checked_sub(1);
+        while m < path.len() {
+            match at.and_then(|a| self.child(a, path[m])) {
+                Some(s) => at = Some(s),
+                None => break,
+            }
+            m += 1;
+        }
+        (m, at)
+    }
+
+    /// Keep of the draft's KV what the `paths` still use (each but its tip, which the next
+    /// forward feeds for its logits): the linear run as far as some path follows it, and the
+    /// tree nodes on some path.
+    fn reconcile(&mut self, paths: &[Vec<u32>]) -> Result<(), EdgeError> {
+        let lin = paths
+            .iter()
+            .map(|p| common_prefix(&self.linear, &p[..p.len() - 1]))
+            .max()
+            .unwrap_or(0);
+        if lin < self.linear.len() {
+            self.engine.truncate(SEQ, lin)?;
+            self.linear.truncate(lin);
+            self.tail.clear();
+        }
+        let l = self.linear.len();
+        let mut keep = Vec::new();
+        for p in paths {
+            let mut at = common_prefix(&self.linear, &p[..p.len() - 1]).checked_sub(1);
+            let m = at.map_or(0, |a| a + 1);
+            for &t in &p[m..p.len() - 1] {
+                match at.and_then(|a| self.child(a, t)) {
+                    Some(s) => {
+                        keep.push(s);
+                        at = Some(s);
+                    }
+                    None => break,
+                }
+            }
+        }
+        keep.sort_unstable();
+        keep.dedup();
+        if keep.len() < self.tail.len() {
+            self.engine.keep_tree(SEQ, l, &keep)?;
+            let moved: std::collections::HashMap<usize, usize> =
+                keep.iter().enumerate().map(|(i, &s)| (s, l + i)).collect();
+            let tail: Vec<(u32, usize)> = keep
+                .iter()
+                .map(|&s| {
+                    let (t, p) = self.tail[s - l];
+                    (t, if p < l { p } else { moved[&p] })
+                })
+                .collect();
+            self.tail.clear();
+            for (t, p) in tail {
+                self.push_slot(t, Some(p));
+            }
+        }
+        Ok(())
+    }
+
+    /// Record a slot the engine now holds (`parent`: none for the first): linear when it
+    /// continues the linear run, as the engine counts it.
+    fn push_slot(&mut self, token: u32, parent: Option<usize>) {
+        match parent {
+            None => self.linear.push(token),
+            Some(p) if self.tail.is_empty() && p + 1 == self.linear.len() => {
+                self.linear.push(token)
+            }
+            Some(p) => self.tail.push((token, p)),
         }
     }
 }
@@ -118,66 +227,77 @@ impl EngineDrafter<'_> {
 }
 
 impl Drafter for EngineDrafter<'_> {
-    fn propose(&mut self, toks: &[u32]) -> Result<Proposal, EdgeError> {
-        let fed = self.engine.seq_len(SEQ);
-        // A forward that feeds the whole prompt is a prefill, not a draft step.
-        let prefill = fed == 0;
-        let logits =
-            self.engine
-                .forward(&[SeqChunk::new(SEQ, fed, toks[fed..].to_vec(), Wanted::Last)])?;
-        Ok(Proposal {
-            prefill,
-            ..self.choose(logits.row(0), toks.len() as u64)
-        })
-    }
-
-    fn branch(&mut self, toks: &[u32], job: BranchJob) -> Result<(Vec<u32>, usize), EdgeError> {
-        let fed = self.engine.seq_len(SEQ);
-        if job.pos == 0 || job.pos > fed || job.pos >= toks.len() {
-            return Err(EdgeError::Spec(tandem_spec::SpecError::Protocol(format!(
-                "a branch at position {} of a draft that fed {fed} of {} tokens",
-                job.pos,
-                toks.len()
-            ))));
+    fn grow(&mut self, base: &[u32], leaves: &[Vec<u32>]) -> Result<Vec<Proposal>, EdgeError> {
+        if base.is_empty() || leaves.is_empty() {
+            return Err(EdgeError::Spec(tandem_spec::SpecError::Protocol(
+                "a draft step needs a prompt and at least one leaf".into(),
+            )));
         }
-        // The branch grows as tree nodes after the fed tokens, each the child of the one before
-        // (the first, of the main path's token before it); then it is cut off again.
-        let mut out = vec![job.first];
-        let mut parent = job.pos - 1;
-        let grown = (|| -> Result<(), EdgeError> {
-            for i in 1..job.len {
-                let slot = fed + i - 1;
-                let logits = self.engine.forward(&[SeqChunk::tree(
-                    SEQ,
-                    slot,
-                    vec![out[i - 1]],
-                    vec![Parent::Slot(parent)],
-                    Wanted::Last,
-                )])?;
-                let (row, pos) = (logits.row(0), (job.pos + i) as u64);
-                // Under rejection sampling a branch's tokens are point masses, committed with
-                // the target's probability of them: the draft's likeliest token is the best bet.
-                out.push(if self.rule == VerifyRule::Rejection {
-                    argmax(row)
-                } else {
-                    self.choose(row, pos).token
+        let paths: Vec<Vec<u32>> = leaves.iter().map(|l| [base, &l[..]].concat()).collect();
+        self.reconcile(&paths)?;
+        // A forward that feeds the whole prompt is a prefill, not a draft step.
+        let prefill = self.linear.is_empty();
+        let start = self.linear.len() + self.tail.len();
+        // Each path's tokens past what the KV holds (its tip always), as nodes of one chunk;
+        // paths that share a prefix share its new nodes.
+        let (mut tokens, mut parents) = (Vec::new(), Vec::<Option<usize>>::new());
+        let mut wanted = Vec::with_capacity(paths.len());
+        for p in &paths {
+            let (m, mut at) = self.reach(&p[..p.len() - 1]);
+            for (j, &t) in p.iter().enumerate().skip(m) {
+                let shared = (j + 1 < p.len())
+                    .then(|| (0..tokens.len()).find(|&i| tokens[i] == t && parents[i] == at))
+                    .flatten();
+                at = Some(match shared {
+                    Some(i) => start + i,
+                    None => {
+                        tokens.push(t);
+                        parents.push(at);
+                        start + tokens.len() - 1
+                    }
                 });
-                parent = slot;
             }
-            Ok(())
-        })();
-        self.engine.truncate(SEQ, fed)?;
-        grown?;
-        Ok((out, job.len - 1))
+            wanted.push(at.expect("invariant: a path has a token") - start);
+        }
+        let mut rows = wanted.clone();
+        rows.sort_unstable();
+        rows.dedup();
+        let chunk_parents = parents
+            .iter()
+            .map(|p| p.map_or(Parent::Previous, Parent::Slot))
+            .collect();
+        let logits = self.engine.forward(&[SeqChunk::tree(
+            SEQ,
+            start,
+            tokens.clone(),
+            chunk_parents,
+            Wanted::At(rows.clone()),
+        )])?;
+        for (&t, &p) in tokens.iter().zip(&parents) {
+            self.push_slot(t, p);
+        }
+        Ok(paths
+            .iter()
+            .zip(&wanted)
+            .map(|(p, w)| {
+                let row = rows
+                    .binary_search(w)
+                    .expect("invariant: each leaf's row was asked for");
+                Proposal {
+                    prefill,
+                    ..self.choose(logits.row(row), p.len() as u64)
+                }
+            })
+            .collect())
     }
 
     fn rollback(&mut self, len: usize) -> Result<(), EdgeError> {
+        // The next `grow` drops what its leaves no longer use; only the end frees the sequence.
         if len == 0 {
             self.engine.free(SEQ);
-            return Ok(());
+            self.linear.clear();
+            self.tail.clear();
         }
-        let have = self.engine.seq_len(SEQ);
-        self.engine.truncate(SEQ, len.min(have))?;
         Ok(())
     }
 }

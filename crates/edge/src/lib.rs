@@ -16,7 +16,8 @@ use tandem_engine::{Engine, EngineError};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::verify::VerifyRule;
 use tandem_spec::{
-    Block, EdgeSession, Incoming, Measured, Next, Output, PipelineStats, SessionConfig, SpecError,
+    Block, EdgeSession, Grown, Incoming, Measured, Next, Output, PipelineStats, SessionConfig,
+    SpecError,
 };
 
 pub use drafter::{Drafter, EngineDrafter, Proposal};
@@ -112,7 +113,7 @@ pub fn run(
     start: Instant,
     on_update: impl FnMut(Update<'_>),
 ) -> Result<SpecReport, EdgeError> {
-    let mut d = EngineDrafter::new(draft, prompt.len(), cfg);
+    let mut d = EngineDrafter::new(draft, prompt, cfg);
     run_with(&mut d, eog, prompt, first, cfg, link, start, on_update)
 }
 
@@ -208,28 +209,25 @@ pub fn run_with(
                 Next::Done => return Ok(true),
                 Next::Wait => {}
                 Next::Draft => {
+                    // One forward grows every leaf of the draft tree (one leaf when linear).
                     let t0 = Instant::now();
-                    let Proposal {
-                        token: t,
-                        q,
-                        prefill,
-                        hedge,
-                    } = draft.propose(es.pipeline().tokens())?;
+                    let f = es.frontier();
+                    let props = draft.grow(&es.pipeline().tokens()[..f.base], &f.leaves)?;
                     draft_forwards += 1;
                     let ms = t0.elapsed().as_secs_f64() * 1e3;
                     forward_ms += ms;
-                    let outs = es.on_drafted_hedged(now(), t, q, hedge, ms, prefill);
+                    let prefill = props.first().is_some_and(|p| p.prefill);
+                    let grown = props
+                        .into_iter()
+                        .map(|p| Grown {
+                            token: p.token,
+                            q: p.q,
+                            hedge: p.hedge,
+                        })
+                        .collect();
+                    let outs = es.on_grown(now(), grown, ms, prefill)?;
                     apply(outs, draft, link, &mut commit_ms, &mut fresh)?;
                     show(&mut on_update, &mut fresh, tail(&es), None);
-                }
-                Next::Branch(job) => {
-                    let t0 = Instant::now();
-                    let (tokens, forwards) = draft.branch(es.pipeline().tokens(), job)?;
-                    draft_forwards += forwards;
-                    let ms = t0.elapsed().as_secs_f64() * 1e3;
-                    forward_ms += ms;
-                    let outs = es.on_branch(now(), job, tokens, forwards, ms)?;
-                    apply(outs, draft, link, &mut commit_ms, &mut fresh)?;
                 }
             }
             Ok(false)

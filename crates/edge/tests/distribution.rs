@@ -302,11 +302,13 @@ const T1: SamplingParams = SamplingParams {
     seed: 0,
 };
 
-/// A branch (the second choice and one more token) beside every drafted token.
+/// Lanes forked at every drafted token while there is room for them (three beside the main
+/// path), carried on across blocks.
 const EVERYWHERE: TreeConfig = TreeConfig {
-    side_nodes: 4,
-    branch_len: 2,
+    side_nodes: 8,
+    lanes: 3,
     below: 1.01,
+    min_chance: 0.0,
 };
 
 const T07: SamplingParams = SamplingParams {
@@ -316,7 +318,7 @@ const T07: SamplingParams = SamplingParams {
     seed: 0,
 };
 
-fn cases() -> [Case; 5] {
+fn cases() -> [Case; 6] {
     [
         // Output positions 1 and 2 are both judged drafts, in the first block or, after a
         // rejection at 1, in the next.
@@ -352,12 +354,13 @@ fn cases() -> [Case; 5] {
             max_new_tokens: 4,
             tree: TreeConfig::LINEAR,
         },
-        // Token trees: the draft's second choice, continued by one token, beside every drafted
-        // token; the target's draws pick the path (sample-and-match) or judge the main token,
-        // then the branch as a point mass, on what the main token left (rejection sampling).
-        // Synchronous, eager: positions 1 and 2 are judged in the first block's tree.
+        // Token trees: lanes forked at every drafted token (the second draw beside the main
+        // token, then the draft's own draws along the lane); the target's draws pick the path
+        // (sample-and-match) or judge the main token, then the fork on what it left, then the
+        // lanes from other parents as point masses (rejection sampling). Synchronous, eager:
+        // positions 1 and 2 are judged in the first block's tree.
         Case {
-            name: "T=1.0, γ=2, depth 1, eager, trees 4:2 everywhere",
+            name: "T=1.0, γ=2, depth 1, eager, lanes everywhere",
             params: T1,
             draft_len: 2,
             depth: 1,
@@ -366,9 +369,22 @@ fn cases() -> [Case; 5] {
             max_new_tokens: 6,
             tree: EVERYWHERE,
         },
-        // Lazy, blocks in flight: the verifier's own decodes also divert the trees.
+        // One-token blocks in flight, eager: a lane forked at output position 1 goes on at
+        // position 2 in the next block, from its root, beside that block's main token (a point
+        // mass there: the draft's own draw after another token, not a second draw beside it).
         Case {
-            name: "T=0.7 top-k 12 top-p 0.95, γ=2, depth 2, lazy, trees 4:2 everywhere",
+            name: "T=1.0, γ=1, depth 3, eager, lanes everywhere",
+            params: T1,
+            draft_len: 1,
+            depth: 3,
+            lazy: false,
+            max_new_tokens: 4,
+            tree: EVERYWHERE,
+        },
+        // Lazy, blocks in flight: the verifier's own decodes also divert the trees, and lanes
+        // go on in the blocks behind.
+        Case {
+            name: "T=0.7 top-k 12 top-p 0.95, γ=2, depth 2, lazy, lanes everywhere",
             params: T07,
             draft_len: 2,
             depth: 2,

@@ -137,50 +137,101 @@ impl Engine {
     /// each the child of the one before, the first a child of slot `len - 1`): their K and V
     /// move down to slots `len..`, the rest is dropped, and the sequence is linear again.
     pub fn keep_path(&mut self, seq: SeqId, len: usize, path: &[usize]) -> Result<()> {
-        let have = self.kv.tables.seq_len(seq);
-        if !self.kv.tables.contains(seq) {
-            return Err(EngineError::UnknownSequence(seq));
-        }
-        let tail = self.tails.get(&seq).map_or(&[][..], |t| t.as_slice());
-        let base = have - tail.len();
-        let ctx_of = |s: usize| {
-            if s < base {
-                NodeCtx::linear(s)
-            } else {
-                tail[s - base].clone()
-            }
-        };
         let bad = |m: String| EngineError::InvalidBatch(format!("sequence {seq}: {m}"));
-        if len > have {
-            return Err(bad(format!("cannot keep {len} of its {have} tokens")));
-        }
-        let mut want = if len == 0 {
-            None
-        } else {
-            Some(NodeCtx::linear(len - 1))
-        };
-        for (i, &s) in path.iter().enumerate() {
-            if s < len || s >= have || (i > 0 && s <= path[i - 1]) {
-                return Err(bad(format!(
-                    "path slot {s} is not an ascending slot in {len}..{have}"
-                )));
-            }
+        let ctx = self.slot_contexts(seq)?;
+        let mut want = len.checked_sub(1).map(NodeCtx::linear);
+        for &s in path {
             let expect = match &want {
                 Some(w) => w.child(s),
                 None => NodeCtx::first(s),
             };
-            if ctx_of(s) != expect {
+            if ctx.get(s) != Some(&expect) {
                 return Err(bad(format!(
                     "slot {s} is not the child of the path before it"
                 )));
             }
             want = Some(expect);
         }
+        self.keep_tree(seq, len, path)
+    }
+
+    /// Keep, of `seq`'s slots, the first `len` and then the tree nodes `slots` (ascending, each
+    /// attending only to the first `len` slots and to kept nodes): their K and V move down to
+    /// slots `len..`, keeping each node's position and ancestors; the rest is dropped. Nodes that
+    /// now continue the linear run become linear slots.
+    pub fn keep_tree(&mut self, seq: SeqId, len: usize, slots: &[usize]) -> Result<()> {
+        let bad = |m: String| EngineError::InvalidBatch(format!("sequence {seq}: {m}"));
+        let ctx = self.slot_contexts(seq)?;
+        let have = ctx.len();
+        if len > have {
+            return Err(bad(format!("cannot keep {len} of its {have} tokens")));
+        }
+        let mut moved = HashMap::new();
+        let mut tail = Vec::with_capacity(slots.len());
+        for (i, &s) in slots.iter().enumerate() {
+            if s < len || s >= have || (i > 0 && s <= slots[i - 1]) {
+                return Err(bad(format!(
+                    "slot {s} is not an ascending slot in {len}..{have}"
+                )));
+            }
+            // Its context, slot by slot, with kept nodes at their new slots.
+            let c = &ctx[s];
+            let mut slots_in = Vec::with_capacity(c.len());
+            for j in 0..c.len() {
+                let a = c.slot(j);
+                slots_in.push(match moved.get(&a) {
+                    _ if a < len => a,
+                    Some(&to) => to,
+                    None if a == s => len + i,
+                    None => {
+                        return Err(bad(format!(
+                            "slot {s} attends to slot {a}, which is not kept"
+                        )))
+                    }
+                });
+            }
+            let linear = slots_in
+                .iter()
+                .enumerate()
+                .take_while(|&(j, &a)| a == j)
+                .count();
+            moved.insert(s, len + i);
+            tail.push(NodeCtx::from_parts(
+                c.pos,
+                linear,
+                slots_in.split_off(linear),
+            ));
+        }
         let table = self.kv.tables.blocks(seq).to_vec();
-        copy_slots(&mut self.kv, &table, len, path);
-        self.kv.tables.truncate(seq, len + path.len())?;
-        self.tails.remove(&seq);
+        copy_slots(&mut self.kv, &table, len, slots);
+        self.kv.tables.truncate(seq, len + slots.len())?;
+        // Kept nodes that continue the linear run are linear slots now.
+        let linear = tail
+            .iter()
+            .enumerate()
+            .take_while(|(i, c)| **c == NodeCtx::linear(len + i))
+            .count();
+        tail.drain(..linear);
+        if tail.is_empty() {
+            self.tails.remove(&seq);
+        } else {
+            self.tails.insert(seq, tail);
+        }
         Ok(())
+    }
+
+    /// The context of each of `seq`'s slots.
+    fn slot_contexts(&self, seq: SeqId) -> Result<Vec<NodeCtx>> {
+        if !self.kv.tables.contains(seq) {
+            return Err(EngineError::UnknownSequence(seq));
+        }
+        let have = self.kv.tables.seq_len(seq);
+        let tail = self.tails.get(&seq).map_or(&[][..], |t| t.as_slice());
+        let base = have - tail.len();
+        Ok((0..base)
+            .map(NodeCtx::linear)
+            .chain(tail.iter().cloned())
+            .collect())
     }
 
     /// [`keep_path`](Engine::keep_path) for a sequence whose blocks a scheduler allocated: K and

@@ -40,6 +40,14 @@ impl NodeCtx {
         c
     }
 
+    /// A node at `pos` that attends to the linear slots `0..linear` and then `extra` (its own
+    /// slot last), in normal form.
+    pub fn from_parts(pos: usize, linear: usize, extra: Vec<usize>) -> Self {
+        let mut c = Self { pos, linear, extra };
+        c.normalize();
+        c
+    }
+
     /// Slots in context.
     pub fn len(&self) -> usize {
         self.linear + self.extra.len()

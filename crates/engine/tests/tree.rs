@@ -232,6 +232,63 @@ fn a_tree_grows_across_forwards_as_a_drafter_grows_it() {
 }
 
 #[test]
+fn keeping_a_subtree_moves_it_down_and_its_nodes_grow_as_before() {
+    for (dtype, mode) in [
+        (GgmlDType::F32, WeightMode::F32),
+        (GgmlDType::Q4_0, WeightMode::Native),
+    ] {
+        let m = model(dtype, mode);
+        let v = m.cfg.vocab;
+        let ctx = tokens(1, 9, v);
+        let t = tree(v);
+        let mut e = engine(&m);
+        e.forward(&[SeqChunk::new(SeqId(1), 0, ctx.clone(), Wanted::None)])
+            .unwrap();
+        e.forward(&[t.chunk(SeqId(1), 9)]).unwrap();
+        // Node 4 is committed: keep it and its subtree (5, 7), dropping the main path and 6.
+        // Node 4 continues the linear run (it becomes slot 9, linear); 5 and 7 stay a tree.
+        e.keep_tree(SeqId(1), 9, &[9 + 4, 9 + 5, 9 + 7]).unwrap();
+        assert_eq!(e.seq_len(SeqId(1)), 12);
+        assert!(!e.has_tree(SeqId(1)), "4-5-7 is a chain: linear again");
+        // Now a real subtree: keep 0-1 (linear) with 2 and 6 (siblings below 1), dropping 3 and
+        // the side path 4-5-7.
+        let mut e = engine(&m);
+        e.forward(&[SeqChunk::new(SeqId(1), 0, ctx.clone(), Wanted::None)])
+            .unwrap();
+        e.forward(&[t.chunk(SeqId(1), 9)]).unwrap();
+        e.keep_tree(SeqId(1), 9, &[9, 10, 11, 15]).unwrap();
+        assert_eq!(e.seq_len(SeqId(1)), 13);
+        assert!(e.has_tree(SeqId(1)), "2 and 6 are siblings");
+        // Grow each kept leaf by a token: both are what a linear run of their path computes.
+        let l = e
+            .forward(&[SeqChunk::tree(
+                SeqId(1),
+                13,
+                vec![3, 4],
+                vec![Parent::Slot(11), Parent::Slot(12)],
+                Wanted::All,
+            )])
+            .unwrap();
+        for (row, (path, tok)) in [(&[0usize, 1, 2][..], 3u32), (&[0, 1, 6][..], 4)]
+            .iter()
+            .enumerate()
+        {
+            let mut seq = ctx.clone();
+            seq.extend(path.iter().map(|&n| t.tokens[n]));
+            seq.push(*tok);
+            assert_eq!(
+                l.row(row),
+                &linear_last(&m, &seq)[..],
+                "{mode:?} leaf {row}"
+            );
+        }
+        // A node whose parent is dropped cannot be kept.
+        let err = e.keep_tree(SeqId(1), 9, &[9, 13]).unwrap_err();
+        assert!(err.to_string().contains("which is not kept"), "{err}");
+    }
+}
+
+#[test]
 fn a_scheduler_owned_tree_is_one_chunk_and_its_kept_path_moves_down() {
     let m = model(GgmlDType::F32, WeightMode::F32);
     let v = m.cfg.vocab;

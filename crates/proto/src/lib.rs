@@ -6,7 +6,7 @@ pub mod v1 {
 }
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{Block, BlockId, Decoded, Shape, SideNode, Verdict, VerifyRule};
@@ -84,6 +84,7 @@ impl From<&Block> for v1::Draft {
                 .map(|s| v1::SideNode {
                     parent: s.parent,
                     token: s.token,
+                    point: s.point,
                 })
                 .collect(),
             session_id: 0,
@@ -171,6 +172,7 @@ pub fn block_from_proto(
             .map(|s| SideNode {
                 parent: s.parent,
                 token: s.token,
+                point: s.point,
             })
             .collect(),
     })
@@ -244,10 +246,12 @@ mod tests {
                 SideNode {
                     parent: 1,
                     token: 9,
+                    point: false,
                 },
                 SideNode {
                     parent: 3,
                     token: 4,
+                    point: true,
                 },
             ],
         };

@@ -506,9 +506,6 @@ impl Sim {
                 self.at(t, Ev::Drafted { sid, token });
             }
             Next::Wait => {}
-            Next::Branch(_) => {
-                unreachable!("invariant: the simulator's edges draft linear blocks")
-            }
             Next::Done => {
                 let st = *p.stats();
                 self.accepted += st.accepted as u64;

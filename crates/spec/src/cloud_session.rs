@@ -14,6 +14,8 @@
 //! same epoch. A block whose every token is committed (and agrees) is dropped unanswered too: the
 //! edge sees it covered. Only a block that reaches past the committed tokens is verified and
 //! answered with a [`Verdict`]; a rejection in it moves the epoch on both sides.
+//! A token tree's diversion into a side path (a lane of the edge's draft tree) moves nothing: the
+//! blocks behind carry the lane on (see [`crate::tree`]).
 //!
 //! After every forward of the session, exactly one committed token is not yet in the target's
 //! KV (the last one): it is fed first in the session's next forward, whose first logits row then
@@ -49,10 +51,6 @@ pub struct Feed {
     /// The block's node of each token of a tree feed (token 0: the node the committed tokens
     /// reached). Empty for a linear feed.
     pub nodes: Vec<Node>,
-    /// How often the committed tokens diverted the walk from the tree's expected path: the
-    /// epoch moves that often when the forward is run ([`CloudSession::finish`]), not when it is
-    /// planned (a plan may wait and be made again).
-    pub diverted: u64,
 }
 
 impl Feed {
@@ -281,7 +279,6 @@ impl CloudSession {
             logits_at,
             parents: Vec::new(),
             nodes: Vec::new(),
-            diverted: 0,
         }))
     }
 
@@ -296,32 +293,23 @@ impl CloudSession {
     }
 
     /// [`plan_block`](Self::plan_block) for a token tree: walk it along the committed tokens
-    /// (each diversion from the expected path moves the epoch, as the edge's view of its own
-    /// tree does: at once for a block dropped here, with the forward for one verified), then
-    /// feed the subtree below where the walk stopped.
+    /// (a diversion into a side path moves nothing; leaving the tree moves the epoch), then feed
+    /// the subtree below where the walk stopped — only the committed token when that is a lane
+    /// that ended inside the block, whose verdict is then a correction.
     fn plan_tree(&mut self, b: &Block) -> Result<BlockAction, SpecError> {
         let c = self.committed.len();
         let mut at = Node::Root;
-        let mut diverted = 0;
         for pos in b.start_pos..c {
             match b.step(at, self.committed[pos]) {
-                Step::Expected(n) => at = n,
-                Step::Diverted(n) => {
-                    diverted += 1;
-                    at = n;
-                }
+                Step::Expected(n) | Step::Diverted(n) => at = n,
                 Step::Off => {
-                    self.epoch += diverted + 1;
+                    self.epoch += 1;
                     return Ok(BlockAction::Contradicted { pos });
                 }
-                Step::Leaf => {
-                    self.epoch += diverted;
-                    return Ok(BlockAction::Covered);
-                }
+                Step::Leaf => return Ok(BlockAction::Covered),
             }
         }
-        if b.children(at).is_empty() {
-            self.epoch += diverted;
+        if b.at_end(at) {
             return Ok(BlockAction::Covered);
         }
         self.room()?;
@@ -346,7 +334,6 @@ impl CloudSession {
             logits_at,
             parents,
             nodes,
-            diverted,
         }))
     }
 
@@ -364,7 +351,6 @@ impl CloudSession {
             logits_at: vec![0],
             parents: Vec::new(),
             nodes: Vec::new(),
-            diverted: 0,
         })
     }
 
@@ -457,8 +443,8 @@ impl CloudSession {
     /// [`finish`](Self::finish) for a tree feed: from the node the committed tokens reached, judge
     /// each node's children ([`judge_guesses`]: the target's token picks the child under greedy
     /// and sample-and-match, recursive residuals under rejection sampling) and follow the one
-    /// committed; the epoch moves at each diversion from the expected path and at a rejection
-    /// (none at a leaf: the bonus).
+    /// committed; the epoch moves at a rejection, and at the end of a lane that ended inside the
+    /// block (none at a diversion, nor past the block's last position: the bonus).
     fn finish_tree(
         &mut self,
         b: &Block,
@@ -472,7 +458,6 @@ impl CloudSession {
                 feed.tokens.len()
             )));
         }
-        self.epoch += feed.diverted;
         let epoch = self.epoch;
         let c = self.committed.len();
         let mut i = 0;
@@ -482,11 +467,15 @@ impl CloudSession {
             let pos = (b.start_pos + b.path_len(at)) as u64;
             let kids = b.children(at);
             if kids.is_empty() {
-                break target_token(rows[i], &self.params, pos); // a leaf: the bonus
+                let t = target_token(rows[i], &self.params, pos);
+                if !b.at_end(at) {
+                    self.epoch += 1; // a lane that ended inside the block: off the tree
+                }
+                break t; // past the block: the bonus
             }
-            // Under rejection sampling a main token was drawn from the q sent with it and each
-            // side token beside it is a sibling draw (see `verify::draft_sibling`); a branch's
-            // continuation is a point mass.
+            // Under rejection sampling a main token was drawn from the q sent with it, a side
+            // token beside it is a sibling draw (see `verify::draft_sibling`) unless the edge
+            // marked it a point mass, and a node continuing a side node is a point mass.
             let guesses: Vec<Guess> = kids
                 .iter()
                 .map(|&k| {
@@ -496,17 +485,15 @@ impl CloudSession {
                             Some(q) => Guess::Drawn(t, q),
                             None => Guess::Point(t),
                         },
-                        Node::Side(_) if matches!(kids[0], Node::Main(_)) => Guess::Sibling(t),
+                        Node::Side(s) if matches!(kids[0], Node::Main(_)) && !b.side[s].point => {
+                            Guess::Sibling(t)
+                        }
                         _ => Guess::Point(t),
                     }
                 })
                 .collect();
             let next = match judge_guesses(self.rule, rows[i], &self.params, pos, &guesses) {
-                Ok(0) => kids[0],
-                Ok(k) => {
-                    self.epoch += 1; // a diversion
-                    kids[k]
-                }
+                Ok(k) => kids[k],
                 Err(t) => {
                     self.epoch += 1;
                     break t;
@@ -659,14 +646,17 @@ mod tests {
                 SideNode {
                     parent: 1,
                     token: 20,
+                    point: false,
                 },
                 SideNode {
                     parent: 3,
                     token: 21,
+                    point: true,
                 },
                 SideNode {
                     parent: 0,
                     token: 30,
+                    point: false,
                 },
             ],
             ..block(0, 0, 4, &[8, 9, 10])
@@ -704,18 +694,18 @@ mod tests {
                 0,
                 vec![1, 2, 3, 7, 8, 9, 10, 11],
             ),
-            // The branch beside 9 right: the path 8 20 21 and the bonus; the diversion moves the
-            // epoch.
+            // The lane beside 9 right: the path 8 20 21 and the bonus; a diversion moves nothing
+            // (the blocks behind carry the lane on).
             (
                 vec![8, 20, 21, 5],
                 3,
                 Some(1),
                 5,
-                1,
+                0,
                 vec![1, 2, 3, 7, 8, 20, 21, 5],
             ),
             // The branch right at its first token only: a correction after it.
-            (vec![8, 20, 6], 2, Some(0), 6, 2, vec![1, 2, 3, 7, 8, 20, 6]),
+            (vec![8, 20, 6], 2, Some(0), 6, 1, vec![1, 2, 3, 7, 8, 20, 6]),
             // Every guess wrong at the first position: the correction.
             (vec![40], 0, None, 40, 1, vec![1, 2, 3, 7, 40]),
         ] {
@@ -748,24 +738,17 @@ mod tests {
     }
 
     #[test]
-    fn decodes_that_divert_a_tree_move_the_epoch_once_when_it_is_verified_or_dropped() {
+    fn decodes_that_divert_a_tree_move_nothing_and_decodes_off_it_move_the_epoch() {
         let b = tree_block();
         let mut s = session();
         for t in [8, 20] {
             s.plan_decode().unwrap();
             s.finish_decode(&rows(&[t])[0]);
         }
-        // Planned twice (a plan may wait): the epoch moves with the forward, once.
-        for _ in 0..2 {
-            let BlockAction::Forward(f) = s.plan_block(&b).unwrap() else {
-                panic!()
-            };
-            assert_eq!((f.tokens.clone(), f.diverted), (vec![20, 21], 1));
-            assert_eq!(s.epoch(), 0);
-        }
         let BlockAction::Forward(f) = s.plan_block(&b).unwrap() else {
             panic!()
         };
+        assert_eq!(f.tokens, vec![20, 21], "the subtree below the lane");
         let done = s
             .finish(&b, &f, &refs(&tree_rows(&b, &f, &[8, 20, 21, 5])))
             .unwrap();
@@ -775,18 +758,20 @@ mod tests {
                 done.verdict.accepted,
                 done.verdict.side_end
             ),
-            (1, 3, Some(1))
+            (0, 3, Some(1))
         );
-        assert_eq!(s.committed(), &[1, 2, 3, 7, 8, 20, 21, 5]);
-        // A tree the decodes walk to a leaf is covered; one they leave is contradicted, and each
-        // diversion on the way counts.
+        assert_eq!(
+            (s.epoch(), s.committed()),
+            (0, &[1, 2, 3, 7, 8, 20, 21, 5][..])
+        );
+        // A tree the decodes walk to its end is covered; one they leave is contradicted.
         let mut s = session();
         for t in [8, 20, 21] {
             s.plan_decode().unwrap();
             s.finish_decode(&rows(&[t])[0]);
         }
         assert_eq!(s.plan_block(&b).unwrap(), BlockAction::Covered);
-        assert_eq!(s.epoch(), 1);
+        assert_eq!(s.epoch(), 0);
         let mut s = session();
         for t in [8, 20, 3] {
             s.plan_decode().unwrap();
@@ -796,7 +781,87 @@ mod tests {
             s.plan_block(&b).unwrap(),
             BlockAction::Contradicted { pos: 6 }
         );
-        assert_eq!(s.epoch(), 2);
+        assert_eq!(s.epoch(), 1);
+    }
+
+    #[test]
+    fn a_lane_that_ends_inside_the_block_is_a_correction_after_its_end() {
+        // 30 beside 8 ends at block position 0 of 3: the walk to it leaves nothing to verify
+        // but the committed token, whose verdict is a correction (the epoch moves).
+        let b = tree_block();
+        let mut s = session();
+        s.plan_decode().unwrap();
+        s.finish_decode(&rows(&[30])[0]);
+        let BlockAction::Forward(f) = s.plan_block(&b).unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            (f.tokens.clone(), f.nodes.clone()),
+            (vec![30], vec![Node::Side(2)])
+        );
+        let done = s.finish(&b, &f, &refs(&rows(&[6]))).unwrap();
+        assert_eq!(
+            (
+                done.verdict.accepted,
+                done.verdict.side_end,
+                done.verdict.token
+            ),
+            (1, Some(2), 6)
+        );
+        assert_eq!(s.epoch(), 1);
+        assert_eq!(s.committed(), &[1, 2, 3, 7, 30, 6]);
+    }
+
+    #[test]
+    fn under_rejection_sampling_a_side_node_marked_point_is_judged_as_a_point_mass() {
+        // A main token drawn from q and, beside it, a token the edge chose itself (a lane's,
+        // from another parent): marked `point`, the committed token follows p (χ², 5 dof, 0.999
+        // quantile 20.5); judged as a second draw from q (unmarked), it does not.
+        use crate::sampling::distribution;
+        use crate::tree::SideNode;
+        use crate::verify::draft_sample;
+        let target = [1.0f32, 0.2, 0.5, -0.3, 0.9, 0.0];
+        let draft = [0.1f32, 1.2, 0.4, 0.6, -0.2, 0.3];
+        let at = |seed| SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed,
+        };
+        let chi2 = |point: bool| {
+            let mut counts = [0usize; 6];
+            for seed in 0..20_000u64 {
+                let p = at(seed);
+                let mut s = CloudSession::new(VerifyRule::Rejection, p, &[1, 2, 3], 5, 64);
+                let (d, q) = draft_sample(&draft, &p, 4, 6);
+                let b = Block {
+                    q: vec![q],
+                    side: vec![SideNode {
+                        parent: 0,
+                        token: if d == 4 { 0 } else { 4 },
+                        point,
+                    }],
+                    ..block(0, 0, 4, &[d])
+                };
+                let BlockAction::Forward(f) = s.plan_block(&b).unwrap() else {
+                    panic!()
+                };
+                let rows = vec![target.to_vec(); f.tokens.len()];
+                s.finish(&b, &f, &refs(&rows)).unwrap();
+                counts[s.committed()[4] as usize] += 1;
+            }
+            let want = distribution(&target, &at(0));
+            let n = counts.iter().sum::<usize>() as f64;
+            want.iter()
+                .map(|&(t, p)| {
+                    let e = n * p as f64;
+                    (counts[t as usize] as f64 - e).powi(2) / e
+                })
+                .sum::<f64>()
+        };
+        let (right, wrong) = (chi2(true), chi2(false));
+        assert!(right < 20.5, "point masses: χ² {right}");
+        assert!(wrong > 100.0, "judged as second draws: χ² {wrong}");
     }
 
     #[test]
@@ -835,16 +900,23 @@ mod tests {
                 crate::tree::SideNode {
                     parent: 0,
                     token: 30,
+                    point: false,
                 },
                 crate::tree::SideNode {
                     parent: 1,
                     token: 31,
+                    point: true,
                 },
             ],
             ..block(0, 0, 4, &[8])
         };
         let e = short.check(&deep).unwrap_err().to_string();
-        assert!(e.contains("reaches position 6"), "{e}");
+        assert!(e.contains("past the block's last position 0"), "{e}");
+        let e = short
+            .check(&block(0, 0, 4, &[8, 9, 10]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("reaches position 7"), "{e}");
         // Siblings share a position but not a KV slot: a tree whose positions fit but whose
         // nodes need slots past the limit is refused too (it could never be fed).
         let wide = CloudSession::new(
@@ -859,6 +931,7 @@ mod tests {
             .map(|i| crate::tree::SideNode {
                 parent: 0,
                 token: 20 + i,
+                point: false,
             })
             .collect();
         assert_eq!(bushy.start_pos + bushy.reach(), 6, "positions fit");

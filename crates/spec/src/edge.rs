@@ -12,8 +12,8 @@ use serde::Serialize;
 use crate::cloud_session::ACK_EVERY;
 use crate::never_idle;
 use crate::pipeline::{
-    BlockId, BranchJob, Decoded, Hedge, Next, Output, Pipeline, PipelineConfig, Shape, SparseDist,
-    TreeConfig, Verdict,
+    BlockId, Decoded, Frontier, Grown, Hedge, Next, Output, Pipeline, PipelineConfig, Shape,
+    SparseDist, TreeConfig, Verdict,
 };
 use crate::policy::{Costs, Estimator};
 use crate::SpecError;
@@ -335,24 +335,26 @@ impl EdgeSession {
         out
     }
 
-    /// The draft drafted the branch [`Next::Branch`] asked for, at `now_ms`, in `forwards`
-    /// forwards of `ms` in all.
-    pub fn on_branch(
+    /// What the drafter grows next (see [`Pipeline::frontier`]).
+    pub fn frontier(&self) -> Frontier {
+        self.p.frontier()
+    }
+
+    /// The drafter grew the frontier at `now_ms`, in a forward of `ms` (`prefill`: that forward
+    /// also fed the prompt): one token per leaf.
+    pub fn on_grown(
         &mut self,
         now_ms: f64,
-        job: BranchJob,
-        tokens: Vec<u32>,
-        forwards: usize,
+        grown: Vec<Grown>,
         ms: f64,
+        prefill: bool,
     ) -> Result<Vec<Output>, SpecError> {
-        if forwards > 0 {
-            for _ in 0..forwards {
-                self.est.on_draft(ms / forwards as f64);
-            }
+        if !prefill {
+            self.est.on_draft(ms);
             self.totals.draft_ms += ms;
-            self.totals.draft_steps += forwards;
+            self.totals.draft_steps += 1;
         }
-        let out = self.p.on_branch(job, tokens)?;
+        let out = self.p.on_grown(grown)?;
         self.sent(now_ms, &out);
         Ok(out)
     }
@@ -617,8 +619,9 @@ mod tests {
     fn a_shrinking_grant_drops_the_trees_first_and_the_full_grant_brings_them_back() {
         let tree = TreeConfig {
             side_nodes: 4,
-            branch_len: 1,
+            lanes: 1,
             below: 0.5,
+            min_chance: 0.0,
         };
         let cfg = SessionConfig {
             draft_len: 4,

@@ -33,8 +33,8 @@ pub mod verify;
 pub use cloud_session::{BlockAction, CloudSession, Feed, Finished, ACK_EVERY, FLOW_WINDOW};
 pub use edge::{EdgeSession, Incoming, Measured, Reaction, SessionConfig};
 pub use pipeline::{
-    Block, BlockId, BranchJob, Decoded, Hedge, Next, Output, Pipeline, PipelineConfig,
-    PipelineStats, Shape, SparseDist, TreeConfig, Verdict,
+    Block, BlockId, Decoded, Estimates, Frontier, Grown, Hedge, Next, Output, Pipeline,
+    PipelineConfig, PipelineStats, Shape, SparseDist, TreeConfig, Verdict,
 };
 pub use tree::{Node, SideNode, Step};
 pub use verify::VerifyRule;

@@ -20,16 +20,30 @@
 //! `s + a` is `t` — a correction when `a` is short of the block, the bonus when the whole block
 //! passed.
 //!
-//! The shell around it (draft engine, network) asks [`Pipeline::next`] what to do, feeds the draft
-//! model [`Pipeline::tokens`] from [`Pipeline::draft_fed`] on, reports each drafted token with
-//! [`Pipeline::on_drafted`], each verdict with [`Pipeline::on_verdict`], and carries out the returned
-//! [`Output`]s: send a block, truncate the draft KV, show committed tokens to the user.
+//!
+//! With token trees on, the speculative tail is a tree ([`lanes`]): the main path plus lanes that
+//! fork where the draft was unsure, grown together and carried in every block over their
+//! positions; a commit that a lane guessed makes it the main path, and the blocks in flight stay
+//! (they carry it).
+//!
+//! The shell around it (draft engine, network) asks [`Pipeline::next`] what to do, grows the
+//! draft's [`Pipeline::frontier`] by a token per leaf (with one leaf: the next token after
+//! [`Pipeline::tokens`]) and reports them with [`Pipeline::on_grown`] ([`Pipeline::on_drafted`]
+//! for a linear pipeline), each verdict with [`Pipeline::on_verdict`], and carries out the
+//! returned [`Output`]s: send a block, truncate the draft KV, show committed tokens to the user.
+
+mod lanes;
+#[cfg(test)]
+mod tests;
 
 use std::collections::{BTreeMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-use crate::tree::{Node, SideNode, Step};
+pub use lanes::{Estimates, Frontier, Grown, TreeConfig};
+use lanes::{Lane, NodeInfo};
+
+use crate::tree::{Node, Step};
 use crate::SpecError;
 
 /// Blocks an edge may have in flight at most (a verifier queues no more per session).
@@ -150,34 +164,12 @@ pub enum Output {
 /// What the shell should do next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Next {
-    /// Draft one more token (after feeding `tokens()[draft_fed()..]`).
+    /// Grow the [`Pipeline::frontier`] by one token per leaf (linear: draft the next token).
     Draft,
-    /// Draft a branch of a token tree, then report it with [`Pipeline::on_branch`].
-    Branch(BranchJob),
     /// Nothing to draft until a verdict arrives.
     Wait,
     /// Generation is over: the token limit or an end-of-generation token was committed.
     Done,
-}
-
-/// Token trees: where the edge sends its draft's second choice beside the main path (see
-/// [`crate::tree`]).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct TreeConfig {
-    /// Side nodes per block at most (0: linear blocks).
-    pub side_nodes: usize,
-    /// Tokens per branch: the second choice, then what the draft continues it with.
-    pub branch_len: usize,
-    /// Branch where the draft's probability of its own token is below this.
-    pub below: f32,
-}
-
-impl TreeConfig {
-    pub const LINEAR: TreeConfig = TreeConfig {
-        side_nodes: 0,
-        branch_len: 1,
-        below: 0.0,
-    };
 }
 
 /// The draft's second choice at a position, and its probability of its first.
@@ -187,26 +179,18 @@ pub struct Hedge {
     pub p_top: f32,
 }
 
-/// A branch to draft: `first` at position `pos` (beside the main path's token there: a child of
-/// the main path's token at `pos − 1`), then `len − 1` tokens continuing it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BranchJob {
-    pub pos: usize,
-    pub first: u32,
-    pub len: usize,
-}
-
-/// A block in flight and the path through its tree that the edge's tail follows (the main path,
-/// until committed tokens divert it into a branch).
+/// A block in flight and the node of its tree the committed tokens reached (the root until
+/// one of its positions is committed).
 #[derive(Debug, Clone)]
 struct InFlight {
     block: Block,
-    path: Vec<Node>,
+    at: Node,
 }
 
 impl InFlight {
+    /// The position after the block's last.
     fn end(&self) -> usize {
-        self.block.start_pos + self.path.len()
+        self.block.start_pos + self.block.tokens.len()
     }
 }
 
@@ -256,7 +240,7 @@ pub struct PipelineStats {
     pub rejections: usize,
     /// Tokens the cloud supplied (corrections and bonus tokens that were not drafted).
     pub cloud_tokens: usize,
-    /// Committed tokens that a token tree's branch guessed where the main path missed (each
+    /// Committed tokens that a lane of the draft tree guessed where the main path missed (each
     /// also counts as a rejection of the main path's token).
     pub branch_hits: usize,
     /// Side nodes sent.
@@ -325,11 +309,13 @@ pub struct Pipeline {
     cfg: PipelineConfig,
     eog: Vec<u32>,
     prompt_len: usize,
-    /// Prompt, committed output, speculative tail.
+    /// Prompt, committed output, speculative tail (the main path).
     tokens: Vec<u32>,
-    /// Draft distributions of the speculative tail, by position (rejection sampling only; a
-    /// branch's tokens, point masses, have none).
-    q: BTreeMap<usize, SparseDist>,
+    /// What the draft said of the main path's tokens, by position: its distribution (rejection
+    /// sampling), second choice and chance (trees).
+    info: BTreeMap<usize, NodeInfo>,
+    /// The draft tree's other paths.
+    lanes: Vec<Lane>,
     committed: usize,
     /// `tokens[..sent]` are committed or inside sent blocks.
     sent: usize,
@@ -337,11 +323,6 @@ pub struct Pipeline {
     /// The block a verdict is being applied for (not counted stale or covered meanwhile).
     answering: Option<BlockId>,
     tree: TreeConfig,
-    /// The draft's second choices in the speculative tail, by position (kept until committed:
-    /// the per-confidence counts).
-    hedges: BTreeMap<usize, Hedge>,
-    /// Branches drafted for the unsent tail, by the position of their first token.
-    branches: BTreeMap<usize, Vec<u32>>,
     epoch: u64,
     next_index: u64,
     draft_fed: usize,
@@ -388,14 +369,13 @@ impl Pipeline {
             eog,
             prompt_len: n,
             tokens: prompt,
-            q: BTreeMap::new(),
+            info: BTreeMap::new(),
+            lanes: Vec::new(),
             committed: n,
             sent: n,
             in_flight: VecDeque::new(),
             answering: None,
             tree: TreeConfig::LINEAR,
-            hedges: BTreeMap::new(),
-            branches: BTreeMap::new(),
             epoch: 0,
             next_index: 0,
             draft_fed: 0,
@@ -458,84 +438,6 @@ impl Pipeline {
         self.in_flight.iter().map(|f| f.block.index)
     }
 
-    /// Send token trees shaped so from the next block on.
-    pub fn set_tree(&mut self, tree: TreeConfig) {
-        self.tree = tree;
-    }
-    pub fn tree(&self) -> TreeConfig {
-        self.tree
-    }
-
-    /// The next block's branch points: positions of the unsent tail whose draft was unsure,
-    /// least sure first, as many as the side-node budget holds; and each branch's length.
-    fn branch_points(&self, n: usize) -> (Vec<usize>, usize) {
-        let t = self.tree;
-        let len = t.branch_len.min(t.side_nodes).max(1);
-        let count = t.side_nodes / len;
-        if count == 0 {
-            return (Vec::new(), len);
-        }
-        let mut points: Vec<(usize, f32)> = self
-            .hedges
-            .range(self.sent..self.sent + n)
-            .filter(|(_, h)| h.p_top < t.below)
-            .map(|(&p, h)| (p, h.p_top))
-            .collect();
-        points.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
-        points.truncate(count);
-        let mut points: Vec<usize> = points.into_iter().map(|(p, _)| p).collect();
-        points.sort_unstable();
-        (points, len)
-    }
-
-    /// The branch to draft before the next block can go, if any.
-    fn branch_job(&self) -> Option<BranchJob> {
-        let n = self.ready_to_send()?;
-        let (points, len) = self.branch_points(n);
-        let pos = points
-            .into_iter()
-            .find(|p| !self.branches.contains_key(p))?;
-        // A branch stops at the token limit, and its nodes, drafted in KV slots after the fed
-        // tokens, within it; a one-token branch is the second choice alone.
-        let len = len
-            .min(self.limit() - pos)
-            .min((self.limit() + 1).saturating_sub(self.draft_fed));
-        if len <= 1 {
-            return None;
-        }
-        Some(BranchJob {
-            pos,
-            first: self.hedges[&pos].alt,
-            len,
-        })
-    }
-
-    /// A branch the shell drafted for [`Next::Branch`]: its tokens, the job's `first` first.
-    pub fn on_branch(
-        &mut self,
-        job: BranchJob,
-        tokens: Vec<u32>,
-    ) -> Result<Vec<Output>, SpecError> {
-        if self.branch_job() != Some(job)
-            || tokens.len() != job.len
-            || tokens.first() != Some(&job.first)
-        {
-            return Err(SpecError::Protocol(format!(
-                "a branch at position {} that was not asked for, or not as asked",
-                job.pos
-            )));
-        }
-        // A drafted end of generation ends the branch.
-        let end = tokens
-            .iter()
-            .position(|t| self.eog.contains(t))
-            .map_or(tokens.len(), |i| i + 1);
-        self.branches.insert(job.pos, tokens[..end].to_vec());
-        let mut out = Vec::new();
-        self.try_send(&mut out);
-        Ok(out)
-    }
-
     /// Blocks in flight at most: `depth`, plus the verifier's lead in blocks of γ.
     fn max_in_flight(&self) -> usize {
         (self.cfg.depth + self.lead.div_ceil(self.cfg.draft_len)).min(MAX_BLOCKS_IN_FLIGHT)
@@ -584,12 +486,10 @@ impl Pipeline {
     pub fn next(&self) -> Next {
         if self.done {
             Next::Done
-        } else if let Some(job) = self.branch_job() {
-            Next::Branch(job)
         } else if !self.drafting
             || self.drafting_stopped()
             || self.in_flight.len() >= self.max_in_flight()
-            || self.tokens.len() - self.sent >= self.cfg.draft_len
+            || self.tokens.len().saturating_sub(self.sent) >= self.cfg.draft_len
         {
             // Drafting runs only while a finished block could be sent at once: with depth 1 the
             // edge waits for each verdict (synchronous speculation), with depth d it works on the
@@ -601,12 +501,14 @@ impl Pipeline {
     }
 
     /// The draft model produced `token` for position `tokens().len()` (having fed everything
-    /// before it); `q` is its distribution there when the verify rule needs it.
+    /// before it); `q` is its distribution there when the verify rule needs it. A linear
+    /// pipeline's [`on_grown`](Self::on_grown).
     pub fn on_drafted(&mut self, token: u32, q: Option<SparseDist>) -> Vec<Output> {
         self.on_drafted_hedged(token, q, None)
     }
 
-    /// [`on_drafted`](Self::on_drafted) with the draft's second choice there (token trees).
+    /// [`on_drafted`](Self::on_drafted) with the draft's second choice there (token trees: it
+    /// may fork a lane, which the next [`frontier`](Self::frontier) grows).
     pub fn on_drafted_hedged(
         &mut self,
         token: u32,
@@ -618,24 +520,13 @@ impl Pipeline {
             Next::Draft,
             "invariant: the shell drafts only when told to"
         );
-        let pos = self.tokens.len();
-        self.draft_fed = pos;
-        if let Some(h) = hedge.filter(|h| h.alt != token && !self.eog.contains(&token)) {
-            self.hedges.insert(pos, h);
-        }
-        if let Some(q) = q {
-            self.q.insert(pos, q);
-        }
-        self.tokens.push(token);
-        self.stats.drafted += 1;
-        let mut out = Vec::new();
-        self.try_send(&mut out);
-        out
+        self.on_grown(vec![Grown { token, q, hedge }])
+            .expect("invariant: on_drafted grows a frontier of one leaf (no lanes growing)")
     }
 
     /// The length of the block that could go now, if one could.
     fn ready_to_send(&self) -> Option<usize> {
-        let unsent = self.tokens.len() - self.sent;
+        let unsent = self.tokens.len().saturating_sub(self.sent);
         let full = unsent >= self.cfg.draft_len || (unsent > 0 && self.drafting_stopped());
         (!self.done && self.drafting && full && self.in_flight.len() < self.max_in_flight())
             .then(|| unsent.min(self.cfg.draft_len))
@@ -645,63 +536,22 @@ impl Pipeline {
         let Some(n) = self.ready_to_send() else {
             return;
         };
-        if self.branch_job().is_some() {
-            return; // a branch of this block is still to be drafted
-        }
-        let (points, _) = self.branch_points(n);
-        let tokens = self.tokens[self.sent..self.sent + n].to_vec();
-        // Every node takes a KV slot on the verifier: the tree's nodes stay within the limit.
-        let mut room = self.limit().saturating_sub(self.sent + n);
-        let q: Vec<SparseDist> = self
-            .q
-            .range(self.sent..self.sent + n)
-            .map(|e| e.1.clone())
-            .collect();
-        let mut side = Vec::new();
-        for p in points {
-            let chain = self
-                .branches
-                .get(&p)
-                .map_or_else(|| vec![self.hedges[&p].alt], |c| c.clone());
-            if chain.len() > room {
-                break;
-            }
-            room -= chain.len();
-            for (i, &token) in chain.iter().enumerate() {
-                let parent = if i == 0 {
-                    (p - self.sent) as u32
-                } else {
-                    (n + side.len() - 1) as u32
-                };
-                side.push(SideNode { parent, token });
-            }
-        }
-        let block = Block {
-            epoch: self.epoch,
-            index: BlockId(self.next_index),
-            start_pos: self.sent,
-            tokens,
-            q,
-            side,
-        };
+        let block = self.cut_block(self.sent, n);
         self.next_index += 1;
         self.sent += n;
-        self.branches = self.branches.split_off(&self.sent);
         self.stats.blocks_sent += 1;
         self.stats.side_nodes += block.side.len();
         self.in_flight.push_back(InFlight {
-            path: (0..n).map(Node::Main).collect(),
+            at: Node::Root,
             block: block.clone(),
         });
         out.push(Output::Send(block));
     }
 
-    /// Keep `tokens[..len]`, dropping the draft distributions, second choices and branches past it.
+    /// Keep `tokens[..len]`, dropping what the draft said of the tokens past it.
     fn cut_tail(&mut self, len: usize) {
         self.tokens.truncate(len);
-        self.q.split_off(&len);
-        self.hedges.split_off(&len);
-        self.branches.split_off(&len);
+        self.info.split_off(&len);
     }
 
     /// Drop the blocks in flight after the first `keep`, counting them stale (not the one a
@@ -733,7 +583,7 @@ impl Pipeline {
             end = from + i + 1;
             self.done = true;
         }
-        self.q = self.q.split_off(&end);
+        self.info = self.info.split_off(&end);
         self.committed = end;
         if self.committed >= self.limit() {
             self.done = true;
@@ -753,6 +603,7 @@ impl Pipeline {
             let wasted = self.tokens.len() - self.committed;
             self.stats.wasted_draft_tokens += wasted;
             self.cut_tail(self.committed);
+            self.lanes.clear();
             self.drop_in_flight(0);
             self.sent = self.committed;
             self.draft_fed = self.draft_fed.min(self.committed);
@@ -760,9 +611,11 @@ impl Pipeline {
     }
 
     /// The cloud committed `token` at `pos` (the next position: the cloud commits each once, in
-    /// order). A tail token that agrees is kept; one that differs is replaced with everything
-    /// after it, and when it was sent in a block, that block and those behind it are useless to
-    /// the verifier too: the epoch moves on (the verifier moves when it plans that block).
+    /// order). The block in flight over `pos` is walked with it: when the token is off its tree,
+    /// that block and those behind it are useless to the verifier too, and the epoch moves on (the
+    /// verifier moves when it plans or verifies that block). The draft tree follows it: a main
+    /// token that agrees is kept, a lane that guessed it becomes the main path, and with neither
+    /// the tail is replaced from there.
     fn take(&mut self, pos: usize, token: u32, out: &mut Vec<Output>) -> Result<(), SpecError> {
         if pos != self.committed {
             return Err(SpecError::Protocol(format!(
@@ -770,56 +623,63 @@ impl Pipeline {
                 self.committed
             )));
         }
-        if let Some(h) = self.hedges.remove(&pos) {
-            let b = crate::tree::confidence_bucket(h.p_top);
-            let c = &mut self.stats.by_confidence[b];
-            c.judged += 1;
-            if self.tokens[pos] == token {
-                c.accepted += 1;
-            } else if h.alt == token {
-                c.covered += 1;
-            }
-        }
+        self.count_confidence(pos, token);
+        let off = self.walk(pos, token);
         if pos < self.tokens.len() && self.tokens[pos] == token {
             self.stats.accepted += 1;
-            self.sent = self.sent.max(pos + 1);
-        } else if let Some((keep, branch)) = self.divert(pos, token) {
-            // A branch of the block in flight here guessed it: the tail follows the branch. The
-            // main path's token was wrong (a rejection), the branch's right (a hit).
-            self.stats.rejections += 1;
-            self.stats.branch_hits += 1;
-            self.epoch += 1;
-            self.drop_in_flight(keep);
-            self.stats.wasted_draft_tokens += self.tokens.len() - pos;
-            self.cut_tail(pos);
-            self.tokens.extend_from_slice(&branch);
-            self.sent = pos + branch.len();
-            if self.draft_fed > pos {
-                self.draft_fed = pos;
-                out.push(Output::Rollback { to: pos });
-            }
+            self.trim_lanes(pos, token);
         } else {
             if pos < self.tokens.len() {
                 self.stats.rejections += 1;
             } else {
                 self.stats.cloud_tokens += 1;
             }
-            if pos < self.sent {
-                self.epoch += 1;
-                self.drop_in_flight(0);
+            if let Some(k) = self.lane_with(pos, token) {
+                // A lane guessed it: it is the main path now, in the blocks behind as well.
+                self.stats.branch_hits += 1;
+                self.stats.wasted_draft_tokens += self.switch_to(k, pos);
+            } else {
+                self.stats.wasted_draft_tokens += self.tokens.len().saturating_sub(pos);
+                self.lanes.clear();
+                self.cut_tail(pos);
+                self.tokens.push(token);
             }
-            self.stats.wasted_draft_tokens += self.tokens.len().saturating_sub(pos);
-            self.cut_tail(pos);
-            self.tokens.push(token);
-            self.sent = pos + 1;
+            self.trim_lanes(pos, token);
             if self.draft_fed > pos {
                 self.draft_fed = pos;
                 out.push(Output::Rollback { to: pos });
             }
         }
+        if off {
+            self.epoch += 1;
+            self.drop_in_flight(0);
+            self.sent = pos + 1;
+        } else {
+            self.sent = self.sent.max(pos + 1);
+        }
         self.commit_to(pos + 1, out);
         self.pop_covered();
         Ok(())
+    }
+
+    /// Walk the block in flight over `pos` with the committed `token`: whether it left the
+    /// block's tree (a rejection, for both sides).
+    fn walk(&mut self, pos: usize, token: u32) -> bool {
+        let Some(f) = self
+            .in_flight
+            .iter_mut()
+            .find(|f| f.block.start_pos <= pos && pos < f.end())
+        else {
+            return false;
+        };
+        match f.block.step(f.at, token) {
+            Step::Expected(n) | Step::Diverted(n) => {
+                f.at = n;
+                false
+            }
+            Step::Off => true,
+            Step::Leaf => false,
+        }
     }
 
     /// Blocks wholly committed are answered by the commits (not the one a verdict answers).
@@ -831,41 +691,6 @@ impl Pipeline {
             self.in_flight.pop_front();
             self.stats.covered_blocks += 1;
         }
-    }
-
-    /// A committed `token` at `pos` that differs from the tail: when the block in flight there
-    /// has a branch that guessed it, its path turns into that branch; returns how many blocks
-    /// in flight stay (that one and those before it: one a verdict answers, ending at `pos`)
-    /// and the branch's tokens from `pos` on (the new tail).
-    fn divert(&mut self, pos: usize, token: u32) -> Option<(usize, Vec<u32>)> {
-        let i = self
-            .in_flight
-            .iter()
-            .position(|f| f.block.start_pos <= pos && pos < f.end())?;
-        let f = &mut self.in_flight[i];
-        let start = f.block.start_pos;
-        if !f.block.is_tree() {
-            return None;
-        }
-        let at = if pos == start {
-            Node::Root
-        } else {
-            f.path[pos - start - 1]
-        };
-        let Step::Diverted(n) = f.block.step(at, token) else {
-            return None;
-        };
-        f.path.truncate(pos - start);
-        f.path.push(n);
-        f.path.extend(f.block.expected_below(n));
-        let b = &f.block;
-        Some((
-            i + 1,
-            f.path[pos - start..]
-                .iter()
-                .map(|&n| b.token(n).expect("invariant: path nodes have tokens"))
-                .collect(),
-        ))
     }
 
     pub fn on_verdict(&mut self, v: Verdict) -> Result<Vec<Output>, SpecError> {
@@ -996,327 +821,11 @@ impl Pipeline {
         self.stats.wasted_draft_tokens += self.tokens.len() - self.committed;
         self.drop_in_flight(0);
         self.cut_tail(self.committed);
-        self.q.clear();
+        self.lanes.clear();
         self.sent = self.committed;
         if self.draft_fed > self.committed {
             self.draft_fed = self.committed;
             out.push(Output::Rollback { to: self.committed });
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn pipeline(draft_len: usize, depth: usize) -> Pipeline {
-        let cfg = PipelineConfig {
-            draft_len,
-            depth,
-            max_new_tokens: 20,
-        };
-        Pipeline::with_first(vec![1, 2, 3], 7, cfg, vec![99])
-            .unwrap()
-            .0
-    }
-
-    /// Draft `tokens`; returns the blocks sent.
-    fn draft(p: &mut Pipeline, tokens: &[u32]) -> Vec<Block> {
-        let mut sent = Vec::new();
-        for &t in tokens {
-            assert_eq!(p.next(), Next::Draft);
-            for o in p.on_drafted(t, None) {
-                if let Output::Send(b) = o {
-                    sent.push(b);
-                }
-            }
-        }
-        sent
-    }
-
-    fn verdict(b: &Block, accepted: usize, token: u32) -> Verdict {
-        Verdict {
-            epoch: b.epoch,
-            block: b.index,
-            accepted,
-            side_end: None,
-            token,
-            verify_us: 0,
-            grant: None,
-        }
-    }
-
-    #[test]
-    fn committed_positions_are_counted_by_the_drafts_confidence() {
-        // Linear blocks (no side-node budget), second choices named all the same.
-        let mut p = pipeline(3, 1);
-        let mut sent = Vec::new();
-        for (t, alt, p_top) in [(8, 18, 0.2), (9, 19, 0.95), (10, 20, 0.6)] {
-            sent.extend(
-                p.on_drafted_hedged(t, None, Some(Hedge { alt, p_top }))
-                    .into_iter()
-                    .filter_map(|o| match o {
-                        Output::Send(b) => Some(b),
-                        _ => None,
-                    }),
-            );
-        }
-        // The target takes 8 and 19 (the second choice where the draft was sure): two judged,
-        // one accepted, one covered; position 2 is never judged.
-        p.on_verdict(verdict(&sent[0], 1, 19)).unwrap();
-        let c = p.stats().by_confidence;
-        assert_eq!(
-            c[0],
-            ConfidenceCount {
-                judged: 1,
-                accepted: 1,
-                covered: 0
-            }
-        );
-        assert_eq!(
-            c[4],
-            ConfidenceCount {
-                judged: 1,
-                accepted: 0,
-                covered: 1
-            }
-        );
-        assert_eq!(c.iter().map(|c| c.judged).sum::<usize>(), 2);
-        // A token the verifier decoded over a drafted one counts too.
-        let b = draft_tree(&mut p, &[30], &[Some(31)], |_| unreachable!());
-        assert!(b.is_empty(), "γ 3: the block is not full");
-        p.on_decoded(Decoded {
-            epoch: p.epoch(),
-            pos: p.committed_len(),
-            token: 32,
-            grant: None,
-        })
-        .unwrap();
-        assert_eq!(
-            p.stats().by_confidence[0],
-            ConfidenceCount {
-                judged: 2,
-                accepted: 1,
-                covered: 0
-            }
-        );
-    }
-
-    #[test]
-    fn depth_one_waits_for_each_verdict_and_depth_two_drafts_on() {
-        let mut sync = pipeline(2, 1);
-        let b = draft(&mut sync, &[8, 9]);
-        assert_eq!(b.len(), 1);
-        assert_eq!(sync.next(), Next::Wait, "one block in flight at depth 1");
-        let out = sync.on_verdict(verdict(&b[0], 2, 10)).unwrap();
-        let committed: Vec<u32> = out
-            .iter()
-            .flat_map(|o| match o {
-                Output::Commit { tokens, .. } => tokens.clone(),
-                _ => vec![],
-            })
-            .collect();
-        assert_eq!(committed, vec![8, 9, 10], "the block and its bonus");
-        assert_eq!(sync.committed_len(), 7);
-        assert_eq!(sync.next(), Next::Draft);
-        let mut deep = pipeline(2, 2);
-        let b = draft(&mut deep, &[8, 9, 10, 11]);
-        assert_eq!(b.len(), 2, "a second block while the first is in flight");
-        assert_eq!(b[1].start_pos, 6);
-        assert_eq!(deep.next(), Next::Wait);
-    }
-
-    #[test]
-    fn a_rejection_moves_the_epoch_and_stales_the_blocks_behind_it() {
-        let mut p = pipeline(2, 2);
-        let b = draft(&mut p, &[8, 9, 10, 11]);
-        let out = p.on_verdict(verdict(&b[0], 1, 42)).unwrap();
-        assert!(out.contains(&Output::Rollback { to: 5 }), "{out:?}");
-        assert_eq!((p.epoch(), p.blocks_in_flight()), (1, 0));
-        assert_eq!(
-            p.committed_len(),
-            6,
-            "the accepted token and the correction"
-        );
-        // The second block's verdict belongs to the old epoch: counted, ignored.
-        assert!(p.on_verdict(verdict(&b[1], 2, 5)).unwrap().is_empty());
-        assert_eq!(p.stats().stale_verdicts, 1);
-        assert_eq!(p.tokens(), &[1, 2, 3, 7, 8, 42]);
-    }
-
-    #[test]
-    fn a_verdict_for_no_block_in_flight_or_too_many_tokens_is_refused_by_name() {
-        let mut p = pipeline(2, 2);
-        let b = draft(&mut p, &[8, 9]);
-        let mut wrong = verdict(&b[0], 1, 3);
-        wrong.block = BlockId(5);
-        let e = p.on_verdict(wrong).unwrap_err().to_string();
-        assert!(e.contains("block 5") && e.contains("block 0"), "{e}");
-        let e = p.on_verdict(verdict(&b[0], 3, 3)).unwrap_err().to_string();
-        assert!(e.contains("accepts 3 tokens of a 2-token block"), "{e}");
-        // Nothing changed: the right verdict still applies.
-        assert!(!p.on_verdict(verdict(&b[0], 2, 3)).unwrap().is_empty());
-    }
-
-    /// Draft `tokens` with second choices `alts` (confidence 0.1 where given), answering branch
-    /// jobs with `branch(job)`; returns the blocks sent.
-    fn draft_tree(
-        p: &mut Pipeline,
-        tokens: &[u32],
-        alts: &[Option<u32>],
-        branch: impl Fn(BranchJob) -> Vec<u32>,
-    ) -> Vec<Block> {
-        let mut sent = Vec::new();
-        for (&t, &alt) in tokens.iter().zip(alts) {
-            assert_eq!(p.next(), Next::Draft);
-            let h = alt.map(|alt| Hedge { alt, p_top: 0.1 });
-            let mut outs = p.on_drafted_hedged(t, None, h);
-            while let Next::Branch(job) = p.next() {
-                outs.extend(p.on_branch(job, branch(job)).unwrap());
-            }
-            sent.extend(outs.into_iter().filter_map(|o| match o {
-                Output::Send(b) => Some(b),
-                _ => None,
-            }));
-        }
-        sent
-    }
-
-    #[test]
-    fn unsure_positions_get_branches_within_the_budget() {
-        let mut p = pipeline(3, 2);
-        p.set_tree(TreeConfig {
-            side_nodes: 4,
-            branch_len: 2,
-            below: 0.5,
-        });
-        // Unsure at 5 and 6 (second choices 40, 41); each branch continues its choice.
-        let b = draft_tree(&mut p, &[8, 9, 10], &[None, Some(40), Some(41)], |job| {
-            vec![job.first, job.first + 10]
-        });
-        assert_eq!(b.len(), 1);
-        assert_eq!(
-            b[0].side,
-            vec![
-                SideNode {
-                    parent: 1,
-                    token: 40
-                },
-                SideNode {
-                    parent: 3,
-                    token: 50
-                },
-                SideNode {
-                    parent: 2,
-                    token: 41
-                },
-                SideNode {
-                    parent: 5,
-                    token: 51
-                },
-            ]
-        );
-        b[0].check_tree().unwrap();
-        assert_eq!(p.stats().side_nodes, 4);
-        // A branch not asked for is refused.
-        let job = BranchJob {
-            pos: 9,
-            first: 1,
-            len: 2,
-        };
-        assert!(p.on_branch(job, vec![1, 2]).is_err());
-    }
-
-    #[test]
-    fn a_decode_that_a_branch_guessed_keeps_its_block_and_a_verdict_can_end_in_a_branch() {
-        let tree = TreeConfig {
-            side_nodes: 2,
-            branch_len: 2,
-            below: 0.5,
-        };
-        // Block 0: 8 9 10 at 4, with 40 50 beside 9; block 1 after it.
-        let mut p = pipeline(3, 2);
-        p.set_tree(tree);
-        let b = draft_tree(
-            &mut p,
-            &[8, 9, 10, 11, 12, 13],
-            &[None, Some(40), None, None, None, None],
-            |job| vec![job.first, 50],
-        );
-        assert_eq!(b.len(), 2);
-        // The verifier decodes 8 then 40: the branch guessed it, the tail follows the branch,
-        // block 0 stays in flight (the verifier verifies its branch), block 1 is stale.
-        p.on_decoded(Decoded {
-            epoch: 0,
-            pos: 4,
-            token: 8,
-            grant: None,
-        })
-        .unwrap();
-        let out = p
-            .on_decoded(Decoded {
-                epoch: 0,
-                pos: 5,
-                token: 40,
-                grant: None,
-            })
-            .unwrap();
-        assert!(out.contains(&Output::Rollback { to: 5 }), "{out:?}");
-        assert_eq!(p.tokens(), &[1, 2, 3, 7, 8, 40, 50]);
-        assert_eq!((p.epoch(), p.blocks_in_flight()), (1, 1));
-        assert_eq!((p.stats().branch_hits, p.stats().stale_blocks), (1, 1));
-        // Its verdict (of the new epoch) ends on the branch's second node: 50 and a bonus.
-        let v = Verdict {
-            epoch: 1,
-            side_end: Some(1),
-            ..verdict(&b[0], 3, 60)
-        };
-        p.on_verdict(v).unwrap();
-        assert_eq!(p.output(), &[7, 8, 40, 50, 60]);
-        assert_eq!(p.blocks_in_flight(), 0);
-        // The same branch found by the verifier's forward: the verdict alone moves the tail.
-        let mut p = pipeline(3, 2);
-        p.set_tree(tree);
-        let b = draft_tree(&mut p, &[8, 9, 10], &[None, Some(40), None], |job| {
-            vec![job.first, 50]
-        });
-        let v = Verdict {
-            side_end: Some(0),
-            ..verdict(&b[0], 2, 61)
-        };
-        p.on_verdict(v).unwrap();
-        assert_eq!(p.output(), &[7, 8, 40, 61]);
-        assert_eq!(
-            p.epoch(),
-            2,
-            "the diversion and the correction inside the branch"
-        );
-        // A verdict naming a path the block lacks is refused by name.
-        let mut p = pipeline(3, 2);
-        let b = draft(&mut p, &[8, 9, 10]);
-        let v = Verdict {
-            side_end: Some(0),
-            ..verdict(&b[0], 2, 61)
-        };
-        let e = p.on_verdict(v).unwrap_err().to_string();
-        assert!(e.contains("which block 0 does not have"), "{e}");
-    }
-
-    #[test]
-    fn an_end_of_generation_token_ends_it_and_drops_what_follows() {
-        let mut p = pipeline(3, 2);
-        let b = draft(&mut p, &[8, 99]);
-        assert_eq!(p.next(), Next::Wait, "no drafting past a drafted end");
-        assert_eq!(b.len(), 1, "the block goes out short");
-        let out = p.on_verdict(verdict(&b[0], 2, 11)).unwrap();
-        assert_eq!(
-            out,
-            vec![Output::Commit {
-                pos: 4,
-                tokens: vec![8, 99]
-            }]
-        );
-        assert_eq!(p.next(), Next::Done);
-        assert_eq!(p.output(), &[7, 8, 99]);
     }
 }

@@ -6,16 +6,23 @@
 //! before it, or the block's start), or one position after another side node (a continuation).
 //! The edge sends side nodes where its draft is unsure; the target's tokens pick the path.
 //!
-//! Walking a tree from a node with the next committed token ([`step`]) gives one of four steps:
-//! the node's **expected** child (its lowest-numbered one: on the main path, the next main token;
-//! below a side node, its first continuation), another child (**diverted**: the tokens the edge
-//! has in flight after this point guessed the expected child, so both sides move to the next
-//! epoch, as for a rejection), no child at all though it has some (**off**: a rejection), or no
-//! children (**leaf**: the tree ends here; the token is the target's bonus).
+//! A block covers the positions of its main path, `start_pos .. start_pos + γ`, and every side
+//! node lies within them. Its root is **whatever token is committed at `start_pos − 1`**: the
+//! edge drafts a tree of paths (lanes) that continue across blocks, so a block's guesses at its
+//! first position may continue different paths of the block before it; the committed tokens pick
+//! which. A block is the trie of the edge's paths over its positions ([`Block::from_paths`]).
+//!
+//! Walking a tree from a node with the next committed token ([`Block::step`]) gives one of four
+//! steps: the node's **expected** child (its lowest-numbered one: on the main path, the next main
+//! token; below a side node, its first continuation), another child (**diverted**: a lane of the
+//! edge's tree guessed it; the blocks behind carry that lane too, so nothing is stale), no child
+//! that holds the token — or none at all inside the block's positions — (**off**: a rejection;
+//! both sides move to the next epoch and drop the blocks behind), or no children past the block's
+//! last position (**leaf**: the token is the target's bonus, and the next block's walk goes on).
 
 use serde::{Deserialize, Serialize};
 
-use crate::pipeline::Block;
+use crate::pipeline::{Block, BlockId, SparseDist};
 
 /// A guess beside a block's main path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -24,6 +31,12 @@ pub struct SideNode {
     /// `tokens[parent]`. From γ on: it continues side node `parent − γ` (an earlier one).
     pub parent: u32,
     pub token: u32,
+    /// Under rejection sampling: the edge chose this token without drawing it beside the main
+    /// token (a lane's own token, or a continuation), so it is judged as a point mass. False: a
+    /// side node beside a main token is the second draw from that token's `q`, without it
+    /// ([`crate::verify::draft_sibling`]). A node continuing a side node is always a point mass.
+    #[serde(default)]
+    pub point: bool,
 }
 
 /// A node of a block's tree.
@@ -143,15 +156,21 @@ impl Block {
         out
     }
 
-    /// Walk from `at` with the next committed token.
+    /// Walk from `at` with the next committed token. A node without children inside the block's
+    /// positions (a lane that ended early) is off the tree for any token, as a rejection is.
     pub fn step(&self, at: Node, token: u32) -> Step {
         let kids = self.children(at);
         match kids.iter().position(|&c| self.token(c) == Some(token)) {
             Some(0) => Step::Expected(kids[0]),
             Some(i) => Step::Diverted(kids[i]),
-            None if kids.is_empty() => Step::Leaf,
+            None if kids.is_empty() && self.at_end(at) => Step::Leaf,
             None => Step::Off,
         }
+    }
+
+    /// Whether `n` sits on the block's last position (its children would lie past the block).
+    pub fn at_end(&self, n: Node) -> bool {
+        self.path_len(n) == self.tokens.len()
     }
 
     /// The nodes from the block's start to `n`, in order (the root excluded).
@@ -211,6 +230,12 @@ impl Block {
                     p - g
                 ));
             }
+            if self.path_len(Node::Side(m)) > g {
+                return Err(format!(
+                    "side node {m} lies past the block's last position {} (a tree stays within its main path's positions; the next block continues it)",
+                    g - 1
+                ));
+            }
         }
         for n in std::iter::once(Node::Root)
             .chain((0..g).map(Node::Main))
@@ -238,6 +263,57 @@ impl Block {
             .max()
             .unwrap_or(0)
     }
+
+    /// The block over positions `start_pos .. start_pos + main.len()` whose main path is `main`
+    /// and whose side nodes hold every other path's tokens there: the trie of the paths from the
+    /// block's root (each path's tokens at those positions, from the first on; shorter paths
+    /// ended early). A path's node is a point mass unless `sibling(path, offset)` says it is the
+    /// second draw beside the main token there.
+    pub fn from_paths(
+        epoch: u64,
+        index: BlockId,
+        start_pos: usize,
+        main: Vec<u32>,
+        q: Vec<SparseDist>,
+        others: &[&[u32]],
+        sibling: impl Fn(usize, usize) -> bool,
+    ) -> Block {
+        let g = main.len();
+        let mut b = Block {
+            epoch,
+            index,
+            start_pos,
+            tokens: main,
+            q,
+            side: Vec::new(),
+        };
+        for (k, path) in others.iter().enumerate() {
+            let mut at = Node::Root;
+            for (o, &token) in path.iter().take(g).enumerate() {
+                if let Some(c) = b
+                    .children(at)
+                    .into_iter()
+                    .find(|&c| b.token(c) == Some(token))
+                {
+                    at = c;
+                    continue;
+                }
+                let parent = match at {
+                    Node::Root => 0,
+                    Node::Main(i) => i as u32 + 1,
+                    Node::Side(m) => (g + m) as u32,
+                };
+                let beside_main = matches!(at, Node::Root | Node::Main(_));
+                b.side.push(SideNode {
+                    parent,
+                    token,
+                    point: !(beside_main && sibling(k, o)),
+                });
+                at = Node::Side(b.side.len() - 1);
+            }
+        }
+        b
+    }
 }
 
 #[cfg(test)]
@@ -257,14 +333,17 @@ mod tests {
                 SideNode {
                     parent: 0,
                     token: 20,
+                    point: false,
                 },
                 SideNode {
                     parent: 3,
                     token: 21,
+                    point: true,
                 },
                 SideNode {
                     parent: 2,
                     token: 22,
+                    point: false,
                 },
             ],
         }
@@ -278,7 +357,10 @@ mod tests {
         assert_eq!(b.step(Node::Root, 20), Step::Diverted(Node::Side(0)));
         assert_eq!(b.step(Node::Root, 7), Step::Off);
         assert_eq!(b.step(Node::Side(0), 21), Step::Expected(Node::Side(1)));
-        assert_eq!(b.step(Node::Side(1), 3), Step::Leaf);
+        // 21 ends at block position 1 of 3: off for any token; 22 at the last position: a leaf.
+        assert_eq!(b.step(Node::Side(1), 3), Step::Off);
+        assert_eq!(b.step(Node::Side(2), 3), Step::Leaf);
+        assert!(b.at_end(Node::Side(2)) && !b.at_end(Node::Side(1)));
         assert_eq!(b.step(Node::Main(1), 22), Step::Diverted(Node::Side(2)));
         assert_eq!(
             b.step(Node::Main(2), 1),
@@ -297,7 +379,53 @@ mod tests {
     }
 
     #[test]
+    fn a_block_is_the_trie_of_the_paths_over_its_positions() {
+        // Main 10 11 12; a lane 10 20 21 (forked beside 11, its second draw), one 30 31 32
+        // continuing a path of the block before (a point mass), one ending early: 30 33.
+        let lanes: [&[u32]; 3] = [&[10, 20, 21], &[30, 31, 32], &[30, 33]];
+        let b = Block::from_paths(
+            2,
+            BlockId(7),
+            5,
+            vec![10, 11, 12],
+            vec![],
+            &lanes,
+            |k, o| k == 0 && o == 1,
+        );
+        b.check_tree().unwrap();
+        let sides: Vec<(u32, u32, bool)> = b
+            .side
+            .iter()
+            .map(|s| (s.parent, s.token, s.point))
+            .collect();
+        assert_eq!(
+            sides,
+            vec![
+                (1, 20, false),
+                (3, 21, true),
+                (0, 30, true),
+                (5, 31, true),
+                (6, 32, true),
+                (5, 33, true),
+            ]
+        );
+        assert_eq!(b.step(Node::Root, 30), Step::Diverted(Node::Side(2)));
+        assert_eq!(b.step(Node::Side(5), 1), Step::Off, "ended early");
+        assert_eq!(b.step(Node::Side(4), 1), Step::Leaf);
+    }
+
+    #[test]
     fn bad_trees_are_refused_by_name() {
+        let mut b = block();
+        b.side.push(SideNode {
+            parent: 3 + 2,
+            token: 40,
+            point: true,
+        }); // continues 22, at position 3: past the block
+        assert!(b
+            .check_tree()
+            .unwrap_err()
+            .contains("past the block's last position 2"));
         let mut b = block();
         b.side[1].parent = 4; // continues side node 1: itself
         assert!(b.check_tree().unwrap_err().contains("not an earlier one"));

@@ -12,8 +12,8 @@ use std::collections::VecDeque;
 use proptest::prelude::*;
 use tandem_spec::sampling::{uniform, SamplingParams};
 use tandem_spec::{
-    Block, BlockAction, CloudSession, Decoded, Feed, Hedge, Next, Output, Pipeline, PipelineConfig,
-    Shape, TreeConfig, Verdict, VerifyRule,
+    Block, BlockAction, CloudSession, Decoded, Feed, Grown, Hedge, Next, Output, Pipeline,
+    PipelineConfig, Shape, TreeConfig, Verdict, VerifyRule,
 };
 
 const VOCAB: usize = 8;
@@ -331,25 +331,26 @@ fn run(
             Step::Draft if edge.next() == Next::Draft => {
                 prop_assert!(edge.draft_fed() <= edge.tokens().len());
                 draft_kv = edge.tokens().len(); // the shell feeds everything before drafting
-                salt += 1;
-                let t = draft(edge.tokens(), seed, alpha, salt);
-                let h = hedge(edge.tokens(), t, seed, salt);
-                let outs = edge.on_drafted_hedged(t, None, h);
+                                                // Every leaf of the draft tree grows a token (the main path first).
+                let f = edge.frontier();
+                let mut grown = Vec::new();
+                for leaf in &f.leaves {
+                    salt += 1;
+                    let mut seq = edge.tokens()[..f.base].to_vec();
+                    seq.extend(leaf);
+                    let t = draft(&seq, seed, alpha, salt);
+                    let h = hedge(&seq, t, seed, salt);
+                    grown.push(Grown {
+                        token: t,
+                        q: None,
+                        hedge: h,
+                    });
+                }
+                let outs = edge
+                    .on_grown(grown)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
                 prop_assert_eq!(edge.draft_fed() + 1, edge.tokens().len());
                 handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
-                // The branches of a block about to go: the draft continues each second choice.
-                while let Next::Branch(job) = edge.next() {
-                    let mut seq = edge.tokens()[..job.pos].to_vec();
-                    seq.push(job.first);
-                    while seq.len() < job.pos + job.len {
-                        salt += 1;
-                        seq.push(draft(&seq, seed, alpha, salt));
-                    }
-                    let outs = edge
-                        .on_branch(job, seq[job.pos..].to_vec())
-                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
-                    handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
-                }
             }
             Step::DeliverBlock => {
                 if let Some(b) = to_cloud.pop_front() {
@@ -431,9 +432,11 @@ proptest! {
         max_new in 1usize..40,
         tree in prop_oneof![
             1 => Just(TreeConfig::LINEAR),
-            2 => (1usize..7, 1usize..4, 0.4f32..1.0).prop_map(|(side_nodes, branch_len, below)| {
-                TreeConfig { side_nodes, branch_len, below }
-            }),
+            2 => (1usize..12, 1usize..4, 0.4f32..1.0, 0.0f32..0.2).prop_map(
+                |(side_nodes, lanes, below, min_chance)| {
+                    TreeConfig { side_nodes, lanes, below, min_chance }
+                }
+            ),
         ],
         schedule in proptest::collection::vec(step(), 0..300),
     ) {

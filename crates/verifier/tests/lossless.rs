@@ -24,8 +24,8 @@ use proptest::prelude::*;
 use tandem_sched::{GrantPolicy, SessionId, TenantId};
 use tandem_spec::sampling::{uniform, SamplingParams};
 use tandem_spec::{
-    Block, BlockId, EdgeSession, Hedge, Incoming, Next, Output, SessionConfig, Shape, TreeConfig,
-    VerifyRule,
+    Block, BlockId, EdgeSession, Grown, Hedge, Incoming, Next, Output, SessionConfig, Shape,
+    TreeConfig, VerifyRule,
 };
 use tandem_verifier::{Inbound, Mode, NewSession, ToEdge, VerifierConfig, VerifierCore};
 
@@ -372,27 +372,27 @@ fn run(c: Case, schedule: &[Step]) -> Result<Seen, TestCaseError> {
                     prop_assert_eq!(p.draft_fed(), shell.draft_kv.len(), "the draft's KV length");
                     prop_assert_eq!(&p.tokens()[..p.draft_fed()], &shell.draft_kv[..]);
                     shell.draft_kv = p.tokens().to_vec();
-                    salt += 1;
-                    let t = draft(p.tokens(), seed, alpha, salt);
-                    let h = hedge(p.tokens(), t, seed, salt);
-                    let outs = edge.on_drafted_hedged(now_ms, t, None, h, 1.0, false);
+                    // Every leaf of the draft tree grows a token (the main path first); the
+                    // lanes' KV is the drafter's own (crates/edge/tests/drafter.rs).
+                    let f = edge.frontier();
+                    let mut grown = Vec::new();
+                    for leaf in &f.leaves {
+                        salt += 1;
+                        let mut seq = p.tokens()[..f.base].to_vec();
+                        seq.extend(leaf);
+                        let t = draft(&seq, seed, alpha, salt);
+                        let h = hedge(&seq, t, seed, salt);
+                        grown.push(Grown {
+                            token: t,
+                            q: None,
+                            hedge: h,
+                        });
+                    }
+                    let outs = edge
+                        .on_grown(now_ms, grown, 1.0, false)
+                        .map_err(|e| TestCaseError::fail(format!("growing refused: {e}")))?;
                     shell.handle(outs, &mut w)?;
                     shell.roll_back(&edge)?;
-                    // Branches before the block goes: the draft continues each second choice
-                    // (its KV is as before afterwards).
-                    while let Next::Branch(job) = edge.next() {
-                        let mut seq = edge.pipeline().tokens()[..job.pos].to_vec();
-                        seq.push(job.first);
-                        while seq.len() < job.pos + job.len {
-                            salt += 1;
-                            seq.push(draft(&seq, seed, alpha, salt));
-                        }
-                        let branch = seq[job.pos..].to_vec();
-                        let outs = edge
-                            .on_branch(now_ms, job, branch, job.len - 1, 1.0)
-                            .map_err(|e| TestCaseError::fail(format!("branch refused: {e}")))?;
-                        shell.handle(outs, &mut w)?;
-                    }
                 }
             }
             Step::Up => match w.up.pop_front() {
@@ -491,13 +491,14 @@ fn run(c: Case, schedule: &[Step]) -> Result<Seen, TestCaseError> {
 fn tree() -> impl Strategy<Value = TreeConfig> {
     prop_oneof![
         1 => Just(TreeConfig::LINEAR),
-        4 => (1usize..7, 1usize..4, 0.5f32..1.0).prop_map(|(side_nodes, branch_len, below)| {
-            TreeConfig {
+        4 => (1usize..12, 1usize..4, 0.5f32..1.0, 0.0f32..0.2).prop_map(
+            |(side_nodes, lanes, below, min_chance)| TreeConfig {
                 side_nodes,
-                branch_len,
+                lanes,
                 below,
+                min_chance,
             }
-        }),
+        ),
     ]
 }
 

@@ -105,7 +105,11 @@ fn last_logits(m: &Arc<LlamaModel>, seq: &[u32]) -> Vec<f32> {
 type Case = (&'static str, Vec<u32>, Vec<SideNode>, usize, Option<u32>);
 
 fn side(parent: u32, token: u32) -> SideNode {
-    SideNode { parent, token }
+    SideNode {
+        parent,
+        token,
+        point: false,
+    }
 }
 
 /// A token that is not `t`.
@@ -140,12 +144,12 @@ fn trees_commit_the_targets_tokens_and_keep_only_the_accepted_path() {
             ),
             (
                 "side branch right",
-                vec![w(1), not(w(2)), not(w(3))],
+                vec![w(1), not(w(2)), not(w(3)), not(w(4))],
                 vec![
                     side(0, not(w(1))),
                     side(1, w(2)),
-                    side(4, w(3)),
-                    side(5, w(4)),
+                    side(5, w(3)),
+                    side(6, w(4)),
                 ],
                 4,
                 Some(3),
