@@ -59,7 +59,7 @@ pub struct LatencyArgs {
     /// Token trees for the async-tree rows: lanes beside the main path at most, the draft
     /// confidence below which it forks one, and the least chance a lane must have
     /// (`LANES:BELOW[:MIN]`; `none`: no tree rows).
-    #[arg(long, default_value = "3:0.5", value_parser = parse_tree)]
+    #[arg(long, default_value = "2:0.5", value_parser = parse_tree)]
     pub tree: TreeArg,
     /// Sampling temperatures to measure the verify rules at (top-k 40, top-p 0.95, one seed):
     /// at each RTT, cloud-only sampled, and async by sample-and-match, by rejection sampling
@@ -94,42 +94,7 @@ impl LatencyArgs {
     }
 }
 
-/// A `--tree` flag: token trees of this shape, or none.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct TreeArg(pub Option<TreeConfig>);
-
-/// `LANES:BELOW[:MIN]` (lanes growing beside the main path at most, the confidence below which
-/// the draft forks one, and the least chance a lane must have to be the target's path; default
-/// 0.05), or `none`. Blocks ask for room for every lane: `LANES × 8` side nodes, within the
-/// protocol's limit.
-pub fn parse_tree(s: &str) -> Result<TreeArg, String> {
-    if s == "none" {
-        return Ok(TreeArg(None));
-    }
-    let parts: Vec<&str> = s.split(':').collect();
-    let bad = || format!("`{s}` is not LANES:BELOW[:MIN] (e.g. 3:0.5 or 3:0.5:0.05) or none");
-    let (l, b, m) = match parts[..] {
-        [l, b] => (l, b, "0.05"),
-        [l, b, m] => (l, b, m),
-        _ => return Err(bad()),
-    };
-    let lanes: usize = l.parse().map_err(|_| bad())?;
-    let t = TreeConfig {
-        side_nodes: (lanes * 8).min(tandem_spec::tree::MAX_SIDE_NODES),
-        lanes,
-        below: b.parse().map_err(|_| bad())?,
-        min_chance: m.parse().map_err(|_| bad())?,
-    };
-    if t.lanes == 0 || !(t.below > 0.0 && t.below <= 1.0) || !(0.0..=1.0).contains(&t.min_chance) {
-        return Err(format!(
-            "`{s}`: at least one lane, the threshold in (0, 1], the least chance in [0, 1]"
-        ));
-    }
-    if t.lanes > 8 {
-        return Err(format!("`{s}`: at most 8 lanes"));
-    }
-    Ok(TreeArg(Some(t)))
-}
+pub use tandem_spec::pipeline::{parse_tree, TreeArg};
 
 /// The chat prompts of the one-session sweep when none are given.
 pub fn default_prompts() -> Vec<String> {

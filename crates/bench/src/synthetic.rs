@@ -3,7 +3,7 @@
 //! time per token. The verifier cannot tell it from a model: the protocol, the edge session and
 //! the verdicts are real. With `cover` set it also names second choices for token trees, as a
 //! draft model does where it is unsure, and grows every leaf of the draft tree (a leaf off the
-//! target's continuation is never right), taking [`LEAF_COST`] of a forward more per extra leaf.
+//! target's continuation is never right), taking [`tandem_sim::DEFAULT_LEAF_COST`] of a forward more per extra leaf.
 
 use tandem_edge::{Drafter, EdgeError, Proposal};
 use tandem_spec::Hedge;
@@ -88,10 +88,6 @@ impl SyntheticDrafter {
     }
 }
 
-/// What a draft forward over `n` leaves costs against one over a single token, per extra leaf
-/// (`bench engine`, the W4A16 draft on one thread: a chunk of 2 tokens takes 1.2×, of 5 2.4×).
-pub const LEAF_COST: f64 = 0.3;
-
 impl SyntheticDrafter {
     /// One leaf's next token after `path` (prompt, committed and drafted tokens).
     fn next_after(&mut self, path: &[u32]) -> Proposal {
@@ -131,7 +127,7 @@ impl SyntheticDrafter {
 
 impl Drafter for SyntheticDrafter {
     fn grow(&mut self, base: &[u32], leaves: &[Vec<u32>]) -> Result<Vec<Proposal>, EdgeError> {
-        self.sleep(1.0 + LEAF_COST * leaves.len().saturating_sub(1) as f64);
+        self.sleep(1.0 + tandem_sim::DEFAULT_LEAF_COST * leaves.len().saturating_sub(1) as f64);
         Ok(leaves
             .iter()
             .map(|leaf| {

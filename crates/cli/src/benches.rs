@@ -95,7 +95,7 @@ pub(crate) struct PaperBenchArgs {
     #[arg(long)]
     warmup: Option<f64>,
     /// Token trees for the async-tree rows (LANES:BELOW[:MIN], or none).
-    #[arg(long, default_value = "3:0.5", value_parser = tandem_bench::latency::parse_tree)]
+    #[arg(long, default_value = "2:0.5", value_parser = tandem_bench::latency::parse_tree)]
     tree: tandem_bench::latency::TreeArg,
     #[command(flatten)]
     cores: Cores,

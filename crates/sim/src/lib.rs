@@ -7,7 +7,9 @@
 //!   from `tandem bench engine` or `cloud serve`'s calibration) and logits whose greedy token at
 //!   every position is a fixed pseudo-random function of (session, position, the token fed
 //!   there): the "target's output";
-//! - each edge drafts a token in `draft_ms`, right with probability α;
+//! - each edge drafts a token in `draft_ms`, right with probability α (with token trees, every
+//!   leaf of its draft tree in one forward, unsure at every miss, its second choice right for
+//!   `cover` of them);
 //! - each message crosses the network in half its session's round trip, with jitter, in order.
 //!
 //! Each replica adapts to its load as `cloud serve` does (grants planned from the forward cost,
@@ -49,6 +51,11 @@ pub const DEFAULT_FORWARD_COST: ForwardCost = ForwardCost {
     ms_per_token: 2.2,
 };
 
+/// What a draft forward costs per extra leaf of the draft tree, as a share of a one-token
+/// forward: `bench engine`'s chunk of 2 tokens on the W4A16 draft, one thread (1.24× on this
+/// project's AMD EPYC machine, 1.20× on the Intel one).
+pub const DEFAULT_LEAF_COST: f64 = 0.25;
+
 /// What one simulation runs. Its flags are `tandem simulate`'s (which sweeps `users` and the
 /// cloud-only baseline, and finds the forward cost).
 #[derive(Debug, Clone, Serialize, clap::Args)]
@@ -74,6 +81,17 @@ pub struct SimConfig {
     /// Each message's half of the round trip varies by ± this share.
     #[arg(long, default_value_t = 10.0)]
     pub jitter_pct: f64,
+    /// Token trees (`LANES:BELOW[:MIN]`, as `generate --tree`; none: linear blocks). The draft
+    /// is unsure at every miss and as often at a hit, and its second choice is the target's
+    /// token for --cover of its misses.
+    #[arg(long, default_value = "none", value_parser = tandem_spec::pipeline::parse_tree)]
+    pub tree: tandem_spec::pipeline::TreeArg,
+    #[arg(long, default_value_t = 0.6)]
+    pub cover: f64,
+    /// A draft forward over n leaves of the draft tree takes (1 + leaf-cost·(n − 1)) draft
+    /// forwards.
+    #[arg(long, default_value_t = DEFAULT_LEAF_COST)]
+    pub leaf_cost: f64,
     /// Draft length (0: cloud-only, the verifier decodes every session).
     #[arg(long, default_value_t = 4)]
     pub gamma: usize,
@@ -131,6 +149,8 @@ pub struct SimRow {
     pub cloud_decoded_share: f64,
     pub takeovers: usize,
     pub acceptance: f64,
+    /// Share of the main path's misses a lane of the draft tree covered (token trees).
+    pub lane_cover: f64,
     pub predicted_itl_ms: f64,
     pub predicted_tokens_per_s: f64,
     pub predicted_ttft_ms: f64,
@@ -159,6 +179,12 @@ impl SimConfig {
             return Err(bad(format!(
                 "--token-budget {} must exceed --gamma {}",
                 self.token_budget, self.gamma
+            )));
+        }
+        if !(0.0..=1.0).contains(&self.cover) || self.leaf_cost < 0.0 {
+            return Err(bad(format!(
+                "--cover must be within 0..=1 and --leaf-cost at least 0, got {} and {}",
+                self.cover, self.leaf_cost
             )));
         }
         if self.new_tokens == 0 || self.prompt_tokens == 0 {

@@ -79,6 +79,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow, SimError> {
         drafted: 0,
         accepted: 0,
         judged: 0,
+        lane_hits: 0,
         done_sessions: Vec::new(),
         events: 0,
     };
@@ -151,6 +152,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow, SimError> {
         },
         takeovers,
         acceptance: r2(sim.accepted as f64 / sim.judged.max(1) as f64),
+        lane_cover: r2(sim.lane_hits as f64 / (sim.judged - sim.accepted).max(1) as f64),
         predicted_itl_ms: r2(pred.itl_ms),
         predicted_tokens_per_s: r2(pred.tokens_per_s * (cfg.users as f64 / per as f64)),
         predicted_ttft_ms: r2(pred.ttft_ms),

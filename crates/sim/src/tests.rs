@@ -12,6 +12,9 @@ mod runs {
             rtt_ms: 50.0,
             rtt_spread_pct: 0.0,
             jitter_pct: 10.0,
+            tree: tandem_spec::pipeline::TreeArg(None),
+            cover: 0.6,
+            leaf_cost: 0.3,
             gamma,
             depth: 2,
             adaptive: false,
@@ -53,6 +56,22 @@ mod runs {
                 spec.tokens_per_s >= 0.97 * cloud.tokens_per_s,
                 "{users} users: {spec:?} against {cloud:?}"
             );
+        }
+    }
+
+    #[test]
+    fn lanes_of_the_draft_tree_are_lossless_at_any_load() {
+        for users in [1, 4, 16] {
+            let c = SimConfig {
+                rtt_ms: 100.0,
+                alpha: 0.85,
+                adaptive: true,
+                tree: tandem_spec::pipeline::parse_tree("2:0.5:0.0").unwrap(),
+                ..cfg(users, 2)
+            };
+            let r = simulate(&c).unwrap();
+            assert_eq!((r.wrong_tokens, r.protocol_errors), (0, 0), "{users} users");
+            assert!(r.tokens_per_s > 0.0);
         }
     }
 
@@ -156,6 +175,9 @@ mod adaptive {
             rtt_ms: 50.0,
             rtt_spread_pct: 20.0,
             jitter_pct: 10.0,
+            tree: tandem_spec::pipeline::TreeArg(None),
+            cover: 0.6,
+            leaf_cost: DEFAULT_LEAF_COST,
             gamma: 4,
             depth: 2,
             adaptive: true,

@@ -8,7 +8,8 @@ use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::uniform;
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{
-    Block, EdgeSession, Incoming, Next, Output, SessionConfig, Shape, TreeConfig, VerifyRule,
+    Block, EdgeSession, Grown, Hedge, Incoming, Next, Output, SessionConfig, Shape, TreeConfig,
+    VerifyRule,
 };
 use tandem_verifier::{Inbound, Mode, NewSession, Outgoing, ToEdge, VerifierCore};
 
@@ -64,10 +65,11 @@ pub(crate) enum Ev {
         sid: u64,
         msg: ToEdge,
     },
-    /// An edge's draft forward ends.
+    /// An edge's draft forward ends: a token for each leaf of its draft tree.
     Drafted {
         sid: u64,
-        token: u32,
+        grown: Vec<Grown>,
+        ms: f64,
     },
 }
 
@@ -121,6 +123,8 @@ pub(crate) struct Sim {
     pub(crate) accepted: u64,
     /// Positions where a drafted token met the committed one (agreeing or not).
     pub(crate) judged: u64,
+    /// Committed tokens a lane of the draft tree guessed where its main path missed.
+    pub(crate) lane_hits: u64,
     pub(crate) done_sessions: Vec<Session>,
     pub(crate) events: u64,
 }
@@ -254,7 +258,7 @@ impl Sim {
             Ev::Kick { r } => self.kick(r),
             Ev::Reopen { r, sid } => self.send(sid, true, Ev::Open { r, sid }),
             Ev::ToEdge { sid, msg } => self.edge_event(sid, msg),
-            Ev::Drafted { sid, token } => {
+            Ev::Drafted { sid, grown, ms } => {
                 let Some(s) = self.sessions.get_mut(&sid) else {
                     return;
                 };
@@ -262,10 +266,11 @@ impl Sim {
                 let Some(es) = s.edge.as_mut() else {
                     return;
                 };
-                let outs =
-                    es.on_drafted(self.now as f64 / 1e3, token, None, self.cfg.draft_ms, false);
-                self.drafted += 1;
-                self.outputs(sid, outs);
+                self.drafted += grown.len() as u64;
+                match es.on_grown(self.now as f64 / 1e3, grown, ms, false) {
+                    Ok(outs) => self.outputs(sid, outs),
+                    Err(_) => self.errors += 1,
+                }
                 let pending = std::mem::take(
                     &mut self
                         .sessions
@@ -378,7 +383,7 @@ impl Sim {
                     max_new_tokens: self.cfg.new_tokens,
                     auto: None,
                     granted: Some(grant),
-                    tree: TreeConfig::LINEAR,
+                    tree: self.cfg.tree.0.unwrap_or(TreeConfig::LINEAR),
                 };
                 let now_ms = self.now as f64 / 1e3;
                 let (es, outs) = EdgeSession::new(now_ms, s.prompt.clone(), first, cfg, Vec::new())
@@ -492,24 +497,32 @@ impl Sim {
         let p = es.pipeline();
         match p.next() {
             Next::Draft => {
-                let pos = p.tokens().len();
-                let prev = p.tokens()[pos - 1];
-                let right = target_token(self.cfg.seed, sid, pos, prev);
-                let u = uniform(self.cfg.seed ^ 0xd4af, sid, (pos as u64) << 20 | p.epoch());
-                let token = if u < self.cfg.alpha {
-                    right
-                } else {
-                    (right % (VOCAB as u32 - 1)) + 1
-                };
+                // Every leaf of the draft tree in one forward (one leaf when linear).
+                let f = p.frontier();
+                let base = &p.tokens()[..f.base];
+                let trees = self.cfg.tree.0.is_some();
+                let grown: Vec<Grown> = f
+                    .leaves
+                    .iter()
+                    .enumerate()
+                    .map(|(k, leaf)| {
+                        let path = [base, &leaf[..]].concat();
+                        let key =
+                            (path.len() as u64) << 20 | (p.stats().drafted as u64) << 4 | k as u64;
+                        draft_token(&self.cfg, sid, &path, key, trees)
+                    })
+                    .collect();
+                let ms = self.cfg.draft_ms * (1.0 + self.cfg.leaf_cost * (grown.len() - 1) as f64);
                 s.drafting = true;
-                let t = self.now + (self.cfg.draft_ms * 1e3) as u64;
-                self.at(t, Ev::Drafted { sid, token });
+                let t = self.now + (ms * 1e3) as u64;
+                self.at(t, Ev::Drafted { sid, grown, ms });
             }
             Next::Wait => {}
             Next::Done => {
                 let st = *p.stats();
                 self.accepted += st.accepted as u64;
                 self.judged += (st.accepted + st.rejections) as u64;
+                self.lane_hits += st.branch_hits as u64;
                 self.finish(sid);
             }
         }
@@ -529,6 +542,41 @@ impl Sim {
         self.at(self.now, Ev::Start { user });
         let s = self.sessions.remove(&sid).expect("invariant: present");
         self.done_sessions.push(s);
+    }
+}
+
+/// How sure the simulated draft says it is where it hedges, and elsewhere.
+const UNSURE: f32 = 0.3;
+const SURE: f32 = 0.95;
+
+/// The simulated draft's token after `path` (draw `key`): the target's with probability α;
+/// with trees also its second choice, unsure at every miss and as often at a hit, and the
+/// target's token for `cover` of the misses.
+fn draft_token(cfg: &SimConfig, sid: u64, path: &[u32], key: u64, trees: bool) -> Grown {
+    let pos = path.len();
+    let right = target_token(cfg.seed, sid, pos, path[pos - 1]);
+    let wrong = |k: u32| (right + k - 1) % (VOCAB as u32 - 1) + 1;
+    let u = |stream: u64| uniform(cfg.seed ^ 0xd4af, sid ^ stream << 40, key);
+    let hit = u(0) < cfg.alpha;
+    let token = if hit { right } else { wrong(1) };
+    let hedge = trees.then(|| {
+        if !hit || u(1) < 1.0 - cfg.alpha {
+            let covered = !hit && u(2) < cfg.cover;
+            Hedge {
+                alt: if covered { right } else { wrong(2) },
+                p_top: UNSURE,
+            }
+        } else {
+            Hedge {
+                alt: wrong(2),
+                p_top: SURE,
+            }
+        }
+    });
+    Grown {
+        token,
+        q: None,
+        hedge,
     }
 }
 

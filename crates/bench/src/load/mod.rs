@@ -83,7 +83,7 @@ pub struct LoadArgs {
     /// Token trees for async-tree rows beside each async row (`LANES:BELOW[:MIN]`, as `bench
     /// latency --tree`; `none`: no tree rows). The synthetic draft is unsure at every miss and as
     /// often at a hit, its second choice is right for --cover of the misses, and each forward
-    /// takes 0.3 of a forward more per extra leaf.
+    /// takes a quarter of a forward more per extra leaf (as the W4A16 draft).
     #[arg(long, default_value = "none", value_parser = crate::latency::parse_tree)]
     pub tree: crate::latency::TreeArg,
     #[arg(long, default_value_t = 0.6)]
