@@ -71,6 +71,20 @@ impl Tree {
     }
 }
 
+/// The two weight formats the tree tests run on.
+const FORMATS: [(GgmlDType, WeightMode); 2] = [
+    (GgmlDType::F32, WeightMode::F32),
+    (GgmlDType::Q4_0, WeightMode::Native),
+];
+
+/// A model of `format`, its 9-token context, the tree of [`tree`] and an engine.
+fn setup(format: (GgmlDType, WeightMode)) -> (Arc<LlamaModel>, Vec<u32>, Tree, Engine) {
+    let m = model(format.0, format.1);
+    let v = m.cfg.vocab;
+    let e = engine(&m);
+    (m, tokens(1, 9, v), tree(v), e)
+}
+
 /// Main path 0-1-2-3; 4 a sibling of 0 with child 5; 6 a sibling of 2; 7 a second child of 5.
 fn tree(vocab: usize) -> Tree {
     Tree {
@@ -90,15 +104,10 @@ fn tree(vocab: usize) -> Tree {
 
 #[test]
 fn each_node_sees_its_path_only_and_keeping_a_path_is_a_linear_run() {
-    for (dtype, mode) in [
-        (GgmlDType::F32, WeightMode::F32),
-        (GgmlDType::Q4_0, WeightMode::Native),
-    ] {
-        let m = model(dtype, mode);
+    for format in FORMATS {
+        let mode = format.1;
+        let (m, ctx, t, mut e) = setup(format);
         let v = m.cfg.vocab;
-        let ctx = tokens(1, 9, v);
-        let t = tree(v);
-        let mut e = engine(&m);
         let other = tokens(2, 5, v);
         e.forward(&[
             SeqChunk::new(SeqId(1), 0, ctx.clone(), Wanted::None),
@@ -233,15 +242,9 @@ fn a_tree_grows_across_forwards_as_a_drafter_grows_it() {
 
 #[test]
 fn keeping_a_subtree_moves_it_down_and_its_nodes_grow_as_before() {
-    for (dtype, mode) in [
-        (GgmlDType::F32, WeightMode::F32),
-        (GgmlDType::Q4_0, WeightMode::Native),
-    ] {
-        let m = model(dtype, mode);
-        let v = m.cfg.vocab;
-        let ctx = tokens(1, 9, v);
-        let t = tree(v);
-        let mut e = engine(&m);
+    for format in FORMATS {
+        let mode = format.1;
+        let (m, ctx, t, mut e) = setup(format);
         e.forward(&[SeqChunk::new(SeqId(1), 0, ctx.clone(), Wanted::None)])
             .unwrap();
         e.forward(&[t.chunk(SeqId(1), 9)]).unwrap();
