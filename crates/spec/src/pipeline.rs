@@ -22,9 +22,9 @@
 //!
 //!
 //! With token trees on, the speculative tail is a tree ([`lanes`]): the main path plus lanes that
-//! fork where the draft was unsure, grown together and carried in every block over their
+//! fork where the draft was unsure, grown together and carried in the blocks over their
 //! positions; a commit that a lane guessed makes it the main path, and the blocks in flight stay
-//! (they carry it).
+//! (those that carry it go on along it).
 //!
 //! The shell around it (draft engine, network) asks [`Pipeline::next`] what to do, grows the
 //! draft's [`Pipeline::frontier`] by a token per leaf (with one leaf: the next token after

@@ -268,7 +268,10 @@ impl Block {
     /// and whose side nodes hold every other path's tokens there: the trie of the paths from the
     /// block's root (each path's tokens at those positions, from the first on; shorter paths
     /// ended early). A path's node is a point mass unless `sibling(path, offset)` says it is the
-    /// second draw beside the main token there.
+    /// second draw beside the main token there. The paths with a second draw go in first, so
+    /// that a second draw is the first side node beside its main token: the verifier judges it
+    /// right after the main token, as a draw from the main token's q without it, and only then
+    /// the point masses there (another lane's token from before the block).
     pub fn from_paths(
         epoch: u64,
         index: BlockId,
@@ -287,7 +290,10 @@ impl Block {
             q,
             side: Vec::new(),
         };
-        for (k, path) in others.iter().enumerate() {
+        let mut order: Vec<usize> = (0..others.len()).collect();
+        order.sort_by_key(|&k| !(0..others[k].len().min(g)).any(|o| sibling(k, o)));
+        for k in order {
+            let path = others[k];
             let mut at = Node::Root;
             for (o, &token) in path.iter().take(g).enumerate() {
                 if let Some(c) = b
@@ -412,6 +418,28 @@ mod tests {
         assert_eq!(b.step(Node::Root, 30), Step::Diverted(Node::Side(2)));
         assert_eq!(b.step(Node::Side(5), 1), Step::Off, "ended early");
         assert_eq!(b.step(Node::Side(4), 1), Step::Leaf);
+        // A second draw goes in before the point masses beside the same main token, even when
+        // its lane comes later (the verifier judges it right after the main token); a point
+        // with the same token merges into it.
+        let lanes: [&[u32]; 3] = [&[30, 31], &[40, 41], &[40, 42]];
+        let b = Block::from_paths(0, BlockId(0), 5, vec![10, 11], vec![], &lanes, |k, o| {
+            k == 1 && o == 0
+        });
+        let sides: Vec<(u32, u32, bool)> = b
+            .side
+            .iter()
+            .map(|s| (s.parent, s.token, s.point))
+            .collect();
+        assert_eq!(
+            sides,
+            vec![
+                (0, 40, false),
+                (2, 41, true),
+                (0, 30, true),
+                (4, 31, true),
+                (2, 42, true),
+            ]
+        );
     }
 
     #[test]

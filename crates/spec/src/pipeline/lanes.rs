@@ -5,8 +5,9 @@
 //! Where the draft's probability of its own token is low, the second choice starts a lane
 //! (a fork). Every draft step then grows each growing leaf — the main path and each lane — by
 //! one token (the drafter runs them as tree nodes of one forward), so all growing paths end at
-//! the same position and every block carries every path over its positions
-//! ([`Block::from_paths`]). A lane stays in the blocks as long as it lives: when a commit picks
+//! the same position and every block carries the paths over its positions
+//! ([`Block::from_paths`]; as many as the grant's side nodes hold: a lane that does not fit stops
+//! growing). A lane stays in the blocks as long as it lives: when a commit picks
 //! it, its tokens already wait in the blocks behind, so the verifier goes on along it at once
 //! instead of a round trip later. A commit that picks the main path ends the lanes that
 //! disagree; a commit no path guessed ends them all.
@@ -310,14 +311,23 @@ impl Pipeline {
                     .collect(),
                 Some(k) => self.lanes[k].nodes[..pos - self.lanes[k].start].to_vec(),
             };
-            let parent_q = match from {
-                None => self.info.get(&pos).and_then(|i| i.q.clone()),
-                Some(k) => self.lanes[k].nodes.last().and_then(|n| n.1.q.clone()),
+            // Under rejection sampling the fork is a second draw: from the parent's q without
+            // the parent's own token. That is its q should the lane become the main path and the
+            // fork go out as a main token.
+            let (parent_token, parent_q) = match from {
+                None => (
+                    self.tokens[pos],
+                    self.info.get(&pos).and_then(|i| i.q.clone()),
+                ),
+                Some(k) => {
+                    let n = self.lanes[k].nodes.last().expect("invariant: a grown lane");
+                    (n.0, n.1.q.clone())
+                }
             };
             nodes.push((
                 alt,
                 NodeInfo {
-                    q: parent_q,
+                    q: parent_q.map(|q| crate::verify::without(&q, &[parent_token])),
                     hedge: None,
                     chance: c,
                     second: true,

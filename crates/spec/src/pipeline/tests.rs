@@ -347,3 +347,47 @@ fn an_end_of_generation_token_ends_it_and_drops_what_follows() {
     assert_eq!(p.next(), Next::Done);
     assert_eq!(p.output(), &[7, 8, 99]);
 }
+
+#[test]
+fn a_fork_under_rejection_sampling_keeps_the_q_it_was_drawn_from() {
+    // The fork is a second draw: from the parent's q without the parent's token. Should its
+    // lane become the main path, that is the q its token goes out with.
+    let mut p = pipeline(4, 2);
+    p.set_tree(LANES);
+    let q = vec![(8, 0.6), (40, 0.3), (5, 0.1)];
+    p.on_grown(vec![Grown {
+        token: 8,
+        q: Some(q.clone()),
+        hedge: Some(Hedge {
+            alt: 40,
+            p_top: 0.1,
+        }),
+    }])
+    .unwrap();
+    let fork = p.lanes[0].nodes.last().unwrap().1.clone();
+    assert!(fork.second);
+    assert_eq!(fork.q, Some(crate::verify::without(&q, &[8])));
+    // Forked from a lane, from that lane's q without its token.
+    let ql = vec![(41, 0.7), (50, 0.3)];
+    p.on_grown(vec![
+        Grown {
+            token: 9,
+            q: Some(vec![(9, 1.0)]),
+            hedge: None,
+        },
+        Grown {
+            token: 41,
+            q: Some(ql.clone()),
+            hedge: Some(Hedge {
+                alt: 50,
+                p_top: 0.1,
+            }),
+        },
+    ])
+    .unwrap();
+    let forked = p.lanes.iter().find(|l| l.token(5) == Some(50)).unwrap();
+    assert_eq!(
+        forked.nodes.last().unwrap().1.q,
+        Some(crate::verify::without(&ql, &[41]))
+    );
+}
