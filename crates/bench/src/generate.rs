@@ -120,8 +120,7 @@ pub fn output(
 
 /// Cloud-only generation through a running verifier's `Generate` RPC at `url`.
 pub fn generate_remote(
-    url: &str,
-    api_key: Option<&str>,
+    remote: tandem_edge::grpc::Remote<'_>,
     tok: &Tokenizer,
     prompt_ids: &[u32],
     max_tokens: usize,
@@ -135,8 +134,7 @@ pub fn generate_remote(
     let mut text = String::new();
     tandem_edge::grpc::generate_remote(
         &rt,
-        url,
-        api_key,
+        remote,
         tok.fingerprint(),
         prompt_ids,
         *params,
@@ -152,11 +150,11 @@ pub fn generate_remote(
             }
         },
     )
-    .with_context(|| format!("cloud-only generation on {url}"))?;
+    .with_context(|| format!("cloud-only generation on {}", remote.url))?;
     rt.shutdown_timeout(std::time::Duration::from_millis(200));
     let mut o = output(tok, prompt_ids, out, &times, &text, &mut on_text)?;
     o.mode = Mode::CloudOnly;
-    o.model = url.to_string();
+    o.model = remote.url.to_string();
     Ok(o)
 }
 

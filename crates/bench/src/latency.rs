@@ -457,6 +457,7 @@ fn sampled_runs(
         jitter_ms: 0.0,
         cloud_url: Some(url.to_string()),
         api_key: None,
+        tls_ca: None,
     };
     prompts
         .iter()
@@ -518,8 +519,7 @@ pub fn run(
             .iter()
             .map(|p| {
                 generate_remote(
-                    &url,
-                    None,
+                    tandem_edge::grpc::Remote::plain(&url),
                     tok,
                     p,
                     a.tokens,
@@ -597,7 +597,16 @@ pub fn run(
             };
             let outs = prompts
                 .iter()
-                .map(|p| generate_remote(&url, None, tok, p, a.tokens, &params, |_| {}))
+                .map(|p| {
+                    generate_remote(
+                        tandem_edge::grpc::Remote::plain(&url),
+                        tok,
+                        p,
+                        a.tokens,
+                        &params,
+                        |_| {},
+                    )
+                })
                 .collect::<Result<Vec<_>>>()?;
             let own: Vec<Vec<u32>> = outs.iter().map(|o| o.output_ids.clone()).collect();
             let mut r = fold("-", rtt, Mode::CloudOnly, &outs, &own);

@@ -57,6 +57,8 @@ pub struct SpecRun<'a> {
     pub cloud_url: Option<String>,
     /// The tenant's API key for `cloud_url` (None: a verifier without tenants).
     pub api_key: Option<String>,
+    /// The CA (PEM) that signed an `https://` `cloud_url`'s certificate (None: the web PKI's).
+    pub tls_ca: Option<String>,
 }
 
 /// What a speculative run shows as it goes.
@@ -143,6 +145,7 @@ fn run_grpc(
             .map_or(r.spec.session.depth, |a| a.max_depth) as u32,
         want_side_nodes: r.spec.session.tree.side_nodes as u32,
         api_key: r.api_key.clone(),
+        tls_ca: r.tls_ca.clone(),
     };
     // The draft prefills the prompt while the verifier prefills it too.
     let (connected, prefilled) = std::thread::scope(|s| {

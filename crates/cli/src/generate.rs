@@ -60,6 +60,10 @@ pub(crate) struct GenerateArgs {
     /// The tenant's API key for --cloud (a verifier started with --tenants needs one).
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// For --cloud https://…: the certificate authority (PEM file) that signed the verifier's
+    /// certificate. Default: the public web PKI's roots.
+    #[arg(long)]
+    tls_ca: Option<std::path::PathBuf>,
     /// Weight handling: f32, f16, native (W4A16/W8A16 blocks) or w4a8 (8-bit activations).
     /// Default: f32 for `target`, native otherwise.
     #[arg(long)]
@@ -155,6 +159,14 @@ pub(crate) fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
+    let tls_ca = a
+        .tls_ca
+        .as_ref()
+        .map(|p| {
+            std::fs::read_to_string(p)
+                .with_context(|| format!("--tls-ca {}: cannot read", p.display()))
+        })
+        .transpose()?;
     let spec = match a.mode {
         Mode::Local => a.model.clone(),
         Mode::EdgeOnly | Mode::Sync | Mode::Async => {
@@ -223,12 +235,16 @@ pub(crate) fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()
             jitter_ms: a.jitter_ms,
             cloud_url: a.cloud.clone(),
             api_key: a.api_key.clone(),
+            tls_ca: tls_ca.clone(),
         };
         tandem_bench::speculate::run(&run, &ids, &mut print)?
     } else if let (Mode::CloudOnly, Some(url)) = (a.mode, &a.cloud) {
         tandem_bench::generate::generate_remote(
-            url,
-            a.api_key.as_deref(),
+            tandem_edge::grpc::Remote {
+                url,
+                api_key: a.api_key.as_deref(),
+                tls_ca: tls_ca.as_deref(),
+            },
             &m.tokenizer,
             &ids,
             a.max_tokens,
@@ -392,6 +408,7 @@ pub(crate) fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
             jitter_ms: a.rtt_ms / 10.0,
             cloud_url: None,
             api_key: None,
+            tls_ca: None,
         };
         let label = format!("assistant ({mode}, {} ms round trip): ", a.rtt_ms);
         print!("{label}");

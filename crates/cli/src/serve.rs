@@ -55,6 +55,16 @@ pub(crate) struct ServeArgs {
     /// Serve without API keys (one tenant, `default`): only on a loopback address.
     #[arg(long)]
     no_auth: bool,
+    /// TLS (rustls): this verifier's certificate chain, PEM. With --tls-key.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// TLS: the certificate's private key, PEM. With --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
+    /// Serve API keys in plaintext on a non-loopback address: only where a balancer or mesh in
+    /// front of this verifier terminates TLS (without it, --tenants off loopback needs TLS).
+    #[arg(long)]
+    insecure_behind_proxy: bool,
     #[command(flatten)]
     verifier: tandem_verifier::VerifierConfig,
     /// On ctrl-c or SIGTERM, let open sessions finish for up to this many seconds.
@@ -80,6 +90,30 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             "the verifier needs API keys: give --tenants FILE, or --no-auth on a loopback address"
         ),
     };
+    let tls = match (&a.tls_cert, &a.tls_key) {
+        (Some(c), Some(k)) => Some(tandem_cloud::grpc::ServerTls {
+            cert_pem: std::fs::read(c)
+                .with_context(|| format!("--tls-cert {}: cannot read", c.display()))?,
+            key_pem: std::fs::read(k)
+                .with_context(|| format!("--tls-key {}: cannot read", k.display()))?,
+        }),
+        _ => None,
+    };
+    if let Some(t) = &tls {
+        t.check().map_err(|e| {
+            anyhow::anyhow!("--tls-cert / --tls-key: not a certificate and key rustls takes: {e}")
+        })?;
+    }
+    if tls.is_none() && tenants.auth_required() && !addr.ip().is_loopback() {
+        if !a.insecure_behind_proxy {
+            bail!(
+                "--tenants on {addr}, off loopback, needs TLS (API keys and prompts would cross the network in plaintext): give --tls-cert and --tls-key, or --insecure-behind-proxy where a balancer or mesh in front terminates TLS"
+            );
+        }
+        eprintln!(
+            "WARNING: serving API keys and prompts in PLAINTEXT on {addr} (--insecure-behind-proxy): only a proxy that terminates TLS may stand between this verifier and its edges"
+        );
+    }
     if let Some(x) = a
         .saturation_tokens
         .filter(|x| !(x.is_finite() && *x >= 1.0))
@@ -154,16 +188,19 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             });
         }
         eprintln!(
-            "tandem verifier listening on {} ({})",
+            "tandem verifier listening on {} ({}, {})",
             listener.local_addr()?,
-            if auth { "API keys required" } else { "no auth" }
+            if auth { "API keys required" } else { "no auth" },
+            if tls.is_some() { "TLS" } else { "plaintext" }
         );
         let drain = std::time::Duration::from_secs_f64(a.drain_timeout_s);
         let shutdown = async move {
             shutdown_signal().await;
             eprintln!("draining (up to {:.0} s)", drain.as_secs_f64());
         };
-        tandem_cloud::grpc::serve_grpc(service, listener, shutdown, drain).await?;
+        tandem_cloud::grpc::serve_grpc_tls(service, listener, shutdown, drain, tls.as_ref())
+            .await
+            .context("serving (a TLS certificate or key that does not parse is refused here)")?;
         anyhow::Ok(())
     })?;
     rt.shutdown_timeout(std::time::Duration::from_secs(2));

@@ -497,6 +497,7 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
             jitter_ms: 0.0,
             cloud_url: None,
             api_key: None,
+            tls_ca: None,
         };
         let out = tandem_bench::speculate::run(&run, &p, |_| {}).unwrap();
         assert_eq!(out.output_ids, want, "depth {depth}");

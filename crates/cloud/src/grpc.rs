@@ -499,16 +499,61 @@ pub fn start(
     Ok((Service::new(tx, info, gauges, Arc::new(tenants)), batcher))
 }
 
-/// Serve `service` on `listener` with the standard gRPC health service (`grpc.health.v1.Health`:
-/// `""` and `tandem.v1.Verifier` SERVING). When `shutdown` resolves it drains: health turns
-/// NOT_SERVING, new sessions are refused with UNAVAILABLE, open ones run until they end or
-/// `drain_timeout` passes (then their streams end with UNAVAILABLE), and the server stops.
+/// A verifier's TLS identity: its certificate chain and its private key, PEM.
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+}
+
+impl ServerTls {
+    /// Whether rustls takes the certificate and key (checked before a server starts, so that a
+    /// bad file is refused at once and by name).
+    pub fn check(&self) -> Result<(), String> {
+        let id = tonic::transport::Identity::from_pem(&self.cert_pem, &self.key_pem);
+        tonic::transport::Server::builder()
+            .tls_config(tonic::transport::ServerTlsConfig::new().identity(id))
+            .map(|_| ())
+            .map_err(|e| {
+                let mut s = e.to_string();
+                let mut at = std::error::Error::source(&e);
+                while let Some(c) = at {
+                    s.push_str(&format!(": {c}"));
+                    at = c.source();
+                }
+                s
+            })
+    }
+}
+
+/// [`serve_grpc_tls`] in plaintext (loopback, or behind a proxy that terminates TLS).
 pub async fn serve_grpc(
     service: Service,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
     drain_timeout: Duration,
 ) -> Result<(), tonic::transport::Error> {
+    serve_grpc_tls(service, listener, shutdown, drain_timeout, None).await
+}
+
+/// Serve `service` on `listener` with the standard gRPC health service (`grpc.health.v1.Health`:
+/// `""` and `tandem.v1.Verifier` SERVING), over TLS (rustls) when `tls` is given. When
+/// `shutdown` resolves it drains: health turns NOT_SERVING, new sessions are refused with
+/// UNAVAILABLE, open ones run until they end or `drain_timeout` passes (then their streams end
+/// with UNAVAILABLE), and the server stops. A certificate or key that does not parse is an error
+/// before anything is served.
+pub async fn serve_grpc_tls(
+    service: Service,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+    drain_timeout: Duration,
+    tls: Option<&ServerTls>,
+) -> Result<(), tonic::transport::Error> {
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(t) = tls {
+        let id = tonic::transport::Identity::from_pem(&t.cert_pem, &t.key_pem);
+        builder = builder.tls_config(tonic::transport::ServerTlsConfig::new().identity(id))?;
+    }
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<VerifierServer<Service>>().await;
     reporter
@@ -540,7 +585,7 @@ pub async fn serve_grpc(
         }
         tracing::info!("drained");
     };
-    tonic::transport::Server::builder()
+    builder
         .add_service(health)
         .add_service(service.into_server())
         .serve_with_incoming_shutdown(

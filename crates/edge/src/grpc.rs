@@ -30,6 +30,57 @@ pub struct OpenRequest {
     /// The tenant's API key, sent as `authorization: Bearer <key>` (None: a verifier without
     /// tenants).
     pub api_key: Option<String>,
+    /// For an `https://` verifier: the certificate authority that signed its certificate (PEM;
+    /// None: the public web PKI's roots).
+    pub tls_ca: Option<String>,
+}
+
+/// A client of the verifier at `url`: plaintext for `http://`, TLS (rustls) for `https://`,
+/// trusting `tls_ca` (PEM) or, without it, the public web PKI's roots. A CA for a plaintext URL is
+/// refused by name: the edge would send its key and prompt in the clear though it was told to
+/// check a certificate.
+pub async fn client(
+    url: &str,
+    tls_ca: Option<&str>,
+) -> Result<VerifierClient<tonic::transport::Channel>, EdgeError> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+    let mut ep = Endpoint::from_shared(url.to_string())
+        .map_err(|e| refused(format!("--cloud {url}: not a URL ({e})")))?;
+    match (url.starts_with("https://"), tls_ca) {
+        (true, ca) => {
+            let tls = match ca {
+                Some(pem) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)),
+                None => ClientTlsConfig::new().with_webpki_roots(),
+            };
+            ep = ep
+                .tls_config(tls)
+                .map_err(|e| refused(format!("TLS for {url}: {e}")))?;
+        }
+        (false, Some(_)) => {
+            return Err(refused(format!(
+                "--tls-ca was given but --cloud {url} is not an https:// URL"
+            )))
+        }
+        (false, None) => {}
+    }
+    let channel = ep
+        .connect()
+        .await
+        .map_err(|e| refused(format!("connecting to {url}: {}", source_chain(&e))))?;
+    Ok(VerifierClient::new(channel))
+}
+
+/// An error with its causes, which name what went wrong (a refused certificate, a refused
+/// connection) where the outermost says only "transport error".
+fn source_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut at = e.source();
+    while let Some(c) = at {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        at = c.source();
+    }
+    s
 }
 
 /// `msg` as a request that carries `api_key`.
@@ -42,6 +93,22 @@ pub fn authorized<T>(msg: T, api_key: Option<&str>) -> Result<tonic::Request<T>,
         r.metadata_mut().insert("authorization", v);
     }
     Ok(r)
+}
+
+/// A plaintext client at a TLS port sees only an HTTP/2 protocol or transport error: say what it
+/// may mean.
+fn plaintext_hint(url: &str, e: EdgeError) -> EdgeError {
+    match e {
+        EdgeError::Refused(m)
+            if url.starts_with("http://")
+                && (m.contains("h2 protocol error") || m.contains("transport error")) =>
+        {
+            EdgeError::Refused(format!(
+                "{m} (a verifier that serves TLS answers a plaintext client so: if it does, try https://)"
+            ))
+        }
+        e => e,
+    }
 }
 
 /// A refusal that keeps the status code's name (e.g. `ResourceExhausted: ... retry after ...`).
@@ -77,9 +144,7 @@ impl GrpcLink {
         let keep = req.clone();
         let handle = rt.clone();
         rt.block_on(async move {
-            let mut client = VerifierClient::connect(url.to_string())
-                .await
-                .map_err(refused)?;
+            let mut client = client(url, req.tls_ca.as_deref()).await?;
             let (out, rx) = unbounded_channel::<EdgeMessage>();
             let open = Open {
                 protocol_version: PROTOCOL_VERSION,
@@ -97,8 +162,9 @@ impl GrpcLink {
             })
             .map_err(|_| EdgeError::LinkClosed)?;
             let stream = authorized(UnboundedReceiverStream::new(rx), req.api_key.as_deref())?;
-            let mut inbound = client.session(stream).await.map_err(status)?.into_inner();
-            let opened = match inbound.message().await.map_err(status)? {
+            let first = |e| plaintext_hint(url, status(e));
+            let mut inbound = client.session(stream).await.map_err(first)?.into_inner();
+            let opened = match inbound.message().await.map_err(first)? {
                 Some(m) => match m.kind {
                     Some(cloud_message::Kind::Opened(o)) => o,
                     Some(cloud_message::Kind::Error(e)) => return Err(refused(e.message)),
@@ -202,23 +268,44 @@ impl Link for GrpcLink {
     }
 }
 
+/// A verifier to call: its URL, the tenant's API key, and for `https://` the CA that signed its
+/// certificate (PEM; None: the web PKI's roots).
+#[derive(Debug, Clone, Copy)]
+pub struct Remote<'a> {
+    pub url: &'a str,
+    pub api_key: Option<&'a str>,
+    pub tls_ca: Option<&'a str>,
+}
+
+impl<'a> Remote<'a> {
+    /// A verifier without tenants, in plaintext (loopback, tests, benchmarks).
+    pub fn plain(url: &'a str) -> Self {
+        Self {
+            url,
+            api_key: None,
+            tls_ca: None,
+        }
+    }
+}
+
 /// Cloud-only generation (the baseline): the verifier decodes every token itself and streams them.
 /// Calls `on_token` with each token as it arrives.
-#[allow(clippy::too_many_arguments)]
 pub fn generate_remote(
     rt: &Runtime,
-    url: &str,
-    api_key: Option<&str>,
+    remote: Remote<'_>,
     tokenizer_fingerprint: &str,
     prompt_ids: &[u32],
     params: SamplingParams,
     max_tokens: u32,
     mut on_token: impl FnMut(u32),
 ) -> Result<(), EdgeError> {
+    let Remote {
+        url,
+        api_key,
+        tls_ca,
+    } = remote;
     rt.block_on(async {
-        let mut client = VerifierClient::connect(url.to_string())
-            .await
-            .map_err(refused)?;
+        let mut client = client(url, tls_ca).await?;
         let req = tandem_proto::v1::GenerateRequest {
             tokenizer_fingerprint: tokenizer_fingerprint.to_string(),
             prompt_ids: prompt_ids.to_vec(),
@@ -228,7 +315,7 @@ pub fn generate_remote(
         let mut stream = client
             .generate(authorized(req, api_key)?)
             .await
-            .map_err(status)?
+            .map_err(|e| plaintext_hint(url, status(e)))?
             .into_inner();
         while let Some(r) = stream.message().await.map_err(status)? {
             for t in r.tokens {

@@ -303,8 +303,7 @@ pub fn run(
             let mut out = Vec::new();
             tandem_edge::grpc::generate_remote(
                 &rt,
-                &direct,
-                None,
+                tandem_edge::grpc::Remote::plain(&direct),
                 tok.fingerprint(),
                 p,
                 SamplingParams::default(),

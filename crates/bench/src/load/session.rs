@@ -122,6 +122,7 @@ pub fn synthetic_session(
         want_depth: edge.depth as u32,
         want_side_nodes: edge.tree.side_nodes as u32,
         api_key: None,
+        tls_ca: None,
     };
     let (mut link, opened) = GrpcLink::connect(rt, url, req)?;
     let cfg = SpecConfig {
@@ -208,8 +209,7 @@ fn cloud_session(j: &Job<'_>, rt: &tokio::runtime::Runtime, k: usize) -> Result<
     let mut out = Vec::new();
     tandem_edge::grpc::generate_remote(
         rt,
-        j.url,
-        None,
+        tandem_edge::grpc::Remote::plain(j.url),
         j.tok.fingerprint(),
         prompt,
         SamplingParams::default(),

@@ -106,6 +106,7 @@ pub fn greedy_open(fingerprint: &str, prompt: &[u32]) -> tandem_edge::grpc::Open
         want_depth: 2,
         want_side_nodes: 0,
         api_key: None,
+        tls_ca: None,
     }
 }
 
@@ -233,6 +234,7 @@ pub fn spec_out_as(
         jitter_ms: rtt_ms / 10.0,
         cloud_url,
         api_key,
+        tls_ca: None,
     };
     let out = tandem_bench::speculate::run(&run, prompt, |_| {}).unwrap();
     let s = out.spec.as_ref().unwrap();

@@ -1,0 +1,204 @@
+//! TLS on the link, against real processes: `tandem cloud serve --tls-cert --tls-key` with
+//! tenants, and `tandem generate --cloud https://… --tls-ca` as the edge. The certificates are
+//! made here (rcgen): a CA, and the verifier's certificate for `localhost` signed by it.
+//! Speculation through TLS commits the target's greedy output; a plaintext client, and a client
+//! that trusts another CA, are refused; a verifier with tenants off loopback refuses to start
+//! without TLS unless told a proxy terminates it.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+
+use common::*;
+use serde_json::Value;
+use tandem_engine::SeqId;
+
+const KEY: &str = "tk-tls-test-key-0123";
+
+/// A CA and a server certificate for `localhost` and 127.0.0.1 it signed, as PEM files in
+/// `dir`: (ca, cert, key).
+fn certificates(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, format!("tandem test CA {name}"));
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate().unwrap();
+    let params =
+        CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    let p = |f: &str| dir.join(format!("{name}-{f}"));
+    std::fs::write(p("ca.pem"), ca.pem()).unwrap();
+    std::fs::write(p("cert.pem"), cert.pem()).unwrap();
+    std::fs::write(p("key.pem"), key.serialize_pem()).unwrap();
+    (p("ca.pem"), p("cert.pem"), p("key.pem"))
+}
+
+fn tenants(dir: &Path) -> PathBuf {
+    let p = dir.join("tenants.toml");
+    std::fs::write(
+        &p,
+        format!("[[tenant]]\nname = \"a\"\nkeys = [\"{KEY}\"]\n"),
+    )
+    .unwrap();
+    p
+}
+
+/// `tandem cloud serve` with `args`; waits for its "listening" line and returns the process and
+/// its port, or its exit and what it said when it stopped first.
+fn serve(args: &[&str]) -> Result<(Child, u16), (Output, String)> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["cloud", "serve", "--forward-cost", "40,2", "--threads", "1"])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut said = String::new();
+    while let Some(Ok(line)) = lines.next() {
+        if let Some(rest) = line.strip_prefix("tandem verifier listening on ") {
+            let port = rest
+                .split_whitespace()
+                .next()
+                .and_then(|a| a.rsplit(':').next())
+                .and_then(|p| p.parse().ok())
+                .unwrap();
+            std::thread::spawn(move || for _ in lines.by_ref() {});
+            return Ok((child, port));
+        }
+        said.push_str(&line);
+        said.push('\n');
+    }
+    let out = child.wait_with_output().unwrap();
+    Err((out, said))
+}
+
+fn generate(cloud: &str, extra: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args([
+            "generate",
+            "--model",
+            "draft",
+            "--mode",
+            "async",
+            "--cloud",
+            cloud,
+            "--chat",
+            "--prompt",
+            "Name three colours.",
+            "--max-tokens",
+            "12",
+            "--json",
+        ])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn speculation_over_tls_is_the_targets_and_plaintext_or_a_wrong_ca_is_refused() {
+    model_path();
+    draft_path();
+    let dir = std::env::temp_dir().join(format!("tandem-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (ca, cert, key) = certificates(&dir, "right");
+    let (other_ca, _, _) = certificates(&dir, "other");
+    let tenants = tenants(&dir);
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let (mut verifier, port) = serve(&[
+        "--tenants",
+        &s(&tenants),
+        "--listen",
+        "127.0.0.1:0",
+        "--tls-cert",
+        &s(&cert),
+        "--tls-key",
+        &s(&key),
+    ])
+    .unwrap_or_else(|(o, said)| panic!("the verifier did not start: {said} {o:?}"));
+
+    // The edge through TLS: the target's greedy output, token for token.
+    let (m, tok) = target();
+    let prompt = tok.encode_chat("Name three colours.").unwrap();
+    let want = greedy(&mut engine(m), SeqId(1), &prompt, 12);
+    let cut = want
+        .iter()
+        .position(|&t| tok.is_eog(t))
+        .map_or(want.len(), |i| i + 1);
+    let url = format!("https://localhost:{port}");
+    let out = generate(&url, &["--tls-ca", &s(&ca), "--api-key", KEY]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ids: Vec<u32> = v["output_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(ids, want[..cut], "through TLS");
+
+    // A plaintext client at the TLS port, a client trusting another CA, and a CA with an
+    // http:// URL are refused, each with a reason.
+    let plain = generate(&format!("http://127.0.0.1:{port}"), &["--api-key", KEY]);
+    let e = String::from_utf8_lossy(&plain.stderr);
+    assert!(
+        !plain.status.success() && e.contains("try https://"),
+        "a plaintext client: {e}"
+    );
+    let wrong = generate(&url, &["--tls-ca", &s(&other_ca), "--api-key", KEY]);
+    assert!(
+        !wrong.status.success(),
+        "a client trusting another CA got through"
+    );
+    let e = String::from_utf8_lossy(&wrong.stderr);
+    assert!(
+        e.contains("certificate") || e.contains("Certificate"),
+        "{e}"
+    );
+    let mixed = generate(
+        &format!("http://127.0.0.1:{port}"),
+        &["--tls-ca", &s(&ca), "--api-key", KEY],
+    );
+    let e = String::from_utf8_lossy(&mixed.stderr);
+    assert!(
+        !mixed.status.success() && e.contains("not an https:// URL"),
+        "{e}"
+    );
+    let _ = verifier.kill();
+    let _ = verifier.wait();
+
+    // Tenants off loopback: no start without TLS, unless a proxy is said to terminate it.
+    let (out, said) = serve(&["--tenants", &s(&tenants), "--listen", "0.0.0.0:0"])
+        .map(|(mut c, _)| {
+            let _ = c.kill();
+            panic!("started without TLS off loopback")
+        })
+        .unwrap_err();
+    assert!(!out.status.success());
+    assert!(
+        said.contains("needs TLS") && said.contains("--tls-cert"),
+        "{said}"
+    );
+    let (mut proxied, _) = serve(&[
+        "--tenants",
+        &s(&tenants),
+        "--listen",
+        "0.0.0.0:0",
+        "--insecure-behind-proxy",
+    ])
+    .unwrap_or_else(|(o, said)| panic!("behind a proxy it starts: {said} {o:?}"));
+    let _ = proxied.kill();
+    let _ = proxied.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}
