@@ -31,6 +31,11 @@ pub struct SpecFields {
     pub tree_acceptance_rate: f64,
     pub target_forwards: u64,
     pub rounds: usize,
+    /// Committed tokens that were drafted and judged right by the target, and the verifier's own
+    /// (the first token, corrections, bonuses, tokens it decoded): what the verifier's usage
+    /// ledger and metrics count for the session.
+    pub accepted_draft_tokens: usize,
+    pub cloud_tokens: usize,
     pub gamma: usize,
     pub depth: usize,
     pub rtt_ms: f64,
@@ -372,6 +377,8 @@ fn finish(
         // Known for the in-process verifier; a shared remote one counts all its tenants'.
         target_forwards: 0,
         rounds: s.verdicts,
+        accepted_draft_tokens: s.verdict_accepted,
+        cloud_tokens: report.output_ids.len().saturating_sub(s.verdict_accepted),
         gamma: report.measured.final_draft_len,
         depth: report.measured.final_depth,
         rtt_ms: r.rtt_ms,

@@ -724,23 +724,42 @@ fn metrics_are_scraped_over_http_and_parse() {
         48,
         Some(url),
     );
-    let mut c = std::net::TcpStream::connect(maddr).unwrap();
-    c.write_all(b"GET /metrics HTTP/1.1\r\nHost: tandem\r\nConnection: close\r\n\r\n")
-        .unwrap();
-    let mut resp = String::new();
-    c.read_to_string(&mut resp).unwrap();
-    let (head, body) = resp.split_once("\r\n\r\n").unwrap();
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    let mut values = std::collections::HashMap::new();
-    for line in body
-        .lines()
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-    {
-        let (name, value) = line.rsplit_once(' ').unwrap();
-        let v: f64 = value
-            .parse()
-            .unwrap_or_else(|_| panic!("not a value: {line}"));
-        values.insert(name.to_string(), v);
+    // The session's usage is counted when the verifier takes its edge's Close: scrape until it
+    // is there.
+    let scrape = || {
+        let mut c = std::net::TcpStream::connect(maddr).unwrap();
+        c.write_all(b"GET /metrics HTTP/1.1\r\nHost: tandem\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut resp = String::new();
+        c.read_to_string(&mut resp).unwrap();
+        let (head, body) = resp.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        let mut values = std::collections::HashMap::new();
+        for line in body
+            .lines()
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        {
+            let (name, value) = line.rsplit_once(' ').unwrap();
+            let v: f64 = value
+                .parse()
+                .unwrap_or_else(|_| panic!("not a value: {line}"));
+            values.insert(name.to_string(), v);
+        }
+        (values, body.to_string())
+    };
+    let ended = |v: &std::collections::HashMap<String, f64>| -> f64 {
+        v.iter()
+            .filter(|(k, _)| k.starts_with("tandem:request_success_total"))
+            .map(|(_, x)| x)
+            .sum()
+    };
+    let (mut values, mut body) = scrape();
+    for _ in 0..100 {
+        if ended(&values) >= 1.0 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        (values, body) = scrape();
     }
     let s = out.spec.unwrap();
     // Every verdict the edge applied was a verified draft (some it found stale on arrival).
@@ -753,7 +772,30 @@ fn metrics_are_scraped_over_http_and_parse() {
     assert!(values["tandem:spec_decode_num_accepted_tokens_total"] >= 1.0);
     assert!(values["tandem:time_to_first_token_seconds_count"] >= 1.0);
     assert!(values["tandem:target_forwards_total"] >= 2.0);
-    assert!(values.contains_key("tandem:spec_decode_num_accepted_tokens_per_pos{position=\"0\"}"));
+    assert!(
+        values.contains_key("tandem:spec_decode_num_accepted_tokens_per_pos_total{position=\"0\"}")
+    );
+    // The session's usage, counted once each, as the edge counted it.
+    let reason = if out.finish_reason == "stop" {
+        "stop"
+    } else {
+        "length"
+    };
+    let key = format!("tandem:request_success_total{{finished_reason=\"{reason}\"}}");
+    assert_eq!((ended(&values), values[&key]), (1.0, 1.0), "{body}");
+    assert_eq!(values["tandem:prompt_tokens_total"], p.len() as f64);
+    assert_eq!(
+        values["tandem:generation_tokens_total"],
+        out.output_ids.len() as f64
+    );
+    assert_eq!(
+        values["tandem:spec_decode_num_accepted_tokens_total"], s.accepted_draft_tokens as f64,
+        "{body}"
+    );
+    assert_eq!(values["tandem:cloud_tokens_total"], s.cloud_tokens as f64);
+    assert_eq!(values["tandem:num_requests_running"], 0.0);
+    assert!((0.0..=1.0).contains(&values["tandem:draft_acceptance_rate"]));
+    assert!(values["tandem:e2e_request_latency_seconds_count"] == 1.0);
 }
 
 /// A TCP relay to `upstream` that severs its first connection after `cut_ms`; later ones pass.

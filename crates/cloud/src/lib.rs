@@ -51,6 +51,9 @@ pub struct Gauges {
     pub tokens_per_forward_x100: AtomicU64,
     /// Prompt (and recompute) tokens waiting for prefill.
     pub waiting_tokens: AtomicU64,
+    /// Requests prefilled, and admitted but not yet prefilled.
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
 }
 
 impl Gauges {
@@ -63,6 +66,9 @@ impl Gauges {
         set(&self.kv_blocks_used, pool.num_blocks() - pool.num_free());
         set(&self.kv_blocks_total, pool.num_blocks());
         set(&self.waiting_tokens, v.scheduler().waiting_tokens());
+        let (running, waiting) = v.request_counts();
+        set(&self.running, running);
+        set(&self.waiting, waiting);
         self.target_forwards
             .store(v.stats.target_forwards, Ordering::Relaxed);
         self.tokens_per_forward_x100.store(

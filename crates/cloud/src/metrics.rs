@@ -1,10 +1,23 @@
-//! Prometheus metrics of the verifier, served as text on `GET /metrics`. Names follow vLLM's where
-//! they exist (`time_to_first_token_seconds`, `inter_token_latency_seconds`,
-//! `spec_decode_num_drafts_total`, `spec_decode_num_draft_tokens_total`,
-//! `spec_decode_num_accepted_tokens_total`, accepted tokens per position), under a `tandem:` prefix
-//! as vLLM's are under `vllm:`; Tandem's own add batch size, tokens per forward, the time of a
-//! forward, queue time, the KV cache, preemptions, refused sessions, prompt tokens waiting, and per
-//! tenant: verified positions, drafted and accepted tokens (α = accepted / drafted).
+//! Prometheus metrics of the verifier, served as text on `GET /metrics`. Names and meanings follow
+//! vLLM's, under a `tandem:` prefix as vLLM's are under `vllm:`:
+//! `time_to_first_token_seconds`, `inter_token_latency_seconds`,
+//! `request_time_per_output_token_seconds`, `e2e_request_latency_seconds`,
+//! `request_queue_time_seconds`, `num_requests_running`, `num_requests_waiting`,
+//! `kv_cache_usage_perc`, `num_preemptions_total`, `prompt_tokens_total`,
+//! `generation_tokens_total`, `request_success_total{finished_reason}`, `iteration_tokens_total`,
+//! and speculative decoding's `spec_decode_num_drafts_total`, `spec_decode_num_draft_tokens_total`,
+//! `spec_decode_num_accepted_tokens_total`, `spec_decode_num_accepted_tokens_per_pos_total`.
+//! Tandem's own beside them: batch size, the time of a forward, a block's queue time, takeovers,
+//! refused sessions, prompt tokens waiting, tokens the verifier produced itself
+//! (`cloud_tokens_total`, of them `cloud_decoded_tokens_total`), per tenant verified positions,
+//! drafted and accepted tokens (α = accepted / drafted), and `draft_acceptance_rate`: the share of
+//! drafted tokens accepted over the last few hundred, the gauge to alarm on (a broken draft — a
+//! wrong file, a mismatched quantization — is speculative decoding's most common failure, and
+//! shows as an acceptance near zero while every answer stays right and slow).
+//!
+//! A request's counts come from the verifier's usage record of the session when it ends
+//! ([`tandem_verifier::Usage`]), the same the ledger writes: a token counts once, as an accepted
+//! draft token or as one of the verifier's.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -22,10 +35,24 @@ pub struct Metrics {
     registry: Registry,
     pub ttft: Histogram,
     pub itl: Histogram,
+    pub tpot: Histogram,
+    pub e2e: Histogram,
+    pub request_queue: Histogram,
     pub queue_time: Histogram,
     pub batch_size: Histogram,
     pub tokens_per_forward: Histogram,
     pub forward_time: Histogram,
+    pub prompt_tokens: IntCounter,
+    pub generation_tokens: IntCounter,
+    pub cloud_tokens: IntCounter,
+    pub cloud_decoded: IntCounter,
+    pub success: IntCounterVec,
+    /// Drafted and accepted tokens, decayed: the recent acceptance.
+    recent: std::sync::Mutex<(f64, f64)>,
+    acceptance: prometheus::Gauge,
+    running: IntGauge,
+    waiting_requests: IntGauge,
+    kv_usage: prometheus::Gauge,
     pub drafts: IntCounter,
     pub draft_tokens: IntCounter,
     pub accepted_tokens: IntCounter,
@@ -69,8 +96,23 @@ impl Default for Metrics {
                 "Between committed tokens of a session, as the verifier sends them.",
                 latency.clone(),
             ),
+            tpot: seconds(
+                "tandem:request_time_per_output_token_seconds",
+                "A request's time per output token after its first (from its first token to its end).",
+                latency.clone(),
+            ),
+            e2e: seconds(
+                "tandem:e2e_request_latency_seconds",
+                "From a request's admission to its end.",
+                vec![0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0],
+            ),
+            request_queue: seconds(
+                "tandem:request_queue_time_seconds",
+                "From a request's admission to its prompt's first prefill chunk.",
+                latency.clone(),
+            ),
             queue_time: seconds(
-                "tandem:queue_time_seconds",
+                "tandem:block_queue_time_seconds",
                 "From a draft block's arrival to the forward that verifies it.",
                 latency.clone(),
             ),
@@ -80,8 +122,8 @@ impl Default for Metrics {
                 counts.clone(),
             ),
             tokens_per_forward: seconds(
-                "tandem:tokens_per_forward",
-                "Tokens computed in one forward, all sessions together.",
+                "tandem:iteration_tokens_total",
+                "Tokens computed in one forward (an engine step), all sessions together.",
                 counts,
             ),
             forward_time: seconds(
@@ -106,8 +148,8 @@ impl Default for Metrics {
             .expect("valid"),
             accepted_per_pos: IntCounterVec::new(
                 Opts::new(
-                    "tandem:spec_decode_num_accepted_tokens_per_pos",
-                    "Accepted drafted tokens by position in their block.",
+                    "tandem:spec_decode_num_accepted_tokens_per_pos_total",
+                    "Accepted drafted tokens by position among the tokens verified.",
                 ),
                 &["position"],
             )
@@ -118,7 +160,7 @@ impl Default for Metrics {
             )
             .expect("valid"),
             preemptions: IntCounter::new(
-                "tandem:preemptions_total",
+                "tandem:num_preemptions_total",
                 "Sessions whose KV was dropped to make room (recomputed later).",
             )
             .expect("valid"),
@@ -156,6 +198,55 @@ impl Default for Metrics {
                 &["tenant"],
             )
             .expect("valid"),
+            prompt_tokens: IntCounter::new(
+                "tandem:prompt_tokens_total",
+                "Prompt tokens of the requests that ended.",
+            )
+            .expect("valid"),
+            generation_tokens: IntCounter::new(
+                "tandem:generation_tokens_total",
+                "Tokens the requests that ended committed (accepted draft tokens and the verifier's own).",
+            )
+            .expect("valid"),
+            cloud_tokens: IntCounter::new(
+                "tandem:cloud_tokens_total",
+                "Committed tokens the verifier produced itself (first tokens, corrections, bonuses, decoded ones, cloud-only generations).",
+            )
+            .expect("valid"),
+            cloud_decoded: IntCounter::new(
+                "tandem:cloud_decoded_tokens_total",
+                "Tokens of speculation sessions the verifier decoded itself, having no block of theirs to verify.",
+            )
+            .expect("valid"),
+            success: IntCounterVec::new(
+                Opts::new(
+                    "tandem:request_success_total",
+                    "Requests that ended, by why: stop, length, abort (the edge closed it), cancelled, error, shutdown.",
+                ),
+                &["finished_reason"],
+            )
+            .expect("valid"),
+            recent: std::sync::Mutex::new((0.0, 0.0)),
+            acceptance: prometheus::Gauge::new(
+                "tandem:draft_acceptance_rate",
+                "Share of drafted tokens accepted over about the last 300 verified (1 before any): near 0 means a broken draft.",
+            )
+            .expect("valid"),
+            running: IntGauge::new(
+                "tandem:num_requests_running",
+                "Requests whose prompt is prefilled (speculation sessions and cloud-only generations).",
+            )
+            .expect("valid"),
+            waiting_requests: IntGauge::new(
+                "tandem:num_requests_waiting",
+                "Requests admitted whose prompt is not yet prefilled.",
+            )
+            .expect("valid"),
+            kv_usage: prometheus::Gauge::new(
+                "tandem:kv_cache_usage_perc",
+                "Share of the KV cache's blocks in use (0 to 1).",
+            )
+            .expect("valid"),
             waiting: IntGauge::new(
                 "tandem:waiting_prompt_tokens",
                 "Prompt and recompute tokens not yet prefilled.",
@@ -174,6 +265,18 @@ impl Default for Metrics {
         for c in [
             Box::new(m.ttft.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(m.itl.clone()),
+            Box::new(m.tpot.clone()),
+            Box::new(m.e2e.clone()),
+            Box::new(m.request_queue.clone()),
+            Box::new(m.prompt_tokens.clone()),
+            Box::new(m.generation_tokens.clone()),
+            Box::new(m.cloud_tokens.clone()),
+            Box::new(m.cloud_decoded.clone()),
+            Box::new(m.success.clone()),
+            Box::new(m.acceptance.clone()),
+            Box::new(m.running.clone()),
+            Box::new(m.waiting_requests.clone()),
+            Box::new(m.kv_usage.clone()),
             Box::new(m.queue_time.clone()),
             Box::new(m.batch_size.clone()),
             Box::new(m.tokens_per_forward.clone()),
@@ -197,9 +300,18 @@ impl Default for Metrics {
         ] {
             r.register(c).expect("metric names are unique");
         }
+        m.acceptance.set(1.0);
+        // Every finish reason is there from the start, at 0 (a rate over a missing series is
+        // nothing, not zero).
+        for f in tandem_verifier::Finish::ALL {
+            m.success.with_label_values(&[f.as_str()]);
+        }
         m
     }
 }
+
+/// The recent acceptance forgets a drafted token's weight by this per token after it.
+const RECENT_DECAY: f64 = 0.997;
 
 impl Metrics {
     /// Record a turn of the verifier core that took `step_s` seconds of wall time; tenant `t` is
@@ -236,6 +348,12 @@ impl Metrics {
                     self.drafts.inc();
                     self.draft_tokens.inc_by(drafted as u64);
                     self.accepted_tokens.inc_by(accepted as u64);
+                    let mut r = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+                    let d = RECENT_DECAY.powi(drafted as i32);
+                    *r = (d * r.0 + accepted as f64, d * r.1 + drafted as f64);
+                    if r.1 > 0.0 {
+                        self.acceptance.set(r.0 / r.1);
+                    }
                     for pos in 0..accepted {
                         self.accepted_per_pos
                             .with_label_values(&[&pos.to_string()])
@@ -253,6 +371,29 @@ impl Metrics {
                 }
             }
         }
+        for u in &turn.finished {
+            self.requests(u);
+        }
+    }
+
+    /// A request that ended: its counts, its reason and its times.
+    fn requests(&self, u: &tandem_verifier::Usage) {
+        let s = |us: u64| us as f64 / 1e6;
+        self.prompt_tokens.inc_by(u.prompt_tokens as u64);
+        self.generation_tokens.inc_by(u.committed_tokens as u64);
+        self.cloud_tokens.inc_by(u.cloud_tokens as u64);
+        self.cloud_decoded.inc_by(u.decoded_tokens as u64);
+        self.success.with_label_values(&[u.finish.as_str()]).inc();
+        self.e2e.observe(s(u.closed_us.saturating_sub(u.opened_us)));
+        if let Some(q) = u.scheduled_us {
+            self.request_queue.observe(s(q.saturating_sub(u.opened_us)));
+        }
+        if let (Some(f), n) = (u.first_token_us, u.committed_tokens) {
+            if n > 1 {
+                self.tpot
+                    .observe(s(u.closed_us.saturating_sub(f)) / (n - 1) as f64);
+            }
+        }
     }
 
     /// The text exposition of every metric, gauges refreshed from `g`.
@@ -262,6 +403,13 @@ impl Metrics {
         self.generations.set(get(&g.generations));
         self.kv_used.set(get(&g.kv_blocks_used));
         self.kv_total.set(get(&g.kv_blocks_total));
+        self.running.set(get(&g.running));
+        self.waiting_requests.set(get(&g.waiting));
+        let total = get(&g.kv_blocks_total);
+        if total > 0 {
+            self.kv_usage
+                .set(get(&g.kv_blocks_used) as f64 / total as f64);
+        }
         self.waiting.set(get(&g.waiting_tokens));
         let mut buf = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
@@ -290,4 +438,48 @@ pub async fn serve_metrics(
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every `tandem:` series the shipped Grafana dashboard and Prometheus alerts query is one
+    /// the verifier exports (a histogram's `_bucket`, `_sum` and `_count` included).
+    #[test]
+    fn the_dashboard_and_alerts_query_only_exported_metrics() {
+        let g = Gauges::default();
+        // Series with labels show once they have one.
+        let m = &g.metrics;
+        for v in [&m.tenant_verified, &m.tenant_drafted, &m.tenant_accepted] {
+            v.with_label_values(&["a"]);
+        }
+        m.accepted_per_pos.with_label_values(&["0"]);
+        let text = g.metrics.render(&g);
+        let exported: std::collections::HashSet<String> = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .map(|l| l.split(['{', ' ']).next().unwrap_or_default().to_string())
+            .collect();
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/");
+        let mut asked = 0;
+        for file in ["grafana-dashboard.json", "prometheus-alerts.yml"] {
+            let s = std::fs::read_to_string(format!("{root}{file}")).unwrap();
+            if file.ends_with(".json") {
+                serde_json::from_str::<serde_json::Value>(&s).expect("the dashboard is JSON");
+            }
+            for (i, _) in s.match_indices("tandem:") {
+                let name: String = s[i..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == ':')
+                    .collect();
+                asked += 1;
+                assert!(
+                    exported.contains(&name),
+                    "{file} asks for {name}, not exported"
+                );
+            }
+        }
+        assert!(asked > 20, "{asked}");
+    }
 }

@@ -256,6 +256,10 @@ pub struct PipelineStats {
     /// Tokens verdicts committed (their verified runs and corrections or bonuses; not the
     /// tokens the verifier decoded on its own).
     pub verdict_tokens: usize,
+    /// Of those, the drafted tokens the target judged right in a forward (a verdict's run past
+    /// what was committed before it): the accepted draft tokens the verifier's usage counts.
+    /// Every other committed token is the verifier's own.
+    pub verdict_accepted: usize,
     /// Drafted tokens thrown away (rejected, or in stale blocks, or in the discarded tail).
     pub wasted_draft_tokens: usize,
     /// Committed positions the draft had guessed, by its confidence there
@@ -761,6 +765,9 @@ impl Pipeline {
         self.pop_covered();
         taken?;
         self.stats.verdict_tokens += self.committed - from;
+        self.stats.verdict_accepted += (start + v.accepted)
+            .min(self.committed)
+            .saturating_sub(from);
         if self.done {
             return Ok(out);
         }

@@ -24,6 +24,7 @@ mod session;
 mod step;
 mod target;
 mod turn;
+pub mod usage;
 mod verifier_core;
 
 use tandem_engine::EngineError;
@@ -35,6 +36,7 @@ pub use control::LoadControl;
 pub use session::{Event, SessionState, TenantStats, VerifierStats};
 pub use target::Target;
 pub use turn::{ForwardDone, Inbound, Mode, NewSession, Observation, Outgoing, ToEdge, Turn};
+pub use usage::{Finish, Usage};
 
 /// What a message to the verifier can be refused with.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -220,6 +220,8 @@ pub(crate) struct Session<H> {
     /// What the load control knows of it.
     pub ctl: Ctl,
     pub meter: Meter,
+    /// What it used so far (see [`crate::usage`]).
+    pub counts: crate::usage::Counts,
     pub handle: H,
 }
 

@@ -98,6 +98,16 @@ impl<T: Target, H> VerifierCore<T, H> {
             chunks.push(chunk);
             tables.push(c.blocks.clone());
         }
+        // A session's first prefill chunk ends its wait in the queue.
+        for c in plan
+            .chunks
+            .iter()
+            .filter(|c| c.kind == WorkKind::Prefill && c.start == 0)
+        {
+            if let Some(s) = self.sessions.get_mut(&c.session) {
+                s.counts.scheduled_us.get_or_insert(self.now_us);
+            }
+        }
         let n: usize = plan.tokens();
         self.stats.max_batch = self.stats.max_batch.max(chunks.len());
         self.stats.last_batch = (chunks.len(), n);

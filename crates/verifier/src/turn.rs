@@ -146,12 +146,16 @@ pub struct Turn<H> {
     /// Sessions refused for load or quota.
     pub refused: usize,
     pub observations: Vec<Observation>,
+    /// What the sessions that ended since the last turn used (closed, finished, failed,
+    /// cancelled, shut down), once each.
+    pub finished: Vec<crate::Usage>,
 }
 
 impl<T: Target, H: Clone> VerifierCore<T, H> {
     /// A message from an edge at `now_us`. Whatever it is answered with goes out with the next
     /// [`VerifierCore::turn`], as every other answer does.
     pub fn receive(&mut self, now_us: u64, msg: Inbound<H>) {
+        self.now_us = self.now_us.max(now_us);
         match msg {
             Inbound::Open {
                 session,
@@ -204,6 +208,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
     /// turn's end. Sessions that end with their messages (finished, failed) are closed.
     pub fn turn(&mut self, now_us: u64) -> Turn<H> {
         let now_ms = now_us / 1000;
+        self.now_us = self.now_us.max(now_us);
         let mut turn = Turn {
             out: Vec::new(),
             forward: None,
@@ -213,6 +218,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
             preemptions: 0,
             refused: 0,
             observations: Vec::new(),
+            finished: Vec::new(),
         };
         // Refusals at admission (the session never opened), cancellations, the shut-down.
         for (session, to, error) in std::mem::take(&mut self.dismissed) {
@@ -284,7 +290,9 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
         }
         // Sessions over with this turn's messages: a finished or failed generation, a session
         // that failed for good.
+        self.now_us = self.now_us.max(turn.ends_us);
         self.close_ended();
+        turn.finished = self.take_finished();
         turn
     }
 
@@ -301,6 +309,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
         let msg = match e {
             Event::Opened { first, .. } => {
                 let grant = self.control.on_opened(&mut s.ctl);
+                s.counts.first_token_us = Some(at);
                 obs.push(first_token(&mut s.meter, at));
                 ToEdge::Opened { first, grant }
             }
@@ -325,6 +334,8 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                         });
                     }
                 }
+                s.counts.drafted += drafted;
+                s.counts.accepted += accepted;
                 if drafted > 0 {
                     obs.push(Observation::Verified {
                         tenant: s.tenant,
@@ -338,6 +349,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
             }
             Event::Token { token, done, .. } => {
                 if s.meter.last_commit_us.is_none() {
+                    s.counts.first_token_us = Some(at);
                     obs.push(first_token(&mut s.meter, at));
                 } else {
                     obs.extend(inter_token(&mut s.meter, at, 1));
@@ -345,15 +357,19 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 ToEdge::Token { token, done }
             }
             Event::Decoded { mut decoded, .. } => {
+                s.counts.decoded += 1;
                 self.control.on_decoded(&mut s.ctl, &mut decoded, at_ms);
                 obs.extend(inter_token(&mut s.meter, at, 1));
                 ToEdge::Decoded(decoded)
             }
-            Event::Error { error, fatal, .. } => ToEdge::Error {
-                error,
-                retry_after_ms: None,
-                fatal,
-            },
+            Event::Error { error, fatal, .. } => {
+                s.counts.failed |= fatal;
+                ToEdge::Error {
+                    error,
+                    retry_after_ms: None,
+                    fatal,
+                }
+            }
             Event::Preempted { .. } => {
                 turn.preemptions += 1;
                 return;

@@ -78,6 +78,10 @@ pub struct VerifierCore<T: Target = Engine, H = ()> {
     pub(crate) ended: Vec<SessionId>,
     /// Mean forward time (ms), for the retry hint of a refused session.
     pub(crate) iteration_ms: f64,
+    /// The driver's clock at the last message or turn (µs).
+    pub(crate) now_us: u64,
+    /// What the sessions that ended used, told with the next turn ([`Turn::finished`]).
+    pub(crate) finished: Vec<crate::Usage>,
     pub stats: VerifierStats,
 }
 
@@ -104,6 +108,8 @@ impl<T: Target, H> VerifierCore<T, H> {
             draining: false,
             ended: Vec::new(),
             iteration_ms: 50.0,
+            now_us: 0,
+            finished: Vec::new(),
             stats: VerifierStats::default(),
         };
         v.set_tenant(TenantId(0), TenantConfig::default())?;
@@ -145,6 +151,16 @@ impl<T: Target, H> VerifierCore<T, H> {
             .filter(|s| matches!(s.work, Work::Spec { .. }))
             .count();
         (spec, self.sessions.len() - spec)
+    }
+
+    /// Requests whose prompt is prefilled, and those admitted and waiting for it.
+    pub fn request_counts(&self) -> (usize, usize) {
+        let waiting = self
+            .sessions
+            .values()
+            .filter(|s| !s.state().prefilled)
+            .count();
+        (self.sessions.len() - waiting, waiting)
     }
 
     pub fn session(&self, id: SessionId) -> Option<SessionState> {
@@ -217,6 +233,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                     opened_us: now_us,
                     ..Meter::default()
                 },
+                counts: Default::default(),
                 handle,
             },
         );
@@ -249,11 +266,31 @@ impl<T: Target, H> VerifierCore<T, H> {
         }
     }
 
-    /// Close session `id`: the one place a record goes, with its scheduler entry, its KV blocks
-    /// and its part of the load control. Closing a session that is not open does nothing.
+    /// Close session `id`: its record goes, with its scheduler entry, its KV blocks and its part
+    /// of the load control, and what it used is told with the next turn. Closing a session that
+    /// is not open does nothing.
     pub fn close(&mut self, id: SessionId) {
-        self.sessions.remove(&id);
+        self.retire(id, None);
+    }
+
+    /// The one place a record goes (closed, cancelled, shut down): its usage is kept for the
+    /// next turn, ended for `why` (None: by what it committed).
+    pub(crate) fn retire(
+        &mut self,
+        id: SessionId,
+        why: Option<crate::Finish>,
+    ) -> Option<Session<H>> {
+        let s = self.sessions.remove(&id)?;
         self.sched.close(id);
+        self.finished
+            .push(crate::Usage::of(id, &s, self.now_us, why));
+        Some(s)
+    }
+
+    /// What the sessions that ended since the last call used (a driver that runs turns gets
+    /// them in [`Turn::finished`](crate::Turn::finished)).
+    pub fn take_finished(&mut self) -> Vec<crate::Usage> {
+        std::mem::take(&mut self.finished)
     }
 
     /// End `tenant`'s session `id` at its tenant's request: it is closed now, and its edge is
@@ -261,18 +298,16 @@ impl<T: Target, H> VerifierCore<T, H> {
     /// another tenant's, is [`VerifierError::UnknownSession`] — the same answer for both, so that
     /// a tenant cannot learn of another's sessions.
     pub fn cancel(&mut self, id: SessionId, tenant: TenantId) -> Result<(), VerifierError> {
-        match self.sessions.remove(&id) {
+        match self.sessions.get(&id) {
             Some(s) if s.tenant == tenant => {
-                self.sched.close(id);
+                let s = self
+                    .retire(id, Some(crate::Finish::Cancelled))
+                    .expect("invariant: open");
                 self.dismissed
                     .push((id, s.handle, VerifierError::Cancelled(id)));
                 Ok(())
             }
-            Some(s) => {
-                self.sessions.insert(id, s);
-                Err(VerifierError::UnknownSession(id))
-            }
-            None => Err(VerifierError::UnknownSession(id)),
+            _ => Err(VerifierError::UnknownSession(id)),
         }
     }
 
@@ -281,8 +316,11 @@ impl<T: Target, H> VerifierCore<T, H> {
     /// closed.
     pub fn shut_down(&mut self) {
         self.draining = true;
-        for (id, s) in std::mem::take(&mut self.sessions) {
-            self.sched.close(id);
+        let ids: Vec<SessionId> = self.sessions.keys().copied().collect();
+        for id in ids {
+            let s = self
+                .retire(id, Some(crate::Finish::Shutdown))
+                .expect("invariant: open");
             self.dismissed.push((id, s.handle, VerifierError::Draining));
         }
     }

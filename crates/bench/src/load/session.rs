@@ -347,8 +347,8 @@ pub(super) fn drive(
         ttft_ms: r2(Summary::of(&ttft)),
         mean_batch_sessions: round2(ratio("tandem:batch_size_sum", "tandem:batch_size_count")),
         mean_tokens_per_forward: round2(ratio(
-            "tandem:tokens_per_forward_sum",
-            "tandem:tokens_per_forward_count",
+            "tandem:iteration_tokens_total_sum",
+            "tandem:iteration_tokens_total_count",
         )),
         forward_ms_mean: round2(
             1e3 * ratio("tandem:forward_seconds_sum", "tandem:forward_seconds_count"),
@@ -356,8 +356,8 @@ pub(super) fn drive(
         forward_busy_share: round2(delta("tandem:forward_seconds_sum") / j.a.duration_s),
         queue_ms_mean: round2(
             1e3 * ratio(
-                "tandem:queue_time_seconds_sum",
-                "tandem:queue_time_seconds_count",
+                "tandem:block_queue_time_seconds_sum",
+                "tandem:block_queue_time_seconds_count",
             ),
         ),
         forwards_per_token: if committed > 0 {
@@ -377,7 +377,7 @@ pub(super) fn drive(
                 .fold((0, 0), |s, o| (s.0 + o.cloud_decoded, s.1 + o.tokens));
             round2(c as f64 / t.max(1) as f64)
         },
-        preemptions: delta("tandem:preemptions_total"),
+        preemptions: delta("tandem:num_preemptions_total"),
         takeovers: delta("tandem:takeovers_total"),
         side_nodes_per_token: {
             let (n, t) = outs
