@@ -28,6 +28,7 @@ impl CloudProcess {
                 "cloud",
                 "serve",
                 "--no-auth",
+                "--no-ledger",
                 "--listen",
                 "127.0.0.1:0",
                 "--threads",

@@ -184,6 +184,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Info(a) => cmd_info(&home, a)?,
         Cmd::Demo(a) => cmd_demo(&home, a)?,
         Cmd::Cloud(CloudCmd::Serve(a)) => cmd_serve(&home, a)?,
+        Cmd::Cloud(CloudCmd::Usage(a)) => cmd_usage(&home, a)?,
         Cmd::Simulate(a) => cmd_simulate(a)?,
         Cmd::Plan(a) => cmd_plan(a)?,
         Cmd::Netem(a) => cmd_netem(a)?,

@@ -16,6 +16,82 @@ pub(crate) struct NetemArgs {
 pub(crate) enum CloudCmd {
     /// Serve the target as a tandem.v1 gRPC verifier.
     Serve(ServeArgs),
+    /// Per-tenant totals from the usage ledger (what `cloud serve` recorded of each session).
+    Usage(UsageArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct UsageArgs {
+    /// The ledger (default: ledger.sqlite in the model directory, as `cloud serve` writes it).
+    #[arg(long)]
+    ledger: Option<std::path::PathBuf>,
+    /// Only this tenant (its name in the tenants file).
+    #[arg(long)]
+    tenant: Option<String>,
+    /// Only sessions closed since: Unix seconds, or a span ago (`90s`, `30m`, `24h`, `7d`).
+    #[arg(long, value_parser = parse_since)]
+    since: Option<i64>,
+    /// Print JSON (a list of per-tenant totals) instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `--since`: Unix seconds, or `N` followed by s, m, h or d (that long ago), as Unix ms.
+fn parse_since(s: &str) -> Result<i64, String> {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    let bad = || format!("`{s}` is neither Unix seconds nor a span like 30m, 24h or 7d");
+    if let Ok(secs) = s.parse::<i64>() {
+        return Ok(secs * 1000);
+    }
+    let (n, unit) = s.split_at(s.len().saturating_sub(1));
+    let n: i64 = n.parse().map_err(|_| bad())?;
+    let ms = match unit {
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return Err(bad()),
+    };
+    Ok(now_ms - n * ms)
+}
+
+/// The ledger's default place.
+pub(crate) fn default_ledger(home: &std::path::Path) -> std::path::PathBuf {
+    home.join("ledger.sqlite")
+}
+
+pub(crate) fn cmd_usage(home: &std::path::Path, a: UsageArgs) -> Result<()> {
+    let path = a.ledger.unwrap_or_else(|| default_ledger(home));
+    if !path.exists() {
+        bail!(
+            "--ledger {}: no ledger there (cloud serve writes one)",
+            path.display()
+        );
+    }
+    let c = tandem_cloud::ledger::open(&path)?;
+    let rows = tandem_cloud::ledger::totals(&c, a.tenant.as_deref(), a.since.unwrap_or(0))?;
+    if a.json {
+        println!("{}", serde_json::to_string(&rows)?);
+        return Ok(());
+    }
+    println!("| tenant | sessions | prompt tokens | committed tokens | accepted draft tokens | verifier's tokens | of them decoded | verified positions |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            r.tenant,
+            r.sessions,
+            r.prompt_tokens,
+            r.committed_tokens,
+            r.accepted_draft_tokens,
+            r.cloud_tokens,
+            r.decoded_tokens,
+            r.verified_positions
+        );
+    }
+    Ok(())
 }
 
 #[derive(Args)]
@@ -65,6 +141,13 @@ pub(crate) struct ServeArgs {
     /// front of this verifier terminates TLS (without it, --tenants off loopback needs TLS).
     #[arg(long)]
     insecure_behind_proxy: bool,
+    /// The usage ledger: a row per ended session (tenant, times, counts; never content), SQLite
+    /// (default: ledger.sqlite in the model directory).
+    #[arg(long)]
+    ledger: Option<std::path::PathBuf>,
+    /// Keep no usage ledger.
+    #[arg(long, conflicts_with = "ledger")]
+    no_ledger: bool,
     #[command(flatten)]
     verifier: tandem_verifier::VerifierConfig,
     /// On ctrl-c or SIGTERM, let open sessions finish for up to this many seconds.
@@ -167,7 +250,15 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
         )
     };
     let auth = tenants.auth_required();
-    let (service, batcher) = tandem_cloud::grpc::start(engine, a.verifier, info, tenants)?;
+    let ledger = if a.no_ledger {
+        None
+    } else {
+        let path = a.ledger.clone().unwrap_or_else(|| default_ledger(home));
+        eprintln!("usage ledger: {}", path.display());
+        Some(tandem_cloud::ledger::Ledger::start(&path)?)
+    };
+    let (service, batcher) =
+        tandem_cloud::grpc::start_with_ledger(engine, a.verifier, info, tenants, ledger)?;
     let rt = tandem_bench::runtime()?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(addr)

@@ -54,7 +54,15 @@ fn tenants(dir: &Path) -> PathBuf {
 /// its port, or its exit and what it said when it stopped first.
 fn serve(args: &[&str]) -> Result<(Child, u16), (Output, String)> {
     let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["cloud", "serve", "--forward-cost", "40,2", "--threads", "1"])
+        .args([
+            "cloud",
+            "serve",
+            "--forward-cost",
+            "40,2",
+            "--threads",
+            "1",
+            "--no-ledger",
+        ])
         .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

@@ -22,14 +22,20 @@ const MESSAGES_PER_TURN: usize = 4096;
 type Answer = Box<dyn FnOnce(&VerifierCore<Engine, Reply>)>;
 
 /// Drive `core` until every sender of `rx` is gone; returns the core. `tenant_names[t]` labels
-/// tenant `t` in the metrics.
+/// tenant `t` in the metrics and the ledger; each ended session goes to `ledger` (flushed when
+/// the batcher returns).
 pub fn run_batcher(
     mut core: VerifierCore<Engine, Reply>,
     rx: Receiver<ToCloud>,
     gauges: Arc<Gauges>,
     tenant_names: Vec<String>,
+    mut ledger: Option<crate::ledger::Ledger>,
 ) -> VerifierCore<Engine, Reply> {
     let started = Instant::now();
+    // The core's clock (µs since `started`) in Unix ms, for the ledger's times.
+    let epoch_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
     let now_us = || started.elapsed().as_micros() as u64;
     let mut throttled = false;
     loop {
@@ -37,13 +43,13 @@ pub fn run_batcher(
         let first = if !core.has_work() {
             match rx.recv() {
                 Ok(m) => Some(m),
-                Err(_) => return core,
+                Err(_) => break,
             }
         } else if throttled {
             match rx.recv_timeout(THROTTLED_WAIT) {
                 Ok(m) => Some(m),
                 Err(RecvTimeoutError::Timeout) => None,
-                Err(RecvTimeoutError::Disconnected) => return core,
+                Err(RecvTimeoutError::Disconnected) => break,
             }
         } else {
             None
@@ -85,6 +91,7 @@ pub fn run_batcher(
         let turn = core.turn(now_us());
         let step_s = t0.elapsed().as_secs_f64();
         gauges.metrics.record(&turn, step_s, &tenant_names);
+        record(&mut ledger, &turn.finished, &tenant_names, epoch_ms);
         throttled = turn.throttled;
         // An edge that hung up (a dropped stream, a client that went away mid-generation) frees
         // its KV cache and stops costing forward passes.
@@ -97,5 +104,27 @@ pub fn run_batcher(
         for a in answers {
             a(&core);
         }
+    }
+    // Sessions closed since the last turn (the end of a drain) are in the ledger too.
+    let last = core.take_finished();
+    record(&mut ledger, &last, &tenant_names, epoch_ms);
+    core
+}
+
+/// Each ended session's row to the ledger, if there is one.
+fn record(
+    ledger: &mut Option<crate::ledger::Ledger>,
+    finished: &[tandem_verifier::Usage],
+    tenant_names: &[String],
+    epoch_ms: i64,
+) {
+    let Some(l) = ledger.as_mut() else {
+        return;
+    };
+    for u in finished {
+        let name = tenant_names
+            .get(u.tenant.0 as usize)
+            .map_or_else(|| u.tenant.to_string(), |n| n.clone());
+        l.record(crate::ledger::Row::of(u, &name, epoch_ms));
     }
 }

@@ -461,8 +461,25 @@ impl VerifierRpc for Service {
 pub fn start(
     engine: tandem_engine::Engine,
     cfg: tandem_verifier::VerifierConfig,
+    info: ServiceInfo,
+    tenants: Tenants,
+) -> Result<
+    (
+        Service,
+        std::thread::JoinHandle<VerifierCore<tandem_engine::Engine, Reply>>,
+    ),
+    VerifierError,
+> {
+    start_with_ledger(engine, cfg, info, tenants, None)
+}
+
+/// [`start`], recording every ended session in `ledger` (see [`crate::ledger`]).
+pub fn start_with_ledger(
+    engine: tandem_engine::Engine,
+    cfg: tandem_verifier::VerifierConfig,
     mut info: ServiceInfo,
     tenants: Tenants,
+    ledger: Option<crate::ledger::Ledger>,
 ) -> Result<
     (
         Service,
@@ -494,7 +511,7 @@ pub fn start(
     let names = tenants.names().to_vec();
     let batcher = std::thread::Builder::new()
         .name("tandem-batcher".into())
-        .spawn(move || crate::run_batcher(core, rx, g, names))
+        .spawn(move || crate::run_batcher(core, rx, g, names, ledger))
         .map_err(|e| VerifierError::Engine(format!("starting the batcher: {e}")))?;
     Ok((Service::new(tx, info, gauges, Arc::new(tenants)), batcher))
 }

@@ -1,0 +1,175 @@
+//! The usage ledger against real processes: `tandem cloud serve --tenants … --ledger FILE` serves
+//! speculation and cloud-only generations of two tenants (`tandem generate` as the edges); once
+//! it has stopped (SIGTERM, a drain), `tandem cloud usage --json` holds per tenant exactly what
+//! the edges saw — sessions, prompt tokens, committed tokens, accepted draft tokens and the
+//! verifier's own —, and a restarted verifier adds to it. The ledger holds counts, never content.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+
+use common::*;
+use serde_json::Value;
+
+const KEY_A: &str = "tk-ledger-tenant-a-000";
+const KEY_B: &str = "tk-ledger-tenant-b-000";
+
+fn serve(tenants: &Path, ledger: &Path) -> (Child, u16) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["cloud", "serve", "--forward-cost", "40,2", "--threads", "1"])
+        .args(["--listen", "127.0.0.1:0", "--drain-timeout-s", "5"])
+        .arg("--tenants")
+        .arg(tenants)
+        .arg("--ledger")
+        .arg(ledger)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if let Some(rest) = line.strip_prefix("tandem verifier listening on ") {
+            let port = rest
+                .split_whitespace()
+                .next()
+                .and_then(|a| a.rsplit(':').next())
+                .and_then(|p| p.parse().ok())
+                .unwrap();
+            std::thread::spawn(move || for _ in lines {});
+            return (child, port);
+        }
+    }
+    panic!("the verifier did not start");
+}
+
+/// SIGTERM, and wait for the drain to end the process.
+fn stop(mut child: Child) {
+    let pid = child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "the verifier exited with {status}");
+}
+
+/// One edge's run: its JSON.
+fn edge(port: u16, key: &str, mode: &str, prompt: &str, tokens: usize) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["generate", "--model", "draft", "--mode", mode])
+        .args(["--cloud", &format!("http://127.0.0.1:{port}")])
+        .args(["--api-key", key, "--chat", "--prompt", prompt, "--json"])
+        .args(["--max-tokens", &tokens.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// What the edges saw, per tenant: sessions, prompt, committed, accepted draft and the
+/// verifier's tokens.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+struct Seen([u64; 5]);
+
+impl Seen {
+    fn add(&mut self, v: &Value) {
+        let n = |k: &str| v[k].as_array().map_or(0, |a| a.len() as u64);
+        let committed = n("output_ids");
+        let accepted = v["accepted_draft_tokens"].as_u64().unwrap_or(0);
+        self.0[0] += 1;
+        self.0[1] += n("prompt_ids");
+        self.0[2] += committed;
+        self.0[3] += accepted;
+        self.0[4] += committed - accepted;
+    }
+}
+
+fn usage(ledger: &Path) -> Vec<Value> {
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["cloud", "usage", "--json", "--ledger"])
+        .arg(ledger)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice::<Value>(&out.stdout)
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+fn totals(rows: &[Value], tenant: &str) -> Seen {
+    let r = rows
+        .iter()
+        .find(|r| r["tenant"] == tenant)
+        .unwrap_or_else(|| panic!("no row for {tenant}: {rows:?}"));
+    let n = |k: &str| r[k].as_u64().unwrap();
+    Seen([
+        n("sessions"),
+        n("prompt_tokens"),
+        n("committed_tokens"),
+        n("accepted_draft_tokens"),
+        n("cloud_tokens"),
+    ])
+}
+
+#[test]
+fn the_ledger_holds_what_the_edges_saw_and_survives_a_restart() {
+    model_path();
+    draft_path();
+    let dir = std::env::temp_dir().join(format!("tandem-ledger-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tenants = dir.join("tenants.toml");
+    std::fs::write(
+        &tenants,
+        format!(
+            "[[tenant]]\nname = \"a\"\nkeys = [\"{KEY_A}\"]\n\n[[tenant]]\nname = \"b\"\nkeys = [\"{KEY_B}\"]\n"
+        ),
+    )
+    .unwrap();
+    let ledger = dir.join("ledger.sqlite");
+    let (mut a, mut b) = (Seen::default(), Seen::default());
+
+    let (verifier, port) = serve(&tenants, &ledger);
+    a.add(&edge(port, KEY_A, "async", "Name three colours.", 24));
+    a.add(&edge(port, KEY_A, "cloud", "Say hello.", 8));
+    b.add(&edge(port, KEY_B, "async", "What is a bicycle?", 16));
+    stop(verifier);
+    let rows = usage(&ledger);
+    assert_eq!(totals(&rows, "a"), a, "tenant a: {rows:?}");
+    assert_eq!(totals(&rows, "b"), b, "tenant b: {rows:?}");
+    assert!(a.0[3] > 0, "some drafts were accepted: {a:?}");
+
+    // A restarted verifier keeps the rows and adds to them.
+    let (verifier, port) = serve(&tenants, &ledger);
+    b.add(&edge(port, KEY_B, "sync", "Count to five.", 12));
+    stop(verifier);
+    let rows = usage(&ledger);
+    assert_eq!(totals(&rows, "a"), a);
+    assert_eq!(totals(&rows, "b"), b);
+
+    // Counts, never content: no column holds text but the tenant's name and the reason.
+    let c = tandem_cloud::ledger::open(&ledger).unwrap();
+    let q = c.prepare("SELECT * FROM sessions LIMIT 1").unwrap();
+    let cols: Vec<String> = q.column_names().iter().map(|s| s.to_string()).collect();
+    assert!(
+        cols.iter()
+            .all(|c| !c.contains("text") && !c.contains("token_ids") && !c.contains("prompt_ids")),
+        "{cols:?}"
+    );
+    drop(q);
+    drop(c);
+    let _ = std::fs::remove_dir_all(&dir);
+}
