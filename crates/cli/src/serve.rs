@@ -12,6 +12,8 @@ pub(crate) struct NetemArgs {
     link: tandem_bench::netem::NetemConfig,
 }
 
+// Parsed once per run: the size of the serve flags does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 pub(crate) enum CloudCmd {
     /// Serve the target as a tandem.v1 gRPC verifier.

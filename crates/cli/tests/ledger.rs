@@ -28,21 +28,24 @@ fn serve(tenants: &Path, ledger: &Path) -> (Child, u16) {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        if let Some(rest) = line.strip_prefix("tandem verifier listening on ") {
-            let port = rest
-                .split_whitespace()
-                .next()
+    let port = child.stderr.take().and_then(|e| {
+        let mut lines = BufReader::new(e).lines().map_while(Result::ok);
+        let port = lines.by_ref().find_map(|l| {
+            l.strip_prefix("tandem verifier listening on ")
+                .and_then(|r| r.split_whitespace().next())
                 .and_then(|a| a.rsplit(':').next())
-                .and_then(|p| p.parse().ok())
-                .unwrap();
-            std::thread::spawn(move || for _ in lines {});
-            return (child, port);
+                .and_then(|p| p.parse::<u16>().ok())
+        });
+        std::thread::spawn(move || for _ in lines {});
+        port
+    });
+    match port {
+        Some(p) => (child, p),
+        None => {
+            let status = child.wait().unwrap();
+            panic!("the verifier did not start: {status}");
         }
     }
-    panic!("the verifier did not start");
 }
 
 /// SIGTERM, and wait for the drain to end the process.
