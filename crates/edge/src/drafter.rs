@@ -1,7 +1,7 @@
 //! What proposes draft tokens: the draft model ([`EngineDrafter`]), or anything else that
 //! implements [`Drafter`] (the load generator's synthetic edges, `tandem_bench::synthetic`).
 
-use tandem_engine::{Engine, Parent, SeqChunk, SeqId, Wanted};
+use tandem_engine::{Engine, Logits, Parent, SeqChunk, SeqId, Wanted};
 use tandem_spec::sampling::{sample, second_choice, SamplingParams};
 use tandem_spec::verify::{draft_sample, draft_sibling, VerifyRule};
 use tandem_spec::Hedge;
@@ -39,27 +39,34 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-/// The sequence the edge drafts on.
+/// The sequence a lone session drafts on.
 const SEQ: SeqId = SeqId(0);
 
 /// Feed `prompt` through the draft model ahead of [`crate::run`] — while the verifier prefills
 /// the same prompt — so that the first block does not wait for the draft's own prefill.
 pub fn prefill_draft(draft: &mut Engine, prompt: &[u32]) -> Result<(), EdgeError> {
-    draft.free(SEQ);
-    draft.forward(&[SeqChunk::new(SEQ, 0, prompt.to_vec(), Wanted::Last)])?;
+    prefill_seq(draft, SEQ, prompt)
+}
+
+/// [`prefill_draft`] for the draft sequence `seq`.
+pub fn prefill_seq(draft: &mut Engine, seq: SeqId, prompt: &[u32]) -> Result<(), EdgeError> {
+    draft.free(seq);
+    draft.forward(&[SeqChunk::new(seq, 0, prompt.to_vec(), Wanted::Last)])?;
     Ok(())
 }
 
-/// The draft model: one forward over the tokens it has not fed yet — the leaves of the draft
-/// tree as tree nodes of one chunk — then the rule's sampling at each leaf.
+/// One session's sequence in the draft model: what its KV slots hold, and how it draws.
 ///
-/// The draft's KV holds the tokens every leaf shares as linear slots and the tree below them
-/// as tree nodes; it is kept across forwards and reconciled with each call's leaves by token
-/// path (a slot's K and V depend only on the tokens on its path), so the caller never says what
-/// changed: tokens that left every leaf are dropped, the base's path through the tree becomes
-/// linear again, and only the new tip of each leaf is fed.
-pub struct EngineDrafter<'a> {
-    engine: &'a mut Engine,
+/// The KV holds the tokens every leaf of the draft tree shares as linear slots and the tree
+/// below them as tree nodes; it is kept across forwards and reconciled with each step's leaves by
+/// token path (a slot's K and V depend only on the tokens on its path), so the caller never says
+/// what changed: tokens that left every leaf are dropped, the base's path through the tree
+/// becomes linear again, and only the new tip of each leaf is fed. A step is planned
+/// ([`DraftSeq::plan`]: one chunk), run in a forward — alone ([`EngineDrafter`]) or beside other
+/// sessions' chunks in one ragged batch — and finished ([`DraftSeq::finish`]: the rule's draw at
+/// each leaf).
+pub struct DraftSeq {
+    seq: SeqId,
     rule: VerifyRule,
     params: SamplingParams,
     q_top_k: usize,
@@ -72,18 +79,30 @@ pub struct EngineDrafter<'a> {
     tail: Vec<(u32, usize)>,
 }
 
-impl<'a> EngineDrafter<'a> {
-    /// A drafter over `engine`, whose sequence holds nothing or exactly `prompt` (see
-    /// [`prefill_draft`]).
-    pub fn new(engine: &'a mut Engine, prompt: &[u32], cfg: &SpecConfig) -> Self {
-        let linear = if engine.seq_len(SEQ) == prompt.len() && !engine.has_tree(SEQ) {
+/// A planned draft step of one sequence: its chunk, then what [`DraftSeq::finish`] needs.
+pub struct DraftStep {
+    pub chunk: SeqChunk,
+    /// Each leaf's tip, as an index into the chunk's tokens; the rows asked for (ascending).
+    wanted: Vec<usize>,
+    rows: Vec<usize>,
+    /// The position each leaf's next token will have.
+    positions: Vec<u64>,
+    parents: Vec<Option<usize>>,
+    prefill: bool,
+}
+
+impl DraftSeq {
+    /// Sequence `seq` of `engine`, which holds nothing or exactly `prompt` (see
+    /// [`prefill_seq`]), drawing as `cfg` says.
+    pub fn new(engine: &mut Engine, seq: SeqId, prompt: &[u32], cfg: &SpecConfig) -> Self {
+        let linear = if engine.seq_len(seq) == prompt.len() && !engine.has_tree(seq) {
             prompt.to_vec()
         } else {
-            engine.free(SEQ);
+            engine.free(seq);
             Vec::new()
         };
         Self {
-            engine,
+            seq,
             rule: cfg.rule.effective(&cfg.params),
             params: cfg.params,
             q_top_k: cfg.q_top_k,
@@ -91,6 +110,10 @@ impl<'a> EngineDrafter<'a> {
             linear,
             tail: Vec::new(),
         }
+    }
+
+    pub fn seq(&self) -> SeqId {
+        self.seq
     }
 
     /// The tail slot holding `token` as a child of slot `parent`.
@@ -119,14 +142,14 @@ impl<'a> EngineDrafter<'a> {
     /// Keep of the draft's KV what the `paths` still use (each but its tip, which the next
     /// forward feeds for its logits): the linear run as far as some path follows it, and the
     /// tree nodes on some path.
-    fn reconcile(&mut self, paths: &[Vec<u32>]) -> Result<(), EdgeError> {
+    fn reconcile(&mut self, engine: &mut Engine, paths: &[Vec<u32>]) -> Result<(), EdgeError> {
         let lin = paths
             .iter()
             .map(|p| common_prefix(&self.linear, &p[..p.len() - 1]))
             .max()
             .unwrap_or(0);
         if lin < self.linear.len() {
-            self.engine.truncate(SEQ, lin)?;
+            engine.truncate(self.seq, lin)?;
             self.linear.truncate(lin);
             self.tail.clear();
         }
@@ -148,7 +171,7 @@ impl<'a> EngineDrafter<'a> {
         keep.sort_unstable();
         keep.dedup();
         if keep.len() < self.tail.len() {
-            self.engine.keep_tree(SEQ, l, &keep)?;
+            engine.keep_tree(self.seq, l, &keep)?;
             let moved: std::collections::HashMap<usize, usize> =
                 keep.iter().enumerate().map(|(i, &s)| (s, l + i)).collect();
             let tail: Vec<(u32, usize)> = keep
@@ -177,9 +200,106 @@ impl<'a> EngineDrafter<'a> {
             Some(p) => self.tail.push((token, p)),
         }
     }
-}
 
-impl EngineDrafter<'_> {
+    /// Plan the step that grows each leaf (`base` followed by `leaves[i]`) by one token: the KV
+    /// is reconciled with the leaves now, and the chunk feeds what it lacks of each path (each
+    /// tip always; paths that share a prefix share its new nodes).
+    pub fn plan(
+        &mut self,
+        engine: &mut Engine,
+        base: &[u32],
+        leaves: &[Vec<u32>],
+    ) -> Result<DraftStep, EdgeError> {
+        if base.is_empty() || leaves.is_empty() {
+            return Err(EdgeError::Spec(tandem_spec::SpecError::Protocol(
+                "a draft step needs a prompt and at least one leaf".into(),
+            )));
+        }
+        let paths: Vec<Vec<u32>> = leaves.iter().map(|l| [base, &l[..]].concat()).collect();
+        self.reconcile(engine, &paths)?;
+        // A forward that feeds the whole prompt is a prefill, not a draft step.
+        let prefill = self.linear.is_empty();
+        let start = self.linear.len() + self.tail.len();
+        let (mut tokens, mut parents) = (Vec::new(), Vec::<Option<usize>>::new());
+        let mut wanted = Vec::with_capacity(paths.len());
+        for p in &paths {
+            let (m, mut at) = self.reach(&p[..p.len() - 1]);
+            for (j, &t) in p.iter().enumerate().skip(m) {
+                let shared = (j + 1 < p.len())
+                    .then(|| (0..tokens.len()).find(|&i| tokens[i] == t && parents[i] == at))
+                    .flatten();
+                at = Some(match shared {
+                    Some(i) => start + i,
+                    None => {
+                        tokens.push(t);
+                        parents.push(at);
+                        start + tokens.len() - 1
+                    }
+                });
+            }
+            wanted.push(at.expect("invariant: a path has a token") - start);
+        }
+        let mut rows = wanted.clone();
+        rows.sort_unstable();
+        rows.dedup();
+        let chunk_parents = parents
+            .iter()
+            .map(|p| p.map_or(Parent::Previous, Parent::Slot))
+            .collect();
+        Ok(DraftStep {
+            chunk: SeqChunk::tree(
+                self.seq,
+                start,
+                tokens,
+                chunk_parents,
+                Wanted::At(rows.clone()),
+            ),
+            wanted,
+            rows,
+            positions: paths.iter().map(|p| p.len() as u64).collect(),
+            parents,
+            prefill,
+        })
+    }
+
+    /// After the forward that ran `step` (alone or in a batch, `logits` its output): record
+    /// the slots it filled and draw each leaf's next token.
+    pub fn finish(&mut self, step: DraftStep, logits: &Logits) -> Result<Vec<Proposal>, EdgeError> {
+        let mine: Vec<&[f32]> = logits.for_seq(self.seq).map(|(_, r)| r).collect();
+        if mine.len() != step.rows.len() {
+            return Err(EdgeError::Spec(tandem_spec::SpecError::Protocol(format!(
+                "{} logits rows for a draft step that asked for {}",
+                mine.len(),
+                step.rows.len()
+            ))));
+        }
+        for (&t, &p) in step.chunk.tokens.iter().zip(&step.parents) {
+            self.push_slot(t, p);
+        }
+        Ok(step
+            .wanted
+            .iter()
+            .zip(&step.positions)
+            .map(|(w, &pos)| {
+                let row = step
+                    .rows
+                    .binary_search(w)
+                    .expect("invariant: each leaf's row was asked for");
+                Proposal {
+                    prefill: step.prefill,
+                    ..self.choose(mine[row], pos)
+                }
+            })
+            .collect())
+    }
+
+    /// The sequence is over: free its KV.
+    pub fn free(&mut self, engine: &mut Engine) {
+        engine.free(self.seq);
+        self.linear.clear();
+        self.tail.clear();
+    }
+
     /// The rule's token at `pos` from the draft's logits there, its distribution when the rule
     /// needs it, and the second choice.
     fn choose(&self, row: &[f32], pos: u64) -> Proposal {
@@ -226,77 +346,32 @@ impl EngineDrafter<'_> {
     }
 }
 
+/// The draft model for one session: its [`DraftSeq`] run alone, one forward per step.
+pub struct EngineDrafter<'a> {
+    engine: &'a mut Engine,
+    seq: DraftSeq,
+}
+
+impl<'a> EngineDrafter<'a> {
+    /// A drafter over `engine`, whose sequence holds nothing or exactly `prompt` (see
+    /// [`prefill_draft`]).
+    pub fn new(engine: &'a mut Engine, prompt: &[u32], cfg: &SpecConfig) -> Self {
+        let seq = DraftSeq::new(engine, SEQ, prompt, cfg);
+        Self { engine, seq }
+    }
+}
+
 impl Drafter for EngineDrafter<'_> {
     fn grow(&mut self, base: &[u32], leaves: &[Vec<u32>]) -> Result<Vec<Proposal>, EdgeError> {
-        if base.is_empty() || leaves.is_empty() {
-            return Err(EdgeError::Spec(tandem_spec::SpecError::Protocol(
-                "a draft step needs a prompt and at least one leaf".into(),
-            )));
-        }
-        let paths: Vec<Vec<u32>> = leaves.iter().map(|l| [base, &l[..]].concat()).collect();
-        self.reconcile(&paths)?;
-        // A forward that feeds the whole prompt is a prefill, not a draft step.
-        let prefill = self.linear.is_empty();
-        let start = self.linear.len() + self.tail.len();
-        // Each path's tokens past what the KV holds (its tip always), as nodes of one chunk;
-        // paths that share a prefix share its new nodes.
-        let (mut tokens, mut parents) = (Vec::new(), Vec::<Option<usize>>::new());
-        let mut wanted = Vec::with_capacity(paths.len());
-        for p in &paths {
-            let (m, mut at) = self.reach(&p[..p.len() - 1]);
-            for (j, &t) in p.iter().enumerate().skip(m) {
-                let shared = (j + 1 < p.len())
-                    .then(|| (0..tokens.len()).find(|&i| tokens[i] == t && parents[i] == at))
-                    .flatten();
-                at = Some(match shared {
-                    Some(i) => start + i,
-                    None => {
-                        tokens.push(t);
-                        parents.push(at);
-                        start + tokens.len() - 1
-                    }
-                });
-            }
-            wanted.push(at.expect("invariant: a path has a token") - start);
-        }
-        let mut rows = wanted.clone();
-        rows.sort_unstable();
-        rows.dedup();
-        let chunk_parents = parents
-            .iter()
-            .map(|p| p.map_or(Parent::Previous, Parent::Slot))
-            .collect();
-        let logits = self.engine.forward(&[SeqChunk::tree(
-            SEQ,
-            start,
-            tokens.clone(),
-            chunk_parents,
-            Wanted::At(rows.clone()),
-        )])?;
-        for (&t, &p) in tokens.iter().zip(&parents) {
-            self.push_slot(t, p);
-        }
-        Ok(paths
-            .iter()
-            .zip(&wanted)
-            .map(|(p, w)| {
-                let row = rows
-                    .binary_search(w)
-                    .expect("invariant: each leaf's row was asked for");
-                Proposal {
-                    prefill,
-                    ..self.choose(logits.row(row), p.len() as u64)
-                }
-            })
-            .collect())
+        let step = self.seq.plan(self.engine, base, leaves)?;
+        let logits = self.engine.forward(std::slice::from_ref(&step.chunk))?;
+        self.seq.finish(step, &logits)
     }
 
     fn rollback(&mut self, len: usize) -> Result<(), EdgeError> {
         // The next `grow` drops what its leaves no longer use; only the end frees the sequence.
         if len == 0 {
-            self.engine.free(SEQ);
-            self.linear.clear();
-            self.tail.clear();
+            self.seq.free(self.engine);
         }
         Ok(())
     }

@@ -121,3 +121,41 @@ fn every_leaf_proposes_what_a_linear_run_of_its_path_does() {
     );
     assert!(!e.has_tree(SeqId(0)));
 }
+
+#[test]
+fn sessions_share_one_forward_and_each_proposes_what_it_would_alone() {
+    use tandem_edge::drafter::DraftSeq;
+    let m = model();
+    let mut e = engine(&m);
+    let cfg = spec();
+    let (p1, p2) = (vec![3u32, 1, 4, 1, 5], vec![2u32, 7, 1, 8]);
+    let mut a = DraftSeq::new(&mut e, SeqId(1), &p1, &cfg);
+    let mut b = DraftSeq::new(&mut e, SeqId(2), &p2, &cfg);
+    let (mut base1, mut base2) = (p1.clone(), p2.clone());
+    for step in 0..4 {
+        // Session 1 linear; session 2 with a lane from the second step on.
+        let leaves1 = vec![Vec::new()];
+        let leaves2 = if step == 0 {
+            vec![Vec::new()]
+        } else {
+            vec![vec![9 + step as u32], vec![11]]
+        };
+        let s1 = a.plan(&mut e, &base1, &leaves1).unwrap();
+        let s2 = b.plan(&mut e, &base2, &leaves2).unwrap();
+        let logits = e.forward(&[s1.chunk.clone(), s2.chunk.clone()]).unwrap();
+        let g1 = a.finish(s1, &logits).unwrap();
+        let g2 = b.finish(s2, &logits).unwrap();
+        assert_eq!(g1[0].token, fresh(&m, &base1).0, "step {step}");
+        for (leaf, g) in leaves2.iter().zip(&g2) {
+            let path = [&base2[..], &leaf[..]].concat();
+            assert_eq!(g.token, fresh(&m, &path).0, "step {step} leaf {leaf:?}");
+        }
+        base1.push(g1[0].token);
+        if step == 0 {
+            base2.push(g2[0].token);
+        }
+    }
+    a.free(&mut e);
+    b.free(&mut e);
+    assert_eq!((e.seq_len(SeqId(1)), e.seq_len(SeqId(2))), (0, 0));
+}
