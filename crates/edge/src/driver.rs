@@ -1,0 +1,219 @@
+//! [`Driver`]: one speculation session on the wall clock — its IO-free core ([`EdgeSession`]), its
+//! link to the verifier, what it committed and when. [`crate::run_with`] drives one with its own
+//! drafter; `tandem serve` drives many, their draft steps batched into one forward. Either way
+//! the driver asks what to do ([`Driver::poll`]), hands over a draft step's tokens
+//! ([`Driver::grown`]) and recovers a lost connection ([`Driver::recover`]).
+
+use std::time::Instant;
+
+use tandem_spec::{EdgeSession, Frontier, Grown, Next, Output, SessionConfig};
+
+use crate::{EdgeError, Link, Proposal, SpecReport, Update};
+
+/// What a session needs next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Want {
+    /// A draft step: grow each leaf of this frontier by one token (`tokens()[..base]` first).
+    Draft(Frontier),
+    /// Nothing until a message arrives.
+    Wait,
+    /// It is over: every token it asked for is committed.
+    Done,
+}
+
+/// One speculation session being driven. See the module docs.
+pub struct Driver<L> {
+    es: EdgeSession,
+    pub link: L,
+    start: Instant,
+    /// Milliseconds from `start` to the commit of each output token.
+    commit_ms: Vec<f64>,
+    /// Tokens committed since the user was last shown them.
+    fresh: Vec<u32>,
+    draft_forwards: usize,
+}
+
+impl<L: Link> Driver<L> {
+    /// A session over `prompt`, already open on the verifier behind `link`, which answered with
+    /// the target's `first` token; `start` is the request's time.
+    pub fn new(
+        prompt: &[u32],
+        first: u32,
+        cfg: SessionConfig,
+        eog: Vec<u32>,
+        link: L,
+        start: Instant,
+        on_update: &mut impl FnMut(Update<'_>),
+    ) -> Result<Self, EdgeError> {
+        let now = start.elapsed().as_secs_f64() * 1e3;
+        let (es, out) = EdgeSession::new(now, prompt.to_vec(), first, cfg, eog)?;
+        let mut d = Self {
+            es,
+            link,
+            start,
+            commit_ms: Vec::new(),
+            fresh: Vec::new(),
+            draft_forwards: 0,
+        };
+        d.apply(out)?;
+        d.show(on_update, None);
+        Ok(d)
+    }
+
+    fn now(&self) -> f64 {
+        self.start.elapsed().as_secs_f64() * 1e3
+    }
+
+    pub fn session(&self) -> &EdgeSession {
+        &self.es
+    }
+
+    /// Carry out the core's outputs: blocks and acks go to the verifier, commits are recorded.
+    /// (Rolling the draft back is the drafter's own business: it reconciles its KV with each
+    /// step's leaves.)
+    fn apply(&mut self, outs: Vec<Output>) -> Result<(), EdgeError> {
+        for o in outs {
+            match o {
+                Output::Send(b) => {
+                    tracing::debug!(
+                        t = self.now(),
+                        epoch = b.epoch,
+                        start = b.start_pos,
+                        len = b.tokens.len(),
+                        "edge sends a block"
+                    );
+                    self.link.send(b)?
+                }
+                Output::Rollback { .. } => {}
+                Output::Ack { committed } => self.link.ack(committed)?,
+                Output::Commit { tokens, .. } => {
+                    let t = self.now();
+                    self.commit_ms.extend(std::iter::repeat_n(t, tokens.len()));
+                    self.fresh.extend(tokens);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Show the user what was committed since the last time, and the tail as it stands.
+    fn show(&mut self, on_update: &mut impl FnMut(Update<'_>), correction: Option<(u32, u32)>) {
+        let p = self.es.pipeline();
+        on_update(Update {
+            committed: &self.fresh,
+            tentative: &p.tokens()[p.committed_len()..],
+            correction,
+        });
+        self.fresh.clear();
+    }
+
+    /// Take every message that has arrived — waiting for one when `wait` and the session has
+    /// nothing to draft — and say what it needs next. Returns the milliseconds spent waiting.
+    pub fn poll(
+        &mut self,
+        wait: bool,
+        on_update: &mut impl FnMut(Update<'_>),
+    ) -> Result<(Want, f64), EdgeError> {
+        let mut arrived = Vec::new();
+        while let Some(v) = self.link.recv(false)? {
+            arrived.push(v);
+        }
+        let mut idle_ms = 0.0;
+        if wait && arrived.is_empty() && self.es.next() == Next::Wait {
+            let w = Instant::now();
+            let v = self.link.recv(true);
+            // A wait that ends in a lost connection is a wait too.
+            idle_ms = w.elapsed().as_secs_f64() * 1e3;
+            tracing::debug!(t = self.now(), waited = idle_ms, "edge waited");
+            arrived.push(v?.ok_or(EdgeError::LinkClosed)?);
+        }
+        for m in arrived {
+            tracing::debug!(
+                t = self.now(),
+                msg = ?m,
+                committed = self.es.pipeline().committed_len(),
+                drafted = self.es.pipeline().tokens().len(),
+                "edge receives"
+            );
+            let now = self.now();
+            let r = self.es.on_message(now, m)?;
+            self.apply(r.outputs)?;
+            self.show(on_update, r.correction);
+        }
+        Ok((self.want(), idle_ms))
+    }
+
+    /// What the session needs next, as things stand.
+    pub fn want(&self) -> Want {
+        match self.es.next() {
+            Next::Done => Want::Done,
+            Next::Wait => Want::Wait,
+            Next::Draft => Want::Draft(self.es.frontier()),
+        }
+    }
+
+    /// The tokens the session's [`Want::Draft`] asked for, from a draft forward of `ms`.
+    pub fn grown(
+        &mut self,
+        props: Vec<Proposal>,
+        ms: f64,
+        on_update: &mut impl FnMut(Update<'_>),
+    ) -> Result<(), EdgeError> {
+        self.draft_forwards += 1;
+        let prefill = props.first().is_some_and(|p| p.prefill);
+        let grown = props
+            .into_iter()
+            .map(|p| Grown {
+                token: p.token,
+                q: p.q,
+                hedge: p.hedge,
+            })
+            .collect();
+        let now = self.now();
+        let outs = self.es.on_grown(now, grown, ms, prefill)?;
+        self.apply(outs)?;
+        self.show(on_update, None);
+        Ok(())
+    }
+
+    /// The edge's own time per step (outside draft forwards and waits), for its policy.
+    pub fn on_edge_work(&mut self, ms: f64) {
+        self.es.on_edge_work(ms);
+    }
+
+    /// The connection was lost: keep what is verified, drop the rest, and reopen over the
+    /// committed history (a few tries, farther apart each time). Returns whether the session is
+    /// over; an error when it could not be reopened.
+    pub fn recover(&mut self, on_update: &mut impl FnMut(Update<'_>)) -> Result<bool, EdgeError> {
+        let outs = self.es.on_connection_lost();
+        self.apply(outs)?;
+        let mut attempt = 0;
+        let first = loop {
+            let Some(r) = self.es.reopen(attempt) else {
+                return Err(EdgeError::LinkClosed);
+            };
+            std::thread::sleep(std::time::Duration::from_millis(r.after_ms));
+            match self.link.reopen(self.es.committed(), r.max_tokens) {
+                Ok(t) => break t,
+                Err(EdgeError::LinkClosed | EdgeError::Refused(_)) => attempt += 1,
+                Err(e) => return Err(e),
+            }
+        };
+        let outs = self.es.on_reopened(first);
+        self.apply(outs)?;
+        self.show(on_update, None);
+        Ok(self.es.next() == Next::Done)
+    }
+
+    /// What the session did.
+    pub fn report(&self) -> SpecReport {
+        let p = self.es.pipeline();
+        SpecReport {
+            output_ids: p.output().to_vec(),
+            commit_ms: self.commit_ms.clone(),
+            stats: *p.stats(),
+            draft_forwards: self.draft_forwards,
+            measured: self.es.measured(),
+        }
+    }
+}
