@@ -5,11 +5,13 @@ use std::io::Write;
 use std::path::PathBuf;
 
 mod benches;
+mod edge;
 mod generate;
 mod model;
 mod serve;
 
 use benches::*;
+use edge::*;
 use generate::*;
 use model::*;
 use serve::*;
@@ -57,6 +59,9 @@ enum Cmd {
     Info(InfoArgs),
     /// Pull the model, make the draft, and answer a question with the target and with the draft.
     Demo(DemoArgs),
+    /// The edge as a server: OpenAI-compatible HTTP (chat and completions, streamed as SSE), a
+    /// live view at /, metrics; each request speculates against the verifier (--cloud).
+    Serve(EdgeServeArgs),
     /// The cloud verifier.
     #[command(subcommand)]
     Cloud(CloudCmd),
@@ -183,6 +188,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Quant(a)) => cmd_quant(&home, a)?,
         Cmd::Info(a) => cmd_info(&home, a)?,
         Cmd::Demo(a) => cmd_demo(&home, a)?,
+        Cmd::Serve(a) => cmd_edge_serve(&home, a)?,
         Cmd::Cloud(CloudCmd::Serve(a)) => cmd_serve(&home, a)?,
         Cmd::Cloud(CloudCmd::Usage(a)) => cmd_usage(&home, a)?,
         Cmd::Simulate(a) => cmd_simulate(a)?,

@@ -103,6 +103,7 @@ impl<L: Link> Driver<L> {
             committed: &self.fresh,
             tentative: &p.tokens()[p.committed_len()..],
             correction,
+            stats: p.stats(),
         });
         self.fresh.clear();
     }

@@ -116,8 +116,14 @@ fn status(s: tonic::Status) -> EdgeError {
     EdgeError::Refused(format!("{:?}: {}", s.code(), s.message()))
 }
 
+/// Called whenever a message for a session arrives (a loop that drives many sessions sleeps until
+/// one of them has something).
+pub type Waker = std::sync::Arc<dyn Fn() + Send + Sync>;
+
 pub struct GrpcLink {
     out: UnboundedSender<EdgeMessage>,
+    /// Rung by the reader task after each message it passes on.
+    waker: std::sync::Arc<std::sync::Mutex<Option<Waker>>>,
     verdicts: UnboundedReceiver<Result<Incoming, EdgeError>>,
     /// What reopening a session after a lost connection needs.
     rt: tokio::runtime::Handle,
@@ -133,84 +139,108 @@ impl GrpcLink {
     /// Connect to `url`, open the session and wait for `Opened` (which carries the granted γ and
     /// depth and the target's first token).
     pub fn connect(rt: &Runtime, url: &str, req: OpenRequest) -> Result<(Self, Opened), EdgeError> {
-        Self::open(rt.handle().clone(), url, req)
+        Self::open(rt.handle().clone(), url, req, None)
     }
 
     fn open(
         rt: tokio::runtime::Handle,
         url: &str,
         req: OpenRequest,
+        waker: Option<Waker>,
+    ) -> Result<(Self, Opened), EdgeError> {
+        rt.block_on(Self::open_async(rt.clone(), url, req, waker))
+    }
+
+    /// [`GrpcLink::connect`] from async code: the session's reader runs on `rt`, and rings `waker`
+    /// (if any) after each message it passes on.
+    pub async fn open_async(
+        rt: tokio::runtime::Handle,
+        url: &str,
+        req: OpenRequest,
+        waker: Option<Waker>,
     ) -> Result<(Self, Opened), EdgeError> {
         let keep = req.clone();
-        let handle = rt.clone();
-        rt.block_on(async move {
-            let mut client = client(url, req.tls_ca.as_deref()).await?;
-            let (out, rx) = unbounded_channel::<EdgeMessage>();
-            let open = Open {
-                protocol_version: PROTOCOL_VERSION,
-                tokenizer_fingerprint: req.tokenizer_fingerprint,
-                prompt_ids: req.prompt_ids,
-                params: Some(req.params.into()),
-                max_tokens: req.max_tokens,
-                rule: rule_to_proto(req.rule) as i32,
-                want_draft_len: req.want_draft_len,
-                want_depth: req.want_depth,
-                want_side_nodes: req.want_side_nodes,
-            };
-            out.send(EdgeMessage {
-                kind: Some(edge_message::Kind::Open(open)),
-            })
-            .map_err(|_| EdgeError::LinkClosed)?;
-            let stream = authorized(UnboundedReceiverStream::new(rx), req.api_key.as_deref())?;
-            let first = |e| plaintext_hint(url, status(e));
-            let mut inbound = client.session(stream).await.map_err(first)?.into_inner();
-            let opened = match inbound.message().await.map_err(first)? {
-                Some(m) => match m.kind {
-                    Some(cloud_message::Kind::Opened(o)) => o,
-                    Some(cloud_message::Kind::Error(e)) => return Err(refused(e.message)),
-                    _ => return Err(refused("the verifier did not open the session")),
-                },
-                None => return Err(EdgeError::LinkClosed),
-            };
-            let (vtx, verdicts) = unbounded_channel();
-            tokio::spawn(async move {
-                loop {
-                    let m = match inbound.message().await {
-                        Ok(Some(m)) => m,
-                        Ok(None) => break,
-                        // A broken stream: the verifier's own refusals come as messages.
-                        Err(s) => {
-                            tracing::warn!("the session stream broke: {}", s.message());
-                            let _ = vtx.send(Err(EdgeError::LinkClosed));
-                            break;
-                        }
-                    };
-                    let item = match m.kind {
-                        Some(cloud_message::Kind::Verdict(v)) => {
-                            Ok(Incoming::Verdict(Verdict::from(v)))
-                        }
-                        Some(cloud_message::Kind::Decoded(d)) => {
-                            Ok(Incoming::Decoded(tandem_spec::Decoded::from(d)))
-                        }
-                        Some(cloud_message::Kind::Error(e)) => Err(refused(e.message)),
-                        _ => continue,
-                    };
-                    if vtx.send(item).is_err() {
+        let mut client = client(url, req.tls_ca.as_deref()).await?;
+        let (out, rx) = unbounded_channel::<EdgeMessage>();
+        let open = Open {
+            protocol_version: PROTOCOL_VERSION,
+            tokenizer_fingerprint: req.tokenizer_fingerprint,
+            prompt_ids: req.prompt_ids,
+            params: Some(req.params.into()),
+            max_tokens: req.max_tokens,
+            rule: rule_to_proto(req.rule) as i32,
+            want_draft_len: req.want_draft_len,
+            want_depth: req.want_depth,
+            want_side_nodes: req.want_side_nodes,
+        };
+        out.send(EdgeMessage {
+            kind: Some(edge_message::Kind::Open(open)),
+        })
+        .map_err(|_| EdgeError::LinkClosed)?;
+        let stream = authorized(UnboundedReceiverStream::new(rx), req.api_key.as_deref())?;
+        let first = |e| plaintext_hint(url, status(e));
+        let mut inbound = client.session(stream).await.map_err(first)?.into_inner();
+        let opened = match inbound.message().await.map_err(first)? {
+            Some(m) => match m.kind {
+                Some(cloud_message::Kind::Opened(o)) => o,
+                Some(cloud_message::Kind::Error(e)) => return Err(refused(e.message)),
+                _ => return Err(refused("the verifier did not open the session")),
+            },
+            None => return Err(EdgeError::LinkClosed),
+        };
+        let (vtx, verdicts) = unbounded_channel();
+        let waker = std::sync::Arc::new(std::sync::Mutex::new(waker));
+        let ring = waker.clone();
+        let wake = move || {
+            if let Some(w) = ring.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+                w();
+            }
+        };
+        rt.spawn(async move {
+            loop {
+                let m = match inbound.message().await {
+                    Ok(Some(m)) => m,
+                    Ok(None) => break,
+                    // A broken stream: the verifier's own refusals come as messages.
+                    Err(s) => {
+                        tracing::warn!("the session stream broke: {}", s.message());
+                        let _ = vtx.send(Err(EdgeError::LinkClosed));
+                        wake();
                         break;
                     }
+                };
+                let item = match m.kind {
+                    Some(cloud_message::Kind::Verdict(v)) => {
+                        Ok(Incoming::Verdict(Verdict::from(v)))
+                    }
+                    Some(cloud_message::Kind::Decoded(d)) => {
+                        Ok(Incoming::Decoded(tandem_spec::Decoded::from(d)))
+                    }
+                    Some(cloud_message::Kind::Error(e)) => Err(refused(e.message)),
+                    _ => continue,
+                };
+                if vtx.send(item).is_err() {
+                    break;
                 }
-            });
-            Ok((
-                Self {
-                    out,
-                    verdicts,
-                    rt: handle,
-                    url: url.to_string(),
-                    req: keep,
-                },
-                opened,
-            ))
-        })
+                wake();
+            }
+        });
+        Ok((
+            Self {
+                out,
+                waker,
+                verdicts,
+                rt,
+                url: url.to_string(),
+                req: keep,
+            },
+            opened,
+        ))
+    }
+
+    /// Ring `w` whenever a message arrives (also after a reconnect).
+    pub fn set_waker(&self, w: Waker) {
+        *self.waker.lock().unwrap_or_else(|e| e.into_inner()) = Some(w);
     }
 
     /// End the session politely.
@@ -246,7 +276,8 @@ impl Link for GrpcLink {
             max_tokens: max_tokens as u32,
             ..self.req.clone()
         };
-        let (fresh, opened) = Self::open(self.rt.clone(), &self.url, req)?;
+        let w = self.waker.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let (fresh, opened) = Self::open(self.rt.clone(), &self.url, req, w)?;
         *self = fresh;
         Ok(opened.first_token)
     }

@@ -9,6 +9,7 @@
 pub mod drafter;
 pub mod driver;
 pub mod grpc;
+pub mod serve;
 
 use std::time::Instant;
 
@@ -94,6 +95,8 @@ pub struct Update<'a> {
     pub tentative: &'a [u32],
     /// The target rejected the draft's token here: `(draft's token, target's token)`.
     pub correction: Option<(u32, u32)>,
+    /// The session's counts so far (α live).
+    pub stats: &'a tandem_spec::PipelineStats,
 }
 
 pub use drafter::prefill_draft;

@@ -34,7 +34,7 @@ pub use cloud_session::{BlockAction, CloudSession, Feed, Finished, ACK_EVERY, FL
 pub use edge::{EdgeSession, Incoming, Measured, Reaction, SessionConfig};
 pub use pipeline::{
     Block, BlockId, Decoded, Estimates, Frontier, Grown, Hedge, Next, Output, Pipeline,
-    PipelineConfig, PipelineStats, Shape, SparseDist, TreeConfig, Verdict,
+    PipelineConfig, PipelineStats, Shape, SparseDist, TreeConfig, Verdict, ACCEPT_POSITIONS,
 };
 pub use tree::{Node, SideNode, Step};
 pub use verify::VerifyRule;

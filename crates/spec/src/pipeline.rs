@@ -266,7 +266,13 @@ pub struct PipelineStats {
     /// ([`crate::tree::CONFIDENCE_BUCKETS`]; counted only when it names second choices, i.e.
     /// with token trees on).
     pub by_confidence: [ConfidenceCount; 5],
+    /// Verdicts that accepted the block's token at position `i` (0: the first drafted token;
+    /// positions past the last are not counted), as vLLM's per-position acceptance.
+    pub accepted_at: [usize; ACCEPT_POSITIONS],
 }
+
+/// Block positions [`PipelineStats::accepted_at`] counts.
+pub const ACCEPT_POSITIONS: usize = 16;
 
 /// Committed positions of one confidence bucket: guessed, right, and wrong but the second
 /// choice (or second draw) right.
@@ -741,6 +747,9 @@ impl Pipeline {
             .map(|&n| front.token(n).expect("invariant: path nodes have tokens"))
             .collect();
         self.stats.verdicts += 1;
+        for n in self.stats.accepted_at.iter_mut().take(v.accepted) {
+            *n += 1;
+        }
         self.last_lead = Some(self.committed - start);
         let from = self.committed;
         self.answering = Some(v.block);

@@ -1,0 +1,417 @@
+//! OpenAI's HTTP API as `tandem serve` speaks it: the requests of `POST /v1/chat/completions` and
+//! `POST /v1/completions`, each checked into a [`Request`] or refused with OpenAI's error object
+//! naming the field; the responses and the streamed chunks. Fields a client sends that Tandem
+//! does not use are ignored, as OpenAI-compatible servers do; `n` other than 1 is refused.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tandem_engine::tokenizer::ChatMessage;
+use tandem_engine::Tokenizer;
+use tandem_spec::sampling::SamplingParams;
+
+/// An error as OpenAI sends it: an HTTP status and `{"error": {message, type, param, code}}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn invalid(param: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status: 400,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: Some(param),
+        }
+    }
+    pub fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": Value::Null,
+        }})
+    }
+}
+
+/// A message's content: text, or parts of which the text ones count.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Message {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+/// `stop`: one string or up to four.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Tandem's opt-in extension of a request.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Extension {
+    /// Stream the draft's tentative tokens and its corrections too (the live view).
+    #[serde(default)]
+    pub tentative: bool,
+}
+
+/// The fields of both endpoints' requests that Tandem reads.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Body {
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub messages: Option<Vec<Message>>,
+    #[serde(default)]
+    pub prompt: Option<Value>,
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<u64>,
+    #[serde(default)]
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub n: Option<u64>,
+    #[serde(default)]
+    pub tandem: Option<Extension>,
+}
+
+/// Which endpoint a request came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Chat,
+    Completion,
+}
+
+/// A request checked and tokenized: what a session needs.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub kind: Kind,
+    pub model: String,
+    pub prompt_ids: Vec<u32>,
+    pub params: SamplingParams,
+    pub max_tokens: usize,
+    pub stops: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub tentative: bool,
+}
+
+/// What the server serves, for the checks.
+pub struct Served<'a> {
+    pub model: &'a str,
+    pub tok: &'a Tokenizer,
+    pub context_len: usize,
+    /// The seed of a request that names none.
+    pub seed: u64,
+}
+
+/// Parse and check a request's body for endpoint `kind`.
+pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiError> {
+    let b: Body = serde_json::from_slice(body).map_err(|e| {
+        let param = match e.classify() {
+            serde_json::error::Category::Syntax | serde_json::error::Category::Eof => "body",
+            _ => field_of(&e.to_string()),
+        };
+        ApiError::invalid(param, format!("the request body is not valid: {e}"))
+    })?;
+    let model = b.model.clone().unwrap_or_else(|| served.model.to_string());
+    if model != served.model {
+        return Err(ApiError {
+            status: 404,
+            message: format!(
+                "The model `{model}` does not exist: this server serves `{}`",
+                served.model
+            ),
+            kind: "invalid_request_error",
+            param: Some("model"),
+        });
+    }
+    if let Some(n) = b.n.filter(|&n| n != 1) {
+        return Err(ApiError::invalid(
+            "n",
+            format!("n must be 1 (one answer per request), got {n}"),
+        ));
+    }
+    let temperature = b.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid(
+            "temperature",
+            format!("temperature must be within 0 and 2, got {temperature}"),
+        ));
+    }
+    let top_p = b.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid(
+            "top_p",
+            format!("top_p must be within (0, 1], got {top_p}"),
+        ));
+    }
+    let stops = match b.stop.clone() {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) if v.len() <= 4 => v,
+        Some(Stop::Many(v)) => {
+            return Err(ApiError::invalid(
+                "stop",
+                format!("at most 4 stop sequences, got {}", v.len()),
+            ))
+        }
+    };
+    let prompt_ids = match kind {
+        Kind::Chat => chat_prompt(&b, served.tok)?,
+        Kind::Completion => completion_prompt(&b, served.tok)?,
+    };
+    if prompt_ids.len() >= served.context_len {
+        return Err(ApiError::invalid(
+            if kind == Kind::Chat {
+                "messages"
+            } else {
+                "prompt"
+            },
+            format!(
+                "the prompt is {} tokens, the model's context {}",
+                prompt_ids.len(),
+                served.context_len
+            ),
+        ));
+    }
+    let room = served.context_len - prompt_ids.len();
+    let (asked, param) = match (b.max_completion_tokens, b.max_tokens) {
+        (Some(m), _) => (Some(m), "max_completion_tokens"),
+        (None, Some(m)) => (Some(m), "max_tokens"),
+        (None, None) => (None, "max_tokens"),
+    };
+    let max_tokens = match asked {
+        Some(0) => {
+            return Err(ApiError::invalid(
+                param,
+                format!("{param} must be at least 1"),
+            ))
+        }
+        Some(m) if m as usize > room => {
+            return Err(ApiError::invalid(
+                param,
+                format!(
+                    "{param} {m} and the prompt's {} tokens exceed the model's context {}",
+                    prompt_ids.len(),
+                    served.context_len
+                ),
+            ))
+        }
+        Some(m) => m as usize,
+        None if kind == Kind::Completion => 16.min(room),
+        None => room,
+    };
+    let stream = b.stream.unwrap_or(false);
+    if b.stream_options.is_some() && !stream {
+        return Err(ApiError::invalid(
+            "stream_options",
+            "stream_options is only allowed when stream is true",
+        ));
+    }
+    Ok(Request {
+        kind,
+        model,
+        prompt_ids,
+        params: SamplingParams {
+            temperature,
+            top_k: 0,
+            top_p,
+            seed: b.seed.unwrap_or(served.seed),
+        },
+        max_tokens,
+        stops,
+        stream,
+        include_usage: b.stream_options.is_some_and(|o| o.include_usage),
+        tentative: b.tandem.is_some_and(|t| t.tentative),
+    })
+}
+
+/// The field a serde error names (`missing field `messages``, `unknown variant`, …), else the
+/// body.
+fn field_of(msg: &str) -> &'static str {
+    for f in [
+        "messages",
+        "prompt",
+        "model",
+        "temperature",
+        "top_p",
+        "max_tokens",
+        "max_completion_tokens",
+        "seed",
+        "stop",
+        "stream_options",
+        "stream",
+        "n",
+        "role",
+        "content",
+    ] {
+        if msg.contains(&format!("`{f}`")) {
+            return f;
+        }
+    }
+    "body"
+}
+
+fn chat_prompt(b: &Body, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {
+    let messages = b
+        .messages
+        .as_ref()
+        .ok_or_else(|| ApiError::invalid("messages", "messages is required"))?;
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages", "messages must not be empty"));
+    }
+    let mut chat = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        if !["system", "developer", "user", "assistant"].contains(&m.role.as_str()) {
+            return Err(ApiError::invalid(
+                "messages",
+                format!(
+                    "messages[{i}].role must be system, developer, user or assistant, got `{}`",
+                    m.role
+                ),
+            ));
+        }
+        let content = match &m.content {
+            Some(Content::Text(t)) => t.clone(),
+            Some(Content::Parts(parts)) => {
+                let mut t = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(x)) => t.push_str(x),
+                        (k, _) => {
+                            return Err(ApiError::invalid(
+                                "messages",
+                                format!(
+                                    "messages[{i}].content: only text parts are served, got `{k}`"
+                                ),
+                            ))
+                        }
+                    }
+                }
+                t
+            }
+            None => String::new(),
+        };
+        let role = if m.role == "developer" {
+            "system".to_string()
+        } else {
+            m.role.clone()
+        };
+        chat.push(ChatMessage { role, content });
+    }
+    let text = tok
+        .render_chat(&chat)
+        .map_err(|e| ApiError::invalid("messages", format!("the chat template failed: {e}")))?;
+    tok.encode(&text)
+        .map_err(|e| ApiError::invalid("messages", format!("tokenizing failed: {e}")))
+}
+
+fn completion_prompt(b: &Body, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {
+    let ids =
+        match &b.prompt {
+            Some(Value::String(s)) if !s.is_empty() => tok
+                .encode(s)
+                .map_err(|e| ApiError::invalid("prompt", format!("tokenizing failed: {e}")))?,
+            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => tok
+                .encode(a[0].as_str().unwrap_or_default())
+                .map_err(|e| ApiError::invalid("prompt", format!("tokenizing failed: {e}")))?,
+            Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|x| x.is_u64()) => {
+                let ids: Vec<u32> = a
+                    .iter()
+                    .filter_map(|x| x.as_u64())
+                    .map(|x| x as u32)
+                    .collect();
+                if let Some(&t) = ids.iter().find(|&&t| t as usize >= tok.vocab_size()) {
+                    return Err(ApiError::invalid(
+                        "prompt",
+                        format!(
+                            "token id {t} is outside the vocabulary ({})",
+                            tok.vocab_size()
+                        ),
+                    ));
+                }
+                ids
+            }
+            None => return Err(ApiError::invalid("prompt", "prompt is required")),
+            Some(_) => return Err(ApiError::invalid(
+                "prompt",
+                "prompt must be a non-empty string, one string in a list, or a list of token ids",
+            )),
+        };
+    if ids.is_empty() {
+        return Err(ApiError::invalid("prompt", "the prompt has no tokens"));
+    }
+    Ok(ids)
+}
+
+/// Speculation statistics of one answer, with vLLM's per-request names (a vendor extension:
+/// `tandem` beside OpenAI's fields).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Stats {
+    /// Blocks the verifier judged (vLLM's drafts).
+    pub num_drafts: usize,
+    /// Tokens the draft proposed, and those the target accepted.
+    pub num_draft_tokens: usize,
+    pub num_accepted_draft_tokens: usize,
+    /// vLLM's: 1 + accepted draft tokens per judged block.
+    pub mean_acceptance_length: f64,
+    /// vLLM's: accepted over proposed draft tokens (drafts in blocks that an earlier rejection
+    /// made stale count as proposed).
+    pub draft_acceptance_rate: f64,
+    /// Tandem's α: accepted over judged positions (a stale block's drafts are not judged).
+    pub alpha: f64,
+    /// Committed tokens the verifier produced itself (first token, corrections, bonuses,
+    /// decoded), and of those the ones it decoded with no block to verify.
+    pub cloud_tokens: usize,
+    pub cloud_decoded_tokens: usize,
+    /// Reconnections to a verifier during the answer.
+    pub reconnects: usize,
+}
+
+/// The usage object of a response.
+pub fn usage(prompt: usize, completion: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    })
+}

@@ -1,0 +1,582 @@
+//! `tandem serve`: the edge as a local server that speaks OpenAI's HTTP API (axum). Each request
+//! is a speculation session of its own against the verifier (`--cloud`), its draft steps run by
+//! one engine thread together with every other request's ([`sessions`]). Endpoints:
+//! `POST /v1/chat/completions`, `POST /v1/completions` (streamed as SSE in OpenAI's chunk format,
+//! ending with `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics` and `GET /`, the
+//! live view.
+//!
+//! Speculation's statistics come in a vendor extension, `tandem`, beside OpenAI's fields, with
+//! vLLM's per-request names; a request that sets `"tandem": {"tentative": true}` is also streamed
+//! the draft's unverified tail and the target's corrections (the live view uses it; plain clients
+//! see committed text only).
+
+pub mod api;
+pub mod metrics;
+pub mod sessions;
+pub mod stops;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde_json::{json, Value};
+use tandem_engine::{Engine, Tokenizer};
+use tokio::sync::{mpsc, oneshot, Semaphore};
+
+use crate::grpc::{GrpcLink, OpenRequest};
+use crate::SpecConfig;
+use api::{ApiError, Kind, Request, Served};
+use metrics::EdgeMetrics;
+use sessions::{Event, Finished, Job, Linked, Msg, Sessions};
+
+/// How `tandem serve` serves.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// Verifiers to try, in order, for each request.
+    pub clouds: Vec<String>,
+    /// The tenant's key the edge presents to the verifier.
+    pub api_key: Option<String>,
+    /// The CA (PEM) that signed an `https://` verifier's certificate (None: the web PKI's).
+    pub tls_ca: Option<String>,
+    /// Keys local clients must present as `Authorization: Bearer …` (empty: none).
+    pub client_keys: Vec<String>,
+    /// The model's name in the API.
+    pub model_name: String,
+    /// Each request's session: its shape, and the rule for sampled drafts (greedy at
+    /// temperature 0); the request sets the sampling parameters and the length.
+    pub spec: SpecConfig,
+    /// No verifier reachable, or lost for good mid-answer: answer with the draft alone, every
+    /// such token marked unverified (else a 503).
+    pub fallback_local: bool,
+    /// How long opening a session on one verifier may take.
+    pub connect_timeout: Duration,
+}
+
+struct AppState {
+    cfg: ServeConfig,
+    tok: Arc<Tokenizer>,
+    context_len: usize,
+    tx: Sender<Msg>,
+    /// The draft's KV cache, in blocks: a request reserves what its prompt and answer can fill.
+    kv: Arc<Semaphore>,
+    kv_blocks: usize,
+    block_size: usize,
+    metrics: Arc<EdgeMetrics>,
+    rt: tokio::runtime::Handle,
+    requests: AtomicU64,
+}
+
+/// Start the engine thread over `draft` and serve the API on `listener` until `shutdown`.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    draft: Engine,
+    tok: Arc<Tokenizer>,
+    cfg: ServeConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let metrics = Arc::new(EdgeMetrics::default());
+    let tables = &draft.kv().tables;
+    let (kv_blocks, block_size) = (tables.num_blocks(), tables.block_size());
+    let context_len = draft.model().cfg.context_len;
+    let sessions = Sessions {
+        tok: tok.clone(),
+        fallback_local: cfg.fallback_local,
+        metrics: metrics.clone(),
+        tx: tx.clone(),
+    };
+    let engine_thread = std::thread::Builder::new()
+        .name("tandem-draft".into())
+        .spawn(move || sessions.run(draft, rx))?;
+    let stop = tx.clone();
+    let state = Arc::new(AppState {
+        cfg,
+        tok,
+        context_len,
+        tx,
+        kv: Arc::new(Semaphore::new(kv_blocks)),
+        kv_blocks,
+        block_size,
+        metrics,
+        rt: tokio::runtime::Handle::current(),
+        requests: AtomicU64::new(0),
+    });
+    let served = axum::serve(listener, app(state))
+        .with_graceful_shutdown(shutdown)
+        .await;
+    // No request is left in the router: the engine thread ends when its last session has.
+    let _ = stop.send(Msg::Shutdown);
+    let _ = tokio::task::spawn_blocking(move || engine_thread.join()).await;
+    served
+}
+
+fn app(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/", get(page))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .route("/v1/models", get(models))
+        .route(
+            "/v1/chat/completions",
+            post(|s: State<Arc<AppState>>, h: HeaderMap, b: Bytes| complete(s, h, b, Kind::Chat)),
+        )
+        .route(
+            "/v1/completions",
+            post(|s: State<Arc<AppState>>, h: HeaderMap, b: Bytes| {
+                complete(s, h, b, Kind::Completion)
+            }),
+        )
+        .fallback(|| async {
+            error(ApiError {
+                status: 404,
+                message: "no such endpoint: this server has /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics and /".into(),
+                kind: "invalid_request_error",
+                param: None,
+            })
+        })
+        .with_state(state)
+}
+
+fn json_response(status: u16, v: &Value) -> Response {
+    (
+        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+        [("content-type", "application/json")],
+        v.to_string(),
+    )
+        .into_response()
+}
+
+fn error(e: ApiError) -> Response {
+    json_response(e.status, &e.body())
+}
+
+const PAGE: &str = include_str!("page.html");
+
+async fn page() -> Response {
+    ([("content-type", "text/html; charset=utf-8")], PAGE).into_response()
+}
+
+async fn health() -> Response {
+    json_response(200, &json!({"status": "ok"}))
+}
+
+async fn metrics_text(State(s): State<Arc<AppState>>) -> Response {
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        s.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Response {
+    json_response(
+        200,
+        &json!({"object": "list", "data": [{
+            "id": s.cfg.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tandem",
+            "max_model_len": s.context_len,
+        }]}),
+    )
+}
+
+/// The client's key, when the server asks for one.
+fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    if s.cfg.client_keys.is_empty() {
+        return Ok(());
+    }
+    let given = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match given {
+        Some(k) if s.cfg.client_keys.iter().any(|c| c == k) => Ok(()),
+        Some(_) => Err(ApiError {
+            status: 401,
+            message: "Incorrect API key provided".into(),
+            kind: "invalid_request_error",
+            param: None,
+        }),
+        None => Err(ApiError {
+            status: 401,
+            message: "This server needs an API key: send `Authorization: Bearer <key>`".into(),
+            kind: "invalid_request_error",
+            param: None,
+        }),
+    }
+}
+
+/// A seed for a request that names none (OpenAI's answers differ from call to call then).
+fn fresh_seed(s: &AppState) -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let n = s.requests.fetch_add(1, Ordering::Relaxed);
+    (t ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_mul(0xBF58_476D_1CE4_E5B9)
+}
+
+/// Blocks of the draft's KV cache a request may fill: its prompt, its answer, and the drafts in
+/// flight past the committed tokens.
+fn reservation(s: &AppState, req: &Request) -> usize {
+    let sess = &s.cfg.spec.session;
+    let (len, depth) = sess.auto.map_or((sess.draft_len, sess.depth), |a| {
+        (a.max_draft_len, a.max_depth)
+    });
+    let slack = (len + 1) * (depth + 1) + sess.tree.side_nodes * depth + 1;
+    let tokens = req.prompt_ids.len() + req.max_tokens + slack;
+    tokens.div_ceil(s.block_size) + 1
+}
+
+async fn complete(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+    kind: Kind,
+) -> Response {
+    let start = Instant::now();
+    if let Err(e) = authorize(&s, &headers) {
+        return error(e);
+    }
+    let served = Served {
+        model: &s.cfg.model_name,
+        tok: &s.tok,
+        context_len: s.context_len,
+        seed: fresh_seed(&s),
+    };
+    let req = match api::parse(kind, &body, &served) {
+        Ok(r) => r,
+        Err(e) => return error(e),
+    };
+    let blocks = reservation(&s, &req);
+    if blocks > s.kv_blocks {
+        return error(ApiError::invalid(
+            "max_tokens",
+            format!(
+                "the prompt ({} tokens) and max_tokens {} need {} tokens of the edge's draft KV \
+                 cache, which holds {}: ask for fewer tokens, or start tandem serve with a larger --kv-mb",
+                req.prompt_ids.len(),
+                req.max_tokens,
+                blocks * s.block_size,
+                s.kv_blocks * s.block_size
+            ),
+        ));
+    }
+    // Room in the draft's KV cache, first come first served.
+    s.metrics.waiting.inc();
+    let permit = s.kv.clone().acquire_many_owned(blocks as u32).await;
+    s.metrics.waiting.dec();
+    let Ok(permit) = permit else {
+        return error(unavailable("the server is shutting down".into()));
+    };
+    let queued_s = start.elapsed().as_secs_f64();
+    let mut spec = s.cfg.spec;
+    spec.session.max_new_tokens = req.max_tokens;
+    spec.params = req.params;
+    let (events_tx, mut events) = mpsc::unbounded_channel();
+    let (link_tx, link_rx) = oneshot::channel();
+    let job = Job {
+        req: req.clone(),
+        spec,
+        events: events_tx,
+        link: link_rx,
+        start,
+        queued_s,
+        permit,
+    };
+    // The draft prefills the prompt while the verifier's session opens.
+    if s.tx.send(Msg::Job(Box::new(job))).is_err() {
+        return error(unavailable("the draft engine has stopped".into()));
+    }
+    match connect(&s, &req, &spec).await {
+        Ok((link, opened)) => {
+            let _ = link_tx.send(Linked::Open(Box::new(link), opened));
+        }
+        Err(why) if s.cfg.fallback_local => {
+            let _ = link_tx.send(Linked::Local(why));
+        }
+        Err(why) => {
+            let _ = link_tx.send(Linked::Failed);
+            let _ = s.tx.send(Msg::Wake);
+            return error(unavailable(format!(
+                "no verifier is reachable ({why}); start the server with --fallback local to \
+                 answer with the draft alone"
+            )));
+        }
+    }
+    let _ = s.tx.send(Msg::Wake);
+    let id = format!(
+        "{}-{:016x}",
+        if kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        },
+        fresh_seed(&s)
+    );
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let shape = Shape {
+        id,
+        created,
+        model: req.model.clone(),
+        kind,
+    };
+    if req.stream {
+        return stream(shape, req, events);
+    }
+    // Not streamed: the whole answer, or the error that ended it.
+    let (mut text, mut unverified_from) = (String::new(), None);
+    while let Some(e) = events.recv().await {
+        match e {
+            Event::Text {
+                text: t,
+                unverified,
+            } => {
+                if unverified && unverified_from.is_none() {
+                    unverified_from = Some(text.len());
+                }
+                text.push_str(&t);
+            }
+            Event::Live { .. } => {}
+            Event::Error(e) => return error(e),
+            Event::Done(f) => return json_response(200, &shape.whole(&text, &f, unverified_from)),
+        }
+    }
+    error(ApiError {
+        status: 500,
+        message: "the answer ended without a reason".into(),
+        kind: "server_error",
+        param: None,
+    })
+}
+
+fn unavailable(message: String) -> ApiError {
+    ApiError {
+        status: 503,
+        message,
+        kind: "service_unavailable",
+        param: None,
+    }
+}
+
+/// Open the request's session on the first verifier that answers.
+async fn connect(
+    s: &AppState,
+    req: &Request,
+    spec: &SpecConfig,
+) -> Result<(GrpcLink, tandem_proto::v1::Opened), String> {
+    let sess = &spec.session;
+    let open = OpenRequest {
+        tokenizer_fingerprint: s.tok.fingerprint().to_string(),
+        prompt_ids: req.prompt_ids.clone(),
+        params: req.params,
+        max_tokens: req.max_tokens as u32,
+        rule: spec.rule,
+        want_draft_len: sess.auto.map_or(sess.draft_len, |a| a.max_draft_len) as u32,
+        want_depth: sess.auto.map_or(sess.depth, |a| a.max_depth) as u32,
+        want_side_nodes: sess.tree.side_nodes as u32,
+        api_key: s.cfg.api_key.clone(),
+        tls_ca: s.cfg.tls_ca.clone(),
+    };
+    let tx = s.tx.clone();
+    let waker: crate::grpc::Waker = Arc::new(move || {
+        let _ = tx.send(Msg::Wake);
+    });
+    let mut why = Vec::new();
+    for url in &s.cfg.clouds {
+        let opened = tokio::time::timeout(
+            s.cfg.connect_timeout,
+            GrpcLink::open_async(s.rt.clone(), url, open.clone(), Some(waker.clone())),
+        )
+        .await;
+        match opened {
+            Ok(Ok(l)) => return Ok(l),
+            Ok(Err(e)) => why.push(format!("{url}: {e}")),
+            Err(_) => why.push(format!(
+                "{url}: no answer within {} ms",
+                s.cfg.connect_timeout.as_millis()
+            )),
+        }
+    }
+    Err(why.join("; "))
+}
+
+/// What every response and chunk of one request shares.
+struct Shape {
+    id: String,
+    created: u64,
+    model: String,
+    kind: Kind,
+}
+
+impl Shape {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Completion, _) => "text_completion",
+        }
+    }
+
+    /// Tandem's extension of a finished answer: vLLM's per-request speculation counts and the
+    /// unverified tokens (the draft's alone, after the verifier was lost).
+    fn extension(f: &Finished) -> Value {
+        let mut v = serde_json::to_value(f.stats).unwrap_or_default();
+        v["unverified_tokens"] = json!(f.unverified_tokens);
+        v
+    }
+
+    /// The whole answer (not streamed).
+    fn whole(&self, text: &str, f: &Finished, unverified_from: Option<usize>) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": f.finish_reason,
+            }),
+            Kind::Completion => json!({
+                "index": 0,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": f.finish_reason,
+            }),
+        };
+        let mut ext = Self::extension(f);
+        if let Some(at) = unverified_from {
+            // Where in the text the unverified part begins (bytes of UTF-8).
+            ext["unverified_from"] = json!(at);
+        }
+        json!({
+            "id": self.id,
+            "object": self.object(false),
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": api::usage(f.prompt_tokens, f.completion_tokens),
+            "tandem": ext,
+        })
+    }
+
+    /// A streamed chunk: `text` as the choice's delta (chat) or text (completion).
+    fn chunk(&self, text: Option<&str>, finish: Option<&str>, role: bool) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => {
+                let mut delta = json!({});
+                if role {
+                    delta["role"] = json!("assistant");
+                }
+                if let Some(t) = text {
+                    delta["content"] = json!(t);
+                }
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+            Kind::Completion => json!({
+                "index": 0,
+                "text": text.unwrap_or(""),
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+        };
+        json!({
+            "id": self.id,
+            "object": self.object(true),
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        })
+    }
+
+    /// The SSE events for one of the session's events.
+    fn events(&self, e: Event, include_usage: bool) -> Vec<SseEvent> {
+        let data = |v: Value| SseEvent::default().data(v.to_string());
+        match e {
+            Event::Text { text, unverified } => {
+                let mut c = self.chunk(Some(&text), None, false);
+                if unverified {
+                    c["tandem"] = json!({"unverified": true});
+                }
+                vec![data(c)]
+            }
+            Event::Live {
+                tentative,
+                correction,
+                counts,
+            } => {
+                let mut c = self.chunk(None, None, false);
+                let mut ext = serde_json::to_value(counts).unwrap_or_default();
+                if let Some(t) = tentative {
+                    ext["tentative"] = json!(t);
+                }
+                if let Some((d, t)) = correction {
+                    ext["correction"] = json!({"draft": d, "target": t});
+                }
+                c["tandem"] = ext;
+                vec![data(c)]
+            }
+            Event::Done(f) => {
+                let mut c = self.chunk(None, Some(f.finish_reason), false);
+                c["tandem"] = Self::extension(&f);
+                let mut out = vec![data(c)];
+                if include_usage {
+                    let mut u = self.chunk(None, None, false);
+                    u["choices"] = json!([]);
+                    u["usage"] = api::usage(f.prompt_tokens, f.completion_tokens);
+                    out.push(data(u));
+                }
+                out
+            }
+            // Once the stream has begun, an error is an event in it.
+            Event::Error(e) => vec![SseEvent::default()
+                .event("error")
+                .data(e.body().to_string())],
+        }
+    }
+}
+
+/// Stream the answer as SSE; a client that goes away cancels its session.
+fn stream(shape: Shape, req: Request, mut events: mpsc::UnboundedReceiver<Event>) -> Response {
+    let (tx, rx) = mpsc::channel::<Result<SseEvent, std::convert::Infallible>>(64);
+    tokio::spawn(async move {
+        if shape.kind == Kind::Chat {
+            let first = shape.chunk(Some(""), None, true);
+            if tx
+                .send(Ok(SseEvent::default().data(first.to_string())))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        loop {
+            let e = tokio::select! {
+                e = events.recv() => e,
+                // The client went away: dropping `events` cancels the session.
+                _ = tx.closed() => return,
+            };
+            let Some(e) = e else { break };
+            let last = matches!(e, Event::Done(_) | Event::Error(_));
+            for ev in shape.events(e, req.include_usage) {
+                if tx.send(Ok(ev)).await.is_err() {
+                    return;
+                }
+            }
+            if last {
+                break;
+            }
+        }
+        let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
+    });
+    Sse::new(tokio_stream::wrappers::ReceiverStream::new(rx)).into_response()
+}

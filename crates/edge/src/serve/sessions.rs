@@ -1,0 +1,718 @@
+//! The draft engine's thread in `tandem serve`: it owns the draft model and drives every open
+//! request's session — one [`Driver`] per request on its own gRPC link to the verifier — and runs
+//! the draft steps they ask for together, one ragged forward per round, each session one step per
+//! round (fair: a long answer does not hold up a short one). A session whose link is lost
+//! reconnects on a thread of its own while the others go on; when it cannot, and the server was
+//! started with `--fallback local`, the draft alone finishes the answer, every such token marked
+//! unverified. A request whose client went away is cancelled: its link closes, and the verifier
+//! frees its KV at its next step.
+
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tandem_engine::tokenizer::TextStream;
+use tandem_engine::{Engine, SeqId, Tokenizer};
+use tandem_proto::v1::Opened;
+use tandem_spec::{Shape, SpecError};
+use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::{oneshot, OwnedSemaphorePermit};
+
+use super::api::{ApiError, Request, Stats};
+use super::metrics::EdgeMetrics;
+use super::stops::Stops;
+use crate::drafter::{DraftSeq, DraftStep};
+use crate::grpc::GrpcLink;
+use crate::{Driver, EdgeError, SpecConfig, SpecReport, Update, Want};
+
+/// What the engine thread is told.
+pub enum Msg {
+    /// A new request (its link follows on the job's `link`).
+    Job(Box<Job>),
+    /// A message arrived on some session's link, or a link was handed over.
+    Wake,
+    /// A lost connection was recovered, or not (the driver is back from its thread).
+    Recovered(Box<Recovery>),
+    /// The server is stopping: end when the last session has.
+    Shutdown,
+}
+
+/// A request for the engine thread.
+pub struct Job {
+    pub req: Request,
+    /// The session's shape and rule for this request.
+    pub spec: SpecConfig,
+    pub events: UnboundedSender<Event>,
+    /// The verifier's session, once the HTTP side has opened it (or why there is none).
+    pub link: oneshot::Receiver<Linked>,
+    /// When the request arrived, and how long it waited for room in the draft's KV cache.
+    pub start: Instant,
+    pub queued_s: f64,
+    /// Its reservation of the draft's KV cache, given back when the session ends.
+    pub permit: OwnedSemaphorePermit,
+}
+
+/// How a request reached the verifier.
+pub enum Linked {
+    Open(Box<GrpcLink>, Opened),
+    /// No verifier could be reached: the draft answers alone (`--fallback local`).
+    Local(String),
+    /// No verifier could be reached, and the client was told so.
+    Failed,
+}
+
+/// What a request's client is sent.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// Text of the answer, in order: verified by the target, or (`unverified`) the draft's own
+    /// after the verifier was lost.
+    Text {
+        text: String,
+        unverified: bool,
+    },
+    /// The live view's extension: the target's correction of a drafted token (draft's,
+    /// target's; sent before the text it commits), or the draft's unverified tail as it stands
+    /// now, with the session's counts so far.
+    Live {
+        tentative: Option<String>,
+        correction: Option<(String, String)>,
+        counts: LiveCounts,
+    },
+    Done(Box<Finished>),
+    Error(ApiError),
+}
+
+/// What the live view shows beside the text: α so far and the tokens committed.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct LiveCounts {
+    /// Drafted positions the target accepted, and those it judged.
+    pub accepted: usize,
+    pub judged: usize,
+    /// Completion tokens committed.
+    pub tokens: usize,
+}
+
+/// How an answer ended.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    /// OpenAI's: `stop` (end of generation or a stop sequence) or `length`.
+    pub finish_reason: &'static str,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub stats: Stats,
+    /// Completion tokens the draft produced alone, unverified (the last ones of the answer).
+    pub unverified_tokens: usize,
+    /// Milliseconds from the request to its first and to each later token, and to its end.
+    pub token_ms: Vec<f64>,
+    pub e2e_ms: f64,
+}
+
+/// Tokens committed while reconnecting, and the correction among them.
+type Recommit = (Vec<u32>, Option<(u32, u32)>);
+
+/// A session whose connection was lost, back from reconnecting.
+pub struct Recovery {
+    id: u64,
+    driver: Driver<GrpcLink>,
+    /// What reconnecting committed (the reopened session's first token), to show.
+    updates: Vec<Recommit>,
+    result: Result<bool, EdgeError>,
+}
+
+/// What the engine thread serves with.
+pub struct Sessions {
+    pub tok: Arc<Tokenizer>,
+    pub fallback_local: bool,
+    pub metrics: Arc<EdgeMetrics>,
+    /// Rings the engine thread (given to each link, and to recovery threads).
+    pub tx: Sender<Msg>,
+}
+
+/// The answer's text as it is committed: decoded, held back at a stop sequence's possible start,
+/// sent to the client; and what the answer counts.
+struct Out {
+    tok: Arc<Tokenizer>,
+    events: UnboundedSender<Event>,
+    stream: TextStream,
+    stops: Stops,
+    /// Text decoded so far (what went into `stops`).
+    decoded: usize,
+    /// Every completion token committed, in order; the last `unverified` are the draft's own.
+    ids: Vec<u32>,
+    unverified: usize,
+    live: bool,
+    counts: LiveCounts,
+    start: Instant,
+    token_ms: Vec<f64>,
+}
+
+impl Out {
+    fn send(&self, e: Event) {
+        let _ = self.events.send(e);
+    }
+
+    /// A committed token.
+    fn push(&mut self, id: u32, unverified: bool) {
+        self.ids.push(id);
+        self.unverified += unverified as usize;
+        self.token_ms.push(self.start.elapsed().as_secs_f64() * 1e3);
+        if self.tok.is_eog(id) || self.stops.stopped() {
+            return;
+        }
+        let piece = self.stream.push(&self.tok, id).unwrap_or_default();
+        self.decoded += piece.len();
+        let text = self.stops.push(&piece);
+        if !text.is_empty() {
+            self.send(Event::Text { text, unverified });
+        }
+    }
+
+    fn name(&self, t: u32) -> String {
+        if self.tok.is_eog(t) {
+            "⟨end⟩".into()
+        } else {
+            self.tok.decode(&[t]).unwrap_or_default()
+        }
+    }
+
+    fn update(
+        &mut self,
+        committed: &[u32],
+        tentative: Option<&[u32]>,
+        correction: Option<(u32, u32)>,
+        stats: Option<&tandem_spec::PipelineStats>,
+    ) {
+        let live = self.live && !self.stops.stopped();
+        if let Some(s) = stats {
+            self.counts.accepted = s.accepted;
+            self.counts.judged = s.accepted + s.rejections;
+        }
+        if let (true, Some((d, t))) = (live, correction) {
+            self.send(Event::Live {
+                tentative: None,
+                correction: Some((self.name(d), self.name(t))),
+                counts: self.counts,
+            });
+        }
+        for &id in committed {
+            self.push(id, false);
+        }
+        self.counts.tokens = self.ids.len();
+        if let (true, Some(tentative)) = (live, tentative) {
+            let ids: Vec<u32> = tentative
+                .iter()
+                .copied()
+                .filter(|&t| !self.tok.is_eog(t))
+                .collect();
+            self.send(Event::Live {
+                tentative: Some(self.tok.decode(&ids).unwrap_or_default()),
+                correction: None,
+                counts: self.counts,
+            });
+        }
+    }
+
+    fn on_update(&mut self, u: Update<'_>) {
+        self.update(u.committed, Some(u.tentative), u.correction, Some(u.stats));
+    }
+
+    /// The answer is over: what the text stream still held is text after all (a stop sequence
+    /// that never completed, the end of a character).
+    fn flush(&mut self) {
+        if self.stops.stopped() {
+            return;
+        }
+        let ids: Vec<u32> = self
+            .ids
+            .iter()
+            .copied()
+            .filter(|&t| !self.tok.is_eog(t))
+            .collect();
+        let all = self.tok.decode(&ids).unwrap_or_default();
+        let mut rest = all
+            .get(self.decoded..)
+            .map(|r| self.stops.push(r))
+            .unwrap_or_default();
+        rest.push_str(&self.stops.finish());
+        if !rest.is_empty() {
+            self.send(Event::Text {
+                text: rest,
+                unverified: self.unverified > 0,
+            });
+        }
+    }
+
+    fn finish_reason(&self) -> &'static str {
+        if self.stops.stopped() || self.ids.last().is_some_and(|&t| self.tok.is_eog(t)) {
+            "stop"
+        } else {
+            "length"
+        }
+    }
+}
+
+/// The draft alone, after the verifier was lost (or never reached).
+struct Local {
+    /// Prompt and every token committed so far.
+    history: Vec<u32>,
+    /// Completion tokens it may still add.
+    left: usize,
+}
+
+enum Phase {
+    /// Waiting for the HTTP side to open the verifier's session (the draft prefills meanwhile).
+    Connecting(oneshot::Receiver<Linked>),
+    Spec(Box<Driver<GrpcLink>>),
+    /// The driver is on a thread of its own, reconnecting.
+    Recovering,
+    Local(Local),
+}
+
+struct Active {
+    id: u64,
+    req: Request,
+    spec: SpecConfig,
+    seq: DraftSeq,
+    phase: Phase,
+    out: Out,
+    /// The draft has the prompt in its KV.
+    prefilled: bool,
+    queued_s: f64,
+    reconnects: usize,
+    /// What the spec sessions did before the last reconnect that fell back (their stats).
+    report: Option<SpecReport>,
+    _permit: OwnedSemaphorePermit,
+}
+
+/// The step a session takes in this round's forward.
+enum Plan {
+    Prefill,
+    Draft,
+    Local,
+}
+
+impl Sessions {
+    /// Run the engine thread until it is told to shut down (or every sender of `rx` is gone) and
+    /// no session is left.
+    pub fn run(self, mut engine: Engine, rx: Receiver<Msg>) {
+        let mut actives: Vec<Active> = Vec::new();
+        let mut next_id = 0u64;
+        let mut pending: Vec<Msg> = Vec::new();
+        let mut closing = false;
+        loop {
+            pending.extend(rx.try_iter());
+            for m in pending.drain(..) {
+                match m {
+                    Msg::Job(job) => {
+                        let id = next_id;
+                        next_id += 1;
+                        actives.push(self.admit(&mut engine, id, *job));
+                    }
+                    Msg::Wake => {}
+                    Msg::Recovered(r) => self.recovered(&mut engine, &mut actives, *r),
+                    Msg::Shutdown => closing = true,
+                }
+            }
+            // Advance every session; those that are over leave.
+            let mut plans: Vec<(usize, Plan)> = Vec::new();
+            let mut i = 0;
+            while i < actives.len() {
+                match self.advance(&mut actives[i]) {
+                    Ok(Some(p)) => {
+                        plans.push((i, p));
+                        i += 1;
+                    }
+                    Ok(None) => i += 1,
+                    Err(end) => {
+                        let a = actives.swap_remove(i);
+                        self.end(&mut engine, a, end);
+                        // The plans so far index sessions before `i`: unaffected.
+                    }
+                }
+            }
+            self.metrics.set_running(actives.len(), engine.kv());
+            if plans.is_empty() {
+                if closing && actives.is_empty() {
+                    return;
+                }
+                match rx.recv_timeout(Duration::from_millis(50)) {
+                    Ok(m) => pending.push(m),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) if actives.is_empty() => return,
+                    Err(RecvTimeoutError::Disconnected) => {
+                        std::thread::sleep(Duration::from_millis(5))
+                    }
+                }
+                continue;
+            }
+            self.round(&mut engine, &mut actives, plans);
+        }
+    }
+
+    fn admit(&self, engine: &mut Engine, id: u64, job: Job) -> Active {
+        let Job {
+            req,
+            spec,
+            events,
+            link,
+            start,
+            queued_s,
+            permit,
+        } = job;
+        let seq = DraftSeq::new(engine, SeqId(id), &[], &spec);
+        Active {
+            id,
+            out: Out {
+                tok: self.tok.clone(),
+                events,
+                stream: TextStream::default(),
+                stops: Stops::new(req.stops.clone()),
+                decoded: 0,
+                ids: Vec::new(),
+                unverified: 0,
+                live: req.tentative,
+                counts: LiveCounts::default(),
+                start,
+                token_ms: Vec::new(),
+            },
+            req,
+            spec,
+            seq,
+            phase: Phase::Connecting(link),
+            prefilled: false,
+            queued_s,
+            reconnects: 0,
+            report: None,
+            _permit: permit,
+        }
+    }
+
+    /// Take what arrived for the session; says the step it wants in this round's forward, or
+    /// that it is over (`Err`: how).
+    fn advance(&self, a: &mut Active) -> Result<Option<Plan>, End> {
+        if let Phase::Connecting(rx) = &mut a.phase {
+            match rx.try_recv() {
+                Ok(Linked::Open(link, opened)) => {
+                    let mut session = a.spec.session;
+                    session.granted = Some(Shape::new(opened.draft_len, opened.depth));
+                    session.tree.side_nodes =
+                        session.tree.side_nodes.min(opened.side_nodes as usize);
+                    a.spec.session = session;
+                    let out = &mut a.out;
+                    let d = Driver::new(
+                        &a.req.prompt_ids,
+                        opened.first_token,
+                        session,
+                        self.tok.eog_ids(),
+                        *link,
+                        out.start,
+                        &mut |u| out.on_update(u),
+                    )
+                    .map_err(End::Failed)?;
+                    a.phase = Phase::Spec(Box::new(d));
+                }
+                Ok(Linked::Local(why)) => {
+                    tracing::warn!(
+                        "no verifier for request {}: the draft answers alone ({why})",
+                        a.id
+                    );
+                    a.phase = Phase::Local(Local {
+                        history: a.req.prompt_ids.clone(),
+                        left: a.req.max_tokens,
+                    });
+                }
+                Ok(Linked::Failed) => return Err(End::Refused),
+                Err(oneshot::error::TryRecvError::Empty) => {}
+                // The request went away while its session was opening.
+                Err(oneshot::error::TryRecvError::Closed) => return Err(End::Cancelled),
+            }
+        }
+        if a.out.events.is_closed() {
+            return Err(End::Cancelled);
+        }
+        if a.out.stops.stopped() {
+            return Err(End::Done);
+        }
+        match &mut a.phase {
+            Phase::Connecting(_) => Ok((!a.prefilled).then_some(Plan::Prefill)),
+            Phase::Spec(d) => {
+                let out = &mut a.out;
+                match d.poll(false, &mut |u| out.on_update(u)) {
+                    Ok((Want::Done, _)) => Err(End::Done),
+                    Ok((Want::Wait, _)) => Ok(None),
+                    Ok((Want::Draft(_), _)) => Ok(Some(Plan::Draft)),
+                    Err(EdgeError::LinkClosed) => {
+                        self.recover(a);
+                        Ok(None)
+                    }
+                    Err(e) => Err(End::Failed(e)),
+                }
+            }
+            Phase::Recovering => Ok(None),
+            Phase::Local(l) => {
+                if l.left == 0 || a.out.ids.last().is_some_and(|&t| self.tok.is_eog(t)) {
+                    Err(End::Done)
+                } else {
+                    Ok(Some(Plan::Local))
+                }
+            }
+        }
+    }
+
+    /// Reconnect `a`'s session on a thread of its own (the reopen waits between tries).
+    fn recover(&self, a: &mut Active) {
+        let Phase::Spec(d) = std::mem::replace(&mut a.phase, Phase::Recovering) else {
+            return;
+        };
+        let (id, tx) = (a.id, self.tx.clone());
+        self.metrics.reconnects.inc();
+        std::thread::spawn(move || {
+            let mut driver = *d;
+            let mut updates = Vec::new();
+            let result = driver.recover(&mut |u: Update<'_>| {
+                updates.push((u.committed.to_vec(), u.correction));
+            });
+            let _ = tx.send(Msg::Recovered(Box::new(Recovery {
+                id,
+                driver,
+                updates,
+                result,
+            })));
+        });
+    }
+
+    fn recovered(&self, engine: &mut Engine, actives: &mut Vec<Active>, r: Recovery) {
+        let Some(i) = actives.iter().position(|a| a.id == r.id) else {
+            r.driver.link.close();
+            return;
+        };
+        let a = &mut actives[i];
+        for (c, corr) in &r.updates {
+            a.out.update(c, None, *corr, None);
+        }
+        match r.result {
+            Ok(_) => {
+                a.reconnects += 1;
+                a.phase = Phase::Spec(Box::new(r.driver));
+            }
+            Err(e) if self.fallback_local => {
+                tracing::warn!(
+                    "request {}: the verifier is gone ({e}); the draft finishes the answer alone",
+                    a.id
+                );
+                let report = r.driver.report();
+                let left = a.req.max_tokens.saturating_sub(report.output_ids.len());
+                a.phase = Phase::Local(Local {
+                    history: r.driver.session().committed().to_vec(),
+                    left,
+                });
+                a.report = Some(report);
+            }
+            Err(e) => {
+                let a = actives.swap_remove(i);
+                self.end(engine, a, End::Lost(e));
+            }
+        }
+    }
+
+    /// One round: every planned step in one forward of the draft.
+    fn round(&self, engine: &mut Engine, actives: &mut Vec<Active>, plans: Vec<(usize, Plan)>) {
+        let mut steps: Vec<(usize, Plan, DraftStep)> = Vec::with_capacity(plans.len());
+        let mut failed: Vec<(usize, EdgeError)> = Vec::new();
+        for (i, p) in plans {
+            let a = &mut actives[i];
+            let planned = match (&p, &a.phase) {
+                (Plan::Prefill, _) => a.seq.plan(engine, &a.req.prompt_ids, &[Vec::new()]),
+                (Plan::Draft, Phase::Spec(d)) => match d.want() {
+                    Want::Draft(f) => a.seq.plan(
+                        engine,
+                        &d.session().pipeline().tokens()[..f.base],
+                        &f.leaves,
+                    ),
+                    _ => continue,
+                },
+                (Plan::Local, Phase::Local(l)) => a.seq.plan(engine, &l.history, &[Vec::new()]),
+                _ => continue,
+            };
+            match planned {
+                Ok(s) => steps.push((i, p, s)),
+                Err(e) => failed.push((i, e)),
+            }
+        }
+        let chunks: Vec<_> = steps.iter().map(|s| s.2.chunk.clone()).collect();
+        let tokens: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+        let t0 = Instant::now();
+        let logits = match engine.forward(&chunks) {
+            Ok(l) => l,
+            Err(e) => {
+                let why = e.to_string();
+                tracing::error!("a draft forward failed: {why}");
+                failed.extend(steps.drain(..).map(|s| {
+                    (
+                        s.0,
+                        EdgeError::Spec(SpecError::Protocol(format!(
+                            "the draft model failed: {why}"
+                        ))),
+                    )
+                }));
+                self.fail_all(engine, actives, failed);
+                return;
+            }
+        };
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        self.metrics.iteration_tokens.observe(tokens as f64);
+        for (i, p, step) in steps {
+            let a = &mut actives[i];
+            let props = match a.seq.finish(step, &logits) {
+                Ok(p) => p,
+                Err(e) => {
+                    failed.push((i, e));
+                    continue;
+                }
+            };
+            let r = match (&p, &mut a.phase) {
+                (Plan::Prefill, _) => {
+                    a.prefilled = true;
+                    Ok(())
+                }
+                (Plan::Draft, Phase::Spec(d)) => {
+                    let out = &mut a.out;
+                    d.grown(props, ms, &mut |u| out.on_update(u))
+                }
+                (Plan::Local, Phase::Local(l)) => {
+                    let t = props[0].token;
+                    l.history.push(t);
+                    l.left -= 1;
+                    a.out.push(t, true);
+                    Ok(())
+                }
+                _ => Ok(()),
+            };
+            match r {
+                Ok(()) => {}
+                // Found at the next advance (the link says it again).
+                Err(EdgeError::LinkClosed) => {}
+                Err(e) => failed.push((i, e)),
+            }
+        }
+        self.fail_all(engine, actives, failed);
+    }
+
+    fn fail_all(
+        &self,
+        engine: &mut Engine,
+        actives: &mut Vec<Active>,
+        mut failed: Vec<(usize, EdgeError)>,
+    ) {
+        // Highest index first, so that swap_remove leaves the others' indices alone.
+        failed.sort_by_key(|f| std::cmp::Reverse(f.0));
+        failed.dedup_by_key(|f| f.0);
+        for (i, e) in failed {
+            let a = actives.swap_remove(i);
+            self.end(engine, a, End::Failed(e));
+        }
+    }
+
+    /// The session is over: tell the client how, free the draft's KV and the link.
+    fn end(&self, engine: &mut Engine, mut a: Active, end: End) {
+        a.seq.free(engine);
+        let report = match std::mem::replace(&mut a.phase, Phase::Recovering) {
+            Phase::Spec(d) => {
+                d.link.close();
+                Some(d.report())
+            }
+            _ => a.report.take(),
+        };
+        match end {
+            End::Refused => {
+                self.metrics.finished("error");
+                return;
+            }
+            End::Cancelled => {
+                self.metrics.finished("abort");
+                return;
+            }
+            End::Failed(e) => {
+                tracing::error!("request {}: {e}", a.id);
+                self.metrics.finished("error");
+                a.out.send(Event::Error(ApiError {
+                    status: 500,
+                    message: format!("the answer failed: {e}"),
+                    kind: "server_error",
+                    param: None,
+                }));
+                return;
+            }
+            End::Lost(e) => {
+                self.metrics.finished("error");
+                a.out.send(Event::Error(ApiError {
+                    status: 503,
+                    message: format!(
+                        "the verifier was lost mid-answer and could not be reached again ({e}); \
+                         start the server with --fallback local to finish answers with the draft alone"
+                    ),
+                    kind: "service_unavailable",
+                    param: None,
+                }));
+                return;
+            }
+            End::Done => {}
+        }
+        a.out.flush();
+        let stats = report
+            .as_ref()
+            .map(|r| stats_of(r, a.reconnects))
+            .unwrap_or_default();
+        let f = Finished {
+            finish_reason: a.out.finish_reason(),
+            prompt_tokens: a.req.prompt_ids.len(),
+            completion_tokens: a.out.ids.len(),
+            stats,
+            unverified_tokens: a.out.unverified,
+            token_ms: std::mem::take(&mut a.out.token_ms),
+            e2e_ms: a.out.start.elapsed().as_secs_f64() * 1e3,
+        };
+        self.metrics.record(&f, report.as_ref(), a.queued_s);
+        a.out.send(Event::Done(Box::new(f)));
+    }
+}
+
+/// How a session ended.
+enum End {
+    Done,
+    Cancelled,
+    /// No verifier could be reached (the HTTP side answered the client).
+    Refused,
+    Failed(EdgeError),
+    /// The verifier was lost and could not be reached again (no fallback).
+    Lost(EdgeError),
+}
+
+/// The answer's speculation statistics, from what the edge's session did.
+pub fn stats_of(r: &SpecReport, reconnects: usize) -> Stats {
+    let s = &r.stats;
+    // Every committed token is an accepted draft token or the verifier's own; of the verifier's,
+    // the first token of each (re)opened session and a verdict's correction or bonus came with
+    // verification, the rest it decoded with no block to verify.
+    let cloud = r.output_ids.len().saturating_sub(s.verdict_accepted);
+    let decoded = r
+        .output_ids
+        .len()
+        .saturating_sub(s.verdict_tokens + 1 + reconnects);
+    let ratio = |a: usize, b: usize| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+    Stats {
+        num_drafts: s.verdicts,
+        num_draft_tokens: s.drafted,
+        num_accepted_draft_tokens: s.verdict_accepted,
+        mean_acceptance_length: if s.verdicts == 0 {
+            0.0
+        } else {
+            1.0 + ratio(s.verdict_accepted, s.verdicts)
+        },
+        draft_acceptance_rate: ratio(s.verdict_accepted, s.drafted),
+        alpha: s.acceptance_rate(),
+        cloud_tokens: cloud,
+        cloud_decoded_tokens: decoded,
+        reconnects,
+    }
+}
