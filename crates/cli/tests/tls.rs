@@ -17,29 +17,6 @@ use tandem_engine::SeqId;
 
 const KEY: &str = "tk-tls-test-key-0123";
 
-/// A CA and a server certificate for `localhost` and 127.0.0.1 it signed, as PEM files in
-/// `dir`: (ca, cert, key).
-fn certificates(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, format!("tandem test CA {name}"));
-    let ca = ca_params.self_signed(&ca_key).unwrap();
-    let issuer = Issuer::new(ca_params, ca_key);
-    let key = KeyPair::generate().unwrap();
-    let params =
-        CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
-    let cert = params.signed_by(&key, &issuer).unwrap();
-    let p = |f: &str| dir.join(format!("{name}-{f}"));
-    std::fs::write(p("ca.pem"), ca.pem()).unwrap();
-    std::fs::write(p("cert.pem"), cert.pem()).unwrap();
-    std::fs::write(p("key.pem"), key.serialize_pem()).unwrap();
-    (p("ca.pem"), p("cert.pem"), p("key.pem"))
-}
-
 fn tenants(dir: &Path) -> PathBuf {
     let p = dir.join("tenants.toml");
     std::fs::write(

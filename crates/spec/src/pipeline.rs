@@ -266,8 +266,9 @@ pub struct PipelineStats {
     /// ([`crate::tree::CONFIDENCE_BUCKETS`]; counted only when it names second choices, i.e.
     /// with token trees on).
     pub by_confidence: [ConfidenceCount; 5],
-    /// Verdicts that accepted the block's token at position `i` (0: the first drafted token;
-    /// positions past the last are not counted), as vLLM's per-position acceptance.
+    /// Accepted draft tokens (as `verdict_accepted` counts them) by their position in their
+    /// block (0: the first drafted token; positions past the last are not counted), as vLLM's
+    /// per-position acceptance.
     pub accepted_at: [usize; ACCEPT_POSITIONS],
 }
 
@@ -747,9 +748,6 @@ impl Pipeline {
             .map(|&n| front.token(n).expect("invariant: path nodes have tokens"))
             .collect();
         self.stats.verdicts += 1;
-        for n in self.stats.accepted_at.iter_mut().take(v.accepted) {
-            *n += 1;
-        }
         self.last_lead = Some(self.committed - start);
         let from = self.committed;
         self.answering = Some(v.block);
@@ -774,9 +772,15 @@ impl Pipeline {
         self.pop_covered();
         taken?;
         self.stats.verdict_tokens += self.committed - from;
-        self.stats.verdict_accepted += (start + v.accepted)
-            .min(self.committed)
-            .saturating_sub(from);
+        let accepted_end = (start + v.accepted).min(self.committed);
+        self.stats.verdict_accepted += accepted_end.saturating_sub(from);
+        // By block position, the same tokens: those this verdict accepted that were not
+        // committed before it.
+        for pos in from.max(start)..accepted_end {
+            if let Some(n) = self.stats.accepted_at.get_mut(pos - start) {
+                *n += 1;
+            }
+        }
         if self.done {
             return Ok(out);
         }

@@ -250,3 +250,160 @@ pub fn spec_out_as(
     );
     out
 }
+
+/// A `tandem` process a test started, killed when dropped, with what it wrote to stderr.
+pub struct Proc {
+    pub child: std::process::Child,
+    /// The port of the address its ready line named.
+    pub port: u16,
+    /// Every line it wrote to stderr so far.
+    pub log: Arc<std::sync::Mutex<String>>,
+    /// The second address it announced (`metrics on http://…`), when `also` asked for one.
+    pub also_port: Option<u16>,
+}
+
+impl Proc {
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// SIGKILL, at once (a crash).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, and its exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status();
+        self.child.wait().unwrap()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The port of the first `HOST:PORT` (or `scheme://HOST:PORT`) word of `rest`.
+fn port_of(rest: &str) -> Option<u16> {
+    rest.split_whitespace()
+        .next()?
+        .trim_end_matches('/')
+        .rsplit(':')
+        .next()?
+        .trim_end_matches(|c: char| !c.is_ascii_digit())
+        .parse()
+        .ok()
+}
+
+/// Start `tandem ARGS` and wait for its stderr line that begins with `ready` (and, with `also`,
+/// for a line beginning with that, before it); the process, or what it said before it exited.
+pub fn spawn_tandem(args: &[String], ready: &str, also: Option<&str>) -> Result<Proc, String> {
+    use std::io::{BufRead, BufReader};
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let log = Arc::new(std::sync::Mutex::new(String::new()));
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut also_port = None;
+    while let Some(Ok(line)) = lines.next() {
+        {
+            let mut l = log.lock().unwrap();
+            l.push_str(&line);
+            l.push('\n');
+        }
+        if let Some(rest) = also.and_then(|a| line.strip_prefix(a)) {
+            also_port = port_of(rest);
+        }
+        if let Some(rest) = line.strip_prefix(ready) {
+            let port = port_of(rest).expect("a port in the ready line");
+            let keep = log.clone();
+            std::thread::spawn(move || {
+                for line in lines.map_while(Result::ok) {
+                    let mut l = keep.lock().unwrap();
+                    l.push_str(&line);
+                    l.push('\n');
+                }
+            });
+            return Ok(Proc {
+                child,
+                port,
+                log,
+                also_port,
+            });
+        }
+    }
+    let status = child.wait().unwrap();
+    let said = log.lock().unwrap().clone();
+    Err(format!("exited with {status}: {said}"))
+}
+
+/// `tandem cloud serve` on a loopback port of its own (a fixed forward cost: no measuring at
+/// start-up, no ledger), with `extra` flags; its port.
+pub fn verifier(extra: &[&str]) -> Proc {
+    let mut args: Vec<String> = [
+        "cloud",
+        "serve",
+        "--forward-cost",
+        "40,2",
+        "--threads",
+        "1",
+        "--drain-timeout-s",
+        "2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    if !extra.contains(&"--ledger") {
+        args.push("--no-ledger".into());
+    }
+    if !extra.contains(&"--tenants") {
+        args.push("--no-auth".into());
+    }
+    if !extra.contains(&"--listen") {
+        args.extend(["--listen".into(), "127.0.0.1:0".into()]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    spawn_tandem(&args, "tandem verifier listening on ", Some("metrics on "))
+        .unwrap_or_else(|e| panic!("the verifier did not start: {e}"))
+}
+
+/// A CA and a server certificate for `localhost` and 127.0.0.1 it signed, as PEM files in
+/// `dir`: (ca, cert, key).
+pub fn certificates(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, format!("tandem test CA {name}"));
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate().unwrap();
+    let params =
+        CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    let p = |f: &str| dir.join(format!("{name}-{f}"));
+    std::fs::write(p("ca.pem"), ca.pem()).unwrap();
+    std::fs::write(p("cert.pem"), cert.pem()).unwrap();
+    std::fs::write(p("key.pem"), key.serialize_pem()).unwrap();
+    (p("ca.pem"), p("cert.pem"), p("key.pem"))
+}
+
+/// A fresh directory under the system's temp dir for one test.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tandem-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}

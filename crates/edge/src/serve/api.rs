@@ -145,12 +145,20 @@ pub struct Served<'a> {
 
 /// Parse and check a request's body for endpoint `kind`.
 pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiError> {
-    let b: Body = serde_json::from_slice(body).map_err(|e| {
-        let param = match e.classify() {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let b: Body = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let param = match inner.classify() {
             serde_json::error::Category::Syntax | serde_json::error::Category::Eof => "body",
-            _ => field_of(&e.to_string()),
+            _ => field_of(&path).unwrap_or_else(|| field_of(&format!("{inner}")).unwrap_or("body")),
         };
-        ApiError::invalid(param, format!("the request body is not valid: {e}"))
+        let at = if path == "." {
+            String::new()
+        } else {
+            format!(" at `{path}`")
+        };
+        ApiError::invalid(param, format!("the request body is not valid{at}: {inner}"))
     })?;
     let model = b.model.clone().unwrap_or_else(|| served.model.to_string());
     if model != served.model {
@@ -265,10 +273,10 @@ pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiErr
     })
 }
 
-/// The field a serde error names (`missing field `messages``, `unknown variant`, …), else the
-/// body.
-fn field_of(msg: &str) -> &'static str {
-    for f in [
+/// The request field a serde path (`messages[0].role`) or error message (`missing field
+/// `messages``) names.
+fn field_of(s: &str) -> Option<&'static str> {
+    const FIELDS: [&str; 14] = [
         "messages",
         "prompt",
         "model",
@@ -281,14 +289,13 @@ fn field_of(msg: &str) -> &'static str {
         "stream_options",
         "stream",
         "n",
+        "tandem",
         "role",
-        "content",
-    ] {
-        if msg.contains(&format!("`{f}`")) {
-            return f;
-        }
-    }
-    "body"
+    ];
+    let head = s.split(['.', '[']).next().unwrap_or_default();
+    FIELDS
+        .into_iter()
+        .find(|f| *f == head || s.contains(&format!("`{f}`")))
 }
 
 fn chat_prompt(b: &Body, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {

@@ -141,6 +141,8 @@ struct Out {
     ids: Vec<u32>,
     unverified: usize,
     live: bool,
+    /// max_tokens.
+    max: usize,
     counts: LiveCounts,
     start: Instant,
     token_ms: Vec<f64>,
@@ -153,10 +155,15 @@ impl Out {
 
     /// A committed token.
     fn push(&mut self, id: u32, unverified: bool) {
+        // Nothing counts past the end: a stop sequence, the end of generation (the verifier may
+        // commit past it), or max_tokens.
+        if self.over() {
+            return;
+        }
         self.ids.push(id);
         self.unverified += unverified as usize;
         self.token_ms.push(self.start.elapsed().as_secs_f64() * 1e3);
-        if self.tok.is_eog(id) || self.stops.stopped() {
+        if self.tok.is_eog(id) {
             return;
         }
         let piece = self.stream.push(&self.tok, id).unwrap_or_default();
@@ -165,6 +172,13 @@ impl Out {
         if !text.is_empty() {
             self.send(Event::Text { text, unverified });
         }
+    }
+
+    /// The answer has ended: a stop sequence, the end of generation, or max_tokens.
+    fn over(&self) -> bool {
+        self.stops.stopped()
+            || self.ids.len() >= self.max
+            || self.ids.last().is_some_and(|&t| self.tok.is_eog(t))
     }
 
     fn name(&self, t: u32) -> String {
@@ -182,23 +196,32 @@ impl Out {
         correction: Option<(u32, u32)>,
         stats: Option<&tandem_spec::PipelineStats>,
     ) {
-        let live = self.live && !self.stops.stopped();
+        let live = self.live;
         if let Some(s) = stats {
             self.counts.accepted = s.accepted;
             self.counts.judged = s.accepted + s.rejections;
         }
-        if let (true, Some((d, t))) = (live, correction) {
+        // The correction is the last token committed: it is shown just before it.
+        let split = if correction.is_some() {
+            committed.len().saturating_sub(1)
+        } else {
+            committed.len()
+        };
+        for &id in &committed[..split] {
+            self.push(id, false);
+        }
+        if let (true, Some((d, t))) = (live && !self.over(), correction) {
             self.send(Event::Live {
                 tentative: None,
                 correction: Some((self.name(d), self.name(t))),
                 counts: self.counts,
             });
         }
-        for &id in committed {
+        for &id in &committed[split..] {
             self.push(id, false);
         }
         self.counts.tokens = self.ids.len();
-        if let (true, Some(tentative)) = (live, tentative) {
+        if let (true, Some(tentative)) = (live && !self.over(), tentative) {
             let ids: Vec<u32> = tentative
                 .iter()
                 .copied()
@@ -371,6 +394,7 @@ impl Sessions {
                 ids: Vec::new(),
                 unverified: 0,
                 live: req.tentative,
+                max: req.max_tokens,
                 counts: LiveCounts::default(),
                 start,
                 token_ms: Vec::new(),
@@ -430,7 +454,7 @@ impl Sessions {
         if a.out.events.is_closed() {
             return Err(End::Cancelled);
         }
-        if a.out.stops.stopped() {
+        if a.out.over() {
             return Err(End::Done);
         }
         match &mut a.phase {
