@@ -37,6 +37,9 @@ pub struct GenOutput {
     /// Speculative modes only.
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub spec: Option<crate::speculate::SpecFields>,
+    /// Each generated token's commit time, ms since the request.
+    #[serde(skip)]
+    pub token_ms: Vec<f64>,
 }
 
 /// Generate up to `max_tokens` after `prompt_ids` on sequence 0 of `engine`, calling `on_text` with
@@ -115,6 +118,7 @@ pub fn output(
         threads: 0,
         tokenizer_fingerprint: tok.fingerprint().to_string(),
         spec: None,
+        token_ms: times.to_vec(),
     })
 }
 

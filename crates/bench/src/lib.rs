@@ -25,6 +25,7 @@ pub mod netem;
 pub mod paper;
 pub mod plots;
 pub mod quant_study;
+pub mod serve_bench;
 pub mod speculate;
 pub mod synthetic;
 

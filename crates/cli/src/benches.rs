@@ -21,6 +21,73 @@ pub(crate) enum BenchCmd {
     /// W8A8, a layer-skipping draft): size, perplexity on a shipped English corpus, α and E[A]
     /// against the target, decode speed, and async ITL end to end.
     Quant(QuantBenchArgs),
+    /// `tandem serve` under 1, 4 and 16 concurrent API clients streaming over HTTP (requests/s,
+    /// TTFT, ITL), beside one session driven in-process without HTTP and cloud-only streaming,
+    /// on the same link and cores.
+    Serve(ServeBenchCliArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct ServeBenchCliArgs {
+    /// Concurrent API clients, one level each.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    clients: Vec<usize>,
+    /// Requests each client sends, one after another.
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    #[arg(long, default_value_t = 48)]
+    max_tokens: usize,
+    /// Emulated round trip to the verifier, ms.
+    #[arg(long, default_value_t = 50.0)]
+    rtt_ms: f64,
+    #[arg(long, default_value_t = 2)]
+    gamma: usize,
+    #[arg(long, default_value_t = 3)]
+    depth: usize,
+    /// Chat prompts (default: the load benchmark's four).
+    #[arg(long)]
+    prompt: Vec<String>,
+    /// Keep every session speculating (the verifier's --fixed-grants: no takeovers), to measure
+    /// speculation as such.
+    #[arg(long)]
+    fixed_grants: bool,
+    #[command(flatten)]
+    cores: Cores,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+pub(crate) fn cmd_serve_bench(home: &std::path::Path, a: ServeBenchCliArgs) -> Result<()> {
+    let (edge_cpus, cloud_cpus) = a.cores.split();
+    let args = tandem_bench::serve_bench::ServeBenchArgs {
+        home: home.to_path_buf(),
+        clients: a.clients,
+        rounds: a.rounds,
+        max_tokens: a.max_tokens,
+        rtt_ms: a.rtt_ms,
+        gamma: a.gamma,
+        depth: a.depth,
+        prompts: if a.prompt.is_empty() {
+            tandem_bench::load::default_prompts()
+        } else {
+            a.prompt
+        },
+        fixed_grants: a.fixed_grants,
+        edge_cpus,
+        cloud_cpus,
+    };
+    let quiet = a.report.json;
+    let r = tandem_bench::serve_bench::run(&args, &mut |what| {
+        if !quiet {
+            eprintln!("{what}");
+        }
+    })?;
+    report(
+        &r,
+        a.report.out.as_deref(),
+        a.report.json,
+        tandem_bench::serve_bench::table,
+    )
 }
 
 #[derive(Args)]

@@ -186,6 +186,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Load(a)) => cmd_load(&home, a)?,
         Cmd::Bench(BenchCmd::Paper(a)) => cmd_paper(&home, a)?,
         Cmd::Bench(BenchCmd::Quant(a)) => cmd_quant(&home, a)?,
+        Cmd::Bench(BenchCmd::Serve(a)) => cmd_serve_bench(&home, a)?,
         Cmd::Info(a) => cmd_info(&home, a)?,
         Cmd::Demo(a) => cmd_demo(&home, a)?,
         Cmd::Serve(a) => cmd_edge_serve(&home, a)?,

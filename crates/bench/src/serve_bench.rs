@@ -1,0 +1,426 @@
+//! `tandem bench serve`: the edge daemon under concurrent API clients. One verifier process
+//! (pinned to the cloud's core) behind an emulated round trip; `tandem serve`'s HTTP server and
+//! draft engine in this process (the draft pinned to the edge's core); N clients stream chat
+//! completions at once over real HTTP (OpenAI's SSE chunks) and time every token as it arrives.
+//! In the same run, on the same link and cores: one session driven in-process without HTTP (the
+//! edge's speculation loop, as `generate --mode async` runs it), and cloud-only streaming (the
+//! verifier's `Generate` RPC: the baseline every speculative row is compared with).
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde::Serialize;
+use tandem_engine::{CpuSet, Engine, EngineConfig};
+use tandem_models::store::{self as models, ModelSpec};
+use tandem_sim::stats::{round2, Summary};
+use tandem_spec::sampling::SamplingParams;
+
+use crate::cloudproc::{CloudProcess, Link};
+
+/// What `bench serve` runs.
+#[derive(Debug, Clone)]
+pub struct ServeBenchArgs {
+    pub home: PathBuf,
+    /// Concurrent API clients, one level each.
+    pub clients: Vec<usize>,
+    /// Requests each client sends, one after another.
+    pub rounds: usize,
+    pub max_tokens: usize,
+    pub rtt_ms: f64,
+    pub gamma: usize,
+    pub depth: usize,
+    pub prompts: Vec<String>,
+    /// The verifier keeps every session speculating (`cloud serve --fixed-grants`): no takeovers.
+    pub fixed_grants: bool,
+    pub edge_cpus: CpuSet,
+    pub cloud_cpus: CpuSet,
+}
+
+/// One row: a way of serving, at one number of concurrent clients.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    /// `http` (tandem serve), `in-process` (the same speculation without HTTP), `cloud-only`.
+    pub mode: &'static str,
+    pub clients: usize,
+    pub requests: usize,
+    /// Completion tokens, all requests.
+    pub tokens: usize,
+    pub wall_s: f64,
+    pub requests_per_s: f64,
+    pub tokens_per_s: f64,
+    /// Time to the first token, over requests.
+    pub ttft_ms: Summary,
+    /// Inter-token latency: its mean over every gap between tokens of every request, and the
+    /// worst request's p99.
+    pub itl_mean_ms: f64,
+    pub itl_p99_ms: f64,
+    /// Accepted over judged draft positions, over the requests (speculative rows that were
+    /// judged at all).
+    pub alpha: Option<f64>,
+    /// Committed tokens that were accepted draft tokens (the rest are the verifier's own: its
+    /// first token, corrections, bonuses, and tokens it decoded when it took the session over).
+    pub draft_share: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ServeReport {
+    pub rtt_ms: f64,
+    pub fixed_grants: bool,
+    pub gamma: usize,
+    pub depth: usize,
+    pub max_tokens: usize,
+    pub rows: Vec<Row>,
+    /// Mean ITL of one HTTP client over the in-process session's, minus one (0.03: HTTP adds 3%).
+    pub http_itl_overhead: Option<f64>,
+}
+
+/// One request's timing: the time of each token from the request, ms.
+struct Timed {
+    token_ms: Vec<f64>,
+    tokens: usize,
+    accepted: usize,
+    judged: usize,
+}
+
+/// A row from its requests' timings over `wall_s`.
+fn row(mode: &'static str, clients: usize, timed: &[Timed], wall_s: f64) -> Row {
+    let tokens: usize = timed.iter().map(|t| t.tokens).sum();
+    let ttft: Vec<f64> = timed
+        .iter()
+        .filter_map(|t| t.token_ms.first().copied())
+        .collect();
+    let gaps: Vec<f64> = timed
+        .iter()
+        .flat_map(|t| t.token_ms.windows(2).map(|w| w[1] - w[0]))
+        .collect();
+    let worst_p99 = timed
+        .iter()
+        .map(|t| {
+            let g: Vec<f64> = t.token_ms.windows(2).map(|w| w[1] - w[0]).collect();
+            Summary::of(&g).p99
+        })
+        .fold(0.0, f64::max);
+    let (acc, judged) = timed
+        .iter()
+        .fold((0, 0), |(a, j), t| (a + t.accepted, j + t.judged));
+    let s = Summary::of(&ttft);
+    Row {
+        mode,
+        clients,
+        requests: timed.len(),
+        tokens,
+        wall_s: round2(wall_s),
+        requests_per_s: round2(timed.len() as f64 / wall_s),
+        tokens_per_s: round2(tokens as f64 / wall_s),
+        ttft_ms: Summary {
+            mean: round2(s.mean),
+            p50: round2(s.p50),
+            p99: round2(s.p99),
+        },
+        itl_mean_ms: round2(Summary::of(&gaps).mean),
+        itl_p99_ms: round2(worst_p99),
+        alpha: (judged > 0).then(|| round2(acc as f64 / judged as f64)),
+        draft_share: (mode != "cloud-only" && tokens > 0)
+            .then(|| round2(acc as f64 / tokens as f64)),
+    }
+}
+
+/// One streamed chat completion over HTTP, timed token by token (each content chunk is one
+/// committed token's text).
+fn http_request(agent: &ureq::Agent, url: &str, prompt: &str, max_tokens: usize) -> Result<Timed> {
+    let t0 = Instant::now();
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let resp = agent
+        .post(url)
+        .send_json(body)
+        .map_err(|e| anyhow!("POST {url}: {e}"))?;
+    let mut t = Timed {
+        token_ms: Vec::new(),
+        tokens: 0,
+        accepted: 0,
+        judged: 0,
+    };
+    for line in BufReader::new(resp.into_reader()).lines() {
+        let line = line?;
+        let Some(data) = line.strip_prefix("data: ") else {
+            if line.starts_with("event: error") {
+                bail!("the server sent an error event");
+            }
+            continue;
+        };
+        if data == "[DONE]" {
+            break;
+        }
+        let now = t0.elapsed().as_secs_f64() * 1e3;
+        let c: serde_json::Value = serde_json::from_str(data)?;
+        if let Some(text) = c["choices"][0]["delta"]["content"].as_str() {
+            if !text.is_empty() {
+                t.token_ms.push(now);
+            }
+        }
+        if let Some(n) = c["usage"]["completion_tokens"].as_u64() {
+            t.tokens = n as usize;
+        }
+        let ext = &c["tandem"];
+        if ext["num_drafts"].is_u64() {
+            // α over judged positions: accepted, and judged = accepted / α.
+            let a = ext["num_accepted_draft_tokens"].as_u64().unwrap_or(0) as usize;
+            let alpha = ext["alpha"].as_f64().unwrap_or(0.0);
+            t.accepted = a;
+            t.judged = if alpha > 0.0 {
+                (a as f64 / alpha).round() as usize
+            } else {
+                0
+            };
+        }
+    }
+    Ok(t)
+}
+
+pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeReport> {
+    if a.clients.is_empty() || a.clients.contains(&0) || a.rounds == 0 || a.max_tokens == 0 {
+        bail!("--clients, --rounds and --max-tokens must be at least 1");
+    }
+    if a.prompts.is_empty() {
+        bail!("no prompts");
+    }
+    let draft = models::load(&a.home, &ModelSpec::Draft, None, true)?;
+    let target = models::load(&a.home, &ModelSpec::Target, None, true)?;
+    let extra: &[String] = if a.fixed_grants {
+        &["--fixed-grants".to_string()]
+    } else {
+        &[]
+    };
+    let cloud = CloudProcess::start(&a.home, &a.cloud_cpus, extra)?;
+    let mut link = Link::new()?;
+    let front = link.set(&cloud.addr, a.rtt_ms, 0.0)?;
+    let edge_cfg = EngineConfig {
+        threads: 1,
+        kv_budget_bytes: 512 << 20,
+        kv_block_size: 16,
+        cpus: a.edge_cpus,
+    };
+    let session = tandem_spec::edge::SessionConfig {
+        draft_len: a.gamma,
+        depth: a.depth,
+        max_new_tokens: a.max_tokens,
+        auto: None,
+        granted: None,
+        tree: tandem_spec::TreeConfig::LINEAR,
+    };
+    let spec = tandem_edge::SpecConfig {
+        session,
+        rule: tandem_spec::VerifyRule::Rejection,
+        params: SamplingParams::default(),
+        q_top_k: 32,
+    };
+    let prompt = |i: usize| a.prompts[i % a.prompts.len()].as_str();
+    let mut rows = Vec::new();
+
+    // One session in-process, no HTTP: the same requests one after another.
+    progress("in-process, 1 client");
+    let run = crate::speculate::SpecRun {
+        target: target.model.clone(),
+        draft: draft.model.clone(),
+        tokenizer: &draft.tokenizer,
+        cloud: edge_cfg,
+        edge: edge_cfg,
+        spec,
+        rtt_ms: a.rtt_ms,
+        jitter_ms: 0.0,
+        cloud_url: Some(format!("http://{}", cloud.addr)),
+        api_key: None,
+        tls_ca: None,
+    };
+    let t0 = Instant::now();
+    let mut timed = Vec::new();
+    for i in 0..a.rounds {
+        let ids = draft.tokenizer.encode_chat(prompt(i))?;
+        let out = crate::speculate::run(&run, &ids, |_| {})?;
+        let s = out.spec.as_ref();
+        let judged = s.map_or(0, |s| {
+            if s.acceptance_rate > 0.0 {
+                (s.accepted_draft_tokens as f64 / s.acceptance_rate).round() as usize
+            } else {
+                0
+            }
+        });
+        timed.push(Timed {
+            token_ms: untimed_end(&out),
+            tokens: out.output_ids.len(),
+            accepted: s.map_or(0, |s| s.accepted_draft_tokens),
+            judged,
+        });
+    }
+    rows.push(row("in-process", 1, &timed, t0.elapsed().as_secs_f64()));
+
+    // Cloud-only streaming: the verifier decodes every token (the Generate RPC).
+    progress("cloud-only, 1 client");
+    let t0 = Instant::now();
+    let mut timed = Vec::new();
+    for i in 0..a.rounds {
+        let ids = draft.tokenizer.encode_chat(prompt(i))?;
+        let out = crate::generate::generate_remote(
+            tandem_edge::grpc::Remote {
+                url: &front,
+                api_key: None,
+                tls_ca: None,
+            },
+            &draft.tokenizer,
+            &ids,
+            a.max_tokens,
+            &SamplingParams::default(),
+            |_| {},
+        )?;
+        timed.push(Timed {
+            token_ms: untimed_end(&out),
+            tokens: out.output_ids.len(),
+            accepted: 0,
+            judged: 0,
+        });
+    }
+    rows.push(row("cloud-only", 1, &timed, t0.elapsed().as_secs_f64()));
+
+    // tandem serve in this process, N clients over HTTP.
+    let rt = crate::runtime()?;
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let addr = listener.local_addr()?;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let cfg = tandem_edge::serve::ServeConfig {
+        clouds: vec![front.clone()],
+        api_key: None,
+        tls_ca: None,
+        client_keys: Vec::new(),
+        model_name: "bench".into(),
+        spec,
+        fallback_local: false,
+        connect_timeout: Duration::from_secs(10),
+    };
+    let engine = Engine::new(draft.model.clone(), edge_cfg)?;
+    // The target's tokenizer is the draft's (the verifier checks the fingerprint).
+    let tok = Arc::new(target.tokenizer);
+    let server = rt.spawn(tandem_edge::serve::serve(
+        listener,
+        engine,
+        tok,
+        cfg,
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    let url = format!("http://{addr}/v1/chat/completions");
+    let agent = ureq::AgentBuilder::new()
+        .timeout(Duration::from_secs(600))
+        .max_idle_connections_per_host(64)
+        .build();
+    for &n in &a.clients {
+        progress(&format!("tandem serve over HTTP, {n} clients"));
+        let t0 = Instant::now();
+        let results: Vec<Result<Vec<Timed>>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..n)
+                .map(|c| {
+                    let (agent, url) = (&agent, &url);
+                    s.spawn(move || {
+                        (0..a.rounds)
+                            .map(|r| http_request(agent, url, prompt(c + r * n), a.max_tokens))
+                            .collect::<Result<Vec<_>>>()
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow!("a client panicked")))
+                })
+                .collect()
+        });
+        let wall = t0.elapsed().as_secs_f64();
+        let mut timed = Vec::new();
+        for r in results {
+            timed.extend(r?);
+        }
+        rows.push(row("http", n, &timed, wall));
+    }
+    let _ = stop_tx.send(());
+    rt.block_on(server)
+        .context("the server task")?
+        .context("serving")?;
+    drop(link);
+    let mean = |mode: &str| {
+        rows.iter()
+            .find(|r| r.mode == mode && r.clients == 1)
+            .map(|r| r.itl_mean_ms)
+    };
+    let http_itl_overhead = match (mean("http"), mean("in-process")) {
+        (Some(h), Some(i)) if i > 0.0 => Some(round2((h / i - 1.0) * 100.0) / 100.0),
+        _ => None,
+    };
+    Ok(ServeReport {
+        rtt_ms: a.rtt_ms,
+        fixed_grants: a.fixed_grants,
+        gamma: a.gamma,
+        depth: a.depth,
+        max_tokens: a.max_tokens,
+        rows,
+        http_itl_overhead,
+    })
+}
+
+/// The tokens' times without the end of generation's (a client sees no text for it).
+fn untimed_end(out: &crate::generate::GenOutput) -> Vec<f64> {
+    let mut t = out.token_ms.clone();
+    if out.finish_reason == "stop" {
+        t.pop();
+    }
+    t
+}
+
+/// The report as markdown.
+pub fn table(r: &ServeReport) -> String {
+    let mut s = format!(
+        "tandem serve: rtt {} ms, γ {} depth {}, {} tokens per answer, {}\n\n",
+        r.rtt_ms,
+        r.gamma,
+        r.depth,
+        r.max_tokens,
+        if r.fixed_grants {
+            "fixed grants (every session speculates)"
+        } else {
+            "the verifier's grants (it takes over sessions that speculation would slow)"
+        }
+    );
+    s.push_str("| mode | clients | requests | tokens | req/s | tok/s | TTFT mean ms | ITL mean ms | ITL p99 ms (worst request) | α | draft share |\n");
+    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for row in &r.rows {
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {:.2} | {:.1} | {:.0} | {:.1} | {:.1} | {} | {} |\n",
+            row.mode,
+            row.clients,
+            row.requests,
+            row.tokens,
+            row.requests_per_s,
+            row.tokens_per_s,
+            row.ttft_ms.mean,
+            row.itl_mean_ms,
+            row.itl_p99_ms,
+            row.alpha.map_or("–".into(), |a| format!("{a:.2}")),
+            row.draft_share.map_or("–".into(), |a| format!("{a:.2}"))
+        ));
+    }
+    if let Some(o) = r.http_itl_overhead {
+        s.push_str(&format!(
+            "\nHTTP adds {:+.1}% to one client's mean ITL (against the same session in-process).\n",
+            o * 100.0
+        ));
+    }
+    s
+}
