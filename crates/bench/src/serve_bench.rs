@@ -3,8 +3,9 @@
 //! draft engine in this process (the draft pinned to the edge's core); N clients stream chat
 //! completions at once over real HTTP (OpenAI's SSE chunks) and time every token as it arrives.
 //! In the same run, on the same link and cores: one session driven in-process without HTTP (the
-//! edge's speculation loop, as `generate --mode async` runs it), and cloud-only streaming (the
-//! verifier's `Generate` RPC: the baseline every speculative row is compared with).
+//! edge's speculation loop, as `generate --mode async` runs it), and at every N as many
+//! cloud-only streams (the verifier's `Generate` RPC: the baseline every speculative row is
+//! compared with).
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -126,6 +127,30 @@ fn row(mode: &'static str, clients: usize, timed: &[Timed], wall_s: f64) -> Row 
         draft_share: (mode != "cloud-only" && tokens > 0)
             .then(|| round2(acc as f64 / tokens as f64)),
     }
+}
+
+/// `n` clients at once, each sending `rounds` requests one after another (request `i` of them
+/// all: client `c`'s round `r` is `c + r·n`); their timings and the wall time.
+fn concurrently(
+    n: usize,
+    rounds: usize,
+    request: &(dyn Fn(usize) -> Result<Timed> + Sync),
+) -> Result<(Vec<Timed>, f64)> {
+    let t0 = Instant::now();
+    let results: Vec<Result<Vec<Timed>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|c| s.spawn(move || (0..rounds).map(|r| request(c + r * n)).collect()))
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a client panicked"))))
+            .collect()
+    });
+    let wall = t0.elapsed().as_secs_f64();
+    let mut timed = Vec::new();
+    for r in results {
+        timed.extend(r?);
+    }
+    Ok((timed, wall))
 }
 
 /// One streamed chat completion over HTTP, timed token by token (each content chunk is one
@@ -263,33 +288,6 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
     }
     rows.push(row("in-process", 1, &timed, t0.elapsed().as_secs_f64()));
 
-    // Cloud-only streaming: the verifier decodes every token (the Generate RPC).
-    progress("cloud-only, 1 client");
-    let t0 = Instant::now();
-    let mut timed = Vec::new();
-    for i in 0..a.rounds {
-        let ids = draft.tokenizer.encode_chat(prompt(i))?;
-        let out = crate::generate::generate_remote(
-            tandem_edge::grpc::Remote {
-                url: &front,
-                api_key: None,
-                tls_ca: None,
-            },
-            &draft.tokenizer,
-            &ids,
-            a.max_tokens,
-            &SamplingParams::default(),
-            |_| {},
-        )?;
-        timed.push(Timed {
-            token_ms: untimed_end(&out),
-            tokens: out.output_ids.len(),
-            accepted: 0,
-            judged: 0,
-        });
-    }
-    rows.push(row("cloud-only", 1, &timed, t0.elapsed().as_secs_f64()));
-
     // tandem serve in this process, N clients over HTTP.
     let rt = crate::runtime()?;
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
@@ -322,32 +320,37 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
         .timeout(Duration::from_secs(600))
         .max_idle_connections_per_host(64)
         .build();
+    let cloud_only = |i: usize| -> Result<Timed> {
+        let ids = draft.tokenizer.encode_chat(prompt(i))?;
+        let out = crate::generate::generate_remote(
+            tandem_edge::grpc::Remote {
+                url: &front,
+                api_key: None,
+                tls_ca: None,
+            },
+            &draft.tokenizer,
+            &ids,
+            a.max_tokens,
+            &SamplingParams::default(),
+            |_| {},
+        )?;
+        Ok(Timed {
+            token_ms: untimed_end(&out),
+            tokens: out.output_ids.len(),
+            accepted: 0,
+            judged: 0,
+        })
+    };
     for &n in &a.clients {
+        // Cloud-only streaming (the verifier decodes every token: the Generate RPC), then
+        // tandem serve, with the same N clients and prompts.
+        progress(&format!("cloud-only, {n} clients"));
+        let (timed, wall) = concurrently(n, a.rounds, &cloud_only)?;
+        rows.push(row("cloud-only", n, &timed, wall));
         progress(&format!("tandem serve over HTTP, {n} clients"));
-        let t0 = Instant::now();
-        let results: Vec<Result<Vec<Timed>>> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..n)
-                .map(|c| {
-                    let (agent, url) = (&agent, &url);
-                    s.spawn(move || {
-                        (0..a.rounds)
-                            .map(|r| http_request(agent, url, prompt(c + r * n), a.max_tokens))
-                            .collect::<Result<Vec<_>>>()
-                    })
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(anyhow!("a client panicked")))
-                })
-                .collect()
-        });
-        let wall = t0.elapsed().as_secs_f64();
-        let mut timed = Vec::new();
-        for r in results {
-            timed.extend(r?);
-        }
+        let (timed, wall) = concurrently(n, a.rounds, &|i| {
+            http_request(&agent, &url, prompt(i), a.max_tokens)
+        })?;
         rows.push(row("http", n, &timed, wall));
     }
     let _ = stop_tx.send(());
