@@ -142,7 +142,10 @@ fn concurrently(
             .map(|c| s.spawn(move || (0..rounds).map(|r| request(c + r * n)).collect()))
             .collect();
         hs.into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a client panicked"))))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow!("a client panicked")))
+            })
             .collect()
     });
     let wall = t0.elapsed().as_secs_f64();

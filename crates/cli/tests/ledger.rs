@@ -6,9 +6,8 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
 use common::*;
 use serde_json::Value;
@@ -16,47 +15,14 @@ use serde_json::Value;
 const KEY_A: &str = "tk-ledger-tenant-a-000";
 const KEY_B: &str = "tk-ledger-tenant-b-000";
 
-fn serve(tenants: &Path, ledger: &Path) -> (Child, u16) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["cloud", "serve", "--forward-cost", "40,2", "--threads", "1"])
-        .args(["--listen", "127.0.0.1:0", "--drain-timeout-s", "5"])
-        .arg("--tenants")
-        .arg(tenants)
-        .arg("--ledger")
-        .arg(ledger)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let port = child.stderr.take().and_then(|e| {
-        let mut lines = BufReader::new(e).lines().map_while(Result::ok);
-        let port = lines.by_ref().find_map(|l| {
-            l.strip_prefix("tandem verifier listening on ")
-                .and_then(|r| r.split_whitespace().next())
-                .and_then(|a| a.rsplit(':').next())
-                .and_then(|p| p.parse::<u16>().ok())
-        });
-        std::thread::spawn(move || for _ in lines {});
-        port
-    });
-    match port {
-        Some(p) => (child, p),
-        None => {
-            let status = child.wait().unwrap();
-            panic!("the verifier did not start: {status}");
-        }
-    }
+fn serve(tenants: &Path, ledger: &Path) -> Proc {
+    let (t, l) = (tenants.to_str().unwrap(), ledger.to_str().unwrap());
+    verifier(&["--tenants", t, "--ledger", l, "--drain-timeout-s", "5"])
 }
 
 /// SIGTERM, and wait for the drain to end the process.
-fn stop(mut child: Child) {
-    let pid = child.id().to_string();
-    assert!(Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
-    let status = child.wait().unwrap();
+fn stop(mut p: Proc) {
+    let status = p.terminate();
     assert!(status.success(), "the verifier exited with {status}");
 }
 
@@ -145,7 +111,8 @@ fn the_ledger_holds_what_the_edges_saw_and_survives_a_restart() {
     let ledger = dir.join("ledger.sqlite");
     let (mut a, mut b) = (Seen::default(), Seen::default());
 
-    let (verifier, port) = serve(&tenants, &ledger);
+    let verifier = serve(&tenants, &ledger);
+    let port = verifier.port;
     a.add(&edge(port, KEY_A, "async", "Name three colours.", 24));
     a.add(&edge(port, KEY_A, "cloud", "Say hello.", 8));
     b.add(&edge(port, KEY_B, "async", "What is a bicycle?", 16));
@@ -156,7 +123,8 @@ fn the_ledger_holds_what_the_edges_saw_and_survives_a_restart() {
     assert!(a.0[3] > 0, "some drafts were accepted: {a:?}");
 
     // A restarted verifier keeps the rows and adds to them.
-    let (verifier, port) = serve(&tenants, &ledger);
+    let verifier = serve(&tenants, &ledger);
+    let port = verifier.port;
     b.add(&edge(port, KEY_B, "sync", "Count to five.", 12));
     stop(verifier);
     let rows = usage(&ledger);

@@ -7,9 +7,8 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 
 use common::*;
 use serde_json::Value;
@@ -25,44 +24,6 @@ fn tenants(dir: &Path) -> PathBuf {
     )
     .unwrap();
     p
-}
-
-/// `tandem cloud serve` with `args`; waits for its "listening" line and returns the process and
-/// its port, or its exit and what it said when it stopped first.
-fn serve(args: &[&str]) -> Result<(Child, u16), (Output, String)> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args([
-            "cloud",
-            "serve",
-            "--forward-cost",
-            "40,2",
-            "--threads",
-            "1",
-            "--no-ledger",
-        ])
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let mut said = String::new();
-    while let Some(Ok(line)) = lines.next() {
-        if let Some(rest) = line.strip_prefix("tandem verifier listening on ") {
-            let port = rest
-                .split_whitespace()
-                .next()
-                .and_then(|a| a.rsplit(':').next())
-                .and_then(|p| p.parse().ok())
-                .unwrap();
-            std::thread::spawn(move || for _ in lines.by_ref() {});
-            return Ok((child, port));
-        }
-        said.push_str(&line);
-        said.push('\n');
-    }
-    let out = child.wait_with_output().unwrap();
-    Err((out, said))
 }
 
 fn generate(cloud: &str, extra: &[&str]) -> Output {
@@ -97,7 +58,7 @@ fn speculation_over_tls_is_the_targets_and_plaintext_or_a_wrong_ca_is_refused() 
     let (other_ca, _, _) = certificates(&dir, "other");
     let tenants = tenants(&dir);
     let s = |p: &Path| p.to_str().unwrap().to_string();
-    let (mut verifier, port) = serve(&[
+    let mut verifier = try_verifier(&[
         "--tenants",
         &s(&tenants),
         "--listen",
@@ -107,7 +68,8 @@ fn speculation_over_tls_is_the_targets_and_plaintext_or_a_wrong_ca_is_refused() 
         "--tls-key",
         &s(&key),
     ])
-    .unwrap_or_else(|(o, said)| panic!("the verifier did not start: {said} {o:?}"));
+    .unwrap_or_else(|said| panic!("the verifier did not start: {said}"));
+    let port = verifier.port;
 
     // The edge through TLS: the target's greedy output, token for token.
     let (m, tok) = target();
@@ -160,30 +122,25 @@ fn speculation_over_tls_is_the_targets_and_plaintext_or_a_wrong_ca_is_refused() 
         !mixed.status.success() && e.contains("not an https:// URL"),
         "{e}"
     );
-    let _ = verifier.kill();
-    let _ = verifier.wait();
+    verifier.kill();
 
     // Tenants off loopback: no start without TLS, unless a proxy is said to terminate it.
-    let (out, said) = serve(&["--tenants", &s(&tenants), "--listen", "0.0.0.0:0"])
-        .map(|(mut c, _)| {
-            let _ = c.kill();
-            panic!("started without TLS off loopback")
-        })
+    let said = try_verifier(&["--tenants", &s(&tenants), "--listen", "0.0.0.0:0"])
+        .map(|_| panic!("started without TLS off loopback"))
         .unwrap_err();
-    assert!(!out.status.success());
+    assert!(said.starts_with("exited with exit status: 1"), "{said}");
     assert!(
         said.contains("needs TLS") && said.contains("--tls-cert"),
         "{said}"
     );
-    let (mut proxied, _) = serve(&[
+    let proxied = try_verifier(&[
         "--tenants",
         &s(&tenants),
         "--listen",
         "0.0.0.0:0",
         "--insecure-behind-proxy",
     ])
-    .unwrap_or_else(|(o, said)| panic!("behind a proxy it starts: {said} {o:?}"));
-    let _ = proxied.kill();
-    let _ = proxied.wait();
+    .unwrap_or_else(|said| panic!("behind a proxy it starts: {said}"));
+    drop(proxied);
     let _ = std::fs::remove_dir_all(&dir);
 }

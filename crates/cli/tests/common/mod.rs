@@ -348,33 +348,30 @@ pub fn spawn_tandem(args: &[String], ready: &str, also: Option<&str>) -> Result<
 }
 
 /// `tandem cloud serve` on a loopback port of its own (a fixed forward cost: no measuring at
-/// start-up, no ledger), with `extra` flags; its port.
+/// start-up; no ledger, no auth, a 2 s drain unless `extra` says otherwise), with `extra` flags.
 pub fn verifier(extra: &[&str]) -> Proc {
-    let mut args: Vec<String> = [
-        "cloud",
-        "serve",
-        "--forward-cost",
-        "40,2",
-        "--threads",
-        "1",
-        "--drain-timeout-s",
-        "2",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    if !extra.contains(&"--ledger") {
-        args.push("--no-ledger".into());
-    }
-    if !extra.contains(&"--tenants") {
-        args.push("--no-auth".into());
-    }
-    if !extra.contains(&"--listen") {
-        args.extend(["--listen".into(), "127.0.0.1:0".into()]);
+    try_verifier(extra).unwrap_or_else(|e| panic!("the verifier did not start: {e}"))
+}
+
+/// [`verifier`], or what it said when it exited instead of listening.
+pub fn try_verifier(extra: &[&str]) -> Result<Proc, String> {
+    let mut args: Vec<String> = ["cloud", "serve", "--forward-cost", "40,2", "--threads", "1"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let defaults: [(&str, &[&str]); 4] = [
+        ("--ledger", &["--no-ledger"]),
+        ("--tenants", &["--no-auth"]),
+        ("--listen", &["--listen", "127.0.0.1:0"]),
+        ("--drain-timeout-s", &["--drain-timeout-s", "2"]),
+    ];
+    for (unless, flags) in defaults {
+        if !extra.contains(&unless) {
+            args.extend(flags.iter().map(|s| s.to_string()));
+        }
     }
     args.extend(extra.iter().map(|s| s.to_string()));
     spawn_tandem(&args, "tandem verifier listening on ", Some("metrics on "))
-        .unwrap_or_else(|e| panic!("the verifier did not start: {e}"))
 }
 
 /// A CA and a server certificate for `localhost` and 127.0.0.1 it signed, as PEM files in
