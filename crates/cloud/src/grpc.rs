@@ -302,6 +302,7 @@ impl VerifierRpc for Service {
         }))?;
         let batcher = self.batcher.clone();
         let vocab = self.info.model.vocab_size as usize;
+        let uses_q = o.rule.effective(&o.params) == tandem_spec::VerifyRule::Rejection;
         let stream = first_answer(rx).await?;
         tokio::spawn(async move {
             let send = |m: ToCloud| batcher.lock().map(|b| b.send(m).is_ok()).unwrap_or(false);
@@ -315,6 +316,7 @@ impl VerifierRpc for Service {
                         vocab,
                         gamma as usize,
                         side_nodes as usize,
+                        uses_q,
                     ) {
                         Ok(block) => {
                             if !send(ToCloud::Core(Inbound::Draft { session, block })) {

@@ -114,11 +114,12 @@ pub fn generate(r: v1::GenerateRequest, m: &ModelInfo) -> Result<ValidGenerate, 
 /// A draft block on the stream of `session`, with at most `max_len` (the granted γ) tokens and
 /// `max_side` side nodes.
 pub fn draft(
-    d: v1::Draft,
+    mut d: v1::Draft,
     session: u64,
     vocab: usize,
     max_len: usize,
     max_side: usize,
+    uses_q: bool,
 ) -> Result<Block, Status> {
     if d.session_id != 0 && d.session_id != session {
         return Err(Status::not_found(format!(
@@ -126,8 +127,13 @@ pub fn draft(
             d.session_id
         )));
     }
-    block_from_proto(d, vocab, max_len, max_side)
-        .map_err(|e| Status::invalid_argument(e.to_string()))
+    let mut block = block_from_proto(std::mem::take(&mut d), vocab, max_len, max_side)
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+    if !uses_q {
+        // Only rejection sampling reads the draft's distributions: nothing else keeps them.
+        block.q = Vec::new();
+    }
+    Ok(block)
 }
 
 #[cfg(test)]
@@ -228,10 +234,10 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            draft(d.clone(), 4, 100, 4, 0).unwrap_err().code(),
+            draft(d.clone(), 4, 100, 4, 0, true).unwrap_err().code(),
             tonic::Code::NotFound
         );
-        assert!(draft(d.clone(), 3, 100, 4, 0).is_ok());
+        assert!(draft(d.clone(), 3, 100, 4, 0, true).is_ok());
         let e = draft(
             v1::Draft {
                 tokens: vec![1; 5],
@@ -241,6 +247,7 @@ mod tests {
             100,
             4,
             0,
+            true,
         )
         .unwrap_err();
         assert!(e.message().starts_with("draft.tokens"), "{}", e.message());
@@ -254,8 +261,8 @@ mod tests {
             side: vec![side(7), side(8)],
             ..d.clone()
         };
-        assert!(draft(tree.clone(), 3, 100, 4, 2).is_ok());
-        let e = draft(tree, 3, 100, 4, 1).unwrap_err();
+        assert!(draft(tree.clone(), 3, 100, 4, 2, true).is_ok());
+        let e = draft(tree, 3, 100, 4, 1, true).unwrap_err();
         assert!(
             e.message().contains("2 side nodes exceed the 1 granted"),
             "{}",
@@ -270,8 +277,34 @@ mod tests {
             100,
             4,
             2,
+            true,
         )
         .unwrap_err();
         assert!(e.message().starts_with("draft.side") && e.message().contains("100"));
+    }
+
+    /// Only rejection sampling reads q: for any other rule a block keeps none (a greedy
+    /// session's edge that sends q anyway costs the verifier nothing past validation).
+    #[test]
+    fn q_is_kept_only_for_the_rule_that_reads_it() {
+        let q = v1::SparseDist {
+            entries: vec![
+                v1::TokenProb {
+                    token: 5,
+                    prob: 0.6,
+                },
+                v1::TokenProb {
+                    token: 6,
+                    prob: 0.4,
+                },
+            ],
+        };
+        let d = v1::Draft {
+            tokens: vec![5, 6],
+            q: vec![q.clone(), q],
+            ..Default::default()
+        };
+        assert_eq!(draft(d.clone(), 3, 100, 4, 0, true).unwrap().q.len(), 2);
+        assert!(draft(d, 3, 100, 4, 0, false).unwrap().q.is_empty());
     }
 }

@@ -8,6 +8,14 @@ pub mod v1 {
 /// The protocol version this build speaks.
 pub const PROTOCOL_VERSION: u32 = 4;
 
+/// The most entries one drafted position's distribution `q` may hold (and never more than the
+/// vocabulary): the edge sends its top-k (32 by default), and the verifier's work on a `q` is
+/// linear in its size, on the one thread that serves every tenant.
+pub const MAX_Q_ENTRIES: usize = 256;
+
+/// How far above 1 a distribution's mass may add up (rounding of f32 probabilities).
+pub const Q_MASS_SLACK: f64 = 1e-3;
+
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{Block, BlockId, Decoded, Shape, SideNode, Verdict, VerifyRule};
 
@@ -145,9 +153,20 @@ pub fn block_from_proto(
             format!("token id {} is outside the vocabulary ({vocab})", s.token),
         ));
     }
+    let cap = MAX_Q_ENTRIES.min(vocab);
     let mut q = Vec::with_capacity(d.q.len());
-    for dist in d.q {
+    for (i, dist) in d.q.into_iter().enumerate() {
+        if dist.entries.len() > cap {
+            return Err(bad(
+                "draft.q",
+                format!(
+                    "the distribution at position {i} has {} entries; at most {cap}",
+                    dist.entries.len()
+                ),
+            ));
+        }
         let mut v = Vec::with_capacity(dist.entries.len());
+        let mut mass = 0.0f64;
         for e in dist.entries {
             if e.token as usize >= vocab || !(e.prob.is_finite() && e.prob >= 0.0 && e.prob <= 1.0)
             {
@@ -156,7 +175,26 @@ pub fn block_from_proto(
                     format!("entry ({}, {}) is not a token probability", e.token, e.prob),
                 ));
             }
+            mass += e.prob as f64;
             v.push((e.token, e.prob));
+        }
+        if mass > 1.0 + Q_MASS_SLACK {
+            return Err(bad(
+                "draft.q",
+                format!("the distribution at position {i} adds up to {mass:.4}, more than 1"),
+            ));
+        }
+        // At most MAX_Q_ENTRIES: sorting a copy of the ids finds a repeated one.
+        let mut ids: Vec<u32> = v.iter().map(|e| e.0).collect();
+        ids.sort_unstable();
+        if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+            return Err(bad(
+                "draft.q",
+                format!(
+                    "the distribution at position {i} names token {} twice",
+                    w[0]
+                ),
+            ));
         }
         q.push(v);
     }
@@ -262,6 +300,32 @@ mod tests {
         assert_eq!(e.field, "draft.side");
         let e = block_from_proto(v1::Draft::from(&b), 100, 2, 2).unwrap_err();
         assert!(e.message.contains("granted draft length"), "{e}");
+        // A q past the cap (the stall: one entry repeated ~360k times), with a token twice, or
+        // with more than all the mass is refused by name, before any verifier work.
+        let with_q = |entries: Vec<(u32, f32)>| {
+            let mut d = v1::Draft::from(&b);
+            let dist = v1::SparseDist {
+                entries: entries
+                    .into_iter()
+                    .map(|(token, prob)| v1::TokenProb { token, prob })
+                    .collect(),
+            };
+            d.q = vec![dist; 3];
+            d
+        };
+        let huge = with_q(vec![(5, 1e-6); 360_000]);
+        let e = block_from_proto(huge, 100_000, 8, 2).unwrap_err();
+        assert_eq!(e.field, "draft.q");
+        assert!(e.message.contains("at most 256"), "{e}");
+        let e = block_from_proto(with_q(vec![(5, 1e-6); 101]), 100, 8, 2).unwrap_err();
+        assert!(e.message.contains("at most 100"), "{e}");
+        let e =
+            block_from_proto(with_q(vec![(5, 0.2), (6, 0.3), (5, 0.1)]), 100, 8, 2).unwrap_err();
+        assert!(e.message.contains("names token 5 twice"), "{e}");
+        let e = block_from_proto(with_q(vec![(5, 0.7), (6, 0.6)]), 100, 8, 2).unwrap_err();
+        assert!(e.message.contains("more than 1"), "{e}");
+        let ok = block_from_proto(with_q(vec![(5, 0.7), (6, 0.3)]), 100, 8, 2).unwrap();
+        assert_eq!(ok.q.len(), 3);
         let bad_p = v1::SamplingParams {
             temperature: -1.0,
             ..Default::default()
