@@ -18,7 +18,7 @@ use tandem_proto::v1::{
 };
 use tandem_proto::PROTOCOL_VERSION;
 use tandem_sched::{GrantPolicy, SessionId, TenantId};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::mpsc::{channel, Receiver};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -153,15 +153,41 @@ fn refusal(e: &VerifierError, retry_after_ms: Option<u64>) -> Status {
 
 /// Wait for the batcher's first answer: a refusal becomes the RPC's error, anything else starts
 /// the response stream.
+/// Messages a session's stream may hold unread before the verifier ends the session: an edge
+/// reads every message as it comes, so only one that has stopped reading fills it.
+pub const OUTBOX: usize = 1024;
+
+/// Messages of one session refused (bad drafts, a second Open, empty ones) before its stream is
+/// cut: a working edge sends none.
+pub const BAD_MESSAGES: usize = 32;
+
+/// Answer a refused message on the session's stream; `false` when the stream must end: past
+/// [`BAD_MESSAGES`] (then the stream ends with RESOURCE_EXHAUSTED), or when the edge is not
+/// reading what it was sent.
+fn refuse(
+    tx: &tokio::sync::mpsc::Sender<Result<CloudMessage, Status>>,
+    bad: &mut usize,
+    m: CloudMessage,
+) -> bool {
+    *bad += 1;
+    if *bad > BAD_MESSAGES {
+        let _ = tx.try_send(Err(Status::resource_exhausted(format!(
+            "more than {BAD_MESSAGES} refused messages on this session: the stream is closed"
+        ))));
+        return false;
+    }
+    tx.try_send(Ok(m)).is_ok()
+}
+
 async fn first_answer<T: Send + 'static>(
-    mut rx: UnboundedReceiver<Result<T, Status>>,
+    mut rx: Receiver<Result<T, Status>>,
 ) -> Result<Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>, Status> {
     let first = match rx.recv().await {
         Some(Err(s)) => return Err(s),
         Some(Ok(m)) => m,
         None => return Err(Status::unavailable("the verifier is shutting down")),
     };
-    let rest = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
+    let rest = tokio_stream::wrappers::ReceiverStream::new(rx);
     Ok(Box::pin(tokio_stream::StreamExt::chain(
         tokio_stream::once(Ok(first)),
         rest,
@@ -250,7 +276,7 @@ impl VerifierRpc for Service {
         // token budget like any other).
         let side_nodes = o.want_side_nodes.min(self.info.max_side_nodes);
         let session = SessionId(self.next_session.fetch_add(1, Ordering::Relaxed));
-        let (tx, rx) = unbounded_channel();
+        let (tx, rx) = channel(OUTBOX);
         let out = tx.clone();
         let reply: Reply = Arc::new(move |msg: ToEdge| {
             let m = match msg {
@@ -283,7 +309,9 @@ impl VerifierRpc for Service {
                 }
                 ToEdge::Token { .. } => return true,
             };
-            out.send(m).is_ok()
+            // A full outbox is an edge that does not read: the session ends (the batcher
+            // closes it), rather than the verifier holding its messages without bound.
+            out.try_send(m).is_ok()
         });
         self.send(ToCloud::Core(Inbound::Open {
             session,
@@ -306,6 +334,8 @@ impl VerifierRpc for Service {
         let stream = first_answer(rx).await?;
         tokio::spawn(async move {
             let send = |m: ToCloud| batcher.lock().map(|b| b.send(m).is_ok()).unwrap_or(false);
+            // Messages refused so far: past BAD_MESSAGES the stream is cut.
+            let mut bad = 0usize;
             loop {
                 match inbound.message().await {
                     Ok(Some(EdgeMessage {
@@ -324,7 +354,9 @@ impl VerifierRpc for Service {
                             }
                         }
                         Err(e) => {
-                            let _ = tx.send(Ok(error(e.code(), e.message())));
+                            if !refuse(&tx, &mut bad, error(e.code(), e.message())) {
+                                break;
+                            }
                         }
                     },
                     Ok(Some(EdgeMessage {
@@ -338,16 +370,19 @@ impl VerifierRpc for Service {
                     Ok(Some(EdgeMessage {
                         kind: Some(edge_message::Kind::Open(_)),
                     })) => {
-                        let _ = tx.send(Ok(error(
+                        let m = error(
                             tonic::Code::InvalidArgument,
                             "open: the session is already open",
-                        )));
+                        );
+                        if !refuse(&tx, &mut bad, m) {
+                            break;
+                        }
                     }
                     Ok(Some(EdgeMessage { kind: None })) => {
-                        let _ = tx.send(Ok(error(
-                            tonic::Code::InvalidArgument,
-                            "kind: empty message",
-                        )));
+                        let m = error(tonic::Code::InvalidArgument, "kind: empty message");
+                        if !refuse(&tx, &mut bad, m) {
+                            break;
+                        }
                     }
                     // Close, end of stream or a broken connection: free the session.
                     _ => break,
@@ -365,7 +400,7 @@ impl VerifierRpc for Service {
         let tenant = self.tenant(&req)?;
         self.admitting()?;
         let g = validation::generate(req.into_inner(), &self.info.model)?;
-        let (tx, rx) = unbounded_channel();
+        let (tx, rx) = channel(OUTBOX);
         let session = SessionId(self.next_session.fetch_add(1, Ordering::Relaxed));
         let reply: Reply = Arc::new(move |msg: ToEdge| {
             let m = match msg {
@@ -380,7 +415,8 @@ impl VerifierRpc for Service {
                 } => Err(refusal(&error, retry_after_ms)),
                 _ => return true,
             };
-            tx.send(m).is_ok()
+            // A full outbox: the client does not read; the stream ends.
+            tx.try_send(m).is_ok()
         });
         self.send(ToCloud::Core(Inbound::Open {
             session,

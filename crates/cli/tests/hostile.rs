@@ -1,0 +1,186 @@
+//! Hostile clients against a real verifier (tonic over loopback, the batcher and the target
+//! behind it): each attack is refused or cut by a rule that does not depend on the clock, and
+//! another tenant's stream completes while it is on.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use tandem_proto::v1::{
+    cloud_message, edge_message, verifier_client::VerifierClient, CloudMessage, Draft, EdgeMessage,
+    GenerateRequest, Open, SamplingParams, SparseDist, TokenProb,
+};
+use tokio_stream::wrappers::ReceiverStream;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn open(prompt: &[u32], temperature: f32, rule: i32, max_tokens: u32) -> EdgeMessage {
+    let tok = &target().1;
+    EdgeMessage {
+        kind: Some(edge_message::Kind::Open(Open {
+            protocol_version: tandem_proto::PROTOCOL_VERSION,
+            tokenizer_fingerprint: tok.fingerprint().to_string(),
+            prompt_ids: prompt.to_vec(),
+            params: Some(SamplingParams {
+                temperature,
+                top_k: 0,
+                top_p: 1.0,
+                seed: 1,
+            }),
+            max_tokens,
+            rule,
+            want_draft_len: 4,
+            want_depth: 2,
+            want_side_nodes: 0,
+        })),
+    }
+}
+
+fn draft(start_pos: u64, tokens: Vec<u32>, q: Vec<SparseDist>) -> EdgeMessage {
+    EdgeMessage {
+        kind: Some(edge_message::Kind::Draft(Draft {
+            epoch: 0,
+            block: 0,
+            start_pos,
+            tokens,
+            q,
+            ..Default::default()
+        })),
+    }
+}
+
+/// A cloud-only stream of `n` tokens another tenant would run: its token count.
+async fn bystander(url: String, prompt: Vec<u32>, n: u32) -> usize {
+    let tok = &target().1;
+    let mut c = VerifierClient::connect(url).await.unwrap();
+    let mut s = c
+        .generate(GenerateRequest {
+            tokenizer_fingerprint: tok.fingerprint().to_string(),
+            prompt_ids: prompt,
+            params: None,
+            max_tokens: n,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut got = 0;
+    while let Some(m) = s.message().await.unwrap() {
+        got += m.tokens.len();
+    }
+    got
+}
+
+#[test]
+fn a_flood_of_bad_drafts_from_a_client_that_never_reads_is_cut() {
+    let (url, _) = new_grpc_server(1e9);
+    let tok = &target().1;
+    let prompt = tok.encode("The capital of France is").unwrap();
+    let rt = rt();
+    rt.block_on(async {
+        let mut c = VerifierClient::connect(url.clone()).await.unwrap();
+        let (tx, rx) = tokio::sync::mpsc::channel::<EdgeMessage>(20_000);
+        tx.send(open(&prompt, 0.0, 1, 200)).await.unwrap();
+        let mut s = c
+            .session(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let first = s.message().await.unwrap().unwrap();
+        assert!(matches!(first.kind, Some(cloud_message::Kind::Opened(_))));
+        // 10,000 drafts, each refused, and the client reads none of the refusals.
+        let start = prompt.len() as u64 + 1;
+        for _ in 0..10_000 {
+            tx.send(draft(start, vec![999_999], vec![])).await.unwrap();
+        }
+        // Then it reads: a bounded number of refusals, and the stream is cut.
+        let mut refusals = 0;
+        let end = loop {
+            match tokio::time::timeout(Duration::from_secs(60), s.message()).await {
+                Ok(Ok(Some(CloudMessage {
+                    kind: Some(cloud_message::Kind::Error(_)),
+                }))) => refusals += 1,
+                Ok(Ok(Some(_))) => {}
+                Ok(Ok(None)) => {
+                    panic!("the stream ended without a status after {refusals} refusals")
+                }
+                Ok(Err(status)) => break status,
+                Err(_) => panic!("the stream was not cut: {refusals} refusals so far"),
+            }
+        };
+        assert_eq!(
+            refusals,
+            tandem_cloud::grpc::BAD_MESSAGES,
+            "refusals answered"
+        );
+        assert_eq!(end.code(), tonic::Code::ResourceExhausted, "{end:?}");
+        assert!(end.message().contains("refused messages"), "{end:?}");
+        drop(tx);
+        // The verifier still serves others.
+        assert_eq!(bystander(url, prompt, 8).await, 8);
+    });
+}
+
+#[test]
+fn an_oversized_q_is_refused_by_validation_and_another_tenants_stream_completes() {
+    let (url, _) = new_grpc_server(1e9);
+    let tok = &target().1;
+    let prompt = tok.encode("Once upon a time").unwrap();
+    let rt = rt();
+    rt.block_on(async {
+        let other = tokio::spawn(bystander(url.clone(), prompt.clone(), 24));
+        let mut c = VerifierClient::connect(url.clone())
+            .await
+            .unwrap()
+            .max_encoding_message_size(8 << 20);
+        let (tx, rx) = tokio::sync::mpsc::channel::<EdgeMessage>(16);
+        // Rejection sampling at temperature 0.8: the rule that reads q.
+        tx.send(open(&prompt, 0.8, 3, 64)).await.unwrap();
+        let mut s = c
+            .session(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let first = s.message().await.unwrap().unwrap();
+        assert!(matches!(first.kind, Some(cloud_message::Kind::Opened(_))));
+        // One entry repeated ~360k times (3.6 MB, under the 4 MiB message limit).
+        let q = SparseDist {
+            entries: vec![
+                TokenProb {
+                    token: 5,
+                    prob: 1e-6
+                };
+                360_000
+            ],
+        };
+        let start = prompt.len() as u64 + 1;
+        tx.send(draft(start, vec![5], vec![q])).await.unwrap();
+        let refusal = loop {
+            match s.message().await {
+                Ok(Some(CloudMessage {
+                    kind: Some(cloud_message::Kind::Error(e)),
+                })) => break e,
+                Ok(Some(_)) => {}
+                other => panic!("expected a refusal, got {other:?}"),
+            }
+        };
+        assert_eq!(refusal.code, tonic::Code::InvalidArgument as u32);
+        assert!(
+            refusal.message.starts_with("draft.q") && refusal.message.contains("at most 256"),
+            "{}",
+            refusal.message
+        );
+        drop(tx);
+        assert_eq!(
+            other.await.unwrap(),
+            24,
+            "the other tenant's stream completes"
+        );
+    });
+}
