@@ -94,7 +94,8 @@ pub struct Service {
     info: ServiceInfo,
     gauges: Arc<Gauges>,
     tenants: Arc<Tenants>,
-    next_session: AtomicU64,
+    /// Session ids: a keyed permutation of a counter (they reveal no volume).
+    ids: crate::ids::SessionIds,
     /// Set when the drain begins: new sessions are refused here at once. The core refuses them
     /// too (it drains on the same signal), in order with the messages already on their way.
     draining: Arc<AtomicBool>,
@@ -208,7 +209,7 @@ impl Service {
             info,
             gauges,
             tenants,
-            next_session: AtomicU64::new(1),
+            ids: crate::ids::SessionIds::new(),
             draining: Arc::new(AtomicBool::new(false)),
         }
     }
@@ -275,7 +276,7 @@ impl VerifierRpc for Service {
         // Token trees: the side nodes a block may carry (their positions count in the forward's
         // token budget like any other).
         let side_nodes = o.want_side_nodes.min(self.info.max_side_nodes);
-        let session = SessionId(self.next_session.fetch_add(1, Ordering::Relaxed));
+        let session = SessionId(self.ids.next());
         let (tx, rx) = channel(OUTBOX);
         let out = tx.clone();
         let reply: Reply = Arc::new(move |msg: ToEdge| {
@@ -401,7 +402,7 @@ impl VerifierRpc for Service {
         self.admitting()?;
         let g = validation::generate(req.into_inner(), &self.info.model)?;
         let (tx, rx) = channel(OUTBOX);
-        let session = SessionId(self.next_session.fetch_add(1, Ordering::Relaxed));
+        let session = SessionId(self.ids.next());
         let reply: Reply = Arc::new(move |msg: ToEdge| {
             let m = match msg {
                 ToEdge::Token { token, done } => Ok(GenerateResponse {

@@ -10,6 +10,7 @@
 
 pub mod batcher;
 pub mod grpc;
+pub mod ids;
 pub mod ledger;
 pub mod metrics;
 pub mod tenants;

@@ -15,7 +15,6 @@
 //! bound to the tenant that opened it. Without a file, one tenant (`default`) and no keys: allowed
 //! only on a loopback address and only when asked for explicitly.
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use serde::Deserialize;
@@ -64,12 +63,30 @@ struct File {
 #[error("authorization: {0}")]
 pub struct AuthError(pub String);
 
-#[derive(Debug, Clone)]
+/// The tenants and their keys. Keys are kept only as SHA-256 digests and compared in constant
+/// time (every key is compared, whichever matches); `Debug` shows no key.
+#[derive(Clone)]
 pub struct Tenants {
     names: Vec<String>,
     configs: Vec<TenantConfig>,
-    by_key: HashMap<String, TenantId>,
+    keys: Vec<([u8; 32], TenantId)>,
     auth: bool,
+}
+
+impl std::fmt::Debug for Tenants {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tenants")
+            .field("names", &self.names)
+            .field("configs", &self.configs)
+            .field("keys", &format_args!("<{} redacted>", self.keys.len()))
+            .field("auth", &self.auth)
+            .finish()
+    }
+}
+
+fn digest(key: &str) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(key.as_bytes()).into()
 }
 
 impl Tenants {
@@ -78,7 +95,7 @@ impl Tenants {
         Self {
             names: vec!["default".into()],
             configs: vec![TenantConfig::default()],
-            by_key: HashMap::new(),
+            keys: Vec::new(),
             auth: false,
         }
     }
@@ -91,7 +108,7 @@ impl Tenants {
         let mut t = Self {
             names: Vec::new(),
             configs: Vec::new(),
-            by_key: HashMap::new(),
+            keys: Vec::new(),
             auth: true,
         };
         for (i, e) in f.tenant.into_iter().enumerate() {
@@ -111,9 +128,11 @@ impl Tenants {
                         "keys: a key must be at least {MIN_KEY_LEN} printable ASCII characters"
                     )));
                 }
-                if t.by_key.insert(k.clone(), TenantId(i as u32)).is_some() {
+                let d = digest(k);
+                if t.keys.iter().any(|(x, _)| *x == d) {
                     return Err(bad("keys: a key is used twice".into()));
                 }
+                t.keys.push((d, TenantId(i as u32)));
             }
             let cfg = TenantConfig {
                 weight: e.weight,
@@ -173,10 +192,21 @@ impl Tenants {
         let key = h
             .strip_prefix("Bearer ")
             .ok_or_else(|| AuthError("expected `Bearer <key>`".into()))?;
-        self.by_key
-            .get(key.trim())
-            .copied()
-            .ok_or_else(|| AuthError("unknown API key".into()))
+        // Constant time: the presented key's digest against every stored one, no early exit.
+        use subtle::{ConditionallySelectable, ConstantTimeEq};
+        let d = digest(key.trim());
+        let mut found = subtle::Choice::from(0);
+        let mut tenant = 0u32;
+        for (k, t) in &self.keys {
+            let hit = k.ct_eq(&d);
+            tenant = u32::conditional_select(&tenant, &t.0, hit);
+            found |= hit;
+        }
+        if bool::from(found) {
+            Ok(TenantId(tenant))
+        } else {
+            Err(AuthError("unknown API key".into()))
+        }
     }
 }
 
@@ -195,6 +225,17 @@ max_sessions = 4
 name = "beta"
 keys = ["beta-0123456789abcdef", "beta-fedcba9876543210"]
 "#;
+
+    /// Keys are never kept or shown as text: `Debug` redacts them, and the struct holds
+    /// digests only.
+    #[test]
+    fn keys_are_redacted_and_kept_hashed() {
+        let t = Tenants::from_toml(FILE).unwrap();
+        let shown = format!("{t:?}");
+        assert!(!shown.contains("0123456789abcdef"), "{shown}");
+        assert!(shown.contains("3 redacted"), "{shown}");
+        assert_eq!(t.keys[0].0, digest("acme-0123456789abcdef"));
+    }
 
     #[test]
     fn keys_name_their_tenant() {
