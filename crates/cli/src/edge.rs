@@ -32,6 +32,11 @@ pub(crate) struct EdgeServeArgs {
     /// How long opening a session on one verifier may take, ms.
     #[arg(long, default_value_t = 3000)]
     connect_timeout_ms: u64,
+    /// How long a session whose connection was lost keeps trying to reopen it (waits doubling to
+    /// 2 s, jittered, honouring the verifier's retry-after-ms), ms; then 503, or the draft alone
+    /// with --fallback local.
+    #[arg(long, default_value_t = tandem_spec::edge::RECONNECT_WINDOW_MS)]
+    reconnect_window_ms: u64,
     /// The model's name in the API (default: the draft file's name up to its first dot).
     #[arg(long)]
     served_model_name: Option<String>,
@@ -132,6 +137,7 @@ pub(crate) fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result
         spec,
         fallback_local: a.fallback == "local",
         connect_timeout: std::time::Duration::from_millis(a.connect_timeout_ms.max(1)),
+        reconnect_window: std::time::Duration::from_millis(a.reconnect_window_ms),
     };
     let tok = std::sync::Arc::new(m.tokenizer);
     let rt = tandem_bench::runtime()?;

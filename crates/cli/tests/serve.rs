@@ -735,8 +735,15 @@ fn with_no_verifier_the_answer_is_a_503_or_the_drafts_own_marked_unverified() {
 fn a_verifier_killed_mid_answer_is_an_error_event_or_the_draft_finishes_marked_unverified() {
     let mut v = verifier(&[]);
     let cloud = format!("http://127.0.0.1:{}", v.port);
-    let strict = edge(std::slice::from_ref(&cloud), &[]);
-    let loose = edge(std::slice::from_ref(&cloud), &["--fallback", "local"]);
+    // A short reconnect window: the verifier does not come back.
+    let strict = edge(
+        std::slice::from_ref(&cloud),
+        &["--reconnect-window-ms", "2000"],
+    );
+    let loose = edge(
+        std::slice::from_ref(&cloud),
+        &["--fallback", "local", "--reconnect-window-ms", "2000"],
+    );
     let q = "Write a long story about a dragon who learns to fly.";
     let mut body = chat(q, 300);
     body["stream"] = json!(true);
@@ -825,6 +832,46 @@ fn a_verifier_killed_mid_answer_is_an_error_event_or_the_draft_finishes_marked_u
         ),
         1.0
     );
+}
+
+#[test]
+fn a_verifier_restarted_ten_seconds_later_resumes_the_answer_token_for_token() {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut v = verifier(&["--listen", &listen]);
+    // The default reconnect window (30 s).
+    let e = edge(&[format!("http://{listen}")], &[]);
+    let q = "Write a long story about a dragon who learns to fly.";
+    let want = expected_chat(q, 96);
+    let mut body = chat(q, 96);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let mut events = open_stream(e.port, "/v1/chat/completions", &body).unwrap();
+    let mut seen: Vec<(String, Value)> = Vec::new();
+    while text_of(&seen).split_whitespace().count() < 4 {
+        let (ev, d) = events.next().expect("the answer goes on");
+        seen.push((ev, serde_json::from_str(&d).unwrap()));
+    }
+    v.kill();
+    std::thread::sleep(Duration::from_secs(10));
+    let _back = verifier(&["--listen", &listen]);
+    for (ev, d) in events {
+        if d == "[DONE]" {
+            break;
+        }
+        seen.push((ev, serde_json::from_str(&d).unwrap()));
+    }
+    assert!(
+        seen.iter().all(|(ev, _)| ev == "message"),
+        "no error: {seen:?}"
+    );
+    assert_eq!(text_of(&seen), want.text, "no token lost or doubled");
+    let n = seen.len();
+    let fin = &seen[n - 2].1;
+    assert_eq!(fin["choices"][0]["finish_reason"], want.finish);
+    assert!(fin["tandem"]["reconnects"].as_u64().unwrap() >= 1, "{fin}");
+    assert_eq!(fin["tandem"]["unverified_tokens"], 0);
+    assert_eq!(seen[n - 1].1["usage"]["completion_tokens"], want.ids.len());
 }
 
 #[test]

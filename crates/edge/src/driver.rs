@@ -6,7 +6,8 @@
 
 use std::time::Instant;
 
-use tandem_spec::{EdgeSession, Frontier, Grown, Next, Output, SessionConfig};
+use tandem_spec::edge::{Reconnecting, RECONNECT_WINDOW_MS};
+use tandem_spec::{EdgeSession, Frontier, Grown, Incoming, Next, Output, SessionConfig};
 
 use crate::{EdgeError, Link, Proposal, SpecReport, Update};
 
@@ -31,6 +32,8 @@ pub struct Driver<L> {
     /// Tokens committed since the user was last shown them.
     fresh: Vec<u32>,
     draft_forwards: usize,
+    /// How long a lost connection may take to reopen.
+    reconnect_window_ms: u64,
 }
 
 impl<L: Link> Driver<L> {
@@ -54,6 +57,7 @@ impl<L: Link> Driver<L> {
             commit_ms: Vec::new(),
             fresh: Vec::new(),
             draft_forwards: 0,
+            reconnect_window_ms: RECONNECT_WINDOW_MS,
         };
         d.apply(out)?;
         d.show(on_update, None);
@@ -116,13 +120,13 @@ impl<L: Link> Driver<L> {
         on_update: &mut impl FnMut(Update<'_>),
     ) -> Result<(Want, f64), EdgeError> {
         let mut arrived = Vec::new();
-        while let Some(v) = self.link.recv(false)? {
+        while let Some(v) = self.recv(false)? {
             arrived.push(v);
         }
         let mut idle_ms = 0.0;
         if wait && arrived.is_empty() && self.es.next() == Next::Wait {
             let w = Instant::now();
-            let v = self.link.recv(true);
+            let v = self.recv(true);
             // A wait that ends in a lost connection is a wait too.
             idle_ms = w.elapsed().as_secs_f64() * 1e3;
             tracing::debug!(t = self.now(), waited = idle_ms, "edge waited");
@@ -142,6 +146,24 @@ impl<L: Link> Driver<L> {
             self.show(on_update, r.correction);
         }
         Ok((self.want(), idle_ms))
+    }
+
+    /// The link's next message. The verifier's refusal of one message (a block it found
+    /// wrong) is not the end of the answer: the session is taken for lost and reopened over what
+    /// is committed, which drops the refused block with the rest of the unverified tail.
+    fn recv(&mut self, wait: bool) -> Result<Option<Incoming>, EdgeError> {
+        match self.link.recv(wait) {
+            Err(EdgeError::Refused(m)) => {
+                tracing::warn!("the verifier refused a message ({m}): reopening the session");
+                Err(EdgeError::LinkClosed)
+            }
+            r => r,
+        }
+    }
+
+    /// How long [`Driver::recover`] keeps trying (default [`RECONNECT_WINDOW_MS`]).
+    pub fn set_reconnect_window(&mut self, ms: u64) {
+        self.reconnect_window_ms = ms;
     }
 
     /// What the session needs next, as things stand.
@@ -183,22 +205,47 @@ impl<L: Link> Driver<L> {
     }
 
     /// The connection was lost: keep what is verified, drop the rest, and reopen over the
-    /// committed history (a few tries, farther apart each time). Returns whether the session is
-    /// over; an error when it could not be reopened.
+    /// committed history, trying within the reconnect window (waits doubling to 2 s, jittered,
+    /// never shorter than a verifier's `retry-after-ms`). Returns whether the session is over; an
+    /// error (the last refusal) when it could not be reopened in the window.
     pub fn recover(&mut self, on_update: &mut impl FnMut(Update<'_>)) -> Result<bool, EdgeError> {
         let outs = self.es.on_connection_lost();
         self.apply(outs)?;
-        let mut attempt = 0;
+        let lost = Instant::now();
+        let (mut attempt, mut retry_after_ms, mut last) = (0, None, EdgeError::LinkClosed);
         let first = loop {
-            let Some(r) = self.es.reopen(attempt) else {
-                return Err(EdgeError::LinkClosed);
+            let at = Reconnecting {
+                attempt,
+                elapsed_ms: lost.elapsed().as_millis() as u64,
+                window_ms: self.reconnect_window_ms,
+                retry_after_ms,
+                jitter: jitter(),
+            };
+            let Some(r) = self.es.reopen(at) else {
+                tracing::warn!(
+                    "the verifier could not be reached again within {} ms ({attempt} tries): {last}",
+                    self.reconnect_window_ms
+                );
+                return Err(last);
             };
             std::thread::sleep(std::time::Duration::from_millis(r.after_ms));
             match self.link.reopen(self.es.committed(), r.max_tokens) {
                 Ok(t) => break t,
-                Err(EdgeError::LinkClosed | EdgeError::Refused(_)) => attempt += 1,
+                Err(e @ (EdgeError::LinkClosed | EdgeError::Refused(_))) => {
+                    retry_after_ms = None;
+                    last = e;
+                }
+                Err(
+                    e @ EdgeError::Busy {
+                        retry_after_ms: ms, ..
+                    },
+                ) => {
+                    retry_after_ms = Some(ms);
+                    last = e;
+                }
                 Err(e) => return Err(e),
             }
+            attempt += 1;
         };
         let outs = self.es.on_reopened(first);
         self.apply(outs)?;
@@ -217,4 +264,12 @@ impl<L: Link> Driver<L> {
             measured: self.es.measured(),
         }
     }
+}
+
+/// A uniform draw in [0, 1) for the reconnect jitter (std's per-process random hasher keys).
+fn jitter() -> f64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(Instant::now().elapsed().as_nanos());
+    (h.finish() >> 11) as f64 / (1u64 << 53) as f64
 }

@@ -35,6 +35,13 @@ pub struct OpenRequest {
     pub tls_ca: Option<String>,
 }
 
+/// How often the edge pings its verifier's connection, and how long it waits for the answer.
+pub const KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The longest the edge waits for any message while it has blocks in flight: past it the
+/// connection is taken for lost (and reopened).
+pub const RECV_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// A client of the verifier at `url`: plaintext for `http://`, TLS (rustls) for `https://`,
 /// trusting `tls_ca` (PEM) or, without it, the public web PKI's roots. A CA for a plaintext URL is
 /// refused by name: the edge would send its key and prompt in the clear though it was told to
@@ -63,6 +70,13 @@ pub async fn client(
         }
         (false, None) => {}
     }
+    // A verifier that went away without a word (a dead host, a half-open connection) is found by
+    // HTTP/2 pings, not by waiting forever.
+    ep = ep
+        .connect_timeout(std::time::Duration::from_secs(5))
+        .http2_keep_alive_interval(KEEPALIVE)
+        .keep_alive_timeout(KEEPALIVE)
+        .keep_alive_while_idle(true);
     let channel = ep
         .connect()
         .await
@@ -111,9 +125,22 @@ fn plaintext_hint(url: &str, e: EdgeError) -> EdgeError {
     }
 }
 
-/// A refusal that keeps the status code's name (e.g. `ResourceExhausted: ... retry after ...`).
+/// A refusal that keeps the status code's name (e.g. `ResourceExhausted: ... retry after ...`),
+/// and the verifier's `retry-after-ms` when it sent one.
 fn status(s: tonic::Status) -> EdgeError {
-    EdgeError::Refused(format!("{:?}: {}", s.code(), s.message()))
+    let message = format!("{:?}: {}", s.code(), s.message());
+    let retry = s
+        .metadata()
+        .get("retry-after-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok());
+    match retry {
+        Some(retry_after_ms) => EdgeError::Busy {
+            message,
+            retry_after_ms,
+        },
+        None => EdgeError::Refused(message),
+    }
 }
 
 /// Called whenever a message for a session arrives (a loop that drives many sessions sleeps until
@@ -284,7 +311,20 @@ impl Link for GrpcLink {
 
     fn recv(&mut self, wait: bool) -> Result<Option<Incoming>, EdgeError> {
         let item = if wait {
-            self.verdicts.blocking_recv()
+            // Every wait has a deadline (the connection's pings find most losses sooner).
+            match self
+                .rt
+                .block_on(tokio::time::timeout(RECV_DEADLINE, self.verdicts.recv()))
+            {
+                Ok(v) => v,
+                Err(_) => {
+                    tracing::warn!(
+                        "no message from the verifier in {} s: taking the connection for lost",
+                        RECV_DEADLINE.as_secs()
+                    );
+                    None
+                }
+            }
         } else {
             match self.verdicts.try_recv() {
                 Ok(v) => Some(v),

@@ -28,6 +28,12 @@ pub enum EdgeError {
     LinkClosed,
     #[error("the verifier refused: {0}")]
     Refused(String),
+    /// A refusal with the verifier's hint when to try again (`retry-after-ms`).
+    #[error("the verifier refused: {message} (retry after {retry_after_ms} ms)")]
+    Busy {
+        message: String,
+        retry_after_ms: u64,
+    },
     #[error(transparent)]
     Spec(#[from] SpecError),
     #[error(transparent)]

@@ -37,8 +37,13 @@ const MIN_DRAFT_ALPHA: f64 = 0.3;
 const DRAFT_JUDGED_MIN: f64 = 8.0;
 const PAUSE_TOKENS: usize = 16;
 
-/// Attempts to reopen a session after the connection is lost, 100 ms apart, doubling.
-pub const REOPEN_ATTEMPTS: u32 = 4;
+/// How long the edge keeps trying to reopen a session after its connection is lost (a
+/// verifier's restart takes seconds), by default.
+pub const RECONNECT_WINDOW_MS: u64 = 30_000;
+/// The first wait between tries, doubling up to [`REOPEN_MAX_WAIT_MS`], each jittered down to
+/// half (so that edges cut off together do not come back together).
+pub const REOPEN_FIRST_WAIT_MS: u64 = 100;
+pub const REOPEN_MAX_WAIT_MS: u64 = 2_000;
 
 /// The adaptive policy re-plans only for a predicted gain of this share, so that noise does not
 /// make the shape flap.
@@ -118,6 +123,18 @@ pub struct Reaction {
     pub outputs: Vec<Output>,
     /// The target rejected the draft's token here: `(draft's token, target's token)`.
     pub correction: Option<(u32, u32)>,
+}
+
+/// Where a reconnection stands: tries that failed since the connection was lost, the time since
+/// then, the window it may take, the wait the verifier asked for with its last refusal
+/// (`retry-after-ms`), and a uniform draw in [0, 1) for the jitter.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reconnecting {
+    pub attempt: u32,
+    pub elapsed_ms: u64,
+    pub window_ms: u64,
+    pub retry_after_ms: Option<u64>,
+    pub jitter: f64,
 }
 
 /// When and how to reopen a session after a lost connection.
@@ -506,11 +523,21 @@ impl EdgeSession {
         self.p.on_connection_lost()
     }
 
-    /// Whether (and when) to try reopening after `attempt` failed tries since the connection was
-    /// lost: None means give up.
-    pub fn reopen(&self, attempt: u32) -> Option<Reopen> {
-        (attempt < REOPEN_ATTEMPTS).then(|| Reopen {
-            after_ms: 100 << attempt,
+    /// Whether (and when) to try reopening, `r` failed tries since the connection was lost:
+    /// None means give up (the window is spent). The wait doubles from
+    /// [`REOPEN_FIRST_WAIT_MS`] to [`REOPEN_MAX_WAIT_MS`], jittered down to half, never shorter
+    /// than the verifier asked, never past the window.
+    pub fn reopen(&self, r: Reconnecting) -> Option<Reopen> {
+        if r.elapsed_ms >= r.window_ms {
+            return None;
+        }
+        let base = (REOPEN_FIRST_WAIT_MS << r.attempt.min(16)).min(REOPEN_MAX_WAIT_MS);
+        let jittered = base / 2 + (base as f64 / 2.0 * r.jitter.clamp(0.0, 1.0)) as u64;
+        let after_ms = jittered
+            .max(r.retry_after_ms.unwrap_or(0))
+            .min(r.window_ms - r.elapsed_ms);
+        Some(Reopen {
+            after_ms,
             max_tokens: self.cfg.max_new_tokens - self.p.output().len(),
         })
     }
@@ -717,19 +744,51 @@ mod tests {
     }
 
     #[test]
-    fn a_lost_connection_is_reopened_over_the_committed_history_a_few_times() {
+    fn a_lost_connection_is_reopened_over_the_committed_history_within_the_window() {
         let (mut s, _) = session(None);
         draft(&mut s, 0.0, &[8, 9, 10, 11]);
         let out = s.on_connection_lost();
         assert!(out.contains(&Output::Rollback { to: 4 }), "{out:?}");
-        let waits: Vec<u64> = (0..=REOPEN_ATTEMPTS)
-            .map_while(|a| s.reopen(a))
-            .map(|r| {
-                assert_eq!(r.max_tokens, 19, "one token of 20 is committed");
-                r.after_ms
-            })
-            .collect();
-        assert_eq!(waits, vec![100, 200, 400, 800], "then it gives up");
+        // Tries over the 30 s window: waits double from 100 ms to 2 s (no jitter: the longest),
+        // and stop when the window is spent.
+        let (mut elapsed, mut waits) = (0, Vec::new());
+        for attempt in 0.. {
+            let at = Reconnecting {
+                attempt,
+                elapsed_ms: elapsed,
+                window_ms: RECONNECT_WINDOW_MS,
+                retry_after_ms: None,
+                jitter: 1.0,
+            };
+            let Some(r) = s.reopen(at) else { break };
+            assert_eq!(r.max_tokens, 19, "one token of 20 is committed");
+            waits.push(r.after_ms);
+            elapsed += r.after_ms;
+        }
+        assert_eq!(waits[..6], [100, 200, 400, 800, 1600, 2000]);
+        assert_eq!(
+            waits.iter().sum::<u64>(),
+            RECONNECT_WINDOW_MS,
+            "the whole window"
+        );
+        assert!(waits.len() > 15, "{waits:?}");
+        let at = |attempt, retry_after_ms, jitter| Reconnecting {
+            attempt,
+            elapsed_ms: 1_000,
+            window_ms: RECONNECT_WINDOW_MS,
+            retry_after_ms,
+            jitter,
+        };
+        // Jitter takes the wait down to half; a verifier's retry-after is honoured; the last wait
+        // ends with the window.
+        assert_eq!(s.reopen(at(3, None, 0.0)).unwrap().after_ms, 400);
+        assert_eq!(s.reopen(at(3, Some(5_000), 0.0)).unwrap().after_ms, 5_000);
+        assert_eq!(s.reopen(at(3, Some(60_000), 0.0)).unwrap().after_ms, 29_000);
+        let spent = Reconnecting {
+            elapsed_ms: RECONNECT_WINDOW_MS,
+            ..at(0, None, 0.5)
+        };
+        assert_eq!(s.reopen(spent), None);
         s.on_reopened(5);
         assert_eq!(s.committed(), &[1, 2, 3, 7, 5]);
         assert_eq!(s.measured().reconnects, 1);

@@ -58,6 +58,8 @@ pub struct ServeConfig {
     pub fallback_local: bool,
     /// How long opening a session on one verifier may take.
     pub connect_timeout: Duration,
+    /// How long a session whose connection was lost keeps trying to reopen it.
+    pub reconnect_window: Duration,
 }
 
 struct AppState {
@@ -90,6 +92,7 @@ pub async fn serve(
     let sessions = Sessions {
         tok: tok.clone(),
         fallback_local: cfg.fallback_local,
+        reconnect_window_ms: cfg.reconnect_window.as_millis() as u64,
         metrics: metrics.clone(),
         tx: tx.clone(),
     };

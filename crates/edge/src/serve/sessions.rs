@@ -123,6 +123,8 @@ pub struct Recovery {
 pub struct Sessions {
     pub tok: Arc<Tokenizer>,
     pub fallback_local: bool,
+    /// How long a lost connection may take to reopen.
+    pub reconnect_window_ms: u64,
     pub metrics: Arc<EdgeMetrics>,
     /// Rings the engine thread (given to each link, and to recovery threads).
     pub tx: Sender<Msg>,
@@ -433,6 +435,8 @@ impl Sessions {
                         &mut |u| out.on_update(u),
                     )
                     .map_err(End::Failed)?;
+                    let mut d = d;
+                    d.set_reconnect_window(self.reconnect_window_ms);
                     a.phase = Phase::Spec(Box::new(d));
                 }
                 Ok(Linked::Local(why)) => {
