@@ -436,7 +436,15 @@ fn run(c: Case, schedule: &[Step]) -> Result<Seen, TestCaseError> {
                 let outs = edge.on_connection_lost();
                 shell.handle(outs, &mut w)?;
                 shell.roll_back(&edge)?;
-                let reopen = edge.reopen(0).expect("a first attempt");
+                let reopen = edge
+                    .reopen(tandem_spec::edge::Reconnecting {
+                        attempt: 0,
+                        elapsed_ms: 0,
+                        window_ms: tandem_spec::edge::RECONNECT_WINDOW_MS,
+                        retry_after_ms: None,
+                        jitter: 0.5,
+                    })
+                    .expect("a first attempt");
                 let history = edge.committed().to_vec();
                 let (first, _) = w.open(&history, reopen.max_tokens, want_shape)?;
                 let outs = edge.on_reopened(first);
