@@ -155,6 +155,9 @@ pub(crate) struct ServeArgs {
     /// On ctrl-c or SIGTERM, let open sessions finish for up to this many seconds.
     #[arg(long, default_value_t = 30.0)]
     drain_timeout_s: f64,
+    /// How long a session stream may take to send its Open before it is cut, ms.
+    #[arg(long, default_value_t = 10_000)]
+    open_deadline_ms: u64,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -243,6 +246,7 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             .unwrap_or(2.0 * cost.ridge_tokens().max(1.0)),
         forward_cost: Some(cost),
         adapt: !a.fixed_grants,
+        open_deadline: std::time::Duration::from_millis(a.open_deadline_ms.max(1)),
         ..tandem_cloud::grpc::ServiceInfo::new(
             &name,
             &m.model,

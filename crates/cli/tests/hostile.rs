@@ -96,8 +96,11 @@ fn a_flood_of_bad_drafts_from_a_client_that_never_reads_is_cut() {
         assert!(matches!(first.kind, Some(cloud_message::Kind::Opened(_))));
         // 10,000 drafts, each refused, and the client reads none of the refusals.
         let start = prompt.len() as u64 + 1;
+        // (Once the verifier cuts the stream, the client cannot send more.)
         for _ in 0..10_000 {
-            tx.send(draft(start, vec![999_999], vec![])).await.unwrap();
+            if tx.send(draft(start, vec![999_999], vec![])).await.is_err() {
+                break;
+            }
         }
         // Then it reads: a bounded number of refusals, and the stream is cut.
         let mut refusals = 0;
@@ -149,15 +152,14 @@ fn an_oversized_q_is_refused_by_validation_and_another_tenants_stream_completes(
             .into_inner();
         let first = s.message().await.unwrap().unwrap();
         assert!(matches!(first.kind, Some(cloud_message::Kind::Opened(_))));
-        // One entry repeated ~360k times (3.6 MB, under the 4 MiB message limit).
+        // One entry repeated 100k times (0.9 MB, under the 1 MiB message limit; the attack
+        // that stalled every tenant repeated it 360k times, which the limit now refuses).
+        let entry = TokenProb {
+            token: 5,
+            prob: 1e-6,
+        };
         let q = SparseDist {
-            entries: vec![
-                TokenProb {
-                    token: 5,
-                    prob: 1e-6
-                };
-                360_000
-            ],
+            entries: vec![entry; 100_000],
         };
         let start = prompt.len() as u64 + 1;
         tx.send(draft(start, vec![5], vec![q])).await.unwrap();
@@ -182,5 +184,64 @@ fn an_oversized_q_is_refused_by_validation_and_another_tenants_stream_completes(
             24,
             "the other tenant's stream completes"
         );
+    });
+}
+
+#[test]
+fn streams_that_never_open_are_cut_by_the_open_deadline_and_big_messages_by_the_size_limit() {
+    let v = verifier(&["--open-deadline-ms", "500"]);
+    let url = format!("http://127.0.0.1:{}", v.port);
+    let tok = &target().1;
+    let rt = rt();
+    rt.block_on(async {
+        // 300 session streams on one connection, none of which ever sends Open (more than the
+        // 256 streams a connection may hold at once: the rest wait their turn).
+        let c = VerifierClient::connect(url.clone()).await.unwrap();
+        let mut silent = Vec::new();
+        let mut keep = Vec::new();
+        for _ in 0..300 {
+            let (tx, rx) = tokio::sync::mpsc::channel::<EdgeMessage>(1);
+            keep.push(tx);
+            let mut c = c.clone();
+            silent.push(tokio::spawn(async move {
+                c.session(ReceiverStream::new(rx)).await.map(|_| ())
+            }));
+        }
+        let other = tokio::spawn(bystander(url.clone(), tok.encode("Hello").unwrap(), 8));
+        for h in silent {
+            let e = tokio::time::timeout(Duration::from_secs(60), h)
+                .await
+                .expect("cut by the deadline")
+                .unwrap()
+                .unwrap_err();
+            assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+            assert!(e.message().contains("no Open within 500 ms"), "{e:?}");
+        }
+        drop(keep);
+        assert_eq!(
+            other.await.unwrap(),
+            8,
+            "the other tenant's stream completes"
+        );
+
+        // A message past the 1 MiB limit is refused before it is decoded (an Open with 400k
+        // prompt ids of three bytes each, 1.2 MB: before, it reached validation).
+        let mut c = VerifierClient::connect(url.clone())
+            .await
+            .unwrap()
+            .max_encoding_message_size(8 << 20);
+        let (tx, rx) = tokio::sync::mpsc::channel::<EdgeMessage>(1);
+        tx.send(open(&vec![40_000; 400_000], 0.0, 1, 8))
+            .await
+            .unwrap();
+        let e = match c.session(ReceiverStream::new(rx)).await {
+            Ok(mut s) => s.get_mut().message().await.unwrap_err(),
+            Err(e) => e,
+        };
+        assert!(
+            e.message().contains("too large") || e.message().contains("length"),
+            "{e:?}"
+        );
+        assert_ne!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     });
 }

@@ -48,7 +48,25 @@ pub struct ServiceInfo {
     /// over. Off, every session keeps the shape it asked for (within the maxima): speculation
     /// measured as such.
     pub adapt: bool,
+    /// How long a session stream may take to send its `Open`: past it the stream is cut
+    /// (DEADLINE_EXCEEDED), so that streams that never open hold nothing.
+    pub open_deadline: Duration,
 }
+
+/// The largest message either side may send: a block (γ ≤ 8 tokens, each with a q of at most
+/// 256 entries) or an Open (a prompt of the whole context) is far below it.
+pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
+
+/// Streams one HTTP/2 connection may hold open at once (sessions of one edge process share a
+/// connection).
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
+
+/// How often the verifier pings each connection, and how long it waits for the answer: a dead
+/// peer (a half-open TCP connection) is found and its sessions freed.
+pub const KEEPALIVE: Duration = Duration::from_secs(10);
+
+/// A session's `Open` deadline by default.
+pub const OPEN_DEADLINE: Duration = Duration::from_secs(10);
 
 impl ServiceInfo {
     /// What a verifier serving `model` (with its `tokenizer`) tells edges, granting at most
@@ -75,6 +93,7 @@ impl ServiceInfo {
             saturation_tokens: DEFAULT_SATURATION_TOKENS,
             forward_cost: None,
             adapt: true,
+            open_deadline: OPEN_DEADLINE,
         }
     }
 }
@@ -152,8 +171,6 @@ fn refusal(e: &VerifierError, retry_after_ms: Option<u64>) -> Status {
     s
 }
 
-/// Wait for the batcher's first answer: a refusal becomes the RPC's error, anything else starts
-/// the response stream.
 /// Messages a session's stream may hold unread before the verifier ends the session: an edge
 /// reads every message as it comes, so only one that has stopped reading fills it.
 pub const OUTBOX: usize = 1024;
@@ -180,6 +197,8 @@ fn refuse(
     tx.try_send(Ok(m)).is_ok()
 }
 
+/// Wait for the batcher's first answer: a refusal becomes the RPC's error, anything else starts
+/// the response stream.
 async fn first_answer<T: Send + 'static>(
     mut rx: Receiver<Result<T, Status>>,
 ) -> Result<Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>, Status> {
@@ -221,6 +240,8 @@ impl Service {
 
     pub fn into_server(self) -> VerifierServer<Self> {
         VerifierServer::new(self)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
 
     fn send(&self, m: ToCloud) -> Result<(), Status> {
@@ -260,9 +281,15 @@ impl VerifierRpc for Service {
         let tenant = self.tenant(&req)?;
         self.admitting()?;
         let mut inbound = req.into_inner();
-        let first = inbound
-            .message()
-            .await?
+        let deadline = self.info.open_deadline;
+        let first = tokio::time::timeout(deadline, inbound.message())
+            .await
+            .map_err(|_| {
+                Status::deadline_exceeded(format!(
+                    "open: no Open within {} ms of the stream's start",
+                    deadline.as_millis()
+                ))
+            })??
             .ok_or_else(|| Status::invalid_argument("the session stream closed before Open"))?;
         let Some(edge_message::Kind::Open(open)) = first.kind else {
             return Err(Status::invalid_argument(
@@ -385,7 +412,13 @@ impl VerifierRpc for Service {
                             break;
                         }
                     }
-                    // Close, end of stream or a broken connection: free the session.
+                    // A message the transport refused (past the size limit, undecodable): the
+                    // edge is told why, and the session ends.
+                    Err(status) => {
+                        let _ = tx.try_send(Err(status));
+                        break;
+                    }
+                    // Close, end of stream: free the session.
                     _ => break,
                 }
             }
@@ -605,7 +638,11 @@ pub async fn serve_grpc_tls(
     drain_timeout: Duration,
     tls: Option<&ServerTls>,
 ) -> Result<(), tonic::transport::Error> {
-    let mut builder = tonic::transport::Server::builder();
+    let mut builder = tonic::transport::Server::builder()
+        .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
+        .http2_keepalive_interval(Some(KEEPALIVE))
+        .http2_keepalive_timeout(Some(KEEPALIVE))
+        .tcp_keepalive(Some(Duration::from_secs(30)));
     if let Some(t) = tls {
         let id = tonic::transport::Identity::from_pem(&t.cert_pem, &t.key_pem);
         builder = builder.tls_config(tonic::transport::ServerTlsConfig::new().identity(id))?;
