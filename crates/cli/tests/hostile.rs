@@ -245,3 +245,51 @@ fn streams_that_never_open_are_cut_by_the_open_deadline_and_big_messages_by_the_
         assert_ne!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     });
 }
+
+#[test]
+fn a_drain_ends_even_when_streams_never_open_or_a_client_stops_reading() {
+    // An Open deadline far past the drain's: only the drain's own deadline can end it.
+    let mut v = verifier(&["--drain-timeout-s", "1", "--open-deadline-ms", "600000"]);
+    let url = format!("http://127.0.0.1:{}", v.port);
+    let tok = &target().1;
+    let rt = rt();
+    let held = rt.block_on(async {
+        let mut c = VerifierClient::connect(url).await.unwrap();
+        let mut s = c
+            .generate(GenerateRequest {
+                tokenizer_fingerprint: tok.fingerprint().to_string(),
+                prompt_ids: tok.encode("Once upon a time").unwrap(),
+                params: None,
+                max_tokens: 4000,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        // One token read, then never another.
+        assert!(s.message().await.unwrap().is_some());
+        // A session stream that never sends Open.
+        let (tx, rx) = tokio::sync::mpsc::channel::<EdgeMessage>(1);
+        let mut c2 = c.clone();
+        let silent =
+            tokio::spawn(async move { c2.session(ReceiverStream::new(rx)).await.map(|_| ()) });
+        (s, tx, silent)
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    let pid = v.child.id().to_string();
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status();
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = v.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the verifier is still draining a minute after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.success(), "{status}");
+    drop(held);
+}

@@ -653,6 +653,7 @@ pub async fn serve_grpc_tls(
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
     let (draining, batcher) = (service.draining.clone(), service.batcher.clone());
+    let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
     let drain = async move {
         shutdown.await;
         draining.store(true, Ordering::Relaxed);
@@ -677,13 +678,34 @@ pub async fn serve_grpc_tls(
             }
         }
         tracing::info!("drained");
+        let _ = drained_tx.send(());
     };
-    builder
+    let server = builder
         .add_service(health)
         .add_service(service.into_server())
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             drain,
-        )
-        .await
+        );
+    // Once drained, connections get a moment to flush their last messages; one whose client does
+    // not read (its stream can never finish) does not hold the shutdown past it.
+    tokio::select! {
+        r = server => r,
+        _ = async {
+            if drained_rx.await.is_ok() {
+                tokio::time::sleep(DRAIN_GRACE).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        } => {
+            tracing::warn!(
+                "connections still open {} ms after the drain: closing them",
+                DRAIN_GRACE.as_millis()
+            );
+            Ok(())
+        }
+    }
 }
+
+/// How long connections may take to flush after the drain before the server closes them.
+pub const DRAIN_GRACE: Duration = Duration::from_secs(1);
