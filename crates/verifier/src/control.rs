@@ -6,8 +6,10 @@
 //! [`VerifierCore`](crate::VerifierCore) carries out; the batcher and `tandem-sim` drive the same
 //! core, so both run the same decisions.
 
+use std::collections::HashMap;
 use tandem_sched::pace::prefer_cloud;
-use tandem_sched::{GrantPolicy, Pace, SessionId};
+
+use tandem_sched::{GrantPolicy, Pace, SessionId, TenantId};
 use tandem_spec::{Decoded, Shape, Verdict};
 
 /// Forwards between two looks at the load by the grant policy (each moves one level at most).
@@ -27,6 +29,8 @@ const PRIOR_ALPHA: f64 = 0.8;
 /// What the load control knows of one session.
 #[derive(Debug, Clone)]
 pub struct Ctl {
+    /// Whose session it is: its grant follows its tenant's drafts.
+    tenant: TenantId,
     /// What a speculation session asked for (None: a cloud-only generation).
     want: Option<Shape>,
     /// What it was last told it may use.
@@ -40,8 +44,9 @@ pub struct Ctl {
 impl Ctl {
     /// A session just admitted: `want` is a speculation session's (γ, depth), None for a
     /// cloud-only generation (which counts in the load but has no grant).
-    pub fn new(want: Option<Shape>) -> Self {
+    pub fn new(want: Option<Shape>, tenant: TenantId) -> Self {
         Self {
+            tenant,
             want,
             granted: Shape::new(0, 0),
             cloud: false,
@@ -84,14 +89,38 @@ pub struct Decisions {
     pub takeovers: Vec<(SessionId, bool)>,
 }
 
-/// See the module docs.
+/// Accepted and judged draft positions, decayed per verdict: an α.
+#[derive(Debug, Clone, Copy, Default)]
+struct Record {
+    accepted: f64,
+    judged: f64,
+}
+
+impl Record {
+    fn add(&mut self, accepted: usize, judged: usize) {
+        self.accepted = ALPHA_DECAY * self.accepted + accepted as f64;
+        self.judged = ALPHA_DECAY * self.judged + judged as f64;
+    }
+
+    fn alpha(&self) -> f64 {
+        if self.judged > 0.0 {
+            self.accepted / self.judged
+        } else {
+            PRIOR_ALPHA
+        }
+    }
+}
+
+/// See the module docs. The grant is planned per tenant, from the shared load and that tenant's
+/// own α, so that one tenant's poor drafts shrink only its own sessions' blocks; the policy over
+/// every session's α (`grants`) is what the verifier as a whole would choose.
 #[derive(Debug, Clone)]
 pub struct LoadControl {
     grants: GrantPolicy,
     graded_at: u64,
     last_forward_ms: u64,
-    accepted_recent: f64,
-    judged_recent: f64,
+    all: Record,
+    tenants: HashMap<TenantId, (GrantPolicy, Record)>,
 }
 
 impl LoadControl {
@@ -100,9 +129,21 @@ impl LoadControl {
             grants,
             graded_at: 0,
             last_forward_ms: now_ms,
-            accepted_recent: 0.0,
-            judged_recent: 0.0,
+            all: Record::default(),
+            tenants: HashMap::new(),
         }
+    }
+
+    /// The grant policy of `tenant`'s sessions.
+    pub fn tenant_grants(&self, tenant: TenantId) -> &GrantPolicy {
+        self.tenants.get(&tenant).map_or(&self.grants, |t| &t.0)
+    }
+
+    /// `tenant`'s α as the grant plans with it.
+    pub fn tenant_alpha(&self, tenant: TenantId) -> f64 {
+        self.tenants
+            .get(&tenant)
+            .map_or(PRIOR_ALPHA, |t| t.1.alpha())
     }
 
     pub fn grants(&self) -> &GrantPolicy {
@@ -125,22 +166,23 @@ impl LoadControl {
             self.last_forward_ms = now_ms;
             d.idle = true;
             self.grants.grant(0.0);
+            for (g, _) in self.tenants.values_mut() {
+                g.grant(0.0);
+            }
         } else if load.forwards >= self.graded_at + GRANT_EVERY {
             self.graded_at = load.forwards;
-            let alpha = if self.judged_recent > 0.0 {
-                self.accepted_recent / self.judged_recent
-            } else {
-                PRIOR_ALPHA
-            };
-            self.grants
-                .grant_by_model(load.sessions, alpha, load.tokens_per_forward);
+            let (n, tpf) = (load.sessions, load.tokens_per_forward);
+            self.grants.grant_by_model(n, self.all.alpha(), tpf);
+            for (g, r) in self.tenants.values_mut() {
+                g.grant_by_model(n, r.alpha(), tpf);
+            }
         }
-        let grant_g = self.grants.current().draft_len;
         let cloud_itl = self.grants.cloud_itl_ms(load.sessions);
         for (id, c) in sessions {
             if c.want.is_none() {
                 continue;
             }
+            let grant_g = self.tenant_grants(c.tenant).current().draft_len;
             let cloud = grant_g == 0
                 || cloud_itl.is_some_and(|i| prefer_cloud(c.pace.ms_per_token(), i, c.cloud));
             if c.cloud != cloud {
@@ -155,11 +197,14 @@ impl LoadControl {
     pub fn on_forward(&mut self, now_ms: u64, tokens: usize, ms: f64) {
         self.last_forward_ms = now_ms;
         self.grants.observe_forward(tokens, ms);
+        for (g, _) in self.tenants.values_mut() {
+            g.observe_forward(tokens, ms);
+        }
     }
 
-    /// The grant within `want` at the current level (γ 0: the verifier decodes).
-    fn grant_for(&self, want: Shape) -> Shape {
-        let now = self.grants.current();
+    /// The grant within `want` at `tenant`'s current level (γ 0: the verifier decodes).
+    fn grant_for(&self, want: Shape, tenant: TenantId) -> Shape {
+        let now = self.tenant_grants(tenant).current();
         if now.draft_len == 0 {
             Shape::new(0, 1)
         } else {
@@ -171,8 +216,13 @@ impl LoadControl {
     }
 
     /// The grant to send with a speculation session's `Opened`.
-    pub fn on_opened(&self, c: &mut Ctl) -> Shape {
-        let g = self.grant_for(c.want.unwrap_or(Shape::new(1, 1)));
+    pub fn on_opened(&mut self, c: &mut Ctl) -> Shape {
+        // A tenant's first session: its policy starts where the verifier's stands.
+        let base = self.grants.clone();
+        self.tenants
+            .entry(c.tenant)
+            .or_insert_with(|| (base, Record::default()));
+        let g = self.grant_for(c.want.unwrap_or(Shape::new(1, 1)), c.tenant);
         c.granted = g;
         g
     }
@@ -184,7 +234,7 @@ impl LoadControl {
         Some(if c.cloud {
             Shape::new(0, 1)
         } else {
-            self.grant_for(want)
+            self.grant_for(want, c.tenant)
         })
     }
 
@@ -213,8 +263,10 @@ impl LoadControl {
         self.tell_grant(c, &mut verdict.grant);
         if drafted > 0 {
             let judged = accepted + usize::from(accepted < drafted);
-            self.accepted_recent = ALPHA_DECAY * self.accepted_recent + accepted as f64;
-            self.judged_recent = ALPHA_DECAY * self.judged_recent + judged as f64;
+            self.all.add(accepted, judged);
+            if let Some((_, r)) = self.tenants.get_mut(&c.tenant) {
+                r.add(accepted, judged);
+            }
         }
         if !c.cloud {
             c.pace.on_commit(now_ms, accepted + 1);
@@ -253,7 +305,10 @@ mod tests {
     fn verdicts_carry_a_grant_only_when_it_changed() {
         let c = control();
         let mut c = c;
-        let (mut spec, mut gen) = (Ctl::new(Some(Shape::new(4, 2))), Ctl::new(None));
+        let (mut spec, mut gen) = (
+            Ctl::new(Some(Shape::new(4, 2)), TenantId(0)),
+            Ctl::new(None, TenantId(0)),
+        );
         assert_eq!(
             c.on_opened(&mut spec),
             (4, 2),
@@ -301,9 +356,9 @@ mod tests {
     fn decisions_name_each_change_of_hands_once() {
         let mut c = control();
         let mut ctls: Vec<(SessionId, Ctl)> = (0..3)
-            .map(|id| (SessionId(id), Ctl::new(Some(Shape::new(4, 2)))))
+            .map(|id| (SessionId(id), Ctl::new(Some(Shape::new(4, 2)), TenantId(0))))
             .collect();
-        ctls.push((SessionId(3), Ctl::new(None)));
+        ctls.push((SessionId(3), Ctl::new(None, TenantId(0))));
         let load = |forwards| Load {
             forwards,
             tokens_per_forward: 200.0,
@@ -330,5 +385,70 @@ mod tests {
         );
         assert!(d.idle);
         assert_eq!(d.takeovers, ids(false));
+    }
+
+    /// One tenant's poor drafts shrink only its own sessions' blocks: the other tenant's grant is
+    /// what it would be alone, where one α over both would have shrunk it too.
+    #[test]
+    fn a_tenants_poor_drafts_shrink_only_its_own_grant() {
+        let run = |tenants: &[(u32, usize)]| {
+            let mut c = control();
+            let mut ctls: Vec<Ctl> = tenants
+                .iter()
+                .map(|&(t, _)| Ctl::new(Some(Shape::new(4, 2)), TenantId(t)))
+                .collect();
+            for ctl in &mut ctls {
+                c.on_opened(ctl);
+            }
+            let mut v = Verdict {
+                epoch: 0,
+                block: tandem_spec::BlockId(0),
+                accepted: 0,
+                side_end: None,
+                token: 5,
+                verify_us: 1000,
+                grant: None,
+            };
+            for k in 1..=40u64 {
+                for (ctl, &(_, accepted)) in ctls.iter_mut().zip(tenants) {
+                    c.on_verdict(ctl, &mut v, 4, accepted, k);
+                }
+                let load = Load {
+                    forwards: 2 * k,
+                    tokens_per_forward: 20.0,
+                    sessions: 6,
+                };
+                c.turn(
+                    k,
+                    load,
+                    ctls.iter_mut()
+                        .enumerate()
+                        .map(|(i, c)| (SessionId(i as u64), c)),
+                );
+            }
+            c
+        };
+        // Tenant 1's drafts are always right; tenant 2's never.
+        let both = run(&[(1, 4), (2, 0)]);
+        let alone = run(&[(1, 4)]);
+        let (good, bad) = (TenantId(1), TenantId(2));
+        assert!(both.tenant_alpha(good) > 0.99 && both.tenant_alpha(bad) < 0.01);
+        assert_eq!(
+            both.tenant_grants(good).current(),
+            alone.tenant_grants(good).current(),
+            "the good tenant's grant is its own"
+        );
+        assert_ne!(
+            both.tenant_grants(good).current(),
+            both.tenant_grants(bad).current(),
+            "the bad tenant's grant follows its own drafts"
+        );
+        // The verifier-wide policy (one α over both) would have given the good tenant less.
+        assert_ne!(
+            both.grants().current(),
+            alone.grants().current(),
+            "{:?}",
+            both.grants().current()
+        );
     }
 }

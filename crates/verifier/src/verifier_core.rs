@@ -228,7 +228,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                 prompt_len: prompt.len(),
                 history: prompt.to_vec(),
                 work,
-                ctl: Ctl::new(want),
+                ctl: Ctl::new(want, tenant),
                 meter: Meter {
                     opened_us: now_us,
                     ..Meter::default()
