@@ -218,7 +218,7 @@ impl LoadControl {
     /// The grant to send with a speculation session's `Opened`.
     pub fn on_opened(&mut self, c: &mut Ctl) -> Shape {
         // A tenant's first session: its policy starts where the verifier's stands.
-        let base = self.grants.clone();
+        let base = self.grants;
         self.tenants
             .entry(c.tenant)
             .or_insert_with(|| (base, Record::default()));
