@@ -205,6 +205,9 @@ struct Session {
     /// block again (an idle session costs nothing).
     prefilled: bool,
     arrival: u64,
+    /// Preempted by another tenant's session: that tenant, and the positions (from 0) it owes
+    /// the recompute of.
+    evicted_by: Option<(TenantId, usize)>,
 }
 
 impl Session {
@@ -427,6 +430,7 @@ impl Scheduler {
                 last_planned_ms: self.now_ms,
                 prefilled: false,
                 arrival: self.iteration,
+                evicted_by: None,
             },
         );
         Ok(())
@@ -555,7 +559,12 @@ impl Scheduler {
 
     /// Drop the KV of the least recently active session not in `keep` that holds blocks (of
     /// `tenant` only, when given).
-    fn preempt_one(&mut self, keep: &[SessionId], tenant: Option<TenantId>) -> Option<SessionId> {
+    fn preempt_one(
+        &mut self,
+        keep: &[SessionId],
+        tenant: Option<TenantId>,
+        by: TenantId,
+    ) -> Option<SessionId> {
         let victim = self
             .sessions
             .iter()
@@ -564,12 +573,42 @@ impl Scheduler {
             })
             .min_by_key(|(id, s)| (s.last_active, std::cmp::Reverse(s.arrival), **id))
             .map(|(id, _)| *id)?;
+        self.evict(victim, by);
+        Some(victim)
+    }
+
+    /// Drop `victim`'s KV for a session of tenant `by`. When `by` is another tenant, it is
+    /// billed the recompute of what the victim held (the victim did not choose to lose it).
+    fn evict(&mut self, victim: SessionId, by: TenantId) {
         self.pool.free_all(victim);
         if let Some(s) = self.sessions.get_mut(&victim) {
+            if s.tenant != by && s.computed > 0 {
+                let owed = s.evicted_by.map_or(0, |(_, n)| n).max(s.computed);
+                s.evicted_by = Some((by, owed));
+            }
             s.computed = 0;
         }
         self.stats.preemptions += 1;
-        Some(victim)
+    }
+
+    /// Charge the prefill chunk `start..start + len` of session `id`: the part an evictor owes
+    /// to it, the rest to the session's own tenant.
+    fn charge_prefill(&mut self, id: SessionId, tenant: TenantId, start: usize, len: usize) {
+        let debt = self.sessions.get(&id).and_then(|s| s.evicted_by);
+        let owed = match debt {
+            Some((by, upto)) if start < upto => {
+                let n = (upto - start).min(len);
+                self.charge(by, n);
+                if start + n >= upto {
+                    if let Some(s) = self.sessions.get_mut(&id) {
+                        s.evicted_by = None;
+                    }
+                }
+                n
+            }
+            _ => 0,
+        };
+        self.charge(tenant, len - owed);
     }
 
     /// Drop the KV of the session idle the longest (no queued verify, nothing to compute), if it
@@ -579,6 +618,7 @@ impl Scheduler {
         keep: &[SessionId],
         since: u64,
         tenant: Option<TenantId>,
+        by: TenantId,
     ) -> Option<SessionId> {
         let victim = self
             .sessions
@@ -594,11 +634,7 @@ impl Scheduler {
             })
             .min_by_key(|(id, s)| (s.last_active, **id))
             .map(|(id, _)| *id)?;
-        self.pool.free_all(victim);
-        if let Some(s) = self.sessions.get_mut(&victim) {
-            s.computed = 0;
-        }
-        self.stats.preemptions += 1;
+        self.evict(victim, by);
         Some(victim)
     }
 
@@ -672,7 +708,7 @@ impl Scheduler {
             while self.pool.shortfall(id, start + len) > self.tenant_room(tenant) {
                 let mut keep = taken.clone();
                 keep.push(id);
-                match self.preempt_one(&keep, Some(tenant)) {
+                match self.preempt_one(&keep, Some(tenant), tenant) {
                     Some(v) => {
                         plan.preempted.push(v);
                         taken.push(v);
@@ -687,7 +723,7 @@ impl Scheduler {
             while self.pool.shortfall(id, start + len) > self.pool.num_free() {
                 let mut keep = taken.clone();
                 keep.push(id);
-                match self.preempt_one(&keep, None) {
+                match self.preempt_one(&keep, None, tenant) {
                     Some(v) => {
                         plan.preempted.push(v);
                         // It recomputes in a later iteration, not in the one that evicted it.
@@ -743,7 +779,7 @@ impl Scheduler {
                 let own = self.tenant_room(tenant) < self.pool.num_free();
                 let mut keep = taken.clone();
                 keep.push(id);
-                match self.preempt_idle(&keep, since, own.then_some(tenant)) {
+                match self.preempt_idle(&keep, since, own.then_some(tenant), tenant) {
                     Some(v) => plan.preempted.push(v),
                     None => break,
                 }
@@ -760,7 +796,7 @@ impl Scheduler {
             }
             taken.push(id);
             budget -= len;
-            self.charge(tenant, len);
+            self.charge_prefill(id, tenant, start, len);
             if let Some(s) = self.sessions.get_mut(&id) {
                 s.last_active = self.iteration;
                 s.last_planned_ms = self.now_ms;

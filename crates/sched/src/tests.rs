@@ -303,3 +303,44 @@ fn refusals_name_the_problem() {
         .set_tenant(TenantId(3), TenantConfig::weight(0.0))
         .is_err());
 }
+
+#[test]
+fn the_evictor_is_billed_for_the_victims_recompute() {
+    // 4 blocks of 4 tokens. Tenant 1's session fills half; tenant 2's fills the rest and then
+    // needs room for a block: tenant 1's session is preempted. Its recompute of 8 tokens is
+    // billed to tenant 2, which caused it.
+    let mut s = sched(32, 4);
+    s.open(SessionId(1), TenantId(1), 8).unwrap();
+    s.open(SessionId(2), TenantId(2), 8).unwrap();
+    let p = s.schedule(0);
+    s.update(&p, &[]);
+    let (a0, b0) = (
+        s.tenant_positions(TenantId(1)),
+        s.tenant_positions(TenantId(2)),
+    );
+    assert_eq!((a0, b0), (8, 8));
+    s.enqueue_verify(SessionId(2), 4).unwrap();
+    let p = s.schedule(0);
+    assert_eq!(p.preempted, vec![SessionId(1)]);
+    s.update(&p, &[(SessionId(2), 12)]);
+    s.close(SessionId(2));
+    s.enqueue_verify(SessionId(1), 2).unwrap();
+    let p = s.schedule(0);
+    assert_eq!((p.chunks[0].kind, p.chunks[0].len), (WorkKind::Prefill, 8));
+    s.update(&p, &[]);
+    assert_eq!(
+        s.tenant_positions(TenantId(1)),
+        8,
+        "the victim pays nothing for its recompute"
+    );
+    assert_eq!(
+        s.tenant_positions(TenantId(2)),
+        8 + 4 + 8,
+        "the evictor does"
+    );
+    // Its own work after that is its own again.
+    let p = s.schedule(0);
+    assert_eq!(p.chunks[0].kind, WorkKind::Verify);
+    s.update(&p, &[]);
+    assert_eq!(s.tenant_positions(TenantId(1)), 8 + 2);
+}
