@@ -312,10 +312,12 @@ impl Link for GrpcLink {
     fn recv(&mut self, wait: bool) -> Result<Option<Incoming>, EdgeError> {
         let item = if wait {
             // Every wait has a deadline (the connection's pings find most losses sooner).
-            match self
+            let rx = &mut self.verdicts;
+            // (The timer is made inside the runtime: it needs its time driver.)
+            let got = self
                 .rt
-                .block_on(tokio::time::timeout(RECV_DEADLINE, self.verdicts.recv()))
-            {
+                .block_on(async move { tokio::time::timeout(RECV_DEADLINE, rx.recv()).await });
+            match got {
                 Ok(v) => v,
                 Err(_) => {
                     tracing::warn!(
