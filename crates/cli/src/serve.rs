@@ -158,6 +158,10 @@ pub(crate) struct ServeArgs {
     /// How long a session stream may take to send its Open before it is cut, ms.
     #[arg(long, default_value_t = 10_000)]
     open_deadline_ms: u64,
+    /// How long an open session may go without a message from its edge (a block, an ack)
+    /// before it is closed, s.
+    #[arg(long, default_value_t = 60.0)]
+    idle_timeout_s: f64,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -247,6 +251,7 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
         forward_cost: Some(cost),
         adapt: !a.fixed_grants,
         open_deadline: std::time::Duration::from_millis(a.open_deadline_ms.max(1)),
+        idle_timeout: std::time::Duration::from_secs_f64(a.idle_timeout_s.max(0.001)),
         ..tandem_cloud::grpc::ServiceInfo::new(
             &name,
             &m.model,

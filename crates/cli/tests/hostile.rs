@@ -293,3 +293,56 @@ fn a_drain_ends_even_when_streams_never_open_or_a_client_stops_reading() {
     assert!(status.success(), "{status}");
     drop(held);
 }
+
+#[test]
+fn sessions_whose_edge_neither_sends_nor_reads_are_closed_when_idle() {
+    let v = verifier(&["--idle-timeout-s", "1", "--metrics-listen", "127.0.0.1:0"]);
+    let url = format!("http://127.0.0.1:{}", v.port);
+    let tok = &target().1;
+    let prompt = tok.encode("The capital of France is").unwrap();
+    let rt = rt();
+    rt.block_on(async {
+        // 40 sessions opened, then left alone: no blocks, no acks, nothing read.
+        let c = VerifierClient::connect(url.clone()).await.unwrap();
+        let mut held = Vec::new();
+        for _ in 0..40 {
+            let mut c = c.clone();
+            let (tx, rx) = tokio::sync::mpsc::channel::<EdgeMessage>(4);
+            tx.send(open(&prompt, 0.0, 1, 2000)).await.unwrap();
+            let s = c
+                .session(ReceiverStream::new(rx))
+                .await
+                .unwrap()
+                .into_inner();
+            held.push((tx, s));
+        }
+        // Each is closed for idleness: its stream ends with the reason.
+        for (_tx, mut s) in held {
+            let end = loop {
+                match tokio::time::timeout(Duration::from_secs(60), s.message()).await {
+                    Ok(Ok(Some(_))) => {}
+                    Ok(Ok(None)) => panic!("ended without a status"),
+                    Ok(Err(status)) => break status,
+                    Err(_) => panic!("an idle session was not closed"),
+                }
+            };
+            assert_eq!(end.code(), tonic::Code::DeadlineExceeded, "{end:?}");
+            assert!(end.message().starts_with("idle"), "{end:?}");
+        }
+        // The verifier serves others as before.
+        assert_eq!(bystander(url, prompt, 8).await, 8);
+    });
+    let m = metrics_of(v.also_port.unwrap());
+    assert!(m.contains("tandem:num_requests_running 0"), "{m}");
+}
+
+/// The verifier's /metrics text.
+fn metrics_of(port: u16) -> String {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    c.write_all(b"GET /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut s = String::new();
+    c.read_to_string(&mut s).unwrap();
+    s
+}

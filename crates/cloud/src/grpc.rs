@@ -51,6 +51,9 @@ pub struct ServiceInfo {
     /// How long a session stream may take to send its `Open`: past it the stream is cut
     /// (DEADLINE_EXCEEDED), so that streams that never open hold nothing.
     pub open_deadline: Duration,
+    /// How long an open session may go without a message from its edge (a block, an ack, a
+    /// close) before it is closed.
+    pub idle_timeout: Duration,
 }
 
 /// The largest message either side may send: a block (γ ≤ 8 tokens, each with a q of at most
@@ -64,6 +67,9 @@ pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
 /// How often the verifier pings each connection, and how long it waits for the answer: a dead
 /// peer (a half-open TCP connection) is found and its sessions freed.
 pub const KEEPALIVE: Duration = Duration::from_secs(10);
+
+/// A session's idle timeout by default.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A session's `Open` deadline by default.
 pub const OPEN_DEADLINE: Duration = Duration::from_secs(10);
@@ -94,6 +100,7 @@ impl ServiceInfo {
             forward_cost: None,
             adapt: true,
             open_deadline: OPEN_DEADLINE,
+            idle_timeout: IDLE_TIMEOUT,
         }
     }
 }
@@ -359,13 +366,24 @@ impl VerifierRpc for Service {
         let batcher = self.batcher.clone();
         let vocab = self.info.model.vocab_size as usize;
         let uses_q = o.rule.effective(&o.params) == tandem_spec::VerifyRule::Rejection;
+        let idle = self.info.idle_timeout;
         let stream = first_answer(rx).await?;
         tokio::spawn(async move {
             let send = |m: ToCloud| batcher.lock().map(|b| b.send(m).is_ok()).unwrap_or(false);
             // Messages refused so far: past BAD_MESSAGES the stream is cut.
             let mut bad = 0usize;
             loop {
-                match inbound.message().await {
+                // An edge that neither sends nor reads is idle: one that reads acks what it is
+                // sent, one that drafts sends blocks.
+                let next = tokio::time::timeout(idle, inbound.message()).await;
+                let Ok(next) = next else {
+                    let _ = tx.try_send(Err(Status::deadline_exceeded(format!(
+                        "idle: nothing from the edge in {} s; the session is closed",
+                        idle.as_secs_f64()
+                    ))));
+                    break;
+                };
+                match next {
                     Ok(Some(EdgeMessage {
                         kind: Some(edge_message::Kind::Draft(d)),
                     })) => match validation::draft(
