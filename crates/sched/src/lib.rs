@@ -228,6 +228,8 @@ struct Tenant {
     vtime: f64,
     /// Positions computed for the tenant in all.
     positions: u64,
+    /// Positions billed to its fair share (see [`Scheduler::tenant_billed`]).
+    billed: u64,
 }
 
 /// Counters of the scheduler.
@@ -300,6 +302,7 @@ impl Scheduler {
             filled_at: None,
             vtime: 0.0,
             positions: 0,
+            billed: 0,
         });
         t.cfg = cfg;
         Ok(())
@@ -332,6 +335,23 @@ impl Scheduler {
         self.sessions
             .values()
             .any(|s| s.needs_compute() || !s.verifies.is_empty())
+    }
+
+    /// `tenant`'s weight over all tenants' weights.
+    fn share(&self, tenant: TenantId) -> f64 {
+        let total: f64 = self.tenants.values().map(|t| t.cfg.weight).sum();
+        self.tenants
+            .get(&tenant)
+            .map_or(0.0, |t| t.cfg.weight / total.max(f64::MIN_POSITIVE))
+    }
+
+    /// `tenant`'s prompt (and recompute) tokens not yet computed.
+    fn tenant_waiting_tokens(&self, tenant: TenantId) -> usize {
+        self.sessions
+            .values()
+            .filter(|s| s.tenant == tenant && s.needs_compute())
+            .map(|s| s.known - s.computed)
+            .sum()
     }
 
     /// Prompt (and recompute) tokens not yet computed.
@@ -386,6 +406,37 @@ impl Scheduler {
                 retry_iterations: 1
                     + (waiting + prompt_len - self.cfg.max_waiting_tokens) as u64 / budget,
             });
+        }
+        // Fair admission: past half of a global limit, a tenant holding its weighted share of it
+        // waits, so that one tenant's burst leaves every other tenant its share.
+        if self.tenants.len() > 1 {
+            let share = self.share(tenant);
+            let mine = self.tenant_sessions(tenant);
+            let fair = (share * self.cfg.max_sessions as f64).ceil() as usize;
+            if self.sessions.len() * 2 >= self.cfg.max_sessions && mine >= fair.max(1) {
+                return Err(SchedError::Saturated {
+                    reason: format!(
+                        "tenant {} holds {mine} sessions, its share of the verifier's {}",
+                        tenant.0, self.cfg.max_sessions
+                    ),
+                    retry_iterations: 1 + waiting as u64 / budget,
+                });
+            }
+            let mine_waiting = self.tenant_waiting_tokens(tenant);
+            let fair = (share * self.cfg.max_waiting_tokens as f64).ceil() as usize;
+            // (One prompt of a tenant may always wait, however small its share.)
+            if waiting * 2 >= self.cfg.max_waiting_tokens
+                && mine_waiting > 0
+                && mine_waiting + prompt_len > fair
+            {
+                return Err(SchedError::Saturated {
+                    reason: format!(
+                        "tenant {} has {mine_waiting} prompt tokens waiting, its share of {}",
+                        tenant.0, self.cfg.max_waiting_tokens
+                    ),
+                    retry_iterations: 1 + mine_waiting as u64 / budget,
+                });
+            }
         }
         Ok(())
     }
@@ -515,13 +566,28 @@ impl Scheduler {
     }
 
     fn charge(&mut self, tenant: TenantId, positions: usize) {
+        self.bill(tenant, positions);
         if let Some(t) = self.tenants.get_mut(&tenant) {
-            t.vtime += positions as f64 / t.cfg.weight;
             t.positions += positions as u64;
             if t.cfg.tokens_per_s.is_some() {
                 t.bucket -= positions as f64;
             }
         }
+    }
+
+    /// Bill `positions` to `tenant`'s fair share (its virtual time), without counting them as
+    /// computed for it.
+    fn bill(&mut self, tenant: TenantId, positions: usize) {
+        if let Some(t) = self.tenants.get_mut(&tenant) {
+            t.vtime += positions as f64 / t.cfg.weight;
+            t.billed += positions as u64;
+        }
+    }
+
+    /// Positions billed to `tenant`'s fair share so far: what its sessions computed, less the
+    /// recomputes others' evictions caused, plus those it caused.
+    pub fn tenant_billed(&self, tenant: TenantId) -> u64 {
+        self.tenants.get(&tenant).map_or(0, |t| t.billed)
     }
 
     /// Refill the rate quotas' buckets up to `now_ms`.
@@ -591,14 +657,15 @@ impl Scheduler {
         self.stats.preemptions += 1;
     }
 
-    /// Charge the prefill chunk `start..start + len` of session `id`: the part an evictor owes
-    /// to it, the rest to the session's own tenant.
+    /// Charge the prefill chunk `start..start + len` of session `id` to its tenant (computed
+    /// positions and rate quota: the compute is its sessions'), and bill the fair share of the
+    /// part an evictor owes to the evictor.
     fn charge_prefill(&mut self, id: SessionId, tenant: TenantId, start: usize, len: usize) {
         let debt = self.sessions.get(&id).and_then(|s| s.evicted_by);
         let owed = match debt {
             Some((by, upto)) if start < upto => {
                 let n = (upto - start).min(len);
-                self.charge(by, n);
+                self.bill(by, n);
                 if start + n >= upto {
                     if let Some(s) = self.sessions.get_mut(&id) {
                         s.evicted_by = None;
@@ -608,7 +675,13 @@ impl Scheduler {
             }
             _ => 0,
         };
-        self.charge(tenant, len - owed);
+        if let Some(t) = self.tenants.get_mut(&tenant) {
+            t.positions += len as u64;
+            if t.cfg.tokens_per_s.is_some() {
+                t.bucket -= len as f64;
+            }
+        }
+        self.bill(tenant, len - owed);
     }
 
     /// Drop the KV of the session idle the longest (no queued verify, nothing to compute), if it
@@ -750,6 +823,12 @@ impl Scheduler {
                 kind: WorkKind::Verify,
                 blocks: self.pool.table(id).to_vec(),
             });
+        }
+        // While sessions decode (verify work ran), prompts get at most a quarter of the budget
+        // per forward: a burst of prompts lengthens everyone's forwards, and so their ITL, by
+        // that much at most.
+        if !plan.chunks.is_empty() {
+            budget = budget.min((self.cfg.token_budget / PREFILL_RESERVE_DIV).max(1));
         }
         // Prefill (and recompute) with what is left, in chunks. It preempts only idle sessions
         // (nothing queued) that have been idle since before it started waiting: a session whose

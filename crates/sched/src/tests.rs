@@ -107,7 +107,9 @@ fn admission_refuses_a_saturated_verifier_and_enforces_session_quotas() {
         ..SchedConfig::new(8, 4, 64)
     })
     .unwrap();
-    s.set_tenant(TenantId(1), TenantConfig::weight(1.0))
+    // Tenant 1 weighs nearly all: its fair share is (about) the whole verifier, so the global
+    // limits are what it meets here.
+    s.set_tenant(TenantId(1), TenantConfig::weight(1000.0))
         .unwrap();
     let quota = TenantConfig {
         max_sessions: Some(1),
@@ -308,17 +310,16 @@ fn refusals_name_the_problem() {
 fn the_evictor_is_billed_for_the_victims_recompute() {
     // 4 blocks of 4 tokens. Tenant 1's session fills half; tenant 2's fills the rest and then
     // needs room for a block: tenant 1's session is preempted. Its recompute of 8 tokens is
-    // billed to tenant 2, which caused it.
+    // billed to tenant 2's fair share, which caused it (the compute itself is tenant 1's).
     let mut s = sched(32, 4);
     s.open(SessionId(1), TenantId(1), 8).unwrap();
     s.open(SessionId(2), TenantId(2), 8).unwrap();
     let p = s.schedule(0);
     s.update(&p, &[]);
-    let (a0, b0) = (
-        s.tenant_positions(TenantId(1)),
-        s.tenant_positions(TenantId(2)),
+    assert_eq!(
+        (s.tenant_billed(TenantId(1)), s.tenant_billed(TenantId(2))),
+        (8, 8)
     );
-    assert_eq!((a0, b0), (8, 8));
     s.enqueue_verify(SessionId(2), 4).unwrap();
     let p = s.schedule(0);
     assert_eq!(p.preempted, vec![SessionId(1)]);
@@ -329,18 +330,106 @@ fn the_evictor_is_billed_for_the_victims_recompute() {
     assert_eq!((p.chunks[0].kind, p.chunks[0].len), (WorkKind::Prefill, 8));
     s.update(&p, &[]);
     assert_eq!(
-        s.tenant_positions(TenantId(1)),
+        s.tenant_billed(TenantId(1)),
         8,
-        "the victim pays nothing for its recompute"
+        "the victim's share pays nothing for its recompute"
     );
     assert_eq!(
-        s.tenant_positions(TenantId(2)),
+        s.tenant_billed(TenantId(2)),
         8 + 4 + 8,
-        "the evictor does"
+        "the evictor's does"
+    );
+    assert_eq!(
+        s.tenant_positions(TenantId(1)),
+        16,
+        "computed for the victim"
     );
     // Its own work after that is its own again.
     let p = s.schedule(0);
     assert_eq!(p.chunks[0].kind, WorkKind::Verify);
     s.update(&p, &[]);
-    assert_eq!(s.tenant_positions(TenantId(1)), 8 + 2);
+    assert_eq!(s.tenant_billed(TenantId(1)), 8 + 2);
+}
+
+#[test]
+fn one_tenants_burst_leaves_the_others_their_share() {
+    // Two tenants of equal weight, 8 sessions at most. Tenant 1 opens as many as it can: past
+    // half of the limit it is held to its share (4), and tenant 2 still opens its 4.
+    let mut s = Scheduler::new(SchedConfig {
+        max_sessions: 8,
+        max_waiting_tokens: 10_000,
+        ..SchedConfig::new(64, 4, 1024)
+    })
+    .unwrap();
+    s.set_tenant(TenantId(1), TenantConfig::weight(1.0))
+        .unwrap();
+    s.set_tenant(TenantId(2), TenantConfig::weight(1.0))
+        .unwrap();
+    let mut opened = 0;
+    for i in 0..20 {
+        if s.open(SessionId(i), TenantId(1), 4).is_ok() {
+            opened += 1;
+        }
+    }
+    assert_eq!(opened, 4, "the burst is held to its share");
+    for i in 100..104 {
+        s.open(SessionId(i), TenantId(2), 4).unwrap();
+    }
+    let e = s.open(SessionId(200), TenantId(2), 4).unwrap_err();
+    assert!(matches!(e, SchedError::Saturated { .. }), "{e}");
+
+    // Waiting prompt tokens likewise: a tenant with its share of the queue waiting waits.
+    let mut s = Scheduler::new(SchedConfig {
+        max_sessions: 100,
+        max_waiting_tokens: 100,
+        ..SchedConfig::new(64, 4, 1024)
+    })
+    .unwrap();
+    s.set_tenant(TenantId(1), TenantConfig::weight(1.0))
+        .unwrap();
+    s.set_tenant(TenantId(2), TenantConfig::weight(1.0))
+        .unwrap();
+    let mut queued = 0;
+    for i in 0..20 {
+        if s.open(SessionId(i), TenantId(1), 10).is_ok() {
+            queued += 10;
+        }
+    }
+    assert_eq!(queued, 50, "half of the prefill queue");
+    for i in 100..105 {
+        s.open(SessionId(i), TenantId(2), 10).unwrap();
+    }
+}
+
+#[test]
+fn prompts_take_at_most_a_quarter_of_a_forward_while_sessions_decode() {
+    let mut s = sched(64, 1024);
+    s.open(SessionId(1), TenantId(1), 8).unwrap();
+    let p = s.schedule(0);
+    s.update(&p, &[]);
+    // A 400-token prompt arrives while session 1 verifies every iteration.
+    s.open(SessionId(2), TenantId(2), 400).unwrap();
+    for _ in 0..5 {
+        s.enqueue_verify(SessionId(1), 4).unwrap();
+        let p = s.schedule(0);
+        let prefill: usize = p
+            .chunks
+            .iter()
+            .filter(|c| c.kind == WorkKind::Prefill)
+            .map(|c| c.len)
+            .sum();
+        assert!(p.chunks.iter().any(|c| c.kind == WorkKind::Verify));
+        assert!(prefill <= 16, "{prefill} prompt tokens beside a decode");
+        let kv: Vec<_> = p
+            .chunks
+            .iter()
+            .filter(|c| c.kind == WorkKind::Verify)
+            .map(|c| (c.session, c.start + c.len))
+            .collect();
+        s.update(&p, &kv);
+    }
+    // Alone, a prompt takes the whole budget.
+    s.close(SessionId(1));
+    let p = s.schedule(0);
+    assert_eq!(p.tokens(), 64);
 }
