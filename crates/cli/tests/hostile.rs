@@ -13,14 +13,6 @@ use tandem_proto::v1::{
 };
 use tokio_stream::wrappers::ReceiverStream;
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 fn open(prompt: &[u32], temperature: f32, rule: i32, max_tokens: u32) -> EdgeMessage {
     let tok = &target().1;
     EdgeMessage {
@@ -56,6 +48,28 @@ fn draft(start_pos: u64, tokens: Vec<u32>, q: Vec<SparseDist>) -> EdgeMessage {
     }
 }
 
+/// A session opened with `open` on `c` (sending through a channel of `cap`), its `Opened`
+/// read: the sender and the rest of the stream.
+async fn opened(
+    mut c: VerifierClient<tonic::transport::Channel>,
+    open: EdgeMessage,
+    cap: usize,
+) -> (
+    tokio::sync::mpsc::Sender<EdgeMessage>,
+    tonic::Streaming<CloudMessage>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::channel::<EdgeMessage>(cap);
+    tx.send(open).await.unwrap();
+    let mut s = c
+        .session(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = s.message().await.unwrap().unwrap();
+    assert!(matches!(first.kind, Some(cloud_message::Kind::Opened(_))));
+    (tx, s)
+}
+
 /// A cloud-only stream of `n` tokens another tenant would run: its token count.
 async fn bystander(url: String, prompt: Vec<u32>, n: u32) -> usize {
     let tok = &target().1;
@@ -84,16 +98,8 @@ fn a_flood_of_bad_drafts_from_a_client_that_never_reads_is_cut() {
     let prompt = tok.encode("The capital of France is").unwrap();
     let rt = rt();
     rt.block_on(async {
-        let mut c = VerifierClient::connect(url.clone()).await.unwrap();
-        let (tx, rx) = tokio::sync::mpsc::channel::<EdgeMessage>(20_000);
-        tx.send(open(&prompt, 0.0, 1, 200)).await.unwrap();
-        let mut s = c
-            .session(ReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        let first = s.message().await.unwrap().unwrap();
-        assert!(matches!(first.kind, Some(cloud_message::Kind::Opened(_))));
+        let c = VerifierClient::connect(url.clone()).await.unwrap();
+        let (tx, mut s) = opened(c, open(&prompt, 0.0, 1, 200), 20_000).await;
         // 10,000 drafts, each refused, and the client reads none of the refusals.
         let start = prompt.len() as u64 + 1;
         // (Once the verifier cuts the stream, the client cannot send more.)
@@ -138,20 +144,12 @@ fn an_oversized_q_is_refused_by_validation_and_another_tenants_stream_completes(
     let rt = rt();
     rt.block_on(async {
         let other = tokio::spawn(bystander(url.clone(), prompt.clone(), 24));
-        let mut c = VerifierClient::connect(url.clone())
+        let c = VerifierClient::connect(url.clone())
             .await
             .unwrap()
             .max_encoding_message_size(8 << 20);
-        let (tx, rx) = tokio::sync::mpsc::channel::<EdgeMessage>(16);
         // Rejection sampling at temperature 0.8: the rule that reads q.
-        tx.send(open(&prompt, 0.8, 3, 64)).await.unwrap();
-        let mut s = c
-            .session(ReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        let first = s.message().await.unwrap().unwrap();
-        assert!(matches!(first.kind, Some(cloud_message::Kind::Opened(_))));
+        let (tx, mut s) = opened(c, open(&prompt, 0.8, 3, 64), 16).await;
         // One entry repeated 100k times (0.9 MB, under the 1 MiB message limit; the attack
         // that stalled every tenant repeated it 360k times, which the limit now refuses).
         let entry = TokenProb {

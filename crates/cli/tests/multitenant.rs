@@ -32,14 +32,6 @@ fn tenants(extra: &str) -> Tenants {
     .unwrap()
 }
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 fn authorized<T>(msg: T, key: Option<&str>) -> Request<T> {
     let mut r = Request::new(msg);
     if let Some(k) = key {

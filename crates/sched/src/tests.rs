@@ -351,20 +351,26 @@ fn the_evictor_is_billed_for_the_victims_recompute() {
     assert_eq!(s.tenant_billed(TenantId(1)), 8 + 2);
 }
 
+/// Two tenants of weight 1 under these global limits.
+fn two_equal_tenants(max_sessions: usize, max_waiting_tokens: usize) -> Scheduler {
+    let mut s = Scheduler::new(SchedConfig {
+        max_sessions,
+        max_waiting_tokens,
+        ..SchedConfig::new(64, 4, 1024)
+    })
+    .unwrap();
+    for t in [1, 2] {
+        s.set_tenant(TenantId(t), TenantConfig::weight(1.0))
+            .unwrap();
+    }
+    s
+}
+
 #[test]
 fn one_tenants_burst_leaves_the_others_their_share() {
     // Two tenants of equal weight, 8 sessions at most. Tenant 1 opens as many as it can: past
     // half of the limit it is held to its share (4), and tenant 2 still opens its 4.
-    let mut s = Scheduler::new(SchedConfig {
-        max_sessions: 8,
-        max_waiting_tokens: 10_000,
-        ..SchedConfig::new(64, 4, 1024)
-    })
-    .unwrap();
-    s.set_tenant(TenantId(1), TenantConfig::weight(1.0))
-        .unwrap();
-    s.set_tenant(TenantId(2), TenantConfig::weight(1.0))
-        .unwrap();
+    let mut s = two_equal_tenants(8, 10_000);
     let mut opened = 0;
     for i in 0..20 {
         if s.open(SessionId(i), TenantId(1), 4).is_ok() {
@@ -379,16 +385,7 @@ fn one_tenants_burst_leaves_the_others_their_share() {
     assert!(matches!(e, SchedError::Saturated { .. }), "{e}");
 
     // Waiting prompt tokens likewise: a tenant with its share of the queue waiting waits.
-    let mut s = Scheduler::new(SchedConfig {
-        max_sessions: 100,
-        max_waiting_tokens: 100,
-        ..SchedConfig::new(64, 4, 1024)
-    })
-    .unwrap();
-    s.set_tenant(TenantId(1), TenantConfig::weight(1.0))
-        .unwrap();
-    s.set_tenant(TenantId(2), TenantConfig::weight(1.0))
-        .unwrap();
+    let mut s = two_equal_tenants(100, 100);
     let mut queued = 0;
     for i in 0..20 {
         if s.open(SessionId(i), TenantId(1), 10).is_ok() {
