@@ -35,7 +35,7 @@ fn open(prompt: &[u32], temperature: f32, rule: i32, max_tokens: u32) -> EdgeMes
     }
 }
 
-fn draft(start_pos: u64, tokens: Vec<u32>, q: Vec<SparseDist>) -> EdgeMessage {
+fn draft_msg(start_pos: u64, tokens: Vec<u32>, q: Vec<SparseDist>) -> EdgeMessage {
     EdgeMessage {
         kind: Some(edge_message::Kind::Draft(Draft {
             epoch: 0,
@@ -104,7 +104,11 @@ fn a_flood_of_bad_drafts_from_a_client_that_never_reads_is_cut() {
         let start = prompt.len() as u64 + 1;
         // (Once the verifier cuts the stream, the client cannot send more.)
         for _ in 0..10_000 {
-            if tx.send(draft(start, vec![999_999], vec![])).await.is_err() {
+            if tx
+                .send(draft_msg(start, vec![999_999], vec![]))
+                .await
+                .is_err()
+            {
                 break;
             }
         }
@@ -160,7 +164,7 @@ fn an_oversized_q_is_refused_by_validation_and_another_tenants_stream_completes(
             entries: vec![entry; 100_000],
         };
         let start = prompt.len() as u64 + 1;
-        tx.send(draft(start, vec![5], vec![q])).await.unwrap();
+        tx.send(draft_msg(start, vec![5], vec![q])).await.unwrap();
         let refusal = loop {
             match s.message().await {
                 Ok(Some(CloudMessage {
@@ -343,4 +347,100 @@ fn metrics_of(port: u16) -> String {
     let mut s = String::new();
     c.read_to_string(&mut s).unwrap();
     s
+}
+
+/// The edge's link to a real verifier, which slips one malformed block in after the edge's
+/// first: the verifier refuses it (a per-message error), as it would a block a buggy or
+/// outdated edge sent.
+struct SlipsOneBadBlock {
+    inner: tandem_edge::grpc::GrpcLink,
+    sent: usize,
+}
+
+impl tandem_edge::Link for SlipsOneBadBlock {
+    fn send(&mut self, block: tandem_spec::Block) -> Result<(), tandem_edge::EdgeError> {
+        self.sent += 1;
+        let bad = (self.sent == 1).then(|| tandem_spec::Block {
+            tokens: vec![999_999],
+            q: vec![],
+            side: vec![],
+            ..block.clone()
+        });
+        self.inner.send(block)?;
+        if let Some(b) = bad {
+            self.inner.send(b)?;
+        }
+        Ok(())
+    }
+    fn ack(&mut self, committed: usize) -> Result<(), tandem_edge::EdgeError> {
+        self.inner.ack(committed)
+    }
+    fn recv(
+        &mut self,
+        wait: bool,
+    ) -> Result<Option<tandem_spec::Incoming>, tandem_edge::EdgeError> {
+        self.inner.recv(wait)
+    }
+    fn reopen(
+        &mut self,
+        history: &[u32],
+        max_tokens: usize,
+    ) -> Result<u32, tandem_edge::EdgeError> {
+        self.inner.reopen(history, max_tokens)
+    }
+}
+
+#[test]
+fn a_refused_message_does_not_end_the_answer() {
+    let (url, _) = new_grpc_server(1e9);
+    let (m, tok) = target();
+    let prompt = tok.encode_chat("Name three colours.").unwrap();
+    let want = {
+        let mut e = engine(m);
+        let mut ids = greedy(&mut e, tandem_engine::SeqId(0), &prompt, 48);
+        if let Some(i) = ids.iter().position(|&t| tok.is_eog(t)) {
+            ids.truncate(i + 1);
+        }
+        ids
+    };
+    let rt = rt();
+    let mut req = greedy_open(tok.fingerprint(), &prompt);
+    req.max_tokens = 48;
+    let (link, opened) = tandem_edge::grpc::GrpcLink::connect(&rt, &url, req).unwrap();
+    let mut link = SlipsOneBadBlock {
+        inner: link,
+        sent: 0,
+    };
+    let cfg = tandem_edge::SpecConfig {
+        session: tandem_spec::edge::SessionConfig {
+            draft_len: 2,
+            depth: 2,
+            max_new_tokens: 48,
+            auto: None,
+            granted: Some(tandem_spec::Shape::new(opened.draft_len, opened.depth)),
+            tree: tandem_spec::TreeConfig::LINEAR,
+        },
+        rule: tandem_spec::VerifyRule::Greedy,
+        params: tandem_spec::sampling::SamplingParams::default(),
+        q_top_k: 32,
+    };
+    let (dm, _) = draft();
+    let mut d = engine(dm);
+    let report = tandem_edge::run(
+        &mut d,
+        tok.eog_ids(),
+        &prompt,
+        opened.first_token,
+        &cfg,
+        &mut link,
+        std::time::Instant::now(),
+        |_| {},
+    )
+    .expect("the answer survives the refusal");
+    assert!(link.sent >= 1, "the bad block was sent");
+    assert_eq!(
+        report.output_ids, want,
+        "the target's answer, token for token"
+    );
+    assert!(report.measured.reconnects >= 1, "the session was reopened");
 }
