@@ -271,7 +271,7 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
     let (service, batcher) =
         tandem_cloud::grpc::start_with_ledger(engine, a.verifier, info, tenants, ledger)?;
     let rt = tandem_bench::runtime()?;
-    rt.block_on(async {
+    let served = rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("--listen {addr}: cannot bind"))?;
@@ -296,17 +296,33 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             if tls.is_some() { "TLS" } else { "plaintext" }
         );
         let drain = std::time::Duration::from_secs_f64(a.drain_timeout_s);
+        let (failure, watcher) = tandem_cloud::grpc::batcher_failure(batcher, service.draining());
+        let failed = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
+        let record = failed.clone();
+        // A signal drains; a failed batcher stops the server at once (health NOT_SERVING first).
         let shutdown = async move {
-            shutdown_signal().await;
-            eprintln!("draining (up to {:.0} s)", drain.as_secs_f64());
+            tokio::select! {
+                _ = shutdown_signal() => {
+                    eprintln!("draining (up to {:.0} s)", drain.as_secs_f64());
+                }
+                why = failure => {
+                    eprintln!("{why}: the verifier stops");
+                    *record.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+                }
+            }
         };
         tandem_cloud::grpc::serve_grpc_tls(service, listener, shutdown, drain, tls.as_ref())
             .await
             .context("serving (a TLS certificate or key that does not parse is refused here)")?;
-        anyhow::Ok(())
-    })?;
+        let why = failed.lock().unwrap_or_else(|e| e.into_inner()).take();
+        anyhow::Ok((why, watcher))
+    });
     rt.shutdown_timeout(std::time::Duration::from_secs(2));
-    let _ = batcher.join();
+    let (why, watcher) = served?;
+    if let Some(why) = why {
+        bail!("{why}");
+    }
+    let _ = watcher.join();
     eprintln!("stopped");
     Ok(())
 }

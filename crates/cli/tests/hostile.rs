@@ -444,3 +444,64 @@ fn a_refused_message_does_not_end_the_answer() {
     );
     assert!(report.measured.reconnects >= 1, "the session was reopened");
 }
+
+#[test]
+fn a_failed_batcher_stops_the_server_instead_of_answering_every_rpc_unavailable() {
+    use std::sync::Arc;
+    let (m, tok) = target();
+    let info = tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4);
+    // The batcher fails on its first message (a fault: the thread panics).
+    let (tx, rx) = std::sync::mpsc::channel::<tandem_cloud::ToCloud>();
+    let batcher = std::thread::spawn(move || {
+        let _ = rx.recv();
+        panic!("a fault in the batcher");
+    });
+    let service = tandem_cloud::grpc::Service::new(
+        tx,
+        info,
+        Arc::new(tandem_cloud::Gauges::default()),
+        Arc::new(tandem_cloud::tenants::Tenants::open()),
+    );
+    let (failure, watcher) = tandem_cloud::grpc::batcher_failure(batcher, service.draining());
+    let rt = rt();
+    let why = rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let why = Arc::new(std::sync::Mutex::new(String::new()));
+        let record = why.clone();
+        let shutdown = async move {
+            *record.lock().unwrap() = failure.await;
+        };
+        let server = tokio::spawn(tandem_cloud::grpc::serve_grpc_tls(
+            service,
+            listener,
+            shutdown,
+            Duration::from_secs(30),
+            None,
+        ));
+        // A session reaches the batcher, which fails: the session is refused, and the server
+        // stops (its health NOT_SERVING first) rather than answering UNAVAILABLE forever.
+        let c = VerifierClient::connect(url.clone()).await.unwrap();
+        let prompt = target().1.encode("Hello").unwrap();
+        let (tx, rx) = tokio::sync::mpsc::channel::<EdgeMessage>(4);
+        tx.send(open(&prompt, 0.0, 1, 8)).await.unwrap();
+        let mut c2 = c.clone();
+        assert!(c2.session(ReceiverStream::new(rx)).await.is_err());
+        tokio::time::timeout(Duration::from_secs(30), server)
+            .await
+            .expect("the server stops within its drain")
+            .unwrap()
+            .unwrap();
+        assert!(
+            VerifierClient::connect(url).await.is_err(),
+            "nothing listens any more"
+        );
+        let w = why.lock().unwrap().clone();
+        w
+    });
+    assert!(
+        why.contains("the batcher panicked: a fault in the batcher"),
+        "{why}"
+    );
+    watcher.join().unwrap();
+}

@@ -245,6 +245,11 @@ impl Service {
         self.gauges.clone()
     }
 
+    /// Set once the server drains (the batcher may then end).
+    pub fn draining(&self) -> Arc<AtomicBool> {
+        self.draining.clone()
+    }
+
     pub fn into_server(self) -> VerifierServer<Self> {
         VerifierServer::new(self)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
@@ -311,8 +316,10 @@ impl VerifierRpc for Service {
         // token budget like any other).
         let side_nodes = o.want_side_nodes.min(self.info.max_side_nodes);
         let session = SessionId(self.ids.next());
-        let (tx, rx) = channel(OUTBOX);
-        let out = tx.clone();
+        let (out, rx) = channel(OUTBOX);
+        // Only the batcher's record of the session holds the outbox while it opens: if the
+        // batcher is gone, the wait for its first answer ends (UNAVAILABLE) instead of hanging.
+        let weak = out.downgrade();
         let reply: Reply = Arc::new(move |msg: ToEdge| {
             let m = match msg {
                 ToEdge::Opened { first, grant } => Ok(CloudMessage {
@@ -368,6 +375,9 @@ impl VerifierRpc for Service {
         let uses_q = o.rule.effective(&o.params) == tandem_spec::VerifyRule::Rejection;
         let idle = self.info.idle_timeout;
         let stream = first_answer(rx).await?;
+        let Some(tx) = weak.upgrade() else {
+            return Err(Status::unavailable("the verifier is shutting down"));
+        };
         tokio::spawn(async move {
             let send = |m: ToCloud| batcher.lock().map(|b| b.send(m).is_ok()).unwrap_or(false);
             // Messages refused so far: past BAD_MESSAGES the stream is cut.
@@ -723,6 +733,47 @@ pub async fn serve_grpc_tls(
             Ok(())
         }
     }
+}
+
+/// Watch the batcher thread: the future resolves, with why, if it panics or ends while the server
+/// is not draining (every RPC would fail while health said SERVING); it never resolves when the
+/// batcher ends with a drain. The returned thread ends when the batcher has (join it to wait for
+/// the batcher's last work: the ledger's flush).
+pub fn batcher_failure<T: Send + 'static>(
+    batcher: std::thread::JoinHandle<T>,
+    draining: Arc<AtomicBool>,
+) -> (
+    impl std::future::Future<Output = String> + Send,
+    std::thread::JoinHandle<()>,
+) {
+    let (tx, rx) = tokio::sync::oneshot::channel::<String>();
+    let watcher = std::thread::spawn(move || {
+        let why = match batcher.join() {
+            Err(p) => {
+                let m = p
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                Some(format!("the batcher panicked: {m}"))
+            }
+            Ok(_) if !draining.load(Ordering::Relaxed) => {
+                Some("the batcher stopped while serving".to_string())
+            }
+            Ok(_) => None,
+        };
+        if let Some(w) = why {
+            tracing::error!("{w}");
+            let _ = tx.send(w);
+        }
+    });
+    let failed = async move {
+        match rx.await {
+            Ok(why) => why,
+            Err(_) => std::future::pending().await,
+        }
+    };
+    (failed, watcher)
 }
 
 /// How long connections may take to flush after the drain before the server closes them.
