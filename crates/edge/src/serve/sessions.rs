@@ -157,15 +157,17 @@ impl Out {
 
     /// A committed token.
     fn push(&mut self, id: u32, unverified: bool) {
-        // Nothing counts past the end: a stop sequence, the end of generation (the verifier may
-        // commit past it), or max_tokens.
-        if self.over() {
+        // Nothing counts past the end of generation (the verifier may commit past it) or
+        // max_tokens. Past a stop sequence tokens still count (not as text): the verifier
+        // committed them in the same step as the one that completed it, and the usage, the
+        // statistics and the verifier's ledger all count what was committed.
+        if self.ids.len() >= self.max || self.ids.last().is_some_and(|&t| self.tok.is_eog(t)) {
             return;
         }
         self.ids.push(id);
         self.unverified += unverified as usize;
         self.token_ms.push(self.start.elapsed().as_secs_f64() * 1e3);
-        if self.tok.is_eog(id) {
+        if self.tok.is_eog(id) || self.stops.stopped() {
             return;
         }
         let piece = self.stream.push(&self.tok, id).unwrap_or_default();
