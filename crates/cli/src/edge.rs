@@ -49,21 +49,8 @@ pub(crate) struct EdgeServeArgs {
     /// Blocks in flight.
     #[arg(long, default_value_t = 3)]
     depth: usize,
-    /// Let the policy choose γ and depth from what it measures, within --max-gamma / --max-depth
-    /// and the verifier's grant.
-    #[arg(long)]
-    auto: bool,
-    #[arg(long, default_value_t = 8)]
-    max_gamma: usize,
-    #[arg(long, default_value_t = 4)]
-    max_depth: usize,
-    /// Token trees: LANES:BELOW[:MIN] (as in `generate --tree`); none: linear.
-    #[arg(long, value_parser = tandem_bench::latency::parse_tree, default_value = "none")]
-    tree: tandem_bench::latency::TreeArg,
-    /// How the verifier judges sampled drafts: sample-match, rejection, or auto (greedy at
-    /// temperature 0, rejection sampling otherwise).
-    #[arg(long, default_value = "auto")]
-    verify: RuleChoice,
+    #[command(flatten)]
+    shape: ShapeArgs,
     /// Worker threads of the draft engine (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -82,14 +69,7 @@ pub(crate) fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result
             bail!("--cloud {url}: give the verifier as http://HOST:PORT or https://HOST:PORT");
         }
     }
-    let tls_ca = a
-        .tls_ca
-        .as_ref()
-        .map(|p| {
-            std::fs::read_to_string(p)
-                .with_context(|| format!("--tls-ca {}: cannot read", p.display()))
-        })
-        .transpose()?;
+    let tls_ca = read_tls_ca(a.tls_ca.as_deref())?;
     if a.client_key.iter().any(|k| k.trim().is_empty()) {
         bail!("--client-key: a key may not be empty");
     }
@@ -112,19 +92,11 @@ pub(crate) fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result
         },
     )?;
     let spec = tandem_edge::SpecConfig {
-        session: tandem_spec::edge::SessionConfig {
-            draft_len: a.gamma.max(1),
-            depth: a.depth.max(1),
-            max_new_tokens: 0,
-            auto: a.auto.then(|| tandem_spec::edge::AutoShape {
-                max_draft_len: a.max_gamma.max(1),
-                max_depth: a.max_depth.max(1),
-                prior: tandem_spec::edge::default_prior(50.0),
-            }),
-            granted: None,
-            tree: a.tree.0.unwrap_or(tandem_spec::TreeConfig::LINEAR),
-        },
-        rule: a.verify.rule(),
+        // The prior plans for a 50 ms round trip until the session measures its own.
+        session: a
+            .shape
+            .session(a.gamma.max(1), a.depth.max(1), None, 0, 50.0),
+        rule: a.shape.verify.rule(),
         params: SamplingParams::default(),
         q_top_k: 32,
     };
@@ -142,9 +114,7 @@ pub(crate) fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result
     let tok = std::sync::Arc::new(m.tokenizer);
     let rt = tandem_bench::runtime()?;
     rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind(&a.listen)
-            .await
-            .with_context(|| format!("--listen {}: cannot bind", a.listen))?;
+        let listener = listen("--listen", &a.listen).await?;
         eprintln!(
             "tandem serve listening on http://{} (model {model_name}, verifier {}{}{})",
             listener.local_addr()?,

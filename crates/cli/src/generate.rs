@@ -20,31 +20,14 @@ pub(crate) struct GenerateArgs {
     /// Blocks in flight (async; sync is 1).
     #[arg(long, default_value_t = 3)]
     depth: usize,
-    /// Let the policy choose γ and depth from what it measures (α, draft and verify time, round
-    /// trip), starting at --gamma / --depth, within --max-gamma / --max-depth and the cloud's grant.
-    #[arg(long)]
-    auto: bool,
-    #[arg(long, default_value_t = 8)]
-    max_gamma: usize,
-    #[arg(long, default_value_t = 4)]
-    max_depth: usize,
     /// Emulated network round trip between edge and verifier, ms.
     #[arg(long, default_value_t = 0.0)]
     rtt_ms: f64,
     /// Jitter of the emulated link, ± ms per direction (at most half the RTT).
     #[arg(long, default_value_t = 0.0)]
     jitter_ms: f64,
-    /// Token trees (sync/async): LANES:BELOW[:MIN] grows up to LANES lanes beside the main path,
-    /// forked where the draft's confidence is below BELOW (and the lane's chance to be the
-    /// target's path at least MIN, default 0.05), carried on across blocks (e.g. 3:0.5); none:
-    /// linear.
-    #[arg(long, value_parser = tandem_bench::latency::parse_tree, default_value = "none")]
-    tree: tandem_bench::latency::TreeArg,
-    /// How the verifier judges sampled drafts: sample-match, rejection, or auto (greedy when
-    /// temperature is 0). auto: rejection sampling, which commits more, on linear blocks and
-    /// over trees (docs/RESULTS.md).
-    #[arg(long, default_value = "auto")]
-    verify: RuleChoice,
+    #[command(flatten)]
+    shape: ShapeArgs,
     /// Threads of the verifier's engine (sync/async).
     #[arg(long, default_value_t = 1)]
     cloud_threads: usize,
@@ -159,14 +142,7 @@ pub(crate) fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
-    let tls_ca = a
-        .tls_ca
-        .as_ref()
-        .map(|p| {
-            std::fs::read_to_string(p)
-                .with_context(|| format!("--tls-ca {}: cannot read", p.display()))
-        })
-        .transpose()?;
+    let tls_ca = read_tls_ca(a.tls_ca.as_deref())?;
     let spec = match a.mode {
         Mode::Local => a.model.clone(),
         Mode::EdgeOnly | Mode::Sync | Mode::Async => {
@@ -211,23 +187,13 @@ pub(crate) fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()
                 ..a.engine.config()
             },
             spec: tandem_edge::SpecConfig {
-                session: tandem_spec::edge::SessionConfig {
-                    draft_len: a.gamma,
-                    depth: if a.mode == Mode::Sync { 1 } else { a.depth },
-                    max_new_tokens: a.max_tokens,
-                    auto: a.auto.then(|| tandem_spec::edge::AutoShape {
-                        max_draft_len: a.max_gamma.max(1),
-                        max_depth: if a.mode == Mode::Sync {
-                            1
-                        } else {
-                            a.max_depth.max(1)
-                        },
-                        prior: tandem_spec::edge::default_prior(a.rtt_ms),
-                    }),
-                    granted: None,
-                    tree: a.tree.0.unwrap_or(tandem_spec::TreeConfig::LINEAR),
+                session: if a.mode == Mode::Sync {
+                    a.shape.session(a.gamma, 1, Some(1), a.max_tokens, a.rtt_ms)
+                } else {
+                    a.shape
+                        .session(a.gamma, a.depth, None, a.max_tokens, a.rtt_ms)
                 },
-                rule: a.verify.rule(),
+                rule: a.shape.verify.rule(),
                 params,
                 q_top_k: 32,
             },
@@ -497,6 +463,57 @@ pub(crate) fn cmd_info(home: &std::path::Path, a: InfoArgs) -> Result<()> {
     });
     println!("{}", serde_json::to_string_pretty(&info)?);
     Ok(())
+}
+
+/// The speculation flags `generate` and `serve` share (γ and depth, whose defaults differ, are
+/// each command's own).
+#[derive(Args)]
+pub(crate) struct ShapeArgs {
+    /// Let the policy choose γ and depth from what it measures (α, draft and verify time, round
+    /// trip), starting at --gamma / --depth, within --max-gamma / --max-depth and the cloud's grant.
+    #[arg(long)]
+    pub(crate) auto: bool,
+    #[arg(long, default_value_t = 8)]
+    pub(crate) max_gamma: usize,
+    #[arg(long, default_value_t = 4)]
+    pub(crate) max_depth: usize,
+    /// Token trees: LANES:BELOW[:MIN] grows up to LANES lanes beside the main path, forked where
+    /// the draft's confidence is below BELOW (and the lane's chance to be the target's path at
+    /// least MIN, default 0.05), carried on across blocks (e.g. 3:0.5); none: linear.
+    #[arg(long, value_parser = tandem_bench::latency::parse_tree, default_value = "none")]
+    pub(crate) tree: tandem_bench::latency::TreeArg,
+    /// How the verifier judges sampled drafts: sample-match, rejection, or auto (greedy when
+    /// temperature is 0). auto: rejection sampling, which commits more, on linear blocks and
+    /// over trees (docs/RESULTS.md).
+    #[arg(long, default_value = "auto")]
+    pub(crate) verify: RuleChoice,
+}
+
+impl ShapeArgs {
+    /// A session starting at `gamma` and `depth`; with --auto the policy's limits are
+    /// --max-gamma and --max-depth (or `max_depth` when the mode fixes it), its prior planned for
+    /// `rtt_ms`.
+    pub(crate) fn session(
+        &self,
+        gamma: usize,
+        depth: usize,
+        max_depth: Option<usize>,
+        max_new_tokens: usize,
+        rtt_ms: f64,
+    ) -> tandem_spec::edge::SessionConfig {
+        tandem_spec::edge::SessionConfig {
+            draft_len: gamma,
+            depth,
+            max_new_tokens,
+            auto: self.auto.then(|| tandem_spec::edge::AutoShape {
+                max_draft_len: self.max_gamma.max(1),
+                max_depth: max_depth.unwrap_or(self.max_depth).max(1),
+                prior: tandem_spec::edge::default_prior(rtt_ms),
+            }),
+            granted: None,
+            tree: self.tree.0.unwrap_or(tandem_spec::TreeConfig::LINEAR),
+        }
+    }
 }
 
 /// `--verify`: a verify rule, or the one that commits more for this run.

@@ -199,6 +199,21 @@ fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
+/// `--tls-ca PEM`: the certificate authority's PEM text, when given.
+fn read_tls_ca(path: Option<&std::path::Path>) -> Result<Option<String>> {
+    path.map(|p| {
+        std::fs::read_to_string(p).with_context(|| format!("--tls-ca {}: cannot read", p.display()))
+    })
+    .transpose()
+}
+
+/// Bind the address flag `flag` names (within a runtime).
+async fn listen(flag: &str, addr: &str) -> Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("{flag} {addr}: cannot bind"))
+}
+
 /// One core for the edge and another for the verifier: the first two this process may use (no
 /// pinning with fewer).
 fn split_cores() -> (CpuSet, CpuSet) {

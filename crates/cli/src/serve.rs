@@ -276,9 +276,7 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             .await
             .with_context(|| format!("--listen {addr}: cannot bind"))?;
         if let Some(addr) = &a.metrics_listen {
-            let ml = tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("--metrics-listen {addr}: cannot bind"))?;
+            let ml = listen("--metrics-listen", addr).await?;
             eprintln!("metrics on http://{}/metrics", ml.local_addr()?);
             let g = service.gauges();
             tokio::spawn(async move {
@@ -361,9 +359,7 @@ pub(crate) fn cmd_netem(a: NetemArgs) -> Result<()> {
     })?;
     let rt = tandem_bench::runtime()?;
     rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind(&a.listen)
-            .await
-            .with_context(|| format!("--listen {}: cannot bind", a.listen))?;
+        let listener = listen("--listen", &a.listen).await?;
         eprintln!(
             "netem {} -> {upstream}: rtt {} ms ± {} ms",
             listener.local_addr()?,

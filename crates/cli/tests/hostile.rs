@@ -115,16 +115,13 @@ fn a_flood_of_bad_drafts_from_a_client_that_never_reads_is_cut() {
         // Then it reads: a bounded number of refusals, and the stream is cut.
         let mut refusals = 0;
         let end = loop {
-            match tokio::time::timeout(Duration::from_secs(60), s.message()).await {
-                Ok(Ok(Some(CloudMessage {
+            match s.message().await {
+                Ok(Some(CloudMessage {
                     kind: Some(cloud_message::Kind::Error(_)),
-                }))) => refusals += 1,
-                Ok(Ok(Some(_))) => {}
-                Ok(Ok(None)) => {
-                    panic!("the stream ended without a status after {refusals} refusals")
-                }
-                Ok(Err(status)) => break status,
-                Err(_) => panic!("the stream was not cut: {refusals} refusals so far"),
+                })) => refusals += 1,
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("the stream ended without a status after {refusals} refusals"),
+                Err(status) => break status,
             }
         };
         assert_eq!(
@@ -211,11 +208,8 @@ fn streams_that_never_open_are_cut_by_the_open_deadline_and_big_messages_by_the_
         }
         let other = tokio::spawn(bystander(url.clone(), tok.encode("Hello").unwrap(), 8));
         for h in silent {
-            let e = tokio::time::timeout(Duration::from_secs(60), h)
-                .await
-                .expect("cut by the deadline")
-                .unwrap()
-                .unwrap_err();
+            // Each ends with the server's deadline, while this client still holds it open.
+            let e = h.await.unwrap().unwrap_err();
             assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
             assert!(e.message().contains("no Open within 500 ms"), "{e:?}");
         }
@@ -227,7 +221,8 @@ fn streams_that_never_open_are_cut_by_the_open_deadline_and_big_messages_by_the_
         );
 
         // A message past the 1 MiB limit is refused before it is decoded (an Open with 400k
-        // prompt ids of three bytes each, 1.2 MB: before, it reached validation).
+        // prompt ids of three bytes each, 1.2 MB, which tonic's default 4 MiB would have let
+        // through to validation).
         let mut c = VerifierClient::connect(url.clone())
             .await
             .unwrap()
@@ -281,17 +276,9 @@ fn a_drain_ends_even_when_streams_never_open_or_a_client_stops_reading() {
     let _ = std::process::Command::new("kill")
         .args(["-TERM", &pid])
         .status();
-    let t0 = std::time::Instant::now();
-    let status = loop {
-        if let Some(s) = v.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "the verifier is still draining a minute after SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    // The verifier exits while this client still holds both streams open (the old drain waited
+    // for them: this wait did not end).
+    let status = v.child.wait().unwrap();
     assert!(status.success(), "{status}");
     drop(held);
 }
@@ -321,11 +308,10 @@ fn sessions_whose_edge_neither_sends_nor_reads_are_closed_when_idle() {
         // Each is closed for idleness: its stream ends with the reason.
         for (_tx, mut s) in held {
             let end = loop {
-                match tokio::time::timeout(Duration::from_secs(60), s.message()).await {
-                    Ok(Ok(Some(_))) => {}
-                    Ok(Ok(None)) => panic!("ended without a status"),
-                    Ok(Err(status)) => break status,
-                    Err(_) => panic!("an idle session was not closed"),
+                match s.message().await {
+                    Ok(Some(_)) => {}
+                    Ok(None) => panic!("ended without a status"),
+                    Err(status) => break status,
                 }
             };
             assert_eq!(end.code(), tonic::Code::DeadlineExceeded, "{end:?}");
@@ -487,11 +473,8 @@ fn a_failed_batcher_stops_the_server_instead_of_answering_every_rpc_unavailable(
         tx.send(open(&prompt, 0.0, 1, 8)).await.unwrap();
         let mut c2 = c.clone();
         assert!(c2.session(ReceiverStream::new(rx)).await.is_err());
-        tokio::time::timeout(Duration::from_secs(30), server)
-            .await
-            .expect("the server stops within its drain")
-            .unwrap()
-            .unwrap();
+        // The server stops while this client still holds its connection.
+        server.await.unwrap().unwrap();
         assert!(
             VerifierClient::connect(url).await.is_err(),
             "nothing listens any more"

@@ -28,19 +28,15 @@ fn stop(mut p: Proc) {
 
 /// One edge's run: its JSON.
 fn edge(port: u16, key: &str, mode: &str, prompt: &str, tokens: usize) -> Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["generate", "--model", "draft", "--mode", mode])
-        .args(["--cloud", &format!("http://127.0.0.1:{port}")])
-        .args(["--api-key", key, "--chat", "--prompt", prompt, "--json"])
-        .args(["--max-tokens", &tokens.to_string()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = stdout_of(
+        "tandem generate",
+        Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["generate", "--model", "draft", "--mode", mode])
+            .args(["--cloud", &format!("http://127.0.0.1:{port}")])
+            .args(["--api-key", key, "--chat", "--prompt", prompt, "--json"])
+            .args(["--max-tokens", &tokens.to_string()]),
     );
-    serde_json::from_slice(&out.stdout).unwrap()
+    serde_json::from_slice(&stdout).unwrap()
 }
 
 /// What the edges saw, per tenant: sessions, prompt, committed, accepted draft and the
@@ -62,17 +58,13 @@ impl Seen {
 }
 
 fn usage(ledger: &Path) -> Vec<Value> {
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["cloud", "usage", "--json", "--ledger"])
-        .arg(ledger)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = stdout_of(
+        "tandem cloud usage",
+        Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["cloud", "usage", "--json", "--ledger"])
+            .arg(ledger),
     );
-    serde_json::from_slice::<Value>(&out.stdout)
+    serde_json::from_slice::<Value>(&stdout)
         .unwrap()
         .as_array()
         .unwrap()

@@ -13,16 +13,11 @@ use serde_json::Value;
 fn bench_quant_quick_measures_every_column_and_orders_the_drafts() {
     model_path();
     draft_path();
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["bench", "quant", "--quick", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = stdout_of(
+        "tandem bench quant",
+        Command::new(env!("CARGO_BIN_EXE_tandem")).args(["bench", "quant", "--quick", "--json"]),
     );
-    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let r: Value = serde_json::from_slice(&stdout).unwrap();
     let target = r["target_perplexity"].as_f64().unwrap();
     assert!(target > 1.0 && target < 100.0, "target perplexity {target}");
     let rows = r["rows"].as_array().unwrap();

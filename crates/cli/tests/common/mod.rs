@@ -413,3 +413,15 @@ pub fn rt() -> tokio::runtime::Runtime {
         .build()
         .unwrap()
 }
+
+/// Run `cmd` to its end; its stdout, or a panic with its stderr (and `what` it was) when it
+/// failed.
+pub fn stdout_of(what: &str, cmd: &mut std::process::Command) -> Vec<u8> {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}

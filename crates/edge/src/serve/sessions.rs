@@ -145,7 +145,9 @@ struct Out {
     live: bool,
     /// max_tokens.
     max: usize,
-    counts: LiveCounts,
+    /// The session's accepted and judged draft positions so far.
+    accepted: usize,
+    judged: usize,
     start: Instant,
     token_ms: Vec<f64>,
 }
@@ -178,6 +180,15 @@ impl Out {
         }
     }
 
+    /// What the live view shows beside the text.
+    fn counts(&self) -> LiveCounts {
+        LiveCounts {
+            accepted: self.accepted,
+            judged: self.judged,
+            tokens: self.ids.len(),
+        }
+    }
+
     /// The answer has ended: a stop sequence, the end of generation, or max_tokens.
     fn over(&self) -> bool {
         self.stops.stopped()
@@ -202,8 +213,8 @@ impl Out {
     ) {
         let live = self.live;
         if let Some(s) = stats {
-            self.counts.accepted = s.accepted;
-            self.counts.judged = s.accepted + s.rejections;
+            self.accepted = s.accepted;
+            self.judged = s.accepted + s.rejections;
         }
         // The correction is the last token committed: it is shown just before it.
         let split = if correction.is_some() {
@@ -218,13 +229,12 @@ impl Out {
             self.send(Event::Live {
                 tentative: None,
                 correction: Some((self.name(d), self.name(t))),
-                counts: self.counts,
+                counts: self.counts(),
             });
         }
         for &id in &committed[split..] {
             self.push(id, false);
         }
-        self.counts.tokens = self.ids.len();
         if let (true, Some(tentative)) = (live && !self.over(), tentative) {
             let ids: Vec<u32> = tentative
                 .iter()
@@ -234,7 +244,7 @@ impl Out {
             self.send(Event::Live {
                 tentative: Some(self.tok.decode(&ids).unwrap_or_default()),
                 correction: None,
-                counts: self.counts,
+                counts: self.counts(),
             });
         }
     }
@@ -314,7 +324,8 @@ struct Active {
 /// The step a session takes in this round's forward.
 enum Plan {
     Prefill,
-    Draft,
+    /// The frontier the session's driver asked to grow (from this round's poll).
+    Draft(tandem_spec::Frontier),
     Local,
 }
 
@@ -399,7 +410,8 @@ impl Sessions {
                 unverified: 0,
                 live: req.tentative,
                 max: req.max_tokens,
-                counts: LiveCounts::default(),
+                accepted: 0,
+                judged: 0,
                 start,
                 token_ms: Vec::new(),
             },
@@ -470,7 +482,7 @@ impl Sessions {
                 match d.poll(false, &mut |u| out.on_update(u)) {
                     Ok((Want::Done, _)) => Err(End::Done),
                     Ok((Want::Wait, _)) => Ok(None),
-                    Ok((Want::Draft(_), _)) => Ok(Some(Plan::Draft)),
+                    Ok((Want::Draft(f), _)) => Ok(Some(Plan::Draft(f))),
                     Err(EdgeError::LinkClosed) => {
                         self.recover(a);
                         Ok(None)
@@ -553,14 +565,11 @@ impl Sessions {
             let a = &mut actives[i];
             let planned = match (&p, &a.phase) {
                 (Plan::Prefill, _) => a.seq.plan(engine, &a.req.prompt_ids, &[Vec::new()]),
-                (Plan::Draft, Phase::Spec(d)) => match d.want() {
-                    Want::Draft(f) => a.seq.plan(
-                        engine,
-                        &d.session().pipeline().tokens()[..f.base],
-                        &f.leaves,
-                    ),
-                    _ => continue,
-                },
+                (Plan::Draft(f), Phase::Spec(d)) => a.seq.plan(
+                    engine,
+                    &d.session().pipeline().tokens()[..f.base],
+                    &f.leaves,
+                ),
                 (Plan::Local, Phase::Local(l)) => a.seq.plan(engine, &l.history, &[Vec::new()]),
                 _ => continue,
             };
@@ -605,7 +614,7 @@ impl Sessions {
                     a.prefilled = true;
                     Ok(())
                 }
-                (Plan::Draft, Phase::Spec(d)) => {
+                (Plan::Draft(_), Phase::Spec(d)) => {
                     let out = &mut a.out;
                     d.grown(props, ms, &mut |u| out.on_update(u))
                 }
