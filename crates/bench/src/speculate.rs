@@ -151,6 +151,7 @@ fn run_grpc(
         want_side_nodes: r.spec.session.tree.side_nodes as u32,
         api_key: r.api_key.clone(),
         tls_ca: r.tls_ca.clone(),
+        route: None,
     };
     // The draft prefills the prompt while the verifier prefills it too.
     let (connected, prefilled) = std::thread::scope(|s| {

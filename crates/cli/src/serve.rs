@@ -104,6 +104,11 @@ pub(crate) struct ServeArgs {
     /// Serve Prometheus metrics on `GET /metrics` at this address too.
     #[arg(long)]
     metrics_listen: Option<String>,
+    /// Serve the gRPC health service alone, in plaintext, at this address too (for probes that
+    /// cannot speak TLS, e.g. Kubernetes' gRPC probes): `""` and `tandem.v1.Verifier` turn
+    /// NOT_SERVING when the verifier drains, `liveness` stays SERVING while it runs.
+    #[arg(long)]
+    health_listen: Option<String>,
     /// Largest draft length (γ) granted to a session.
     #[arg(long, default_value_t = 8)]
     max_draft_len: u32,
@@ -287,6 +292,14 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
                 }
             });
         }
+        let health = match &a.health_listen {
+            Some(addr) => {
+                let hl = listen("--health-listen", addr).await?;
+                eprintln!("health (plaintext gRPC) on {}", hl.local_addr()?);
+                Some(hl)
+            }
+            None => None,
+        };
         eprintln!(
             "tandem verifier listening on {} ({}, {})",
             listener.local_addr()?,
@@ -309,9 +322,16 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
                 }
             }
         };
-        tandem_cloud::grpc::serve_grpc_tls(service, listener, shutdown, drain, tls.as_ref())
-            .await
-            .context("serving (a TLS certificate or key that does not parse is refused here)")?;
+        tandem_cloud::grpc::serve_grpc_tls(
+            service,
+            listener,
+            shutdown,
+            drain,
+            tls.as_ref(),
+            health,
+        )
+        .await
+        .context("serving (a TLS certificate or key that does not parse is refused here)")?;
         let why = failed.lock().unwrap_or_else(|e| e.into_inner()).take();
         anyhow::Ok((why, watcher))
     });

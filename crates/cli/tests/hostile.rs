@@ -464,6 +464,7 @@ fn a_failed_batcher_stops_the_server_instead_of_answering_every_rpc_unavailable(
             shutdown,
             Duration::from_secs(30),
             None,
+            None,
         ));
         // A session reaches the batcher, which fails: the session is refused, and the server
         // stops (its health NOT_SERVING first) rather than answering UNAVAILABLE forever.

@@ -493,11 +493,12 @@ fn a_saturated_verifier_refuses_with_a_retry_hint() {
 
 /// Shutdown drains: health turns NOT_SERVING, a new session is refused with UNAVAILABLE, an open
 /// one keeps getting verdicts until it closes, and then the server stops.
-/// A verifier served with `drain_timeout`: its url, the trigger of its shutdown, and the server's
-/// result once it stops.
+/// A verifier served with `drain_timeout`: its url, the url of its plaintext health listener, the
+/// trigger of its shutdown, and the server's result once it stops.
 fn drainable_server(
     drain_timeout: Duration,
 ) -> (
+    String,
     String,
     tokio::sync::oneshot::Sender<()>,
     std::sync::mpsc::Receiver<bool>,
@@ -517,46 +518,60 @@ fn drainable_server(
             .unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let (done_tx, done) = std::sync::mpsc::channel();
+    let probes = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let probes_url = format!("http://{}", probes.local_addr().unwrap());
+    probes.set_nonblocking(true).unwrap();
     let addr = on_loopback(move |l| async move {
-        let r = tandem_cloud::grpc::serve_grpc(
+        let r = tandem_cloud::grpc::serve_grpc_tls(
             service,
             l,
             async {
                 let _ = stopped.await;
             },
             drain_timeout,
+            None,
+            Some(tokio::net::TcpListener::from_std(probes).unwrap()),
         )
         .await;
         done_tx.send(r.is_ok()).unwrap();
     });
-    (format!("http://{addr}"), stop, done)
+    (format!("http://{addr}"), probes_url, stop, done)
 }
 
 #[test]
 fn shutdown_drains_open_sessions_and_refuses_new_ones() {
-    let (url, stop, done) = drainable_server(Duration::from_secs(30));
+    let (url, probes_url, stop, done) = drainable_server(Duration::from_secs(30));
     let p = &prompts(1)[0];
     let rt = rt();
     let mut s = rt.block_on(open_raw(&url, None, p)).unwrap();
-    let ch = rt
-        .block_on(
-            tonic::transport::Endpoint::from_shared(url.clone())
-                .unwrap()
-                .connect(),
-        )
-        .unwrap();
-    let mut h = tonic_health::pb::health_client::HealthClient::new(ch);
-    let mut health = || {
+    let client = |url: &str| {
+        let ch = rt
+            .block_on(
+                tonic::transport::Endpoint::from_shared(url.to_string())
+                    .unwrap()
+                    .connect(),
+            )
+            .unwrap();
+        tonic_health::pb::health_client::HealthClient::new(ch)
+    };
+    let (mut h, mut probe) = (client(&url), client(&probes_url));
+    let ask = |h: &mut tonic_health::pb::health_client::HealthClient<_>, service: &str| {
         rt.block_on(h.check(tonic_health::pb::HealthCheckRequest {
-            service: String::new(),
+            service: service.to_string(),
         }))
         .unwrap()
         .into_inner()
         .status
     };
+    let mut health = || ask(&mut h, "");
     let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
     let not_serving = tonic_health::pb::health_check_response::ServingStatus::NotServing as i32;
     assert_eq!(health(), serving);
+    // The plaintext probe listener (Kubernetes' gRPC probes) answers the same.
+    let liveness = tandem_cloud::grpc::LIVENESS;
+    assert_eq!(ask(&mut probe, ""), serving);
+    assert_eq!(ask(&mut probe, "tandem.v1.Verifier"), serving);
+    assert_eq!(ask(&mut probe, liveness), serving);
     stop.send(()).unwrap();
     // The drain has begun once health says so (the service stops admitting before it does).
     let mut status = health();
@@ -568,6 +583,10 @@ fn shutdown_drains_open_sessions_and_refuses_new_ones() {
         status = health();
     }
     assert_eq!(status, not_serving);
+    // Draining: not ready (the Service stops sending sessions), still alive (no restart).
+    assert_eq!(ask(&mut probe, ""), not_serving);
+    assert_eq!(ask(&mut probe, "tandem.v1.Verifier"), not_serving);
+    assert_eq!(ask(&mut probe, liveness), serving);
     let e = rt.block_on(open_raw(&url, None, p)).err().unwrap();
     assert_eq!(e.code(), Code::Unavailable, "{e:?}");
     // The open session is still served: its tokens keep coming.
@@ -586,7 +605,7 @@ fn shutdown_drains_open_sessions_and_refuses_new_ones() {
 /// (open it again on another replica), and then the server stops.
 #[test]
 fn a_drain_that_times_out_ends_open_sessions_with_unavailable() {
-    let (url, stop, done) = drainable_server(Duration::from_millis(200));
+    let (url, _, stop, done) = drainable_server(Duration::from_millis(200));
     let rt = rt();
     let mut s = rt.block_on(open_raw(&url, None, &prompts(1)[0])).unwrap();
     stop.send(()).unwrap();

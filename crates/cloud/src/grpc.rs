@@ -25,6 +25,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::tenants::Tenants;
 use tandem_verifier::{Inbound, Mode, NewSession, ToEdge, VerifierCore, VerifierError};
 
+use crate::validation::{OnStream, SessionStream};
 use crate::{code, validation, Gauges, Reply, ToCloud};
 
 /// What the service tells edges about itself and grants them.
@@ -371,8 +372,13 @@ impl VerifierRpc for Service {
             handle: reply,
         }))?;
         let batcher = self.batcher.clone();
-        let vocab = self.info.model.vocab_size as usize;
-        let uses_q = o.rule.effective(&o.params) == tandem_spec::VerifyRule::Rejection;
+        let check = SessionStream {
+            session,
+            vocab: self.info.model.vocab_size as usize,
+            max_len: gamma as usize,
+            max_side: side_nodes as usize,
+            uses_q: o.rule.effective(&o.params) == tandem_spec::VerifyRule::Rejection,
+        };
         let idle = self.info.idle_timeout;
         let stream = first_answer(rx).await?;
         let Some(tx) = weak.upgrade() else {
@@ -394,60 +400,27 @@ impl VerifierRpc for Service {
                     break;
                 };
                 match next {
-                    Ok(Some(EdgeMessage {
-                        kind: Some(edge_message::Kind::Draft(d)),
-                    })) => match validation::draft(
-                        d,
-                        session.0,
-                        vocab,
-                        gamma as usize,
-                        side_nodes as usize,
-                        uses_q,
-                    ) {
-                        Ok(block) => {
-                            if !send(ToCloud::Core(Inbound::Draft { session, block })) {
+                    Ok(Some(m)) => match check.message(m) {
+                        OnStream::Core(m) => {
+                            if !send(ToCloud::Core(m)) {
                                 break;
                             }
                         }
-                        Err(e) => {
+                        OnStream::Refuse(e) => {
                             if !refuse(&tx, &mut bad, error(e.code(), e.message())) {
                                 break;
                             }
                         }
+                        OnStream::End => break,
                     },
-                    Ok(Some(EdgeMessage {
-                        kind: Some(edge_message::Kind::Ack(a)),
-                    })) => {
-                        let committed = usize::try_from(a.committed).unwrap_or(usize::MAX);
-                        if !send(ToCloud::Core(Inbound::Ack { session, committed })) {
-                            break;
-                        }
-                    }
-                    Ok(Some(EdgeMessage {
-                        kind: Some(edge_message::Kind::Open(_)),
-                    })) => {
-                        let m = error(
-                            tonic::Code::InvalidArgument,
-                            "open: the session is already open",
-                        );
-                        if !refuse(&tx, &mut bad, m) {
-                            break;
-                        }
-                    }
-                    Ok(Some(EdgeMessage { kind: None })) => {
-                        let m = error(tonic::Code::InvalidArgument, "kind: empty message");
-                        if !refuse(&tx, &mut bad, m) {
-                            break;
-                        }
-                    }
                     // A message the transport refused (past the size limit, undecodable): the
                     // edge is told why, and the session ends.
                     Err(status) => {
                         let _ = tx.try_send(Err(status));
                         break;
                     }
-                    // Close, end of stream: free the session.
-                    _ => break,
+                    // End of stream: free the session.
+                    Ok(None) => break,
                 }
             }
             send(ToCloud::Core(Inbound::Close { session }));
@@ -650,7 +623,7 @@ pub async fn serve_grpc(
     shutdown: impl std::future::Future<Output = ()> + Send,
     drain_timeout: Duration,
 ) -> Result<(), tonic::transport::Error> {
-    serve_grpc_tls(service, listener, shutdown, drain_timeout, None).await
+    serve_grpc_tls(service, listener, shutdown, drain_timeout, None, None).await
 }
 
 /// Serve `service` on `listener` with the standard gRPC health service (`grpc.health.v1.Health`:
@@ -659,12 +632,18 @@ pub async fn serve_grpc(
 /// UNAVAILABLE, open ones run until they end or `drain_timeout` passes (then their streams end
 /// with UNAVAILABLE), and the server stops. A certificate or key that does not parse is an error
 /// before anything is served.
+///
+/// With `health`, the same health service is served there too, in plaintext and alone (for
+/// probes that cannot speak TLS, such as Kubernetes' gRPC probes), with one more service name,
+/// [`LIVENESS`], SERVING for as long as the process serves (a drain does not turn it: a
+/// draining verifier is alive, only not ready).
 pub async fn serve_grpc_tls(
     service: Service,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
     drain_timeout: Duration,
     tls: Option<&ServerTls>,
+    health_listener: Option<tokio::net::TcpListener>,
 ) -> Result<(), tonic::transport::Error> {
     let mut builder = tonic::transport::Server::builder()
         .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
@@ -680,6 +659,19 @@ pub async fn serve_grpc_tls(
     reporter
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
+    reporter
+        .set_service_status(LIVENESS, tonic_health::ServingStatus::Serving)
+        .await;
+    if let Some(l) = health_listener {
+        let probes = tonic::transport::Server::builder()
+            .add_service(health.clone())
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l));
+        tokio::spawn(async move {
+            if let Err(e) = probes.await {
+                tracing::error!("the health listener stopped: {e}");
+            }
+        });
+    }
     let (draining, batcher) = (service.draining.clone(), service.batcher.clone());
     let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
     let drain = async move {
@@ -734,6 +726,10 @@ pub async fn serve_grpc_tls(
         }
     }
 }
+
+/// The health service name that stays SERVING while the process serves, draining or not (a
+/// liveness probe's; readiness asks for `""` or `tandem.v1.Verifier`, which a drain turns).
+pub const LIVENESS: &str = "liveness";
 
 /// Watch the batcher thread: the future resolves, with why, if it panics or ends while the server
 /// is not draining (every RPC would fail while health said SERVING); it never resolves when the

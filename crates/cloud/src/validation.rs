@@ -3,10 +3,12 @@
 //! epochs, block order) is checked by the session itself (`tandem_spec::CloudSession`) and
 //! refused the same way, without touching any other session.
 
-use tandem_proto::v1::{self, ModelInfo};
+use tandem_proto::v1::{self, edge_message, ModelInfo};
 use tandem_proto::{block_from_proto, params_from_proto, rule_from_proto, PROTOCOL_VERSION};
+use tandem_sched::SessionId;
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{Block, VerifyRule};
+use tandem_verifier::Inbound;
 use tonic::Status;
 
 fn invalid(field: &str, message: impl std::fmt::Display) -> Status {
@@ -134,6 +136,58 @@ pub fn draft(
         block.q = Vec::new();
     }
     Ok(block)
+}
+
+/// What the service does with one message on an open session's stream.
+#[derive(Debug)]
+pub enum OnStream<H> {
+    /// Hand it to the verifier core.
+    Core(Inbound<H>),
+    /// Refuse this message and go on (refusals count towards the stream's budget).
+    Refuse(Status),
+    /// The edge closed the session.
+    End,
+}
+
+/// An open session's stream as validation sees it: the session, and the limits its blocks are
+/// checked against (the vocabulary, the γ and side nodes granted at Open, whether the rule reads
+/// the draft's distributions). Every message after Open goes through [`SessionStream::message`],
+/// in the server and in the fuzzer alike.
+#[derive(Debug, Clone, Copy)]
+pub struct SessionStream {
+    pub session: SessionId,
+    pub vocab: usize,
+    pub max_len: usize,
+    pub max_side: usize,
+    pub uses_q: bool,
+}
+
+impl SessionStream {
+    pub fn message<H>(&self, m: v1::EdgeMessage) -> OnStream<H> {
+        let session = self.session;
+        match m.kind {
+            Some(edge_message::Kind::Draft(d)) => match draft(
+                d,
+                session.0,
+                self.vocab,
+                self.max_len,
+                self.max_side,
+                self.uses_q,
+            ) {
+                Ok(block) => OnStream::Core(Inbound::Draft { session, block }),
+                Err(e) => OnStream::Refuse(e),
+            },
+            Some(edge_message::Kind::Ack(a)) => OnStream::Core(Inbound::Ack {
+                session,
+                committed: usize::try_from(a.committed).unwrap_or(usize::MAX),
+            }),
+            Some(edge_message::Kind::Open(_)) => {
+                OnStream::Refuse(invalid("open", "the session is already open"))
+            }
+            None => OnStream::Refuse(invalid("kind", "empty message")),
+            Some(edge_message::Kind::Close(_)) => OnStream::End,
+        }
+    }
 }
 
 #[cfg(test)]

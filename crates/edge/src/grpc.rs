@@ -4,9 +4,9 @@
 
 use tandem_proto::v1::verifier_client::VerifierClient;
 use tandem_proto::v1::{cloud_message, edge_message, Ack, EdgeMessage, Open, Opened};
-use tandem_proto::{rule_to_proto, PROTOCOL_VERSION};
+use tandem_proto::{rule_to_proto, FromCloud, PROTOCOL_VERSION};
 use tandem_spec::sampling::SamplingParams;
-use tandem_spec::{Block, Verdict, VerifyRule};
+use tandem_spec::{Block, VerifyRule};
 use tokio::runtime::Runtime;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -33,6 +33,25 @@ pub struct OpenRequest {
     /// For an `https://` verifier: the certificate authority that signed its certificate (PEM;
     /// None: the public web PKI's roots).
     pub tls_ca: Option<String>,
+    /// The session's routing key, sent as the [`ROUTE_HEADER`] of every open and reopen of it,
+    /// so that a balancer hashing on it keeps the session on one replica while that replica
+    /// lives (None: the link draws one at the first open and keeps it).
+    pub route: Option<String>,
+}
+
+/// The header that carries a session's routing key (see `docs/protocol.md`, "Replicas").
+pub const ROUTE_HEADER: &str = "tandem-route";
+
+/// A fresh routing key: 128 random bits in hex. (The std hasher's keys are drawn from the
+/// operating system's randomness once per process and stepped for each new hasher.)
+pub fn new_route() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let draw = || {
+        std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish()
+    };
+    format!("{:016x}{:016x}", draw(), draw())
 }
 
 /// How often the edge pings its verifier's connection, and how long it waits for the answer.
@@ -186,6 +205,8 @@ impl GrpcLink {
         req: OpenRequest,
         waker: Option<Waker>,
     ) -> Result<(Self, Opened), EdgeError> {
+        let mut req = req;
+        let route = req.route.get_or_insert_with(new_route).clone();
         let keep = req.clone();
         let mut client = client(url, req.tls_ca.as_deref()).await?;
         let (out, rx) = unbounded_channel::<EdgeMessage>();
@@ -204,7 +225,13 @@ impl GrpcLink {
             kind: Some(edge_message::Kind::Open(open)),
         })
         .map_err(|_| EdgeError::LinkClosed)?;
-        let stream = authorized(UnboundedReceiverStream::new(rx), req.api_key.as_deref())?;
+        let mut stream = authorized(UnboundedReceiverStream::new(rx), req.api_key.as_deref())?;
+        let route = route.parse().map_err(|_| {
+            refused(format!(
+                "the routing key {route:?} is not a valid header value"
+            ))
+        })?;
+        stream.metadata_mut().insert(ROUTE_HEADER, route);
         let first = |e| plaintext_hint(url, status(e));
         let mut inbound = client.session(stream).await.map_err(first)?.into_inner();
         let opened = match inbound.message().await.map_err(first)? {
@@ -236,15 +263,10 @@ impl GrpcLink {
                         break;
                     }
                 };
-                let item = match m.kind {
-                    Some(cloud_message::Kind::Verdict(v)) => {
-                        Ok(Incoming::Verdict(Verdict::from(v)))
-                    }
-                    Some(cloud_message::Kind::Decoded(d)) => {
-                        Ok(Incoming::Decoded(tandem_spec::Decoded::from(d)))
-                    }
-                    Some(cloud_message::Kind::Error(e)) => Err(refused(e.message)),
-                    _ => continue,
+                let item = match tandem_proto::from_cloud(m) {
+                    FromCloud::Message(m) => Ok(m),
+                    FromCloud::Refused(message) => Err(refused(message)),
+                    FromCloud::Other => continue,
                 };
                 if vtx.send(item).is_err() {
                     break;

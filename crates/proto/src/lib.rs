@@ -268,6 +268,32 @@ impl From<v1::Decoded> for Decoded {
     }
 }
 
+/// What a message on a session's stream from the verifier is to the edge.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FromCloud {
+    /// A verdict or a decoded token, for the edge's session core.
+    Message(tandem_spec::edge::Incoming),
+    /// The verifier refused one of the edge's messages (the text says why).
+    Refused(String),
+    /// Nothing for the session core (an `Opened` repeated, an empty message).
+    Other,
+}
+
+/// Read one message from the verifier (the edge's transport and its fuzzer share this).
+pub fn from_cloud(m: v1::CloudMessage) -> FromCloud {
+    use tandem_spec::edge::Incoming;
+    match m.kind {
+        Some(v1::cloud_message::Kind::Verdict(v)) => {
+            FromCloud::Message(Incoming::Verdict(v.into()))
+        }
+        Some(v1::cloud_message::Kind::Decoded(d)) => {
+            FromCloud::Message(Incoming::Decoded(d.into()))
+        }
+        Some(v1::cloud_message::Kind::Error(e)) => FromCloud::Refused(e.message),
+        _ => FromCloud::Other,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

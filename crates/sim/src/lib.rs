@@ -30,7 +30,7 @@ use serde::Serialize;
 use tandem_spec::capacity::ForwardCost;
 
 pub use report::{simulate, table};
-pub use target::SimTarget;
+pub use target::{target_token, SimTarget, VOCAB};
 
 use crate::stats::Summary;
 

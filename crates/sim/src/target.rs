@@ -7,13 +7,13 @@ use tandem_spec::sampling::uniform;
 use tandem_verifier::Target;
 
 /// Vocabulary of the simulated target (token 0 is never produced).
-pub(crate) const VOCAB: usize = 256;
+pub const VOCAB: usize = 256;
 /// KV token slots per block.
 const BLOCK_SIZE: usize = 16;
 
 /// The target's greedy token at `pos` of session `seq`, after `prev` at `pos − 1`: a function of
 /// what it was fed, so a verifier that fed a wrong token would get (and commit) a wrong one.
-pub(crate) fn target_token(seed: u64, seq: u64, pos: usize, prev: u32) -> u32 {
+pub fn target_token(seed: u64, seq: u64, pos: usize, prev: u32) -> u32 {
     let key = (pos as u64) << 16 | prev as u64;
     1 + (uniform(seed ^ 0x7a6d, seq, key) * (VOCAB - 1) as f64) as u32 % (VOCAB as u32 - 1)
 }

@@ -123,6 +123,7 @@ pub fn synthetic_session(
         want_side_nodes: edge.tree.side_nodes as u32,
         api_key: None,
         tls_ca: None,
+        route: None,
     };
     let (mut link, opened) = GrpcLink::connect(rt, url, req)?;
     let cfg = SpecConfig {

@@ -107,6 +107,7 @@ pub fn greedy_open(fingerprint: &str, prompt: &[u32]) -> tandem_edge::grpc::Open
         want_side_nodes: 0,
         api_key: None,
         tls_ca: None,
+        route: None,
     }
 }
 

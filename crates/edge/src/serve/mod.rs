@@ -391,6 +391,7 @@ async fn connect(
         want_side_nodes: sess.tree.side_nodes as u32,
         api_key: s.cfg.api_key.clone(),
         tls_ca: s.cfg.tls_ca.clone(),
+        route: None,
     };
     let tx = s.tx.clone();
     let waker: crate::grpc::Waker = Arc::new(move || {
