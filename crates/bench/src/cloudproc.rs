@@ -9,7 +9,7 @@ use crate::netem::NetemConfig;
 use anyhow::{anyhow, bail, Context, Result};
 use tandem_engine::CpuSet;
 
-/// `tandem cloud serve --no-auth` on a loopback port; killed on drop.
+/// `tandem cloud serve` on a loopback port (`--no-auth` unless given `--tenants`); killed on drop.
 pub struct CloudProcess {
     child: Child,
     /// Its gRPC address, and its `/metrics` address when asked for.
@@ -24,15 +24,10 @@ impl CloudProcess {
         let mut cmd = Command::new(exe);
         cmd.arg("--home")
             .arg(home)
-            .args([
-                "cloud",
-                "serve",
-                "--no-auth",
-                "--no-ledger",
-                "--listen",
-                "127.0.0.1:0",
-                "--threads",
-            ])
+            .args(["cloud", "serve"])
+            // One tenant without keys, unless `extra` names a tenants file.
+            .args((!extra.iter().any(|e| e == "--tenants")).then_some("--no-auth"))
+            .args(["--no-ledger", "--listen", "127.0.0.1:0", "--threads"])
             .arg(cpus.len().max(1).to_string())
             .args(extra)
             .stdout(Stdio::null())
@@ -71,6 +66,18 @@ impl CloudProcess {
             addr,
             metrics_addr,
         })
+    }
+
+    /// Its resident memory (VmRSS), MB.
+    pub fn rss_mb(&self) -> Result<f64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
+        let kb: f64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| anyhow!("no VmRSS in /proc/{}/status", self.child.id()))?;
+        Ok(kb / 1024.0)
     }
 
     /// The text of its `/metrics` page.

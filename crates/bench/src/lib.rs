@@ -17,6 +17,7 @@
 pub mod cloudproc;
 pub mod engine_bench;
 pub mod generate;
+pub mod hostile;
 pub mod latency;
 pub mod live;
 pub mod load;

@@ -25,6 +25,54 @@ pub(crate) enum BenchCmd {
     /// TTFT, ITL), beside one session driven in-process without HTTP and cloud-only streaming,
     /// on the same link and cores.
     Serve(ServeBenchCliArgs),
+    /// What hostile clients do to another tenant: a victim streams cloud-only answers while an
+    /// attacker runs each attack in turn (oversized q, a flood of bad drafts, 1,100 idle
+    /// sessions, 300 streams without Open, one-byte-a-second readers, frozen peers); the victim's
+    /// largest gap and token rate against its unattacked rate in the same run.
+    Hostile(HostileBenchArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct HostileBenchArgs {
+    /// The attacks, in order (an unattacked row always comes first).
+    #[arg(long, value_delimiter = ',', value_enum, default_values_t = tandem_bench::hostile::ALL)]
+    attacks: Vec<tandem_bench::hostile::Attack>,
+    /// Seconds the victim is measured under each attack.
+    #[arg(long, default_value_t = 20.0)]
+    seconds: f64,
+    /// Tokens per victim answer.
+    #[arg(long, default_value_t = 48)]
+    victim_tokens: u32,
+    #[command(flatten)]
+    cores: Cores,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+pub(crate) fn cmd_hostile_bench(home: &std::path::Path, a: HostileBenchArgs) -> Result<()> {
+    if !(a.seconds.is_finite() && a.seconds >= 1.0) {
+        bail!("--seconds must be at least 1, got {}", a.seconds);
+    }
+    let (_, cloud_cpus) = a.cores.split();
+    let args = tandem_bench::hostile::HostileArgs {
+        home: home.to_path_buf(),
+        attacks: a.attacks,
+        seconds: a.seconds,
+        victim_tokens: a.victim_tokens.max(1),
+        cloud_cpus,
+    };
+    let quiet = a.report.json;
+    let r = tandem_bench::hostile::run(&args, &mut |what| {
+        if !quiet {
+            eprintln!("{what}");
+        }
+    })?;
+    report(
+        &r,
+        a.report.out.as_deref(),
+        a.report.json,
+        tandem_bench::hostile::table,
+    )
 }
 
 #[derive(Args)]

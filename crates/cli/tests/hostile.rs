@@ -13,6 +13,10 @@ use tandem_proto::v1::{
 };
 use tokio_stream::wrappers::ReceiverStream;
 
+use std::sync::Arc;
+use tandem_bench::hostile::{frozen_peers, idle_sessions, slow_readers, Tally, Tenant};
+use tokio::sync::watch;
+
 fn open(prompt: &[u32], temperature: f32, rule: i32, max_tokens: u32) -> EdgeMessage {
     let tok = &target().1;
     EdgeMessage {
@@ -488,4 +492,146 @@ fn a_failed_batcher_stops_the_server_instead_of_answering_every_rpc_unavailable(
         "{why}"
     );
     watcher.join().unwrap();
+}
+
+/// A verifier process with two tenants, `victim` and `attacker` (and `extra` flags), and each
+/// as a client of it.
+fn two_tenants(extra: &[&str]) -> (Proc, Tenant, Tenant) {
+    let dir = scratch("two-tenants");
+    let file = dir.join("tenants.toml");
+    std::fs::write(
+        &file,
+        "[[tenant]]\nname = \"victim\"\nkeys = [\"victim-key-0123456789\"]\n\n\
+         [[tenant]]\nname = \"attacker\"\nkeys = [\"attacker-key-0123456789\"]\n",
+    )
+    .unwrap();
+    let mut args = vec![
+        "--tenants",
+        file.to_str().unwrap(),
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ];
+    args.extend_from_slice(extra);
+    let v = verifier(&args);
+    let tok = &target().1;
+    let tenant = |key: &str, text: &str| Tenant {
+        url: format!("http://127.0.0.1:{}", v.port),
+        key: key.to_string(),
+        fingerprint: tok.fingerprint().to_string(),
+        prompt: tok.encode(text).unwrap(),
+    };
+    let victim = tenant("victim-key-0123456789", "Once upon a time");
+    let attacker = tenant("attacker-key-0123456789", "The capital of France is");
+    (v, victim, attacker)
+}
+
+/// The victim's cloud-only answer of `n` tokens: its token count.
+async fn victims_answer(t: &Tenant, n: u32) -> usize {
+    let mut c = t.client().await.unwrap();
+    let mut s = c
+        .generate(t.request(t.generate(n)))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut got = 0;
+    while let Some(m) = s.message().await.unwrap() {
+        got += m.tokens.len();
+    }
+    got
+}
+
+/// Requests the verifier is running, from its metrics.
+fn running(v: &Proc) -> f64 {
+    let m = metrics_of(v.also_port.unwrap());
+    m.lines()
+        .find_map(|l| l.strip_prefix("tandem:num_requests_running "))
+        .expect("the running gauge")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Poll `ok` (a wait that never ends is a hung test, not a clock's verdict).
+async fn until(what: &str, mut ok: impl FnMut() -> bool) {
+    for polls in 1u64.. {
+        if ok() {
+            return;
+        }
+        if polls % 100 == 0 {
+            eprintln!("still waiting: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[test]
+fn eleven_hundred_idle_sessions_take_only_their_tenants_share() {
+    let (_v, victim, attacker) = two_tenants(&[]);
+    let rt = rt();
+    rt.block_on(async {
+        let tally = Arc::new(Tally::default());
+        let (stop_tx, stop) = watch::channel(false);
+        let (t, a) = (tally.clone(), attacker.clone());
+        let attack = tokio::spawn(async move { idle_sessions(&a, 1100, &t, stop).await });
+        until("every Open is answered", || {
+            Tally::get(&tally.opened) + Tally::get(&tally.refused) == 1100
+        })
+        .await;
+        let (opened, refused) = (Tally::get(&tally.opened), Tally::get(&tally.refused));
+        eprintln!("attacker: {opened} sessions opened, {refused} refused");
+        // Past half the verifier's 1,024 sessions a tenant at its share is refused: the
+        // attacker holds at most its half, and the other tenant is served while it does.
+        assert!(opened <= 1024 / 2 + 1, "{opened} opened");
+        assert_eq!(victims_answer(&victim, 8).await, 8);
+        stop_tx.send(true).unwrap();
+        attack.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn a_peer_that_freezes_mid_session_is_dropped_by_keepalive() {
+    // An idle timeout far past the keepalive's: only the pings can find the frozen peers.
+    let (v, victim, attacker) = two_tenants(&["--idle-timeout-s", "600"]);
+    let rt = rt();
+    rt.block_on(async {
+        let tally = Arc::new(Tally::default());
+        let (stop_tx, stop) = watch::channel(false);
+        let (t, a) = (tally.clone(), attacker.clone());
+        let attack = tokio::spawn(async move { frozen_peers(&a, 10, &t, stop).await });
+        until("ten sessions open", || Tally::get(&tally.opened) == 10).await;
+        assert_eq!(victims_answer(&victim, 8).await, 8);
+        // The proxy holds every socket open and forwards nothing: the verifier's HTTP/2 pings
+        // go unanswered, and it drops the connections and frees the sessions.
+        until("the frozen sessions are freed", || running(&v) == 0.0).await;
+        assert!(
+            !attack.is_finished(),
+            "the attacker still holds its sockets"
+        );
+        stop_tx.send(true).unwrap();
+        attack.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn a_client_that_reads_a_byte_a_second_does_not_hold_the_verifier() {
+    let (v, victim, attacker) = two_tenants(&[]);
+    let rt = rt();
+    rt.block_on(async {
+        let tally = Arc::new(Tally::default());
+        let (stop_tx, stop) = watch::channel(false);
+        let (t, a) = (tally.clone(), attacker.clone());
+        let attack = tokio::spawn(async move { slow_readers(&a, 2, 300, &t, stop).await });
+        until("two slow streams open", || Tally::get(&tally.opened) == 2).await;
+        assert_eq!(victims_answer(&victim, 8).await, 8);
+        // The verifier finishes both answers and lets them go (what is unread waits in the
+        // connection's bounded windows), while the readers have had only a trickle.
+        until("the slow answers are done on the verifier", || {
+            running(&v) == 0.0
+        })
+        .await;
+        let read = Tally::get(&tally.tokens);
+        assert!(read < 2 * 300, "{read} tokens read");
+        stop_tx.send(true).unwrap();
+        attack.await.unwrap().unwrap();
+    });
 }

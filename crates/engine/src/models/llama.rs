@@ -294,7 +294,8 @@ impl LlamaModel {
         let cfg = LlamaConfig::from_gguf(g)?;
         let (d, kvd, ff) = (cfg.dim, cfg.kv_dim(), cfg.ff_dim);
         let embed = Linear::load(g, "token_embd.weight", cfg.vocab, d, mode)?;
-        let mut layers = Vec::with_capacity(cfg.n_layer);
+        // (Grown as the layers load: a corrupt header's block count is not a size to reserve.)
+        let mut layers = Vec::new();
         for l in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{l}.{s}.weight");
             layers.push(Layer {
