@@ -116,35 +116,41 @@ impl Tenant {
             .max_encoding_message_size(4 << 20))
     }
 
+    /// `msg` with this tenant's key (none when the key is empty: a verifier without tenants).
     pub fn request<T>(&self, msg: T) -> tonic::Request<T> {
         let mut r = tonic::Request::new(msg);
-        let v = format!("Bearer {}", self.key)
-            .parse()
-            .expect("a key is a header value");
-        r.metadata_mut().insert("authorization", v);
+        if !self.key.is_empty() {
+            let v = format!("Bearer {}", self.key)
+                .parse()
+                .expect("a key is a header value");
+            r.metadata_mut().insert("authorization", v);
+        }
         r
     }
 
-    /// An `Open` of this tenant's prompt (rule 3, rejection sampling, at temperature > 0).
-    pub fn open(&self, temperature: f32, rule: i32, max_tokens: u32) -> EdgeMessage {
-        EdgeMessage {
-            kind: Some(edge_message::Kind::Open(Open {
-                protocol_version: tandem_proto::PROTOCOL_VERSION,
-                tokenizer_fingerprint: self.fingerprint.clone(),
-                prompt_ids: self.prompt.clone(),
-                params: Some(SamplingParams {
-                    temperature,
-                    top_k: 0,
-                    top_p: 1.0,
-                    seed: 1,
-                }),
-                max_tokens,
-                rule,
-                want_draft_len: 4,
-                want_depth: 2,
-                want_side_nodes: 0,
-            })),
+    /// A cloud-only answer of `n` tokens, read to its end: its token count.
+    pub async fn answer(&self, n: u32) -> Result<usize> {
+        let mut c = self.client().await?;
+        let mut s = c
+            .generate(self.request(self.generate(n)))
+            .await?
+            .into_inner();
+        let mut got = 0;
+        while let Some(m) = s.message().await? {
+            got += m.tokens.len();
         }
+        Ok(got)
+    }
+
+    /// An `Open` of this tenant's prompt (see [`open`]).
+    pub fn open(&self, temperature: f32, rule: i32, max_tokens: u32) -> EdgeMessage {
+        open(
+            &self.fingerprint,
+            &self.prompt,
+            temperature,
+            rule,
+            max_tokens,
+        )
     }
 
     pub fn generate(&self, max_tokens: u32) -> GenerateRequest {
@@ -178,6 +184,35 @@ impl Tenant {
             .await?
             .into_inner();
         Ok((tx, s))
+    }
+}
+
+/// An `Open` of `prompt` (rule 3 is rejection sampling, which reads `q`, at temperature > 0),
+/// asking for γ 4 and depth 2.
+pub fn open(
+    fingerprint: &str,
+    prompt: &[u32],
+    temperature: f32,
+    rule: i32,
+    max_tokens: u32,
+) -> EdgeMessage {
+    EdgeMessage {
+        kind: Some(edge_message::Kind::Open(Open {
+            protocol_version: tandem_proto::PROTOCOL_VERSION,
+            tokenizer_fingerprint: fingerprint.to_string(),
+            prompt_ids: prompt.to_vec(),
+            params: Some(SamplingParams {
+                temperature,
+                top_k: 0,
+                top_p: 1.0,
+                seed: 1,
+            }),
+            max_tokens,
+            rule,
+            want_draft_len: 4,
+            want_depth: 2,
+            want_side_nodes: 0,
+        })),
     }
 }
 

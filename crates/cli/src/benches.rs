@@ -61,16 +61,8 @@ pub(crate) fn cmd_hostile_bench(home: &std::path::Path, a: HostileBenchArgs) -> 
         victim_tokens: a.victim_tokens.max(1),
         cloud_cpus,
     };
-    let quiet = a.report.json;
-    let r = tandem_bench::hostile::run(&args, &mut |what| {
-        if !quiet {
-            eprintln!("{what}");
-        }
-    })?;
-    report(
-        &r,
-        a.report.out.as_deref(),
-        a.report.json,
+    a.report.run(
+        |progress| tandem_bench::hostile::run(&args, progress),
         tandem_bench::hostile::table,
     )
 }
@@ -124,16 +116,8 @@ pub(crate) fn cmd_serve_bench(home: &std::path::Path, a: ServeBenchCliArgs) -> R
         edge_cpus,
         cloud_cpus,
     };
-    let quiet = a.report.json;
-    let r = tandem_bench::serve_bench::run(&args, &mut |what| {
-        if !quiet {
-            eprintln!("{what}");
-        }
-    })?;
-    report(
-        &r,
-        a.report.out.as_deref(),
-        a.report.json,
+    a.report.run(
+        |progress| tandem_bench::serve_bench::run(&args, progress),
         tandem_bench::serve_bench::table,
     )
 }

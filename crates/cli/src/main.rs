@@ -115,6 +115,24 @@ struct ReportArgs {
     json: bool,
 }
 
+impl ReportArgs {
+    /// Run a benchmark that tells its progress in lines (on stderr, unless the report is
+    /// JSON), then report what it returned.
+    fn run<R: serde::Serialize>(
+        &self,
+        bench: impl FnOnce(&mut dyn FnMut(&str)) -> Result<R>,
+        table: impl Fn(&R) -> String,
+    ) -> Result<()> {
+        let quiet = self.json;
+        let r = bench(&mut |what| {
+            if !quiet {
+                eprintln!("{what}");
+            }
+        })?;
+        report(&r, self.out.as_deref(), self.json, table)
+    }
+}
+
 /// Where a benchmark's edge and verifier run.
 #[derive(Args)]
 struct Cores {
