@@ -27,6 +27,7 @@ pub mod paper;
 pub mod plots;
 pub mod quant_study;
 pub mod serve_bench;
+pub mod soak;
 pub mod speculate;
 pub mod synthetic;
 

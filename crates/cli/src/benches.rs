@@ -30,6 +30,58 @@ pub(crate) enum BenchCmd {
     /// sessions, 300 streams without Open, one-byte-a-second readers, frozen peers); the victim's
     /// largest gap and token rate against its unattacked rate in the same run.
     Hostile(HostileBenchArgs),
+    /// One verifier under churn for minutes: N synthetic edges open session after session (each
+    /// answer checked against the target's), hostile clients take turns beside them, and the
+    /// verifier's memory and throughput are sampled every 10 s (a PNG with --png).
+    Soak(SoakBenchArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct SoakBenchArgs {
+    #[arg(long, default_value_t = 64)]
+    sessions: usize,
+    #[arg(long, default_value_t = 10.0)]
+    minutes: f64,
+    /// Tokens per answer.
+    #[arg(long, default_value_t = 48)]
+    tokens: usize,
+    /// Acceptance rate of the synthetic drafts.
+    #[arg(long, default_value_t = 0.7)]
+    alpha: f64,
+    /// No hostile clients beside the sessions.
+    #[arg(long)]
+    no_hostile: bool,
+    /// Draw memory and throughput over time into this PNG.
+    #[arg(long)]
+    png: Option<PathBuf>,
+    #[command(flatten)]
+    cores: Cores,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+pub(crate) fn cmd_soak_bench(home: &std::path::Path, a: SoakBenchArgs) -> Result<()> {
+    if !(a.minutes.is_finite() && a.minutes > 0.0) || a.sessions == 0 || a.tokens < 2 {
+        bail!("--minutes must be above 0, --sessions at least 1, --tokens at least 2");
+    }
+    if !(0.0..=1.0).contains(&a.alpha) {
+        bail!("--alpha must be within [0, 1], got {}", a.alpha);
+    }
+    let (_, cloud_cpus) = a.cores.split();
+    let args = tandem_bench::soak::SoakArgs {
+        home: home.to_path_buf(),
+        sessions: a.sessions,
+        minutes: a.minutes,
+        tokens: a.tokens,
+        alpha: a.alpha,
+        hostile: !a.no_hostile,
+        cloud_cpus,
+        png: a.png,
+    };
+    a.report.run(
+        |progress| tandem_bench::soak::run(&args, progress),
+        tandem_bench::soak::table,
+    )
 }
 
 #[derive(Args)]

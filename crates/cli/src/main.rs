@@ -206,6 +206,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Quant(a)) => cmd_quant(&home, a)?,
         Cmd::Bench(BenchCmd::Serve(a)) => cmd_serve_bench(&home, a)?,
         Cmd::Bench(BenchCmd::Hostile(a)) => cmd_hostile_bench(&home, a)?,
+        Cmd::Bench(BenchCmd::Soak(a)) => cmd_soak_bench(&home, a)?,
         Cmd::Info(a) => cmd_info(&home, a)?,
         Cmd::Demo(a) => cmd_demo(&home, a)?,
         Cmd::Serve(a) => cmd_edge_serve(&home, a)?,
