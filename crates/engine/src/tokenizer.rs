@@ -189,7 +189,8 @@ impl Tokenizer {
     /// Token ids of `text`; special tokens written in the text are matched whole. A byte the
     /// vocabulary has no token for is dropped, as the model's own tokenizer (transformers,
     /// llama.cpp) drops it: SmolLM2's lacks six control bytes, U+0004, U+0006, U+000D (carriage
-    /// return), U+000E, U+0010 and U+001D (found by the tokenizer fuzzer).
+    /// return), U+000E, U+0010 and U+001D, and at least 0xF2, which begins 4-byte UTF-8
+    /// sequences (found by the tokenizer fuzzer).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self.inner.encode_fast(text, false).map_err(tok_err)?;
         let mut ids = Vec::with_capacity(enc.get_ids().len() + 1);
