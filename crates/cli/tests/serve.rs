@@ -1193,8 +1193,15 @@ fn twelve_sessions_through_nginx_survive_the_loss_of_one_of_three_replicas() {
     });
     let balancer = format!("http://127.0.0.1:{port}");
     // Twelve sessions: three edges, four answers each, at once.
+    // Twelve prefills at once on a shared machine (CI runs the other serve tests beside this
+    // one): the first answer of a session may take longer than the default 3 s to open.
     let edges: Vec<Proc> = (0..3)
-        .map(|_| edge(std::slice::from_ref(&balancer), &[]))
+        .map(|_| {
+            edge(
+                std::slice::from_ref(&balancer),
+                &["--connect-timeout-ms", "120000"],
+            )
+        })
         .collect();
     let prompts: Vec<String> = (0..12)
         .map(|i| format!("Tell me fact number {i} about the sea, in a few sentences."))
