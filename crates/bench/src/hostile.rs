@@ -627,15 +627,9 @@ async fn victim(
     Ok((answers, got, t0.elapsed().as_secs_f64(), gap, ttft))
 }
 
-/// A key of `name`'s: its name and 128 random bits.
+/// A key of `name`'s: its name and 128 random bits (the edge's routing-key draw).
 fn key(name: &str) -> String {
-    use std::hash::{BuildHasher, Hasher};
-    let draw = || {
-        std::collections::hash_map::RandomState::new()
-            .build_hasher()
-            .finish()
-    };
-    format!("{name}-{:016x}{:016x}", draw(), draw())
+    format!("{name}-{}", tandem_edge::grpc::new_route())
 }
 
 /// Run every attack of `a` in turn against one verifier; `progress` hears what runs.
