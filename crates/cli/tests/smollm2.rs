@@ -1339,51 +1339,48 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
     let own = tandem_bench::generate::generate(&mut engine(m), tok, &p, SAMPLED, &params, |_| {})
         .unwrap()
         .output_ids;
-    let out = spec_out_as(
-        None,
-        &p,
-        4,
-        2,
-        0.0,
-        params,
-        tandem_spec::VerifyRule::SampleMatch,
-        SAMPLED,
-        Some(url.clone()),
-        tandem_spec::TreeConfig {
-            side_nodes: 8,
-            lanes: 2,
-            below: 0.9,
-            min_chance: 0.0,
-        },
-    );
-    assert_eq!(out.output_ids, own, "sample-and-match over trees");
-    assert!(out.spec.as_ref().unwrap().side_nodes > 0);
+    // Whether side nodes go out depends on the edge getting ahead of the verifier's own decoding,
+    // which a busy machine can prevent in one run (the verifier then decodes the whole answer
+    // before a block lands): every run's output is checked, and one of up to four sent side
+    // nodes.
+    let runs = |rule, check: &dyn Fn(&[u32])| {
+        for _ in 0..4 {
+            let out = spec_out_as(
+                None,
+                &p,
+                4,
+                2,
+                0.0,
+                params,
+                rule,
+                SAMPLED,
+                Some(url.clone()),
+                tandem_spec::TreeConfig {
+                    side_nodes: 8,
+                    lanes: 2,
+                    below: 0.9,
+                    min_chance: 0.0,
+                },
+            );
+            check(&out.output_ids);
+            let stats = out.spec.as_ref().unwrap();
+            if stats.side_nodes > 0 {
+                return;
+            }
+            eprintln!("{rule:?}: no side node went out ({stats:?}); again");
+        }
+        panic!("{rule:?}: no side node went out in four runs");
+    };
+    runs(tandem_spec::VerifyRule::SampleMatch, &|ids| {
+        assert_eq!(ids, own, "sample-and-match over trees")
+    });
     // Rejection sampling over trees goes through too (its distribution is tested on the tiny
     // models, crates/edge/tests/distribution.rs): the verifier judges the main tokens with their
     // q and the second draws beside them on what the main token left.
-    let tree = tandem_spec::TreeConfig {
-        side_nodes: 8,
-        lanes: 2,
-        below: 0.9,
-        min_chance: 0.0,
-    };
-    let out = spec_out_as(
-        None,
-        &p,
-        4,
-        2,
-        0.0,
-        params,
-        tandem_spec::VerifyRule::Rejection,
-        SAMPLED,
-        Some(url),
-        tree,
-    );
-    let stats = out.spec.as_ref().unwrap();
-    assert!(stats.side_nodes > 0, "{stats:?}");
-    assert!(
-        out.output_ids.len() == SAMPLED || out.output_ids.last().is_some_and(|&t| tok.is_eog(t)),
-        "{:?}",
-        out.output_ids
-    );
+    runs(tandem_spec::VerifyRule::Rejection, &|ids| {
+        assert!(
+            ids.len() == SAMPLED || ids.last().is_some_and(|&t| tok.is_eog(t)),
+            "{ids:?}"
+        )
+    });
 }
