@@ -587,3 +587,66 @@ fn a_client_that_reads_a_byte_a_second_does_not_hold_the_verifier() {
         attack.await.unwrap().unwrap();
     });
 }
+
+/// Forwards of more than 32 tokens so far, from the verifier's metrics.
+fn forwards_over_32(v: &Proc) -> f64 {
+    let m = metrics_of(v.also_port.unwrap());
+    let value = |prefix: &str| -> f64 {
+        m.lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .unwrap_or_else(|| panic!("{prefix} in the metrics"))
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    value("tandem:iteration_tokens_total_count ")
+        - value("tandem:iteration_tokens_total_bucket{le=\"32\"} ")
+}
+
+#[test]
+fn while_another_tenant_decodes_no_forward_passes_the_contended_budget() {
+    // The test verifier's forward cost (40 ms alone, 2 ms a token past the ridge): within 150%
+    // of a lone token's forward, 30 tokens; the token budget is 64.
+    let (v, victim, attacker) = two_tenants(&[]);
+    let rt = rt();
+    rt.block_on(async {
+        let tally = Arc::new(Tally::default());
+        let (stop_tx, stop) = watch::channel(false);
+        let (t, a) = (tally.clone(), attacker.clone());
+        // Sixty sessions the verifier decodes on its own, up to the flow window each: alone,
+        // their tenant fills every forward to the token budget.
+        let attack = tokio::spawn(async move { idle_sessions(&a, 60, &t, stop).await });
+        until("sixty sessions open", || Tally::get(&tally.opened) == 60).await;
+        until("the attacker's forwards fill the budget", || {
+            forwards_over_32(&v) > 0.0
+        })
+        .await;
+        let mut c = victim.client().await.unwrap();
+        let mut s = c
+            .generate(victim.request(victim.generate(40)))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut got = 0;
+        let mut before = None;
+        while let Some(m) = s.message().await.unwrap() {
+            got += m.tokens.len();
+            // From the victim's second token (its session is open and decoding) to its last
+            // but one, no forward is larger than the contended budget.
+            if got >= 2 && before.is_none() {
+                before = Some(forwards_over_32(&v));
+            }
+            if got == 39 {
+                assert_eq!(
+                    forwards_over_32(&v),
+                    before.unwrap(),
+                    "a forward of more than 32 tokens ran while two tenants decoded"
+                );
+            }
+        }
+        assert_eq!(got, 40);
+        assert_eq!(Tally::get(&tally.refused), 0);
+        stop_tx.send(true).unwrap();
+        attack.await.unwrap().unwrap();
+    });
+}

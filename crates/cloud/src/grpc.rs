@@ -575,6 +575,9 @@ pub fn start_with_ledger(
     let room = (cfg.token_budget as u32).saturating_sub(info.max_draft_len + 1);
     info.max_side_nodes = info.max_side_nodes.min(room);
     let mut core = VerifierCore::new(engine, cfg)?.with_grants(grants, 0);
+    if let Some(cost) = &info.forward_cost {
+        core.set_contended_budget(cfg.contended_budget(cost))?;
+    }
     for (id, cfg) in tenants.configs() {
         core.set_tenant(id, cfg)?;
     }

@@ -77,6 +77,7 @@ impl World {
             token_budget: 32,
             max_sessions: 3,
             max_waiting_tokens: 256,
+            ..VerifierConfig::default()
         };
         Self {
             core: VerifierCore::new(target, cfg).expect("a valid verifier configuration"),

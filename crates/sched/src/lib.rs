@@ -103,6 +103,11 @@ pub struct SchedConfig {
     /// A session idle this long (ms: nothing queued since its last computed chunk) gives its KV
     /// to sessions that wait for room; so does one idle since before they started waiting.
     pub idle_evict_ms: u64,
+    /// The token budget while sessions of two tenants or more are open (None: `token_budget`).
+    /// A session's next token waits for the whole forward it is in, so a forward sized for one
+    /// tenant's load slows every other tenant's tokens; sized by the forward's cost, this bounds
+    /// that slowdown (a lone block that needs more still goes, within `token_budget`).
+    pub contended_budget: Option<usize>,
 }
 
 impl SchedConfig {
@@ -116,6 +121,7 @@ impl SchedConfig {
             max_sessions: 1024,
             max_waiting_tokens: 8 * token_budget,
             idle_evict_ms: 500,
+            contended_budget: None,
         }
     }
 }
@@ -261,6 +267,11 @@ impl Scheduler {
                 "token_budget must be at least 1".into(),
             ));
         }
+        if cfg.contended_budget == Some(0) {
+            return Err(SchedError::InvalidConfig(
+                "contended_budget must be at least 1".into(),
+            ));
+        }
         Ok(Self {
             pool: BlockPool::new(cfg.num_blocks, cfg.block_size)?,
             cfg,
@@ -270,6 +281,17 @@ impl Scheduler {
             now_ms: 0,
             stats: SchedStats::default(),
         })
+    }
+
+    /// See [`SchedConfig::contended_budget`].
+    pub fn set_contended_budget(&mut self, budget: Option<usize>) -> Result<(), SchedError> {
+        if budget == Some(0) {
+            return Err(SchedError::InvalidConfig(
+                "contended_budget must be at least 1".into(),
+            ));
+        }
+        self.cfg.contended_budget = budget;
+        Ok(())
     }
 
     pub fn pool(&self) -> &BlockPool {
@@ -616,6 +638,31 @@ impl Scheduler {
     }
 
     /// KV blocks `tenant` may still take under its quota.
+    /// The default KV quota between tenants: whether `tenant` holds more than its weighted share
+    /// of the pool. When the pool is full, a tenant over its share makes room from its own
+    /// sessions only, and one within its share from those over theirs first, so that one
+    /// tenant's sessions cannot take the KV of everyone else's.
+    fn over_kv_share(&self, tenant: TenantId) -> bool {
+        self.tenants.len() > 1
+            && self.tenant_blocks(tenant)
+                > (self.share(tenant) * self.pool.num_blocks() as f64).ceil() as usize
+    }
+
+    /// The tenants over their share of the pool (see [`Scheduler::over_kv_share`]).
+    fn tenants_over_kv_share(&self) -> Vec<TenantId> {
+        if self.tenants.len() < 2 {
+            return Vec::new();
+        }
+        let mut held: BTreeMap<TenantId, usize> = BTreeMap::new();
+        for (id, s) in &self.sessions {
+            *held.entry(s.tenant).or_default() += self.pool.held(*id);
+        }
+        held.into_iter()
+            .filter(|&(t, n)| n > (self.share(t) * self.pool.num_blocks() as f64).ceil() as usize)
+            .map(|(t, _)| t)
+            .collect()
+    }
+
     fn tenant_room(&self, tenant: TenantId) -> usize {
         match self.tenants.get(&tenant).and_then(|t| t.cfg.max_kv_blocks) {
             Some(limit) => limit.saturating_sub(self.tenant_blocks(tenant)),
@@ -623,21 +670,31 @@ impl Scheduler {
         }
     }
 
-    /// Drop the KV of the least recently active session not in `keep` that holds blocks (of
-    /// `tenant` only, when given).
+    /// Drop the KV of the least recently active session not in `keep` that holds blocks: of
+    /// `tenant` only, when given, or of `by` itself when it is over its share of the pool; else
+    /// of the tenants over their share first (see [`Scheduler::over_kv_share`]).
     fn preempt_one(
         &mut self,
         keep: &[SessionId],
         tenant: Option<TenantId>,
         by: TenantId,
     ) -> Option<SessionId> {
+        let tenant = tenant.or_else(|| self.over_kv_share(by).then_some(by));
+        let over = self.tenants_over_kv_share();
         let victim = self
             .sessions
             .iter()
             .filter(|(id, s)| {
                 !keep.contains(id) && s.computed > 0 && tenant.is_none_or(|t| s.tenant == t)
             })
-            .min_by_key(|(id, s)| (s.last_active, std::cmp::Reverse(s.arrival), **id))
+            .min_by_key(|(id, s)| {
+                (
+                    !over.contains(&s.tenant),
+                    s.last_active,
+                    std::cmp::Reverse(s.arrival),
+                    **id,
+                )
+            })
             .map(|(id, _)| *id)?;
         self.evict(victim, by);
         Some(victim)
@@ -685,7 +742,8 @@ impl Scheduler {
     }
 
     /// Drop the KV of the session idle the longest (no queued verify, nothing to compute), if it
-    /// has been idle since before iteration `since` or for `idle_evict_ms`.
+    /// has been idle since before iteration `since` or for `idle_evict_ms`; of `tenant` only,
+    /// when given, else of the tenants over their share of the pool first.
     fn preempt_idle(
         &mut self,
         keep: &[SessionId],
@@ -693,6 +751,7 @@ impl Scheduler {
         tenant: Option<TenantId>,
         by: TenantId,
     ) -> Option<SessionId> {
+        let over = self.tenants_over_kv_share();
         let victim = self
             .sessions
             .iter()
@@ -705,7 +764,7 @@ impl Scheduler {
                         || self.now_ms.saturating_sub(s.last_planned_ms) >= self.cfg.idle_evict_ms)
                     && tenant.is_none_or(|t| s.tenant == t)
             })
-            .min_by_key(|(id, s)| (s.last_active, **id))
+            .min_by_key(|(id, s)| (!over.contains(&s.tenant), s.last_active, **id))
             .map(|(id, _)| *id)?;
         self.evict(victim, by);
         Some(victim)
@@ -735,6 +794,24 @@ impl Scheduler {
         v.into_iter().map(|x| x.2).collect()
     }
 
+    /// The token budget of the next forward: [`SchedConfig::contended_budget`] while sessions of
+    /// two tenants or more are open, else [`SchedConfig::token_budget`].
+    pub fn budget(&self) -> usize {
+        let full = self.cfg.token_budget;
+        match self.cfg.contended_budget {
+            Some(c) if c < full => {
+                let mut tenants = self.sessions.values().map(|s| s.tenant);
+                let first = tenants.next();
+                if tenants.any(|t| Some(t) != first) {
+                    c
+                } else {
+                    full
+                }
+            }
+            _ => full,
+        }
+    }
+
     /// Plan the next iteration; `now_ms` is the shell's clock, for the rate quotas.
     pub fn schedule(&mut self, now_ms: u64) -> StepPlan {
         self.refill(now_ms);
@@ -745,13 +822,14 @@ impl Scheduler {
             iteration: self.iteration,
             ..StepPlan::default()
         };
-        let mut budget = self.cfg.token_budget;
+        let full = self.budget();
+        let mut budget = full;
         let mut taken: Vec<SessionId> = Vec::new();
         // Verify comes first, but while prompts wait it leaves them a quarter of the budget, so a
         // busy verifier still admits new sessions (a lone block that needs more still goes).
         let prompts_wait = self.sessions.values().any(|s| s.needs_compute());
         let reserve = if prompts_wait {
-            self.cfg.token_budget / PREFILL_RESERVE_DIV
+            full / PREFILL_RESERVE_DIV
         } else {
             0
         };
@@ -764,8 +842,8 @@ impl Scheduler {
             let Some(id) = next else { break };
             let s = &self.sessions[&id];
             let (len, since) = *s.verifies.front().expect("candidate has a block");
-            let fits =
-                len <= budget.saturating_sub(reserve) || (plan.chunks.is_empty() && len <= budget);
+            let fits = len <= budget.saturating_sub(reserve)
+                || (plan.chunks.is_empty() && len <= self.cfg.token_budget);
             if !fits {
                 // Not this iteration; smaller blocks of others may still fit.
                 taken.push(id);
@@ -814,7 +892,7 @@ impl Scheduler {
             s.last_active = self.iteration;
             s.last_planned_ms = self.now_ms;
             self.stats.max_verify_wait = self.stats.max_verify_wait.max(self.iteration - since);
-            budget -= len;
+            budget = budget.saturating_sub(len);
             self.charge(tenant, len);
             plan.chunks.push(Chunk {
                 session: id,
@@ -828,7 +906,7 @@ impl Scheduler {
         // per forward: a burst of prompts lengthens everyone's forwards, and so their ITL, by
         // that much at most.
         if !plan.chunks.is_empty() {
-            budget = budget.min((self.cfg.token_budget / PREFILL_RESERVE_DIV).max(1));
+            budget = budget.min((full / PREFILL_RESERVE_DIV).max(1));
         }
         // Prefill (and recompute) with what is left, in chunks. It preempts only idle sessions
         // (nothing queued) that have been idle since before it started waiting: a session whose

@@ -430,3 +430,118 @@ fn prompts_take_at_most_a_quarter_of_a_forward_while_sessions_decode() {
     let p = s.schedule(0);
     assert_eq!(p.tokens(), 64);
 }
+
+#[test]
+fn while_two_tenants_are_open_forwards_keep_to_the_contended_budget() {
+    let mut s = Scheduler::new(SchedConfig {
+        max_waiting_tokens: 10_000,
+        contended_budget: Some(6),
+        ..SchedConfig::new(32, 4, 1000)
+    })
+    .unwrap();
+    s.set_tenant(TenantId(1), TenantConfig::weight(1.0))
+        .unwrap();
+    s.set_tenant(TenantId(2), TenantConfig::weight(1.0))
+        .unwrap();
+    // One tenant's forty decoding sessions alone: the whole budget.
+    for id in 0..40u64 {
+        s.open(SessionId(id), TenantId(1), 4).unwrap();
+    }
+    let decode_all = |s: &mut Scheduler| {
+        for _ in 0..200 {
+            let ids: Vec<SessionId> = s.sessions.keys().copied().collect();
+            for id in ids {
+                let st = &s.sessions[&id];
+                if st.computed == st.known && st.verifies.is_empty() {
+                    s.enqueue_verify(id, 1).unwrap();
+                }
+            }
+            let p = s.schedule(0);
+            let kv: Vec<_> = p
+                .chunks
+                .iter()
+                .filter(|c| c.kind == WorkKind::Verify)
+                .map(|c| (c.session, c.start + c.len))
+                .collect();
+            s.update(&p, &kv);
+            if p.chunks.iter().all(|c| c.kind == WorkKind::Verify) {
+                return p;
+            }
+        }
+        panic!("the prompts were never done");
+    };
+    let p = decode_all(&mut s);
+    assert_eq!(p.tokens(), 32, "{p:?}");
+    assert_eq!(s.budget(), 32);
+    // Another tenant's one session opens: every forward from then on keeps to 6 tokens, the new
+    // session's prompt and then its token are in each one, and a block larger than the
+    // contended budget still goes alone.
+    s.open(SessionId(100), TenantId(2), 4).unwrap();
+    assert_eq!(s.budget(), 6);
+    for _ in 0..20 {
+        let p = decode_all(&mut s);
+        assert!(p.tokens() <= 6, "{p:?}");
+        assert!(
+            p.chunks.iter().any(|c| c.session == SessionId(100)),
+            "{p:?}"
+        );
+    }
+    s.enqueue_verify(SessionId(100), 9).unwrap();
+    let p = s.schedule(0);
+    assert_eq!(
+        p.chunks
+            .iter()
+            .map(|c| (c.session, c.len))
+            .collect::<Vec<_>>(),
+        vec![(SessionId(100), 9)],
+        "alone, as it is larger than 6: {p:?}"
+    );
+    // It closes: one tenant again, the whole budget.
+    s.close(SessionId(100));
+    assert_eq!(s.budget(), 32);
+    assert!(s.pool().conserved());
+}
+
+#[test]
+fn a_full_pool_makes_room_from_the_tenant_over_its_share() {
+    // 8 blocks of 4 tokens, two tenants of equal weight: a share of 4 blocks each.
+    let mut s = Scheduler::new(SchedConfig {
+        max_waiting_tokens: 10_000,
+        ..SchedConfig::new(32, 4, 8)
+    })
+    .unwrap();
+    s.set_tenant(TenantId(1), TenantConfig::weight(1.0))
+        .unwrap();
+    s.set_tenant(TenantId(2), TenantConfig::weight(1.0))
+        .unwrap();
+    // Tenant 2's one session (a block) is computed first, then tenant 1's three (seven blocks):
+    // the pool is full and tenant 2's session is the least recently active.
+    s.open(SessionId(20), TenantId(2), 4).unwrap();
+    let p = s.schedule(0);
+    s.update(&p, &[]);
+    for (id, len) in [(10, 12), (11, 8), (12, 8)] {
+        s.open(SessionId(id), TenantId(1), len).unwrap();
+    }
+    let p = s.schedule(0);
+    s.update(&p, &[]);
+    assert_eq!(
+        (s.tenant_blocks(TenantId(1)), s.tenant_blocks(TenantId(2))),
+        (7, 1)
+    );
+    assert_eq!(s.pool().num_free(), 0);
+    // Tenant 1 needs a block more: it is over its share, so it gives one of its own sessions
+    // up, not tenant 2's (which plain least-recently-active order would pick).
+    s.enqueue_verify(SessionId(10), 4).unwrap();
+    let p = s.schedule(0);
+    assert_eq!(p.preempted.len(), 1, "{p:?}");
+    assert_ne!(p.preempted[0], SessionId(20), "{p:?}");
+    assert_eq!(s.tenant_blocks(TenantId(2)), 1);
+    assert!(p.chunks.iter().any(|c| c.session == SessionId(10)));
+    s.update(&p, &[(SessionId(10), 16)]);
+    // Tenant 2, within its share, now needs room: it takes it from tenant 1, over its share.
+    s.enqueue_verify(SessionId(20), 8).unwrap();
+    let p = s.schedule(0);
+    assert!(p.chunks.iter().any(|c| c.session == SessionId(20)), "{p:?}");
+    assert!(p.preempted.iter().all(|v| v.0 >= 10 && v.0 < 20), "{p:?}");
+    assert!(s.pool().conserved());
+}

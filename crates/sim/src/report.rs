@@ -32,6 +32,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow, SimError> {
                 token_budget: cfg.token_budget,
                 max_sessions: per_replica * 2 + 16,
                 max_waiting_tokens: (per_replica + 16) * cfg.prompt_tokens,
+                ..VerifierConfig::default()
             },
         )
         .map_err(|e| SimError::Replica {

@@ -42,13 +42,34 @@ pub struct VerifierConfig {
     /// Admission: prompt tokens waiting for prefill beyond which new sessions are refused.
     #[arg(long, default_value_t = DEFAULTS.max_waiting_tokens)]
     pub max_waiting_tokens: usize,
+    /// While sessions of two tenants or more are open, plan forwards that take at most this
+    /// percent of a one-token forward (by the measured forward cost): one tenant's load slows
+    /// another tenant's tokens by at most this much. 0: no such limit, only --token-budget.
+    #[arg(long, default_value_t = DEFAULTS.tenant_slowdown_pct)]
+    pub tenant_slowdown_pct: u32,
 }
 
 const DEFAULTS: VerifierConfig = VerifierConfig {
     token_budget: 64,
     max_sessions: 1024,
     max_waiting_tokens: 4096,
+    tenant_slowdown_pct: 150,
 };
+
+impl VerifierConfig {
+    /// The token budget while tenants share the verifier (see
+    /// [`SchedConfig::contended_budget`]): the largest forward whose predicted time is within
+    /// [`VerifierConfig::tenant_slowdown_pct`] of a one-token forward's, at least one token.
+    /// None: no limit (0 percent), or none below the token budget.
+    pub fn contended_budget(&self, cost: &tandem_sched::ForwardCost) -> Option<usize> {
+        if self.tenant_slowdown_pct == 0 {
+            return None;
+        }
+        let within = cost.one_token_ms * f64::from(self.tenant_slowdown_pct) / 100.0;
+        let tokens = (within / cost.ms_per_token).floor().max(1.0);
+        (tokens < self.token_budget as f64).then_some(tokens as usize)
+    }
+}
 
 impl Default for VerifierConfig {
     fn default() -> Self {
@@ -114,6 +135,13 @@ impl<T: Target, H> VerifierCore<T, H> {
         };
         v.set_tenant(TenantId(0), TenantConfig::default())?;
         Ok(v)
+    }
+
+    /// Limit each forward to `budget` tokens while sessions of two tenants or more are open
+    /// (see [`SchedConfig::contended_budget`]; None: the token budget always).
+    pub fn set_contended_budget(&mut self, budget: Option<usize>) -> Result<(), VerifierError> {
+        self.sched.set_contended_budget(budget)?;
+        Ok(())
     }
 
     /// Grant γ and depth by `grants` as the load changes (and take sessions over), starting at
@@ -359,5 +387,36 @@ impl<T: Target, H: Default> VerifierCore<T, H> {
     ) -> Result<(), VerifierError> {
         let work = Self::generation_work(max_tokens, eog);
         self.admit(id, tenant, prompt, params, work, None, 0, H::default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_sched::ForwardCost;
+
+    #[test]
+    fn the_contended_budget_is_the_largest_forward_within_the_slowdown() {
+        // This machine's calibration (docs/bench/load-lanes.json): 34.72 ms alone, 2.96 ms a
+        // token past the ridge. 150% of 34.72 ms is 52.08 ms: 17 tokens (50.3 ms), not 18.
+        let cost = ForwardCost {
+            one_token_ms: 34.72,
+            ms_per_token: 2.96,
+        };
+        let cfg = VerifierConfig::default();
+        assert_eq!(cfg.contended_budget(&cost), Some(17));
+        assert!(cost.ms(17.0) <= 1.5 * cost.ms(1.0) && cost.ms(18.0) > 1.5 * cost.ms(1.0));
+        let at = |pct, token_budget| {
+            VerifierConfig {
+                tenant_slowdown_pct: pct,
+                token_budget,
+                ..cfg
+            }
+            .contended_budget(&cost)
+        };
+        assert_eq!(at(0, 64), None, "0: no limit");
+        assert_eq!(at(150, 16), None, "no tighter than the token budget");
+        assert_eq!(at(100, 64), Some(11), "at the ridge");
+        assert_eq!(at(1, 64), Some(1), "one token at least");
     }
 }
