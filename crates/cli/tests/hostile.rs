@@ -605,9 +605,10 @@ fn forwards_over_32(v: &Proc) -> f64 {
 
 #[test]
 fn while_another_tenant_decodes_no_forward_passes_the_contended_budget() {
-    // The test verifier's forward cost (40 ms alone, 2 ms a token past the ridge): within 150%
-    // of a lone token's forward, 30 tokens; the token budget is 64.
-    let (v, victim, attacker) = two_tenants(&[]);
+    // The test verifier's forward cost (40 ms alone, 2 ms a token past the ridge): within 100%
+    // of a lone token's forward, 20 tokens to start with, and fewer once the forwards show that
+    // 20 one-token sessions take longer on this machine; the token budget is 64.
+    let (v, victim, attacker) = two_tenants(&["--tenant-slowdown-pct", "100"]);
     let rt = rt();
     rt.block_on(async {
         let tally = Arc::new(Tally::default());

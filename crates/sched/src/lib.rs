@@ -770,6 +770,21 @@ impl Scheduler {
         Some(victim)
     }
 
+    /// The weighted share of the tenants with prompt tokens waiting, among the tenants with
+    /// sessions open.
+    fn waiting_share(&self) -> f64 {
+        let (mut open, mut waiting) = (BTreeMap::new(), BTreeMap::new());
+        for s in self.sessions.values() {
+            let w = self.tenants.get(&s.tenant).map_or(0.0, |t| t.cfg.weight);
+            open.insert(s.tenant, w);
+            if s.needs_compute() {
+                waiting.insert(s.tenant, w);
+            }
+        }
+        let total: f64 = open.values().sum();
+        waiting.values().sum::<f64>() / total.max(f64::MIN_POSITIVE)
+    }
+
     /// Sessions with work of `kind`, in fair order: lowest tenant virtual time, then oldest.
     fn candidates(&self, kind: WorkKind) -> Vec<SessionId> {
         let mut v: Vec<(f64, u64, SessionId)> = self
@@ -794,20 +809,19 @@ impl Scheduler {
         v.into_iter().map(|x| x.2).collect()
     }
 
+    /// Whether sessions of two tenants or more are open.
+    pub fn contended(&self) -> bool {
+        let mut tenants = self.sessions.values().map(|s| s.tenant);
+        let first = tenants.next();
+        tenants.any(|t| Some(t) != first)
+    }
+
     /// The token budget of the next forward: [`SchedConfig::contended_budget`] while sessions of
     /// two tenants or more are open, else [`SchedConfig::token_budget`].
     pub fn budget(&self) -> usize {
         let full = self.cfg.token_budget;
         match self.cfg.contended_budget {
-            Some(c) if c < full => {
-                let mut tenants = self.sessions.values().map(|s| s.tenant);
-                let first = tenants.next();
-                if tenants.any(|t| Some(t) != first) {
-                    c
-                } else {
-                    full
-                }
-            }
+            Some(c) if c < full && self.contended() => c,
             _ => full,
         }
     }
@@ -828,10 +842,16 @@ impl Scheduler {
         // Verify comes first, but while prompts wait it leaves them a quarter of the budget, so a
         // busy verifier still admits new sessions (a lone block that needs more still goes).
         let prompts_wait = self.sessions.values().any(|s| s.needs_compute());
-        let reserve = if prompts_wait {
-            full / PREFILL_RESERVE_DIV
-        } else {
+        let reserve = if !prompts_wait {
             0
+        } else if full < self.cfg.token_budget {
+            // Between tenants, the prompts waiting keep their tenants' share of the forward (a
+            // quarter at least, half at most), so that another tenant's decoding does not hold
+            // back their first token.
+            let share = (full as f64 * self.waiting_share()).ceil() as usize;
+            share.clamp(full / PREFILL_RESERVE_DIV, full / 2)
+        } else {
+            full / PREFILL_RESERVE_DIV
         };
         // Verify blocks first, whole, one per session, in fair order (re-sorted after each charge).
         loop {
@@ -906,7 +926,7 @@ impl Scheduler {
         // per forward: a burst of prompts lengthens everyone's forwards, and so their ITL, by
         // that much at most.
         if !plan.chunks.is_empty() {
-            budget = budget.min((full / PREFILL_RESERVE_DIV).max(1));
+            budget = budget.min(reserve.max(full / PREFILL_RESERVE_DIV).max(1));
         }
         // Prefill (and recompute) with what is left, in chunks. It preempts only idle sessions
         // (nothing queued) that have been idle since before it started waiting: a session whose

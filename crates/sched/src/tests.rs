@@ -478,6 +478,28 @@ fn while_two_tenants_are_open_forwards_keep_to_the_contended_budget() {
     // contended budget still goes alone.
     s.open(SessionId(100), TenantId(2), 4).unwrap();
     assert_eq!(s.budget(), 6);
+    // Its prompt gets its tenant's share of the forward (half), not a quarter.
+    for id in 0..40u64 {
+        if s.sessions[&SessionId(id)].verifies.is_empty() {
+            s.enqueue_verify(SessionId(id), 1).unwrap();
+        }
+    }
+    let p = s.schedule(0);
+    let prefill: Vec<_> = p
+        .chunks
+        .iter()
+        .filter(|c| c.kind == WorkKind::Prefill)
+        .map(|c| (c.session, c.len))
+        .collect();
+    assert_eq!(prefill, vec![(SessionId(100), 3)], "{p:?}");
+    assert_eq!(p.tokens(), 6, "{p:?}");
+    let kv: Vec<_> = p
+        .chunks
+        .iter()
+        .filter(|c| c.kind == WorkKind::Verify)
+        .map(|c| (c.session, c.start + c.len))
+        .collect();
+    s.update(&p, &kv);
     for _ in 0..20 {
         let p = decode_all(&mut s);
         assert!(p.tokens() <= 6, "{p:?}");

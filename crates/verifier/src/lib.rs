@@ -31,7 +31,7 @@ use tandem_engine::EngineError;
 use tandem_sched::{SchedError, SessionId};
 use tandem_spec::SpecError;
 
-pub use crate::verifier_core::{VerifierConfig, VerifierCore, MAX_QUEUED_BLOCKS};
+pub use crate::verifier_core::{ContendedBudget, VerifierConfig, VerifierCore, MAX_QUEUED_BLOCKS};
 pub use control::LoadControl;
 pub use session::{Event, SessionState, TenantStats, VerifierStats};
 pub use target::Target;

@@ -275,6 +275,9 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 self.iteration_ms += 0.1 * (ms - self.iteration_ms);
                 turn.ends_us = now_us + us;
                 self.control.on_forward(turn.ends_us / 1000, tokens, ms);
+                if self.sched.contended() {
+                    self.adapt_contended(tokens, ms);
+                }
                 turn.forward = Some(ForwardDone {
                     sessions,
                     tokens,
@@ -433,6 +436,90 @@ mod tests {
         fn keep_path(&mut self, _: &[u32], _: usize, _: &[usize]) -> Result<(), EngineError> {
             Ok(()) // one-hot logits: no KV to move
         }
+    }
+
+    /// [`Flat`]'s tokens, each forward taking 10 ms, 1 ms a token and 1 ms a sequence more.
+    struct Ragged;
+
+    impl Target for Ragged {
+        fn vocab(&self) -> usize {
+            16
+        }
+        fn context_len(&self) -> usize {
+            4096
+        }
+        fn kv_geometry(&self) -> (usize, usize) {
+            (16, 4096)
+        }
+        fn forward_timed(
+            &mut self,
+            batch: &[SeqChunk],
+            _tables: &[Vec<u32>],
+        ) -> (Result<Logits, EngineError>, u32) {
+            let l = Logits::one_hot(batch, 16, |_, pos, _| ((pos + 1) % 15 + 1) as u32);
+            let tokens: usize = batch.iter().map(|c| c.tokens.len()).sum();
+            (Ok(l), 1000 * (10 + tokens + batch.len()) as u32)
+        }
+        fn keep_path(&mut self, _: &[u32], _: usize, _: &[usize]) -> Result<(), EngineError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_contended_budget_follows_the_time_forwards_take() {
+        // The cost model says 10 ms alone and 1 ms a token: within 150% (15 ms), 15 tokens. A
+        // batch of one-token sessions costs twice that a token, so the budget comes down to
+        // what keeps forwards within 15 ms, and goes back up once one tenant is left.
+        let cfg = VerifierConfig {
+            token_budget: 32,
+            tenant_slowdown_pct: 150,
+            ..VerifierConfig::default()
+        };
+        let mut v: VerifierCore<Ragged, u64> = VerifierCore::new(Ragged, cfg).unwrap();
+        let b = cfg
+            .contended_budget(&ForwardCost {
+                one_token_ms: 10.0,
+                ms_per_token: 1.0,
+            })
+            .unwrap();
+        assert_eq!((b.tokens, b.target_ms), (15, 15.0));
+        v.set_contended_budget(Some(b)).unwrap();
+        v.set_tenant(TenantId(1), Default::default()).unwrap();
+        let open = |id: u64, tenant| Inbound::Open {
+            session: SessionId(id),
+            new: NewSession {
+                tenant: TenantId(tenant),
+                prompt: vec![3],
+                params: SamplingParams::default(),
+                max_tokens: 1000,
+                eog: vec![],
+                mode: Mode::Generate,
+            },
+            handle: id,
+        };
+        for id in 0..30 {
+            v.receive(0, open(id, 0));
+        }
+        v.receive(0, open(99, 1));
+        let mut now = 0;
+        let mut last = Vec::new();
+        for _ in 0..60 {
+            let t = v.turn(now);
+            now = t.ends_us;
+            last.push(t.forward.unwrap());
+        }
+        assert!(
+            v.contended_tokens().unwrap() <= 3,
+            "{:?}",
+            v.contended_tokens()
+        );
+        for f in &last[40..] {
+            assert!(f.tokens <= 3 && f.us <= 17_000, "{f:?}");
+        }
+        // One tenant left: the whole token budget again.
+        v.close(SessionId(99));
+        let t = v.turn(now);
+        assert_eq!(t.forward.unwrap().tokens, 30);
     }
 
     fn core() -> VerifierCore<Flat, u64> {

@@ -49,26 +49,42 @@ pub struct VerifierConfig {
     pub tenant_slowdown_pct: u32,
 }
 
+/// How far one forward moves the contended budget towards what it measured.
+const CONTENDED_SMOOTHING: f64 = 0.25;
+
 const DEFAULTS: VerifierConfig = VerifierConfig {
     token_budget: 64,
     max_sessions: 1024,
     max_waiting_tokens: 4096,
-    tenant_slowdown_pct: 150,
+    tenant_slowdown_pct: 125,
 };
 
 impl VerifierConfig {
-    /// The token budget while tenants share the verifier (see
-    /// [`SchedConfig::contended_budget`]): the largest forward whose predicted time is within
-    /// [`VerifierConfig::tenant_slowdown_pct`] of a one-token forward's, at least one token.
-    /// None: no limit (0 percent), or none below the token budget.
-    pub fn contended_budget(&self, cost: &tandem_sched::ForwardCost) -> Option<usize> {
+    /// The budget while tenants share the verifier (see [`SchedConfig::contended_budget`]): a
+    /// forward-time target of [`VerifierConfig::tenant_slowdown_pct`] of a one-token forward,
+    /// and the largest forward the cost model predicts within it (at least one token, at most
+    /// the token budget). None: no such limit (0 percent).
+    pub fn contended_budget(&self, cost: &tandem_sched::ForwardCost) -> Option<ContendedBudget> {
         if self.tenant_slowdown_pct == 0 {
             return None;
         }
-        let within = cost.one_token_ms * f64::from(self.tenant_slowdown_pct) / 100.0;
-        let tokens = (within / cost.ms_per_token).floor().max(1.0);
-        (tokens < self.token_budget as f64).then_some(tokens as usize)
+        let target_ms = cost.one_token_ms * f64::from(self.tenant_slowdown_pct) / 100.0;
+        let tokens = (target_ms / cost.ms_per_token)
+            .floor()
+            .clamp(1.0, self.token_budget.max(1) as f64);
+        Some(ContendedBudget {
+            target_ms,
+            tokens: tokens as usize,
+        })
     }
+}
+
+/// How large a forward may be while tenants share the verifier: a time, and the tokens that
+/// take it, which the forwards that run correct ([`VerifierCore::set_contended_budget`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ContendedBudget {
+    pub target_ms: f64,
+    pub tokens: usize,
 }
 
 impl Default for VerifierConfig {
@@ -101,6 +117,9 @@ pub struct VerifierCore<T: Target = Engine, H = ()> {
     pub(crate) iteration_ms: f64,
     /// The driver's clock at the last message or turn (µs).
     pub(crate) now_us: u64,
+    /// The contended budget's target and its tokens now, unrounded
+    /// ([`VerifierCore::set_contended_budget`]).
+    pub(crate) contended: Option<(ContendedBudget, f64)>,
     /// What the sessions that ended used, told with the next turn ([`Turn::finished`]).
     pub(crate) finished: Vec<crate::Usage>,
     pub stats: VerifierStats,
@@ -130,6 +149,7 @@ impl<T: Target, H> VerifierCore<T, H> {
             ended: Vec::new(),
             iteration_ms: 50.0,
             now_us: 0,
+            contended: None,
             finished: Vec::new(),
             stats: VerifierStats::default(),
         };
@@ -137,11 +157,43 @@ impl<T: Target, H> VerifierCore<T, H> {
         Ok(v)
     }
 
-    /// Limit each forward to `budget` tokens while sessions of two tenants or more are open
-    /// (see [`SchedConfig::contended_budget`]; None: the token budget always).
-    pub fn set_contended_budget(&mut self, budget: Option<usize>) -> Result<(), VerifierError> {
-        self.sched.set_contended_budget(budget)?;
+    /// While sessions of two tenants or more are open, keep each forward to `budget`: it starts
+    /// at `budget.tokens`, and every forward that runs meanwhile moves it towards the tokens
+    /// that would have taken `budget.target_ms` at that forward's pace (the cost model is fitted
+    /// to one sequence's forwards; a ragged batch of many sessions costs more). None: the token
+    /// budget always.
+    pub fn set_contended_budget(
+        &mut self,
+        budget: Option<ContendedBudget>,
+    ) -> Result<(), VerifierError> {
+        self.sched.set_contended_budget(budget.map(|b| b.tokens))?;
+        self.contended = budget.map(|b| (b, b.tokens as f64));
         Ok(())
+    }
+
+    /// The contended budget now, in tokens (see [`VerifierCore::set_contended_budget`]).
+    pub fn contended_tokens(&self) -> Option<usize> {
+        self.sched.config().contended_budget
+    }
+
+    /// A forward of `tokens` tokens took `ms` while tenants shared the verifier: correct the
+    /// contended budget by it when it was (nearly) full or too slow.
+    pub(crate) fn adapt_contended(&mut self, tokens: usize, ms: f64) {
+        let Some((b, cap)) = &mut self.contended else {
+            return;
+        };
+        if tokens == 0 || !(ms.is_finite() && ms > 0.0) {
+            return;
+        }
+        if ms > b.target_ms || tokens + 1 >= *cap as usize {
+            let within = tokens as f64 * b.target_ms / ms;
+            *cap += CONTENDED_SMOOTHING * (within - *cap);
+            *cap = cap.clamp(1.0, self.sched.config().token_budget as f64);
+            let n = cap.floor() as usize;
+            self.sched
+                .set_contended_budget(Some(n))
+                .expect("invariant: at least one token");
+        }
     }
 
     /// Grant γ and depth by `grants` as the load changes (and take sessions over), starting at
@@ -403,9 +455,14 @@ mod tests {
             one_token_ms: 34.72,
             ms_per_token: 2.96,
         };
-        let cfg = VerifierConfig::default();
-        assert_eq!(cfg.contended_budget(&cost), Some(17));
-        assert!(cost.ms(17.0) <= 1.5 * cost.ms(1.0) && cost.ms(18.0) > 1.5 * cost.ms(1.0));
+        let cfg = VerifierConfig {
+            tenant_slowdown_pct: 150,
+            ..VerifierConfig::default()
+        };
+        let b = cfg.contended_budget(&cost).unwrap();
+        assert_eq!(b.tokens, 17);
+        assert!((b.target_ms - 52.08).abs() < 1e-9);
+        assert!(cost.ms(17.0) <= b.target_ms && cost.ms(18.0) > b.target_ms);
         let at = |pct, token_budget| {
             VerifierConfig {
                 tenant_slowdown_pct: pct,
@@ -413,9 +470,11 @@ mod tests {
                 ..cfg
             }
             .contended_budget(&cost)
+            .map(|b| b.tokens)
         };
+        assert_eq!(at(125, 64), Some(14), "the default: 43.4 ms");
         assert_eq!(at(0, 64), None, "0: no limit");
-        assert_eq!(at(150, 16), None, "no tighter than the token budget");
+        assert_eq!(at(150, 16), Some(16), "no more than the token budget");
         assert_eq!(at(100, 64), Some(11), "at the ridge");
         assert_eq!(at(1, 64), Some(1), "one token at least");
     }
