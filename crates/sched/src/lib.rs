@@ -703,9 +703,14 @@ impl Scheduler {
     /// Drop `victim`'s KV for a session of tenant `by`. When `by` is another tenant, it is
     /// billed the recompute of what the victim held (the victim did not choose to lose it).
     fn evict(&mut self, victim: SessionId, by: TenantId) {
+        // A tenant over its share of the pool pays for its own recompute.
+        let over = self
+            .sessions
+            .get(&victim)
+            .is_some_and(|s| self.over_kv_share(s.tenant));
         self.pool.free_all(victim);
         if let Some(s) = self.sessions.get_mut(&victim) {
-            if s.tenant != by && s.computed > 0 {
+            if s.tenant != by && s.computed > 0 && !over {
                 let owed = s.evicted_by.map_or(0, |(_, n)| n).max(s.computed);
                 s.evicted_by = Some((by, owed));
             }
@@ -739,6 +744,24 @@ impl Scheduler {
             }
         }
         self.bill(tenant, len - owed);
+    }
+
+    /// The default KV quota enforced for a waiting prompt of `by`, within its share of the pool:
+    /// drop the KV of the least recently active session (idle or not, not in `keep`) of a tenant
+    /// over its share. Its tenant pays for its recompute: it held more than its share.
+    fn preempt_over_share(&mut self, keep: &[SessionId], by: TenantId) -> Option<SessionId> {
+        if self.over_kv_share(by) {
+            return None;
+        }
+        let over = self.tenants_over_kv_share();
+        let victim = self
+            .sessions
+            .iter()
+            .filter(|(id, s)| !keep.contains(id) && s.computed > 0 && over.contains(&s.tenant))
+            .min_by_key(|(id, s)| (s.last_active, std::cmp::Reverse(s.arrival), **id))
+            .map(|(id, _)| *id)?;
+        self.evict(victim, by);
+        Some(victim)
     }
 
     /// Drop the KV of the session idle the longest (no queued verify, nothing to compute), if it
@@ -849,7 +872,7 @@ impl Scheduler {
             // quarter at least, half at most), so that another tenant's decoding does not hold
             // back their first token.
             let share = (full as f64 * self.waiting_share()).ceil() as usize;
-            share.clamp(full / PREFILL_RESERVE_DIV, full / 2)
+            share.clamp((full / PREFILL_RESERVE_DIV).max(1), (full / 2).max(1))
         } else {
             full / PREFILL_RESERVE_DIV
         };
@@ -956,7 +979,16 @@ impl Scheduler {
                 let own = self.tenant_room(tenant) < self.pool.num_free();
                 let mut keep = taken.clone();
                 keep.push(id);
-                match self.preempt_idle(&keep, since, own.then_some(tenant), tenant) {
+                let v = self
+                    .preempt_idle(&keep, since, own.then_some(tenant), tenant)
+                    .or_else(|| {
+                        // (Sessions passed over this iteration hold nothing it needs.)
+                        let mut planned: Vec<SessionId> =
+                            plan.chunks.iter().map(|c| c.session).collect();
+                        planned.push(id);
+                        (!own).then(|| self.preempt_over_share(&planned, tenant))?
+                    });
+                match v {
                     Some(v) => plan.preempted.push(v),
                     None => break,
                 }

@@ -216,7 +216,9 @@ fn an_idle_session_gives_its_kv_to_a_waiting_prompt() {
     let p = s.schedule(0);
     s.update(&p, &[]);
     assert_eq!(s.pool().num_free(), 1);
-    s.open(SessionId(2), TenantId(2), 8).unwrap();
+    // (A session of the same tenant: another tenant's prompt would take the KV at once, as
+    // tenant 1 holds more than its share of the pool.)
+    s.open(SessionId(2), TenantId(1), 8).unwrap();
     // Quiet for less than idle_evict_ms: the new prompt takes the free block and waits.
     let p = s.schedule(100);
     assert!(p.preempted.is_empty(), "{p:?}");
@@ -311,7 +313,11 @@ fn the_evictor_is_billed_for_the_victims_recompute() {
     // 4 blocks of 4 tokens. Tenant 1's session fills half; tenant 2's fills the rest and then
     // needs room for a block: tenant 1's session is preempted. Its recompute of 8 tokens is
     // billed to tenant 2's fair share, which caused it (the compute itself is tenant 1's).
+    // Equal weights: tenant 1 holds no more than its share of the pool (a tenant over its
+    // share pays for its own recompute).
     let mut s = sched(32, 4);
+    s.set_tenant(TenantId(1), TenantConfig::weight(3.0))
+        .unwrap();
     s.open(SessionId(1), TenantId(1), 8).unwrap();
     s.open(SessionId(2), TenantId(2), 8).unwrap();
     let p = s.schedule(0);
@@ -565,5 +571,64 @@ fn a_full_pool_makes_room_from_the_tenant_over_its_share() {
     let p = s.schedule(0);
     assert!(p.chunks.iter().any(|c| c.session == SessionId(20)), "{p:?}");
     assert!(p.preempted.iter().all(|v| v.0 >= 10 && v.0 < 20), "{p:?}");
+    assert!(s.pool().conserved());
+}
+
+#[test]
+fn a_prompt_within_its_tenants_share_takes_room_from_a_busy_tenant_over_its_share() {
+    // 8 blocks of 4 tokens, two tenants of equal weight. Tenant 1's four sessions of 7 tokens
+    // fill the pool and keep busy: each has a one-token block queued every iteration (rejected,
+    // so its KV stays within its two blocks), and none is ever idle. (A budget of 4: a forward
+    // holds three of them, the fourth waits for the next.)
+    let mut s = Scheduler::new(SchedConfig {
+        max_waiting_tokens: 10_000,
+        ..SchedConfig::new(4, 4, 8)
+    })
+    .unwrap();
+    s.set_tenant(TenantId(1), TenantConfig::weight(1.0))
+        .unwrap();
+    s.set_tenant(TenantId(2), TenantConfig::weight(1.0))
+        .unwrap();
+    for id in 10..14 {
+        s.open(SessionId(id), TenantId(1), 7).unwrap();
+    }
+    let step = |s: &mut Scheduler, now: u64| {
+        for id in (10..14).map(SessionId) {
+            let st = &s.sessions[&id];
+            if st.computed == st.known && st.verifies.is_empty() {
+                s.enqueue_verify(id, 1).unwrap();
+            }
+        }
+        let p = s.schedule(now);
+        let kv: Vec<_> = p
+            .chunks
+            .iter()
+            .filter(|c| c.kind == WorkKind::Verify)
+            .map(|c| (c.session, c.start))
+            .collect();
+        s.update(&p, &kv);
+        p
+    };
+    for i in 0..40 {
+        step(&mut s, i);
+    }
+    assert_eq!(s.tenant_blocks(TenantId(1)), 8);
+    // Tenant 2's prompt waits for room: it evicts one of tenant 1's busy sessions (tenant 1 is
+    // over its share of 4 blocks), and tenant 1, not tenant 2, owes the recompute.
+    s.open(SessionId(20), TenantId(2), 4).unwrap();
+    let mut prefilled = false;
+    for i in 40..44 {
+        let p = step(&mut s, i);
+        prefilled |= p
+            .chunks
+            .iter()
+            .any(|c| c.session == SessionId(20) && c.kind == WorkKind::Prefill);
+        assert!(p.preempted.iter().all(|v| v.0 >= 10 && v.0 < 14), "{p:?}");
+        if prefilled {
+            break;
+        }
+    }
+    assert!(prefilled, "tenant 2's prompt was never prefilled");
+    assert!(s.sessions.values().all(|st| st.evicted_by.is_none()));
     assert!(s.pool().conserved());
 }

@@ -49,6 +49,9 @@ pub struct VerifierConfig {
     pub tenant_slowdown_pct: u32,
 }
 
+/// The smallest contended budget: one session's token and a waiting prompt's chunk.
+const MIN_CONTENDED: usize = 2;
+
 /// How far one forward moves the contended budget towards what it measured.
 const CONTENDED_SMOOTHING: f64 = 0.25;
 
@@ -62,16 +65,17 @@ const DEFAULTS: VerifierConfig = VerifierConfig {
 impl VerifierConfig {
     /// The budget while tenants share the verifier (see [`SchedConfig::contended_budget`]): a
     /// forward-time target of [`VerifierConfig::tenant_slowdown_pct`] of a one-token forward,
-    /// and the largest forward the cost model predicts within it (at least one token, at most
-    /// the token budget). None: no such limit (0 percent).
+    /// and the largest forward the cost model predicts within it (at least two tokens, a
+    /// session's and a waiting prompt's; at most the token budget). None: no such limit (0 percent).
     pub fn contended_budget(&self, cost: &tandem_sched::ForwardCost) -> Option<ContendedBudget> {
         if self.tenant_slowdown_pct == 0 {
             return None;
         }
         let target_ms = cost.one_token_ms * f64::from(self.tenant_slowdown_pct) / 100.0;
-        let tokens = (target_ms / cost.ms_per_token)
-            .floor()
-            .clamp(1.0, self.token_budget.max(1) as f64);
+        let tokens = (target_ms / cost.ms_per_token).floor().clamp(
+            MIN_CONTENDED as f64,
+            self.token_budget.max(MIN_CONTENDED) as f64,
+        );
         Some(ContendedBudget {
             target_ms,
             tokens: tokens as usize,
@@ -188,11 +192,13 @@ impl<T: Target, H> VerifierCore<T, H> {
         if ms > b.target_ms || tokens + 1 >= *cap as usize {
             let within = tokens as f64 * b.target_ms / ms;
             *cap += CONTENDED_SMOOTHING * (within - *cap);
-            *cap = cap.clamp(1.0, self.sched.config().token_budget as f64);
+            let most = self.sched.config().token_budget.max(MIN_CONTENDED);
+            *cap = cap.clamp(MIN_CONTENDED as f64, most as f64);
             let n = cap.floor() as usize;
+            tracing::debug!(tokens, ms, budget = *cap, "contended budget");
             self.sched
                 .set_contended_budget(Some(n))
-                .expect("invariant: at least one token");
+                .expect("invariant: at least two tokens");
         }
     }
 
@@ -476,6 +482,6 @@ mod tests {
         assert_eq!(at(0, 64), None, "0: no limit");
         assert_eq!(at(150, 16), Some(16), "no more than the token budget");
         assert_eq!(at(100, 64), Some(11), "at the ridge");
-        assert_eq!(at(1, 64), Some(1), "one token at least");
+        assert_eq!(at(1, 64), Some(2), "two tokens at least");
     }
 }
