@@ -275,9 +275,8 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 self.iteration_ms += 0.1 * (ms - self.iteration_ms);
                 turn.ends_us = now_us + us;
                 self.control.on_forward(turn.ends_us / 1000, tokens, ms);
-                if self.sched.contended() {
-                    self.adapt_contended(tokens, ms);
-                }
+                let contended = self.sched.contended();
+                self.adapt_contended(tokens, ms, contended);
                 turn.forward = Some(ForwardDone {
                     sessions,
                     tokens,
@@ -468,8 +467,9 @@ mod tests {
     #[test]
     fn the_contended_budget_follows_the_time_forwards_take() {
         // The cost model says 10 ms alone and 1 ms a token: within 150% (15 ms), 15 tokens. A
-        // batch of one-token sessions costs twice that a token, so the budget comes down to
-        // what keeps forwards within 15 ms, and goes back up once one tenant is left.
+        // batch of one-token sessions costs twice that a token (and a lone forward more), so
+        // the budget comes down to what keeps forwards within 150% of the one-token forwards
+        // it sees, and goes back to the token budget once one tenant is left.
         let cfg = VerifierConfig {
             token_budget: 32,
             tenant_slowdown_pct: 150,
@@ -482,7 +482,7 @@ mod tests {
                 ms_per_token: 1.0,
             })
             .unwrap();
-        assert_eq!((b.tokens, b.target_ms), (15, 15.0));
+        assert_eq!((b.tokens, b.target_ms()), (15, 15.0));
         v.set_contended_budget(Some(b)).unwrap();
         v.set_tenant(TenantId(1), Default::default()).unwrap();
         let open = |id: u64, tenant| Inbound::Open {
@@ -508,13 +508,12 @@ mod tests {
             now = t.ends_us;
             last.push(t.forward.unwrap());
         }
-        assert!(
-            v.contended_tokens().unwrap() <= 3,
-            "{:?}",
-            v.contended_tokens()
-        );
+        // A forward of one or two tokens takes 12-14 ms here, so the target is about 20 ms:
+        // about five tokens.
+        let n = v.contended_tokens().unwrap();
+        assert!((2..=6).contains(&n), "{n}");
         for f in &last[40..] {
-            assert!(f.tokens <= 3 && f.us <= 17_000, "{f:?}");
+            assert!(f.tokens <= 6 && f.us <= 23_000, "{f:?}");
         }
         // One tenant left: the whole token budget again.
         v.close(SessionId(99));

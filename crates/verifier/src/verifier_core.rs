@@ -71,24 +71,37 @@ impl VerifierConfig {
         if self.tenant_slowdown_pct == 0 {
             return None;
         }
-        let target_ms = cost.one_token_ms * f64::from(self.tenant_slowdown_pct) / 100.0;
-        let tokens = (target_ms / cost.ms_per_token).floor().clamp(
-            MIN_CONTENDED as f64,
-            self.token_budget.max(MIN_CONTENDED) as f64,
-        );
+        let slowdown = f64::from(self.tenant_slowdown_pct) / 100.0;
+        let tokens = (cost.one_token_ms * slowdown / cost.ms_per_token)
+            .floor()
+            .clamp(
+                MIN_CONTENDED as f64,
+                self.token_budget.max(MIN_CONTENDED) as f64,
+            );
         Some(ContendedBudget {
-            target_ms,
+            one_token_ms: cost.one_token_ms,
+            slowdown,
             tokens: tokens as usize,
         })
     }
 }
 
-/// How large a forward may be while tenants share the verifier: a time, and the tokens that
-/// take it, which the forwards that run correct ([`VerifierCore::set_contended_budget`]).
+/// How large a forward may be while tenants share the verifier: at most `slowdown` times a
+/// one-token forward's time, and the tokens that take it. Both the one-token time and the
+/// tokens start from the cost model and follow the forwards that run
+/// ([`VerifierCore::set_contended_budget`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ContendedBudget {
-    pub target_ms: f64,
+    pub one_token_ms: f64,
+    pub slowdown: f64,
     pub tokens: usize,
+}
+
+impl ContendedBudget {
+    /// The longest a forward should take.
+    pub fn target_ms(&self) -> f64 {
+        self.one_token_ms * self.slowdown
+    }
 }
 
 impl Default for VerifierConfig {
@@ -161,11 +174,12 @@ impl<T: Target, H> VerifierCore<T, H> {
         Ok(v)
     }
 
-    /// While sessions of two tenants or more are open, keep each forward to `budget`: it starts
-    /// at `budget.tokens`, and every forward that runs meanwhile moves it towards the tokens
-    /// that would have taken `budget.target_ms` at that forward's pace (the cost model is fitted
-    /// to one sequence's forwards; a ragged batch of many sessions costs more). None: the token
-    /// budget always.
+    /// While sessions of two tenants or more are open, keep each forward to `budget`. Every
+    /// forward moves its one-token time (a forward of two tokens at most: memory-bound, and what
+    /// the cost model's start-up calibration, run cold and alone, misses while serving), and
+    /// every forward while tenants share the verifier moves its tokens towards what would have
+    /// taken the target at that forward's pace (the cost model is fitted to one sequence's
+    /// forwards; a ragged batch of many sessions costs more). None: the token budget always.
     pub fn set_contended_budget(
         &mut self,
         budget: Option<ContendedBudget>,
@@ -180,22 +194,27 @@ impl<T: Target, H> VerifierCore<T, H> {
         self.sched.config().contended_budget
     }
 
-    /// A forward of `tokens` tokens took `ms` while tenants shared the verifier: correct the
-    /// contended budget by it when it was (nearly) full or too slow.
-    pub(crate) fn adapt_contended(&mut self, tokens: usize, ms: f64) {
+    /// A forward of `tokens` tokens took `ms`: follow the one-token time with it, and correct
+    /// the contended budget by it (`contended`: tenants shared the verifier) when it was
+    /// (nearly) full or too slow.
+    pub(crate) fn adapt_contended(&mut self, tokens: usize, ms: f64, contended: bool) {
         let Some((b, cap)) = &mut self.contended else {
             return;
         };
         if tokens == 0 || !(ms.is_finite() && ms > 0.0) {
             return;
         }
-        if ms > b.target_ms || tokens + 1 >= *cap as usize {
-            let within = tokens as f64 * b.target_ms / ms;
+        if tokens <= MIN_CONTENDED {
+            b.one_token_ms += CONTENDED_SMOOTHING * (ms - b.one_token_ms);
+        }
+        let target = b.target_ms();
+        if contended && (ms > target || tokens + 1 >= *cap as usize) {
+            let within = tokens as f64 * target / ms;
             *cap += CONTENDED_SMOOTHING * (within - *cap);
             let most = self.sched.config().token_budget.max(MIN_CONTENDED);
             *cap = cap.clamp(MIN_CONTENDED as f64, most as f64);
             let n = cap.floor() as usize;
-            tracing::debug!(tokens, ms, budget = *cap, "contended budget");
+            tracing::debug!(tokens, ms, target, budget = *cap, "contended budget");
             self.sched
                 .set_contended_budget(Some(n))
                 .expect("invariant: at least two tokens");
@@ -467,8 +486,8 @@ mod tests {
         };
         let b = cfg.contended_budget(&cost).unwrap();
         assert_eq!(b.tokens, 17);
-        assert!((b.target_ms - 52.08).abs() < 1e-9);
-        assert!(cost.ms(17.0) <= b.target_ms && cost.ms(18.0) > b.target_ms);
+        assert!((b.target_ms() - 52.08).abs() < 1e-9);
+        assert!(cost.ms(17.0) <= b.target_ms() && cost.ms(18.0) > b.target_ms());
         let at = |pct, token_budget| {
             VerifierConfig {
                 tenant_slowdown_pct: pct,
