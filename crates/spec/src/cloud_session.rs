@@ -87,6 +87,12 @@ pub struct Finished {
     /// and V move down to the slots after the feed's first (`Engine::keep_path_paged`). Empty
     /// otherwise.
     pub keep: Vec<usize>,
+    /// The forward fed only the first tokens of a longer block (see
+    /// [`CloudSession::plan_block_within`]) and every one of them was right, as was the target's
+    /// token after them: they are committed, the block is not answered yet (the verdict is not
+    /// for the edge), and it goes on in a later forward. The `judged + 1` tokens committed (at
+    /// positions from the feed's `start_pos + 1`) reach the edge as tokens the verifier decoded.
+    pub partial: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -240,6 +246,15 @@ impl CloudSession {
     /// the forward that verifies its tokens past the committed ones. A current block that starts
     /// beyond the committed tokens skipped some: refused by name.
     pub fn plan_block(&mut self, b: &Block) -> Result<BlockAction, SpecError> {
+        self.plan_block_within(b, usize::MAX)
+    }
+
+    /// [`plan_block`](Self::plan_block), feeding at most `most` of a linear block's tokens past
+    /// the committed ones (the γ granted now, when the block was drafted under a larger grant;
+    /// at least one): a block trimmed, not refused. Its verdict comes once the block is judged
+    /// to its end or rejected, over as many forwards as it takes ([`Finished::partial`]); a
+    /// token tree is fed whole.
+    pub fn plan_block_within(&mut self, b: &Block, most: usize) -> Result<BlockAction, SpecError> {
         if b.epoch < self.epoch {
             return Ok(BlockAction::Stale);
         }
@@ -270,8 +285,9 @@ impl CloudSession {
             return Ok(BlockAction::Covered);
         }
         self.room()?;
+        let end = b.tokens.len().min(known.saturating_add(most.max(1)));
         let mut tokens = vec![self.committed[c - 1]];
-        tokens.extend_from_slice(&b.tokens[known..]);
+        tokens.extend_from_slice(&b.tokens[known..end]);
         let logits_at = (0..tokens.len()).collect();
         Ok(BlockAction::Forward(Feed {
             start_pos: self.kv_len,
@@ -383,7 +399,14 @@ impl CloudSession {
         }
         let c = self.committed.len();
         let known = c - b.start_pos;
-        let m = b.tokens.len() - known;
+        // The drafted tokens fed: the block's past the committed ones, or its first few.
+        let m = feed.tokens.len() - 1;
+        if known + m > b.tokens.len() {
+            return Err(SpecError::Protocol(format!(
+                "a plan of {m} tokens past the {known} committed of a {}-token block",
+                b.tokens.len()
+            )));
+        }
         if rows.len() != m + 1 {
             return Err(SpecError::Protocol(format!(
                 "{} logits rows for a plan of {}",
@@ -414,12 +437,24 @@ impl CloudSession {
         self.verified_positions += m as u64;
         self.committed
             .extend_from_slice(&b.tokens[known..known + accepted]);
-        let token = match correction {
+        let (token, partial) = match correction {
             Some(t) => {
                 self.epoch += 1;
-                t
+                (t, false)
             }
-            None => target_token(rows[m], &self.params, (c + m) as u64),
+            None => {
+                let t = target_token(rows[m], &self.params, (c + m) as u64);
+                // A trimmed block: the target's next token is its draft's next token, accepted
+                // (committed as the target's own), or a correction of it.
+                match b.tokens.get(known + m) {
+                    Some(&drafted) if drafted == t => (t, true),
+                    Some(_) => {
+                        self.epoch += 1;
+                        (t, false)
+                    }
+                    None => (t, false),
+                }
+            }
         };
         self.committed.push(token);
         self.kv_len = self.committed.len() - 1;
@@ -437,6 +472,7 @@ impl CloudSession {
             judged: m,
             accepted,
             keep: Vec::new(),
+            partial,
         })
     }
 
@@ -529,6 +565,7 @@ impl CloudSession {
             judged,
             accepted,
             keep,
+            partial: false,
         })
     }
 }
@@ -592,6 +629,54 @@ mod tests {
         assert_eq!(done.kv_len, 6, "the rejected token's KV is cut");
         assert_eq!(s.committed(), &[1, 2, 3, 7, 8, 9, 4]);
         assert_eq!(s.epoch(), 1, "a rejection moves the epoch");
+    }
+
+    #[test]
+    fn a_block_trimmed_to_the_grant_is_judged_over_several_forwards_with_one_verdict() {
+        // A block of five drafted under γ 5, verified under γ 2: two tokens a forward.
+        let mut s = session();
+        let b = block(0, 0, 4, &[8, 9, 10, 11, 12]);
+        let plan = |s: &mut CloudSession| match s.plan_block_within(&b, 2).unwrap() {
+            BlockAction::Forward(f) => f,
+            other => panic!("{other:?}"),
+        };
+        let f = plan(&mut s);
+        assert_eq!((f.start_pos, f.tokens.clone()), (3, vec![7, 8, 9]));
+        // 8 and 9 are right, and the target's token after them is the draft's next, 10: three
+        // tokens committed, no verdict yet, the epoch where it was.
+        let done = s.finish(&b, &f, &refs(&rows(&[8, 9, 10]))).unwrap();
+        assert!(done.partial);
+        assert_eq!((done.judged, done.accepted, done.kv_len), (2, 2, 6));
+        assert_eq!(s.committed(), &[1, 2, 3, 7, 8, 9, 10]);
+        assert_eq!(s.epoch(), 0);
+        // The rest: 11 is right, then the target wants 4 where the draft said 12: the verdict
+        // counts from the block's start, and the rejection moves the epoch.
+        let f = plan(&mut s);
+        assert_eq!(f.tokens, vec![10, 11, 12]);
+        let done = s.finish(&b, &f, &refs(&rows(&[11, 4, 5]))).unwrap();
+        assert!(!done.partial);
+        assert_eq!((done.verdict.accepted, done.verdict.token), (4, 4));
+        assert_eq!(s.committed(), &[1, 2, 3, 7, 8, 9, 10, 11, 4]);
+        assert_eq!(s.epoch(), 1);
+
+        // Where the target's token after the fed ones differs from the draft's next, that is
+        // the block's rejection: a verdict now, and the epoch moves (on the edge too, whose
+        // draft had another token there).
+        let mut s = session();
+        let f = plan(&mut s);
+        let done = s.finish(&b, &f, &refs(&rows(&[8, 9, 6]))).unwrap();
+        assert!(!done.partial);
+        assert_eq!((done.verdict.accepted, done.verdict.token), (2, 6));
+        assert_eq!((s.epoch(), s.committed().len()), (1, 7));
+        // A block wholly committed by its partial forwards is covered: dropped, unanswered
+        // (the edge had each token as a decoded one).
+        let mut s = session();
+        let b = block(0, 0, 4, &[8, 9, 10]);
+        let BlockAction::Forward(f) = s.plan_block_within(&b, 2).unwrap() else {
+            panic!()
+        };
+        assert!(s.finish(&b, &f, &refs(&rows(&[8, 9, 10]))).unwrap().partial);
+        assert_eq!(s.plan_block_within(&b, 2).unwrap(), BlockAction::Covered);
     }
 
     #[test]

@@ -54,6 +54,11 @@ impl Ctl {
         }
     }
 
+    /// The γ and depth the session was last told it may use.
+    pub fn granted(&self) -> Shape {
+        self.granted
+    }
+
     /// Whether the verifier decodes this session itself.
     pub fn is_cloud(&self) -> bool {
         self.cloud

@@ -60,6 +60,12 @@ impl<T: Target, H> VerifierCore<T, H> {
             return;
         };
         let taken_over = s.ctl.is_cloud();
+        // The current grant is enforced: a block drafted under a larger one (in flight when the
+        // grant shrank, or from an edge that ignores it) is trimmed to it, not refused.
+        let most = match s.ctl.granted().draft_len {
+            0 => usize::MAX,
+            g => g as usize,
+        };
         let Work::Spec {
             vs: Some(vs),
             queue,
@@ -93,7 +99,7 @@ impl<T: Target, H> VerifierCore<T, H> {
         // token tree diverted, moves the epoch):
         // a plan to verify, or a refusal, leaves it as it was, so nothing needs putting back.
         while let Some(b) = queue.front() {
-            let action = vs.plan_block(b);
+            let action = vs.plan_block_within(b, most);
             tracing::debug!(
                 session = id.0,
                 committed = vs.committed_len(),

@@ -87,6 +87,10 @@ pub struct VerifierStats {
     pub blocks_stale: u64,
     pub blocks_covered: u64,
     pub blocks_contradicted: u64,
+    /// Forwards that fed only the first tokens of a block drafted under a larger grant than the
+    /// session's now, all right, with more of the block to come (see
+    /// [`tandem_spec::Finished::partial`]).
+    pub partial_verifies: u64,
     /// Tokens of speculation sessions the verifier decoded itself.
     pub spec_decoded: u64,
     /// Largest number of sessions in one forward.

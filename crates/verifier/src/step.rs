@@ -4,7 +4,7 @@
 use tandem_engine::{EngineError, Logits, Parent, SeqChunk, SeqId, Wanted};
 use tandem_sched::{SessionId, StepPlan, WorkKind};
 use tandem_spec::sampling::sample;
-use tandem_spec::{CloudSession, Verdict};
+use tandem_spec::{CloudSession, Decoded, Verdict};
 
 use crate::session::{Event, Planned, Work};
 use crate::verifier_core::VerifierCore;
@@ -187,7 +187,11 @@ impl<T: Target, H> VerifierCore<T, H> {
                 (
                     WorkKind::Verify,
                     Work::Spec {
-                        vs, planned, draft, ..
+                        vs,
+                        planned,
+                        draft,
+                        queue,
+                        ..
                     },
                 ) => {
                     let vs = vs.as_mut().expect("invariant: prefilled");
@@ -231,6 +235,27 @@ impl<T: Target, H> VerifierCore<T, H> {
                                     stats.drafted += f.judged as u64;
                                     stats.accepted += f.accepted as u64;
                                     draft.record(f.accepted, f.judged.min(f.accepted + 1));
+                                    if f.partial {
+                                        // A block trimmed to the grant, right so far: its
+                                        // tokens go out as decoded ones, the rest of it waits.
+                                        self.stats.partial_verifies += 1;
+                                        let from = p.start_pos + 1;
+                                        let told = &vs.committed()[from..=from + f.judged];
+                                        for (i, &token) in told.iter().enumerate() {
+                                            events.push(Event::Decoded {
+                                                session: id,
+                                                decoded: Decoded {
+                                                    epoch: f.verdict.epoch,
+                                                    pos: from + i,
+                                                    token,
+                                                    grant: None,
+                                                },
+                                            });
+                                        }
+                                        queue.push_front(b);
+                                        follow.push(id);
+                                        continue;
+                                    }
                                     events.push(Event::Verdict {
                                         session: id,
                                         verdict: Verdict {
