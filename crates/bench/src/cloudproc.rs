@@ -9,19 +9,26 @@ use crate::netem::NetemConfig;
 use anyhow::{anyhow, bail, Context, Result};
 use tandem_engine::CpuSet;
 
-/// `tandem cloud serve` on a loopback port (`--no-auth` unless given `--tenants`); killed on drop.
+/// `tandem cloud serve` on a loopback port, or in the cloud's network namespace behind the
+/// project's proxy under `bench --netns` (`--no-auth` unless given `--tenants`); killed on drop.
 pub struct CloudProcess {
     child: Child,
     /// Its gRPC address, and its `/metrics` address when asked for.
     pub addr: String,
     pub metrics_addr: Option<String>,
+    /// Under `bench --netns`: the proxy that forwards the veth to it.
+    front: Option<Child>,
 }
 
 impl CloudProcess {
     /// Start it on `cpus` (one engine thread each; any core when empty) with `extra` flags.
     pub fn start(home: &Path, cpus: &CpuSet, extra: &[String]) -> Result<Self> {
         let exe = std::env::current_exe().context("locating the tandem binary")?;
-        let mut cmd = Command::new(exe);
+        // In the cloud's network namespace when the benchmark runs across namespaces (`bench
+        // --netns`), on its loopback there, with the project's proxy in front of it on the
+        // cloud's end of the veth (below).
+        let netns = crate::netns::current();
+        let mut cmd = in_namespace(netns, &exe);
         cmd.arg("--home")
             .arg(home)
             .args(["cloud", "serve"])
@@ -29,7 +36,15 @@ impl CloudProcess {
             .args((!extra.iter().any(|e| e == "--tenants")).then_some("--no-auth"))
             .args(["--no-ledger", "--listen", "127.0.0.1:0", "--threads"])
             .arg(cpus.len().max(1).to_string())
-            .args(extra)
+            .args(extra.iter().enumerate().map(|(i, e)| {
+                // Its metrics, too, where the benchmark can reach them.
+                match (crate::netns::current(), i.checked_sub(1).map(|j| &extra[j])) {
+                    (Some(p), Some(flag)) if flag == "--metrics-listen" => {
+                        e.replacen("127.0.0.1", &p.cloud_ip.to_string(), 1)
+                    }
+                    _ => e.clone(),
+                }
+            }))
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         if !cpus.is_empty() {
@@ -61,11 +76,32 @@ impl CloudProcess {
                 eprintln!("[verifier] {line}");
             }
         });
-        Ok(Self {
+        let mut me = Self {
             child,
             addr,
             metrics_addr,
-        })
+            front: None,
+        };
+        if let Some(p) = netns {
+            let mut cmd = in_namespace(Some(p), &exe);
+            cmd.args(["netem", "--listen", &format!("{}:0", p.cloud_ip)])
+                .args(["--upstream", &me.addr])
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped());
+            let mut front = cmd
+                .spawn()
+                .context("starting the proxy in the cloud's namespace")?;
+            let mut lines = BufReader::new(front.stderr.take().expect("stderr is piped")).lines();
+            let said = lines.next().transpose()?.unwrap_or_default();
+            me.front = Some(front);
+            me.addr = said
+                .strip_prefix("netem ")
+                .and_then(|r| r.split_whitespace().next())
+                .ok_or_else(|| anyhow!("the cloud's proxy did not start: {said}"))?
+                .to_string();
+            std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
+        }
+        Ok(me)
     }
 
     /// Its resident memory (VmRSS), MB.
@@ -100,8 +136,22 @@ impl CloudProcess {
 
 impl Drop for CloudProcess {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        for c in std::iter::once(&mut self.child).chain(self.front.as_mut()) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// `exe`, run in the cloud's namespace when there is one.
+fn in_namespace(netns: Option<&crate::netns::Placement>, exe: &Path) -> Command {
+    match netns {
+        Some(p) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", &p.cloud]).arg(exe);
+            c
+        }
+        None => Command::new(exe),
     }
 }
 

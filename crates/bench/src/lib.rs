@@ -23,6 +23,7 @@ pub mod live;
 pub mod load;
 pub mod model_report;
 pub mod netem;
+pub mod netns;
 pub mod paper;
 pub mod plots;
 pub mod quant_study;

@@ -2,6 +2,43 @@
 
 use super::*;
 
+/// `tandem bench [--netns …] <benchmark>`.
+#[derive(Args)]
+pub(crate) struct BenchTop {
+    #[command(flatten)]
+    pub net: NetArgs,
+    #[command(subcommand)]
+    pub cmd: BenchCmd,
+}
+
+/// Where the benchmark's edges and verifier talk: loopback through the project's proxy (delay,
+/// jitter), or two network namespaces joined by veth.
+#[derive(Args)]
+pub(crate) struct NetArgs {
+    /// Run the verifier in a network namespace and every edge and client in another, joined by a
+    /// veth pair whose rate and loss the kernel applies (tbf, nftables), the round trip still
+    /// from the project's proxy (root, iproute2 and nftables).
+    #[arg(long)]
+    netns: bool,
+    #[command(flatten)]
+    link: tandem_bench::netns::KernelLink,
+}
+
+impl NetArgs {
+    /// Enter the namespaces (with --netns): the guard that deletes them.
+    pub fn enter(&self) -> Result<Option<tandem_bench::netns::Netns>> {
+        if !self.netns {
+            if self.link != tandem_bench::netns::KernelLink::default() {
+                bail!("--link-rate-kbit and --link-loss-pct shape the veth link: give --netns too");
+            }
+            return Ok(None);
+        }
+        let ns = tandem_bench::netns::enter(self.link)?;
+        eprintln!("across network namespaces: {}", self.link.describe());
+        Ok(Some(ns))
+    }
+}
+
 #[derive(Subcommand)]
 pub(crate) enum BenchCmd {
     /// Decode speed, verify-chunk latency and batch throughput of the target and the draft.

@@ -53,8 +53,7 @@ enum Cmd {
     /// Quantize the target into a draft GGUF file.
     Quantize(QuantizeArgs),
     /// Benchmarks.
-    #[command(subcommand)]
-    Bench(BenchCmd),
+    Bench(BenchTop),
     /// Show a model's configuration, weight formats and tokenizer fingerprint.
     Info(InfoArgs),
     /// Pull the model, make the draft, and answer a question with the target and with the draft.
@@ -199,14 +198,20 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Generate(a) => cmd_generate(&home, a)?,
         Cmd::Quantize(a) => cmd_quantize(&home, a)?,
-        Cmd::Bench(BenchCmd::Engine(a)) => cmd_bench(&home, a)?,
-        Cmd::Bench(BenchCmd::Latency(a)) => cmd_latency(&home, a)?,
-        Cmd::Bench(BenchCmd::Load(a)) => cmd_load(&home, a)?,
-        Cmd::Bench(BenchCmd::Paper(a)) => cmd_paper(&home, a)?,
-        Cmd::Bench(BenchCmd::Quant(a)) => cmd_quant(&home, a)?,
-        Cmd::Bench(BenchCmd::Serve(a)) => cmd_serve_bench(&home, a)?,
-        Cmd::Bench(BenchCmd::Hostile(a)) => cmd_hostile_bench(&home, a)?,
-        Cmd::Bench(BenchCmd::Soak(a)) => cmd_soak_bench(&home, a)?,
+        Cmd::Bench(b) => {
+            // Across network namespaces: entered before any thread starts, held to the end.
+            let _net = b.net.enter()?;
+            match b.cmd {
+                BenchCmd::Engine(a) => cmd_bench(&home, a)?,
+                BenchCmd::Latency(a) => cmd_latency(&home, a)?,
+                BenchCmd::Load(a) => cmd_load(&home, a)?,
+                BenchCmd::Paper(a) => cmd_paper(&home, a)?,
+                BenchCmd::Quant(a) => cmd_quant(&home, a)?,
+                BenchCmd::Serve(a) => cmd_serve_bench(&home, a)?,
+                BenchCmd::Hostile(a) => cmd_hostile_bench(&home, a)?,
+                BenchCmd::Soak(a) => cmd_soak_bench(&home, a)?,
+            }
+        }
         Cmd::Info(a) => cmd_info(&home, a)?,
         Cmd::Demo(a) => cmd_demo(&home, a)?,
         Cmd::Serve(a) => cmd_edge_serve(&home, a)?,

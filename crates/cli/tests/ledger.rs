@@ -105,7 +105,14 @@ fn the_ledger_holds_what_the_edges_saw_and_survives_a_restart() {
 
     let verifier = serve(&tenants, &ledger);
     let port = verifier.port;
-    a.add(&edge(port, KEY_A, "async", "Name three colours.", 24));
+    // Drafts are accepted when the edge gets ahead of the verifier's own decoding, which a busy
+    // machine can prevent in one run: up to three.
+    for _ in 0..3 {
+        a.add(&edge(port, KEY_A, "async", "Name three colours.", 24));
+        if a.0[3] > 0 {
+            break;
+        }
+    }
     a.add(&edge(port, KEY_A, "cloud", "Say hello.", 8));
     b.add(&edge(port, KEY_B, "async", "What is a bicycle?", 16));
     stop(verifier);

@@ -43,6 +43,9 @@ pub enum Event {
     Decoded {
         session: SessionId,
         decoded: Decoded,
+        /// The edge drafted it: a token of a block trimmed to the grant, found right (see
+        /// [`tandem_spec::Finished::partial`]), not one the verifier decoded on its own.
+        drafted: bool,
     },
 }
 

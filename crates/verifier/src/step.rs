@@ -206,6 +206,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                             events.push(Event::Decoded {
                                 session: id,
                                 decoded,
+                                drafted: false,
                             });
                         }
                         Planned::Verify { block: b, feed: p } => {
@@ -250,6 +251,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                                                     token,
                                                     grant: None,
                                                 },
+                                                drafted: true,
                                             });
                                         }
                                         queue.push_front(b);

@@ -358,8 +358,17 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 }
                 ToEdge::Token { token, done }
             }
-            Event::Decoded { mut decoded, .. } => {
-                s.counts.decoded += 1;
+            Event::Decoded {
+                mut decoded,
+                drafted,
+                ..
+            } => {
+                if drafted {
+                    s.counts.drafted += 1;
+                    s.counts.accepted += 1;
+                } else {
+                    s.counts.decoded += 1;
+                }
                 self.control.on_decoded(&mut s.ctl, &mut decoded, at_ms);
                 obs.extend(inter_token(&mut s.meter, at, 1));
                 ToEdge::Decoded(decoded)

@@ -306,9 +306,19 @@ fn port_of(rest: &str) -> Option<u16> {
 /// Start `tandem ARGS` and wait for its stderr line that begins with `ready` (and, with `also`,
 /// for a line beginning with that, before it); the process, or what it said before it exited.
 pub fn spawn_tandem(args: &[String], ready: &str, also: Option<&str>) -> Result<Proc, String> {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"));
+    cmd.args(args);
+    spawn_ready(cmd, ready, also)
+}
+
+/// [`spawn_tandem`] for any command (`tandem` run some other way: in a network namespace).
+pub fn spawn_ready(
+    mut cmd: std::process::Command,
+    ready: &str,
+    also: Option<&str>,
+) -> Result<Proc, String> {
     use std::io::{BufRead, BufReader};
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(args)
+    let mut child = cmd
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
