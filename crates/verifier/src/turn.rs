@@ -420,8 +420,13 @@ mod tests {
     use tandem_engine::{EngineError, Logits, SeqChunk};
     use tandem_sched::{ForwardCost, GrantPolicy, TenantId};
 
-    /// A target whose greedy token after position p is `p % 15 + 1`, each forward taking 1 ms.
-    struct Flat;
+    /// A target whose greedy token after position p is `p % 15 + 1`, each forward taking 1 ms,
+    /// or (`ragged`) 10 ms, 1 ms a token and 1 ms a sequence more.
+    struct Flat {
+        ragged: bool,
+    }
+
+    const FLAT: Flat = Flat { ragged: false };
 
     impl Target for Flat {
         fn vocab(&self) -> usize {
@@ -439,37 +444,15 @@ mod tests {
             _tables: &[Vec<u32>],
         ) -> (Result<Logits, EngineError>, u32) {
             let l = Logits::one_hot(batch, 16, |_, pos, _| ((pos + 1) % 15 + 1) as u32);
-            (Ok(l), 1000)
+            let tokens: usize = batch.iter().map(|c| c.tokens.len()).sum();
+            let us = match self.ragged {
+                true => 1000 * (10 + tokens + batch.len()) as u32,
+                false => 1000,
+            };
+            (Ok(l), us)
         }
         fn keep_path(&mut self, _: &[u32], _: usize, _: &[usize]) -> Result<(), EngineError> {
             Ok(()) // one-hot logits: no KV to move
-        }
-    }
-
-    /// [`Flat`]'s tokens, each forward taking 10 ms, 1 ms a token and 1 ms a sequence more.
-    struct Ragged;
-
-    impl Target for Ragged {
-        fn vocab(&self) -> usize {
-            16
-        }
-        fn context_len(&self) -> usize {
-            4096
-        }
-        fn kv_geometry(&self) -> (usize, usize) {
-            (16, 4096)
-        }
-        fn forward_timed(
-            &mut self,
-            batch: &[SeqChunk],
-            _tables: &[Vec<u32>],
-        ) -> (Result<Logits, EngineError>, u32) {
-            let l = Logits::one_hot(batch, 16, |_, pos, _| ((pos + 1) % 15 + 1) as u32);
-            let tokens: usize = batch.iter().map(|c| c.tokens.len()).sum();
-            (Ok(l), 1000 * (10 + tokens + batch.len()) as u32)
-        }
-        fn keep_path(&mut self, _: &[u32], _: usize, _: &[usize]) -> Result<(), EngineError> {
-            Ok(())
         }
     }
 
@@ -484,7 +467,7 @@ mod tests {
             tenant_slowdown_pct: 150,
             ..VerifierConfig::default()
         };
-        let mut v: VerifierCore<Ragged, u64> = VerifierCore::new(Ragged, cfg).unwrap();
+        let mut v: VerifierCore<Flat, u64> = VerifierCore::new(Flat { ragged: true }, cfg).unwrap();
         let b = cfg
             .contended_budget(&ForwardCost {
                 one_token_ms: 10.0,
@@ -538,7 +521,7 @@ mod tests {
         let grants = GrantPolicy::new(4, 2, 40.0)
             .with_cloud_decode()
             .with_pace(cost);
-        VerifierCore::new(Flat, VerifierConfig::default())
+        VerifierCore::new(FLAT, VerifierConfig::default())
             .unwrap()
             .with_grants(grants, 0)
     }
