@@ -361,6 +361,8 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
     rt.block_on(server)
         .context("the server task")?
         .context("serving")?;
+    // The daemon's session readers go with their runtime, before the proxy under their streams.
+    drop(rt);
     drop(link);
     let mean = |mode: &str| {
         rows.iter()
