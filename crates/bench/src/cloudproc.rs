@@ -38,7 +38,7 @@ impl CloudProcess {
             .arg(cpus.len().max(1).to_string())
             .args(extra.iter().enumerate().map(|(i, e)| {
                 // Its metrics, too, where the benchmark can reach them.
-                match (crate::netns::current(), i.checked_sub(1).map(|j| &extra[j])) {
+                match (netns, i.checked_sub(1).map(|j| &extra[j])) {
                     (Some(p), Some(flag)) if flag == "--metrics-listen" => {
                         e.replacen("127.0.0.1", &p.cloud_ip.to_string(), 1)
                     }

@@ -207,16 +207,10 @@ impl Drop for Netns {
 }
 
 fn run(c: &mut Command) -> Result<()> {
-    let out = c.output().with_context(|| format!("running {c:?}"))?;
-    if !out.status.success() {
-        bail!(
-            "{c:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
+    run_with_input(c, "")
 }
 
+/// Run `c` with `input` on its standard input; its error output when it fails.
 fn run_with_input(c: &mut Command, input: &str) -> Result<()> {
     use std::io::Write;
     let mut child = c
@@ -246,7 +240,6 @@ fn run_with_input(c: &mut Command, input: &str) -> Result<()> {
 pub struct Placement {
     pub cloud: String,
     pub cloud_ip: Ipv4Addr,
-    pub link: KernelLink,
 }
 
 static CURRENT: std::sync::OnceLock<Placement> = std::sync::OnceLock::new();
@@ -271,7 +264,6 @@ pub fn enter(link: KernelLink) -> Result<Netns> {
         .set(Placement {
             cloud: ns.cloud.clone(),
             cloud_ip: ns.cloud_ip,
-            link,
         })
         .map_err(|_| anyhow::anyhow!("the benchmark's namespaces were entered already"))?;
     Ok(ns)

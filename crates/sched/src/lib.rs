@@ -260,6 +260,16 @@ pub struct Scheduler {
     stats: SchedStats,
 }
 
+/// A contended budget, when there is one, is at least a token.
+fn check_contended_budget(budget: Option<usize>) -> Result<(), SchedError> {
+    if budget == Some(0) {
+        return Err(SchedError::InvalidConfig(
+            "contended_budget must be at least 1".into(),
+        ));
+    }
+    Ok(())
+}
+
 impl Scheduler {
     pub fn new(cfg: SchedConfig) -> Result<Self, SchedError> {
         if cfg.token_budget == 0 {
@@ -267,11 +277,7 @@ impl Scheduler {
                 "token_budget must be at least 1".into(),
             ));
         }
-        if cfg.contended_budget == Some(0) {
-            return Err(SchedError::InvalidConfig(
-                "contended_budget must be at least 1".into(),
-            ));
-        }
+        check_contended_budget(cfg.contended_budget)?;
         Ok(Self {
             pool: BlockPool::new(cfg.num_blocks, cfg.block_size)?,
             cfg,
@@ -285,11 +291,7 @@ impl Scheduler {
 
     /// See [`SchedConfig::contended_budget`].
     pub fn set_contended_budget(&mut self, budget: Option<usize>) -> Result<(), SchedError> {
-        if budget == Some(0) {
-            return Err(SchedError::InvalidConfig(
-                "contended_budget must be at least 1".into(),
-            ));
-        }
+        check_contended_budget(budget)?;
         self.cfg.contended_budget = budget;
         Ok(())
     }
@@ -637,15 +639,17 @@ impl Scheduler {
             .is_none_or(|t| t.cfg.tokens_per_s.is_none() || t.bucket > 0.0)
     }
 
-    /// KV blocks `tenant` may still take under its quota.
+    /// `tenant`'s weighted share of the pool, in blocks.
+    fn kv_share(&self, tenant: TenantId) -> usize {
+        (self.share(tenant) * self.pool.num_blocks() as f64).ceil() as usize
+    }
+
     /// The default KV quota between tenants: whether `tenant` holds more than its weighted share
     /// of the pool. When the pool is full, a tenant over its share makes room from its own
     /// sessions only, and one within its share from those over theirs first, so that one
     /// tenant's sessions cannot take the KV of everyone else's.
     fn over_kv_share(&self, tenant: TenantId) -> bool {
-        self.tenants.len() > 1
-            && self.tenant_blocks(tenant)
-                > (self.share(tenant) * self.pool.num_blocks() as f64).ceil() as usize
+        self.tenants.len() > 1 && self.tenant_blocks(tenant) > self.kv_share(tenant)
     }
 
     /// The tenants over their share of the pool (see [`Scheduler::over_kv_share`]).
@@ -658,11 +662,12 @@ impl Scheduler {
             *held.entry(s.tenant).or_default() += self.pool.held(*id);
         }
         held.into_iter()
-            .filter(|&(t, n)| n > (self.share(t) * self.pool.num_blocks() as f64).ceil() as usize)
+            .filter(|&(t, n)| n > self.kv_share(t))
             .map(|(t, _)| t)
             .collect()
     }
 
+    /// KV blocks `tenant` may still take under its quota.
     fn tenant_room(&self, tenant: TenantId) -> usize {
         match self.tenants.get(&tenant).and_then(|t| t.cfg.max_kv_blocks) {
             Some(limit) => limit.saturating_sub(self.tenant_blocks(tenant)),
@@ -679,8 +684,8 @@ impl Scheduler {
         tenant: Option<TenantId>,
         by: TenantId,
     ) -> Option<SessionId> {
-        let tenant = tenant.or_else(|| self.over_kv_share(by).then_some(by));
         let over = self.tenants_over_kv_share();
+        let tenant = tenant.or_else(|| over.contains(&by).then_some(by));
         let victim = self
             .sessions
             .iter()
@@ -750,10 +755,10 @@ impl Scheduler {
     /// drop the KV of the least recently active session (idle or not, not in `keep`) of a tenant
     /// over its share. Its tenant pays for its recompute: it held more than its share.
     fn preempt_over_share(&mut self, keep: &[SessionId], by: TenantId) -> Option<SessionId> {
-        if self.over_kv_share(by) {
+        let over = self.tenants_over_kv_share();
+        if over.contains(&by) {
             return None;
         }
-        let over = self.tenants_over_kv_share();
         let victim = self
             .sessions
             .iter()
