@@ -68,11 +68,14 @@ fn speculation_between_two_network_namespaces_with_rate_limit_and_loss_is_lossle
             .collect();
         assert_eq!(got, want[..cut], "{mode} between two namespaces");
     }
-    // The kernel dropped packets on both sides, and TCP carried the answers through.
+    // The kernel dropped packets, and TCP carried the answers through. (Each side's count is a
+    // random draw over the packets it sent: one CI run saw 0 on the edge's side and 4 on the
+    // cloud's, so the check is on the two together.)
     let dropped = (net.dropped(Side::Edge), net.dropped(Side::Cloud));
     eprintln!("packets dropped (edge, cloud): {dropped:?}");
+    let total = dropped.0.unwrap_or(0) + dropped.1.unwrap_or(0);
     assert!(
-        dropped.0.is_some_and(|n| n > 0) && dropped.1.is_some_and(|n| n > 0),
+        dropped.0.is_some() && dropped.1.is_some() && total > 0,
         "{dropped:?}"
     );
     // Nothing reaches the cloud from outside the two namespaces: the root one has no route.
