@@ -87,10 +87,11 @@ pub struct Finished {
     /// and V move down to the slots after the feed's first (`Engine::keep_path_paged`). Empty
     /// otherwise.
     pub keep: Vec<usize>,
-    /// The forward fed only the first tokens of a longer block (see
-    /// [`CloudSession::plan_block_within`]) and every one of them was right, as was the target's
-    /// token after them: they are committed, the block is not answered yet (the verdict is not
-    /// for the edge), and it goes on in a later forward. The `judged + 1` tokens committed (at
+    /// The forward fed only the first positions of a longer block (see
+    /// [`CloudSession::plan_block_within`]) and the target followed the block through them and
+    /// on to its next token (of a tree: one of the children below the last node fed): they are
+    /// committed, the block is not answered yet (the verdict is not
+    /// for the edge), and it goes on in a later forward. The `accepted + 1` tokens committed (at
     /// positions from the feed's `start_pos + 1`) reach the edge as tokens the verifier decoded.
     pub partial: bool,
 }
@@ -249,11 +250,13 @@ impl CloudSession {
         self.plan_block_within(b, usize::MAX)
     }
 
-    /// [`plan_block`](Self::plan_block), feeding at most `most` of a linear block's tokens past
-    /// the committed ones (the γ granted now, when the block was drafted under a larger grant;
-    /// at least one): a block trimmed, not refused. Its verdict comes once the block is judged
-    /// to its end or rejected, over as many forwards as it takes ([`Finished::partial`]); a
-    /// token tree is fed whole.
+    /// [`plan_block`](Self::plan_block), feeding at most `most` positions of a block past the
+    /// committed ones (the γ granted now, when the block was drafted under a larger grant; at
+    /// least one): a linear block's next `most` tokens, a token tree's nodes at most `most`
+    /// below where the committed tokens reached. A block trimmed, not refused: its verdict comes
+    /// once it is judged to its end or rejected, over as many forwards as it takes
+    /// ([`Finished::partial`]). The block itself stays whole, so that every plan walks it from
+    /// its start, as the edge does, and the verdict names its path in the block's own terms.
     pub fn plan_block_within(&mut self, b: &Block, most: usize) -> Result<BlockAction, SpecError> {
         if b.epoch < self.epoch {
             return Ok(BlockAction::Stale);
@@ -272,7 +275,7 @@ impl CloudSession {
             )));
         }
         if b.is_tree() {
-            return self.plan_tree(b);
+            return self.plan_tree(b, most.max(1));
         }
         let known = (c - b.start_pos).min(b.tokens.len());
         if let Some(i) = (0..known).find(|&i| b.tokens[i] != self.committed[b.start_pos + i]) {
@@ -310,9 +313,9 @@ impl CloudSession {
 
     /// [`plan_block`](Self::plan_block) for a token tree: walk it along the committed tokens
     /// (a diversion into a side path moves nothing; leaving the tree moves the epoch), then feed
-    /// the subtree below where the walk stopped — only the committed token when that is a lane
-    /// that ended inside the block, whose verdict is then a correction.
-    fn plan_tree(&mut self, b: &Block) -> Result<BlockAction, SpecError> {
+    /// the subtree below where the walk stopped, to `most` levels — only the committed token when
+    /// that is a lane that ended inside the block, whose verdict is then a correction.
+    fn plan_tree(&mut self, b: &Block, most: usize) -> Result<BlockAction, SpecError> {
         let c = self.committed.len();
         let mut at = Node::Root;
         for pos in b.start_pos..c {
@@ -330,18 +333,25 @@ impl CloudSession {
         }
         self.room()?;
         // Depth first from `at`, expected children first: every parent before its children,
-        // and the expected path in consecutive slots (kept as it lies when it is accepted).
+        // and the expected path in consecutive slots (kept as it lies when it is accepted). A
+        // node's first child, when it has any in the feed, is the token right after it.
         let mut tokens = vec![self.committed[c - 1]];
         let mut parents = vec![0];
         let mut nodes = vec![at];
-        let mut stack: Vec<(Node, usize)> =
-            b.children(at).into_iter().rev().map(|k| (k, 0)).collect();
-        while let Some((n, parent)) = stack.pop() {
+        let mut stack: Vec<(Node, usize, usize)> = b
+            .children(at)
+            .into_iter()
+            .rev()
+            .map(|k| (k, 0, 1))
+            .collect();
+        while let Some((n, parent, depth)) = stack.pop() {
             let i = tokens.len();
             tokens.push(b.token(n).expect("invariant: a child has a token"));
             parents.push(parent);
             nodes.push(n);
-            stack.extend(b.children(n).into_iter().rev().map(|k| (k, i)));
+            if depth < most {
+                stack.extend(b.children(n).into_iter().rev().map(|k| (k, i, depth + 1)));
+            }
         }
         let logits_at = (0..tokens.len()).collect();
         Ok(BlockAction::Forward(Feed {
@@ -480,7 +490,10 @@ impl CloudSession {
     /// each node's children ([`judge_guesses`]: the target's token picks the child under greedy
     /// and sample-and-match, recursive residuals under rejection sampling) and follow the one
     /// committed; the epoch moves at a rejection, and at the end of a lane that ended inside the
-    /// block (none at a diversion, nor past the block's last position: the bonus).
+    /// block (none at a diversion, nor past the block's last position: the bonus). Where the feed
+    /// was trimmed below the node reached, the target's token there is committed; it is
+    /// [`Finished::partial`] when it is one of the node's children in the block (the block goes
+    /// on from it), a correction otherwise.
     fn finish_tree(
         &mut self,
         b: &Block,
@@ -498,6 +511,7 @@ impl CloudSession {
         let c = self.committed.len();
         let mut i = 0;
         let mut keep = Vec::new();
+        let mut partial = false;
         let token = loop {
             let at = feed.nodes[i];
             let pos = (b.start_pos + b.path_len(at)) as u64;
@@ -508,6 +522,17 @@ impl CloudSession {
                     self.epoch += 1; // a lane that ended inside the block: off the tree
                 }
                 break t; // past the block: the bonus
+            }
+            if feed.parents.get(i + 1) != Some(&i) {
+                // Trimmed below this node: the target's own token, which the block goes on from
+                // when it guessed it (the edge walks it there too), or its correction.
+                let t = target_token(rows[i], &self.params, pos);
+                if kids.iter().any(|&k| b.token(k) == Some(t)) {
+                    partial = true;
+                } else {
+                    self.epoch += 1;
+                }
+                break t;
             }
             // Under rejection sampling a main token was drawn from the q sent with it, a side
             // token beside it is a sibling draw (see `verify::draft_sibling`) unless the edge
@@ -565,7 +590,7 @@ impl CloudSession {
             judged,
             accepted,
             keep,
-            partial: false,
+            partial,
         })
     }
 }
@@ -820,6 +845,76 @@ mod tests {
             );
             assert!(b.named_path(v.accepted, v.side_end).is_some());
         }
+    }
+
+    #[test]
+    fn a_tree_trimmed_to_the_grant_is_judged_over_several_forwards_with_one_verdict() {
+        let b = tree_block();
+        // Trimmed to two levels: the root's children and theirs, not 10 nor 21 below them.
+        let mut s = session();
+        let BlockAction::Forward(f) = s.plan_block_within(&b, 2).unwrap() else {
+            panic!()
+        };
+        assert_eq!(f.tokens, vec![7, 8, 9, 20, 30]);
+        // To one level: 8 and 30 beside it.
+        let plan = |s: &mut CloudSession| match s.plan_block_within(&b, 1).unwrap() {
+            BlockAction::Forward(f) => f,
+            other => panic!("{other:?}"),
+        };
+        // The target follows the lane 8 20 21, then 5. The first forward commits 8 and the
+        // target's 20 after it, a child of 8 in the block: partial, the epoch stays.
+        let want = [8, 20, 21, 5];
+        let mut s = session();
+        let f = plan(&mut s);
+        assert_eq!(f.tokens, vec![7, 8, 30]);
+        let done = s.finish(&b, &f, &refs(&tree_rows(&b, &f, &want))).unwrap();
+        assert!(done.partial);
+        assert_eq!((done.accepted, done.kv_len, s.epoch()), (1, 5, 0));
+        assert_eq!(
+            done.keep.iter().map(|&j| f.tokens[j]).collect::<Vec<_>>(),
+            [8]
+        );
+        assert_eq!(s.committed(), &[1, 2, 3, 7, 8, 20]);
+        // The next walks the block from its start through the lane: its one verdict names the
+        // lane's path in the block's own numbering, as the untrimmed forward's did.
+        let f = plan(&mut s);
+        assert_eq!(f.tokens, vec![20, 21]);
+        let done = s.finish(&b, &f, &refs(&tree_rows(&b, &f, &want))).unwrap();
+        assert!(!done.partial);
+        let v = done.verdict;
+        assert_eq!((v.accepted, v.side_end, v.token), (3, Some(1), 5));
+        assert_eq!(
+            (s.epoch(), s.committed()),
+            (0, &[1, 2, 3, 7, 8, 20, 21, 5][..])
+        );
+        // The target's token below the trimmed node is none of the block's: the correction.
+        let mut s = session();
+        let f = plan(&mut s);
+        let done = s
+            .finish(&b, &f, &refs(&tree_rows(&b, &f, &[8, 6])))
+            .unwrap();
+        assert!(!done.partial);
+        let v = done.verdict;
+        assert_eq!((v.accepted, v.side_end, v.token), (1, None, 6));
+        assert_eq!((s.epoch(), s.committed()), (1, &[1, 2, 3, 7, 8, 6][..]));
+        // The main path right, a level a forward: 8 (and 9), 10 (and the bonus 11).
+        let want = [8, 9, 10, 11];
+        let mut s = session();
+        let f = plan(&mut s);
+        assert!(
+            s.finish(&b, &f, &refs(&tree_rows(&b, &f, &want)))
+                .unwrap()
+                .partial
+        );
+        let f = plan(&mut s);
+        assert_eq!(f.tokens, vec![9, 10]);
+        let done = s.finish(&b, &f, &refs(&tree_rows(&b, &f, &want))).unwrap();
+        let v = done.verdict;
+        assert_eq!(
+            (done.partial, v.accepted, v.side_end, v.token),
+            (false, 3, None, 11)
+        );
+        assert_eq!(s.committed(), &[1, 2, 3, 7, 8, 9, 10, 11]);
     }
 
     #[test]

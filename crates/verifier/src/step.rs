@@ -241,7 +241,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                                         // tokens go out as decoded ones, the rest of it waits.
                                         self.stats.partial_verifies += 1;
                                         let from = p.start_pos + 1;
-                                        let told = &vs.committed()[from..=from + f.judged];
+                                        let told = &vs.committed()[from..=from + f.accepted];
                                         for (i, &token) in told.iter().enumerate() {
                                             events.push(Event::Decoded {
                                                 session: id,

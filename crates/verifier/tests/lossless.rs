@@ -143,8 +143,10 @@ struct Seen {
     /// (by a verdict or by a decode).
     side_verdicts: usize,
     branch_hits: usize,
-    /// Forwards that fed only part of a block drafted under a larger grant than the current one.
+    /// Forwards that fed only part of a block drafted under a larger grant than the current one,
+    /// and turns in which such a block was a token tree.
     partial: usize,
+    partial_trees: usize,
 }
 
 impl World {
@@ -159,7 +161,17 @@ impl World {
         self.now_us += 1_000;
         let t = self.v.turn(self.now_us);
         self.seen.takeovers += t.takeovers;
-        self.seen.partial = self.v.stats.partial_verifies as usize;
+        let partial = self.v.stats.partial_verifies as usize;
+        // The block trimmed in this turn covers the first position it tells.
+        let at = self.told;
+        self.seen.partial_trees += usize::from(
+            partial > self.seen.partial
+                && self
+                    .sent
+                    .values()
+                    .any(|b| b.is_tree() && b.start_pos <= at && at < b.start_pos + b.reach()),
+        );
+        self.seen.partial = partial;
         for o in t.out {
             if o.session != self.id {
                 if o.msg.ends() {
@@ -554,7 +566,7 @@ fn the_interleavings_reach_every_path() {
     use proptest::test_runner::TestRunner;
     let mut runner = TestRunner::deterministic();
     let cases = 200;
-    let mut with = [0usize; 9];
+    let mut with = [0usize; 10];
     for _ in 0..cases {
         let (c, schedule) = case().new_tree(&mut runner).unwrap().current();
         let s = run(c, &schedule).unwrap();
@@ -568,6 +580,7 @@ fn the_interleavings_reach_every_path() {
             s.side_verdicts,
             s.branch_hits.saturating_sub(s.side_verdicts),
             s.partial,
+            s.partial_trees,
         ];
         for (n, t) in with.iter_mut().zip(took) {
             *n += usize::from(t > 0);
@@ -583,10 +596,11 @@ fn the_interleavings_reach_every_path() {
         "verdicts ending in a branch",
         "decodes diverted into a branch",
         "blocks trimmed to a smaller grant",
+        "token trees trimmed to a smaller grant",
     ];
     // The tree paths need a tree, a miss and a second choice that hits: rarer by design; a
     // trimmed block needs the grant to shrink under blocks in flight that the draft got right.
-    let min = [5, 5, 5, 5, 5, 5, 10, 10, 50].map(|d| cases / d);
+    let min = [5, 5, 5, 5, 5, 5, 10, 10, 50, 50].map(|d| cases / d);
     for ((name, n), min) in names.iter().zip(with).zip(min) {
         assert!(n >= min, "only {n} of {cases} cases had {name}: {with:?}");
     }
