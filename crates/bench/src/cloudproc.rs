@@ -1,9 +1,9 @@
 //! The benchmarks' verifier: `tandem cloud serve` as a process of its own, pinned to its cores, and
 //! a netem proxy in front of it.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Lines};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStderr, Command, Stdio};
 
 use crate::netem::NetemConfig;
 use anyhow::{anyhow, bail, Context, Result};
@@ -50,25 +50,17 @@ impl CloudProcess {
         if !cpus.is_empty() {
             cmd.args(["--cpus", &cpus.to_string()]);
         }
-        let mut child = cmd.spawn().context("starting `tandem cloud serve`")?;
-        let stderr = child.stderr.take().expect("stderr is piped");
-        let mut lines = BufReader::new(stderr).lines();
-        let mut said = String::new();
         let mut metrics_addr = None;
-        let addr = loop {
-            let Some(line) = lines.next().transpose()? else {
-                let _ = child.kill();
-                bail!("the verifier process exited before listening: {said}");
-            };
-            if let Some(a) = line.strip_prefix("metrics on http://") {
-                metrics_addr = a.strip_suffix("/metrics").map(str::to_string);
-            }
-            if let Some(a) = line.strip_prefix("tandem verifier listening on ") {
-                break a.split_whitespace().next().unwrap_or_default().to_string();
-            }
-            said.push_str(&line);
-            said.push('\n');
-        };
+        let (child, addr, lines) = spawn_until(
+            cmd,
+            "the verifier process",
+            "tandem verifier listening on ",
+            |line| {
+                if let Some(a) = line.strip_prefix("metrics on http://") {
+                    metrics_addr = a.strip_suffix("/metrics").map(str::to_string);
+                }
+            },
+        )?;
         // Keep draining its stderr so that it never blocks on a full pipe; what it logs (at the
         // level TANDEM_LOG asks for) goes on to ours.
         std::thread::spawn(move || {
@@ -88,17 +80,9 @@ impl CloudProcess {
                 .args(["--upstream", &me.addr])
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped());
-            let mut front = cmd
-                .spawn()
-                .context("starting the proxy in the cloud's namespace")?;
-            let mut lines = BufReader::new(front.stderr.take().expect("stderr is piped")).lines();
-            let said = lines.next().transpose()?.unwrap_or_default();
+            let (front, addr, lines) = spawn_until(cmd, "the cloud's proxy", "netem ", |_| {})?;
             me.front = Some(front);
-            me.addr = said
-                .strip_prefix("netem ")
-                .and_then(|r| r.split_whitespace().next())
-                .ok_or_else(|| anyhow!("the cloud's proxy did not start: {said}"))?
-                .to_string();
+            me.addr = addr;
             std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
         }
         Ok(me)
@@ -143,14 +127,42 @@ impl Drop for CloudProcess {
     }
 }
 
+/// Start `cmd` (its stderr piped) and read its stderr up to the line that starts with `ready`:
+/// the child, the first word after `ready` (its address), and the rest of its stderr, which the
+/// caller keeps draining. `seen` hears every line before that one; a child that exits first is
+/// an error that quotes them.
+fn spawn_until(
+    mut cmd: Command,
+    what: &str,
+    ready: &str,
+    mut seen: impl FnMut(&str),
+) -> Result<(Child, String, Lines<BufReader<ChildStderr>>)> {
+    let mut child = cmd.spawn().with_context(|| format!("starting {what}"))?;
+    let mut lines = BufReader::new(child.stderr.take().expect("stderr is piped")).lines();
+    let mut said = String::new();
+    loop {
+        let Some(line) = lines.next().transpose()? else {
+            let _ = child.kill();
+            bail!("{what} exited before listening: {said}");
+        };
+        if let Some(rest) = line.strip_prefix(ready) {
+            let addr = rest
+                .split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_string();
+            return Ok((child, addr, lines));
+        }
+        seen(&line);
+        said.push_str(&line);
+        said.push('\n');
+    }
+}
+
 /// `exe`, run in the cloud's namespace when there is one.
 fn in_namespace(netns: Option<&crate::netns::Placement>, exe: &Path) -> Command {
     match netns {
-        Some(p) => {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", &p.cloud]).arg(exe);
-            c
-        }
+        Some(p) => p.command(exe),
         None => Command::new(exe),
     }
 }

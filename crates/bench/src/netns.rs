@@ -6,6 +6,7 @@
 //! Needs root, `ip` and `tc` (iproute2) and `nft` (nftables); [`unavailable`] says which is
 //! missing.
 
+use std::ffi::OsStr;
 use std::net::Ipv4Addr;
 use std::process::{Command, Stdio};
 
@@ -15,19 +16,22 @@ use anyhow::{bail, Context, Result};
 #[derive(Debug, Clone, Copy, PartialEq, clap::Args)]
 pub struct KernelLink {
     /// The veth link's rate in each direction (a tbf queue), kbit/s.
-    #[arg(long = "link-rate-kbit", default_value_t = 20_000)]
+    #[arg(long = "link-rate-kbit", default_value_t = DEFAULT_LINK.rate_kbit)]
     pub rate_kbit: u32,
     /// Packets each side drops as it sends them (nftables `numgen random`), %.
-    #[arg(long = "link-loss-pct", default_value_t = 0.0)]
+    #[arg(long = "link-loss-pct", default_value_t = DEFAULT_LINK.loss_pct)]
     pub loss_pct: f64,
 }
 
+/// 20 Mbit/s, no loss.
+const DEFAULT_LINK: KernelLink = KernelLink {
+    rate_kbit: 20_000,
+    loss_pct: 0.0,
+};
+
 impl Default for KernelLink {
     fn default() -> Self {
-        Self {
-            rate_kbit: 20_000,
-            loss_pct: 0.0,
-        }
+        DEFAULT_LINK
     }
 }
 
@@ -136,30 +140,24 @@ impl Netns {
             run(Command::new("ip").args(["-n", ns, "link", "set", "lo", "up"]))?;
             run(Command::new("ip").args(["-n", ns, "link", "set", ns, "up"]))?;
             let rate = format!("{}kbit", self.link.rate_kbit);
-            run(Command::new("ip")
-                .args(["netns", "exec", ns, "tc", "qdisc", "add", "dev", ns])
-                .args([
-                    "root", "tbf", "rate", &rate, "burst", "32kbit", "latency", "400ms",
-                ]))?;
+            run(exec_in(ns, "tc").args(["qdisc", "add", "dev", ns]).args([
+                "root", "tbf", "rate", &rate, "burst", "32kbit", "latency", "400ms",
+            ]))?;
             if self.link.loss_pct > 0.0 {
                 // Per mille, on what leaves through the veth (not the namespace's loopback).
                 let per_mille = (self.link.loss_pct * 10.0).round() as u32;
                 let rules = format!(
                     "table inet tandem_loss {{\n  chain out {{\n    type filter hook output priority 0; policy accept;\n    oifname \"{ns}\" numgen random mod 1000 < {per_mille} counter drop\n  }}\n}}\n"
                 );
-                let mut nft = Command::new("ip");
-                nft.args(["netns", "exec", ns, "nft", "-f", "-"]);
-                run_with_input(&mut nft, &rules)?;
+                run_with_input(exec_in(ns, "nft").args(["-f", "-"]), &rules)?;
             }
         }
         Ok(())
     }
 
     /// `program` run inside one side's namespace.
-    pub fn command(&self, side: Side, program: impl AsRef<std::ffi::OsStr>) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", self.name(side)]).arg(program);
-        c
+    pub fn command(&self, side: Side, program: impl AsRef<OsStr>) -> Command {
+        exec_in(self.name(side), program)
     }
 
     pub fn name(&self, side: Side) -> &str {
@@ -171,17 +169,9 @@ impl Netns {
 
     /// Packets the loss rule dropped on `side` so far (None: no rule).
     pub fn dropped(&self, side: Side) -> Option<u64> {
-        let out = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                self.name(side),
-                "nft",
-                "list",
-                "table",
-                "inet",
-            ])
-            .arg("tandem_loss")
+        let out = self
+            .command(side, "nft")
+            .args(["list", "table", "inet", "tandem_loss"])
             .output()
             .ok()?;
         let text = String::from_utf8_lossy(&out.stdout);
@@ -204,6 +194,13 @@ impl Drop for Netns {
     fn drop(&mut self) {
         self.delete();
     }
+}
+
+/// `program` run inside the namespace `ns`.
+fn exec_in(ns: &str, program: impl AsRef<OsStr>) -> Command {
+    let mut c = Command::new("ip");
+    c.args(["netns", "exec", ns]).arg(program);
+    c
 }
 
 fn run(c: &mut Command) -> Result<()> {
@@ -240,6 +237,13 @@ fn run_with_input(c: &mut Command, input: &str) -> Result<()> {
 pub struct Placement {
     pub cloud: String,
     pub cloud_ip: Ipv4Addr,
+}
+
+impl Placement {
+    /// `program` run inside the verifier's namespace.
+    pub fn command(&self, program: impl AsRef<OsStr>) -> Command {
+        exec_in(&self.cloud, program)
+    }
 }
 
 static CURRENT: std::sync::OnceLock<Placement> = std::sync::OnceLock::new();

@@ -495,12 +495,7 @@ fn two_tenants(extra: &[&str]) -> (Proc, Tenant, Tenant) {
 /// Requests the verifier is running, from its metrics.
 fn running(v: &Proc) -> f64 {
     let m = metrics_of(v.also_port.unwrap());
-    m.lines()
-        .find_map(|l| l.strip_prefix("tandem:num_requests_running "))
-        .expect("the running gauge")
-        .trim()
-        .parse()
-        .unwrap()
+    metric(&m, "tandem:num_requests_running").expect("the running gauge")
 }
 
 /// Poll `ok` (a wait that never ends is a hung test, not a clock's verdict).
@@ -591,16 +586,10 @@ fn a_client_that_reads_a_byte_a_second_does_not_hold_the_verifier() {
 /// Forwards of more than 32 tokens so far, from the verifier's metrics.
 fn forwards_over_32(v: &Proc) -> f64 {
     let m = metrics_of(v.also_port.unwrap());
-    let value = |prefix: &str| -> f64 {
-        m.lines()
-            .find_map(|l| l.strip_prefix(prefix))
-            .unwrap_or_else(|| panic!("{prefix} in the metrics"))
-            .trim()
-            .parse()
-            .unwrap()
-    };
-    value("tandem:iteration_tokens_total_count ")
-        - value("tandem:iteration_tokens_total_bucket{le=\"32\"} ")
+    let value =
+        |series: &str| metric(&m, series).unwrap_or_else(|| panic!("{series} in the metrics"));
+    value("tandem:iteration_tokens_total_count")
+        - value("tandem:iteration_tokens_total_bucket{le=\"32\"}")
 }
 
 #[test]

@@ -18,8 +18,9 @@ const KEY_B: &str = "tk-ledger-tenant-b-000";
 fn serve(tenants: &Path, ledger: &Path) -> Proc {
     let (t, l) = (tenants.to_str().unwrap(), ledger.to_str().unwrap());
     // Fixed grants: the verifier never takes a session over, so the speculation sessions'
-    // drafts are judged (in CI, twice, every token of three async runs came from the verifier
-    // with its grants adapting; never on this machine otherwise).
+    // drafts are judged. With adaptive grants, an edge slower than cloud decoding at the stated
+    // forward cost (a slow or busy machine: this one with two busy loops beside it, and CI
+    // twice) is taken over by pace, and every token is the verifier's.
     verifier(&[
         "--tenants",
         t,

@@ -213,15 +213,9 @@ fn chat(prompt: &str, max_tokens: usize) -> Value {
     })
 }
 
-/// One series of a Prometheus text exposition (`name` or `name{label="v"}`); 0 when absent.
+/// One series of a Prometheus text exposition ([`metric`]); 0 when absent.
 fn sample(text: &str, series: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let (name, value) = l.rsplit_once(' ')?;
-            (name == series).then(|| value.parse().unwrap())
-        })
-        .unwrap_or(0.0)
+    metric(text, series).unwrap_or(0.0)
 }
 
 fn metrics(port: u16) -> String {

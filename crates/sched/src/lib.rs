@@ -187,6 +187,9 @@ pub struct StepPlan {
     pub chunks: Vec<Chunk>,
     /// Sessions whose KV was dropped to make room; they recompute later.
     pub preempted: Vec<SessionId>,
+    /// Sessions of two tenants or more were open: the plan kept to the contended budget
+    /// ([`SchedConfig::contended_budget`]), if there is one.
+    pub contended: bool,
 }
 
 impl StepPlan {
@@ -644,15 +647,10 @@ impl Scheduler {
         (self.share(tenant) * self.pool.num_blocks() as f64).ceil() as usize
     }
 
-    /// The default KV quota between tenants: whether `tenant` holds more than its weighted share
-    /// of the pool. When the pool is full, a tenant over its share makes room from its own
-    /// sessions only, and one within its share from those over theirs first, so that one
-    /// tenant's sessions cannot take the KV of everyone else's.
-    fn over_kv_share(&self, tenant: TenantId) -> bool {
-        self.tenants.len() > 1 && self.tenant_blocks(tenant) > self.kv_share(tenant)
-    }
-
-    /// The tenants over their share of the pool (see [`Scheduler::over_kv_share`]).
+    /// The default KV quota between tenants: the tenants that hold more than their weighted
+    /// share of the pool (none with one tenant). When the pool is full, a tenant over its share
+    /// makes room from its own sessions only, and one within its share from those over theirs
+    /// first, so that one tenant's sessions cannot take the KV of everyone else's.
     fn tenants_over_kv_share(&self) -> Vec<TenantId> {
         if self.tenants.len() < 2 {
             return Vec::new();
@@ -677,7 +675,7 @@ impl Scheduler {
 
     /// Drop the KV of the least recently active session not in `keep` that holds blocks: of
     /// `tenant` only, when given, or of `by` itself when it is over its share of the pool; else
-    /// of the tenants over their share first (see [`Scheduler::over_kv_share`]).
+    /// of the tenants over their share first (see [`Scheduler::tenants_over_kv_share`]).
     fn preempt_one(
         &mut self,
         keep: &[SessionId],
@@ -701,21 +699,18 @@ impl Scheduler {
                 )
             })
             .map(|(id, _)| *id)?;
-        self.evict(victim, by);
+        self.evict(victim, by, &over);
         Some(victim)
     }
 
     /// Drop `victim`'s KV for a session of tenant `by`. When `by` is another tenant, it is
-    /// billed the recompute of what the victim held (the victim did not choose to lose it).
-    fn evict(&mut self, victim: SessionId, by: TenantId) {
-        // A tenant over its share of the pool pays for its own recompute.
-        let over = self
-            .sessions
-            .get(&victim)
-            .is_some_and(|s| self.over_kv_share(s.tenant));
+    /// billed the recompute of what the victim held (the victim did not choose to lose it),
+    /// unless the victim's tenant is among `over`, those over their share of the pool
+    /// ([`Scheduler::tenants_over_kv_share`]): such a tenant pays for its own recompute.
+    fn evict(&mut self, victim: SessionId, by: TenantId, over: &[TenantId]) {
         self.pool.free_all(victim);
         if let Some(s) = self.sessions.get_mut(&victim) {
-            if s.tenant != by && s.computed > 0 && !over {
+            if s.tenant != by && s.computed > 0 && !over.contains(&s.tenant) {
                 let owed = s.evicted_by.map_or(0, |(_, n)| n).max(s.computed);
                 s.evicted_by = Some((by, owed));
             }
@@ -765,7 +760,7 @@ impl Scheduler {
             .filter(|(id, s)| !keep.contains(id) && s.computed > 0 && over.contains(&s.tenant))
             .min_by_key(|(id, s)| (s.last_active, std::cmp::Reverse(s.arrival), **id))
             .map(|(id, _)| *id)?;
-        self.evict(victim, by);
+        self.evict(victim, by, &over);
         Some(victim)
     }
 
@@ -794,7 +789,7 @@ impl Scheduler {
             })
             .min_by_key(|(id, s)| (!over.contains(&s.tenant), s.last_active, **id))
             .map(|(id, _)| *id)?;
-        self.evict(victim, by);
+        self.evict(victim, by, &over);
         Some(victim)
     }
 
@@ -847,9 +842,14 @@ impl Scheduler {
     /// The token budget of the next forward: [`SchedConfig::contended_budget`] while sessions of
     /// two tenants or more are open, else [`SchedConfig::token_budget`].
     pub fn budget(&self) -> usize {
+        self.budget_when(self.contended())
+    }
+
+    /// [`Scheduler::budget`], given whether sessions of two tenants or more are open.
+    fn budget_when(&self, contended: bool) -> usize {
         let full = self.cfg.token_budget;
         match self.cfg.contended_budget {
-            Some(c) if c < full && self.contended() => c,
+            Some(c) if c < full && contended => c,
             _ => full,
         }
     }
@@ -864,7 +864,8 @@ impl Scheduler {
             iteration: self.iteration,
             ..StepPlan::default()
         };
-        let full = self.budget();
+        plan.contended = self.contended();
+        let full = self.budget_when(plan.contended);
         let mut budget = full;
         let mut taken: Vec<SessionId> = Vec::new();
         // Verify comes first, but while prompts wait it leaves them a quarter of the budget, so a

@@ -357,19 +357,23 @@ fn the_evictor_is_billed_for_the_victims_recompute() {
     assert_eq!(s.tenant_billed(TenantId(1)), 8 + 2);
 }
 
-/// Two tenants of weight 1 under these global limits.
-fn two_equal_tenants(max_sessions: usize, max_waiting_tokens: usize) -> Scheduler {
-    let mut s = Scheduler::new(SchedConfig {
-        max_sessions,
-        max_waiting_tokens,
-        ..SchedConfig::new(64, 4, 1024)
-    })
-    .unwrap();
+/// Tenants 1 and 2 of weight 1 under `cfg`.
+fn equal_tenants(cfg: SchedConfig) -> Scheduler {
+    let mut s = Scheduler::new(cfg).unwrap();
     for t in [1, 2] {
         s.set_tenant(TenantId(t), TenantConfig::weight(1.0))
             .unwrap();
     }
     s
+}
+
+/// Two tenants of weight 1 under these global limits.
+fn two_equal_tenants(max_sessions: usize, max_waiting_tokens: usize) -> Scheduler {
+    equal_tenants(SchedConfig {
+        max_sessions,
+        max_waiting_tokens,
+        ..SchedConfig::new(64, 4, 1024)
+    })
 }
 
 #[test]
@@ -438,23 +442,17 @@ fn prompts_take_at_most_a_quarter_of_a_forward_while_sessions_decode() {
 }
 
 /// Tenants 1 and 2 of equal weight, `budget` tokens a forward, `blocks` KV blocks of 4 tokens.
-fn equal_tenants(budget: usize, blocks: usize, contended_budget: Option<usize>) -> Scheduler {
-    let mut s = Scheduler::new(SchedConfig {
+fn budgeted_tenants(budget: usize, blocks: usize, contended_budget: Option<usize>) -> Scheduler {
+    equal_tenants(SchedConfig {
         max_waiting_tokens: 10_000,
         contended_budget,
         ..SchedConfig::new(budget, 4, blocks)
     })
-    .unwrap();
-    for t in [1, 2] {
-        s.set_tenant(TenantId(t), TenantConfig::weight(1.0))
-            .unwrap();
-    }
-    s
 }
 
 #[test]
 fn while_two_tenants_are_open_forwards_keep_to_the_contended_budget() {
-    let mut s = equal_tenants(32, 1000, Some(6));
+    let mut s = budgeted_tenants(32, 1000, Some(6));
     // One tenant's forty decoding sessions alone: the whole budget.
     for id in 0..40u64 {
         s.open(SessionId(id), TenantId(1), 4).unwrap();
@@ -539,7 +537,7 @@ fn while_two_tenants_are_open_forwards_keep_to_the_contended_budget() {
 #[test]
 fn a_full_pool_makes_room_from_the_tenant_over_its_share() {
     // 8 blocks of 4 tokens, two tenants of equal weight: a share of 4 blocks each.
-    let mut s = equal_tenants(32, 8, None);
+    let mut s = budgeted_tenants(32, 8, None);
     // Tenant 2's one session (a block) is computed first, then tenant 1's three (seven blocks):
     // the pool is full and tenant 2's session is the least recently active.
     s.open(SessionId(20), TenantId(2), 4).unwrap();
@@ -578,7 +576,7 @@ fn a_prompt_within_its_tenants_share_takes_room_from_a_busy_tenant_over_its_shar
     // fill the pool and keep busy: each has a one-token block queued every iteration (rejected,
     // so its KV stays within its two blocks), and none is ever idle. (A budget of 4: a forward
     // holds three of them, the fourth waits for the next.)
-    let mut s = equal_tenants(4, 8, None);
+    let mut s = budgeted_tenants(4, 8, None);
     for id in 10..14 {
         s.open(SessionId(id), TenantId(1), 7).unwrap();
     }

@@ -90,8 +90,8 @@ pub struct VerifierStats {
     pub blocks_stale: u64,
     pub blocks_covered: u64,
     pub blocks_contradicted: u64,
-    /// Forwards that fed only the first tokens of a block drafted under a larger grant than the
-    /// session's now, all right, with more of the block to come (see
+    /// Forwards that fed only the first positions of a block drafted under a larger grant than
+    /// the session's now, which the target followed, with more of the block to come (see
     /// [`tandem_spec::Finished::partial`]).
     pub partial_verifies: u64,
     /// Tokens of speculation sessions the verifier decoded itself.
@@ -103,6 +103,8 @@ pub struct VerifierStats {
     /// Sessions and tokens of the last forward, and how long it took (µs, as the target timed it).
     pub last_batch: (usize, usize),
     pub last_forward_us: u32,
+    /// The last forward was planned while sessions of two tenants or more were open.
+    pub last_contended: bool,
     /// Tokens recomputed after preemption.
     pub recomputed_tokens: u64,
 }

@@ -111,6 +111,7 @@ impl<T: Target, H> VerifierCore<T, H> {
         let n: usize = plan.tokens();
         self.stats.max_batch = self.stats.max_batch.max(chunks.len());
         self.stats.last_batch = (chunks.len(), n);
+        self.stats.last_contended = plan.contended;
         let avg = &mut self.stats.tokens_per_forward;
         *avg += 0.2 * (n as f64 - *avg);
         let (forward, verify_us) = self.engine.forward_timed(&chunks, &tables);

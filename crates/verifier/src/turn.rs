@@ -275,8 +275,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 self.iteration_ms += 0.1 * (ms - self.iteration_ms);
                 turn.ends_us = now_us + us;
                 self.control.on_forward(turn.ends_us / 1000, tokens, ms);
-                let contended = self.sched.contended();
-                self.adapt_contended(tokens, ms, contended);
+                self.adapt_contended(tokens, ms, self.stats.last_contended);
                 turn.forward = Some(ForwardDone {
                     sessions,
                     tokens,

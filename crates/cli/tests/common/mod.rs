@@ -291,6 +291,15 @@ impl Drop for Proc {
     }
 }
 
+/// One series of a Prometheus text exposition (`name` or `name{label="v"}`): its value, None
+/// when absent.
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (name, value) = l.rsplit_once(' ')?;
+        (name == series).then(|| value.parse().unwrap())
+    })
+}
+
 /// The port of the first `HOST:PORT` (or `scheme://HOST:PORT`) word of `rest`.
 fn port_of(rest: &str) -> Option<u16> {
     rest.split_whitespace()
