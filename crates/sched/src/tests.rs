@@ -357,6 +357,17 @@ fn the_evictor_is_billed_for_the_victims_recompute() {
     assert_eq!(s.tenant_billed(TenantId(1)), 8 + 2);
 }
 
+/// The forward of `p` ran: every verify chunk's tokens are in its KV.
+fn update_verified(s: &mut Scheduler, p: &StepPlan) {
+    let kv: Vec<_> = p
+        .chunks
+        .iter()
+        .filter(|c| c.kind == WorkKind::Verify)
+        .map(|c| (c.session, c.start + c.len))
+        .collect();
+    s.update(p, &kv);
+}
+
 /// Tenants 1 and 2 of weight 1 under `cfg`.
 fn equal_tenants(cfg: SchedConfig) -> Scheduler {
     let mut s = Scheduler::new(cfg).unwrap();
@@ -427,13 +438,7 @@ fn prompts_take_at_most_a_quarter_of_a_forward_while_sessions_decode() {
             .sum();
         assert!(p.chunks.iter().any(|c| c.kind == WorkKind::Verify));
         assert!(prefill <= 16, "{prefill} prompt tokens beside a decode");
-        let kv: Vec<_> = p
-            .chunks
-            .iter()
-            .filter(|c| c.kind == WorkKind::Verify)
-            .map(|c| (c.session, c.start + c.len))
-            .collect();
-        s.update(&p, &kv);
+        update_verified(&mut s, &p);
     }
     // Alone, a prompt takes the whole budget.
     s.close(SessionId(1));
@@ -467,13 +472,7 @@ fn while_two_tenants_are_open_forwards_keep_to_the_contended_budget() {
                 }
             }
             let p = s.schedule(0);
-            let kv: Vec<_> = p
-                .chunks
-                .iter()
-                .filter(|c| c.kind == WorkKind::Verify)
-                .map(|c| (c.session, c.start + c.len))
-                .collect();
-            s.update(&p, &kv);
+            update_verified(s, &p);
             if p.chunks.iter().all(|c| c.kind == WorkKind::Verify) {
                 return p;
             }
@@ -503,13 +502,7 @@ fn while_two_tenants_are_open_forwards_keep_to_the_contended_budget() {
         .collect();
     assert_eq!(prefill, vec![(SessionId(100), 3)], "{p:?}");
     assert_eq!(p.tokens(), 6, "{p:?}");
-    let kv: Vec<_> = p
-        .chunks
-        .iter()
-        .filter(|c| c.kind == WorkKind::Verify)
-        .map(|c| (c.session, c.start + c.len))
-        .collect();
-    s.update(&p, &kv);
+    update_verified(&mut s, &p);
     for _ in 0..20 {
         let p = decode_all(&mut s);
         assert!(p.tokens() <= 6, "{p:?}");
