@@ -1055,7 +1055,7 @@ fn the_live_view_in_a_real_browser_shows_the_targets_answer() {
     );
     assert_eq!(
         r["saw_tentative"], true,
-        "tentative draft tokens were shown"
+        "the view was given tentative draft tokens: {r}"
     );
     assert_eq!(r["unverified"], 0);
     assert!(r["status"].as_str().unwrap().starts_with("done"), "{r}");

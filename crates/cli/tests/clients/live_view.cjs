@@ -25,18 +25,29 @@ const { chromium } = require("playwright-core");
     await page.goto(url);
     await page.fill("#prompt", prompt);
     await page.fill("#max_tokens", String(maxTokens));
+    // Tentative tokens are put in the view while the answer streams. A mutation observer records
+    // every text the tentative tail is given: sampling the page would miss them where the browser
+    // reads the whole stream in one go (a loaded machine, a fast loopback answer).
+    await page.evaluate(() => {
+      window.__tentative = [];
+      new MutationObserver((records) => {
+        for (const r of records) {
+          const el = r.target.nodeType === Node.TEXT_NODE ? r.target.parentElement : r.target;
+          if (!el || !el.classList || !el.classList.contains("tent")) continue;
+          for (const n of r.addedNodes) if (n.data) window.__tentative.push(n.data);
+          if (r.type === "characterData" && r.target.data) window.__tentative.push(r.target.data);
+        }
+      }).observe(document.getElementById("answer"), {
+        subtree: true,
+        childList: true,
+        characterData: true,
+      });
+    });
     await page.click("#send");
-    // Tentative tokens show while the answer streams.
-    let sawTentative = false;
     const t0 = Date.now();
     while (Date.now() - t0 < 120000) {
-      const state = await page.evaluate(() => ({
-        done: document.body.dataset.done,
-        tent: document.querySelector("#answer .tent").textContent,
-      }));
-      if (state.tent.length > 0) sawTentative = true;
-      if (state.done) break;
-      await page.waitForTimeout(5);
+      if (await page.evaluate(() => document.body.dataset.done)) break;
+      await page.waitForTimeout(20);
     }
     const out = await page.evaluate(() => ({
       done: document.body.dataset.done || null,
@@ -49,7 +60,8 @@ const { chromium } = require("playwright-core");
       tokens: document.getElementById("tokens").textContent,
       status: document.getElementById("status").textContent,
     }));
-    out.saw_tentative = sawTentative;
+    out.tentative_shown = await page.evaluate(() => window.__tentative.length);
+    out.saw_tentative = out.tentative_shown > 0;
     out.page_errors = errors;
     await page.screenshot({ path: screenshot, fullPage: true });
     console.log(JSON.stringify(out));
