@@ -44,9 +44,9 @@ fn speculation_between_two_network_namespaces_with_rate_limit_and_loss_is_lossle
 
     let (m, tok) = target();
     let prompt = "The history of the printing press begins in";
-    let ids = tok.encode(prompt).unwrap();
+    let prompt_ids = tok.encode(prompt).unwrap();
     const N: usize = 24;
-    let want = greedy(&mut engine(m), SeqId(3), &ids, N);
+    let want = greedy(&mut engine(m), SeqId(3), &prompt_ids, N);
     let cut = want
         .iter()
         .position(|&t| tok.is_eog(t))
@@ -60,13 +60,11 @@ fn speculation_between_two_network_namespaces_with_rate_limit_and_loss_is_lossle
             .args(["--prompt", prompt, "--json"])
             .args(["--max-tokens", &N.to_string()]);
         let out: Value = serde_json::from_slice(&stdout_of(mode, &mut edge)).unwrap();
-        let got: Vec<u32> = out["output_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect();
-        assert_eq!(got, want[..cut], "{mode} between two namespaces");
+        assert_eq!(
+            ids(&out["output_ids"]),
+            want[..cut],
+            "{mode} between two namespaces"
+        );
     }
     // The kernel dropped packets, and TCP carried the answers through. (Each side's count is a
     // random draw over the packets it sent: one CI run saw 0 on the edge's side and 4 on the

@@ -19,14 +19,6 @@ fn fixture(name: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
 }
 
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
 #[test]
 fn tokenizer_matches_the_reference_tokenizer() {
     let (_, tok) = target();

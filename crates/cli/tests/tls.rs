@@ -87,13 +87,7 @@ fn speculation_over_tls_is_the_targets_and_plaintext_or_a_wrong_ca_is_refused() 
         String::from_utf8_lossy(&out.stderr)
     );
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let ids: Vec<u32> = v["output_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect();
-    assert_eq!(ids, want[..cut], "through TLS");
+    assert_eq!(ids(&v["output_ids"]), want[..cut], "through TLS");
 
     // A plaintext client at the TLS port, a client trusting another CA, and a CA with an
     // http:// URL are refused, each with a reason.

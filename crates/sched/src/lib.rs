@@ -684,12 +684,23 @@ impl Scheduler {
     ) -> Option<SessionId> {
         let over = self.tenants_over_kv_share();
         let tenant = tenant.or_else(|| over.contains(&by).then_some(by));
-        let victim = self
-            .sessions
+        let victim = self.least_active(&over, |id, s| {
+            !keep.contains(id) && tenant.is_none_or(|t| s.tenant == t)
+        })?;
+        self.evict(victim, by, &over);
+        Some(victim)
+    }
+
+    /// The least recently active session that holds KV and is a `candidate`: of the tenants in
+    /// `over` first, the latest to arrive among equals.
+    fn least_active(
+        &self,
+        over: &[TenantId],
+        candidate: impl Fn(&SessionId, &Session) -> bool,
+    ) -> Option<SessionId> {
+        self.sessions
             .iter()
-            .filter(|(id, s)| {
-                !keep.contains(id) && s.computed > 0 && tenant.is_none_or(|t| s.tenant == t)
-            })
+            .filter(|(id, s)| s.computed > 0 && candidate(id, s))
             .min_by_key(|(id, s)| {
                 (
                     !over.contains(&s.tenant),
@@ -698,9 +709,7 @@ impl Scheduler {
                     **id,
                 )
             })
-            .map(|(id, _)| *id)?;
-        self.evict(victim, by, &over);
-        Some(victim)
+            .map(|(id, _)| *id)
     }
 
     /// Drop `victim`'s KV for a session of tenant `by`. When `by` is another tenant, it is
@@ -754,12 +763,9 @@ impl Scheduler {
         if over.contains(&by) {
             return None;
         }
-        let victim = self
-            .sessions
-            .iter()
-            .filter(|(id, s)| !keep.contains(id) && s.computed > 0 && over.contains(&s.tenant))
-            .min_by_key(|(id, s)| (s.last_active, std::cmp::Reverse(s.arrival), **id))
-            .map(|(id, _)| *id)?;
+        let victim = self.least_active(&over, |id, s| {
+            !keep.contains(id) && over.contains(&s.tenant)
+        })?;
         self.evict(victim, by, &over);
         Some(victim)
     }
@@ -988,11 +994,14 @@ impl Scheduler {
                 let v = self
                     .preempt_idle(&keep, since, own.then_some(tenant), tenant)
                     .or_else(|| {
+                        if own {
+                            return None;
+                        }
                         // (Sessions passed over this iteration hold nothing it needs.)
                         let mut planned: Vec<SessionId> =
                             plan.chunks.iter().map(|c| c.session).collect();
                         planned.push(id);
-                        (!own).then(|| self.preempt_over_share(&planned, tenant))?
+                        self.preempt_over_share(&planned, tenant)
                     });
                 match v {
                     Some(v) => plan.preempted.push(v),

@@ -300,6 +300,15 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
     })
 }
 
+/// A JSON array of token ids (`output_ids` in `generate --json`, a fixture's).
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
 /// The port of the first `HOST:PORT` (or `scheme://HOST:PORT`) word of `rest`.
 fn port_of(rest: &str) -> Option<u16> {
     rest.split_whitespace()
