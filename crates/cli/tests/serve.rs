@@ -297,7 +297,15 @@ fn check_whole(r: &Value, want: &Expect, prompt_tokens: usize, tally: &mut Tally
 #[test]
 fn the_openai_api_answers_with_the_targets_greedy_output_and_counts_it_exactly() {
     let tok = &target().1;
-    let v = verifier(&["--metrics-listen", "127.0.0.1:0"]);
+    // Every block judged (no takeover, no decoding a session alone), so that some drafts are
+    // accepted however slow the draft is beside the target.
+    let v = verifier(&[
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--fixed-grants",
+        "--await-drafts-ms",
+        "5000",
+    ]);
     let e = edge(&[format!("http://127.0.0.1:{}", v.port)], &[]);
     let port = e.port;
 
@@ -1029,7 +1037,8 @@ fn the_unmodified_openai_client_gets_the_targets_answers_in_plaintext_and_over_t
 #[test]
 fn the_live_view_in_a_real_browser_shows_the_targets_answer() {
     let (_, node_path) = test_deps();
-    let v = verifier(&[]);
+    // Every block judged, so that tentative drafts show however slow the draft.
+    let v = verifier(&["--fixed-grants", "--await-drafts-ms", "5000"]);
     let e = edge(&[format!("http://127.0.0.1:{}", v.port)], &[]);
     let q = "Explain how a bicycle works in three sentences.";
     let want = expected_chat(q, 48);

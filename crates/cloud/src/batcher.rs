@@ -41,9 +41,19 @@ pub fn run_batcher(
     loop {
         gauges.update(&core);
         let first = if !core.has_work() {
-            match rx.recv() {
-                Ok(m) => Some(m),
-                Err(_) => break,
+            // Idle but for sessions waiting for their edges' blocks: wake when a wait runs out.
+            match core.wake_at_us() {
+                None => match rx.recv() {
+                    Ok(m) => Some(m),
+                    Err(_) => break,
+                },
+                Some(at) => {
+                    match rx.recv_timeout(Duration::from_micros(at.saturating_sub(now_us()))) {
+                        Ok(m) => Some(m),
+                        Err(RecvTimeoutError::Timeout) => None,
+                        Err(RecvTimeoutError::Disconnected) => break,
+                    }
+                }
             }
         } else if throttled {
             match rx.recv_timeout(THROTTLED_WAIT) {

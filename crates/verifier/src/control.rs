@@ -243,6 +243,12 @@ impl LoadControl {
         })
     }
 
+    /// Whether the session may draft now: a speculation session whose grant now (told or about
+    /// to be) has γ above 0.
+    pub(crate) fn drafts_granted(&self, c: &Ctl) -> bool {
+        self.grant_now(c).is_some_and(|g| g.draft_len > 0)
+    }
+
     /// A message of a speculation session is going out: `grant` is set when the session's grant
     /// changed since it was last told.
     fn tell_grant(&self, c: &mut Ctl, grant: &mut Option<Shape>) {

@@ -1,6 +1,7 @@
 //! Blocks arriving from an edge, and the plan of a speculation session's next forward: the
 //! oldest usable block verified, or else the session's next token decoded by the verifier
-//! itself. The verifier never idles a speculation session.
+//! itself. The verifier never idles a speculation session (unless told to wait a while for its
+//! edge's blocks: [`crate::VerifierConfig::await_drafts_ms`]).
 
 use tandem_sched::SessionId;
 use tandem_spec::{Block, BlockAction};
@@ -60,6 +61,14 @@ impl<T: Target, H> VerifierCore<T, H> {
             return;
         };
         let taken_over = s.ctl.is_cloud();
+        // Waiting for the edge's blocks (protocol 1's rule, for a while): every block is
+        // verified, and a token decoded alone only once the wait ran out; no wait where the
+        // verifier decodes the session anyway (taken over, or granted γ 0).
+        let patience = match taken_over || !self.control.drafts_granted(&s.ctl) {
+            true => 0,
+            false => self.await_drafts_us,
+        };
+        let now_us = self.now_us;
         // The current grant is enforced: a block drafted under a larger one (in flight when the
         // grant shrank, or from an edge that ignores it) is trimmed to it, not refused.
         let most = match s.ctl.granted().draft_len {
@@ -71,6 +80,7 @@ impl<T: Target, H> VerifierCore<T, H> {
             queue,
             planned,
             draft,
+            waiting_since,
             limit,
             eog,
             ..
@@ -122,7 +132,9 @@ impl<T: Target, H> VerifierCore<T, H> {
                     self.stats.blocks_contradicted += 1;
                     draft.record(pos - b.start_pos, pos - b.start_pos + 1);
                 }
-                Ok(BlockAction::Forward(feed)) if !taken_over && draft.verify(b.index) => {
+                Ok(BlockAction::Forward(feed))
+                    if !taken_over && (patience > 0 || draft.verify(b.index)) =>
+                {
                     // A block too large for one forward could never be verified, nor could one
                     // of a session that outgrew the KV cache: the session ends with the reason
                     // (dropping the block would leave the two sides' epochs apart).
@@ -151,6 +163,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                     }
                     let block = queue.pop_front().expect("invariant: front");
                     *planned = Some(Planned::Verify { block, feed });
+                    *waiting_since = None;
                     return;
                 }
                 // Taken over, or a draft not worth verifying: the block waits until the decoded
@@ -163,6 +176,13 @@ impl<T: Target, H> VerifierCore<T, H> {
         if upgrade {
             return; // the decode step stands
         }
+        if patience > 0 {
+            let since = *waiting_since.get_or_insert(now_us);
+            if now_us < since + patience {
+                return; // it waits for its edge's next block (see VerifierCore::wake_at_us)
+            }
+        }
+        *waiting_since = None;
         let fatal = |e: VerifierError| Event::Error {
             session: id,
             error: e,

@@ -134,6 +134,9 @@ pub(crate) enum Work {
         planned: Option<Planned>,
         /// How often its drafts turn out right: whether verifying its blocks pays.
         draft: DraftRecord,
+        /// Since when (the driver's µs) it has waited for its edge's next block with nothing
+        /// planned ([`crate::VerifierConfig::await_drafts_ms`]).
+        waiting_since: Option<u64>,
         /// Committed tokens (prompt included) at which it ends, and its end-of-generation ids.
         limit: usize,
         eog: Vec<u32>,

@@ -7,7 +7,7 @@ use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{Block, Decoded, Shape, Verdict, VerifyRule};
 
 use crate::control::Load;
-use crate::session::{Event, Meter};
+use crate::session::{Event, Meter, Work};
 use crate::verifier_core::VerifierCore;
 use crate::{Target, VerifierError};
 
@@ -264,6 +264,19 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
         for (id, on) in decisions.takeovers {
             turn.takeovers += usize::from(on);
             events.extend(self.set_takeover(id, on));
+        }
+        // Sessions whose wait for their edge's block ran out: a token decoded alone.
+        let waited: Vec<SessionId> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| {
+                matches!(s.work, Work::Spec { waiting_since: Some(t), planned: None, .. }
+                    if t + self.await_drafts_us <= now_us)
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in waited {
+            self.proceed(id, &mut events);
         }
         if self.has_work() {
             let forwards = self.stats.target_forwards;
@@ -579,6 +592,95 @@ mod tests {
         // A closed session no longer counts.
         v.close(SessionId(3));
         assert!(!v.is_taken_over(SessionId(3)));
+    }
+
+    #[test]
+    fn a_verifier_that_awaits_drafts_verifies_the_blocks_and_decodes_alone_only_after_a_wait() {
+        // The same session twice: the default verifier decodes its tokens while no block is
+        // there; one that waits 50 ms for drafts runs no forward for it until its edge's block
+        // lands, then verifies the block (a drafted token that is wrong included), waits again,
+        // and decodes a token alone once 50 ms have passed without a block.
+        for awaiting in [false, true] {
+            let cfg = VerifierConfig {
+                await_drafts_ms: if awaiting { 50 } else { 0 },
+                ..VerifierConfig::default()
+            };
+            let mut v: VerifierCore<Flat, u64> = VerifierCore::new(FLAT, cfg).unwrap();
+            v.receive(0, open(1, SPEC));
+            let t = v.turn(0);
+            assert!(matches!(t.out[0].msg, ToEdge::Opened { first: 4, .. }));
+            let mut decoded = 0;
+            for now in 1..6 {
+                let t = v.turn(now * 1000);
+                assert_eq!(t.forward.is_some(), !awaiting, "awaiting {awaiting}");
+                decoded += t
+                    .out
+                    .iter()
+                    .filter(|o| matches!(o.msg, ToEdge::Decoded(_)))
+                    .count();
+            }
+            assert_eq!(decoded, if awaiting { 0 } else { 5 });
+            if !awaiting {
+                continue;
+            }
+            // Position q's token is q % 15 + 1: the block's third token is wrong.
+            let block = Block {
+                epoch: 0,
+                index: tandem_spec::BlockId(0),
+                start_pos: 4,
+                tokens: vec![5, 6, 9, 8],
+                q: vec![],
+                side: vec![],
+            };
+            v.receive(
+                6_000,
+                Inbound::Draft {
+                    session: SessionId(1),
+                    block,
+                },
+            );
+            let t = v.turn(6_000);
+            assert_eq!(
+                t.forward.map(|f| f.tokens),
+                Some(5),
+                "the last token and the block"
+            );
+            let verdicts: Vec<_> = t
+                .out
+                .iter()
+                .filter_map(|o| match &o.msg {
+                    ToEdge::Verdict(v) => Some((v.accepted, v.token)),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(verdicts, vec![(2, 7)], "two accepted, then the correction");
+            assert!(
+                v.turn(7_000).forward.is_none(),
+                "waiting for the next block"
+            );
+            // The wait began with the verdict's turn, at 6 ms: it runs out at 56 ms.
+            assert_eq!(v.wake_at_us(), Some(56_000));
+            assert!(v.turn(55_000).forward.is_none());
+            let t = v.turn(56_000);
+            let decoded: Vec<_> = t
+                .out
+                .iter()
+                .filter_map(|o| match &o.msg {
+                    ToEdge::Decoded(d) => Some((d.pos, d.token)),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(
+                decoded,
+                vec![(7, 8)],
+                "a token decoded alone after the wait"
+            );
+            assert_eq!(
+                v.wake_at_us(),
+                Some(106_000),
+                "and a new wait from its turn"
+            );
+        }
     }
 
     #[test]

@@ -47,6 +47,14 @@ pub struct VerifierConfig {
     /// another tenant's tokens by at most this much. 0: no such limit, only --token-budget.
     #[arg(long, default_value_t = DEFAULTS.tenant_slowdown_pct)]
     pub tenant_slowdown_pct: u32,
+    /// Before decoding a token of a speculating session alone (it has no block to verify),
+    /// wait up to this many ms for its edge's next block, and verify every block (as protocol 1
+    /// did). 0, the default: never wait (the verifier never idles a session). For tests and
+    /// measurements of the draft as such: its blocks are judged however slow it is beside the
+    /// target. A session taken over or granted γ 0 is decoded at once; an edge that drafts
+    /// nothing (its draft paused as almost always wrong) gets a token per wait.
+    #[arg(long, default_value_t = DEFAULTS.await_drafts_ms)]
+    pub await_drafts_ms: u64,
 }
 
 /// The smallest contended budget: one session's token and a waiting prompt's chunk.
@@ -60,6 +68,7 @@ const DEFAULTS: VerifierConfig = VerifierConfig {
     max_sessions: 1024,
     max_waiting_tokens: 4096,
     tenant_slowdown_pct: 125,
+    await_drafts_ms: 0,
 };
 
 impl VerifierConfig {
@@ -139,6 +148,8 @@ pub struct VerifierCore<T: Target = Engine, H = ()> {
     pub(crate) contended: Option<(ContendedBudget, f64)>,
     /// What the sessions that ended used, told with the next turn ([`Turn::finished`]).
     pub(crate) finished: Vec<crate::Usage>,
+    /// [`VerifierConfig::await_drafts_ms`], in µs.
+    pub(crate) await_drafts_us: u64,
     pub stats: VerifierStats,
 }
 
@@ -168,6 +179,7 @@ impl<T: Target, H> VerifierCore<T, H> {
             now_us: 0,
             contended: None,
             finished: Vec::new(),
+            await_drafts_us: cfg.await_drafts_ms.saturating_mul(1000),
             stats: VerifierStats::default(),
         };
         v.set_tenant(TenantId(0), TenantConfig::default())?;
@@ -282,6 +294,23 @@ impl<T: Target, H> VerifierCore<T, H> {
         self.sched.has_work()
     }
 
+    /// When a session that waits for its edge's block runs out of patience
+    /// ([`VerifierConfig::await_drafts_ms`]) and is decoded, on the driver's clock (µs): a
+    /// driver with no work turns again then at the latest. None: no session waits.
+    pub fn wake_at_us(&self) -> Option<u64> {
+        self.sessions
+            .values()
+            .filter_map(|s| match &s.work {
+                Work::Spec {
+                    waiting_since: Some(t),
+                    planned: None,
+                    ..
+                } => Some(t + self.await_drafts_us),
+                _ => None,
+            })
+            .min()
+    }
+
     /// Stop admitting: every new session is refused with [`VerifierError::Draining`] from now
     /// on; open ones go on until they end or [`VerifierCore::shut_down`].
     pub fn drain(&mut self) {
@@ -357,6 +386,7 @@ impl<T: Target, H> VerifierCore<T, H> {
             queue: VecDeque::new(),
             planned: None,
             draft: Default::default(),
+            waiting_since: None,
             limit: prompt_len + max_tokens.max(1),
             eog,
         }
