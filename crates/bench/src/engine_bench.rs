@@ -80,7 +80,7 @@ pub struct ThreadBench {
     pub read_bandwidth_gbs: f64,
     pub target: ModelBench,
     pub draft: ModelBench,
-    /// The same draft file with 8-bit activations (candle's W4A8 matmul): decode and chunks.
+    /// The same draft file with 8-bit activations (W4A8, `kernels::a8`): decode and chunks.
     pub draft_w4a8: Option<ModelBench>,
     /// llama.cpp on the same files (`null` when the peer is not installed).
     pub peer: Option<Value>,

@@ -5,7 +5,7 @@ use std::io::{BufReader, Cursor, Read, Seek};
 use std::path::Path;
 
 use candle_core::quantized::gguf_file::{Content, Value};
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::QTensor;
 use candle_core::Device;
 
 use crate::error::{EngineError, Result};
@@ -146,9 +146,4 @@ pub fn dequantize_f32(name: &str, t: &QTensor) -> Result<Vec<f32>> {
         .and_then(|d| d.flatten_all())
         .and_then(|d| d.to_vec1::<f32>())
         .map_err(wrap)
-}
-
-/// Is `dtype` one the W4A16/W8A16 kernels run natively?
-pub fn native_block_type(dtype: GgmlDType) -> bool {
-    matches!(dtype, GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q8_0)
 }

@@ -9,8 +9,9 @@
 //!   [`EngineError::OutOfBlocks`], never a panic.
 //! - Weights are f32 (the cloud target), f16, or GGUF 4/8-bit blocks multiplied with f32 activations
 //!   (W4A16, the edge draft) by [`kernels`], whose reductions do not depend on the batch, so a
-//!   sequence's logits are the same alone or batched. `WeightMode::W4A8` uses candle's quantized
-//!   matmul (8-bit activations) for comparison.
+//!   sequence's logits are the same alone or batched, and every kernel path (portable, AVX2,
+//!   AVX-512) gives the same bits. `WeightMode::W4A8` quantizes a draft's activations to 8 bits
+//!   for integer dot products ([`kernels::a8`]).
 //! - [`tokenizer`] builds the byte-level BPE and chat template from the GGUF metadata.
 
 pub mod affinity;

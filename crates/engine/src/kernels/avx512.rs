@@ -1,6 +1,5 @@
-//! The AVX-512 path (AVX-512F and FMA), a fused multiply-add per step (so its bits differ from
-//! the portable path's, which rounds the product and the sum apart; within this path every output
-//! is computed one way whatever the batch).
+//! The AVX-512 path (AVX-512F and FMA): a fused multiply-add per step, in the portable path's
+//! order and with its weights' values, so its bits are the portable path's (see [`super`]).
 //!
 //! - **f32 panels**: a GEMM micro-kernel over two 16-row panels × up to 12 tokens (24 accumulators
 //!   in registers), one running sum per output over the columns in order; the columns are walked

@@ -9,11 +9,18 @@
 //! - f16 and quantized weights (each row dequantized to f32: `w = d·(q − 8)` etc.): `LANES`
 //!   running sums, each walking the row with stride `LANES`, folded by a fixed pairwise tree.
 //!
-//! Rust never contracts `a*b+c` into an FMA, so the AVX2 and portable paths give bitwise-equal
-//! results; the AVX-512 path fuses them, the same way for every batch. A sequence's logits are
-//! therefore identical whether it runs alone or inside a ragged batch, which is what makes greedy
-//! verification exact under any batch composition.
+//! **The same bits on every instruction set.** Each step of a running sum is one fused
+//! multiply-add, `acc = fma(w, x, acc)` (`f32::mul_add` in the portable code, `vfmadd` in the
+//! AVX2 and AVX-512 kernels), and a weight's value is computed the same way on every path (a
+//! Q4_0 weight is `d·(q − 8)` rounded once, a Q4_1 weight `d·q + m` rounded twice). So every
+//! path gives every output bit for bit the same: a sequence's logits are identical whether it
+//! runs alone or inside a ragged batch (what makes greedy verification exact under any batch
+//! composition), and on any x86 CPU (what lets a session fail over between verifier replicas on
+//! different hardware and continue the target's output).
 
+pub mod a8;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 
@@ -209,7 +216,7 @@ fn fold(acc: &[f32; LANES]) -> f32 {
 }
 
 /// Dot products of one f32 weight row with `N` token rows. Element `i` always lands in lane
-/// `i % LANES`, added in increasing `i`: the same order as [`dot`], whatever `N`.
+/// `i % LANES`, fused into it in increasing `i`, whatever `N`.
 #[inline(always)]
 fn dot_rows<const N: usize>(w: &[f32], xs: [&[f32]; N]) -> [f32; N] {
     let cols = w.len();
@@ -229,14 +236,14 @@ fn dot_rows<const N: usize>(w: &[f32], xs: [&[f32]; N]) -> [f32; N] {
                 .try_into()
                 .expect("invariant: in bounds");
             for l in 0..LANES {
-                acc[t][l] += wc[l] * xc[l];
+                acc[t][l] = wc[l].mul_add(xc[l], acc[t][l]);
             }
         }
         c += LANES;
     }
     for i in full..cols {
         for t in 0..N {
-            acc[t][i - full] += w[i] * xs[t][i];
+            acc[t][i - full] = w[i].mul_add(xs[t][i], acc[t][i - full]);
         }
     }
     let mut out = [0f32; N];
@@ -424,9 +431,8 @@ fn rows_task(w: &RowData, cols: usize, x: &[f32], out: &mut RowsOut) {
     }
 }
 
-/// [`rows_task`] over f32 panels: for each output, a running sum over `k` in order (a multiply,
-/// then an add: never fused, so the AVX2 build gives the same bits), four tokens per pass over
-/// the panel.
+/// [`rows_task`] over f32 panels: for each output, a running sum over `k` in order (one fused
+/// multiply-add a step), four tokens per pass over the panel.
 #[inline(always)]
 fn panel_rows(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
     let (n_rows, n_tok, r0) = (out.n_rows(), out.n_tok(), out.r0());
@@ -448,7 +454,7 @@ fn panel_rows(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
                 for (a, xt) in acc.iter_mut().zip(&xs) {
                     let xv = xt[k];
                     for (a, &w) in a.iter_mut().zip(&wk.0) {
-                        *a += w * xv;
+                        *a = w.mul_add(xv, *a);
                     }
                 }
             }
@@ -461,22 +467,18 @@ fn panel_rows(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn rows_task_avx2(w: &RowData, cols: usize, x: &[f32], out: &mut RowsOut) {
-    rows_task(w, cols, x, out)
-}
-
 /// The instruction sets the matmul kernels have a path for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Isa {
-    /// Plain Rust (auto-vectorized for the build target).
+    /// Plain Rust, the reference: fused multiply-adds through `f32::mul_add` (a library call
+    /// where the build target has no FMA instruction: slow, but the same bits).
     Portable,
-    /// The portable code compiled for AVX2: bitwise the same results as `Portable`.
+    /// AVX2, FMA and F16C kernels: panel tiles for f32, register tiles of 4 rows × 1 token or
+    /// 2 rows × 3 tokens for quantized and f16 rows.
     Avx2,
-    /// AVX-512F with fused multiply-adds: a panel GEMM for f32, 4 × 4 register tiles for
-    /// quantized and f16 rows.
+    /// AVX-512F and FMA kernels: a panel GEMM for f32, 4 × 4 register tiles for quantized and
+    /// f16 rows.
     Avx512,
 }
 
@@ -486,7 +488,10 @@ impl Isa {
         let mut v = vec![Isa::Portable];
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx2") {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
                 v.push(Isa::Avx2);
             }
             if std::arch::is_x86_feature_detected!("avx512f")
@@ -545,11 +550,13 @@ fn rows_task_on(isa: Isa, w: &RowData, cols: usize, x: &[f32], out: &mut RowsOut
         }
         Isa::Avx2 => {
             assert!(
-                std::arch::is_x86_feature_detected!("avx2"),
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("f16c"),
                 "invariant: AVX2 chosen on a CPU with it"
             );
-            // SAFETY: the CPU supports AVX2 (checked just above).
-            return unsafe { rows_task_avx2(w, cols, x, out) };
+            // SAFETY: the CPU supports AVX2, FMA and F16C (checked just above).
+            return unsafe { avx2::rows_task(w, cols, x, out) };
         }
         Isa::Portable => {}
     }
@@ -616,7 +623,9 @@ fn dequantize_row_inline(w: &RowData, row: usize, cols: usize, out: &mut [f32]) 
     }
 }
 
-/// `LANES`-way dot product in the fixed order the portable matmul uses for quantized and f16 rows.
+/// `LANES`-way dot product (element `i` in lane `i % LANES`, the lanes folded as the matmuls
+/// fold theirs), a multiply and an add a step: for the attention's scores and the norms, which
+/// run the same code on every path.
 #[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_inline(a, b)

@@ -154,26 +154,41 @@ fn exp_is_within_two_ulp_of_f64() {
 }
 
 #[test]
-fn the_avx2_path_gives_the_portable_bits() {
-    let (rows, cols) = (70, 576);
-    if !Isa::available().contains(&Isa::Avx2) {
-        return;
-    }
-    for dtype in DTYPES {
-        let w = stored(dtype, &rand(9, rows * cols), rows, cols);
-        let x = rand(10, 11 * cols);
-        assert_eq!(
-            run(Isa::Portable, 1, &w, rows, cols, &x, 11),
-            run(Isa::Avx2, 2, &w, rows, cols, &x, 11),
-            "{dtype:?}"
-        );
+fn every_path_gives_the_portable_bits() {
+    // Every shape a forward runs: one token, chunks of 2..16, a long ragged batch; rows that
+    // end a panel or a register tile early; f32 and f16 reductions with a tail past 16.
+    let shapes = [(70, 576), (9, 40), (37, 1536), (17, 100), (130, 64)];
+    let paths = Isa::available();
+    eprintln!("paths compared with the portable one: {paths:?}");
+    for (si, &(rows, cols)) in shapes.iter().enumerate() {
+        for dtype in DTYPES {
+            if dtype != GgmlDType::F32 && dtype != GgmlDType::F16 && cols % QK != 0 {
+                continue;
+            }
+            let w = stored(dtype, &rand(si as u64 + 20, rows * cols), rows, cols);
+            for n_tok in (1..=16).chain([30]) {
+                let x = rand(40 + n_tok as u64, n_tok * cols);
+                let want = run(Isa::Portable, 1, &w, rows, cols, &x, n_tok);
+                for &isa in &paths {
+                    let got = run(isa, 2, &w, rows, cols, &x, n_tok);
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{isa:?} {dtype:?} {rows}x{cols} n_tok={n_tok}: not the portable bits"
+                    );
+                }
+            }
+        }
     }
 }
 
 #[test]
 fn every_path_dequantizes_to_the_same_weights() {
-    // A row times one-hot tokens reads the weights back: the AVX-512 dequantization must give
-    // the portable path's values (only the reductions may round differently).
+    // A row times one-hot tokens reads the weights back: every path's dequantization gives the
+    // portable path's values.
     let (rows, cols) = (8, 64);
     for dtype in DTYPES {
         let w = stored(dtype, &rand(3, rows * cols), rows, cols);
@@ -188,6 +203,81 @@ fn every_path_dequantizes_to_the_same_weights() {
                 want,
                 "{isa:?} {dtype:?}"
             );
+        }
+    }
+}
+
+fn run_a8(isa: Isa, threads: usize, w: &RowData, rows: usize, x: &a8::Q8Acts) -> Vec<f32> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    let mut y = vec![0f32; x.n_tok() * rows];
+    pool.install(|| a8::matmul_a8_on(isa, w, rows, x, &mut y));
+    y
+}
+
+const BLOCK_DTYPES: [GgmlDType; 3] = [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0];
+
+#[test]
+fn eight_bit_activations_multiply_the_quantized_activations_exactly_on_every_path() {
+    // The reference: the dequantized weights times the dequantized activations (dx·xq), in
+    // f64; the kernels round each block's scale product and their sums in f32 only.
+    for (si, &(rows, cols)) in [(70, 576), (9, 64), (37, 1536), (130, 96)]
+        .iter()
+        .enumerate()
+    {
+        for dtype in BLOCK_DTYPES {
+            let w = stored(dtype, &rand(si as u64 + 60, rows * cols), rows, cols);
+            for n_tok in (1..=9).chain([16, 30]) {
+                let x = rand(70 + n_tok as u64, n_tok * cols);
+                let xq = a8::Q8Acts::quantize(&x, cols);
+                let deq: Vec<f32> = xq
+                    .qs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &q)| xq.d[i / QK] * f32::from(q))
+                    .collect();
+                let want = reference(&w, rows, cols, &deq, n_tok);
+                let portable = run_a8(Isa::Portable, 1, &w, rows, &xq);
+                let scale = (cols as f64).sqrt();
+                for (g, r) in portable.iter().zip(&want) {
+                    assert!(
+                        (*g as f64 - r).abs() / scale < 1e-5,
+                        "{dtype:?} {rows}x{cols} n_tok={n_tok}: {g} vs {r}"
+                    );
+                }
+                for isa in Isa::available() {
+                    let got = run_a8(isa, 2, &w, rows, &xq);
+                    assert!(
+                        got.iter()
+                            .zip(&portable)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{isa:?} {dtype:?} {rows}x{cols} n_tok={n_tok}: not the portable bits"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn eight_bit_activations_give_each_row_the_same_bits_whatever_the_batch() {
+    let (rows, cols, n) = (70, 576, 30);
+    for isa in Isa::available() {
+        for dtype in BLOCK_DTYPES {
+            let w = stored(dtype, &rand(61, rows * cols), rows, cols);
+            let x = rand(62, n * cols);
+            let batched = run_a8(isa, 3, &w, rows, &a8::Q8Acts::quantize(&x, cols));
+            for (t0, k) in [(0, 1), (3, 2), (5, 3), (9, 4), (13, 7), (20, 10)] {
+                let part = a8::Q8Acts::quantize(&x[t0 * cols..(t0 + k) * cols], cols);
+                assert_eq!(
+                    &batched[t0 * rows..(t0 + k) * rows],
+                    &run_a8(isa, 1, &w, rows, &part)[..],
+                    "{isa:?} {dtype:?}: tokens {t0}..{}",
+                    t0 + k
+                );
+            }
         }
     }
 }

@@ -5,15 +5,14 @@
 //! reads KV head `h / (n_head / n_kv_head)`; the output head is tied to `token_embd` when
 //! `output.weight` is absent.
 
-use candle_core::quantized::{GgmlDType, QMatMul};
-use candle_core::{Device, Module, Tensor};
+use candle_core::quantized::GgmlDType;
 use half::f16;
 use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::batch::{Logits, LogitsRow, SeqChunk};
 use crate::error::{EngineError, Result};
-use crate::gguf::{dequantize_f32, native_block_type, GgufFile};
+use crate::gguf::{dequantize_f32, GgufFile};
 use crate::kernels::{self, RowData};
 use crate::kv::PagedKvCache;
 use crate::tree::NodeCtx;
@@ -29,7 +28,9 @@ pub enum WeightMode {
     /// Q4_0/Q4_1/Q8_0 tensors kept in their blocks and dequantized in registers against f32
     /// activations (W4A16 / W8A16); other tensors as f32.
     Native,
-    /// candle's quantized matmul, which quantizes activations to 8 bits (W4A8): a study variant.
+    /// As `Native`, with each block-format tensor's input quantized to 8 bits per 32-element
+    /// block and multiplied by integer dot products ([`kernels::a8`]: W4A8 / W8A8). For a draft
+    /// only: its logits are not the f32-activation ones.
     W4A8,
 }
 
@@ -166,8 +167,8 @@ pub struct Linear {
     pub rows: usize,
     pub cols: usize,
     pub data: RowData,
-    /// Set in `WeightMode::W4A8`: candle's 8-bit-activation matmul.
-    w4a8: Option<QMatMul>,
+    /// `WeightMode::W4A8` on a block format: 8-bit activations ([`kernels::a8`]).
+    a8: bool,
 }
 
 impl Linear {
@@ -207,28 +208,22 @@ impl Linear {
             }
             _ => RowData::f32(&dequantize_f32(name, &t)?, rows, cols),
         };
-        let w4a8 = if mode == WeightMode::W4A8 && native_block_type(dtype) {
-            Some(QMatMul::from_qtensor(t).map_err(wrap)?)
-        } else {
-            None
-        };
+        let a8 = mode == WeightMode::W4A8 && kernels::a8::supported(&data);
         Ok(Self {
             rows,
             cols,
             data,
-            w4a8,
+            a8,
         })
     }
 
     /// `y[n_tok, rows] = x[n_tok, cols] · Wᵀ`.
     fn forward(&self, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()> {
-        match &self.w4a8 {
-            None => kernels::matmul(&self.data, self.rows, self.cols, x, n_tok, y),
-            Some(qm) => {
-                let xt = Tensor::from_slice(x, (n_tok, self.cols), &Device::Cpu)?;
-                let out = qm.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
-                y.copy_from_slice(&out);
-            }
+        if self.a8 {
+            let xq = kernels::a8::Q8Acts::quantize(&x[..n_tok * self.cols], self.cols);
+            kernels::a8::matmul_a8(&self.data, self.rows, &xq, y);
+        } else {
+            kernels::matmul(&self.data, self.rows, self.cols, x, n_tok, y);
         }
         Ok(())
     }
