@@ -80,8 +80,9 @@ pub struct ThreadBench {
     pub read_bandwidth_gbs: f64,
     pub target: ModelBench,
     pub draft: ModelBench,
-    /// The same draft file with 8-bit activations (W4A8, `kernels::a8`): decode and chunks.
-    pub draft_w4a8: Option<ModelBench>,
+    /// The same draft file with f32 activations (W4A16), beside the edge's W4A8: decode and
+    /// chunks.
+    pub draft_w4a16: Option<ModelBench>,
     /// llama.cpp on the same files (`null` when the peer is not installed).
     pub peer: Option<Value>,
 }
@@ -140,7 +141,8 @@ pub fn read_bandwidth(threads: usize) -> f64 {
     (buf.len() * 4) as f64 / best / 1e9
 }
 
-/// GFLOP/s of the selected matmul kernels on `threads` threads: the first 1024 rows of the
+/// GFLOP/s of the selected matmul kernels (the 8-bit-activation ones for a W4A8 model) on
+/// `threads` threads: the first 1024 rows of the
 /// model's first FFN up-projection (in this host's caches) times 64 tokens, best of 5. Enough
 /// work per call (38 M multiply-adds for SmolLM2's 576 columns) that starting the threads does
 /// not count.
@@ -159,12 +161,22 @@ pub fn kernel_gflops(model: &LlamaModel, threads: usize) -> f64 {
         .build()
         .expect("invariant: a pool of a positive number of threads");
     let mut best = f64::MAX;
+    // The kernel the model runs: 8-bit activations (quantized once per call, as a forward
+    // does) or f32 ones.
+    let a8 = model.mode == tandem_engine::WeightMode::W4A8 && kernels::a8::supported(&w);
+    let mul = |y: &mut [f32]| match a8 {
+        true => {
+            let xq = kernels::a8::Q8Acts::quantize(&x, cols);
+            kernels::a8::matmul_a8(&w, rows, &xq, y)
+        }
+        false => kernels::matmul(&w, rows, cols, &x, n_tok, y),
+    };
     pool.install(|| {
-        kernels::matmul(&w, rows, cols, &x, n_tok, &mut y);
+        mul(&mut y);
         for _ in 0..5 {
             let t = Instant::now();
             for _ in 0..reps {
-                kernels::matmul(&w, rows, cols, &x, n_tok, &mut y);
+                mul(&mut y);
             }
             best = best.min(t.elapsed().as_secs_f64());
         }
@@ -271,7 +283,10 @@ fn bench_model(
     };
     Ok(ModelBench {
         path: path.display().to_string(),
-        format: model.format(),
+        format: match model.mode {
+            tandem_engine::WeightMode::W4A8 => format!("{} w4a8", model.format()),
+            _ => model.format(),
+        },
         decode_tok_s: round2(decode),
         chunk_ms,
         batch_tok_s,
@@ -320,7 +335,7 @@ pub fn peer_bench(
 pub fn run(
     target: (&Arc<LlamaModel>, &Path),
     draft: (&Arc<LlamaModel>, &Path),
-    draft_w4a8: Option<&Arc<LlamaModel>>,
+    draft_w4a16: Option<&Arc<LlamaModel>>,
     target_f32_gguf: Option<&Path>,
     a: &BenchArgs,
 ) -> Result<EngineBench> {
@@ -332,10 +347,10 @@ pub fn run(
         let tb = bench_model(target.0, target.1, t, a, bw, true).context("target")?;
         tracing::info!(threads = t, "benchmarking draft");
         let db = bench_model(draft.0, draft.1, t, a, bw, true).context("draft")?;
-        let w4a8 = draft_w4a8
+        let w4a16 = draft_w4a16
             .map(|m| -> Result<ModelBench> {
-                let mut b = bench_model(m, draft.1, t, a, bw, false).context("draft w4a8")?;
-                b.format = format!("{} w4a8", b.format);
+                let mut b = bench_model(m, draft.1, t, a, bw, true).context("draft w4a16")?;
+                b.format = format!("{} w4a16", b.format);
                 Ok(b)
             })
             .transpose()?;
@@ -352,7 +367,7 @@ pub fn run(
             read_bandwidth_gbs: round2(bw),
             target: tb,
             draft: db,
-            draft_w4a8: w4a8,
+            draft_w4a16: w4a16,
             peer,
         });
     }
@@ -379,8 +394,8 @@ fn models_of(r: &ThreadBench) -> Vec<(&'static str, &ModelBench, &'static str)> 
         ("target", &r.target, "target_f32"),
         ("draft", &r.draft, "draft"),
     ];
-    if let Some(w) = &r.draft_w4a8 {
-        v.push(("draft w4a8", w, "draft"));
+    if let Some(w) = &r.draft_w4a16 {
+        v.push(("draft w4a16", w, "draft"));
     }
     v
 }
@@ -392,19 +407,32 @@ pub fn table(b: &EngineBench) -> String {
         b.copy_bandwidth_gbs,
         b.runs.first().map_or("-", |r| r.kernels)
     );
-    s += "| threads | model | format | decode tok/s | llama.cpp tok/s | MB/token | read GB/s | bandwidth limit tok/s |\n";
-    s += "|---|---|---|---|---|---|---|---|\n";
+    s += "| threads | model | format | decode tok/s | llama.cpp tok/s | × llama.cpp | MB/token | read GB/s | bandwidth limit tok/s | of it | compute limit tok/s | of it |\n";
+    s += "|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    let frac = |x: f64, of: f64| match of > 0.0 {
+        true => format!("{:.0}%", 100.0 * x / of),
+        false => "-".to_string(),
+    };
     for r in &b.runs {
         for (name, m, peer_key) in models_of(r) {
+            let peer = peer_num(&r.peer, peer_key, &["decode_tok_s"]);
+            let ratio = peer
+                .parse::<f64>()
+                .map_or("-".to_string(), |p| format!("{:.2}×", m.decode_tok_s / p));
+            let compute = match m.compute_limit_tok_s > 0.0 {
+                true => format!("{:.0}", m.compute_limit_tok_s),
+                false => "-".to_string(),
+            };
             s += &format!(
-                "| {} | {name} | {} | {:.1} | {} | {:.1} | {:.1} | {:.1} |\n",
+                "| {} | {name} | {} | {:.1} | {peer} | {ratio} | {:.1} | {:.1} | {:.1} | {} | {compute} | {} |\n",
                 r.threads,
                 m.format,
                 m.decode_tok_s,
-                peer_num(&r.peer, peer_key, &["decode_tok_s"]),
                 m.bytes_per_token as f64 / 1e6,
                 r.read_bandwidth_gbs,
-                m.bandwidth_limit_tok_s
+                m.bandwidth_limit_tok_s,
+                frac(m.decode_tok_s, m.bandwidth_limit_tok_s),
+                frac(m.decode_tok_s, m.compute_limit_tok_s),
             );
         }
     }

@@ -42,6 +42,9 @@ pub struct Variant {
     pub act_bits: Option<u32>,
     /// Leave out the study's skipped layers.
     pub skip: bool,
+    /// Activations quantized to 8 bits per 32-element block and multiplied by integer dot
+    /// products (`WeightMode::W4A8`, the engine's real kernels; `act_bits` is then 8).
+    pub int8: bool,
 }
 
 impl Variant {
@@ -56,6 +59,9 @@ impl Variant {
         if self.method != Method::Rtn {
             s.push_str(&format!("-{}", self.method.name()));
         }
+        if self.int8 {
+            s.push_str("-int8");
+        }
         s
     }
 }
@@ -68,6 +74,7 @@ pub fn variants() -> Vec<Variant> {
         group,
         act_bits,
         skip,
+        int8: false,
     };
     let gptq = |scheme, group| Variant {
         method: Method::Gptq,
@@ -77,6 +84,11 @@ pub fn variants() -> Vec<Variant> {
         v(Scheme::W8A16, 32, None, false),
         v(Scheme::W4A16, 32, None, false),
         gptq(Scheme::W4A16, 32),
+        Variant {
+            act_bits: Some(8),
+            int8: true,
+            ..gptq(Scheme::W4A16, 32)
+        },
         gptq(Scheme::W4A16, 128),
         gptq(Scheme::W3A16, 32),
         v(Scheme::W4A16, 64, None, false),
@@ -116,6 +128,8 @@ pub struct QuantRow {
     pub weight_bits: usize,
     pub group: usize,
     pub act_bits: Option<u32>,
+    /// The engine's 8-bit-activation kernels (else fake-quantized per token).
+    pub int8: bool,
     pub skipped_layers: Vec<usize>,
     /// The file as stored (3- and 2-bit grids sit in 4-bit blocks), and at the scheme's own bits
     /// per weight (payload plus an f16 scale per group) with the same embedding.
@@ -171,9 +185,15 @@ fn load_variant(
     cfg.validate()?;
     let path = tandem_models::store::ensure_quantized(home, &cfg, quiet)?;
     let mut g = GgufFile::open(&path).with_context(|| format!("opening {}", path.display()))?;
-    let mut model = LlamaModel::load(&mut g, WeightMode::Native)
-        .with_context(|| format!("loading {}", path.display()))?;
-    model.set_activation_bits(v.act_bits)?;
+    let mode = match v.int8 {
+        true => WeightMode::W4A8,
+        false => WeightMode::Native,
+    };
+    let mut model =
+        LlamaModel::load(&mut g, mode).with_context(|| format!("loading {}", path.display()))?;
+    if !v.int8 {
+        model.set_activation_bits(v.act_bits)?;
+    }
     if v.skip {
         model.skip_layers(skip)?;
     }
@@ -298,6 +318,7 @@ pub fn run(
             weight_bits: v.scheme.bits(),
             group: v.group,
             act_bits: v.act_bits,
+            int8: v.int8,
             skipped_layers: d.model.skipped_layers(),
             file_mb,
             scheme_mb,
@@ -380,7 +401,11 @@ pub fn table(r: &QuantReport) -> String {
             x.draft,
             x.weight_bits,
             x.group,
-            x.act_bits.map_or("16-bit".into(), |b| format!("{b}-bit per token (fake)")),
+            match (x.act_bits, x.int8) {
+                (None, _) => "16-bit".to_string(),
+                (Some(b), true) => format!("{b}-bit per 32 (integer kernels)"),
+                (Some(b), false) => format!("{b}-bit per token (fake)"),
+            },
             if x.skipped_layers.is_empty() {
                 "all".to_string()
             } else {

@@ -346,11 +346,12 @@ pub(crate) fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()
         ..a.bench
     };
 
-    let w4a8 = models::load(home, &ModelSpec::Draft, Some(WeightMode::W4A8), true)?;
+    // The draft as the edge runs it (8-bit activations), and with f32 activations beside it.
+    let w4a16 = models::load(home, &ModelSpec::Draft, Some(WeightMode::Native), true)?;
     let r = bench::run(
         (&target.model, &target.path),
         (&draft.model, &draft.path),
-        Some(&w4a8.model),
+        Some(&w4a16.model),
         target_f32.as_deref(),
         &args,
     )?;
@@ -361,7 +362,7 @@ pub(crate) fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()
         "draft_path": draft.path,
         "draft_decode_tok_s": first.draft.decode_tok_s,
         "target_decode_tok_s": first.target.decode_tok_s,
-        "draft_w4a8_decode_tok_s": first.draft_w4a8.as_ref().map(|m| m.decode_tok_s),
+        "draft_w4a16_decode_tok_s": first.draft_w4a16.as_ref().map(|m| m.decode_tok_s),
         "verify_chunk_ms": { "target": first.target.chunk_ms, "draft": first.draft.chunk_ms },
         "batch_throughput_tok_s": first.target.batch_tok_s,
         "bandwidth_gbs": r.copy_bandwidth_gbs,

@@ -2,7 +2,7 @@
 //! products (the draft's fast path; the target never takes it).
 //!
 //! Each token's activations are quantized per 32-element block, as GGUF's Q8_0: a scale
-//! `dx = max|x| / 127` and codes `xq = round(x / dx)` (ties to even), by plain Rust on every
+//! `dx = max|x| / 127` and codes `xq = round(x·(1/dx))` (ties to even), by plain Rust on every
 //! path. One output `y[t, r]` is then, over the row's blocks `j` in order:
 //! - eight integer partial sums per block, `P[j, l] = Σ w_i·xq_i` over the block's elements
 //!   `4l .. 4l + 4` (`w` the weight's integer code: `q − 8` for Q4_0, `q` for Q4_1 and Q8_0),
@@ -28,6 +28,9 @@ pub struct Q8Acts {
     pub(crate) sum: Vec<f32>,
     /// The codes, token-major, in element order.
     pub(crate) qs: Vec<i8>,
+    /// Eight times the sum of each block's elements `4l .. 4l + 4`, 8 per block: what turns
+    /// the unsigned 4-bit codes' dot products into the centred ones (`Σ (q − 8)·x`).
+    pub(crate) s8: Vec<i32>,
 }
 
 impl Q8Acts {
@@ -43,6 +46,7 @@ impl Q8Acts {
             d: Vec::with_capacity(nb),
             sum: Vec::with_capacity(nb),
             qs: vec![0; x.len()],
+            s8: Vec::with_capacity(nb * 8),
         };
         for (xb, qb) in x.chunks_exact(QK).zip(a.qs.chunks_exact_mut(QK)) {
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -50,11 +54,15 @@ impl Q8Acts {
             let id = if d > 0.0 { 1.0 / d } else { 0.0 };
             let mut s = 0i32;
             for (q, &v) in qb.iter_mut().zip(xb) {
-                *q = (v * id).round_ties_even() as i8;
+                *q = round_even(v * id) as i8;
                 s += i32::from(*q);
             }
             a.d.push(d);
             a.sum.push(d * s as f32);
+            a.s8.extend(
+                qb.chunks_exact(4)
+                    .map(|c| 8 * c.iter().map(|&q| i32::from(q)).sum::<i32>()),
+            );
         }
         a
     }
@@ -62,6 +70,15 @@ impl Q8Acts {
     pub fn n_tok(&self) -> usize {
         self.qs.len() / self.cols.max(1)
     }
+}
+
+/// `v` (at most 2^22 in magnitude) rounded to the nearest integer, ties to even: adding and
+/// taking away 1.5·2^23 leaves no bits below the units. Plain arithmetic (no library call on a
+/// build target without a rounding instruction), the same bits as `round_ties_even`.
+#[inline(always)]
+fn round_even(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (v + MAGIC) - MAGIC
 }
 
 /// The weights' block formats with an 8-bit-activation kernel.
@@ -179,4 +196,18 @@ pub fn matmul_a8_on(isa: Isa, w: &RowData, rows: usize, x: &Q8Acts, y: &mut [f32
         let _ = isa;
         rows_task(w, x, &mut out)
     });
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn rounding_is_round_ties_even() {
+        for i in -300_000..=300_000 {
+            let v = i as f32 / 2048.0;
+            assert_eq!(super::round_even(v), v.round_ties_even(), "{v}");
+        }
+        for v in [0.5f32, 1.5, 2.5, -0.5, -1.5, 126.5, -127.0, 127.49998] {
+            assert_eq!(super::round_even(v), v.round_ties_even(), "{v}");
+        }
+    }
 }

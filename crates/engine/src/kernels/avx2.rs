@@ -2,13 +2,13 @@
 //! portable path (see the module docs of [`super`]: the same values of the weights, the same
 //! fused multiply-adds in the same order, the same fold).
 //!
-//! - **f32 panels**: up to 4 panels (64 rows) × 1 token, or 2 panels × up to 3 tokens, in
-//!   registers (each panel column is two 8-lane vectors); one running sum per output over the
-//!   columns in order, the columns walked in blocks that stay in L1 while every token tile uses
-//!   them.
+//! - **f32 panels**: 2 panels (32 rows) × up to 2 tokens in registers (each panel column is two
+//!   8-lane vectors: 8 accumulators, 4 weight vectors and a broadcast activation fit the 16
+//!   registers); one running sum per output over the columns in order, the columns walked in
+//!   blocks that stay in L1 while every token tile uses them.
 //! - **Quantized and f16 rows**: the 16 lanes of the portable layout as two 8-lane vectors
 //!   (element `i` of a reduction in lane `i % 16`), in register tiles of 4 rows × 1 token or 2
-//!   rows × up to 3 tokens. A block's 32 weights are decoded in registers (nibbles widened to
+//!   rows × up to 2 tokens. A block's 32 weights are decoded in registers (nibbles widened to
 //!   32-bit integers, converted, times the block's scale: `w = d·(q − 8)` rounded once, as the
 //!   portable dequantization) once per tile and used for every token of it; f16 rows are
 //!   converted into an L1 scratch a tile of rows at a time.
@@ -269,7 +269,7 @@ impl<B: QBlock> Rows for QRows<B> {
 }
 
 /// The task's rows of the output and every token of `x`: 4 rows × 1 token for a lone token,
-/// else 2 rows × up to 3 tokens (a short group repeats its last row or token, whose results are
+/// else 2 rows × up to 2 tokens (a short group repeats its last row or token, whose results are
 /// dropped). `rows_of(i, nr)` gives the `nr` rows from `i`.
 ///
 /// # Safety
@@ -290,8 +290,8 @@ unsafe fn tiles<Rw: Rows>(
         let rows = rows_of(i, nr);
         let mut t = 0;
         while t < n_tok {
-            let nt = (n_tok - t).min(3);
-            let xp: [*const f32; 3] =
+            let nt = (n_tok - t).min(2);
+            let xp: [*const f32; 2] =
                 std::array::from_fn(|k| x[(t + k.min(nt - 1)) * cols..].as_ptr());
             let mut put = |r: usize, k: usize, v: f32| {
                 if r < nr && k < nt {
@@ -314,8 +314,7 @@ unsafe fn tiles<Rw: Rows>(
             match (group, nt) {
                 (4, _) => run!(4, 1),
                 (_, 1) => run!(2, 1),
-                (_, 2) => run!(2, 2),
-                _ => run!(2, 3),
+                _ => run!(2, 2),
             }
             t += nt;
         }
@@ -323,8 +322,8 @@ unsafe fn tiles<Rw: Rows>(
     }
 }
 
-/// Columns of the panels kept in L1 while every token tile walks them.
-const PANEL_COLS: usize = 256;
+/// Columns of the panels kept in L1 while every token tile walks them (two panels: 16 KiB).
+const PANEL_COLS: usize = 128;
 
 /// `P` panels times `T` tokens over columns `k0..k1`, continuing the running sums in `acc`: for
 /// each output one fused multiply-add per column, in column order, whatever `P`, `T` or the
@@ -339,7 +338,7 @@ unsafe fn panel_tile<const P: usize, const T: usize, const PF: bool>(
     x: [*const f32; T],
     k0: usize,
     k1: usize,
-    acc: &mut [[Lanes; 4]],
+    acc: &mut [[Lanes; 2]],
 ) {
     let mut a: [[Lanes; P]; T] = std::array::from_fn(|t| std::array::from_fn(|p| acc[t][p]));
     for k in k0..k1 {
@@ -366,8 +365,8 @@ unsafe fn panel_tile<const P: usize, const T: usize, const PF: bool>(
     }
 }
 
-/// [`super::rows_task`] over f32 panels: four panels at a time for a lone token, two for
-/// several (a short group repeats its last panel, whose copy is dropped); columns in blocks
+/// [`super::rows_task`] over f32 panels: two panels at a time (a lone last panel is paired with
+/// itself, its copy dropped); columns in blocks
 /// that stay in L1 while tiles of tokens walk them, the running sums kept between blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn panels(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
@@ -378,19 +377,19 @@ fn panels(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
         "invariant: tasks start at a panel; x holds n_tok rows"
     );
     let panel_at = |i: usize| p.panel(r0 + i * PANEL, cols).as_ptr() as *const f32;
-    let group = if n_tok == 1 { 4 } else { 2 };
+    let group = 2;
     let zero = [_mm256_setzero_ps(); 2];
-    let mut acc = vec![[zero; 4]; n_tok];
+    let mut acc = vec![[zero; 2]; n_tok];
     let mut i = 0;
     while i < n_panels {
         let np = (n_panels - i).min(group);
-        let w: [*const f32; 4] = std::array::from_fn(|q| panel_at(i + q.min(np - 1)));
-        acc.fill([zero; 4]);
+        let w: [*const f32; 2] = std::array::from_fn(|q| panel_at(i + q.min(np - 1)));
+        acc.fill([zero; 2]);
         for k0 in (0..cols).step_by(PANEL_COLS) {
             let k1 = (k0 + PANEL_COLS).min(cols);
             let mut t = 0;
             while t < n_tok {
-                let nt = (n_tok - t).min(3);
+                let nt = (n_tok - t).min(2);
                 macro_rules! run {
                     ($p:literal, $t:literal) => {{
                         let xs: [*const f32; $t] =
@@ -408,11 +407,9 @@ fn panels(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
                         }
                     }};
                 }
-                match (group, nt) {
-                    (4, _) => run!(4, 1),
-                    (_, 1) => run!(2, 1),
-                    (_, 2) => run!(2, 2),
-                    _ => run!(2, 3),
+                match nt {
+                    1 => run!(2, 1),
+                    _ => run!(2, 2),
                 }
                 t += nt;
             }
@@ -514,22 +511,17 @@ fn f16_row(src: &[half::f16], out: &mut [f32]) {
 trait A8Block {
     const QBYTES: usize;
     const MIN: bool;
-    /// The block's 32 integer codes as signed bytes, in element order.
+    /// The block's 32 codes as bytes in element order (the 4-bit formats' unsigned nibbles).
     ///
     /// # Safety
-    /// `q` must point at `QBYTES` readable bytes.
+    /// `q` must point at `QBYTES` readable bytes; the CPU must support AVX2.
     unsafe fn codes(q: *const u8) -> __m256i;
-    /// The eight partial sums `Σ w·x` over elements `4l .. 4l + 4` of codes `w` and `x`.
+    /// The eight partial sums `Σ w·x` over elements `4l .. 4l + 4` of the block whose codes
+    /// are `w`, with activation codes `x` whose lane sums times 8 are `s8`.
     ///
     /// # Safety
     /// The CPU must support AVX2.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot(w: __m256i, x: __m256i) -> __m256i {
-        // |w| (unsigned) times x with w's sign: exact (|w| ≤ 128, |x| ≤ 127, pairs < 2^15).
-        let p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-        _mm256_madd_epi16(p, _mm256_set1_epi16(1))
-    }
+    unsafe fn dot(w: __m256i, x: __m256i, s8: __m256i) -> __m256i;
 }
 
 /// Sixteen bytes of nibbles as 32 codes: the low nibbles (elements 0..16), then the high.
@@ -538,10 +530,16 @@ trait A8Block {
 unsafe fn nibbles(q: *const u8) -> __m256i {
     // SAFETY: the caller's block has 16 bytes of nibbles at `q`.
     let v = unsafe { _mm_loadu_si128(q as *const __m128i) };
-    let mask = _mm_set1_epi8(0x0f);
-    let lo = _mm_and_si128(v, mask);
-    let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), mask);
-    _mm256_set_m128i(hi, lo)
+    let v = _mm256_set_m128i(_mm_srli_epi16::<4>(v), v);
+    _mm256_and_si256(v, _mm256_set1_epi8(0x0f))
+}
+
+/// `Σ u·x` over each lane's four elements: `u` unsigned codes below 16 (so no pair of products
+/// saturates), `x` signed.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_unsigned(u: __m256i, x: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1))
 }
 
 impl A8Block for Q4_0 {
@@ -551,7 +549,13 @@ impl A8Block for Q4_0 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn codes(q: *const u8) -> __m256i {
         // SAFETY: the caller's contract.
-        _mm256_sub_epi8(unsafe { nibbles(q) }, _mm256_set1_epi8(8))
+        unsafe { nibbles(q) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot(w: __m256i, x: __m256i, s8: __m256i) -> __m256i {
+        // Σ (q − 8)·x = Σ q·x − 8·Σ x, exactly.
+        _mm256_sub_epi32(dot_unsigned(w, x), s8)
     }
 }
 
@@ -566,9 +570,8 @@ impl A8Block for Q4_1 {
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot(w: __m256i, x: __m256i) -> __m256i {
-        // The codes are 0..16: unsigned as they are.
-        _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
+    unsafe fn dot(w: __m256i, x: __m256i, _s8: __m256i) -> __m256i {
+        dot_unsigned(w, x)
     }
 }
 
@@ -581,13 +584,21 @@ impl A8Block for Q8_0 {
         // SAFETY: the caller's contract.
         unsafe { _mm256_loadu_si256(q as *const __m256i) }
     }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot(w: __m256i, x: __m256i, _s8: __m256i) -> __m256i {
+        // |w| (unsigned, at most 128) times x with w's sign: pairs stay below 2^15.
+        let p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+        _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+    }
 }
 
-/// `R` rows (from `row0`, a short group repeating its last row) times `T` tokens (from `t0`) of
-/// an 8-bit-activation matmul, in [`super::a8`]'s order.
+/// `R` rows times `T` tokens of an 8-bit-activation matmul, in [`super::a8`]'s order. Each
+/// run of 8 blocks converts the rows' scales and multiplies them with the tokens' in vectors
+/// (each product rounded once, as the portable path's).
 ///
 /// # Safety
-/// The rows and tokens must be within `b` and `x`.
+/// The rows must be within `b`, the tokens within `x`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn a8_tile<B: A8Block, const R: usize, const T: usize>(
@@ -599,34 +610,56 @@ unsafe fn a8_tile<B: A8Block, const R: usize, const T: usize>(
     let nb = x.cols / QK;
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     let mut mins = [[0f32; T]; R];
-    let mut d = [[0f32; SCALE_RUN]; R];
+    // The scale products of the run: [row][token][block].
+    let mut sc = [[[0f32; SCALE_RUN]; T]; R];
+    let mut dw = [0f32; SCALE_RUN];
+    let (xd, xqs, xs8) = (x.d.as_ptr(), x.qs.as_ptr(), x.s8.as_ptr());
     let mut b0 = 0;
     while b0 < nb {
         let n = (nb - b0).min(SCALE_RUN);
         for r in 0..R {
             // SAFETY: blocks b0..b0 + n of the row are within it.
-            unsafe { scales(b.d.as_ptr().add(rows[r] * nb + b0), n, &mut d[r]) };
+            unsafe { scales(b.d.as_ptr().add(rows[r] * nb + b0), n, &mut dw) };
+            for (i, &t) in toks.iter().enumerate() {
+                if n == SCALE_RUN {
+                    // SAFETY: blocks b0..b0 + 8 of token t are within `x`; `sc` holds 8.
+                    unsafe {
+                        let dx = _mm256_loadu_ps(xd.add(t * nb + b0));
+                        let p = _mm256_mul_ps(_mm256_loadu_ps(dw.as_ptr()), dx);
+                        _mm256_storeu_ps(sc[r][i].as_mut_ptr(), p);
+                    }
+                } else {
+                    for j in 0..n {
+                        sc[r][i][j] = dw[j] * x.d[t * nb + b0 + j];
+                    }
+                }
+            }
         }
         for j in b0..b0 + n {
             let mut xq = [_mm256_setzero_si256(); T];
-            for (v, &t) in xq.iter_mut().zip(&toks) {
-                // SAFETY: token t's block j is within the codes.
-                *v = unsafe {
-                    _mm256_loadu_si256(x.qs.as_ptr().add(t * x.cols + j * QK) as *const __m256i)
-                };
+            let mut s8 = [_mm256_setzero_si256(); T];
+            for (i, &t) in toks.iter().enumerate() {
+                // SAFETY: token t's block j (32 codes, 8 lane sums) is within `x`.
+                unsafe {
+                    xq[i] = _mm256_loadu_si256(xqs.add(t * x.cols + j * QK) as *const __m256i);
+                    s8[i] = _mm256_loadu_si256(xs8.add((t * nb + j) * 8) as *const __m256i);
+                }
             }
             for r in 0..R {
                 let k = rows[r] * nb + j;
                 let q = b.qs.as_ptr().wrapping_add(k * B::QBYTES);
-                _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(PREFETCH_BYTES) as *const i8);
-                // SAFETY: block k is within the quants.
+                if (k * B::QBYTES).is_multiple_of(64) {
+                    _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(PREFETCH_BYTES) as *const i8);
+                }
+                // SAFETY: block k is within the quants; this function runs on AVX2.
                 let w = unsafe { B::codes(q) };
-                for (i, &t) in toks.iter().enumerate() {
+                for i in 0..T {
                     // SAFETY: this function runs on AVX2.
-                    let p = _mm256_cvtepi32_ps(unsafe { B::dot(w, xq[i]) });
-                    let s = d[r][j - b0] * x.d[t * nb + j];
-                    acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(s), p, acc[r][i]);
+                    let p = _mm256_cvtepi32_ps(unsafe { B::dot(w, xq[i], s8[i]) });
+                    let s = _mm256_set1_ps(sc[r][i][j - b0]);
+                    acc[r][i] = _mm256_fmadd_ps(s, p, acc[r][i]);
                     if B::MIN {
+                        let t = toks[i];
                         mins[r][i] = b.m[k].to_f32().mul_add(x.sum[t * nb + j], mins[r][i]);
                     }
                 }
@@ -646,8 +679,106 @@ unsafe fn a8_tile<B: A8Block, const R: usize, const T: usize>(
     out
 }
 
+/// Blocks per row that [`a8_flat`] holds the scale products of (SmolLM2's widest rows, 1536
+/// columns, have 48).
+const A8_FLAT_BLOCKS: usize = 64;
+
+/// [`a8_tile`] in one flat pass over the blocks (rows of at most [`A8_FLAT_BLOCKS`] blocks):
+/// every scale product first (in vectors, each rounded once), then per block one load of each
+/// token's codes and lane sums for all the rows, each row's codes decoded once and used for every
+/// token.
+///
+/// # Safety
+/// The rows must be within `b`, the tokens within `x`; `cols / 32 ≤ A8_FLAT_BLOCKS`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn a8_flat<B: A8Block, const R: usize, const T: usize>(
+    b: &Blocks,
+    x: &super::a8::Q8Acts,
+    rows: [usize; R],
+    toks: [usize; T],
+) -> [[f32; T]; R] {
+    let nb = x.cols / QK;
+    assert!(nb <= A8_FLAT_BLOCKS, "invariant: rows of at most 64 blocks");
+    let mut sc = [[[0f32; A8_FLAT_BLOCKS]; T]; R];
+    let mut dw = [0f32; SCALE_RUN];
+    for r in 0..R {
+        let mut b0 = 0;
+        while b0 < nb {
+            let n = (nb - b0).min(SCALE_RUN);
+            // SAFETY: blocks b0..b0 + n of the row are within it.
+            unsafe { scales(b.d.as_ptr().add(rows[r] * nb + b0), n, &mut dw) };
+            for (i, &t) in toks.iter().enumerate() {
+                let xd = &x.d[t * nb..(t + 1) * nb];
+                let s = &mut sc[r][i];
+                if n == SCALE_RUN {
+                    // SAFETY: 8 scales of the token from b0 (n == 8), 8 slots of `s` from b0.
+                    unsafe {
+                        let p = _mm256_mul_ps(
+                            _mm256_loadu_ps(dw.as_ptr()),
+                            _mm256_loadu_ps(xd.as_ptr().add(b0)),
+                        );
+                        _mm256_storeu_ps(s.as_mut_ptr().add(b0), p);
+                    }
+                } else {
+                    for j in 0..n {
+                        s[b0 + j] = dw[j] * xd[b0 + j];
+                    }
+                }
+            }
+            b0 += n;
+        }
+    }
+    let q: [*const u8; R] =
+        std::array::from_fn(|r| b.qs.as_ptr().wrapping_add(rows[r] * nb * B::QBYTES));
+    let xqs: [*const i8; T] = std::array::from_fn(|i| x.qs.as_ptr().wrapping_add(toks[i] * x.cols));
+    let xs8: [*const i32; T] =
+        std::array::from_fn(|i| x.s8.as_ptr().wrapping_add(toks[i] * nb * 8));
+    let every = (64 / B::QBYTES).max(1);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut mins = [[0f32; T]; R];
+    #[allow(clippy::needless_range_loop)] // j indexes the blocks of every row and token
+    for j in 0..nb {
+        let mut xv = [_mm256_setzero_si256(); T];
+        let mut s8 = [_mm256_setzero_si256(); T];
+        for i in 0..T {
+            // SAFETY: block j of each token is within `x`.
+            unsafe {
+                xv[i] = _mm256_loadu_si256(xqs[i].add(j * QK) as *const __m256i);
+                s8[i] = _mm256_loadu_si256(xs8[i].add(j * 8) as *const __m256i);
+            }
+        }
+        let fetch = j % every == 0;
+        for r in 0..R {
+            let qj = q[r].wrapping_add(j * B::QBYTES);
+            if fetch {
+                _mm_prefetch::<_MM_HINT_T1>(qj.wrapping_add(PREFETCH_BYTES) as *const i8);
+            }
+            // SAFETY: block j of row r is within the quants; this function runs on AVX2.
+            let w = unsafe { B::codes(qj) };
+            for i in 0..T {
+                // SAFETY: this function runs on AVX2.
+                let p = _mm256_cvtepi32_ps(unsafe { B::dot(w, xv[i], s8[i]) });
+                acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(sc[r][i][j]), p, acc[r][i]);
+                if B::MIN {
+                    let (k, t) = (rows[r] * nb + j, toks[i]);
+                    mins[r][i] = b.m[k].to_f32().mul_add(x.sum[t * nb + j], mins[r][i]);
+                }
+            }
+        }
+    }
+    std::array::from_fn(|r| {
+        std::array::from_fn(|i| {
+            let mut lanes = [0f32; 8];
+            // SAFETY: `lanes` holds 8 floats.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r][i]) };
+            super::a8::fold8(lanes) + mins[r][i]
+        })
+    })
+}
+
 /// One task of [`super::a8::matmul_a8`]: its rows, every token; 4 rows × 1 token for a lone
-/// token, else 2 rows × up to 4 tokens.
+/// token, else 2 rows × up to 3 tokens.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
@@ -662,19 +793,19 @@ pub(super) unsafe fn rows_task_a8(w: &RowData, x: &super::a8::Q8Acts, out: &mut 
             let rows = |k: usize| r0 + i + k.min(nr - 1);
             let mut t = 0;
             while t < n_tok {
-                let nt = (n_tok - t).min(4);
+                let nt = (n_tok - t).min(3);
                 let toks = |k: usize| t + k.min(nt - 1);
+                let flat = x.cols / QK <= A8_FLAT_BLOCKS;
                 macro_rules! run {
                     ($r:literal, $t:literal) => {{
-                        // SAFETY: the rows are the task's, the tokens within `x`; the CPU
-                        // runs AVX2 (the caller's contract).
+                        let (rs, ts) = (std::array::from_fn(rows), std::array::from_fn(toks));
+                        // SAFETY: the rows are the task's, the tokens within `x` (and a flat
+                        // tile's rows short enough); the CPU runs AVX2 (the caller's contract).
                         let o = unsafe {
-                            a8_tile::<B, $r, $t>(
-                                b,
-                                x,
-                                std::array::from_fn(rows),
-                                std::array::from_fn(toks),
-                            )
+                            match flat {
+                                true => a8_flat::<B, $r, $t>(b, x, rs, ts),
+                                false => a8_tile::<B, $r, $t>(b, x, rs, ts),
+                            }
                         };
                         for (r, row) in o.iter().enumerate().take(nr) {
                             for (k, &v) in row.iter().enumerate().take(nt) {
@@ -687,8 +818,7 @@ pub(super) unsafe fn rows_task_a8(w: &RowData, x: &super::a8::Q8Acts, out: &mut 
                     (4, _) => run!(4, 1),
                     (_, 1) => run!(2, 1),
                     (_, 2) => run!(2, 2),
-                    (_, 3) => run!(2, 3),
-                    _ => run!(2, 4),
+                    _ => run!(2, 3),
                 }
                 t += nt;
             }

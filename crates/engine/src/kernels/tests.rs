@@ -223,10 +223,9 @@ const BLOCK_DTYPES: [GgmlDType; 3] = [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDTyp
 fn eight_bit_activations_multiply_the_quantized_activations_exactly_on_every_path() {
     // The reference: the dequantized weights times the dequantized activations (dx·xq), in
     // f64; the kernels round each block's scale product and their sums in f32 only.
-    for (si, &(rows, cols)) in [(70, 576), (9, 64), (37, 1536), (130, 96)]
-        .iter()
-        .enumerate()
-    {
+    // 2304 columns: 72 blocks, past the flat AVX2 tile's 64 (the blocked one).
+    let shapes = [(70, 576), (9, 64), (37, 1536), (130, 96), (6, 2304)];
+    for (si, &(rows, cols)) in shapes.iter().enumerate() {
         for dtype in BLOCK_DTYPES {
             let w = stored(dtype, &rand(si as u64 + 60, rows * cols), rows, cols);
             for n_tok in (1..=9).chain([16, 30]) {

@@ -435,16 +435,39 @@ impl LlamaModel {
         observe: Option<Observer<'_>>,
     ) -> Result<Logits> {
         #[cfg(target_arch = "x86_64")]
-        if kernels::Isa::selected() == kernels::Isa::Avx512 {
-            // SAFETY: the AVX-512 path is selected only on a CPU that runs it.
-            return unsafe { self.forward_avx512(batch, kv, tables, slots, ctx, observe) };
+        match kernels::Isa::selected() {
+            // SAFETY: a path is selected only on a CPU that runs it.
+            kernels::Isa::Avx512 => unsafe {
+                return self.forward_avx512(batch, kv, tables, slots, ctx, observe);
+            },
+            // SAFETY: as above.
+            kernels::Isa::Avx2 => unsafe {
+                return self.forward_avx2(batch, kv, tables, slots, ctx, observe);
+            },
+            kernels::Isa::Portable => {}
         }
         self.forward_with(batch, kv, tables, slots, ctx, observe)
     }
 
     /// [`Self::forward`] with the code around the matmuls (norms, RoPE, attention, activations)
-    /// compiled for AVX-512: the same operations in the same order (Rust never fuses a multiply
-    /// and an add by itself), so the same bits as the baseline build, in fewer instructions.
+    /// compiled for AVX2: the same operations in the same order (Rust never fuses a multiply and
+    /// an add by itself, nor reorders a sum), so the same bits as the baseline build, in fewer
+    /// instructions.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn forward_avx2(
+        &self,
+        batch: &[SeqChunk],
+        kv: &mut PagedKvCache,
+        tables: &[&[u32]],
+        slots: &[usize],
+        ctx: &[NodeCtx],
+        observe: Option<Observer<'_>>,
+    ) -> Result<Logits> {
+        self.forward_with(batch, kv, tables, slots, ctx, observe)
+    }
+
+    /// [`Self::forward_avx2`] for AVX-512.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,fma")]
     fn forward_avx512(
@@ -498,8 +521,7 @@ impl LlamaModel {
         let mut u = vec![0f32; n_tok * ff];
 
         let bs = kv.tables.block_size();
-        #[cfg(target_arch = "x86_64")]
-        let avx512 = kernels::Isa::selected() == kernels::Isa::Avx512;
+        let isa = kernels::Isa::selected();
 
         let fake = |x: &mut [f32], width: usize| {
             if let Some(b) = self.act_bits {
@@ -543,12 +565,7 @@ impl LlamaModel {
                     let s = cx.slot(j);
                     (table[s / bs] as usize * bs + s % bs) * kvd + kvh * hd
                 };
-                #[cfg(target_arch = "x86_64")]
-                if avx512 {
-                    // SAFETY: the AVX-512 path is selected only on a CPU that runs it.
-                    return unsafe { attend_avx512(qv, ks, vs, n_ctx, scale, at, out) };
-                }
-                attend(qv, ks, vs, n_ctx, scale, at, out)
+                attend_on(isa, qv, ks, vs, n_ctx, scale, at, out)
             });
             fake(&mut att, d);
             seen(li, Site::AttentionOutput, &att);
@@ -635,13 +652,12 @@ fn attend(
     }
 }
 
-/// [`attend`] on AVX-512: each score a fused dot product of 16-lane vectors, the exponentials
-/// vectorized, the weighted sum of V rows in vector registers. Its bits differ from the portable
-/// path's, but depend only on the query and its context, never on the batch around them.
-/// Heads whose size is not a multiple of 16 take the portable code, compiled for AVX-512.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-fn attend_avx512(
+/// [`attend`] compiled for the selected path: the same operations in the same order, so the
+/// same bits (a closure inside [`LlamaModel::forward_avx2`] is not compiled for its features).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn attend_on(
+    isa: kernels::Isa,
     qv: &[f32],
     ks: &[f32],
     vs: &[f32],
@@ -650,46 +666,42 @@ fn attend_avx512(
     at: impl Fn(usize) -> usize,
     out: &mut [f32],
 ) {
-    use std::arch::x86_64::*;
-    let hd = qv.len();
-    if hd == 0 || !hd.is_multiple_of(16) || hd > 256 {
-        return attend(qv, ks, vs, n_ctx, scale, at, out);
-    }
-    let nv = hd / 16;
-    let load = |s: &[f32], i: usize| {
-        let s = &s[i * 16..(i + 1) * 16];
-        // SAFETY: 16 floats.
-        unsafe { _mm512_loadu_ps(s.as_ptr()) }
-    };
-    let mut q = [_mm512_setzero_ps(); 16];
-    for (i, v) in q.iter_mut().enumerate().take(nv) {
-        *v = load(qv, i);
-    }
-    let mut scores = vec![0f32; n_ctx];
-    for (j, s) in scores.iter_mut().enumerate() {
-        let k = &ks[at(j)..at(j) + hd];
-        let mut acc = _mm512_mul_ps(q[0], load(k, 0));
-        for (i, &qi) in q.iter().enumerate().take(nv).skip(1) {
-            acc = _mm512_fmadd_ps(qi, load(k, i), acc);
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        fn avx2(
+            qv: &[f32],
+            ks: &[f32],
+            vs: &[f32],
+            n_ctx: usize,
+            scale: f32,
+            at: impl Fn(usize) -> usize,
+            out: &mut [f32],
+        ) {
+            attend(qv, ks, vs, n_ctx, scale, at, out)
         }
-        *s = _mm512_reduce_add_ps(acc) * scale;
-    }
-    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    for s in scores.iter_mut() {
-        *s = kernels::exp(*s - max);
-    }
-    let sum: f32 = scores.iter().sum();
-    let mut o = [_mm512_setzero_ps(); 16];
-    for (j, &p) in scores.iter().enumerate() {
-        let (w, v) = (_mm512_set1_ps(p / sum), &vs[at(j)..at(j) + hd]);
-        for (i, oi) in o.iter_mut().enumerate().take(nv) {
-            *oi = _mm512_fmadd_ps(w, load(v, i), *oi);
+        #[target_feature(enable = "avx512f,fma")]
+        fn avx512(
+            qv: &[f32],
+            ks: &[f32],
+            vs: &[f32],
+            n_ctx: usize,
+            scale: f32,
+            at: impl Fn(usize) -> usize,
+            out: &mut [f32],
+        ) {
+            attend(qv, ks, vs, n_ctx, scale, at, out)
+        }
+        match isa {
+            // SAFETY: a path is selected only on a CPU that runs it.
+            kernels::Isa::Avx2 => return unsafe { avx2(qv, ks, vs, n_ctx, scale, at, out) },
+            // SAFETY: as above.
+            kernels::Isa::Avx512 => return unsafe { avx512(qv, ks, vs, n_ctx, scale, at, out) },
+            kernels::Isa::Portable => {}
         }
     }
-    for (i, oi) in o.iter().enumerate().take(nv) {
-        // SAFETY: 16 floats of `out` (hd long) at i·16.
-        unsafe { _mm512_storeu_ps(out[i * 16..(i + 1) * 16].as_mut_ptr(), *oi) };
-    }
+    let _ = isa;
+    attend(qv, ks, vs, n_ctx, scale, at, out)
 }
 
 #[inline(always)]
@@ -776,8 +788,7 @@ mod tests {
     }
 
     #[test]
-    fn attention_matches_a_plain_reference_on_every_path() {
-        // 64: the AVX-512 kernel; 40: its fallback to the portable code.
+    fn attention_matches_a_plain_reference() {
         for hd in [64usize, 40] {
             for n_ctx in [1usize, 7, 150] {
                 let stride = 3 * hd; // other heads' slots between this head's positions
@@ -789,21 +800,11 @@ mod tests {
                 let want = reference(&q, &ks, &vs, n_ctx, at);
                 let mut got = vec![0f32; hd];
                 attend(&q, &ks, &vs, n_ctx, scale, at, &mut got);
-                let mut outs = vec![got];
-                #[cfg(target_arch = "x86_64")]
-                if kernels::Isa::available().contains(&kernels::Isa::Avx512) {
-                    let mut o = vec![0f32; hd];
-                    // SAFETY: this CPU runs AVX-512F and FMA (checked just above).
-                    unsafe { attend_avx512(&q, &ks, &vs, n_ctx, scale, at, &mut o) };
-                    outs.push(o);
-                }
-                for o in outs {
-                    for (g, w) in o.iter().zip(&want) {
-                        assert!(
-                            (*g as f64 - w).abs() < 1e-5,
-                            "hd {hd} n_ctx {n_ctx}: {g} vs {w}"
-                        );
-                    }
+                for (g, w) in got.iter().zip(&want) {
+                    assert!(
+                        (*g as f64 - w).abs() < 1e-5,
+                        "hd {hd} n_ctx {n_ctx}: {g} vs {w}"
+                    );
                 }
             }
         }
