@@ -614,19 +614,21 @@ const AWAIT_DRAFTS_MS: u64 = 5_000;
 /// block lands).
 fn awaiting_server() -> &'static String {
     static URL: OnceLock<String> = OnceLock::new();
-    URL.get_or_init(|| {
-        grpc_server_with(
-            tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS,
-            false,
-            tandem_cloud::tenants::Tenants::open(),
-            tandem_verifier::VerifierConfig {
-                await_drafts_ms: AWAIT_DRAFTS_MS,
-                ..tandem_verifier::VerifierConfig::default()
-            },
-            256 << 20,
-        )
-        .0
-    })
+    URL.get_or_init(|| new_awaiting_server().0)
+}
+
+/// A new verifier that awaits its edges' blocks (see [`awaiting_server`]): its URL and gauges.
+fn new_awaiting_server() -> (String, std::sync::Arc<tandem_cloud::Gauges>) {
+    grpc_server_with(
+        tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS,
+        false,
+        tandem_cloud::tenants::Tenants::open(),
+        tandem_verifier::VerifierConfig {
+            await_drafts_ms: AWAIT_DRAFTS_MS,
+            ..tandem_verifier::VerifierConfig::default()
+        },
+        256 << 20,
+    )
 }
 
 /// Grants follow the load: while a generation keeps a verifier (saturated at 1 token per forward)
@@ -729,16 +731,7 @@ fn metrics_are_scraped_over_http_and_parse() {
     let (_, tok) = target();
     // Its own verifier (the counters are its alone), awaiting the edge's blocks: some are
     // verified with accepted tokens however slow the draft.
-    let (url, g) = grpc_server_with(
-        tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS,
-        false,
-        tandem_cloud::tenants::Tenants::open(),
-        tandem_verifier::VerifierConfig {
-            await_drafts_ms: AWAIT_DRAFTS_MS,
-            ..tandem_verifier::VerifierConfig::default()
-        },
-        256 << 20,
-    );
+    let (url, g) = new_awaiting_server();
     let maddr = on_loopback(move |l| async move {
         tandem_cloud::metrics::serve_metrics(l, g, std::future::pending())
             .await

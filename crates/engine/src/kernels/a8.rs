@@ -14,9 +14,7 @@
 //! So every path (the portable loops here, the AVX2 kernels with `maddubs`) gives the same bits,
 //! whatever the batch.
 
-use rayon::prelude::*;
-
-use super::{Blocks, Isa, RowData, RowsOut, SharedOut, QK};
+use super::{Blocks, Isa, RowData, RowsOut, QK};
 
 /// Activations quantized per 32-element block: `n_tok` rows of `cols`.
 #[derive(Debug, Clone, Default)]
@@ -168,19 +166,7 @@ pub fn matmul_a8_on(isa: Isa, w: &RowData, rows: usize, x: &Q8Acts, y: &mut [f32
             && (!matches!(w, RowData::Q4_1(_)) || blocks(w).m.len() == blocks(w).d.len()),
         "invariant: y is [n_tok, rows] and W whole rows of whole blocks"
     );
-    let shared = SharedOut(y.as_mut_ptr());
-    const ROWS: usize = 32;
-    (0..rows.div_ceil(ROWS)).into_par_iter().for_each(|c| {
-        let r0 = c * ROWS;
-        // Each task writes rows r0..r0 + n only; `y` stays borrowed until they all return.
-        let mut out = RowsOut {
-            y: shared.ptr(),
-            rows,
-            n_tok,
-            r0,
-            n: ROWS.min(rows - r0),
-            _y: std::marker::PhantomData,
-        };
+    super::for_each_task(rows, n_tok, y, |out| {
         #[cfg(target_arch = "x86_64")]
         if isa != Isa::Portable {
             assert!(
@@ -191,10 +177,10 @@ pub fn matmul_a8_on(isa: Isa, w: &RowData, rows: usize, x: &Q8Acts, y: &mut [f32
             );
             // SAFETY: the CPU supports AVX2, FMA and F16C (checked just above); an AVX-512
             // CPU runs the AVX2 kernel, which gives the same bits.
-            return unsafe { super::avx2::rows_task_a8(w, x, &mut out) };
+            return unsafe { super::avx2::rows_task_a8(w, x, out) };
         }
         let _ = isa;
-        rows_task(w, x, &mut out)
+        rows_task(w, x, out)
     });
 }
 

@@ -584,6 +584,13 @@ pub fn matmul_on(
         x.len() == n_tok * cols && y.len() == n_tok * rows,
         "invariant: x is [n_tok, cols] and y [n_tok, rows]"
     );
+    for_each_task(rows, n_tok, y, |out| rows_task_on(isa, w, cols, x, out));
+}
+
+/// Split the output `y: [n_tok, rows]` into tasks of [`ROWS_PER_TASK`] rows and run `task` on
+/// each, in parallel on the current rayon pool.
+fn for_each_task(rows: usize, n_tok: usize, y: &mut [f32], task: impl Fn(&mut RowsOut) + Sync) {
+    assert_eq!(y.len(), n_tok * rows, "invariant: y is [n_tok, rows]");
     let shared = SharedOut(y.as_mut_ptr());
     (0..rows.div_ceil(ROWS_PER_TASK))
         .into_par_iter()
@@ -598,7 +605,7 @@ pub fn matmul_on(
                 n: ROWS_PER_TASK.min(rows - r0),
                 _y: std::marker::PhantomData,
             };
-            rows_task_on(isa, w, cols, x, &mut out)
+            task(&mut out)
         });
 }
 
