@@ -80,9 +80,9 @@ pub struct ThreadBench {
     pub read_bandwidth_gbs: f64,
     pub target: ModelBench,
     pub draft: ModelBench,
-    /// The same draft file with f32 activations (W4A16), beside the edge's W4A8: decode and
-    /// chunks.
-    pub draft_w4a16: Option<ModelBench>,
+    /// The same draft file with the other activations (f32 beside the edge's 8-bit ones, or
+    /// 8-bit where the edge keeps f32): decode and chunks.
+    pub draft_other: Option<ModelBench>,
     /// llama.cpp on the same files (`null` when the peer is not installed).
     pub peer: Option<Value>,
 }
@@ -285,6 +285,7 @@ fn bench_model(
         path: path.display().to_string(),
         format: match model.mode {
             tandem_engine::WeightMode::W4A8 => format!("{} w4a8", model.format()),
+            tandem_engine::WeightMode::Native => format!("{} w4a16", model.format()),
             _ => model.format(),
         },
         decode_tok_s: round2(decode),
@@ -335,7 +336,7 @@ pub fn peer_bench(
 pub fn run(
     target: (&Arc<LlamaModel>, &Path),
     draft: (&Arc<LlamaModel>, &Path),
-    draft_w4a16: Option<&Arc<LlamaModel>>,
+    draft_other: Option<&Arc<LlamaModel>>,
     target_f32_gguf: Option<&Path>,
     a: &BenchArgs,
 ) -> Result<EngineBench> {
@@ -347,12 +348,8 @@ pub fn run(
         let tb = bench_model(target.0, target.1, t, a, bw, true).context("target")?;
         tracing::info!(threads = t, "benchmarking draft");
         let db = bench_model(draft.0, draft.1, t, a, bw, true).context("draft")?;
-        let w4a16 = draft_w4a16
-            .map(|m| -> Result<ModelBench> {
-                let mut b = bench_model(m, draft.1, t, a, bw, true).context("draft w4a16")?;
-                b.format = format!("{} w4a16", b.format);
-                Ok(b)
-            })
+        let other = draft_other
+            .map(|m| bench_model(m, draft.1, t, a, bw, true).context("draft, other activations"))
             .transpose()?;
         let peer = if a.peer_python.is_some() {
             let d = peer(a, draft.1, t);
@@ -367,7 +364,7 @@ pub fn run(
             read_bandwidth_gbs: round2(bw),
             target: tb,
             draft: db,
-            draft_w4a16: w4a16,
+            draft_other: other,
             peer,
         });
     }
@@ -394,8 +391,8 @@ fn models_of(r: &ThreadBench) -> Vec<(&'static str, &ModelBench, &'static str)> 
         ("target", &r.target, "target_f32"),
         ("draft", &r.draft, "draft"),
     ];
-    if let Some(w) = &r.draft_w4a16 {
-        v.push(("draft w4a16", w, "draft"));
+    if let Some(w) = &r.draft_other {
+        v.push(("draft, other activations", w, "draft"));
     }
     v
 }

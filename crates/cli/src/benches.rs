@@ -346,12 +346,17 @@ pub(crate) fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()
         ..a.bench
     };
 
-    // The draft as the edge runs it (8-bit activations), and with f32 activations beside it.
-    let w4a16 = models::load(home, &ModelSpec::Draft, Some(WeightMode::Native), true)?;
+    // The draft as the edge runs it, and with the other activations beside it (f32 beside
+    // 8-bit, or 8-bit where the edge keeps f32).
+    let other_mode = match draft.model.mode {
+        WeightMode::W4A8 => WeightMode::Native,
+        _ => WeightMode::W4A8,
+    };
+    let other = models::load(home, &ModelSpec::Draft, Some(other_mode), true)?;
     let r = bench::run(
         (&target.model, &target.path),
         (&draft.model, &draft.path),
-        Some(&w4a16.model),
+        Some(&other.model),
         target_f32.as_deref(),
         &args,
     )?;
@@ -362,7 +367,7 @@ pub(crate) fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()
         "draft_path": draft.path,
         "draft_decode_tok_s": first.draft.decode_tok_s,
         "target_decode_tok_s": first.target.decode_tok_s,
-        "draft_w4a16_decode_tok_s": first.draft_w4a16.as_ref().map(|m| m.decode_tok_s),
+        "draft_other_decode_tok_s": first.draft_other.as_ref().map(|m| m.decode_tok_s),
         "verify_chunk_ms": { "target": first.target.chunk_ms, "draft": first.draft.chunk_ms },
         "batch_throughput_tok_s": first.target.batch_tok_s,
         "bandwidth_gbs": r.copy_bandwidth_gbs,

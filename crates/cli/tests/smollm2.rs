@@ -201,7 +201,7 @@ fn cli_bench_engine_json_contract() {
     for key in [
         "draft_decode_tok_s",
         "target_decode_tok_s",
-        "draft_w4a16_decode_tok_s",
+        "draft_other_decode_tok_s",
         "bandwidth_gbs",
     ] {
         assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {v}");

@@ -34,10 +34,18 @@ impl ModelSpec {
     /// Weight mode a spec runs in unless told otherwise: the target in f32; the draft in its
     /// 4-bit blocks with 8-bit activations and integer dot products (W4A8: on an AVX2 Zen 3,
     /// 97 tokens/s on one core against 51 with f32 activations, at the same teacher-forced α,
-    /// 0.86: `bench quant`); other files in their blocks with f32 activations.
+    /// 0.86: `bench quant`), except where the AVX-512 kernels run: there the draft with f32
+    /// activations led llama.cpp by 1.77× and the integer kernels (AVX2 code) are not measured
+    /// yet; other files in their blocks with f32 activations.
     pub fn default_mode(&self) -> WeightMode {
         match self {
             Self::Target => WeightMode::F32,
+            Self::Draft
+                if tandem_engine::kernels::Isa::selected()
+                    == tandem_engine::kernels::Isa::Avx512 =>
+            {
+                WeightMode::Native
+            }
             Self::Draft => WeightMode::W4A8,
             Self::Path(_) => WeightMode::Native,
         }
