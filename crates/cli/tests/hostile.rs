@@ -349,7 +349,18 @@ impl tandem_edge::Link for SlipsOneBadBlock {
 
 #[test]
 fn a_refused_message_does_not_end_the_answer() {
-    let (url, _) = new_grpc_server(1e9);
+    // A verifier that waits for the edge's blocks (5 s), so that the bad one is sent however
+    // slow the draft is beside the target (else the verifier can decode the whole answer first).
+    let (url, _) = grpc_server_with(
+        1e9,
+        false,
+        tandem_cloud::tenants::Tenants::open(),
+        tandem_verifier::VerifierConfig {
+            await_drafts_ms: 5_000,
+            ..tandem_verifier::VerifierConfig::default()
+        },
+        256 << 20,
+    );
     let (m, tok) = target();
     let prompt = tok.encode_chat("Name three colours.").unwrap();
     let want = {
