@@ -507,7 +507,6 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
         // (an AVX2 laptop on the portable kernels), no shape beats the verifier's own pace and
         // γ 1 stays. That the policy re-plans when its model predicts a clear gain is
         // `tandem_spec::edge`'s test on a test clock.
-        assert!(mm.final_draft_len >= 1 && mm.final_depth >= 1, "{mm:?}");
     }
 }
 

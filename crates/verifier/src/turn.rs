@@ -265,10 +265,12 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
             turn.takeovers += usize::from(on);
             events.extend(self.set_takeover(id, on));
         }
-        // Sessions whose wait for their edge's block ran out: a token decoded alone.
+        // Sessions whose wait for their edge's block ran out: a token decoded alone (no scan of
+        // the sessions when the verifier never waits, the default).
         let waited: Vec<SessionId> = self
             .sessions
             .iter()
+            .filter(|_| self.await_drafts_us > 0)
             .filter(|(_, s)| {
                 matches!(s.work, Work::Spec { waiting_since: Some(t), planned: None, .. }
                     if t + self.await_drafts_us <= now_us)

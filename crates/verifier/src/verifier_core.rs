@@ -298,6 +298,9 @@ impl<T: Target, H> VerifierCore<T, H> {
     /// ([`VerifierConfig::await_drafts_ms`]) and is decoded, on the driver's clock (µs): a
     /// driver with no work turns again then at the latest. None: no session waits.
     pub fn wake_at_us(&self) -> Option<u64> {
+        if self.await_drafts_us == 0 {
+            return None;
+        }
         self.sessions
             .values()
             .filter_map(|s| match &s.work {
