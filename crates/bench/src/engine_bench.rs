@@ -163,13 +163,16 @@ pub fn kernel_gflops(model: &LlamaModel, threads: usize) -> f64 {
     let mut best = f64::MAX;
     // The kernel the model runs: 8-bit activations (quantized once per call, as a forward
     // does) or f32 ones.
-    let a8 = model.mode == tandem_engine::WeightMode::W4A8 && kernels::a8::supported(&w);
-    let mul = |y: &mut [f32]| match a8 {
-        true => {
+    let a8 = match model.mode {
+        tandem_engine::WeightMode::W4A8 => kernels::a8::A8Matrix::pack(&w, rows, cols),
+        _ => None,
+    };
+    let mul = |y: &mut [f32]| match &a8 {
+        Some(w8) => {
             let xq = kernels::a8::Q8Acts::quantize(&x, cols);
-            kernels::a8::matmul_a8(&w, rows, &xq, y)
+            kernels::a8::matmul_a8(w8, &xq, y)
         }
-        false => kernels::matmul(&w, rows, cols, &x, n_tok, y),
+        None => kernels::matmul(&w, rows, cols, &x, n_tok, y),
     };
     pool.install(|| {
         mul(&mut y);

@@ -4,17 +4,21 @@
 //! Each token's activations are quantized per 32-element block, as GGUF's Q8_0: a scale
 //! `dx = max|x| / 127` and codes `xq = round(x·(1/dx))` (ties to even), by plain Rust on every
 //! path. One output `y[t, r]` is then, over the row's blocks `j` in order:
-//! - eight integer partial sums per block, `P[j, l] = Σ w_i·xq_i` over the block's elements
-//!   `4l .. 4l + 4` (`w` the weight's integer code: `q − 8` for Q4_0, `q` for Q4_1 and Q8_0),
-//!   exact however they are computed;
-//! - eight running sums `acc[l] = fma(d_j·dx_j, P[j, l], acc[l])` (the product rounded once),
-//!   folded as `(l, l + 4)`, then `(l, l + 2)`, then `(0, 1)`;
-//! - Q4_1 adds its minimums: `mins = fma(m_j, dx_j·Σ xq_j, mins)`, and `y = fold + mins`.
+//! - the block's integer dot product `P[j] = Σ w_i·xq_i` over its 32 elements (`w` the weight's
+//!   integer code: `q − 8` for Q4_0, `q` for Q4_1 and Q8_0), exact however it is computed (and
+//!   exact in f32: `|P| < 2^24`);
+//! - one running sum `acc = fma(d_j·dx_j, P[j], acc)` (the scale product rounded once);
+//! - Q4_1 adds its minimums: `mins = fma(m_j, dx_j·Σ xq_j, mins)`, and `y = acc + mins`.
 //!
-//! So every path (the portable loops here, the AVX2 kernels with `maddubs`) gives the same bits,
-//! whatever the batch.
+//! So every path (the portable loops here, the AVX2 kernel) gives the same bits, whatever the
+//! batch. The weights are repacked at load ([`A8Matrix`]) so that one vector holds a code
+//! group of eight rows: the AVX2 kernel multiplies eight rows at once against a broadcast
+//! group of four activation codes, sums a block's products in 16-bit lanes and converts one
+//! vector per block.
 
-use super::{Blocks, Isa, RowData, RowsOut, QK};
+use half::f16;
+
+use super::{Isa, RowData, RowsOut, QK};
 
 /// Activations quantized per 32-element block: `n_tok` rows of `cols`.
 #[derive(Debug, Clone, Default)]
@@ -26,8 +30,8 @@ pub struct Q8Acts {
     pub(crate) sum: Vec<f32>,
     /// The codes, token-major, in element order.
     pub(crate) qs: Vec<i8>,
-    /// Eight times the sum of each block's elements `4l .. 4l + 4`, 8 per block: what turns
-    /// the unsigned 4-bit codes' dot products into the centred ones (`Σ (q − 8)·x`).
+    /// Eight times the sum of each block's codes: what turns the unsigned 4-bit codes' dot
+    /// products into the centred ones (`Σ (q − 8)·x`).
     pub(crate) s8: Vec<i32>,
 }
 
@@ -44,7 +48,7 @@ impl Q8Acts {
             d: Vec::with_capacity(nb),
             sum: Vec::with_capacity(nb),
             qs: vec![0; x.len()],
-            s8: Vec::with_capacity(nb * 8),
+            s8: Vec::with_capacity(nb),
         };
         for (xb, qb) in x.chunks_exact(QK).zip(a.qs.chunks_exact_mut(QK)) {
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -57,10 +61,7 @@ impl Q8Acts {
             }
             a.d.push(d);
             a.sum.push(d * s as f32);
-            a.s8.extend(
-                qb.chunks_exact(4)
-                    .map(|c| 8 * c.iter().map(|&q| i32::from(q)).sum::<i32>()),
-            );
+            a.s8.push(8 * s);
         }
         a
     }
@@ -84,89 +85,181 @@ pub fn supported(w: &RowData) -> bool {
     matches!(w, RowData::Q4_0(_) | RowData::Q4_1(_) | RowData::Q8_0(_))
 }
 
-/// The integer code of element `i` of a block's quants `q`.
-#[inline(always)]
-fn code(w: &RowData, q: &[u8], i: usize) -> i32 {
-    match w {
-        RowData::Q4_0(_) => i32::from(if i < 16 { q[i] & 15 } else { q[i - 16] >> 4 }) - 8,
-        RowData::Q4_1(_) => i32::from(if i < 16 { q[i] & 15 } else { q[i - 16] >> 4 }),
-        _ => i32::from(q[i] as i8),
-    }
+/// Rows of an [`A8Matrix`] group: one 32-bit lane of a 256-bit vector each.
+pub(crate) const GROUP: usize = 8;
+
+/// The block formats of an [`A8Matrix`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Format {
+    /// Unsigned nibbles `q`, code `q − 8`.
+    Q4_0,
+    /// Unsigned nibbles `q`, code `q`, and a minimum.
+    Q4_1,
+    /// Signed bytes.
+    Q8_0,
 }
 
-/// Bytes of quants per block of `w`'s format.
-pub(crate) fn qbytes(w: &RowData) -> usize {
-    match w {
-        RowData::Q8_0(_) => 32,
-        _ => 16,
-    }
-}
-
-/// The blocks of `w` (a format [`supported`] names).
-pub(crate) fn blocks(w: &RowData) -> &Blocks {
-    match w {
-        RowData::Q4_0(b) | RowData::Q4_1(b) | RowData::Q8_0(b) => b,
-        _ => panic!("invariant: an 8-bit-activation matmul of a block format"),
-    }
-}
-
-/// The eight running sums folded (see the module docs).
-#[inline(always)]
-pub(crate) fn fold8(a: [f32; 8]) -> f32 {
-    let b = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
-    let c = [b[0] + b[2], b[1] + b[3]];
-    c[0] + c[1]
-}
-
-/// One task on the portable path: rows `out.r0()..` for every token.
-fn rows_task(w: &RowData, x: &Q8Acts, out: &mut RowsOut) {
-    let b = blocks(w);
-    let (cols, nb, qb) = (x.cols, x.cols / QK, qbytes(w));
-    for i in 0..out.n_rows() {
-        let row = out.r0() + i;
-        for t in 0..out.n_tok() {
-            let mut acc = [0f32; 8];
-            let mut mins = 0f32;
-            for j in 0..nb {
-                let k = row * nb + j;
-                let q = &b.qs[k * qb..(k + 1) * qb];
-                let xq = &x.qs[t * cols + j * QK..t * cols + (j + 1) * QK];
-                let s = b.d[k].to_f32() * x.d[t * nb + j];
-                for (l, a) in acc.iter_mut().enumerate() {
-                    let p: i32 = (4 * l..4 * l + 4)
-                        .map(|e| code(w, q, e) * i32::from(xq[e]))
-                        .sum();
-                    *a = s.mul_add(p as f32, *a);
-                }
-                if let Some(m) = b.m.get(k) {
-                    mins = m.to_f32().mul_add(x.sum[t * nb + j], mins);
-                }
-            }
-            out.put(i, t, fold8(acc) + mins);
+impl Format {
+    /// Bytes of quants per row and block.
+    pub(crate) fn qbytes(self) -> usize {
+        match self {
+            Format::Q8_0 => 32,
+            _ => 16,
         }
     }
 }
 
-/// `y[t, r] = Σ_i W[r, i]·x[t, i]` with `x` quantized to 8 bits ([`Q8Acts`]): `W` a block
-/// format ([`supported`]), `y: [n_tok, rows]`. On the current rayon pool, on the
-/// [`Isa::selected`] path.
-pub fn matmul_a8(w: &RowData, rows: usize, x: &Q8Acts, y: &mut [f32]) {
-    matmul_a8_on(Isa::selected(), w, rows, x, y)
+/// A block-format matrix repacked for 8-bit activations: rows in groups of eight (the last
+/// padded with zero rows), each group's blocks in order. Block `j` of group `g` holds
+/// - the eight rows' scales (and Q4_1's minimums) side by side: `d[(g·nb + j)·8 + lane]`;
+/// - their quants in 32-byte chunks: chunk `c` is bytes `4c .. 4c + 4` of each row's block,
+///   row after row. For the 4-bit formats (16 bytes a block, element `i < 16` in byte `i`'s
+///   low nibble, `16 + i` in its high one) a chunk's low nibbles are each row's elements
+///   `4c .. 4c + 4` and its high nibbles elements `16 + 4c ..`: unpacked, every vector is one
+///   group of four consecutive elements of the eight rows.
+#[derive(Debug, Clone)]
+pub struct A8Matrix {
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) format: Format,
+    pub(crate) d: Vec<f16>,
+    pub(crate) m: Vec<f16>,
+    pub(crate) qs: Vec<u8>,
+}
+
+impl A8Matrix {
+    /// `w` (`rows × cols`, a format [`supported`] names) repacked; `None` for another format.
+    pub fn pack(w: &RowData, rows: usize, cols: usize) -> Option<A8Matrix> {
+        let (format, b) = match w {
+            RowData::Q4_0(b) => (Format::Q4_0, b),
+            RowData::Q4_1(b) => (Format::Q4_1, b),
+            RowData::Q8_0(b) => (Format::Q8_0, b),
+            _ => return None,
+        };
+        let (nb, qb) = (cols / QK, format.qbytes());
+        assert!(
+            cols.is_multiple_of(QK) && b.d.len() >= rows * nb && b.qs.len() >= rows * nb * qb,
+            "invariant: whole rows of whole blocks"
+        );
+        let groups = rows.div_ceil(GROUP);
+        let mut m = A8Matrix {
+            rows,
+            cols,
+            format,
+            d: vec![f16::ZERO; groups * nb * GROUP],
+            m: vec![
+                f16::ZERO;
+                if b.m.is_empty() {
+                    0
+                } else {
+                    groups * nb * GROUP
+                }
+            ],
+            qs: vec![0; groups * nb * GROUP * qb],
+        };
+        for r in 0..rows {
+            let (g, lane) = (r / GROUP, r % GROUP);
+            for j in 0..nb {
+                let (k, at) = (r * nb + j, g * nb + j);
+                m.d[at * GROUP + lane] = b.d[k];
+                if let Some(&v) = b.m.get(k) {
+                    m.m[at * GROUP + lane] = v;
+                }
+                let src = &b.qs[k * qb..(k + 1) * qb];
+                let dst = &mut m.qs[at * GROUP * qb..(at + 1) * GROUP * qb];
+                for c in 0..qb / 4 {
+                    let o = c * GROUP * 4 + lane * 4;
+                    dst[o..o + 4].copy_from_slice(&src[4 * c..4 * c + 4]);
+                }
+            }
+        }
+        if format == Format::Q4_0 {
+            // A padded row's nibbles are the code 0 (q = 8): no product however large x is.
+            for r in rows..groups * GROUP {
+                let (g, lane) = (r / GROUP, r % GROUP);
+                for at in g * nb..(g + 1) * nb {
+                    for c in 0..4 {
+                        let o = at * GROUP * 16 + c * GROUP * 4 + lane * 4;
+                        m.qs[o..o + 4].fill(0x88);
+                    }
+                }
+            }
+        }
+        Some(m)
+    }
+
+    /// Bytes read to multiply by this matrix once (its rows', not the padding's).
+    pub fn bytes(&self) -> usize {
+        let per_block = 2 + if self.m.is_empty() { 0 } else { 2 } + self.format.qbytes();
+        self.rows * self.cols / QK * per_block
+    }
+
+    /// The integer code of element `i` of row `r`'s block `j`.
+    fn code(&self, r: usize, j: usize, i: usize) -> i32 {
+        let (g, lane, nb, qb) = (r / GROUP, r % GROUP, self.cols / QK, self.format.qbytes());
+        let base = (g * nb + j) * GROUP * qb;
+        let byte = |e: usize| self.qs[base + (e / 4) * GROUP * 4 + lane * 4 + e % 4];
+        match self.format {
+            Format::Q4_0 => {
+                i32::from(if i < 16 {
+                    byte(i) & 15
+                } else {
+                    byte(i - 16) >> 4
+                }) - 8
+            }
+            Format::Q4_1 => i32::from(if i < 16 {
+                byte(i) & 15
+            } else {
+                byte(i - 16) >> 4
+            }),
+            Format::Q8_0 => i32::from(byte(i) as i8),
+        }
+    }
+}
+
+/// One task on the portable path: rows `out.r0()..` for every token.
+fn rows_task(w: &A8Matrix, x: &Q8Acts, out: &mut RowsOut) {
+    let (cols, nb, n_tok) = (x.cols, x.cols / QK, out.n_tok());
+    let (mut acc, mut mins) = (vec![0f32; n_tok], vec![0f32; n_tok]);
+    for i in 0..out.n_rows() {
+        let r = out.r0() + i;
+        let (g, lane) = (r / GROUP, r % GROUP);
+        acc.fill(0.0);
+        mins.fill(0.0);
+        for j in 0..nb {
+            let at = (g * nb + j) * GROUP + lane;
+            let codes: [i32; QK] = std::array::from_fn(|e| w.code(r, j, e));
+            let dw = w.d[at].to_f32();
+            for t in 0..n_tok {
+                let xq = &x.qs[t * cols + j * QK..t * cols + (j + 1) * QK];
+                let p: i32 = codes.iter().zip(xq).map(|(&c, &q)| c * i32::from(q)).sum();
+                acc[t] = (dw * x.d[t * nb + j]).mul_add(p as f32, acc[t]);
+                if let Some(m) = w.m.get(at) {
+                    mins[t] = m.to_f32().mul_add(x.sum[t * nb + j], mins[t]);
+                }
+            }
+        }
+        for t in 0..n_tok {
+            out.put(i, t, acc[t] + mins[t]);
+        }
+    }
+}
+
+/// `y[t, r] = Σ_i W[r, i]·x[t, i]` with `x` quantized to 8 bits ([`Q8Acts`]), `y: [n_tok,
+/// rows]`. On the current rayon pool, on the [`Isa::selected`] path.
+pub fn matmul_a8(w: &A8Matrix, x: &Q8Acts, y: &mut [f32]) {
+    matmul_a8_on(Isa::selected(), w, x, y)
 }
 
 /// [`matmul_a8`] on a given path (which this CPU must run).
-pub fn matmul_a8_on(isa: Isa, w: &RowData, rows: usize, x: &Q8Acts, y: &mut [f32]) {
+pub fn matmul_a8_on(isa: Isa, w: &A8Matrix, x: &Q8Acts, y: &mut [f32]) {
     let n_tok = x.n_tok();
-    let nb = x.cols / QK;
     assert!(
-        supported(w)
-            && y.len() == n_tok * rows
-            && blocks(w).d.len() >= rows * nb
-            && blocks(w).qs.len() == blocks(w).d.len() * qbytes(w)
-            && (!matches!(w, RowData::Q4_1(_)) || blocks(w).m.len() == blocks(w).d.len()),
-        "invariant: y is [n_tok, rows] and W whole rows of whole blocks"
+        x.cols == w.cols && y.len() == n_tok * w.rows,
+        "invariant: x is [n_tok, cols] and y [n_tok, rows]"
     );
-    super::for_each_task(rows, n_tok, y, |out| {
+    const { assert!(super::ROWS_PER_TASK.is_multiple_of(GROUP)) };
+    super::for_each_task(w.rows, n_tok, y, |out| {
         #[cfg(target_arch = "x86_64")]
         if isa != Isa::Portable {
             assert!(

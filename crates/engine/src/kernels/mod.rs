@@ -658,6 +658,18 @@ fn dot_inline(a: &[f32], b: &[f32]) -> f32 {
     fold(&acc)
 }
 
+/// [`dot`] on a given path (which this CPU must run): the same bits in vectors.
+#[inline(always)]
+pub fn dot_on(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Portable {
+        // SAFETY: a SIMD path is selected (or asked for) only on a CPU with AVX2.
+        return unsafe { avx2::dot16(a, b) };
+    }
+    let _ = isa;
+    dot_inline(a, b)
+}
+
 /// RMS norm of each row of `x: [n, dim]` times `weight`, written to `out`.
 #[inline(always)]
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {

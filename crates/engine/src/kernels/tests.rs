@@ -213,7 +213,8 @@ fn run_a8(isa: Isa, threads: usize, w: &RowData, rows: usize, x: &a8::Q8Acts) ->
         .build()
         .unwrap();
     let mut y = vec![0f32; x.n_tok() * rows];
-    pool.install(|| a8::matmul_a8_on(isa, w, rows, x, &mut y));
+    let w = a8::A8Matrix::pack(w, rows, x.cols).unwrap();
+    pool.install(|| a8::matmul_a8_on(isa, &w, x, &mut y));
     y
 }
 

@@ -167,8 +167,9 @@ pub struct Linear {
     pub rows: usize,
     pub cols: usize,
     pub data: RowData,
-    /// `WeightMode::W4A8` on a block format: 8-bit activations ([`kernels::a8`]).
-    a8: bool,
+    /// `WeightMode::W4A8` on a block format: the weights repacked for 8-bit activations
+    /// ([`kernels::a8`]).
+    a8: Option<kernels::a8::A8Matrix>,
 }
 
 impl Linear {
@@ -208,7 +209,10 @@ impl Linear {
             }
             _ => RowData::f32(&dequantize_f32(name, &t)?, rows, cols),
         };
-        let a8 = mode == WeightMode::W4A8 && kernels::a8::supported(&data);
+        let a8 = match mode {
+            WeightMode::W4A8 => kernels::a8::A8Matrix::pack(&data, rows, cols),
+            _ => None,
+        };
         Ok(Self {
             rows,
             cols,
@@ -219,9 +223,9 @@ impl Linear {
 
     /// `y[n_tok, rows] = x[n_tok, cols] · Wᵀ`.
     fn forward(&self, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()> {
-        if self.a8 {
+        if let Some(w) = &self.a8 {
             let xq = kernels::a8::Q8Acts::quantize(&x[..n_tok * self.cols], self.cols);
-            kernels::a8::matmul_a8(&self.data, self.rows, &xq, y);
+            kernels::a8::matmul_a8(w, &xq, y);
         } else {
             kernels::matmul(&self.data, self.rows, self.cols, x, n_tok, y);
         }
@@ -522,6 +526,19 @@ impl LlamaModel {
 
         let bs = kv.tables.block_size();
         let isa = kernels::Isa::selected();
+        // Where each token's context positions sit in a layer's cache (in units of kv rows):
+        // the same for every layer and head, so the block-table lookups run once a forward.
+        let rows_at: Vec<Vec<usize>> = (0..n_tok)
+            .map(|t| {
+                let (table, cx) = (tables[seq_of[t]], &ctx[t]);
+                (0..cx.len())
+                    .map(|j| {
+                        let s = cx.slot(j);
+                        (table[s / bs] as usize * bs + s % bs) * kvd
+                    })
+                    .collect()
+            })
+            .collect();
 
         let fake = |x: &mut [f32], width: usize| {
             if let Some(b) = self.act_bits {
@@ -558,14 +575,8 @@ impl LlamaModel {
                 let (t, head) = (i / c.n_head, i % c.n_head);
                 let kvh = head / rep;
                 let qv = &q[t * d + head * hd..t * d + (head + 1) * hd];
-                let table = tables[seq_of[t]];
-                let cx = &ctx[t];
-                let n_ctx = cx.len();
-                let at = |j: usize| {
-                    let s = cx.slot(j);
-                    (table[s / bs] as usize * bs + s % bs) * kvd + kvh * hd
-                };
-                attend_on(isa, qv, ks, vs, n_ctx, scale, at, out)
+                let (rows, off) = (&rows_at[t], kvh * hd);
+                attend_on(isa, qv, ks, vs, rows.len(), scale, |j| rows[j] + off, out)
             });
             fake(&mut att, d);
             seen(li, Site::AttentionOutput, &att);
@@ -619,7 +630,9 @@ impl LlamaModel {
 /// One query head's attention over its context, `softmax(q·Kᵀ·scale)·V`, with K and V read in
 /// place from the paged cache: position `j`'s head starts at `at(j)` in `ks` and `vs`.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn attend(
+    isa: kernels::Isa,
     qv: &[f32],
     ks: &[f32],
     vs: &[f32],
@@ -632,7 +645,7 @@ fn attend(
     let mut scores = vec![0f32; n_ctx];
     for (j, s) in scores.iter_mut().enumerate() {
         let a = at(j);
-        *s = kernels::dot(qv, &ks[a..a + hd]) * scale;
+        *s = kernels::dot_on(isa, qv, &ks[a..a + hd]) * scale;
     }
     let mut max = f32::NEG_INFINITY;
     for &s in &scores {
@@ -678,9 +691,9 @@ fn attend_on(
             at: impl Fn(usize) -> usize,
             out: &mut [f32],
         ) {
-            attend(qv, ks, vs, n_ctx, scale, at, out)
+            attend(kernels::Isa::Avx2, qv, ks, vs, n_ctx, scale, at, out)
         }
-        #[target_feature(enable = "avx512f,fma")]
+        #[target_feature(enable = "avx512f,avx2,fma,f16c")]
         fn avx512(
             qv: &[f32],
             ks: &[f32],
@@ -690,7 +703,7 @@ fn attend_on(
             at: impl Fn(usize) -> usize,
             out: &mut [f32],
         ) {
-            attend(qv, ks, vs, n_ctx, scale, at, out)
+            attend(kernels::Isa::Avx512, qv, ks, vs, n_ctx, scale, at, out)
         }
         match isa {
             // SAFETY: a path is selected only on a CPU that runs it.
@@ -701,7 +714,7 @@ fn attend_on(
         }
     }
     let _ = isa;
-    attend(qv, ks, vs, n_ctx, scale, at, out)
+    attend(isa, qv, ks, vs, n_ctx, scale, at, out)
 }
 
 #[inline(always)]
@@ -799,7 +812,16 @@ mod tests {
                 let scale = 1.0 / (hd as f32).sqrt();
                 let want = reference(&q, &ks, &vs, n_ctx, at);
                 let mut got = vec![0f32; hd];
-                attend(&q, &ks, &vs, n_ctx, scale, at, &mut got);
+                attend(
+                    kernels::Isa::Portable,
+                    &q,
+                    &ks,
+                    &vs,
+                    n_ctx,
+                    scale,
+                    at,
+                    &mut got,
+                );
                 for (g, w) in got.iter().zip(&want) {
                     assert!(
                         (*g as f64 - w).abs() < 1e-5,
