@@ -15,7 +15,12 @@ pub use tandem_spec::capacity::ForwardCost;
 pub const HANDBACK_MARGIN: f64 = 1.2;
 
 /// Verdict gaps needed before a session's pace counts.
-pub const MIN_PACE_GAPS: u32 = 3;
+pub const MIN_PACE_GAPS: u32 = 6;
+
+/// Tokens the verifier decodes for a session it took over by pace before it hands the session
+/// back to try its edge again (the pace forgotten): a draft that was wrong for a stretch (a
+/// table, code, a name) gets another chance, even on a verifier whose load never changes.
+pub const PROBE_TOKENS: u32 = 64;
 
 /// Weight of the newest verdict gap in the pace's moving averages.
 const PACE_SMOOTHING: f64 = 0.25;
@@ -31,8 +36,8 @@ pub struct Pace {
 }
 
 impl Pace {
-    /// A verdict (or a decoded token) committed `tokens` at `now_ms`. The first one after a
-    /// [`Pace::restart`] only starts the clock.
+    /// A verdict committed `tokens` at `now_ms`. The first one after a [`Pace::restart`] only
+    /// starts the clock.
     pub fn on_commit(&mut self, now_ms: u64, tokens: usize) {
         if let Some(last) = self.last_ms.replace(now_ms) {
             let (g, t) = (now_ms.saturating_sub(last) as f64, tokens as f64);
@@ -43,6 +48,16 @@ impl Pace {
                 self.tokens += PACE_SMOOTHING * (t - self.tokens);
             }
             self.gaps += 1;
+        }
+    }
+
+    /// The verifier decoded a token of the session at `now_ms`: it counts once a verdict started
+    /// the clock. Before its first verdict a session's tokens are all the verifier's own (its
+    /// edge's first blocks are still on the wire): their gaps measure cloud decoding, not the
+    /// speculation.
+    pub fn on_decoded(&mut self, now_ms: u64) {
+        if self.last_ms.is_some() {
+            self.on_commit(now_ms, 1);
         }
     }
 
@@ -79,12 +94,15 @@ mod tests {
     #[test]
     fn pace_averages_verdict_gaps_per_token() {
         let mut p = Pace::default();
+        p.on_decoded(900);
+        p.on_decoded(950);
         p.on_commit(1000, 3);
         assert_eq!(p.ms_per_token(), None, "the first verdict starts the clock");
-        p.on_commit(1300, 3);
-        p.on_commit(1600, 3);
+        for k in 1..MIN_PACE_GAPS as u64 {
+            p.on_commit(1000 + 300 * k, 3);
+        }
         assert_eq!(p.ms_per_token(), None);
-        p.on_commit(1900, 3);
+        p.on_commit(1000 + 300 * MIN_PACE_GAPS as u64, 3);
         assert!((p.ms_per_token().unwrap() - 100.0).abs() < 1e-9);
         // A takeover and handback later, the gap across it does not count.
         p.restart();

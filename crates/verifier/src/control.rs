@@ -7,7 +7,7 @@
 //! core, so both run the same decisions.
 
 use std::collections::HashMap;
-use tandem_sched::pace::prefer_cloud;
+use tandem_sched::pace::{prefer_cloud, PROBE_TOKENS};
 
 use tandem_sched::{GrantPolicy, Pace, SessionId, TenantId};
 use tandem_spec::{Decoded, Shape, Verdict};
@@ -39,6 +39,8 @@ pub struct Ctl {
     cloud: bool,
     /// Its speculative pace, for a takeover of its own.
     pace: Pace,
+    /// Tokens the verifier decoded since it took the session over.
+    cloud_tokens: u32,
 }
 
 impl Ctl {
@@ -51,6 +53,7 @@ impl Ctl {
             granted: Shape::new(0, 0),
             cloud: false,
             pace: Pace::default(),
+            cloud_tokens: 0,
         }
     }
 
@@ -68,6 +71,7 @@ impl Ctl {
     pub fn set_cloud(&mut self, on: bool) {
         if self.cloud != on {
             self.cloud = on;
+            self.cloud_tokens = 0;
             self.pace.restart();
         }
     }
@@ -188,6 +192,13 @@ impl LoadControl {
                 continue;
             }
             let grant_g = self.tenant_grants(c.tenant).current().draft_len;
+            if c.cloud && grant_g > 0 && c.cloud_tokens >= PROBE_TOKENS {
+                // Taken over by pace long enough: try the edge again, measured afresh.
+                c.pace = Pace::default();
+                c.set_cloud(false);
+                d.takeovers.push((id, false));
+                continue;
+            }
             let cloud = grant_g == 0
                 || cloud_itl.is_some_and(|i| prefer_cloud(c.pace.ms_per_token(), i, c.cloud));
             if c.cloud != cloud {
@@ -288,8 +299,10 @@ impl LoadControl {
     /// session's changed (γ 0 once taken over, the grant again when handed back).
     pub fn on_decoded(&self, c: &mut Ctl, decoded: &mut Decoded, now_ms: u64) {
         self.tell_grant(c, &mut decoded.grant);
-        if !c.cloud {
-            c.pace.on_commit(now_ms, 1);
+        if c.cloud {
+            c.cloud_tokens = c.cloud_tokens.saturating_add(1);
+        } else {
+            c.pace.on_decoded(now_ms);
         }
     }
 }
@@ -396,6 +409,74 @@ mod tests {
         );
         assert!(d.idle);
         assert_eq!(d.takeovers, ids(false));
+    }
+
+    /// A lone session's pace starts at its first verdict (the tokens decoded before it, while its
+    /// edge's first blocks are on the wire, measure cloud decoding only); a slow one is taken
+    /// over, and handed back to try again after [`PROBE_TOKENS`] decoded tokens, its pace
+    /// measured afresh.
+    #[test]
+    fn the_pace_starts_at_the_first_verdict_and_a_taken_over_session_is_tried_again() {
+        use tandem_sched::pace::MIN_PACE_GAPS;
+        let mut c = control();
+        let mut ctl = Ctl::new(Some(Shape::new(4, 2)), TenantId(0));
+        c.on_opened(&mut ctl);
+        let load = |k: u64| Load {
+            forwards: 2 * k,
+            tokens_per_forward: 1.0,
+            sessions: 1,
+        };
+        let mut decoded = Decoded {
+            epoch: 0,
+            pos: 9,
+            token: 3,
+            grant: None,
+        };
+        let mut verdict = Verdict {
+            epoch: 0,
+            block: tandem_spec::BlockId(0),
+            accepted: 0,
+            side_end: None,
+            token: 5,
+            verify_us: 1000,
+            grant: None,
+        };
+        let mut now = 0;
+        let turn = |c: &mut LoadControl, ctl: &mut Ctl, now: u64| {
+            c.turn(now, load(now), std::iter::once((SessionId(1), ctl)))
+                .takeovers
+        };
+        // Tokens decoded alone at twice the cloud ITL (44 ms): not the speculation's pace.
+        for _ in 0..3 * MIN_PACE_GAPS {
+            now += 88;
+            c.on_decoded(&mut ctl, &mut decoded, now);
+            assert!(turn(&mut c, &mut ctl, now).is_empty(), "at {now} ms");
+        }
+        // Verdicts committing one token every 88 ms: taken over once the gaps count.
+        let mut taken_at = None;
+        for k in 0..=MIN_PACE_GAPS {
+            now += 88;
+            c.on_verdict(&mut ctl, &mut verdict, 4, 0, now);
+            if !turn(&mut c, &mut ctl, now).is_empty() {
+                taken_at = Some(k);
+                break;
+            }
+        }
+        assert_eq!(taken_at, Some(MIN_PACE_GAPS), "taken over at the sixth gap");
+        assert!(ctl.is_cloud());
+        // Decoded by the verifier: handed back after PROBE_TOKENS tokens, not before.
+        for k in 1..=PROBE_TOKENS {
+            now += 44;
+            c.on_decoded(&mut ctl, &mut decoded, now);
+            let d = turn(&mut c, &mut ctl, now);
+            if k < PROBE_TOKENS {
+                assert!(d.is_empty(), "token {k}");
+            } else {
+                assert_eq!(d, vec![(SessionId(1), false)]);
+            }
+        }
+        assert!(!ctl.is_cloud());
+        assert_eq!(ctl.pace.ms_per_token(), None, "measured afresh");
     }
 
     /// One tenant's poor drafts shrink only its own sessions' blocks: the other tenant's grant is
