@@ -202,6 +202,14 @@ impl LoadControl {
             let cloud = grant_g == 0
                 || cloud_itl.is_some_and(|i| prefer_cloud(c.pace.ms_per_token(), i, c.cloud));
             if c.cloud != cloud {
+                tracing::debug!(
+                    session = id.0,
+                    cloud,
+                    pace_ms = ?c.pace.ms_per_token(),
+                    cloud_itl_ms = ?cloud_itl,
+                    grant_g,
+                    "takeover by pace"
+                );
                 c.set_cloud(cloud);
                 d.takeovers.push((id, cloud));
             }
