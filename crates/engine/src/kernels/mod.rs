@@ -32,7 +32,7 @@ pub const LANES: usize = 16;
 /// Elements per GGUF quant block (Q4_0, Q4_1, Q8_0).
 pub const QK: usize = 32;
 /// Output rows per parallel task (a multiple of [`PANEL`]).
-const ROWS_PER_TASK: usize = 32;
+const ROWS_PER_TASK: usize = 128;
 /// Rows of an f32 weight panel.
 pub const PANEL: usize = 16;
 const _: () = assert!(ROWS_PER_TASK.is_multiple_of(PANEL));
