@@ -4,8 +4,10 @@
 //!
 //! - **f32 panels**: 2 panels (32 rows) × up to 2 tokens in registers (each panel column is two
 //!   8-lane vectors: 8 accumulators, 4 weight vectors and a broadcast activation fit the 16
-//!   registers); one running sum per output over the columns in order, the columns walked in
-//!   blocks that stay in L1 while every token tile uses them.
+//!   registers) for one or two tokens, 2 panels × 3 tokens for three, 1 panel × up to 6 tokens
+//!   for more (one pass over the weights carries the compute of several tokens); one running
+//!   sum per output over the columns in order, the columns walked in blocks that stay in L1
+//!   while every token tile uses them.
 //! - **Quantized and f16 rows**: the 16 lanes of the portable layout as two 8-lane vectors
 //!   (element `i` of a reduction in lane `i % 16`), in register tiles of 4 rows × 1 token or 2
 //!   rows × up to 2 tokens. A block's 32 weights are decoded in registers (nibbles widened to
