@@ -151,7 +151,11 @@ pub fn kernel_gflops(model: &LlamaModel, threads: usize) -> f64 {
         return 0.0;
     };
     let (rows, cols, n_tok, reps) = (1024.min(up.rows), up.cols, 64, 4);
-    let w = up.data.first_rows(rows, cols);
+    let a8 = up.a8().map(|w| w.first_rows(rows));
+    let w = match (&a8, up.data()) {
+        (None, Some(d)) => Some(d.first_rows(rows, cols)),
+        _ => None,
+    };
     let x: Vec<f32> = (0..n_tok * cols)
         .map(|i| sampler::uniform(3, i as u64, 1) as f32 - 0.5)
         .collect();
@@ -163,16 +167,17 @@ pub fn kernel_gflops(model: &LlamaModel, threads: usize) -> f64 {
     let mut best = f64::MAX;
     // The kernel the model runs: 8-bit activations (quantized once per call, as a forward
     // does) or f32 ones.
-    let a8 = match model.mode {
-        tandem_engine::WeightMode::W4A8 => kernels::a8::A8Matrix::pack(&w, rows, cols),
-        _ => None,
-    };
     let mul = |y: &mut [f32]| match &a8 {
         Some(w8) => {
             let xq = kernels::a8::Q8Acts::quantize(&x, cols);
             kernels::a8::matmul_a8(w8, &xq, y)
         }
-        None => kernels::matmul(&w, rows, cols, &x, n_tok, y),
+        None => {
+            let w = w
+                .as_ref()
+                .expect("invariant: a matrix keeps its rows or its repacking");
+            kernels::matmul(w, rows, cols, &x, n_tok, y)
+        }
     };
     pool.install(|| {
         mul(&mut y);

@@ -117,7 +117,7 @@ impl Format {
 ///   low nibble, `16 + i` in its high one) a chunk's low nibbles are each row's elements
 ///   `4c .. 4c + 4` and its high nibbles elements `16 + 4c ..`: unpacked, every vector is one
 ///   group of four consecutive elements of the eight rows.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct A8Matrix {
     pub(crate) rows: usize,
     pub(crate) cols: usize,
@@ -186,6 +186,31 @@ impl A8Matrix {
             }
         }
         Some(m)
+    }
+
+    /// The storage format's name.
+    pub fn format_name(&self) -> &'static str {
+        match self.format {
+            Format::Q4_0 => "q4_0",
+            Format::Q4_1 => "q4_1",
+            Format::Q8_0 => "q8_0",
+        }
+    }
+
+    /// The first `rows` rows (at most [`A8Matrix::rows`]; the groups are stored in order). The
+    /// last group keeps the rows past `rows` in its lanes, computed but never written out.
+    pub fn first_rows(&self, rows: usize) -> A8Matrix {
+        assert!(rows <= self.rows, "invariant: rows of the matrix");
+        let per_group = self.cols / QK * GROUP;
+        let g = rows.div_ceil(GROUP) * per_group;
+        A8Matrix {
+            rows,
+            cols: self.cols,
+            format: self.format,
+            d: self.d[..g].to_vec(),
+            m: self.m[..g.min(self.m.len())].to_vec(),
+            qs: self.qs[..g * self.format.qbytes()].to_vec(),
+        }
     }
 
     /// Bytes read to multiply by this matrix once (its rows', not the padding's).

@@ -281,3 +281,28 @@ fn eight_bit_activations_give_each_row_the_same_bits_whatever_the_batch() {
         }
     }
 }
+
+#[test]
+fn the_first_rows_of_a_repacked_matrix_multiply_as_the_repacking_of_the_first_rows() {
+    let (rows, cols) = (70, 96);
+    let x = a8::Q8Acts::quantize(&rand(64, 3 * cols), cols);
+    for dtype in BLOCK_DTYPES {
+        let w = stored(dtype, &rand(63, rows * cols), rows, cols);
+        let all = a8::A8Matrix::pack(&w, rows, cols).unwrap();
+        for r in [1, 8, 13, 64, 70] {
+            let (first, packed) = (
+                all.first_rows(r),
+                a8::A8Matrix::pack(&w.first_rows(r, cols), r, cols).unwrap(),
+            );
+            if r % 8 == 0 {
+                assert_eq!(first, packed, "{dtype:?}: {r} rows");
+            }
+            for isa in Isa::available() {
+                let (mut y1, mut y2) = (vec![0f32; 3 * r], vec![0f32; 3 * r]);
+                a8::matmul_a8_on(isa, &first, &x, &mut y1);
+                a8::matmul_a8_on(isa, &packed, &x, &mut y2);
+                assert_eq!(y1, y2, "{isa:?} {dtype:?}: {r} rows");
+            }
+        }
+    }
+}

@@ -162,23 +162,29 @@ impl LlamaConfig {
     }
 }
 
-/// One weight matrix `[rows, cols]`.
+/// One weight matrix `[rows, cols]`: its rows as stored, its repacking for 8-bit activations,
+/// or both (at least one).
 pub struct Linear {
     pub rows: usize,
     pub cols: usize,
-    pub data: RowData,
+    /// The rows in their storage format: for the f32-activation kernels and the embedding's
+    /// lookups (`None` once repacked for 8-bit activations, unless asked to keep them).
+    data: Option<RowData>,
     /// `WeightMode::W4A8` on a block format: the weights repacked for 8-bit activations
     /// ([`kernels::a8`]).
     a8: Option<kernels::a8::A8Matrix>,
 }
 
 impl Linear {
+    /// Load `name`; `keep_rows`: keep the rows as stored even when repacked (the embedding,
+    /// whose rows are looked up).
     fn load(
         g: &mut GgufFile,
         name: &str,
         rows: usize,
         cols: usize,
         mode: WeightMode,
+        keep_rows: bool,
     ) -> Result<Self> {
         let t = g.tensor(name, &[rows, cols])?;
         let dtype = t.dtype();
@@ -213,6 +219,7 @@ impl Linear {
             WeightMode::W4A8 => kernels::a8::A8Matrix::pack(&data, rows, cols),
             _ => None,
         };
+        let data = (a8.is_none() || keep_rows).then_some(data);
         Ok(Self {
             rows,
             cols,
@@ -221,20 +228,45 @@ impl Linear {
         })
     }
 
+    /// The rows as stored (`None` for a matrix kept only repacked for 8-bit activations).
+    pub fn data(&self) -> Option<&RowData> {
+        self.data.as_ref()
+    }
+
+    /// The repacking for 8-bit activations, when the model runs them.
+    pub fn a8(&self) -> Option<&kernels::a8::A8Matrix> {
+        self.a8.as_ref()
+    }
+
+    /// The storage format's name (`q4_0`, `f32`, ...).
+    pub fn format_name(&self) -> &'static str {
+        match (&self.data, &self.a8) {
+            (Some(d), _) => d.name(),
+            (None, Some(w)) => w.format_name(),
+            (None, None) => unreachable!("invariant: a matrix keeps its rows or its repacking"),
+        }
+    }
+
     /// `y[n_tok, rows] = x[n_tok, cols] · Wᵀ`.
     fn forward(&self, x: &[f32], n_tok: usize, y: &mut [f32]) -> Result<()> {
-        if let Some(w) = &self.a8 {
-            let xq = kernels::a8::Q8Acts::quantize(&x[..n_tok * self.cols], self.cols);
-            kernels::a8::matmul_a8(w, &xq, y);
-        } else {
-            kernels::matmul(&self.data, self.rows, self.cols, x, n_tok, y);
+        match (&self.a8, &self.data) {
+            (Some(w), _) => {
+                let xq = kernels::a8::Q8Acts::quantize(&x[..n_tok * self.cols], self.cols);
+                kernels::a8::matmul_a8(w, &xq, y);
+            }
+            (None, Some(d)) => kernels::matmul(d, self.rows, self.cols, x, n_tok, y),
+            (None, None) => unreachable!("invariant: a matrix keeps its rows or its repacking"),
         }
         Ok(())
     }
 
     /// Bytes read to multiply by this matrix once.
     pub fn bytes(&self) -> usize {
-        self.data.row_bytes(self.cols) * self.rows
+        match (&self.a8, &self.data) {
+            (Some(w), _) => w.bytes(),
+            (None, Some(d)) => d.row_bytes(self.cols) * self.rows,
+            (None, None) => 0,
+        }
     }
 }
 
@@ -292,26 +324,26 @@ impl LlamaModel {
     pub fn load(g: &mut GgufFile, mode: WeightMode) -> Result<Self> {
         let cfg = LlamaConfig::from_gguf(g)?;
         let (d, kvd, ff) = (cfg.dim, cfg.kv_dim(), cfg.ff_dim);
-        let embed = Linear::load(g, "token_embd.weight", cfg.vocab, d, mode)?;
+        let embed = Linear::load(g, "token_embd.weight", cfg.vocab, d, mode, true)?;
         // (Grown as the layers load: a corrupt header's block count is not a size to reserve.)
         let mut layers = Vec::new();
         for l in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{l}.{s}.weight");
             layers.push(Layer {
                 attn_norm: g.tensor_f32(&n("attn_norm"), &[d])?,
-                wq: Linear::load(g, &n("attn_q"), d, d, mode)?,
-                wk: Linear::load(g, &n("attn_k"), kvd, d, mode)?,
-                wv: Linear::load(g, &n("attn_v"), kvd, d, mode)?,
-                wo: Linear::load(g, &n("attn_output"), d, d, mode)?,
+                wq: Linear::load(g, &n("attn_q"), d, d, mode, false)?,
+                wk: Linear::load(g, &n("attn_k"), kvd, d, mode, false)?,
+                wv: Linear::load(g, &n("attn_v"), kvd, d, mode, false)?,
+                wo: Linear::load(g, &n("attn_output"), d, d, mode, false)?,
                 ffn_norm: g.tensor_f32(&n("ffn_norm"), &[d])?,
-                gate: Linear::load(g, &n("ffn_gate"), ff, d, mode)?,
-                up: Linear::load(g, &n("ffn_up"), ff, d, mode)?,
-                down: Linear::load(g, &n("ffn_down"), d, ff, mode)?,
+                gate: Linear::load(g, &n("ffn_gate"), ff, d, mode, false)?,
+                up: Linear::load(g, &n("ffn_up"), ff, d, mode, false)?,
+                down: Linear::load(g, &n("ffn_down"), d, ff, mode, false)?,
             });
         }
         let norm = g.tensor_f32("output_norm.weight", &[d])?;
         let head = if g.has_tensor("output.weight") {
-            Some(Linear::load(g, "output.weight", cfg.vocab, d, mode)?)
+            Some(Linear::load(g, "output.weight", cfg.vocab, d, mode, false)?)
         } else {
             None
         };
@@ -416,7 +448,7 @@ impl LlamaModel {
         let l = &self.layers[0];
         let names: Vec<&str> = [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]
             .iter()
-            .map(|w| w.data.name())
+            .map(|w| w.format_name())
             .collect();
         if names.iter().all(|n| *n == names[0]) {
             names[0].to_string()
@@ -509,7 +541,9 @@ impl LlamaModel {
         let mut x = vec![0f32; n_tok * d]; // [n_tok, dim]
         for (t, tok) in batch.iter().flat_map(|s| s.tokens.iter()).enumerate() {
             kernels::dequantize_row(
-                &self.embed.data,
+                self.embed
+                    .data()
+                    .expect("invariant: the embedding keeps its rows"),
                 *tok as usize,
                 d,
                 &mut x[t * d..(t + 1) * d],
