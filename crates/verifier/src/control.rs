@@ -333,6 +333,19 @@ mod tests {
         )
     }
 
+    /// A verdict of block 0 that accepted `accepted` tokens.
+    fn verdict(accepted: usize) -> Verdict {
+        Verdict {
+            epoch: 0,
+            block: tandem_spec::BlockId(0),
+            accepted,
+            side_end: None,
+            token: 5,
+            verify_us: 1000,
+            grant: None,
+        }
+    }
+
     #[test]
     fn verdicts_carry_a_grant_only_when_it_changed() {
         let c = control();
@@ -346,15 +359,7 @@ mod tests {
             (4, 2),
             "an idle verifier grants what was asked"
         );
-        let mut v = Verdict {
-            epoch: 0,
-            block: tandem_spec::BlockId(0),
-            accepted: 2,
-            side_end: None,
-            token: 5,
-            verify_us: 1000,
-            grant: None,
-        };
+        let mut v = verdict(2);
         c.on_verdict(&mut spec, &mut v, 4, 2, 10);
         assert_eq!(v.grant, None, "unchanged");
         // A cloud-only generation has no grant to carry.
@@ -440,15 +445,7 @@ mod tests {
             token: 3,
             grant: None,
         };
-        let mut verdict = Verdict {
-            epoch: 0,
-            block: tandem_spec::BlockId(0),
-            accepted: 0,
-            side_end: None,
-            token: 5,
-            verify_us: 1000,
-            grant: None,
-        };
+        let mut verdict = verdict(0);
         let mut now = 0;
         let turn = |c: &mut LoadControl, ctl: &mut Ctl, now: u64| {
             c.turn(now, load(now), std::iter::once((SessionId(1), ctl)))
@@ -500,15 +497,7 @@ mod tests {
             for ctl in &mut ctls {
                 c.on_opened(ctl);
             }
-            let mut v = Verdict {
-                epoch: 0,
-                block: tandem_spec::BlockId(0),
-                accepted: 0,
-                side_end: None,
-                token: 5,
-                verify_us: 1000,
-                grant: None,
-            };
+            let mut v = verdict(0);
             for k in 1..=40u64 {
                 for (ctl, &(_, accepted)) in ctls.iter_mut().zip(tenants) {
                     c.on_verdict(ctl, &mut v, 4, accepted, k);

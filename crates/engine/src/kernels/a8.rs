@@ -80,11 +80,6 @@ fn round_even(v: f32) -> f32 {
     (v + MAGIC) - MAGIC
 }
 
-/// The weights' block formats with an 8-bit-activation kernel.
-pub fn supported(w: &RowData) -> bool {
-    matches!(w, RowData::Q4_0(_) | RowData::Q4_1(_) | RowData::Q8_0(_))
-}
-
 /// Rows of an [`A8Matrix`] group: one 32-bit lane of a 256-bit vector each.
 pub(crate) const GROUP: usize = 8;
 
@@ -110,7 +105,7 @@ impl Format {
 }
 
 /// A block-format matrix repacked for 8-bit activations: rows in groups of eight (the last
-/// padded with zero rows), each group's blocks in order. Block `j` of group `g` holds
+/// padded with rows of scale 0), each group's blocks in order. Block `j` of group `g` holds
 /// - the eight rows' scales (and Q4_1's minimums) side by side: `d[(g·nb + j)·8 + lane]`;
 /// - their quants in 32-byte chunks: chunk `c` is bytes `4c .. 4c + 4` of each row's block,
 ///   row after row. For the 4-bit formats (16 bytes a block, element `i < 16` in byte `i`'s
@@ -170,18 +165,6 @@ impl A8Matrix {
                 for c in 0..qb / 4 {
                     let o = c * GROUP * 4 + lane * 4;
                     dst[o..o + 4].copy_from_slice(&src[4 * c..4 * c + 4]);
-                }
-            }
-        }
-        if format == Format::Q4_0 {
-            // A padded row's nibbles are the code 0 (q = 8): no product however large x is.
-            for r in rows..groups * GROUP {
-                let (g, lane) = (r / GROUP, r % GROUP);
-                for at in g * nb..(g + 1) * nb {
-                    for c in 0..4 {
-                        let o = at * GROUP * 16 + c * GROUP * 4 + lane * 4;
-                        m.qs[o..o + 4].fill(0x88);
-                    }
                 }
             }
         }

@@ -423,15 +423,15 @@ unsafe fn panel_tile<const P: usize, const T: usize, const PF: bool>(
     }
 }
 
-/// [`panels`] for three tokens or more: `P` panels at a time times up to `T` tokens (2 × 3 for
-/// three tokens, else 1 × 6: 12 accumulators, the weight vectors and a broadcast activation in
-/// the 16 registers), so that one pass over the weights (the stream from memory) carries the
-/// compute of up to six tokens and the two overlap. Two panels × two tokens left the later
-/// tiles' compute after the first tile's stream: a 5-token verify cost 1.4 single-token forwards
-/// on a Zen 3. The tokens are split into near-equal tiles; columns in blocks that stay in L1
-/// across them.
+/// The f32 panels `P` at a time (a lone last panel paired with itself, its copy dropped) times
+/// up to `T` tokens in registers (at most 12 accumulators, the weight vectors and a broadcast
+/// activation in the 16 registers). One pass over the weights (the stream from memory) carries
+/// the compute of up to `T` tokens, so the two overlap: two panels × two tokens for five tokens
+/// left the later tiles' compute after the first tile's stream (a 5-token verify cost 1.4
+/// single-token forwards on a Zen 3). The tokens are split into near-equal tiles; the columns
+/// walked in blocks that stay in L1 across them, the running sums kept between blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn panels_wide<const P: usize, const T: usize>(
+fn panel_tiles<const P: usize, const T: usize>(
     panel_at: impl Fn(usize) -> *const f32,
     n_panels: usize,
     cols: usize,
@@ -496,9 +496,8 @@ fn panels_wide<const P: usize, const T: usize>(
     }
 }
 
-/// [`super::rows_task`] over f32 panels: two panels at a time (a lone last panel is paired with
-/// itself, its copy dropped); columns in blocks
-/// that stay in L1 while tiles of tokens walk them, the running sums kept between blocks.
+/// [`super::rows_task`] over f32 panels, in register tiles of `P` panels × up to `T` tokens
+/// ([`panel_tiles`]): 2 × 2 for one or two tokens, 2 × 3 for three, 1 × 6 for more.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn panels(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
     let (n_rows, n_tok, r0) = (out.n_rows(), out.n_tok(), out.r0());
@@ -509,63 +508,9 @@ fn panels(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
     );
     let panel_at = |i: usize| p.panel(r0 + i * PANEL, cols).as_ptr() as *const f32;
     match n_tok {
-        3 => return panels_wide::<2, 3>(panel_at, n_panels, cols, x, out),
-        4.. => return panels_wide::<1, 6>(panel_at, n_panels, cols, x, out),
-        _ => {}
-    }
-    let group = 2;
-    let zero = [_mm256_setzero_ps(); 2];
-    let mut acc = vec![[zero; 2]; n_tok];
-    let mut i = 0;
-    while i < n_panels {
-        let np = (n_panels - i).min(group);
-        let w: [*const f32; 2] = std::array::from_fn(|q| panel_at(i + q.min(np - 1)));
-        acc.fill([zero; 2]);
-        for k0 in (0..cols).step_by(PANEL_COLS) {
-            let k1 = (k0 + PANEL_COLS).min(cols);
-            let mut t = 0;
-            while t < n_tok {
-                let nt = (n_tok - t).min(2);
-                macro_rules! run {
-                    ($p:literal, $t:literal) => {{
-                        let xs: [*const f32; $t] =
-                            std::array::from_fn(|k| x[(t + k) * cols..].as_ptr());
-                        let ws: [*const f32; $p] = std::array::from_fn(|q| w[q]);
-                        let a = &mut acc[t..t + $t];
-                        // SAFETY: the panels hold `cols` columns (`panel` checks the bounds),
-                        // the tokens `cols` floats each.
-                        unsafe {
-                            if t == 0 {
-                                panel_tile::<$p, $t, true>(ws, xs, k0, k1, a)
-                            } else {
-                                panel_tile::<$p, $t, false>(ws, xs, k0, k1, a)
-                            }
-                        }
-                    }};
-                }
-                match nt {
-                    1 => run!(2, 1),
-                    _ => run!(2, 2),
-                }
-                t += nt;
-            }
-        }
-        for (t, a) in acc.iter().enumerate() {
-            for (q, v) in a.iter().enumerate().take(np) {
-                let r = (i + q) * PANEL;
-                let n = PANEL.min(n_rows - r);
-                let mut lanes = [0f32; PANEL];
-                // SAFETY: `lanes` holds 16 floats.
-                unsafe {
-                    _mm256_storeu_ps(lanes.as_mut_ptr(), v[0]);
-                    _mm256_storeu_ps(lanes.as_mut_ptr().add(8), v[1]);
-                }
-                for (j, &l) in lanes.iter().enumerate().take(n) {
-                    out.put(r + j, t, l);
-                }
-            }
-        }
-        i += np;
+        ..=2 => panel_tiles::<2, 2>(panel_at, n_panels, cols, x, out),
+        3 => panel_tiles::<2, 3>(panel_at, n_panels, cols, x, out),
+        _ => panel_tiles::<1, 6>(panel_at, n_panels, cols, x, out),
     }
 }
 
@@ -752,15 +697,18 @@ unsafe fn a8_group<const T: usize>(
                 }
             }
         }
+        let mw = match w.format {
+            // SAFETY: the block's 8 minimums.
+            Format::Q4_1 => unsafe {
+                _mm256_cvtph_ps(_mm_loadu_si128(m0.add(j * GROUP) as *const __m128i))
+            },
+            _ => _mm256_setzero_ps(),
+        };
         for i in 0..T {
             let tb = (t0 + i) * nb + j;
             let s = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[tb]));
             acc[i] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p[i]), acc[i]);
             if w.format == Format::Q4_1 {
-                // SAFETY: the block's 8 minimums.
-                let mw = unsafe {
-                    _mm256_cvtph_ps(_mm_loadu_si128(m0.add(j * GROUP) as *const __m128i))
-                };
                 mins[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.sum[tb]), mins[i]);
             }
         }
