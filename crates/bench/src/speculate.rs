@@ -153,30 +153,34 @@ fn run_grpc(
         tls_ca: r.tls_ca.clone(),
         route: None,
     };
-    // The draft prefills the prompt while the verifier prefills it too.
-    let (connected, prefilled) = std::thread::scope(|s| {
-        let open = s.spawn(|| tandem_edge::grpc::GrpcLink::connect(&rt, url, req));
-        let prefilled = tandem_edge::prefill_draft(&mut draft, prompt_ids);
-        (open.join(), prefilled)
-    });
-    let (mut link, opened) = connected
-        .map_err(|_| anyhow!("the gRPC connect thread panicked"))?
-        .with_context(|| format!("opening a session on {url}"))?;
-    prefilled.context("draft prefill")?;
     let mut spec = r.spec;
-    spec.session.granted = Some(tandem_spec::Shape::new(opened.draft_len, opened.depth));
-    spec.session.tree.side_nodes = spec.session.tree.side_nodes.min(opened.side_nodes as usize);
+    let (mut link, first) = if spec.session.tree.side_nodes == 0 {
+        // Linear blocks: the draft prefills the prompt and drafts on while the Open is on its
+        // way, and the first blocks follow the Open (`EdgeSession::opening`).
+        let link = tandem_edge::grpc::GrpcLink::start(&rt, url, req)
+            .with_context(|| format!("opening a session on {url}"))?;
+        tandem_edge::prefill_draft(&mut draft, prompt_ids).context("draft prefill")?;
+        (link, None)
+    } else {
+        // Token trees wait for the grant that bounds their side nodes. The draft prefills the
+        // prompt while the verifier prefills it too.
+        let (connected, prefilled) = std::thread::scope(|s| {
+            let open = s.spawn(|| tandem_edge::grpc::GrpcLink::connect(&rt, url, req));
+            let prefilled = tandem_edge::prefill_draft(&mut draft, prompt_ids);
+            (open.join(), prefilled)
+        });
+        let (link, opened) = connected
+            .map_err(|_| anyhow!("the gRPC connect thread panicked"))?
+            .with_context(|| format!("opening a session on {url}"))?;
+        prefilled.context("draft prefill")?;
+        spec.session.granted = Some(tandem_spec::Shape::new(opened.draft_len, opened.depth));
+        spec.session.tree.side_nodes = spec.session.tree.side_nodes.min(opened.side_nodes as usize);
+        (link, Some(opened.first_token))
+    };
     let (report, text) = drive(
-        r,
-        &spec,
-        &mut draft,
-        &mut link,
-        prompt_ids,
-        opened.first_token,
-        start,
-        tentative,
-        on_show,
-    )?;
+        r, &spec, &mut draft, &mut link, prompt_ids, first, start, tentative, on_show,
+    )
+    .with_context(|| format!("speculating against {url}"))?;
     link.close();
     drop(link);
     rt.shutdown_timeout(Duration::from_millis(200));
@@ -191,7 +195,7 @@ fn drive(
     draft: &mut Engine,
     link: &mut dyn Link,
     prompt_ids: &[u32],
-    first: u32,
+    first: Option<u32>,
     start: Instant,
     tentative: bool,
     on_show: &mut dyn FnMut(Shown<'_>),

@@ -398,7 +398,7 @@ fn a_refused_message_does_not_end_the_answer() {
         &mut d,
         tok.eog_ids(),
         &prompt,
-        opened.first_token,
+        Some(opened.first_token),
         &cfg,
         &mut link,
         std::time::Instant::now(),

@@ -360,7 +360,7 @@ fn a_hostile_tenant_cannot_touch_or_disturb_another() {
             "draft.tokens",
         ),
         (
-            ok(4, 0, start - 1, vec![first]),
+            ok(4, 0, start - 2, vec![first]),
             Code::InvalidArgument,
             "inside the prompt",
         ),

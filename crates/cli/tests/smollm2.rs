@@ -1050,7 +1050,7 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
     let wrong_pos = tandem_spec::Block {
         epoch: 0,
         index: tandem_spec::BlockId(2),
-        start_pos: start - 1,
+        start_pos: start - 2,
         tokens: vec![5],
         q: vec![],
         side: vec![],
@@ -1069,6 +1069,44 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
         "each position once, in order"
     );
     let _ = opened;
+
+    // An edge that drafts from its Open on: a refused Open comes from its first read, by name
+    // (not a lost connection to reopen); on an open session, blocks sent right behind the Open
+    // are read once it opens, after `Opened` (the first token's commit), and a bad one is
+    // refused by name after it.
+    let mut early = GrpcLink::start(&rt, &url, open("0123", prompt.clone())).unwrap();
+    match early.recv(true) {
+        Err(e @ tandem_edge::EdgeError::NotOpened(_)) => {
+            assert!(e.to_string().contains("tokenizer_fingerprint"), "{e}")
+        }
+        other => panic!("expected the open refused, got {other:?}"),
+    }
+    let mut early = GrpcLink::start(&rt, &url, open(tok.fingerprint(), prompt.clone())).unwrap();
+    let n = prompt.len();
+    let early_block = |tokens: Vec<u32>, index: u64, start_pos: usize| tandem_spec::Block {
+        epoch: 0,
+        index: tandem_spec::BlockId(index),
+        start_pos,
+        tokens,
+        q: vec![],
+        side: vec![],
+    };
+    early.send(early_block(vec![5], 0, n - 1)).unwrap();
+    match early.recv(true).unwrap() {
+        Some(tandem_spec::Incoming::Decoded(d)) => {
+            assert_eq!((d.epoch, d.pos, d.token), (0, n, opened.first_token));
+            assert!(d.grant.is_some_and(|g| g.draft_len > 0), "{d:?}");
+        }
+        other => panic!("expected the first token, got {other:?}"),
+    }
+    let err = loop {
+        match early.recv(true) {
+            Ok(Some(tandem_spec::Incoming::Decoded(_))) => {}
+            Err(e) => break e.to_string(),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    };
+    assert!(err.contains("inside the prompt"), "{err}");
 }
 
 /// Through the emulated link (real TCP proxy, jitter) the output is still the target's, and the

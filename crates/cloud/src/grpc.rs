@@ -380,51 +380,82 @@ impl VerifierRpc for Service {
             uses_q: o.rule.effective(&o.params) == tandem_spec::VerifyRule::Rejection,
         };
         let idle = self.info.idle_timeout;
-        let stream = first_answer(rx).await?;
-        let Some(tx) = weak.upgrade() else {
-            return Err(Status::unavailable("the verifier is shutting down"));
-        };
-        tokio::spawn(async move {
+        // The stream is read from the start: blocks an edge sends right behind its Open (it
+        // drafts while the prompt is prefilled) wait in the session's queue for the first
+        // forward. What the edge is told (a refusal, the idle deadline) goes after `Opened`.
+        // (The outbox comes over `opened` once the session is open; the reader holds it from
+        // then on, as the batcher does, so the response stream lasts while either does.)
+        let (opened, on_open) = tokio::sync::oneshot::channel();
+        let reader = tokio::spawn(async move {
             let send = |m: ToCloud| batcher.lock().map(|b| b.send(m).is_ok()).unwrap_or(false);
             // Messages refused so far: past BAD_MESSAGES the stream is cut.
             let mut bad = 0usize;
+            let mut on_open = Some(on_open);
+            let mut tx = None;
             loop {
                 // An edge that neither sends nor reads is idle: one that reads acks what it is
                 // sent, one that drafts sends blocks.
                 let next = tokio::time::timeout(idle, inbound.message()).await;
-                let Ok(next) = next else {
-                    let _ = tx.try_send(Err(Status::deadline_exceeded(format!(
-                        "idle: nothing from the edge in {} s; the session is closed",
-                        idle.as_secs_f64()
-                    ))));
-                    break;
-                };
-                match next {
-                    Ok(Some(m)) => match check.message(m) {
+                if let Some(w) = on_open.as_mut() {
+                    if let Ok(t) = w.try_recv() {
+                        (tx, on_open) = (Some(t), None);
+                    }
+                }
+                let to_edge = match next {
+                    Ok(Ok(Some(m))) => match check.message(m) {
                         OnStream::Core(m) => {
                             if !send(ToCloud::Core(m)) {
                                 break;
                             }
+                            continue;
                         }
-                        OnStream::Refuse(e) => {
-                            if !refuse(&tx, &mut bad, error(e.code(), e.message())) {
-                                break;
-                            }
-                        }
+                        OnStream::Refuse(e) => Ok(error(e.code(), e.message())),
                         OnStream::End => break,
                     },
+                    // End of stream: free the session.
+                    Ok(Ok(None)) => break,
                     // A message the transport refused (past the size limit, undecodable): the
                     // edge is told why, and the session ends.
+                    Ok(Err(status)) => Err(status),
+                    Err(_) => Err(Status::deadline_exceeded(format!(
+                        "idle: nothing from the edge in {} s; the session is closed",
+                        idle.as_secs_f64()
+                    ))),
+                };
+                if let Some(w) = on_open.take() {
+                    // Wait for the session to open (a failed open ends the reader).
+                    match w.await {
+                        Ok(t) => tx = Some(t),
+                        Err(_) => break,
+                    }
+                }
+                let Some(tx) = tx.as_ref() else { break };
+                match to_edge {
+                    Ok(m) => {
+                        if !refuse(tx, &mut bad, m) {
+                            break;
+                        }
+                    }
                     Err(status) => {
                         let _ = tx.try_send(Err(status));
                         break;
                     }
-                    // End of stream: free the session.
-                    Ok(None) => break,
                 }
             }
             send(ToCloud::Core(Inbound::Close { session }));
         });
+        let stream = match first_answer(rx).await {
+            Ok(s) => s,
+            Err(e) => {
+                reader.abort();
+                return Err(e);
+            }
+        };
+        let Some(tx) = weak.upgrade() else {
+            reader.abort();
+            return Err(Status::unavailable("the verifier is shutting down"));
+        };
+        let _ = opened.send(tx);
         Ok(Response::new(stream))
     }
 

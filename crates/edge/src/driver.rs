@@ -37,11 +37,13 @@ pub struct Driver<L> {
 }
 
 impl<L: Link> Driver<L> {
-    /// A session over `prompt`, already open on the verifier behind `link`, which answered with
-    /// the target's `first` token; `start` is the request's time.
+    /// A session over `prompt`, open on the verifier behind `link`, which answered with the
+    /// target's `first` token; `start` is the request's time.
+    /// (`first` None: the `Open` is still on its way, and the link delivers the first token as
+    /// the commit of its position: see [`EdgeSession::opening`].)
     pub fn new(
         prompt: &[u32],
-        first: u32,
+        first: Option<u32>,
         cfg: SessionConfig,
         eog: Vec<u32>,
         link: L,
@@ -49,7 +51,10 @@ impl<L: Link> Driver<L> {
         on_update: &mut impl FnMut(Update<'_>),
     ) -> Result<Self, EdgeError> {
         let now = start.elapsed().as_secs_f64() * 1e3;
-        let (es, out) = EdgeSession::new(now, prompt.to_vec(), first, cfg, eog)?;
+        let (es, out) = match first {
+            Some(first) => EdgeSession::new(now, prompt.to_vec(), first, cfg, eog)?,
+            None => EdgeSession::opening(now, prompt.to_vec(), cfg, eog)?,
+        };
         let mut d = Self {
             es,
             link,

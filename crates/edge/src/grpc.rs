@@ -205,6 +205,68 @@ impl GrpcLink {
         req: OpenRequest,
         waker: Option<Waker>,
     ) -> Result<(Self, Opened), EdgeError> {
+        let (link, call, vtx) = Self::send_open(rt.clone(), url, req, waker).await?;
+        let (inbound, opened) = call.await?;
+        link.spawn_reader(vtx, async move { Some((inbound, None)) });
+        Ok((link, opened))
+    }
+
+    /// Connect to `url` and send the session's `Open` without waiting for `Opened`: blocks may
+    /// go at once (the verifier reads them once it has prefilled the prompt), and `Opened`
+    /// arrives as the commit of the first token's position — [`Incoming::Decoded`] at the
+    /// prompt's length, epoch 0, with the grant (see [`tandem_spec::EdgeSession::opening`]). A
+    /// refusal of the `Open` itself (a wrong key, another tokenizer, a full verifier) comes from
+    /// [`Link::recv`] as [`EdgeError::NotOpened`]: it is not a connection to reopen.
+    pub fn start(rt: &Runtime, url: &str, req: OpenRequest) -> Result<Self, EdgeError> {
+        let h = rt.handle().clone();
+        let prompt_len = req.prompt_ids.len();
+        rt.block_on(async {
+            let (link, call, vtx) = Self::send_open(h, url, req, None).await?;
+            let tx = vtx.clone();
+            let opened = async move {
+                match call.await {
+                    Ok((inbound, o)) => {
+                        let first = Incoming::Decoded(tandem_spec::Decoded {
+                            epoch: 0,
+                            pos: prompt_len,
+                            token: o.first_token,
+                            grant: Some(tandem_spec::Shape::new(o.draft_len, o.depth)),
+                        });
+                        Some((inbound, Some(first)))
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(EdgeError::NotOpened(e.to_string())));
+                        None
+                    }
+                }
+            };
+            link.spawn_reader(vtx, opened);
+            Ok(link)
+        })
+    }
+
+    /// Connect and send `Open`; returns the link (its reader not started), the call that ends
+    /// in `Opened`, and the sender of the link's messages (for the reader: the link sees the
+    /// stream end when the reader drops it).
+    async fn send_open(
+        rt: tokio::runtime::Handle,
+        url: &str,
+        req: OpenRequest,
+        waker: Option<Waker>,
+    ) -> Result<
+        (
+            Self,
+            impl std::future::Future<
+                    Output = Result<
+                        (tonic::Streaming<tandem_proto::v1::CloudMessage>, Opened),
+                        EdgeError,
+                    >,
+                > + Send
+                + 'static,
+            UnboundedSender<Result<Incoming, EdgeError>>,
+        ),
+        EdgeError,
+    > {
         let mut req = req;
         let route = req.route.get_or_insert_with(new_route).clone();
         let keep = req.clone();
@@ -232,25 +294,62 @@ impl GrpcLink {
             ))
         })?;
         stream.metadata_mut().insert(ROUTE_HEADER, route);
-        let first = |e| plaintext_hint(url, status(e));
-        let mut inbound = client.session(stream).await.map_err(first)?.into_inner();
-        let opened = match inbound.message().await.map_err(first)? {
-            Some(m) => match m.kind {
-                Some(cloud_message::Kind::Opened(o)) => o,
-                Some(cloud_message::Kind::Error(e)) => return Err(refused(e.message)),
-                _ => return Err(refused("the verifier did not open the session")),
-            },
-            None => return Err(EdgeError::LinkClosed),
+        let u = url.to_string();
+        let call = async move {
+            let first = |e| plaintext_hint(&u, status(e));
+            let mut inbound = client.session(stream).await.map_err(first)?.into_inner();
+            let opened = match inbound.message().await.map_err(first)? {
+                Some(m) => match m.kind {
+                    Some(cloud_message::Kind::Opened(o)) => o,
+                    Some(cloud_message::Kind::Error(e)) => return Err(refused(e.message)),
+                    _ => return Err(refused("the verifier did not open the session")),
+                },
+                None => return Err(EdgeError::LinkClosed),
+            };
+            Ok((inbound, opened))
         };
         let (vtx, verdicts) = unbounded_channel();
-        let waker = std::sync::Arc::new(std::sync::Mutex::new(waker));
-        let ring = waker.clone();
+        let link = Self {
+            out,
+            waker: std::sync::Arc::new(std::sync::Mutex::new(waker)),
+            verdicts,
+            rt,
+            url: url.to_string(),
+            req: keep,
+        };
+        Ok((link, call, vtx))
+    }
+
+    /// Pass each message of the session's stream on to `vtx`, once `opened` gives the stream
+    /// and the message to pass first, if any (None: the open failed, and said so).
+    fn spawn_reader(
+        &self,
+        vtx: UnboundedSender<Result<Incoming, EdgeError>>,
+        opened: impl std::future::Future<
+                Output = Option<(
+                    tonic::Streaming<tandem_proto::v1::CloudMessage>,
+                    Option<Incoming>,
+                )>,
+            > + Send
+            + 'static,
+    ) {
+        let ring = self.waker.clone();
         let wake = move || {
             if let Some(w) = ring.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
                 w();
             }
         };
-        rt.spawn(async move {
+        self.rt.spawn(async move {
+            let Some((mut inbound, first)) = opened.await else {
+                wake();
+                return;
+            };
+            if let Some(m) = first {
+                if vtx.send(Ok(m)).is_err() {
+                    return;
+                }
+                wake();
+            }
             loop {
                 let m = match inbound.message().await {
                     Ok(Some(m)) => m,
@@ -274,17 +373,6 @@ impl GrpcLink {
                 wake();
             }
         });
-        Ok((
-            Self {
-                out,
-                waker,
-                verdicts,
-                rt,
-                url: url.to_string(),
-                req: keep,
-            },
-            opened,
-        ))
     }
 
     /// Ring `w` whenever a message arrives (also after a reconnect).

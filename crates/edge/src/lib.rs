@@ -28,6 +28,10 @@ pub enum EdgeError {
     LinkClosed,
     #[error("the verifier refused: {0}")]
     Refused(String),
+    /// The session's `Open` was refused or never answered (a link that drafts before `Opened`:
+    /// [`grpc::GrpcLink::start`]): nothing to reopen.
+    #[error("opening the session: {0}")]
+    NotOpened(String),
     /// A refusal with the verifier's hint when to try again (`retry-after-ms`).
     #[error("the verifier refused: {message} (retry after {retry_after_ms} ms)")]
     Busy {
@@ -115,7 +119,7 @@ pub fn run(
     draft: &mut Engine,
     eog: Vec<u32>,
     prompt: &[u32],
-    first: u32,
+    first: Option<u32>,
     cfg: &SpecConfig,
     link: &mut dyn Link,
     start: Instant,
@@ -132,7 +136,7 @@ pub fn run_with(
     draft: &mut dyn Drafter,
     eog: Vec<u32>,
     prompt: &[u32],
-    first: u32,
+    first: Option<u32>,
     cfg: &SpecConfig,
     link: &mut dyn Link,
     start: Instant,

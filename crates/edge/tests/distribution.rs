@@ -452,7 +452,7 @@ fn committed_counts(
             draft,
             Vec::new(),
             &PROMPT,
-            first,
+            Some(first),
             &cfg,
             &mut link,
             Instant::now(),

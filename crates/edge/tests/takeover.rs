@@ -189,7 +189,7 @@ fn a_session_taken_over_and_handed_back_is_the_targets() {
             &mut d,
             vec![],
             &prompt,
-            first,
+            Some(first),
             &cfg,
             &mut link,
             Instant::now(),

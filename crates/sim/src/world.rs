@@ -35,6 +35,8 @@ pub(crate) enum Ev {
     Block {
         r: usize,
         sid: u64,
+        /// The open it was sent after (a refused open's stream is gone, its blocks with it).
+        attempt: u32,
         block: Block,
     },
     /// The edge acknowledges its first `committed` tokens (flow control).
@@ -78,8 +80,13 @@ pub(crate) struct Session {
     pub(crate) replica: usize,
     pub(crate) rtt_ms: f64,
     pub(crate) prompt: Vec<u32>,
-    /// The edge's session, once the verifier opened it.
+    /// The edge's session: from the Open on for linear blocks (it drafts while the verifier
+    /// prefills), else once the verifier opened it.
     pub(crate) edge: Option<EdgeSession>,
+    /// The verifier answered the Open.
+    pub(crate) opened: bool,
+    /// Opens sent (a refused one is sent again).
+    pub(crate) attempt: u32,
     /// Verdicts and decoded tokens that arrived while the edge was drafting, in order.
     pub(crate) pending: Vec<Incoming>,
     pub(crate) drafting: bool,
@@ -226,6 +233,8 @@ impl Sim {
                         rtt_ms: self.cfg.rtt_ms * (1.0 + spread),
                         prompt,
                         edge: None,
+                        opened: false,
+                        attempt: 0,
                         pending: Vec::new(),
                         drafting: false,
                         start_us: self.now,
@@ -237,6 +246,7 @@ impl Sim {
                 );
                 let r = user % self.cfg.replicas;
                 self.send(sid, true, Ev::Open { r, sid });
+                self.open_early(sid);
             }
             Ev::Open { r, .. } | Ev::Block { r, .. } | Ev::Ack { r, .. } | Ev::Close { r, .. } => {
                 if self.replicas[r].busy {
@@ -256,7 +266,13 @@ impl Sim {
                 self.kick(r);
             }
             Ev::Kick { r } => self.kick(r),
-            Ev::Reopen { r, sid } => self.send(sid, true, Ev::Open { r, sid }),
+            Ev::Reopen { r, sid } => {
+                if let Some(s) = self.sessions.get_mut(&sid) {
+                    s.attempt += 1;
+                }
+                self.send(sid, true, Ev::Open { r, sid });
+                self.open_early(sid);
+            }
             Ev::ToEdge { sid, msg } => self.edge_event(sid, msg),
             Ev::Drafted { sid, grown, ms } => {
                 let Some(s) = self.sessions.get_mut(&sid) else {
@@ -314,10 +330,24 @@ impl Sim {
                     handle: (),
                 }
             }
-            Ev::Block { sid, block, .. } => Inbound::Draft {
-                session: SessionId(sid),
+            Ev::Block {
+                sid,
                 block,
-            },
+                attempt,
+                ..
+            } => {
+                // Blocks behind a refused open, or an earlier one, went with its stream.
+                let current = self.sessions.get(&sid).map(|s| s.attempt);
+                if current != Some(attempt)
+                    || self.replicas[r].core.session(SessionId(sid)).is_none()
+                {
+                    return;
+                }
+                Inbound::Draft {
+                    session: SessionId(sid),
+                    block,
+                }
+            }
             Ev::Ack { sid, committed, .. } => Inbound::Ack {
                 session: SessionId(sid),
                 committed,
@@ -376,7 +406,20 @@ impl Sim {
             return;
         };
         match msg {
+            ToEdge::Opened { first, grant } if s.edge.is_some() => {
+                // An edge drafting since its Open: the first token commits its position.
+                s.opened = true;
+                let pos = s.prompt.len();
+                let d = tandem_spec::Decoded {
+                    epoch: 0,
+                    pos,
+                    token: first,
+                    grant: Some(grant),
+                };
+                self.arrived(sid, Incoming::Decoded(d));
+            }
             ToEdge::Opened { first, grant } => {
+                s.opened = true;
                 let cfg = SessionConfig {
                     draft_len: self.cfg.gamma,
                     depth: self.cfg.depth,
@@ -405,8 +448,10 @@ impl Sim {
                 retry_after_ms: Some(_),
                 fatal: true,
                 ..
-            } if s.edge.is_none() => {
-                // Refused for load: the edge opens it again a little later.
+            } if !s.opened => {
+                // Refused for load: the edge opens it again a little later (drafting afresh).
+                s.edge = None;
+                s.pending.clear();
                 let r = s.replica;
                 self.at(self.now + RETRY_US, Ev::Reopen { r, sid });
             }
@@ -417,6 +462,32 @@ impl Sim {
                 }
             }
         }
+    }
+
+    /// A speculating edge with linear blocks starts its session as it sends the Open
+    /// ([`EdgeSession::opening`]), as `tandem generate` does: it drafts while the verifier
+    /// prefills.
+    fn open_early(&mut self, sid: u64) {
+        if self.cfg.gamma == 0 || self.cfg.tree.0.is_some() {
+            return;
+        }
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        let cfg = SessionConfig {
+            draft_len: self.cfg.gamma,
+            depth: self.cfg.depth,
+            max_new_tokens: self.cfg.new_tokens,
+            auto: None,
+            granted: None,
+            tree: TreeConfig::LINEAR,
+        };
+        let now_ms = self.now as f64 / 1e3;
+        let (es, outs) = EdgeSession::opening(now_ms, s.prompt.clone(), cfg, Vec::new())
+            .expect("invariant: a valid session configuration");
+        s.edge = Some(es);
+        self.outputs(sid, outs);
+        self.drive(sid);
     }
 
     /// A verdict or decoded token reached the edge: applied now, or once its draft forward
@@ -453,8 +524,20 @@ impl Sim {
         for o in outs {
             match o {
                 Output::Send(block) => {
-                    let r = self.sessions.get(&sid).map_or(0, |s| s.replica);
-                    self.send(sid, true, Ev::Block { r, sid, block });
+                    let (r, attempt) = self
+                        .sessions
+                        .get(&sid)
+                        .map_or((0, 0), |s| (s.replica, s.attempt));
+                    self.send(
+                        sid,
+                        true,
+                        Ev::Block {
+                            r,
+                            sid,
+                            attempt,
+                            block,
+                        },
+                    );
                 }
                 Output::Commit { pos, tokens } => self.commit(sid, pos, &tokens),
                 Output::Rollback { .. } => {}

@@ -200,12 +200,12 @@ impl CloudSession {
                 b.tokens.len()
             )));
         }
-        if b.start_pos <= self.prompt_len {
+        // A block may start at the first token's position: an edge drafts from its Open on, and
+        // its guess of the first token is judged against the verifier's like any committed one.
+        if b.start_pos < self.prompt_len {
             return Err(SpecError::InvalidBlock(format!(
-                "block {} starts at position {}, inside the prompt and its first token (the first draftable position is {})",
-                b.index,
-                b.start_pos,
-                self.prompt_len + 1
+                "block {} starts at position {}, inside the prompt (the first draftable position is {}, the first token's)",
+                b.index, b.start_pos, self.prompt_len
             )));
         }
         if b.start_pos + b.reach() > self.max_len {
@@ -1128,7 +1128,7 @@ mod tests {
         let mut s = session();
         let e = s.plan_block(&block(2, 0, 4, &[7])).unwrap_err().to_string();
         assert!(e.contains("epoch 2") && e.contains("epoch 0"), "{e}");
-        let e = s.check(&block(0, 0, 3, &[7])).unwrap_err().to_string();
+        let e = s.check(&block(0, 0, 2, &[7])).unwrap_err().to_string();
         assert!(e.contains("inside the prompt"), "{e}");
         let e = s.plan_block(&block(0, 0, 9, &[7])).unwrap_err().to_string();
         assert!(

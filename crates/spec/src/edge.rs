@@ -199,13 +199,50 @@ impl EdgeSession {
         cfg: SessionConfig,
         eog: Vec<u32>,
     ) -> Result<(Self, Vec<Output>), SpecError> {
+        let pcfg = Self::pipeline_config(&cfg);
+        let (p, out) = Pipeline::with_first(prompt, first, pcfg, eog)?;
+        Self::start(now_ms, p, out, cfg)
+    }
+
+    /// A session whose `Open` is still on its way: the edge drafts from the prompt at once, its
+    /// first block starting at the first token's position, so that its guesses reach the verifier
+    /// as the prompt's prefill ends instead of a round trip later. The verifier's `Opened` comes
+    /// as the commit of that position ([`Incoming::Decoded`] at the prompt's length, epoch 0,
+    /// with the grant), judged against the draft's guess like any token the verifier decoded.
+    /// Linear blocks only: a tree's side nodes wait for the grant that bounds them.
+    pub fn opening(
+        now_ms: f64,
+        prompt: Vec<u32>,
+        cfg: SessionConfig,
+        eog: Vec<u32>,
+    ) -> Result<(Self, Vec<Output>), SpecError> {
+        if cfg.tree.side_nodes > 0 {
+            return Err(SpecError::InvalidConfig {
+                field: "tree",
+                message: "a session drafting before its Open is answered sends linear blocks"
+                    .into(),
+            });
+        }
+        let p = Pipeline::new(prompt, Self::pipeline_config(&cfg), eog)?;
+        Self::start(now_ms, p, Vec::new(), cfg)
+    }
+
+    fn pipeline_config(cfg: &SessionConfig) -> PipelineConfig {
         let cap = sizes(cfg.granted.unwrap_or(Shape::UNLIMITED));
-        let pcfg = PipelineConfig {
+        PipelineConfig {
             draft_len: cfg.draft_len.min(cap.0).max(1),
             depth: cfg.depth.min(cap.1).max(1),
             max_new_tokens: cfg.max_new_tokens,
-        };
-        let (mut p, out) = Pipeline::with_first(prompt, first, pcfg, eog)?;
+        }
+    }
+
+    fn start(
+        now_ms: f64,
+        mut p: Pipeline,
+        out: Vec<Output>,
+        cfg: SessionConfig,
+    ) -> Result<(Self, Vec<Output>), SpecError> {
+        let cap = sizes(cfg.granted.unwrap_or(Shape::UNLIMITED));
         p.set_tree(cfg.tree);
         let prior = cfg.auto.map_or(
             Costs {
@@ -387,7 +424,10 @@ impl EdgeSession {
                 let (verdicts, covered) = (self.p.stats().verdicts, self.p.stats().covered_blocks);
                 r.outputs = self.p.on_decoded(d)?;
                 r.outputs.extend(self.follow_lead(verdicts, covered));
-                self.m.cloud_decoded += 1;
+                // (The first token, an opening session's `Opened`, comes with the prompt's prefill.)
+                if d.pos > self.p.prompt_len() {
+                    self.m.cloud_decoded += 1;
+                }
                 if self.p.stats().rejections > rejections {
                     r.correction = before.first().map(|&b| (b, d.token));
                 }
@@ -640,6 +680,85 @@ mod tests {
         s.on_edge_work(2.0);
         s.on_edge_work(5.0);
         assert_eq!(s.measured().verdict_ms, 7.0);
+    }
+
+    #[test]
+    fn a_session_drafts_from_its_open_and_the_first_token_judges_its_guess() {
+        // Before `Opened`: the first block starts at the first token's position (3), drafted
+        // from the prompt alone, within what the edge asked for (no grant yet).
+        let cfg = SessionConfig {
+            draft_len: 4,
+            depth: 2,
+            max_new_tokens: 20,
+            auto: None,
+            granted: None,
+            tree: TreeConfig::LINEAR,
+        };
+        let opening = || EdgeSession::opening(0.0, vec![1, 2, 3], cfg, vec![]).unwrap();
+        let (mut s, out) = opening();
+        assert!(
+            out.is_empty(),
+            "nothing is committed before the verifier answers"
+        );
+        let sent = draft(&mut s, 0.0, &[7, 8, 9, 10, 11, 12, 13, 14]);
+        let starts: Vec<_> = sent.iter().map(|b| (b.epoch, b.start_pos)).collect();
+        assert_eq!(starts, vec![(0, 3), (0, 7)]);
+        let first = |token| Decoded {
+            epoch: 0,
+            pos: 3,
+            token,
+            grant: Some(Shape::new(2, 1)),
+        };
+        // The guess was right: it is committed, the blocks stay, the grant narrows what follows.
+        let r = s.on_message(50.0, Incoming::Decoded(first(7))).unwrap();
+        assert_eq!(
+            r.outputs.first(),
+            Some(&Output::Commit {
+                pos: 3,
+                tokens: vec![7]
+            })
+        );
+        assert_eq!(
+            (s.pipeline().epoch(), s.pipeline().blocks_in_flight()),
+            (0, 2)
+        );
+        assert_eq!(s.pipeline().config().draft_len, 2);
+        assert_eq!(
+            s.measured().cloud_decoded,
+            0,
+            "the first token is the prefill's"
+        );
+        let v = Verdict {
+            epoch: 0,
+            block: sent[0].index,
+            accepted: 4,
+            side_end: None,
+            token: 11,
+            verify_us: 30_000,
+            grant: None,
+        };
+        s.on_message(80.0, Incoming::Verdict(v)).unwrap();
+        assert_eq!(s.pipeline().committed_len(), 8);
+        // The guessed first token, three verified, and the bonus (11) that block 1 guessed too.
+        assert_eq!(s.pipeline().stats().accepted, 5);
+        // The guess was wrong: the verifier finds the same contradiction in the first block,
+        // both move to epoch 1, and the edge drafts on from the verifier's first token.
+        let (mut s, _) = opening();
+        draft(&mut s, 0.0, &[7, 8, 9, 10]);
+        let r = s.on_message(50.0, Incoming::Decoded(first(5))).unwrap();
+        assert_eq!(r.correction, Some((7, 5)));
+        assert_eq!(
+            (s.pipeline().epoch(), s.pipeline().blocks_in_flight()),
+            (1, 0)
+        );
+        assert_eq!(s.pipeline().tokens(), &[1, 2, 3, 5]);
+        let sent = draft(&mut s, 60.0, &[6, 7]);
+        assert_eq!(
+            sent.iter()
+                .map(|b| (b.epoch, b.start_pos))
+                .collect::<Vec<_>>(),
+            vec![(1, 4)]
+        );
     }
 
     #[test]

@@ -433,6 +433,10 @@ impl Pipeline {
         self.draft_fed
     }
     /// Number of verified tokens, prompt included.
+    pub fn prompt_len(&self) -> usize {
+        self.prompt_len
+    }
+
     pub fn committed_len(&self) -> usize {
         self.committed
     }

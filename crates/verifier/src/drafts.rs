@@ -25,14 +25,12 @@ impl<T: Target, H> VerifierCore<T, H> {
         let Some(s) = self.sessions.get_mut(&id) else {
             return refuse(VerifierError::UnknownSession(id));
         };
-        let Work::Spec { queue, vs, .. } = &mut s.work else {
+        let Work::Spec {
+            queue, vs, limit, ..
+        } = &mut s.work
+        else {
             return refuse(VerifierError::Invalid(format!(
                 "session {id} is a cloud-only generation: it takes no drafts"
-            )));
-        };
-        let Some(vs) = vs.as_mut() else {
-            return refuse(VerifierError::Invalid(format!(
-                "draft: session {id} is not open yet (its prompt is being prefilled)"
             )));
         };
         if queue.len() >= MAX_QUEUED_BLOCKS {
@@ -41,8 +39,28 @@ impl<T: Target, H> VerifierCore<T, H> {
                 queue.len()
             )));
         }
-        if let Err(e) = vs.check(&block).and_then(|()| vs.accept_index(&block)) {
-            return refuse(e.into());
+        match vs.as_mut() {
+            Some(vs) => {
+                if let Err(e) = vs.check(&block).and_then(|()| vs.accept_index(&block)) {
+                    return refuse(e.into());
+                }
+            }
+            // Its prompt is being prefilled: an edge that drafts from its Open on sent it. It
+            // waits in the queue and is checked when the session opens (`check_early`); only
+            // its size now, so that what waits stays within the session's own reach.
+            None => {
+                let nodes = block.tokens.len() + block.side.len();
+                if block.start_pos.saturating_add(nodes) > *limit {
+                    return refuse(VerifierError::Invalid(format!(
+                        "draft: block {} reaches position {}, past the session's limit {}",
+                        block.index,
+                        block.start_pos.saturating_add(nodes),
+                        limit
+                    )));
+                }
+                queue.push_back(block);
+                return Vec::new();
+            }
         }
         queue.push_back(block);
         let mut events = Vec::new();

@@ -146,21 +146,37 @@ impl<T: Target, H> VerifierCore<T, H> {
                     };
                     let first = sample(row, &s.params, s.prompt_len as u64);
                     match work {
-                        Work::Spec { rule, vs, .. } => {
+                        Work::Spec {
+                            rule, vs, queue, ..
+                        } => {
                             // Positions end at the context, or where the KV pool ends.
                             let pool = self.sched.pool();
                             let max_len = self
                                 .engine
                                 .context_len()
                                 .min(pool.num_blocks() * pool.block_size());
-                            *vs = Some(CloudSession::new(
+                            let mut cs = CloudSession::new(
                                 *rule,
                                 s.params,
                                 &s.history[..s.prompt_len],
                                 first,
                                 max_len,
-                            ));
+                            );
                             events.push(Event::Opened { session: id, first });
+                            // Blocks that came while the prompt was prefilled: checked now, in
+                            // the order they came, each refused by name as on arrival.
+                            queue.retain(|b| match cs.check(b).and_then(|()| cs.accept_index(b)) {
+                                Ok(()) => true,
+                                Err(e) => {
+                                    events.push(Event::Error {
+                                        session: id,
+                                        error: e.into(),
+                                        fatal: false,
+                                    });
+                                    false
+                                }
+                            });
+                            *vs = Some(cs);
                             follow.push(id);
                         }
                         Work::Generation {

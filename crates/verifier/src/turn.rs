@@ -686,6 +686,62 @@ mod tests {
     }
 
     #[test]
+    fn blocks_sent_behind_the_open_wait_for_the_prefill_and_the_first_forward_verifies_them() {
+        // An edge that drafts from its Open on: its blocks reach the verifier before the prompt
+        // is prefilled. They wait, are checked when the session opens (one inside the prompt is
+        // refused by name, after `Opened`), and the first forward verifies the first of them
+        // instead of decoding a token alone.
+        let mut v = core();
+        let block = |index, start_pos, tokens: Vec<u32>| Inbound::Draft {
+            session: SessionId(1),
+            block: Block {
+                epoch: 0,
+                index: tandem_spec::BlockId(index),
+                start_pos,
+                tokens,
+                q: vec![],
+                side: vec![],
+            },
+        };
+        v.receive(0, open(1, SPEC));
+        // Position q's token is q % 15 + 1; the prompt is 3 tokens, so the first token (4) is at
+        // position 3, where the first block starts (the edge's guess of it included).
+        v.receive(0, block(0, 3, vec![4, 5, 6, 7]));
+        v.receive(0, block(1, 2, vec![3]));
+        v.receive(0, block(2, 7, vec![8, 9, 10, 11]));
+        let t = v.turn(0);
+        assert!(matches!(t.out[0].msg, ToEdge::Opened { first: 4, .. }));
+        assert!(
+            matches!(&t.out[1].msg, ToEdge::Error { error, .. } if error.to_string().contains("inside the prompt")),
+            "{:?}",
+            t.out
+        );
+        let answers = |t: &Turn<u64>| -> Vec<String> {
+            t.out
+                .iter()
+                .map(|o| match &o.msg {
+                    ToEdge::Verdict(v) => format!("verdict {} {} {}", v.block, v.accepted, v.token),
+                    ToEdge::Decoded(d) => format!("decoded {} {}", d.pos, d.token),
+                    m => format!("{m:?}"),
+                })
+                .collect()
+        };
+        let t = v.turn(1_000);
+        assert_eq!(
+            t.forward.map(|f| f.tokens),
+            Some(4),
+            "the first token and three drafted"
+        );
+        assert_eq!(
+            answers(&t),
+            vec!["verdict 0 4 8"],
+            "all four right, then the bonus"
+        );
+        let t = v.turn(2_000);
+        assert_eq!(answers(&t), vec!["verdict 2 4 12"]);
+    }
+
+    #[test]
     fn a_turn_answers_in_order_stamps_its_end_and_closes_what_ended() {
         let mut v = core();
         v.receive(0, open(1, SPEC));

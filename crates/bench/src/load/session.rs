@@ -157,7 +157,7 @@ pub fn synthetic_session(
         &mut d,
         tok.eog_ids(),
         prompt,
-        opened.first_token,
+        Some(opened.first_token),
         &cfg,
         &mut link,
         start,

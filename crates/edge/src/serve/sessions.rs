@@ -441,7 +441,7 @@ impl Sessions {
                     let out = &mut a.out;
                     let d = Driver::new(
                         &a.req.prompt_ids,
-                        opened.first_token,
+                        Some(opened.first_token),
                         session,
                         self.tok.eog_ids(),
                         *link,
