@@ -1020,14 +1020,15 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
     let (mut link, opened) =
         GrpcLink::connect(&rt, &url, open(tok.fingerprint(), prompt.clone())).unwrap();
     let start = prompt.len() + 1; // after the committed first token
-    let block = |tokens: Vec<u32>, index: u64| tandem_spec::Block {
+    let block_at = |tokens: Vec<u32>, index: u64, start_pos: usize| tandem_spec::Block {
         epoch: 0,
         index: tandem_spec::BlockId(index),
-        start_pos: start,
+        start_pos,
         tokens,
         q: vec![],
         side: vec![],
     };
+    let block = |tokens: Vec<u32>, index: u64| block_at(tokens, index, start);
     // Past the tokens the verifier decodes meanwhile (each position once, in order), the next
     // refusal.
     let mut decoded = Vec::new();
@@ -1047,15 +1048,7 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
     link.send(block(vec![5; 9], 1)).unwrap();
     let err = refusal(&mut link);
     assert!(err.contains("granted draft length"), "{err}");
-    let wrong_pos = tandem_spec::Block {
-        epoch: 0,
-        index: tandem_spec::BlockId(2),
-        start_pos: start - 2,
-        tokens: vec![5],
-        q: vec![],
-        side: vec![],
-    };
-    link.send(wrong_pos).unwrap();
+    link.send(block_at(vec![5], 2, start - 2)).unwrap();
     let err = refusal(&mut link);
     assert!(err.contains("starts at position"), "{err}");
     // The session goes on: the verifier keeps decoding it.
@@ -1083,15 +1076,7 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
     }
     let mut early = GrpcLink::start(&rt, &url, open(tok.fingerprint(), prompt.clone())).unwrap();
     let n = prompt.len();
-    let early_block = |tokens: Vec<u32>, index: u64, start_pos: usize| tandem_spec::Block {
-        epoch: 0,
-        index: tandem_spec::BlockId(index),
-        start_pos,
-        tokens,
-        q: vec![],
-        side: vec![],
-    };
-    early.send(early_block(vec![5], 0, n - 1)).unwrap();
+    early.send(block_at(vec![5], 0, n - 1)).unwrap();
     match early.recv(true).unwrap() {
         Some(tandem_spec::Incoming::Decoded(d)) => {
             assert_eq!((d.epoch, d.pos, d.token), (0, n, opened.first_token));
