@@ -302,8 +302,8 @@ pub fn table(r: &PlanReport) -> String {
             w.prompt_tokens, w.new_tokens, w.token_budget
         );
     }
-    s += "\n| sessions | recommended | E[A] | ITL ms | TTFT ms | tokens/s | best sync (ITL ms) | cloud-only (ITL ms, tokens/s) | tokens/forward | tokens per session's forward | verifier busy | token budget |\n";
-    s += "|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    s += "\n| sessions | recommended | E[A] | ITL ms | TTFT ms | tokens/s | best sync (ITL ms) | cloud-only (ITL ms, tokens/s) | tokens/forward | tokens per session's forward | token budget |\n";
+    s += "|---|---|---|---|---|---|---|---|---|---|---|\n";
     for p in &r.plans {
         let b = &p.best;
         let ea = if b.gamma == 0 {
@@ -312,7 +312,7 @@ pub fn table(r: &PlanReport) -> String {
             tandem_spec::policy::expected_accepted(r.alpha, b.gamma)
         };
         s += &format!(
-            "| {} | {} | {:.2} | {:.1} | {:.0} | {:.1} | γ {} ({:.1}) | {:.1}, {:.1} | {:.1} | {:.2} | {:.0}% | {} |\n",
+            "| {} | {} | {:.2} | {:.1} | {:.0} | {:.1} | γ {} ({:.1}) | {:.1}, {:.1} | {:.1} | {:.2} | {} |\n",
             p.sessions,
             shape(b),
             ea,
@@ -325,7 +325,6 @@ pub fn table(r: &PlanReport) -> String {
             p.cloud_only.tokens_per_s,
             b.batch_tokens,
             b.tokens_per_block,
-            b.utilization * 100.0,
             p.token_budget
         );
     }

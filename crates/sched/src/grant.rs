@@ -11,15 +11,17 @@ use crate::pace::ForwardCost;
 /// [`GrantPolicy::grant_by_model`] changes level only for this gain in predicted rate.
 pub const MODEL_GAIN: f64 = 1.05;
 
+/// Without a forward cost, the grant shrinks a level above this fraction of the saturation point
+/// and grows one below [`GROW_BELOW`].
+pub const SHRINK_ABOVE: f64 = 0.75;
+pub const GROW_BELOW: f64 = 0.5;
+
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct GrantPolicy {
     pub max_draft_len: u32,
     pub max_depth: u32,
     /// Tokens per forward at which the verifier stops being memory-bound (its ridge).
     pub saturation_tokens: f64,
-    /// Shrink one level above this fraction of saturation, grow one below `grow_below`.
-    pub shrink_above: f64,
-    pub grow_below: f64,
     /// One level past γ 1, depth 1: γ 0, the verifier decodes the sessions itself (past the
     /// ridge a verified position costs as much as a decoded one, and a rejected one is waste).
     pub cloud_decode: bool,
@@ -35,8 +37,6 @@ impl GrantPolicy {
             max_draft_len: max_draft_len.max(1),
             max_depth: max_depth.max(1),
             saturation_tokens: saturation_tokens.max(1.0),
-            shrink_above: 0.75,
-            grow_below: 0.5,
             cloud_decode: false,
             pace: None,
             level: 0,
@@ -134,9 +134,9 @@ impl GrantPolicy {
     /// grant for a session opening now.
     pub fn grant(&mut self, tokens_per_forward: f64) -> Shape {
         let f = tokens_per_forward / self.saturation_tokens;
-        if f > self.shrink_above && self.level < self.max_level() {
+        if f > SHRINK_ABOVE && self.level < self.max_level() {
             self.level += 1;
-        } else if f < self.grow_below && self.level > 0 {
+        } else if f < GROW_BELOW && self.level > 0 {
             self.level -= 1;
         }
         self.current()

@@ -130,11 +130,6 @@ pub struct Operating {
     pub batch_tokens: f64,
     /// One forward's time.
     pub forward_ms: f64,
-    /// A block's mean wait for the forward in progress (0 under protocol 2: a block is verified
-    /// in the session's next chunk, which its schedule already counts).
-    pub wait_ms: f64,
-    /// The verifier's busy share.
-    pub utilization: f64,
     /// Tokens committed per forward of a session (1 when the verifier only decodes).
     pub tokens_per_block: f64,
     /// Time to first token (0 for endless sessions without prompts).
@@ -304,9 +299,6 @@ pub fn operate_on(
         tokens_per_s,
         batch_tokens: tokens,
         forward_ms: fwd,
-        wait_ms: 0.0,
-        // The verifier never idles a decoding session: it runs forwards back to back.
-        utilization: 1.0,
         tokens_per_block: st.tokens_per_forward,
         ttft_ms: ttft,
     }
@@ -375,7 +367,7 @@ pub fn recommend_fleet(
     // verifier should decode.
     let shape = if best.gamma > 0 { best } else { best_sync };
     let g = shape.gamma as f64;
-    let verify = shape.wait_ms + shape.forward_ms;
+    let verify = shape.forward_ms;
     let network = c.rtt_ms;
     let balanced_gamma = (verify > network).then(|| (verify - network) / c.draft_ms.max(1e-9));
     let budget = (sessions as f64 * (best.gamma as f64 + 1.0)).max(f.ridge_tokens());

@@ -12,8 +12,8 @@ use serde::Serialize;
 use crate::cloud_session::ACK_EVERY;
 use crate::never_idle;
 use crate::pipeline::{
-    BlockId, Decoded, Frontier, Grown, Hedge, Next, Output, Pipeline, PipelineConfig, Shape,
-    SparseDist, TreeConfig, Verdict,
+    BlockId, Decoded, Frontier, Grown, Next, Output, Pipeline, PipelineConfig, Shape, SparseDist,
+    TreeConfig, Verdict,
 };
 use crate::policy::{Costs, Estimator};
 use crate::SpecError;
@@ -366,25 +366,12 @@ impl EdgeSession {
         ms: f64,
         prefill: bool,
     ) -> Vec<Output> {
-        self.on_drafted_hedged(now_ms, token, q, None, ms, prefill)
-    }
-
-    /// [`on_drafted`](Self::on_drafted) with the draft's second choice (token trees).
-    pub fn on_drafted_hedged(
-        &mut self,
-        now_ms: f64,
-        token: u32,
-        q: Option<SparseDist>,
-        hedge: Option<Hedge>,
-        ms: f64,
-        prefill: bool,
-    ) -> Vec<Output> {
         if !prefill {
             self.est.on_draft(ms);
             self.totals.draft_ms += ms;
             self.totals.draft_steps += 1;
         }
-        let out = self.p.on_drafted_hedged(token, q, hedge);
+        let out = self.p.on_drafted(token, q);
         self.sent(now_ms, &out);
         out
     }

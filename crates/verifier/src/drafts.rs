@@ -141,7 +141,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                 "verifier plans a block"
             );
             match action {
-                Ok(BlockAction::Stale) => self.stats.blocks_stale += 1,
+                Ok(BlockAction::Stale) => {}
                 Ok(BlockAction::Covered) => {
                     self.stats.blocks_covered += 1;
                     draft.record(b.tokens.len(), b.tokens.len());

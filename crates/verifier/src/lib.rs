@@ -33,7 +33,7 @@ use tandem_spec::SpecError;
 
 pub use crate::verifier_core::{ContendedBudget, VerifierConfig, VerifierCore, MAX_QUEUED_BLOCKS};
 pub use control::LoadControl;
-pub use session::{Event, SessionState, TenantStats, VerifierStats};
+pub use session::{Event, SessionState, VerifierStats};
 pub use target::Target;
 pub use turn::{ForwardDone, Inbound, Mode, NewSession, Observation, Outgoing, ToEdge, Turn};
 pub use usage::{Finish, Usage};

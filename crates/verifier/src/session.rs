@@ -84,10 +84,9 @@ impl Planned {
 pub struct VerifierStats {
     /// Forward passes of the target (prefill chunks included).
     pub target_forwards: u64,
-    /// Blocks verified in a forward; dropped without one as stale, covered (every token already
+    /// Blocks verified in a forward; dropped without one as covered (every token already
     /// committed, agreeing) or contradicted (one disagrees with a committed token).
     pub blocks_verified: u64,
-    pub blocks_stale: u64,
     pub blocks_covered: u64,
     pub blocks_contradicted: u64,
     /// Forwards that fed only the first positions of a block drafted under a larger grant than
@@ -96,8 +95,6 @@ pub struct VerifierStats {
     pub partial_verifies: u64,
     /// Tokens of speculation sessions the verifier decoded itself.
     pub spec_decoded: u64,
-    /// Largest number of sessions in one forward.
-    pub max_batch: usize,
     /// Running mean of the tokens per forward (0 once the verifier goes idle): its load.
     pub tokens_per_forward: f64,
     /// Sessions and tokens of the last forward, and how long it took (µs, as the target timed it).
@@ -107,15 +104,6 @@ pub struct VerifierStats {
     pub last_contended: bool,
     /// Tokens recomputed after preemption.
     pub recomputed_tokens: u64,
-}
-
-/// Per-tenant counters.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TenantStats {
-    /// Positions the target verified (drafted tokens judged in a forward).
-    pub verified_positions: u64,
-    pub drafted: u64,
-    pub accepted: u64,
 }
 
 /// What a session asks of the verifier.

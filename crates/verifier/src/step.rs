@@ -109,7 +109,6 @@ impl<T: Target, H> VerifierCore<T, H> {
             }
         }
         let n: usize = plan.tokens();
-        self.stats.max_batch = self.stats.max_batch.max(chunks.len());
         self.stats.last_batch = (chunks.len(), n);
         self.stats.last_contended = plan.contended;
         let avg = &mut self.stats.tokens_per_forward;
@@ -138,7 +137,6 @@ impl<T: Target, H> VerifierCore<T, H> {
                 .sessions
                 .get_mut(&id)
                 .expect("invariant: planned sessions are open");
-            let stats = self.tenants.entry(s.tenant).or_default();
             match (c.kind, &mut s.work) {
                 (WorkKind::Prefill, work) => {
                     let Some(row) = logits.last_for(seq) else {
@@ -249,9 +247,6 @@ impl<T: Target, H> VerifierCore<T, H> {
                                     }
                                     s.history.truncate(f.kv_len);
                                     kv_len.push((id, f.kv_len));
-                                    stats.verified_positions += f.judged as u64;
-                                    stats.drafted += f.judged as u64;
-                                    stats.accepted += f.accepted as u64;
                                     draft.record(f.accepted, f.judged.min(f.accepted + 1));
                                     if f.partial {
                                         // A block trimmed to the grant, right so far: its

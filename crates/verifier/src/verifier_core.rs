@@ -12,7 +12,7 @@
 //! [`VerifierCore::open`]) and closed in one place ([`VerifierCore::close`]): its record, its
 //! scheduler entry and KV blocks, and its part of the load control go together.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
 use tandem_engine::Engine;
 use tandem_sched::{GrantPolicy, SchedConfig, Scheduler, SessionId, TenantConfig, TenantId};
@@ -20,7 +20,7 @@ use tandem_spec::sampling::SamplingParams;
 use tandem_spec::VerifyRule;
 
 use crate::control::{Ctl, LoadControl};
-use crate::session::{Meter, Session, SessionState, TenantStats, VerifierStats, Work};
+use crate::session::{Meter, Session, SessionState, VerifierStats, Work};
 use crate::{Target, VerifierError};
 
 /// Blocks one session may have waiting behind the one being verified (a well-behaved edge has at
@@ -125,7 +125,6 @@ pub struct VerifierCore<T: Target = Engine, H = ()> {
     pub(crate) engine: T,
     pub(crate) sched: Scheduler,
     pub(crate) sessions: BTreeMap<SessionId, Session<H>>,
-    pub(crate) tenants: HashMap<TenantId, TenantStats>,
     pub(crate) control: LoadControl,
     /// Answers decided when a message arrived (a stale block, an early verdict, a refusal), sent
     /// with the next turn.
@@ -169,7 +168,7 @@ impl<T: Target, H> VerifierCore<T, H> {
             engine,
             sched,
             sessions: BTreeMap::new(),
-            tenants: HashMap::new(),
+
             control: LoadControl::new(fixed, 0),
             held: Vec::new(),
             dismissed: Vec::new(),
@@ -252,12 +251,7 @@ impl<T: Target, H> VerifierCore<T, H> {
 
     pub fn set_tenant(&mut self, id: TenantId, cfg: TenantConfig) -> Result<(), VerifierError> {
         self.sched.set_tenant(id, cfg)?;
-        self.tenants.entry(id).or_default();
         Ok(())
-    }
-
-    pub fn tenant_stats(&self, id: TenantId) -> TenantStats {
-        self.tenants.get(&id).copied().unwrap_or_default()
     }
 
     /// Open speculation sessions and cloud-only generations.
