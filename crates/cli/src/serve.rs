@@ -249,12 +249,16 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let info = tandem_cloud::grpc::ServiceInfo {
+    let load = tandem_verifier::LoadConfig {
         saturation_tokens: a
             .saturation_tokens
             .unwrap_or(2.0 * cost.ridge_tokens().max(1.0)),
         forward_cost: Some(cost),
         adapt: !a.fixed_grants,
+        ..tandem_verifier::LoadConfig::new(a.max_draft_len, a.max_depth)
+    };
+    let info = tandem_cloud::grpc::ServiceInfo {
+        load,
         open_deadline: std::time::Duration::from_millis(a.open_deadline_ms.max(1)),
         idle_timeout: std::time::Duration::from_secs_f64(a.idle_timeout_s.max(0.001)),
         ..tandem_cloud::grpc::ServiceInfo::new(

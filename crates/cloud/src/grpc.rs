@@ -17,13 +17,13 @@ use tandem_proto::v1::{
     GenerateResponse, InfoRequest, InfoResponse, Load, ModelInfo, Opened, SessionRef, SessionState,
 };
 use tandem_proto::PROTOCOL_VERSION;
-use tandem_sched::{GrantPolicy, SessionId, TenantId};
+use tandem_sched::{SessionId, TenantId};
 use tokio::sync::mpsc::{channel, Receiver};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::tenants::Tenants;
-use tandem_verifier::{Inbound, Mode, NewSession, ToEdge, VerifierCore, VerifierError};
+use tandem_verifier::{Inbound, LoadConfig, Mode, NewSession, ToEdge, VerifierCore, VerifierError};
 
 use crate::validation::{OnStream, SessionStream};
 use crate::{code, validation, Gauges, Reply, ToCloud};
@@ -34,21 +34,9 @@ pub struct ServiceInfo {
     pub model: ModelInfo,
     /// End-of-generation ids of the served tokenizer (cloud-only generation stops at them).
     pub eog: Vec<u32>,
-    pub max_draft_len: u32,
-    pub max_depth: u32,
-    /// Side nodes a token tree may carry per block ([`start`] keeps a whole tree within the
-    /// forward's token budget: a tree that exceeded it could never be verified).
-    pub max_side_nodes: u32,
-    /// Tokens per forward at which the target is saturated: sessions get smaller grants as the
-    /// load nears it ([`GrantPolicy`]), told with their next verdict.
-    pub saturation_tokens: f64,
-    /// The target's measured forward cost: with it, a session whose speculation commits slower
-    /// than cloud decoding at this load is taken over on its own ([`tandem_sched::pace`]).
-    pub forward_cost: Option<tandem_sched::ForwardCost>,
-    /// Adapt to the load: shrink grants down to γ 0 (the verifier decodes) and take slow sessions
-    /// over. Off, every session keeps the shape it asked for (within the maxima): speculation
-    /// measured as such.
-    pub adapt: bool,
+    /// What it grants and how it adapts to its load ([`start`] keeps a token tree's side nodes
+    /// within the forward's token budget: a tree that exceeded it could never be verified).
+    pub load: LoadConfig,
     /// How long a session stream may take to send its `Open`: past it the stream is cut
     /// (DEADLINE_EXCEEDED), so that streams that never open hold nothing.
     pub open_deadline: Duration,
@@ -94,24 +82,14 @@ impl ServiceInfo {
                 weights: model.format(),
             },
             eog: tokenizer.eog_ids(),
-            max_draft_len: max_draft_len.max(1),
-            max_depth: max_depth.max(1),
-            max_side_nodes: tandem_spec::tree::MAX_SIDE_NODES as u32,
-            saturation_tokens: DEFAULT_SATURATION_TOKENS,
-            forward_cost: None,
-            adapt: true,
+            load: LoadConfig::new(max_draft_len, max_depth),
             open_deadline: OPEN_DEADLINE,
             idle_timeout: IDLE_TIMEOUT,
         }
     }
 }
 
-/// Tokens per forward at which grants start shrinking when no forward cost is known, for the
-/// SmolLM2 target on one core of a 2-vCPU machine: twice its measured ridge (`cloud serve
-/// --threads 1` with the AVX-512 panel GEMM: a one-token forward, 42–45 ms, costs what 18–22
-/// tokens of compute do at 2.0–2.4 ms each, so a forward of 40 tokens takes about twice as long
-/// as one of 1). `cloud serve` measures its own.
-pub const DEFAULT_SATURATION_TOKENS: f64 = 40.0;
+pub use tandem_verifier::DEFAULT_SATURATION_TOKENS;
 
 /// What [`serve_grpc`] fails with.
 pub type TransportError = tonic::transport::Error;
@@ -311,11 +289,11 @@ impl VerifierRpc for Service {
         };
         let o = validation::open(open, &self.info.model)?;
         // The batcher grants within what the edge asks for, as its load allows.
-        let gamma = o.want_draft_len.clamp(1, self.info.max_draft_len);
-        let depth = o.want_depth.clamp(1, self.info.max_depth);
         // Token trees: the side nodes a block may carry (their positions count in the forward's
         // token budget like any other).
-        let side_nodes = o.want_side_nodes.min(self.info.max_side_nodes);
+        let want = tandem_spec::Shape::new(o.want_draft_len, o.want_depth);
+        let (want, side_nodes) = self.info.load.clamp(want, o.want_side_nodes);
+        let (gamma, depth) = (want.draft_len, want.depth);
         let session = SessionId(self.ids.next());
         let (out, rx) = channel(OUTBOX);
         // Only the batcher's record of the session holds the outbox while it opens: if the
@@ -505,8 +483,8 @@ impl VerifierRpc for Service {
         Ok(Response::new(InfoResponse {
             model: Some(self.info.model.clone()),
             protocol_version: PROTOCOL_VERSION,
-            max_draft_len: self.info.max_draft_len,
-            max_depth: self.info.max_depth,
+            max_draft_len: self.info.load.max_draft_len,
+            max_depth: self.info.load.max_depth,
             load: Some(Load {
                 sessions: g(&self.gauges.sessions),
                 generations: g(&self.gauges.generations),
@@ -591,22 +569,10 @@ pub fn start_with_ledger(
     ),
     VerifierError,
 > {
-    let grants = match (info.adapt, info.forward_cost) {
-        (false, _) => GrantPolicy::new(info.max_draft_len, info.max_depth, f64::INFINITY),
-        (true, cost) => {
-            let g = GrantPolicy::new(info.max_draft_len, info.max_depth, info.saturation_tokens)
-                .with_cloud_decode();
-            match cost {
-                Some(c) => g.with_pace(c),
-                None => g,
-            }
-        }
-    };
     // A block's forward feeds the last committed token, γ tokens and the side nodes.
-    let room = (cfg.token_budget as u32).saturating_sub(info.max_draft_len + 1);
-    info.max_side_nodes = info.max_side_nodes.min(room);
-    let mut core = VerifierCore::new(engine, cfg)?.with_grants(grants, 0);
-    if let Some(cost) = &info.forward_cost {
+    info.load = info.load.within_budget(cfg.token_budget);
+    let mut core = VerifierCore::new(engine, cfg)?.with_grants(info.load.grants(), 0);
+    if let Some(cost) = &info.load.forward_cost {
         core.set_contended_budget(cfg.contended_budget(cost))?;
     }
     for (id, cfg) in tenants.configs() {

@@ -19,7 +19,9 @@ use tandem_spec::capacity::ForwardCost;
 use tandem_spec::pipeline::{Next, Output, TreeConfig};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{EdgeSession, SessionConfig, Shape, VerifyRule};
-use tandem_verifier::{Inbound, Mode, NewSession, ToEdge, VerifierConfig, VerifierCore};
+use tandem_verifier::{
+    Inbound, LoadConfig, Mode, NewSession, ToEdge, VerifierConfig, VerifierCore,
+};
 
 use crate::Input;
 
@@ -92,8 +94,13 @@ impl World {
         let Ok(o) = validation::open(open, &model()) else {
             return;
         };
-        let gamma = o.want_draft_len.clamp(1, 8);
-        let depth = o.want_depth.clamp(1, 4);
+        // As `cloud serve` at its defaults (γ ≤ 8, depth ≤ 4), without token trees.
+        let load = LoadConfig {
+            max_side_nodes: 0,
+            ..LoadConfig::new(8, 4)
+        };
+        let (want, max_side) = load.clamp(Shape::new(o.want_draft_len, o.want_depth), 0);
+        let (gamma, depth) = (want.draft_len, want.depth);
         let session = SessionId(self.next_id);
         self.next_id += 1;
         let uses_q = o.rule.effective(&o.params) == VerifyRule::Rejection;
@@ -102,7 +109,7 @@ impl World {
                 session,
                 vocab: VOCAB,
                 max_len: gamma as usize,
-                max_side: 0,
+                max_side: max_side as usize,
                 uses_q,
             },
             edge: None,

@@ -4,10 +4,9 @@
 
 use std::collections::{BinaryHeap, HashMap};
 
-use tandem_sched::GrantPolicy;
 use tandem_spec::capacity::{operate_on, recommend_fleet, Workload};
 use tandem_spec::policy::Costs;
-use tandem_verifier::{VerifierConfig, VerifierCore};
+use tandem_verifier::{LoadConfig, VerifierConfig, VerifierCore};
 
 use crate::stats::Summary;
 use crate::target::SimTarget;
@@ -42,14 +41,12 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow, SimError> {
         // As `cloud serve` sets it up: grants within the configured shape, saturating at twice
         // the ridge, γ 0 as the last level, takeovers by pace.
         let core = if cfg.adaptive && cfg.gamma > 0 {
-            let grants = GrantPolicy::new(
-                cfg.gamma as u32,
-                cfg.depth as u32,
-                2.0 * cfg.cost.ridge_tokens().max(1.0),
-            )
-            .with_cloud_decode()
-            .with_pace(cfg.cost);
-            core.with_grants(grants, 0)
+            let load = LoadConfig {
+                saturation_tokens: 2.0 * cfg.cost.ridge_tokens().max(1.0),
+                forward_cost: Some(cfg.cost),
+                ..LoadConfig::new(cfg.gamma as u32, cfg.depth as u32)
+            };
+            core.with_grants(load.grants(), 0)
         } else {
             core
         };

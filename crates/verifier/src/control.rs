@@ -26,6 +26,87 @@ pub const ALPHA_DECAY: f64 = 0.99;
 /// The α the grant plans with before any verdict (about the W4A16 draft's).
 const PRIOR_ALPHA: f64 = 0.8;
 
+/// How the verifier meets its load: the most it grants a session (γ, depth, a token tree's side
+/// nodes), the tokens per forward at which its target saturates, the target's forward cost, and
+/// whether it adapts at all. The one place that builds the grant policy ([`LoadConfig::grants`])
+/// and clamps what a session asks for at Open ([`LoadConfig::clamp`]): `cloud serve`, the
+/// simulator and the fuzzer take them from here.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoadConfig {
+    pub max_draft_len: u32,
+    pub max_depth: u32,
+    /// Side nodes a token tree may carry per block.
+    pub max_side_nodes: u32,
+    /// Tokens per forward at which the target is saturated: without a forward cost, grants
+    /// shrink as the load nears it.
+    pub saturation_tokens: f64,
+    /// The target's measured forward cost: with it, grants are planned by the model and a
+    /// session whose speculation commits slower than cloud decoding at this load is taken over
+    /// ([`tandem_sched::pace`]).
+    pub forward_cost: Option<tandem_sched::ForwardCost>,
+    /// Adapt to the load: shrink grants down to γ 0 (the verifier decodes) and take slow
+    /// sessions over. Off, every session keeps the shape it asked for (within the maxima):
+    /// speculation measured as such.
+    pub adapt: bool,
+}
+
+impl LoadConfig {
+    /// Grants of at most `max_draft_len` and `max_depth`, adapting at a saturation point of 40
+    /// tokens per forward until told the target's forward cost.
+    pub fn new(max_draft_len: u32, max_depth: u32) -> Self {
+        Self {
+            max_draft_len: max_draft_len.max(1),
+            max_depth: max_depth.max(1),
+            max_side_nodes: tandem_spec::tree::MAX_SIDE_NODES as u32,
+            saturation_tokens: DEFAULT_SATURATION_TOKENS,
+            forward_cost: None,
+            adapt: true,
+        }
+    }
+
+    /// The grant policy: within the maxima, γ 0 as its last level and takeovers by pace when
+    /// it adapts (takeovers need the forward cost); every session at the shape it asked for
+    /// when it does not.
+    pub fn grants(&self) -> GrantPolicy {
+        if !self.adapt {
+            return GrantPolicy::new(self.max_draft_len, self.max_depth, f64::INFINITY);
+        }
+        let g = GrantPolicy::new(self.max_draft_len, self.max_depth, self.saturation_tokens)
+            .with_cloud_decode();
+        match self.forward_cost {
+            Some(c) => g.with_pace(c),
+            None => g,
+        }
+    }
+
+    /// Side nodes limited to what one forward of `token_budget` tokens holds beside a block of
+    /// the largest γ and its committed token (a tree past it could never be verified).
+    pub fn within_budget(mut self, token_budget: usize) -> Self {
+        let room = (token_budget as u32).saturating_sub(self.max_draft_len + 1);
+        self.max_side_nodes = self.max_side_nodes.min(room);
+        self
+    }
+
+    /// What a session that asks for `want` (γ, depth) and `want_side` side nodes may use at
+    /// most: the grants within it follow the load.
+    pub fn clamp(&self, want: Shape, want_side: u32) -> (Shape, u32) {
+        (
+            Shape::new(
+                want.draft_len.clamp(1, self.max_draft_len),
+                want.depth.clamp(1, self.max_depth),
+            ),
+            want_side.min(self.max_side_nodes),
+        )
+    }
+}
+
+/// Tokens per forward at which grants start shrinking when no forward cost is known, for the
+/// SmolLM2 target on one core of a 2-vCPU machine: twice its measured ridge (`cloud serve
+/// --threads 1`: a forward costs about the same from 1 to ~20 tokens, past which the extra
+/// tokens of compute do at 2.0–2.4 ms each, so a forward of 40 tokens takes about twice as long
+/// as one of 1). `cloud serve` measures its own.
+pub const DEFAULT_SATURATION_TOKENS: f64 = 40.0;
+
 /// What the load control knows of one session.
 #[derive(Debug, Clone)]
 pub struct Ctl {
@@ -319,6 +400,37 @@ impl LoadControl {
 mod tests {
     use super::*;
     use tandem_sched::ForwardCost;
+
+    #[test]
+    fn the_load_config_builds_the_one_grant_policy_and_clamps_what_a_session_asks_for() {
+        let cost = ForwardCost {
+            one_token_ms: 30.0,
+            ms_per_token: 2.7,
+        };
+        let load = LoadConfig {
+            forward_cost: Some(cost),
+            ..LoadConfig::new(8, 4)
+        };
+        let g = load.grants();
+        assert_eq!((g.max_draft_len, g.max_depth), (8, 4));
+        assert!(g.cloud_decode && g.pace == Some(cost), "adapting: γ 0 and takeovers");
+        assert_eq!(g.saturation_tokens, DEFAULT_SATURATION_TOKENS);
+        let g = LoadConfig::new(8, 4).grants();
+        assert!(g.cloud_decode && g.pace.is_none(), "no cost: no takeovers");
+        let fixed = LoadConfig {
+            adapt: false,
+            ..load
+        }
+        .grants();
+        assert!(!fixed.cloud_decode && fixed.pace.is_none());
+        assert_eq!(fixed.saturation_tokens, f64::INFINITY, "never shrinks");
+        // What a session may use: within the maxima, at least γ 1 and depth 1.
+        assert_eq!(load.clamp(Shape::new(16, 9), 100), (Shape::new(8, 4), 64));
+        assert_eq!(load.clamp(Shape::new(0, 0), 3), (Shape::new(1, 1), 3));
+        // A tree fits one forward beside the largest block and its committed token.
+        let fit = load.within_budget(32);
+        assert_eq!(fit.clamp(Shape::new(8, 4), 100).1, 32 - 9);
+    }
 
     fn control() -> LoadControl {
         let cost = ForwardCost {

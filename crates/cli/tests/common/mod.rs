@@ -136,11 +136,9 @@ pub fn grpc_server_with(
                 .unwrap()
                 .1
         });
-        let info = tandem_cloud::grpc::ServiceInfo {
-            saturation_tokens,
-            forward_cost,
-            ..tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4)
-        };
+        let mut info = tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4);
+        info.load.saturation_tokens = saturation_tokens;
+        info.load.forward_cost = forward_cost;
         let (service, _batcher) = tandem_cloud::grpc::start(engine, cfg, info, tenants).unwrap();
         let gauges = service.gauges();
         let addr = on_loopback(move |l| async move {
