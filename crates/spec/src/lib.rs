@@ -23,6 +23,7 @@
 pub mod capacity;
 pub mod cloud_session;
 pub mod edge;
+pub mod messages;
 pub mod never_idle;
 pub mod pipeline;
 pub mod policy;

@@ -413,7 +413,10 @@ mod tests {
         };
         let g = load.grants();
         assert_eq!((g.max_draft_len, g.max_depth), (8, 4));
-        assert!(g.cloud_decode && g.pace == Some(cost), "adapting: γ 0 and takeovers");
+        assert!(
+            g.cloud_decode && g.pace == Some(cost),
+            "adapting: γ 0 and takeovers"
+        );
         assert_eq!(g.saturation_tokens, DEFAULT_SATURATION_TOKENS);
         let g = LoadConfig::new(8, 4).grants();
         assert!(g.cloud_decode && g.pace.is_none(), "no cost: no takeovers");
