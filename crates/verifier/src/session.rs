@@ -97,11 +97,6 @@ pub struct VerifierStats {
     pub spec_decoded: u64,
     /// Running mean of the tokens per forward (0 once the verifier goes idle): its load.
     pub tokens_per_forward: f64,
-    /// Sessions and tokens of the last forward, and how long it took (µs, as the target timed it).
-    pub last_batch: (usize, usize),
-    pub last_forward_us: u32,
-    /// The last forward was planned while sessions of two tenants or more were open.
-    pub last_contended: bool,
     /// Tokens recomputed after preemption.
     pub recomputed_tokens: u64,
 }

@@ -10,13 +10,29 @@ use crate::session::{Event, Planned, Work};
 use crate::verifier_core::VerifierCore;
 use crate::{Target, VerifierError};
 
+/// What one iteration did: its events, and the forward it ran (None: nothing to run, or the
+/// forward failed).
+pub(crate) struct Iteration {
+    pub events: Vec<Event>,
+    pub forward: Option<Forward>,
+}
+
+/// A forward that ran: sessions and tokens in it, its time (µs, as the target timed it), and
+/// whether it was planned while tenants shared the verifier.
+pub(crate) struct Forward {
+    pub sessions: usize,
+    pub tokens: usize,
+    pub us: u32,
+    pub contended: bool,
+}
+
 impl<T: Target, H> VerifierCore<T, H> {
     /// Run one iteration: plan, one ragged forward, verdicts and tokens. `now_ms` is the clock the
     /// rate quotas run on. Returns nothing when there was nothing to plan. Sessions that end with
     /// it (a finished generation, a fatal error) are closed, as [`VerifierCore::turn`] closes
     /// them.
     pub fn step(&mut self, now_ms: u64) -> Vec<Event> {
-        let events = self.iterate(now_ms);
+        let events = self.iterate(now_ms).events;
         self.close_ended();
         events
     }
@@ -28,9 +44,9 @@ impl<T: Target, H> VerifierCore<T, H> {
         }
     }
 
-    /// [`VerifierCore::step`], leaving the sessions that ended open until
+    /// One iteration, leaving the sessions that ended open until
     /// [`VerifierCore::close_ended`] (their last messages still go out through their records).
-    pub(crate) fn iterate(&mut self, now_ms: u64) -> Vec<Event> {
+    pub(crate) fn iterate(&mut self, now_ms: u64) -> Iteration {
         let plan = self.sched.schedule(now_ms);
         let mut events: Vec<Event> = plan
             .preempted
@@ -38,7 +54,10 @@ impl<T: Target, H> VerifierCore<T, H> {
             .map(|&session| Event::Preempted { session })
             .collect();
         if plan.chunks.is_empty() {
-            return events;
+            return Iteration {
+                events,
+                forward: None,
+            };
         }
         let mut chunks = Vec::with_capacity(plan.chunks.len());
         let mut tables = Vec::with_capacity(plan.chunks.len());
@@ -109,20 +128,29 @@ impl<T: Target, H> VerifierCore<T, H> {
             }
         }
         let n: usize = plan.tokens();
-        self.stats.last_batch = (chunks.len(), n);
-        self.stats.last_contended = plan.contended;
         let avg = &mut self.stats.tokens_per_forward;
         *avg += 0.2 * (n as f64 - *avg);
         let (forward, verify_us) = self.engine.forward_timed(&chunks, &tables);
-        match forward {
+        let ran = match forward {
             Ok(logits) => {
                 self.stats.target_forwards += 1;
-                self.stats.last_forward_us = verify_us;
                 self.fold(&plan, &logits, verify_us, &mut events);
+                Some(Forward {
+                    sessions: chunks.len(),
+                    tokens: n,
+                    us: verify_us,
+                    contended: plan.contended,
+                })
             }
-            Err(e) => self.failed(&plan, e, &mut events),
+            Err(e) => {
+                self.failed(&plan, e, &mut events);
+                None
+            }
+        };
+        Iteration {
+            events,
+            forward: ran,
         }
-        events
     }
 
     /// Verdicts and tokens from a forward's logits, then the scheduler's update.

@@ -281,16 +281,16 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
             self.proceed(id, &mut events);
         }
         if self.has_work() {
-            let forwards = self.stats.target_forwards;
-            let e = self.iterate(now_ms);
-            if self.stats.target_forwards > forwards {
-                let (sessions, tokens) = self.stats.last_batch;
-                let us = u64::from(self.stats.last_forward_us);
+            let it = self.iterate(now_ms);
+            let e = it.events;
+            if let Some(f) = it.forward {
+                let (sessions, tokens) = (f.sessions, f.tokens);
+                let us = u64::from(f.us);
                 let ms = us as f64 / 1e3;
                 self.iteration_ms += 0.1 * (ms - self.iteration_ms);
                 turn.ends_us = now_us + us;
                 self.control.on_forward(turn.ends_us / 1000, tokens, ms);
-                self.adapt_contended(tokens, ms, self.stats.last_contended);
+                self.adapt_contended(tokens, ms, f.contended);
                 turn.forward = Some(ForwardDone {
                     sessions,
                     tokens,
