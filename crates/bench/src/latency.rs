@@ -450,7 +450,6 @@ fn sampled_runs(
                 depth,
                 max_new_tokens: a.tokens,
                 auto,
-                granted: None,
                 tree,
             },
             rule,

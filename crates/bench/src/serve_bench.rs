@@ -242,7 +242,6 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
         depth: a.depth,
         max_new_tokens: a.max_tokens,
         auto: None,
-        granted: None,
         tree: tandem_spec::TreeConfig::LINEAR,
     };
     let spec = tandem_edge::SpecConfig {

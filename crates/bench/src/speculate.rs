@@ -153,7 +153,7 @@ fn run_grpc(
         tls_ca: r.tls_ca.clone(),
         route: None,
     };
-    let mut spec = r.spec;
+    let spec = r.spec;
     let (mut link, first) = if spec.session.tree.side_nodes == 0 {
         // Linear blocks: the draft prefills the prompt and drafts on while the Open is on its
         // way, and the first blocks follow the Open (`EdgeSession::opening`).
@@ -173,9 +173,7 @@ fn run_grpc(
             .map_err(|_| anyhow!("the gRPC connect thread panicked"))?
             .with_context(|| format!("opening a session on {url}"))?;
         prefilled.context("draft prefill")?;
-        spec.session.granted = Some(tandem_spec::Shape::new(opened.draft_len, opened.depth));
-        spec.session.tree.side_nodes = spec.session.tree.side_nodes.min(opened.side_nodes as usize);
-        (link, Some(opened.first_token))
+        (link, Some(tandem_edge::grpc::opened(&opened)))
     };
     let (report, text) = drive(
         r, &spec, &mut draft, &mut link, prompt_ids, first, start, tentative, on_show,
@@ -195,7 +193,7 @@ fn drive(
     draft: &mut Engine,
     link: &mut dyn Link,
     prompt_ids: &[u32],
-    first: Option<u32>,
+    opened: Option<tandem_spec::Opened>,
     start: Instant,
     tentative: bool,
     on_show: &mut dyn FnMut(Shown<'_>),
@@ -207,7 +205,7 @@ fn drive(
         draft,
         tok.eog_ids(),
         prompt_ids,
-        first,
+        opened,
         spec,
         link,
         start,

@@ -363,7 +363,6 @@ pub(crate) fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
                     depth,
                     max_new_tokens: a.max_tokens,
                     auto: None,
-                    granted: None,
                     tree: tandem_spec::TreeConfig::LINEAR,
                 },
                 rule: VerifyRule::Greedy,
@@ -510,7 +509,6 @@ impl ShapeArgs {
                 max_depth: max_depth.unwrap_or(self.max_depth).max(1),
                 prior: tandem_spec::edge::default_prior(rtt_ms),
             }),
-            granted: None,
             tree: self.tree.0.unwrap_or(tandem_spec::TreeConfig::LINEAR),
         }
     }

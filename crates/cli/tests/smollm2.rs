@@ -478,7 +478,6 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
                         max_depth: depth,
                         prior: tandem_spec::edge::default_prior(rtt),
                     }),
-                    granted: None,
                     tree: tandem_spec::TreeConfig::LINEAR,
                 },
                 rule: tandem_spec::VerifyRule::Greedy,

@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use tandem_spec::edge::{Reconnecting, RECONNECT_WINDOW_MS};
-use tandem_spec::{EdgeSession, Frontier, Grown, Incoming, Next, Output, SessionConfig};
+use tandem_spec::{EdgeSession, Frontier, Grown, Incoming, Next, Opened, Output, SessionConfig};
 
 use crate::{EdgeError, Link, Proposal, SpecReport, Update};
 
@@ -38,12 +38,12 @@ pub struct Driver<L> {
 
 impl<L: Link> Driver<L> {
     /// A session over `prompt`, open on the verifier behind `link`, which answered with the
-    /// target's `first` token; `start` is the request's time.
-    /// (`first` None: the `Open` is still on its way, and the link delivers the first token as
+    /// target's first token and the session's grant; `start` is the request's time.
+    /// (`opened` None: the `Open` is still on its way, and the link delivers the first token as
     /// the commit of its position: see [`EdgeSession::opening`].)
     pub fn new(
         prompt: &[u32],
-        first: Option<u32>,
+        opened: Option<Opened>,
         cfg: SessionConfig,
         eog: Vec<u32>,
         link: L,
@@ -51,8 +51,8 @@ impl<L: Link> Driver<L> {
         on_update: &mut impl FnMut(Update<'_>),
     ) -> Result<Self, EdgeError> {
         let now = start.elapsed().as_secs_f64() * 1e3;
-        let (es, out) = match first {
-            Some(first) => EdgeSession::new(now, prompt.to_vec(), first, cfg, eog)?,
+        let (es, out) = match opened {
+            Some(o) => EdgeSession::new(now, prompt.to_vec(), o, cfg, eog)?,
             None => EdgeSession::opening(now, prompt.to_vec(), cfg, eog)?,
         };
         let mut d = Self {

@@ -177,6 +177,15 @@ pub struct GrpcLink {
     req: OpenRequest,
 }
 
+/// The verifier's `Opened` as the edge session takes it.
+pub fn opened(o: &Opened) -> tandem_spec::Opened {
+    tandem_spec::Opened {
+        first: o.first_token,
+        grant: tandem_spec::Shape::new(o.draft_len, o.depth),
+        side_nodes: o.side_nodes as usize,
+    }
+}
+
 fn refused(e: impl std::fmt::Display) -> EdgeError {
     EdgeError::Refused(e.to_string())
 }

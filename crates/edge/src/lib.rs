@@ -119,14 +119,14 @@ pub fn run(
     draft: &mut Engine,
     eog: Vec<u32>,
     prompt: &[u32],
-    first: Option<u32>,
+    opened: Option<tandem_spec::Opened>,
     cfg: &SpecConfig,
     link: &mut dyn Link,
     start: Instant,
     on_update: impl FnMut(Update<'_>),
 ) -> Result<SpecReport, EdgeError> {
     let mut d = EngineDrafter::new(draft, prompt, cfg);
-    run_with(&mut d, eog, prompt, first, cfg, link, start, on_update)
+    run_with(&mut d, eog, prompt, opened, cfg, link, start, on_update)
 }
 
 /// [`run`] with any [`Drafter`] (a model, or the load generator's synthetic edge): one
@@ -136,13 +136,21 @@ pub fn run_with(
     draft: &mut dyn Drafter,
     eog: Vec<u32>,
     prompt: &[u32],
-    first: Option<u32>,
+    opened: Option<tandem_spec::Opened>,
     cfg: &SpecConfig,
     link: &mut dyn Link,
     start: Instant,
     mut on_update: impl FnMut(Update<'_>),
 ) -> Result<SpecReport, EdgeError> {
-    let mut d = Driver::new(prompt, first, cfg.session, eog, link, start, &mut on_update)?;
+    let mut d = Driver::new(
+        prompt,
+        opened,
+        cfg.session,
+        eog,
+        link,
+        start,
+        &mut on_update,
+    )?;
     loop {
         // One step; a lost connection anywhere in it is recovered below. The edge's own work
         // per verdict is a step's time less its waits and its forwards.

@@ -418,7 +418,6 @@ fn committed_counts(
                 depth: case.depth,
                 max_new_tokens: case.max_new_tokens,
                 auto: None,
-                granted: None,
                 tree: case.tree,
             },
             rule,
@@ -452,7 +451,12 @@ fn committed_counts(
             draft,
             Vec::new(),
             &PROMPT,
-            Some(first),
+            // (No grant: as the in-process verifier grants whatever is asked.)
+            Some(tandem_spec::Opened {
+                first,
+                grant: tandem_spec::Shape::UNLIMITED,
+                side_nodes: usize::MAX,
+            }),
             &cfg,
             &mut link,
             Instant::now(),

@@ -37,7 +37,6 @@ fn spec() -> SpecConfig {
             depth: 2,
             max_new_tokens: 32,
             auto: None,
-            granted: None,
             tree: TreeConfig {
                 side_nodes: 8,
                 lanes: 3,

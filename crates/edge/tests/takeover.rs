@@ -177,7 +177,6 @@ fn a_session_taken_over_and_handed_back_is_the_targets() {
                 depth,
                 max_new_tokens: n,
                 auto: None,
-                granted: None,
                 tree: tandem_spec::TreeConfig::LINEAR,
             },
             rule: VerifyRule::Greedy,
@@ -189,7 +188,12 @@ fn a_session_taken_over_and_handed_back_is_the_targets() {
             &mut d,
             vec![],
             &prompt,
-            Some(first),
+            // (No grant: as the in-process verifier grants whatever is asked.)
+            Some(tandem_spec::Opened {
+                first,
+                grant: tandem_spec::Shape::UNLIMITED,
+                side_nodes: usize::MAX,
+            }),
             &cfg,
             &mut link,
             Instant::now(),

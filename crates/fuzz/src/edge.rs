@@ -10,7 +10,7 @@ use tandem_proto::v1;
 use tandem_proto::FromCloud;
 use tandem_spec::edge::Reconnecting;
 use tandem_spec::pipeline::{Output, TreeConfig};
-use tandem_spec::{EdgeSession, SessionConfig, Shape};
+use tandem_spec::{EdgeSession, Opened, SessionConfig, Shape};
 
 use crate::Input;
 
@@ -65,14 +65,18 @@ pub fn edge_session(data: &[u8]) {
         depth: 1 + input.byte() as usize % 4,
         max_new_tokens: 1 + input.byte() as usize % 64,
         auto: None,
-        granted: match input.byte() % 3 {
-            0 => None,
-            g => Some(Shape::new(u32::from(input.byte() % 9), u32::from(g))),
-        },
         tree: TreeConfig::LINEAR,
     };
-    let first = u32::from(input.byte());
-    let Ok((s, out)) = EdgeSession::new(0.0, PROMPT.to_vec(), first, cfg, vec![255]) else {
+    let grant = match input.byte() % 3 {
+        0 => Shape::UNLIMITED,
+        g => Shape::new(u32::from(input.byte() % 9), u32::from(g)),
+    };
+    let opened = Opened {
+        first: u32::from(input.byte()),
+        grant,
+        side_nodes: 0,
+    };
+    let Ok((s, out)) = EdgeSession::new(0.0, PROMPT.to_vec(), opened, cfg, vec![255]) else {
         return;
     };
     let mut e = Edge {

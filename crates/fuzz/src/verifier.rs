@@ -18,7 +18,7 @@ use tandem_sim::{target_token, SimTarget, VOCAB};
 use tandem_spec::capacity::ForwardCost;
 use tandem_spec::pipeline::{Next, Output, TreeConfig};
 use tandem_spec::sampling::SamplingParams;
-use tandem_spec::{EdgeSession, SessionConfig, Shape, VerifyRule};
+use tandem_spec::{EdgeSession, Opened, SessionConfig, Shape, VerifyRule};
 use tandem_verifier::{
     Inbound, LoadConfig, Mode, NewSession, ToEdge, VerifierConfig, VerifierCore,
 };
@@ -247,11 +247,16 @@ impl World {
                         depth: s.want.depth as usize,
                         max_new_tokens: s.max_tokens,
                         auto: None,
-                        granted: Some(grant),
                         tree: TreeConfig::LINEAR,
                     };
-                    let (edge, out) = EdgeSession::new(now_ms, s.prompt.clone(), first, cfg, eog())
-                        .expect("the verifier's Opened starts an edge session");
+                    let opened = Opened {
+                        first,
+                        grant,
+                        side_nodes: 0,
+                    };
+                    let (edge, out) =
+                        EdgeSession::new(now_ms, s.prompt.clone(), opened, cfg, eog())
+                            .expect("the verifier's Opened starts an edge session");
                     s.edge = Some(edge);
                     self.outputs(slot, out);
                     continue;

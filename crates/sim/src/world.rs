@@ -8,8 +8,8 @@ use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::uniform;
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{
-    Block, EdgeSession, Grown, Hedge, Incoming, Next, Output, SessionConfig, Shape, TreeConfig,
-    VerifyRule,
+    Block, EdgeSession, Grown, Hedge, Incoming, Next, Opened, Output, SessionConfig, Shape,
+    TreeConfig, VerifyRule,
 };
 use tandem_verifier::{Inbound, Mode, NewSession, Outgoing, ToEdge, VerifierCore};
 
@@ -425,12 +425,18 @@ impl Sim {
                     depth: self.cfg.depth,
                     max_new_tokens: self.cfg.new_tokens,
                     auto: None,
-                    granted: Some(grant),
                     tree: self.cfg.tree.0.unwrap_or(TreeConfig::LINEAR),
                 };
                 let now_ms = self.now as f64 / 1e3;
-                let (es, outs) = EdgeSession::new(now_ms, s.prompt.clone(), first, cfg, Vec::new())
-                    .expect("invariant: a valid session configuration");
+                // (The core's replicas bound no side nodes: the gRPC service does.)
+                let opened = Opened {
+                    first,
+                    grant,
+                    side_nodes: usize::MAX,
+                };
+                let (es, outs) =
+                    EdgeSession::new(now_ms, s.prompt.clone(), opened, cfg, Vec::new())
+                        .expect("invariant: a valid session configuration");
                 s.edge = Some(es);
                 self.outputs(sid, outs);
                 self.drive(sid);
@@ -479,7 +485,6 @@ impl Sim {
             depth: self.cfg.depth,
             max_new_tokens: self.cfg.new_tokens,
             auto: None,
-            granted: None,
             tree: TreeConfig::LINEAR,
         };
         let now_ms = self.now as f64 / 1e3;

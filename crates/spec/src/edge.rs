@@ -81,11 +81,18 @@ pub struct SessionConfig {
     pub max_new_tokens: usize,
     /// Let the policy re-plan γ and depth as it measures.
     pub auto: Option<AutoShape>,
-    /// The verifier's grant at Open (γ, depth): the shape stays within it, and within each later
-    /// grant that verdicts bring as the verifier's load changes. None: no limit.
-    pub granted: Option<Shape>,
     /// Token trees (within the side nodes the verifier granted at Open).
     pub tree: TreeConfig,
+}
+
+/// The verifier's answer to a session's Open: the target's first token and the session's grant
+/// (γ and depth; the side nodes a token tree may carry). The shape stays within the grant, and
+/// within each later one that verdicts bring as the verifier's load changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Opened {
+    pub first: u32,
+    pub grant: Shape,
+    pub side_nodes: usize,
 }
 
 /// What the edge measured during a session (milliseconds).
@@ -171,6 +178,8 @@ pub struct EdgeSession {
     cfg: SessionConfig,
     /// The verifier's current grant, as the edge's sizes.
     cap: (usize, usize),
+    /// The grant at Open (None until the verifier answered it).
+    open_grant: Option<Shape>,
     est: Estimator,
     /// When each block in flight was sent (ms on the driver's clock).
     sent_at: HashMap<BlockId, f64>,
@@ -195,13 +204,16 @@ impl EdgeSession {
     pub fn new(
         now_ms: f64,
         prompt: Vec<u32>,
-        first: u32,
+        opened: Opened,
         cfg: SessionConfig,
         eog: Vec<u32>,
     ) -> Result<(Self, Vec<Output>), SpecError> {
-        let pcfg = Self::pipeline_config(&cfg);
-        let (p, out) = Pipeline::with_first(prompt, first, pcfg, eog)?;
-        Self::start(now_ms, p, out, cfg)
+        let mut cfg = cfg;
+        cfg.tree.side_nodes = cfg.tree.side_nodes.min(opened.side_nodes);
+        let grant = Some(opened.grant);
+        let pcfg = Self::pipeline_config(&cfg, grant);
+        let (p, out) = Pipeline::with_first(prompt, opened.first, pcfg, eog)?;
+        Self::start(now_ms, p, out, cfg, grant)
     }
 
     /// A session whose `Open` is still on its way: the edge drafts from the prompt at once, its
@@ -223,12 +235,12 @@ impl EdgeSession {
                     .into(),
             });
         }
-        let p = Pipeline::new(prompt, Self::pipeline_config(&cfg), eog)?;
-        Self::start(now_ms, p, Vec::new(), cfg)
+        let p = Pipeline::new(prompt, Self::pipeline_config(&cfg, None), eog)?;
+        Self::start(now_ms, p, Vec::new(), cfg, None)
     }
 
-    fn pipeline_config(cfg: &SessionConfig) -> PipelineConfig {
-        let cap = sizes(cfg.granted.unwrap_or(Shape::UNLIMITED));
+    fn pipeline_config(cfg: &SessionConfig, grant: Option<Shape>) -> PipelineConfig {
+        let cap = sizes(grant.unwrap_or(Shape::UNLIMITED));
         PipelineConfig {
             draft_len: cfg.draft_len.min(cap.0).max(1),
             depth: cfg.depth.min(cap.1).max(1),
@@ -241,8 +253,9 @@ impl EdgeSession {
         mut p: Pipeline,
         out: Vec<Output>,
         cfg: SessionConfig,
+        grant: Option<Shape>,
     ) -> Result<(Self, Vec<Output>), SpecError> {
-        let cap = sizes(cfg.granted.unwrap_or(Shape::UNLIMITED));
+        let cap = sizes(grant.unwrap_or(Shape::UNLIMITED));
         p.set_tree(cfg.tree);
         let prior = cfg.auto.map_or(
             Costs {
@@ -259,6 +272,7 @@ impl EdgeSession {
             p,
             cfg,
             cap,
+            open_grant: grant,
             est: Estimator::new(prior),
             sent_at: HashMap::new(),
             totals: Totals::default(),
@@ -272,7 +286,7 @@ impl EdgeSession {
         };
         s.acked = s.p.committed_len();
         let mut out = out;
-        if let Some(g) = cfg.granted {
+        if let Some(g) = grant {
             s.granted_drafting = g.draft_len > 0;
             out.extend(s.p.set_drafting(s.granted_drafting));
         }
@@ -312,8 +326,7 @@ impl EdgeSession {
         // costs it what a decoded one does: side nodes go first, before γ does, and come back
         // with the full grant.
         let full = self
-            .cfg
-            .granted
+            .open_grant
             .is_none_or(|g| grant.draft_len >= g.draft_len && grant.depth >= g.depth);
         self.p.set_tree(if full {
             self.cfg.tree
@@ -419,6 +432,10 @@ impl EdgeSession {
                     r.correction = before.first().map(|&b| (b, d.token));
                 }
                 if let Some(grant) = d.grant {
+                    // An opening session's first commit is its `Opened`: the grant at Open.
+                    if d.pos == self.p.prompt_len() && self.open_grant.is_none() {
+                        self.open_grant = Some(grant);
+                    }
                     let want = (self.cfg.draft_len, self.cfg.depth);
                     r.outputs.extend(self.apply_grant(grant, want)?);
                 }

@@ -32,7 +32,7 @@ pub mod tree;
 pub mod verify;
 
 pub use cloud_session::{BlockAction, CloudSession, Feed, Finished, ACK_EVERY, FLOW_WINDOW};
-pub use edge::{EdgeSession, Incoming, Measured, Reaction, SessionConfig};
+pub use edge::{EdgeSession, Incoming, Measured, Opened, Reaction, SessionConfig};
 pub use pipeline::{
     Block, BlockId, Decoded, Estimates, Frontier, Grown, Hedge, Next, Output, Pipeline,
     PipelineConfig, PipelineStats, Shape, SparseDist, TreeConfig, Verdict, ACCEPT_POSITIONS,

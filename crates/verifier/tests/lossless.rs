@@ -353,10 +353,14 @@ fn run(c: Case, schedule: &[Step]) -> Result<Seen, TestCaseError> {
         depth,
         max_new_tokens: max_new,
         auto: None,
-        granted: Some(grant),
         tree,
     };
-    let (mut edge, outs) = EdgeSession::new(0.0, PROMPT.to_vec(), first, cfg, vec![EOG]).unwrap();
+    let opened = tandem_spec::Opened {
+        first,
+        grant,
+        side_nodes: usize::MAX,
+    };
+    let (mut edge, outs) = EdgeSession::new(0.0, PROMPT.to_vec(), opened, cfg, vec![EOG]).unwrap();
     let mut shell = Shell {
         want: oracle(&PROMPT, max_new, &[EOG]),
         committed: Vec::new(),

@@ -132,11 +132,7 @@ pub fn synthetic_session(
             depth: edge.depth,
             max_new_tokens: want.len(),
             auto: None,
-            granted: Some(tandem_spec::Shape::new(opened.draft_len, opened.depth)),
-            tree: TreeConfig {
-                side_nodes: edge.tree.side_nodes.min(opened.side_nodes as usize),
-                ..edge.tree
-            },
+            tree: edge.tree,
         },
         rule: VerifyRule::Greedy,
         params: SamplingParams::default(),
@@ -157,7 +153,7 @@ pub fn synthetic_session(
         &mut d,
         tok.eog_ids(),
         prompt,
-        Some(opened.first_token),
+        Some(tandem_edge::grpc::opened(&opened)),
         &cfg,
         &mut link,
         start,

@@ -222,7 +222,6 @@ pub fn spec_out_as(
                 depth,
                 max_new_tokens: max_new,
                 auto: None,
-                granted: None,
                 tree,
             },
             rule,

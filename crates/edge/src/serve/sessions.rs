@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use tandem_engine::tokenizer::TextStream;
 use tandem_engine::{Engine, SeqId, Tokenizer};
 use tandem_proto::v1::Opened;
-use tandem_spec::{Shape, SpecError};
+use tandem_spec::SpecError;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 
@@ -433,16 +433,11 @@ impl Sessions {
         if let Phase::Connecting(rx) = &mut a.phase {
             match rx.try_recv() {
                 Ok(Linked::Open(link, opened)) => {
-                    let mut session = a.spec.session;
-                    session.granted = Some(Shape::new(opened.draft_len, opened.depth));
-                    session.tree.side_nodes =
-                        session.tree.side_nodes.min(opened.side_nodes as usize);
-                    a.spec.session = session;
                     let out = &mut a.out;
                     let d = Driver::new(
                         &a.req.prompt_ids,
-                        Some(opened.first_token),
-                        session,
+                        Some(crate::grpc::opened(&opened)),
+                        a.spec.session,
                         self.tok.eog_ids(),
                         *link,
                         out.start,

@@ -1,15 +1,23 @@
 use super::*;
 
+/// The verifier's answer: first token 7, `grant`, any side nodes.
+fn opened(grant: Shape) -> Opened {
+    Opened {
+        first: 7,
+        grant,
+        side_nodes: usize::MAX,
+    }
+}
+
 fn session(auto: Option<AutoShape>) -> (EdgeSession, Vec<Output>) {
     let cfg = SessionConfig {
         draft_len: 4,
         depth: 2,
         max_new_tokens: 20,
         auto,
-        granted: Some(Shape::new(4, 2)),
         tree: TreeConfig::LINEAR,
     };
-    EdgeSession::new(0.0, vec![1, 2, 3], 7, cfg, vec![]).unwrap()
+    EdgeSession::new(0.0, vec![1, 2, 3], opened(Shape::new(4, 2)), cfg, vec![]).unwrap()
 }
 
 /// Draft `tokens` at 10 ms each from `t0`; returns the blocks sent.
@@ -74,7 +82,6 @@ fn a_session_drafts_from_its_open_and_the_first_token_judges_its_guess() {
         depth: 2,
         max_new_tokens: 20,
         auto: None,
-        granted: None,
         tree: TreeConfig::LINEAR,
     };
     let opening = || EdgeSession::opening(0.0, vec![1, 2, 3], cfg, vec![]).unwrap();
@@ -157,10 +164,10 @@ fn a_shrinking_grant_drops_the_trees_first_and_the_full_grant_brings_them_back()
         depth: 2,
         max_new_tokens: 40,
         auto: None,
-        granted: Some(Shape::new(4, 2)),
         tree,
     };
-    let (mut s, _) = EdgeSession::new(0.0, vec![1, 2, 3], 7, cfg, vec![]).unwrap();
+    let (mut s, _) =
+        EdgeSession::new(0.0, vec![1, 2, 3], opened(Shape::new(4, 2)), cfg, vec![]).unwrap();
     assert_eq!(s.pipeline().tree(), tree);
     let decoded = |s: &EdgeSession, grant| Decoded {
         epoch: s.pipeline().epoch(),
@@ -206,10 +213,10 @@ fn a_draft_that_is_almost_always_wrong_is_paused_and_tried_again() {
         depth: 1,
         max_new_tokens: 60,
         auto: None,
-        granted: Some(Shape::new(2, 1)),
         tree: TreeConfig::LINEAR,
     };
-    let (mut s, _) = EdgeSession::new(0.0, vec![1, 2, 3], 7, cfg, vec![]).unwrap();
+    let (mut s, _) =
+        EdgeSession::new(0.0, vec![1, 2, 3], opened(Shape::new(2, 1)), cfg, vec![]).unwrap();
     // Every token the verifier decodes contradicts what the edge drafted there.
     let mut t = 0.0;
     let mut decode = |s: &mut EdgeSession| {
@@ -313,10 +320,10 @@ fn the_adaptive_policy_replans_when_the_model_predicts_a_clear_gain() {
         depth: 1,
         max_new_tokens: 50,
         auto: Some(auto),
-        granted: None,
         tree: TreeConfig::LINEAR,
     };
-    let (mut s, _) = EdgeSession::new(0.0, vec![1, 2, 3], 7, cfg, vec![]).unwrap();
+    let (mut s, _) =
+        EdgeSession::new(0.0, vec![1, 2, 3], opened(Shape::UNLIMITED), cfg, vec![]).unwrap();
     let sent = draft(&mut s, 0.0, &[8]);
     let verdict = Verdict {
         epoch: 0,
