@@ -1077,9 +1077,9 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
     let n = prompt.len();
     early.send(block_at(vec![5], 0, n - 1)).unwrap();
     match early.recv(true).unwrap() {
-        Some(tandem_spec::Incoming::Decoded(d)) => {
-            assert_eq!((d.epoch, d.pos, d.token), (0, n, opened.first_token));
-            assert!(d.grant.is_some_and(|g| g.draft_len > 0), "{d:?}");
+        Some(tandem_spec::Incoming::Opened(o)) => {
+            assert_eq!(o.first, opened.first_token, "the same prompt's first token");
+            assert!(o.grant.draft_len > 0, "{o:?}");
         }
         other => panic!("expected the first token, got {other:?}"),
     }
@@ -1272,6 +1272,7 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
         while told.len() < 16 {
             match link.recv(true).unwrap().expect("a message") {
                 Incoming::Decoded(d) => told.push(d.token),
+                Incoming::Opened(o) => panic!("a second Opened: {o:?}"),
                 Incoming::Verdict(v) => {
                     let b = &lane_blocks[v.block.0 as usize];
                     let path = b.named_path(v.accepted, v.side_end).expect("a path");
@@ -1308,6 +1309,7 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
                     assert_eq!(d.pos, prompt.len() + told.len(), "{name}");
                     told.push(d.token);
                 }
+                Incoming::Opened(o) => panic!("{name}: a second Opened: {o:?}"),
                 Incoming::Verdict(v) => {
                     let path = block
                         .named_path(v.accepted, v.side_end)

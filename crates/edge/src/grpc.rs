@@ -222,27 +222,18 @@ impl GrpcLink {
 
     /// Connect to `url` and send the session's `Open` without waiting for `Opened`: blocks may
     /// go at once (the verifier reads them once it has prefilled the prompt), and `Opened`
-    /// arrives as the commit of the first token's position — [`Incoming::Decoded`] at the
-    /// prompt's length, epoch 0, with the grant (see [`tandem_spec::EdgeSession::opening`]). A
+    /// arrives as a message ([`Incoming::Opened`]: the first token and the grant; see
+    /// [`tandem_spec::EdgeSession::opening`]). A
     /// refusal of the `Open` itself (a wrong key, another tokenizer, a full verifier) comes from
     /// [`Link::recv`] as [`EdgeError::NotOpened`]: it is not a connection to reopen.
     pub fn start(rt: &Runtime, url: &str, req: OpenRequest) -> Result<Self, EdgeError> {
         let h = rt.handle().clone();
-        let prompt_len = req.prompt_ids.len();
         rt.block_on(async {
             let (link, call, vtx) = Self::send_open(h, url, req, None).await?;
             let tx = vtx.clone();
             let opened = async move {
                 match call.await {
-                    Ok((inbound, o)) => {
-                        let first = Incoming::Decoded(tandem_spec::Decoded {
-                            epoch: 0,
-                            pos: prompt_len,
-                            token: o.first_token,
-                            grant: Some(tandem_spec::Shape::new(o.draft_len, o.depth)),
-                        });
-                        Some((inbound, Some(first)))
-                    }
+                    Ok((inbound, o)) => Some((inbound, Some(Incoming::Opened(opened(&o))))),
                     Err(e) => {
                         let _ = tx.send(Err(EdgeError::NotOpened(e.to_string())));
                         None

@@ -409,14 +409,12 @@ impl Sim {
             ToEdge::Opened { first, grant } if s.edge.is_some() => {
                 // An edge drafting since its Open: the first token commits its position.
                 s.opened = true;
-                let pos = s.prompt.len();
-                let d = tandem_spec::Decoded {
-                    epoch: 0,
-                    pos,
-                    token: first,
-                    grant: Some(grant),
+                let o = Opened {
+                    first,
+                    grant,
+                    side_nodes: usize::MAX,
                 };
-                self.arrived(sid, Incoming::Decoded(d));
+                self.arrived(sid, Incoming::Opened(o));
             }
             ToEdge::Opened { first, grant } => {
                 s.opened = true;

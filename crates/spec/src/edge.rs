@@ -24,6 +24,9 @@ pub enum Incoming {
     Verdict(Verdict),
     /// A token it decoded itself, having no block of the session to verify.
     Decoded(Decoded),
+    /// Its answer to the Open of a session started with [`EdgeSession::opening`]: the first
+    /// token, committed at the prompt's length like a decoded one, and the grant at Open.
+    Opened(Opened),
 }
 
 /// The verifier's lead the edge drafts ahead for, at most (tokens).
@@ -219,7 +222,7 @@ impl EdgeSession {
     /// A session whose `Open` is still on its way: the edge drafts from the prompt at once, its
     /// first block starting at the first token's position, so that its guesses reach the verifier
     /// as the prompt's prefill ends instead of a round trip later. The verifier's `Opened` comes
-    /// as the commit of that position ([`Incoming::Decoded`] at the prompt's length, epoch 0,
+    /// as the commit of that position ([`Incoming::Opened`]: the first token at the prompt's length,
     /// with the grant), judged against the draft's guess like any token the verifier decoded.
     /// Linear blocks only: a tree's side nodes wait for the grant that bounds them.
     pub fn opening(
@@ -419,31 +422,23 @@ impl EdgeSession {
         let v = match msg {
             Incoming::Verdict(v) => v,
             Incoming::Decoded(d) => {
-                let (from, rejections) = (self.p.committed_len(), self.p.stats().rejections);
-                let before = self.p.tokens()[from..].to_vec();
-                let (verdicts, covered) = (self.p.stats().verdicts, self.p.stats().covered_blocks);
-                r.outputs = self.p.on_decoded(d)?;
-                r.outputs.extend(self.follow_lead(verdicts, covered));
-                // (The first token, an opening session's `Opened`, comes with the prompt's prefill.)
-                if d.pos > self.p.prompt_len() {
-                    self.m.cloud_decoded += 1;
+                self.m.cloud_decoded += 1;
+                return self.on_commit(now_ms, d);
+            }
+            Incoming::Opened(o) => {
+                if self.open_grant.is_some() {
+                    return Err(SpecError::Protocol(
+                        "Opened for a session the verifier had opened already".into(),
+                    ));
                 }
-                if self.p.stats().rejections > rejections {
-                    r.correction = before.first().map(|&b| (b, d.token));
-                }
-                if let Some(grant) = d.grant {
-                    // An opening session's first commit is its `Opened`: the grant at Open.
-                    if d.pos == self.p.prompt_len() && self.open_grant.is_none() {
-                        self.open_grant = Some(grant);
-                    }
-                    let want = (self.cfg.draft_len, self.cfg.depth);
-                    r.outputs.extend(self.apply_grant(grant, want)?);
-                }
-                r.outputs.extend(self.gate_drafting());
-                self.forget_answered();
-                self.ack(&mut r.outputs);
-                self.sent(now_ms, &r.outputs);
-                return Ok(r);
+                self.open_grant = Some(o.grant);
+                let first = Decoded {
+                    epoch: 0,
+                    pos: self.p.prompt_len(),
+                    token: o.first,
+                    grant: Some(o.grant),
+                };
+                return self.on_commit(now_ms, first);
             }
         };
         if let Some(t) = self.sent_at.remove(&v.block) {
@@ -483,6 +478,29 @@ impl EdgeSession {
         if let Some(shape) = self.replan() {
             r.outputs.extend(self.p.set_shape(shape.0, shape.1)?);
             self.m.reshapes += 1;
+        }
+        r.outputs.extend(self.gate_drafting());
+        self.forget_answered();
+        self.ack(&mut r.outputs);
+        self.sent(now_ms, &r.outputs);
+        Ok(r)
+    }
+
+    /// A token the verifier committed without a block (decoded alone, or the first at Open),
+    /// with the grant it may bring.
+    fn on_commit(&mut self, now_ms: f64, d: Decoded) -> Result<Reaction, SpecError> {
+        let mut r = Reaction::default();
+        let (from, rejections) = (self.p.committed_len(), self.p.stats().rejections);
+        let before = self.p.tokens()[from..].to_vec();
+        let (verdicts, covered) = (self.p.stats().verdicts, self.p.stats().covered_blocks);
+        r.outputs = self.p.on_decoded(d)?;
+        r.outputs.extend(self.follow_lead(verdicts, covered));
+        if self.p.stats().rejections > rejections {
+            r.correction = before.first().map(|&b| (b, d.token));
+        }
+        if let Some(grant) = d.grant {
+            let want = (self.cfg.draft_len, self.cfg.depth);
+            r.outputs.extend(self.apply_grant(grant, want)?);
         }
         r.outputs.extend(self.gate_drafting());
         self.forget_answered();

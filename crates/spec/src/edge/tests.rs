@@ -93,14 +93,13 @@ fn a_session_drafts_from_its_open_and_the_first_token_judges_its_guess() {
     let sent = draft(&mut s, 0.0, &[7, 8, 9, 10, 11, 12, 13, 14]);
     let starts: Vec<_> = sent.iter().map(|b| (b.epoch, b.start_pos)).collect();
     assert_eq!(starts, vec![(0, 3), (0, 7)]);
-    let first = |token| Decoded {
-        epoch: 0,
-        pos: 3,
-        token,
-        grant: Some(Shape::new(2, 1)),
+    let first = |token| Opened {
+        first: token,
+        grant: Shape::new(2, 1),
+        side_nodes: 0,
     };
     // The guess was right: it is committed, the blocks stay, the grant narrows what follows.
-    let r = s.on_message(50.0, Incoming::Decoded(first(7))).unwrap();
+    let r = s.on_message(50.0, Incoming::Opened(first(7))).unwrap();
     assert_eq!(
         r.outputs.first(),
         Some(&Output::Commit {
@@ -135,7 +134,7 @@ fn a_session_drafts_from_its_open_and_the_first_token_judges_its_guess() {
     // both move to epoch 1, and the edge drafts on from the verifier's first token.
     let (mut s, _) = opening();
     draft(&mut s, 0.0, &[7, 8, 9, 10]);
-    let r = s.on_message(50.0, Incoming::Decoded(first(5))).unwrap();
+    let r = s.on_message(50.0, Incoming::Opened(first(5))).unwrap();
     assert_eq!(r.correction, Some((7, 5)));
     assert_eq!(
         (s.pipeline().epoch(), s.pipeline().blocks_in_flight()),
