@@ -5,8 +5,8 @@ use std::io::{BufRead, BufReader, Lines};
 use std::path::Path;
 use std::process::{Child, ChildStderr, Command, Stdio};
 
-use crate::netem::NetemConfig;
 use anyhow::{anyhow, bail, Context, Result};
+use tandem_client::netem::NetemConfig;
 use tandem_engine::CpuSet;
 
 /// `tandem cloud serve` on a loopback port, or in the cloud's network namespace behind the
@@ -176,7 +176,7 @@ pub struct Link {
 impl Link {
     pub fn new() -> Result<Self> {
         Ok(Self {
-            rt: crate::runtime()?,
+            rt: tandem_client::runtime()?,
             task: None,
         })
     }
@@ -193,7 +193,7 @@ impl Link {
             seed: 7,
             ..NetemConfig::default()
         };
-        let (url, task) = crate::netem::spawn_front(self.rt.handle(), upstream, cfg)
+        let (url, task) = tandem_client::netem::spawn_front(self.rt.handle(), upstream, cfg)
             .map_err(|e| anyhow!("netem: {e}"))?;
         self.task = Some(task);
         Ok(url)

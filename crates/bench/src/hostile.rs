@@ -672,7 +672,7 @@ pub fn run(a: &HostileArgs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
         "Once upon a time, in a quiet village by the sea,",
     )?;
     let at = tenant(&attacker_key, "The capital of France is")?;
-    let rt = crate::runtime()?;
+    let rt = tandem_client::runtime()?;
     let mut rows: Vec<Row> = Vec::new();
     let mut base_rate = None;
     let mut attacks = a.attacks.clone();

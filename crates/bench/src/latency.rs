@@ -9,9 +9,9 @@
 //! with the analytic model's prediction from the α, draft time, verify time and round trip measured
 //! in that same run.
 
-use crate::Mode;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use tandem_client::Mode;
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
@@ -27,8 +27,8 @@ use tandem_spec::{TreeConfig, VerifyRule};
 const LINEAR: TreeConfig = TreeConfig::LINEAR;
 
 use crate::cloudproc::{CloudProcess, Link};
-use crate::generate::{generate, generate_remote, GenOutput};
-use crate::speculate::SpecRun;
+use tandem_client::generate::{generate, generate_remote, GenOutput};
+use tandem_client::speculate::SpecRun;
 use tandem_sim::stats::{round2, Summary};
 
 mod report;
@@ -285,7 +285,7 @@ fn fold(draft: &str, rtt: f64, mode: Mode, outs: &[GenOutput], want: &[Vec<u32>]
     } else {
         0.0
     };
-    let spec = |f: &dyn Fn(&crate::speculate::SpecFields) -> f64| {
+    let spec = |f: &dyn Fn(&tandem_client::speculate::SpecFields) -> f64| {
         mean(&|o: &GenOutput| o.spec.as_ref().map_or(0.0, f))
     };
     let first = outs.first().and_then(|o| o.spec.as_ref());
@@ -464,7 +464,7 @@ fn sampled_runs(
     };
     prompts
         .iter()
-        .map(|p| crate::speculate::run(&run, p, |_| {}))
+        .map(|p| tandem_client::speculate::run(&run, p, |_| {}))
         .collect()
 }
 

@@ -1,7 +1,7 @@
 //! Two hosts on one machine: network namespaces for the edge and the cloud, joined by a veth
 //! pair, with the link's rate and loss from the kernel (a `tbf` queue on each end; an nftables
 //! rule that drops a share of the packets each side sends, drawn by `numgen random`) and its
-//! delay from the project's proxy ([`crate::netem`]), since this kernel has no `netem` qdisc.
+//! delay from the project's proxy ([`tandem_client::netem`]), since this kernel has no `netem` qdisc.
 //! Real TCP between real hosts: a lost packet is retransmitted by the kernel, on its own clock.
 //! Needs root, `ip` and `tc` (iproute2) and `nft` (nftables); [`unavailable`] says which is
 //! missing.

@@ -6,9 +6,9 @@
 //! the end-to-end ITL of asynchronous speculation with it over an emulated round trip (the real
 //! verifier in its own process, netem between).
 
-use crate::Mode;
 use std::path::PathBuf;
 use std::sync::Arc;
+use tandem_client::Mode;
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
@@ -263,7 +263,7 @@ pub fn run(
     let mut pairs = Vec::new();
     for p in &a.alpha_prompts {
         let ids = tok.encode_chat(p)?;
-        let o = crate::generate::generate(
+        let o = tandem_client::generate::generate(
             &mut te,
             tok,
             &ids,
@@ -300,7 +300,7 @@ pub fn run(
             },
         )?;
         for _ in 0..2 {
-            let o = crate::generate::generate(
+            let o = tandem_client::generate::generate(
                 &mut e,
                 tok,
                 &pairs[0].0,

@@ -255,7 +255,7 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
 
     // One session in-process, no HTTP: the same requests one after another.
     progress("in-process, 1 client");
-    let run = crate::speculate::SpecRun {
+    let run = tandem_client::speculate::SpecRun {
         target: target.model.clone(),
         draft: draft.model.clone(),
         tokenizer: &draft.tokenizer,
@@ -272,7 +272,7 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
     let mut timed = Vec::new();
     for i in 0..a.rounds {
         let ids = draft.tokenizer.encode_chat(prompt(i))?;
-        let out = crate::speculate::run(&run, &ids, |_| {})?;
+        let out = tandem_client::speculate::run(&run, &ids, |_| {})?;
         let s = out.spec.as_ref();
         let judged = s.map_or(0, |s| {
             if s.acceptance_rate > 0.0 {
@@ -291,7 +291,7 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
     rows.push(row("in-process", 1, &timed, t0.elapsed().as_secs_f64()));
 
     // tandem serve in this process, N clients over HTTP.
-    let rt = crate::runtime()?;
+    let rt = tandem_client::runtime()?;
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
     let addr = listener.local_addr()?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -325,7 +325,7 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
         .build();
     let cloud_only = |i: usize| -> Result<Timed> {
         let ids = draft.tokenizer.encode_chat(prompt(i))?;
-        let out = crate::generate::generate_remote(
+        let out = tandem_client::generate::generate_remote(
             tandem_edge::grpc::Remote {
                 url: &front,
                 api_key: None,
@@ -384,7 +384,7 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
 }
 
 /// The tokens' times without the end of generation's (a client sees no text for it).
-fn untimed_end(out: &crate::generate::GenOutput) -> Vec<f64> {
+fn untimed_end(out: &tandem_client::generate::GenOutput) -> Vec<f64> {
     let mut t = out.token_ms.clone();
     if out.finish_reason == "stop" {
         t.pop();

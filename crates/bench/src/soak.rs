@@ -105,7 +105,7 @@ pub fn run(a: &SoakArgs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
     progress("starting the verifier");
     let cloud = CloudProcess::start(&a.home, &a.cloud_cpus, &extra)?;
     let url = format!("http://{}", cloud.addr);
-    let rt = crate::runtime()?;
+    let rt = tandem_client::runtime()?;
     // The target's greedy answers, from the verifier itself (cloud-only decoding).
     let prompts: Vec<Vec<u32>> = crate::load::default_prompts()
         .iter()
@@ -194,7 +194,7 @@ pub fn run(a: &SoakArgs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
         if a.hostile {
             let (url, tok, prompts, done, attacks) = (&url, &tok, &prompts, &done, &attacks);
             s.spawn(move || {
-                let Ok(hrt) = crate::runtime() else {
+                let Ok(hrt) = tandem_client::runtime() else {
                     return;
                 };
                 let t = Tenant {

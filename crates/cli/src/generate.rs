@@ -2,7 +2,7 @@
 //! every mode side by side.
 
 use super::*;
-use tandem_bench::Mode;
+use tandem_client::Mode;
 
 #[derive(Args)]
 pub(crate) struct GenerateArgs {
@@ -173,7 +173,7 @@ pub(crate) fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()
         if target.tokenizer.fingerprint() != m.tokenizer.fingerprint() {
             bail!("the draft's tokenizer differs from the target's: they cannot share token ids");
         }
-        let run = tandem_bench::speculate::SpecRun {
+        let run = tandem_client::speculate::SpecRun {
             target: target.model.clone(),
             draft: m.model.clone(),
             tokenizer: &m.tokenizer,
@@ -203,9 +203,9 @@ pub(crate) fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()
             api_key: a.api_key.clone(),
             tls_ca: tls_ca.clone(),
         };
-        tandem_bench::speculate::run(&run, &ids, &mut print)?
+        tandem_client::speculate::run(&run, &ids, &mut print)?
     } else if let (Mode::CloudOnly, Some(url)) = (a.mode, &a.cloud) {
-        tandem_bench::generate::generate_remote(
+        tandem_client::generate::generate_remote(
             tandem_edge::grpc::Remote {
                 url,
                 api_key: a.api_key.as_deref(),
@@ -340,7 +340,7 @@ pub(crate) fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
         ..a.engine.config()
     };
     // The edge and the verifier each on a core of its own, when there are two.
-    let (edge_cpus, cloud_cpus) = split_cores();
+    let (edge_cpus, cloud_cpus) = CpuSet::edge_and_cloud();
     let edge = EngineConfig {
         cpus: edge_cpus,
         ..one
@@ -351,7 +351,7 @@ pub(crate) fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
     };
     // Speculation first, streamed: the draft here, the target behind an emulated link.
     for (mode, depth) in [(Mode::Async, a.depth), (Mode::Sync, 1)] {
-        let run = tandem_bench::speculate::SpecRun {
+        let run = tandem_client::speculate::SpecRun {
             target: target.model.clone(),
             draft: draft.model.clone(),
             tokenizer: &draft.tokenizer,
@@ -377,8 +377,8 @@ pub(crate) fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
         };
         let label = format!("assistant ({mode}, {} ms round trip): ", a.rtt_ms);
         print!("{label}");
-        let mut live = tandem_bench::live::Live::stdout().at_column(label.chars().count());
-        let out = tandem_bench::speculate::run_shown(&run, &ids, true, &mut |s| live.show(s))?;
+        let mut live = tandem_client::live::Live::stdout().at_column(label.chars().count());
+        let out = tandem_client::speculate::run_shown(&run, &ids, true, &mut |s| live.show(s))?;
         live.finish();
         println!();
         if !live.corrections.is_empty() {

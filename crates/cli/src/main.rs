@@ -4,22 +4,20 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-mod benches;
-mod edge;
+mod cloud;
 mod generate;
 mod model;
 mod serve;
 
-use benches::*;
-use edge::*;
+use cloud::*;
 use generate::*;
 use model::*;
 use serve::*;
+use tandem_bench::commands::{report, BenchTop, ReportArgs};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use tandem_bench::engine_bench::{self as bench, BenchArgs};
-use tandem_bench::generate::generate;
+use tandem_client::generate::generate;
 use tandem_engine::{CpuSet, Engine, EngineConfig, WeightMode};
 use tandem_models::pull;
 use tandem_models::store::{self as models, ModelSpec};
@@ -103,79 +101,6 @@ impl EngineArgs {
     }
 }
 
-/// Where a benchmark's report goes.
-#[derive(Args)]
-struct ReportArgs {
-    /// Also write the JSON report to this file.
-    #[arg(long)]
-    out: Option<PathBuf>,
-    /// Print the JSON report instead of tables.
-    #[arg(long)]
-    json: bool,
-}
-
-impl ReportArgs {
-    /// Run a benchmark that tells its progress in lines (on stderr, unless the report is
-    /// JSON), then report what it returned.
-    fn run<R: serde::Serialize>(
-        &self,
-        bench: impl FnOnce(&mut dyn FnMut(&str)) -> Result<R>,
-        table: impl Fn(&R) -> String,
-    ) -> Result<()> {
-        let quiet = self.json;
-        let r = bench(&mut |what| {
-            if !quiet {
-                eprintln!("{what}");
-            }
-        })?;
-        report(&r, self.out.as_deref(), self.json, table)
-    }
-}
-
-/// Where a benchmark's edge and verifier run.
-#[derive(Args)]
-struct Cores {
-    /// The edge's cores, this process (default: the first core it may use; with one core, no
-    /// pinning).
-    #[arg(long)]
-    edge_cpus: Option<CpuSet>,
-    /// The verifier process's cores (default: the second core this process may use).
-    #[arg(long)]
-    cloud_cpus: Option<CpuSet>,
-}
-
-impl Cores {
-    /// The edge's and the verifier's cores, defaults filled in.
-    fn split(&self) -> (CpuSet, CpuSet) {
-        let (edge, cloud) = split_cores();
-        (
-            self.edge_cpus.unwrap_or(edge),
-            self.cloud_cpus.unwrap_or(cloud),
-        )
-    }
-}
-
-/// llama.cpp beside Tandem (`../shared/peer`), when installed.
-#[derive(Args)]
-struct PeerArgs {
-    /// Python with llama-cpp-python (../shared/peer/setup.sh prints it); default: the peer venv if present.
-    #[arg(long, env = "TANDEM_PEER_PYTHON")]
-    peer_python: Option<PathBuf>,
-    /// The peer's bench.py (default: ../shared/peer/bench.py if present).
-    #[arg(long)]
-    peer_script: Option<PathBuf>,
-    /// Do not run llama.cpp beside Tandem even when it is installed.
-    #[arg(long)]
-    no_peer: bool,
-}
-
-impl PeerArgs {
-    fn find(&self) -> Option<(PathBuf, PathBuf)> {
-        tandem_bench::latency::find_peer(self.peer_python.clone(), self.peer_script.clone())
-            .filter(|_| !self.no_peer)
-    }
-}
-
 fn main() {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "warn".into());
@@ -198,20 +123,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Generate(a) => cmd_generate(&home, a)?,
         Cmd::Quantize(a) => cmd_quantize(&home, a)?,
-        Cmd::Bench(b) => {
-            // Across network namespaces: entered before any thread starts, held to the end.
-            let _net = b.net.enter()?;
-            match b.cmd {
-                BenchCmd::Engine(a) => cmd_bench(&home, a)?,
-                BenchCmd::Latency(a) => cmd_latency(&home, a)?,
-                BenchCmd::Load(a) => cmd_load(&home, a)?,
-                BenchCmd::Paper(a) => cmd_paper(&home, a)?,
-                BenchCmd::Quant(a) => cmd_quant(&home, a)?,
-                BenchCmd::Serve(a) => cmd_serve_bench(&home, a)?,
-                BenchCmd::Hostile(a) => cmd_hostile_bench(&home, a)?,
-                BenchCmd::Soak(a) => cmd_soak_bench(&home, a)?,
-            }
-        }
+        Cmd::Bench(b) => tandem_bench::commands::run(&home, b)?,
         Cmd::Info(a) => cmd_info(&home, a)?,
         Cmd::Demo(a) => cmd_demo(&home, a)?,
         Cmd::Serve(a) => cmd_edge_serve(&home, a)?,
@@ -239,43 +151,8 @@ async fn listen(flag: &str, addr: &str) -> Result<tokio::net::TcpListener> {
         .with_context(|| format!("{flag} {addr}: cannot bind"))
 }
 
-/// One core for the edge and another for the verifier: the first two this process may use (no
-/// pinning with fewer).
-fn split_cores() -> (CpuSet, CpuSet) {
-    let allowed: Vec<usize> = CpuSet::allowed()
-        .map(|s| s.cpus().collect())
-        .unwrap_or_default();
-    let one = |c: usize| -> CpuSet {
-        let mut s = CpuSet::default();
-        let _ = s.insert(c);
-        s
-    };
-    match allowed[..] {
-        [e, c, ..] => (one(e), one(c)),
-        _ => (CpuSet::default(), CpuSet::default()),
-    }
-}
-
-fn report<R: serde::Serialize>(
-    r: &R,
-    out: Option<&std::path::Path>,
-    json: bool,
-    table: impl Fn(&R) -> String,
-) -> Result<()> {
-    let text = serde_json::to_string(r)?;
-    if let Some(p) = out {
-        std::fs::write(p, &text).with_context(|| format!("writing {}", p.display()))?;
-    }
-    if json {
-        println!("{text}");
-    } else {
-        print!("{}", table(r));
-    }
-    Ok(())
-}
-
 /// `ONE_TOKEN_MS,MS_PER_TOKEN`, both positive.
-fn parse_forward_cost(s: &str) -> Result<tandem_sched::ForwardCost, String> {
+fn parse_forward_cost(s: &str) -> Result<tandem_spec::capacity::ForwardCost, String> {
     let (a, b) = s
         .split_once(',')
         .ok_or_else(|| format!("{s:?}: give ONE_TOKEN_MS,MS_PER_TOKEN (e.g. 100,12.5)"))?;
@@ -286,7 +163,7 @@ fn parse_forward_cost(s: &str) -> Result<tandem_sched::ForwardCost, String> {
             .filter(|v| v.is_finite() && *v > 0.0)
             .ok_or_else(|| format!("{what} {x:?} is not a positive number of milliseconds"))
     };
-    Ok(tandem_sched::ForwardCost {
+    Ok(tandem_spec::capacity::ForwardCost {
         one_token_ms: num(a, "ONE_TOKEN_MS")?,
         ms_per_token: num(b, "MS_PER_TOKEN")?,
     })

@@ -13,7 +13,7 @@ pub(crate) struct SimulateArgs {
     /// The target's forward cost `ONE_TOKEN_MS,MS_PER_TOKEN` (default: from --engine-json, else
     /// 44,2.2: `cloud serve --threads 1` on this project's CI machine).
     #[arg(long, value_parser = parse_forward_cost)]
-    forward_cost: Option<tandem_sched::ForwardCost>,
+    forward_cost: Option<tandem_spec::capacity::ForwardCost>,
     /// A `tandem bench engine --out` report to take the forward cost from (one-token forward and
     /// the kernels' FLOP rate).
     #[arg(long)]

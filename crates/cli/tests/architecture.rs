@@ -6,15 +6,19 @@
 //!   engine: no tokio, tonic, candle or `tandem-engine`.
 //! - The simulator links no server stack: no tonic, axum or prometheus.
 //! - Only the binary (`tandem-cli`) depends on `tandem-bench`.
+//! - No dev-dependency closes a cycle: a crate's tests never depend on a crate that links it
+//!   (as the edge's tests once did on the benchmarks, which link the edge).
 //!
 //! A broken rule names the chain that breaks it.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::process::Command;
 
-/// The workspace's graph of normal dependencies, by package name.
+/// The workspace's graph of normal dependencies, and its members' dev-dependencies, by package
+/// name.
 struct Graph {
     deps: BTreeMap<String, BTreeSet<String>>,
+    dev: BTreeMap<String, BTreeSet<String>>,
     members: BTreeSet<String>,
 }
 
@@ -56,21 +60,23 @@ impl Graph {
             .map(|id| name_of[id.as_str().unwrap()].to_string())
             .collect();
         let mut deps: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        let mut dev: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
         for node in m["resolve"]["nodes"].as_array().expect("resolve.nodes") {
             let from = name_of[node["id"].as_str().unwrap()].to_string();
-            let entry = deps.entry(from).or_default();
+            deps.entry(from.clone()).or_default();
             for d in node["deps"].as_array().expect("deps") {
-                let normal = d["dep_kinds"]
-                    .as_array()
-                    .expect("dep_kinds")
-                    .iter()
-                    .any(|k| k["kind"].is_null());
-                if normal {
-                    entry.insert(name_of[d["pkg"].as_str().unwrap()].to_string());
+                let to = name_of[d["pkg"].as_str().unwrap()].to_string();
+                for k in d["dep_kinds"].as_array().expect("dep_kinds") {
+                    let into = match k["kind"].as_str() {
+                        None => &mut deps,
+                        Some("dev") => &mut dev,
+                        Some(_) => continue,
+                    };
+                    into.entry(from.clone()).or_default().insert(to.clone());
                 }
             }
         }
-        Self { deps, members }
+        Self { deps, dev, members }
     }
 
     /// The chain of normal dependencies from `from` to the first package that `bad` picks, if
@@ -120,8 +126,21 @@ fn broken(g: &Graph) -> Vec<String> {
         matches!(n, "tonic" | "axum" | "prometheus")
     });
     for m in &g.members {
-        if m != "tandem-cli" && m != "tandem-bench" && g.deps[m].contains("tandem-bench") {
+        let on_bench = g.deps[m].contains("tandem-bench")
+            || g.dev.get(m).is_some_and(|d| d.contains("tandem-bench"));
+        if m != "tandem-cli" && m != "tandem-bench" && on_bench {
             out.push(format!("{m} depends on tandem-bench (only the binary may)"));
+        }
+        for d in g.dev.get(m).into_iter().flatten() {
+            if d == m || !g.members.contains(d) {
+                continue;
+            }
+            if let Some(p) = g.path_to(d, |n| n == m) {
+                out.push(format!(
+                    "{m}'s tests depend on {d}, which links {m}: {}",
+                    p.join(" -> ")
+                ));
+            }
         }
     }
     out
@@ -143,7 +162,8 @@ fn the_dependency_rules_of_the_architecture_page_hold() {
 #[test]
 fn a_broken_rule_is_found_and_named_by_its_chain() {
     // The real graph with one planted edge each: the scheduler through the protocol crate to
-    // tonic, and the edge on the benchmarks.
+    // tonic, the edge on the benchmarks, and the edge's tests on the client (which links the
+    // edge).
     let mut g = Graph::load();
     g.deps
         .get_mut("tandem-sched")
@@ -153,6 +173,10 @@ fn a_broken_rule_is_found_and_named_by_its_chain() {
         .get_mut("tandem-edge")
         .unwrap()
         .insert("tandem-bench".into());
+    g.dev
+        .entry("tandem-edge".into())
+        .or_default()
+        .insert("tandem-client".into());
     let broken = broken(&g);
     assert!(
         broken.iter().any(|l| l.starts_with("tandem-sched links")
@@ -163,6 +187,12 @@ fn a_broken_rule_is_found_and_named_by_its_chain() {
         broken
             .iter()
             .any(|l| l == "tandem-edge depends on tandem-bench (only the binary may)"),
+        "{broken:?}"
+    );
+    assert!(
+        broken.iter().any(|l| l.starts_with(
+            "tandem-edge's tests depend on tandem-client, which links tandem-edge: tandem-client -> "
+        ) && l.ends_with(" -> tandem-edge")),
         "{broken:?}"
     );
 }

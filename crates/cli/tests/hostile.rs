@@ -416,7 +416,7 @@ fn a_refused_message_does_not_end_the_answer() {
 fn a_failed_batcher_stops_the_server_instead_of_answering_every_rpc_unavailable() {
     use std::sync::Arc;
     let (m, tok) = target();
-    let info = tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4);
+    let info = tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok);
     // The batcher fails on its first message (a fault: the thread panics).
     let (tx, rx) = std::sync::mpsc::channel::<tandem_cloud::ToCloud>();
     let batcher = std::thread::spawn(move || {
@@ -426,6 +426,7 @@ fn a_failed_batcher_stops_the_server_instead_of_answering_every_rpc_unavailable(
     let service = tandem_cloud::grpc::Service::new(
         tx,
         info,
+        tandem_cloud::grpc::serving_load(8, 4),
         Arc::new(tandem_cloud::Gauges::default()),
         Arc::new(tandem_cloud::tenants::Tenants::open()),
     );

@@ -512,10 +512,13 @@ fn drainable_server(
         },
     )
     .unwrap();
-    let info = tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4);
+    let info = tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok);
+    let cfg = VerifierConfig {
+        load: tandem_cloud::grpc::serving_load(8, 4),
+        ..VerifierConfig::default()
+    };
     let (service, _batcher) =
-        tandem_cloud::grpc::start(engine, VerifierConfig::default(), info, Tenants::open())
-            .unwrap();
+        tandem_cloud::grpc::start(engine, cfg, info, Tenants::open()).unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let (done_tx, done) = std::sync::mpsc::channel();
     let probes = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

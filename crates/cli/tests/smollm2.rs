@@ -462,7 +462,7 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
         ..EngineConfig::default()
     };
     for (depth, rtt) in [(1, 60.0), (2, 60.0)] {
-        let run = tandem_bench::speculate::SpecRun {
+        let run = tandem_client::speculate::SpecRun {
             target: m.clone(),
             draft: d.clone(),
             tokenizer: tok,
@@ -491,7 +491,7 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
             api_key: None,
             tls_ca: None,
         };
-        let out = tandem_bench::speculate::run(&run, &p, |_| {}).unwrap();
+        let out = tandem_client::speculate::run(&run, &p, |_| {}).unwrap();
         assert_eq!(out.output_ids, want, "depth {depth}");
         let s = out.spec.unwrap();
         let mm = s.measured;
@@ -528,7 +528,7 @@ fn every_rule_stays_the_targets_through_netem_at_0_50_and_150_ms() {
         top_p: 0.95,
         seed: 11,
     };
-    let sampled = tandem_bench::generate::generate(&mut engine(m), tok, &p, 16, &params, |_| {})
+    let sampled = tandem_client::generate::generate(&mut engine(m), tok, &p, 16, &params, |_| {})
         .unwrap()
         .output_ids;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -538,12 +538,12 @@ fn every_rule_stays_the_targets_through_netem_at_0_50_and_150_ms() {
         .unwrap();
     for rtt in [0.0, 50.0, 150.0] {
         let addr = on_loopback(move |l| async move {
-            let cfg = tandem_bench::netem::NetemConfig {
+            let cfg = tandem_client::netem::NetemConfig {
                 rtt_ms: rtt,
                 jitter_ms: rtt / 10.0,
                 ..Default::default()
             };
-            tandem_bench::netem::proxy(l, upstream, cfg).await.unwrap();
+            tandem_client::netem::proxy(l, upstream, cfg).await.unwrap();
         });
         let url = format!("http://{addr}");
         let greedy_p = tandem_spec::sampling::SamplingParams::default();
@@ -581,7 +581,7 @@ fn sample_and_match_reproduces_the_targets_own_sampling() {
         seed: 11,
     };
     let mut e = engine(m);
-    let out = tandem_bench::generate::generate(&mut e, tok, &p, 16, &params, |_| {}).unwrap();
+    let out = tandem_client::generate::generate(&mut e, tok, &p, 16, &params, |_| {}).unwrap();
     let got = spec_run(
         &p,
         4,
@@ -1101,12 +1101,12 @@ fn speculation_through_netem_is_lossless() {
     let upstream: std::net::SocketAddr =
         grpc_server().trim_start_matches("http://").parse().unwrap();
     let addr = on_loopback(move |l| async move {
-        let cfg = tandem_bench::netem::NetemConfig {
+        let cfg = tandem_client::netem::NetemConfig {
             rtt_ms: 60.0,
             jitter_ms: 10.0,
             ..Default::default()
         };
-        tandem_bench::netem::proxy(l, upstream, cfg).await.unwrap();
+        tandem_client::netem::proxy(l, upstream, cfg).await.unwrap();
     });
     let url = format!("http://{addr}");
     let p = tok
@@ -1385,7 +1385,7 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
     };
     // Long enough that the draft is unsure somewhere, where it forks lanes.
     const SAMPLED: usize = 40;
-    let own = tandem_bench::generate::generate(&mut engine(m), tok, &p, SAMPLED, &params, |_| {})
+    let own = tandem_client::generate::generate(&mut engine(m), tok, &p, SAMPLED, &params, |_| {})
         .unwrap()
         .output_ids;
     let runs = |rule, check: &dyn Fn(&[u32])| {

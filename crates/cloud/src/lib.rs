@@ -33,6 +33,7 @@ pub fn code(e: &VerifierError) -> tonic::Code {
         ErrorKind::ResourceExhausted => tonic::Code::ResourceExhausted,
         ErrorKind::Cancelled => tonic::Code::Cancelled,
         ErrorKind::Unavailable => tonic::Code::Unavailable,
+        ErrorKind::DeadlineExceeded => tonic::Code::DeadlineExceeded,
         ErrorKind::Internal => tonic::Code::Internal,
     }
 }
@@ -110,13 +111,13 @@ pub enum ToCloud {
 }
 
 /// Time the target's forward of a chunk of `n` new tokens for each of `sizes` (ascending; the
-/// median of `reps` runs each) and fit its roofline ([`tandem_sched::ForwardCost`]). The engine
+/// median of `reps` runs each) and fit its roofline ([`tandem_spec::capacity::ForwardCost`]). The engine
 /// is left as it was found (the scratch sequence is freed).
 pub fn measure_forward_cost(
     engine: &mut tandem_engine::Engine,
     sizes: &[usize],
     reps: usize,
-) -> Result<(Vec<(usize, f64)>, tandem_sched::ForwardCost), VerifierError> {
+) -> Result<(Vec<(usize, f64)>, tandem_spec::capacity::ForwardCost), VerifierError> {
     use tandem_engine::{SeqChunk, SeqId, Wanted};
     let scratch = SeqId(u64::MAX);
     let mut points = Vec::new();
@@ -133,7 +134,7 @@ pub fn measure_forward_cost(
         t.sort_by(f64::total_cmp);
         points.push((n, t[t.len() / 2]));
     }
-    let cost = tandem_sched::ForwardCost::fit(&points).ok_or_else(|| {
+    let cost = tandem_spec::capacity::ForwardCost::fit(&points).ok_or_else(|| {
         VerifierError::Engine(format!(
             "cannot fit a roofline to the forward times {points:?}"
         ))

@@ -1,5 +1,5 @@
 //! What proposes draft tokens: the draft model ([`EngineDrafter`]), or anything else that
-//! implements [`Drafter`] (the load generator's synthetic edges, `tandem_bench::synthetic`).
+//! implements [`Drafter`] (the synthetic edges of the load generator and the tests: [`crate::synthetic`]).
 
 use tandem_engine::{Engine, Logits, Parent, SeqChunk, SeqId, Wanted};
 use tandem_spec::sampling::{sample, second_choice, SamplingParams};

@@ -10,6 +10,7 @@ pub mod drafter;
 pub mod driver;
 pub mod grpc;
 pub mod serve;
+pub mod synthetic;
 
 use std::time::Instant;
 

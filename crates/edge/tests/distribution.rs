@@ -26,7 +26,7 @@ use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::sampling::{distribution, sample, uniform};
 use tandem_spec::{Block, PipelineStats, TreeConfig, VerifyRule};
-use tandem_verifier::{Event, VerifierConfig, VerifierCore};
+use tandem_verifier::{Inbound, Mode, NewSession, Outgoing, ToEdge, VerifierConfig, VerifierCore};
 
 const VOCAB: usize = 24;
 const PROMPT: [u32; 3] = [5, 17, 2];
@@ -179,9 +179,12 @@ fn dense(logits: &[f32], params: &SamplingParams) -> Vec<f64> {
     p
 }
 
-/// A link to a verifier on the same thread. Eager: each block is verified as it is sent, so its
-/// verdict is there before the edge drafts again. Lazy: blocks are verified, in order, only when
-/// the edge has to wait, so up to `depth` blocks are in flight and later ones may go stale.
+/// A link to a verifier on the same thread, driven as the batcher drives it: each message goes in
+/// as it is sent ([`VerifierCore::receive`]), and the verifier turns ([`VerifierCore::turn`])
+/// while the edge waits, on a clock that stands at 0. Eager: each block is verified as it is
+/// sent, so its verdict is there before the edge drafts again. Lazy: blocks are verified, in
+/// order, only when the edge has to wait, so up to `depth` blocks are in flight and later ones
+/// may go stale.
 struct Local<'a> {
     verifier: &'a mut VerifierCore,
     session: u64,
@@ -193,51 +196,61 @@ struct Local<'a> {
 }
 
 impl Local<'_> {
-    fn deliver(&mut self) -> Result<(), EdgeError> {
-        while let Some(b) = self.blocks.pop_front() {
-            let e = self.verifier.draft(SessionId(self.session), b);
-            self.absorb(e)?;
-        }
-        Ok(())
+    fn receive(&mut self, msg: Inbound<()>) {
+        self.verifier.receive(0, msg);
     }
 
-    fn absorb(&mut self, events: Vec<Event>) -> Result<(), EdgeError> {
-        for e in events {
-            match e {
-                Event::Verdict { verdict, .. } => self
+    fn deliver(&mut self) {
+        let session = SessionId(self.session);
+        while let Some(block) = self.blocks.pop_front() {
+            self.receive(Inbound::Draft { session, block });
+        }
+    }
+
+    /// One turn, its messages into the inbox (a refusal is the edge's error). Whether it ran a
+    /// forward or sent anything.
+    fn turn(&mut self) -> Result<bool, EdgeError> {
+        let t = self.verifier.turn(0);
+        let busy = t.forward.is_some() || !t.out.is_empty();
+        for o in t.out {
+            match o.msg {
+                ToEdge::Verdict(verdict) => self
                     .inbox
                     .push_back(tandem_spec::Incoming::Verdict(verdict)),
-                Event::Decoded { decoded, .. } => self
+                ToEdge::Decoded(decoded) => self
                     .inbox
                     .push_back(tandem_spec::Incoming::Decoded(decoded)),
-                Event::Error { error, .. } => return Err(EdgeError::Refused(error.to_string())),
+                ToEdge::Error { error, .. } => return Err(EdgeError::Refused(error.to_string())),
                 other => panic!("unexpected {other:?}"),
             }
         }
-        Ok(())
+        Ok(busy)
     }
 }
 
 impl Link for Local<'_> {
     fn send(&mut self, block: Block) -> Result<(), EdgeError> {
         self.blocks.push_back(block);
-        if self.lazy {
-            Ok(())
-        } else {
-            self.deliver()
+        if !self.lazy {
+            self.deliver();
         }
+        Ok(())
     }
 
     fn ack(&mut self, committed: usize) -> Result<(), EdgeError> {
-        let e = self.verifier.ack(SessionId(self.session), committed);
-        self.absorb(e)
+        let session = SessionId(self.session);
+        self.receive(Inbound::Ack { session, committed });
+        Ok(())
     }
 
     fn recv(&mut self, wait: bool) -> Result<Option<tandem_spec::Incoming>, EdgeError> {
-        while wait && self.inbox.is_empty() && self.verifier.has_work() {
-            let e = self.verifier.step(0);
-            self.absorb(e)?;
-            self.deliver()?;
+        while wait && self.inbox.is_empty() {
+            // With no work, a turn sends only the answers to what was received (a refusal).
+            let idle = !self.verifier.has_work();
+            if !self.turn()? && idle {
+                break;
+            }
+            self.deliver();
         }
         Ok(self.inbox.pop_front())
     }
@@ -424,20 +437,33 @@ fn committed_counts(
             params,
             q_top_k: Q_TOP_K,
         };
-        verifier
-            .open(
-                SessionId(run),
-                TenantId(0),
-                &PROMPT,
-                params,
+        let new = NewSession {
+            tenant: TenantId(0),
+            prompt: PROMPT.to_vec(),
+            params,
+            max_tokens: case.max_new_tokens,
+            eog: vec![],
+            mode: Mode::Speculate {
                 rule,
-                case.max_new_tokens,
-                vec![],
-            )
-            .unwrap();
+                want: tandem_spec::Shape::UNLIMITED,
+            },
+        };
+        let session = SessionId(run);
+        verifier.receive(
+            0,
+            Inbound::Open {
+                session,
+                new,
+                handle: (),
+            },
+        );
         // One forward prefills the prompt (and plans the first decode).
-        let first = match verifier.step(0).as_slice() {
-            [Event::Opened { first, .. }] => *first,
+        let t = verifier.turn(0);
+        let (first, grant) = match t.out.as_slice() {
+            [Outgoing {
+                msg: ToEdge::Opened { first, grant },
+                ..
+            }] => (*first, *grant),
             other => panic!("expected the session to open: {other:?}"),
         };
         let mut link = Local {
@@ -451,10 +477,10 @@ fn committed_counts(
             draft,
             Vec::new(),
             &PROMPT,
-            // (No grant: as the in-process verifier grants whatever is asked.)
+            // (The core bounds no side nodes: the gRPC service does.)
             Some(tandem_spec::Opened {
                 first,
-                grant: tandem_spec::Shape::UNLIMITED,
+                grant,
                 side_nodes: usize::MAX,
             }),
             &cfg,
@@ -463,7 +489,7 @@ fn committed_counts(
             |_| {},
         )
         .unwrap();
-        verifier.close(SessionId(run));
+        verifier.receive(0, Inbound::Close { session });
         let out = report.output_ids;
         assert_eq!(out.len(), case.max_new_tokens, "run {run}: {out:?}");
         if rule == VerifyRule::SampleMatch {
@@ -492,7 +518,7 @@ fn check(rule: VerifyRule) {
     let started = Instant::now();
     let (tm, dm) = (target_model(), draft_model());
     let (target, draft_tree) = (Tree::new(&tm), Tree::new(&dm));
-    let mut verifier = VerifierCore::new(engine(&tm), VerifierConfig::default()).unwrap();
+    let mut verifier = VerifierCore::new(engine(&tm), VerifierConfig::default(), 0).unwrap();
     let mut draft = engine(&dm);
     for (ix, case) in cases().iter().enumerate() {
         let want = target.marginals(&case.params);

@@ -2,25 +2,32 @@
 //! itself, verifying none of its blocks — and later hands it back; the real edge runtime follows
 //! along (drafting paused and resumed, blocks in flight matched against the decoded tokens) and
 //! commits exactly the target's greedy output. Tiny random model, real verifier and scheduler,
-//! real pipeline.
+//! real load control, real pipeline: the link drives the verifier through its one API and makes
+//! it busy or idle by the clock it turns it on.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tandem_bench::synthetic::SyntheticDrafter;
+use tandem_edge::synthetic::SyntheticDrafter;
 use tandem_edge::{EdgeError, Link, SpecConfig};
 use tandem_engine::testing::{tiny_file, TinySpec};
 use tandem_engine::{Engine, EngineConfig, LlamaModel, WeightMode};
 use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::SamplingParams;
-use tandem_spec::Incoming;
-use tandem_spec::{Block, VerifyRule};
-use tandem_verifier::{Event, VerifierConfig, VerifierCore};
+use tandem_spec::{Block, Incoming, Shape, VerifyRule};
+use tandem_verifier::control::IDLE_RELAX_MS;
+use tandem_verifier::{
+    Inbound, LoadConfig, Mode, NewSession, ToEdge, VerifierConfig, VerifierCore,
+};
 
-const SESSION: u64 = 7;
+const SESSION: SessionId = SessionId(7);
 
-fn verifier() -> VerifierCore {
+/// A verifier whose grants, within γ 3 and `max_depth`, follow its load, saturated from one token
+/// a forward: while forwards follow each other it shrinks the grant a level every other forward,
+/// down to γ 0, where it takes its speculation sessions over; idle for [`IDLE_RELAX_MS`], it
+/// relaxes the grant a level and hands them back.
+fn verifier(max_depth: u32) -> VerifierCore {
     let mut f = tiny_file(&TinySpec::default()).unwrap();
     let m = Arc::new(LlamaModel::load(&mut f, WeightMode::F32).unwrap());
     let e = Engine::new(
@@ -33,81 +40,130 @@ fn verifier() -> VerifierCore {
         },
     )
     .unwrap();
-    VerifierCore::new(e, VerifierConfig::default()).unwrap()
+    let cfg = VerifierConfig {
+        load: LoadConfig {
+            saturation_tokens: 1.0,
+            ..LoadConfig::new(3, max_depth)
+        },
+        ..VerifierConfig::default()
+    };
+    VerifierCore::new(e, cfg, 0).unwrap()
 }
 
-/// The verifier behind a link that takes the session over after `take_after` verdicts and hands
-/// it back after `give_after` decoded tokens.
+fn new_session(prompt: &[u32], max_tokens: usize, mode: Mode) -> NewSession {
+    NewSession {
+        tenant: TenantId(0),
+        prompt: prompt.to_vec(),
+        params: SamplingParams::default(),
+        max_tokens,
+        eog: vec![],
+        mode,
+    }
+}
+
+/// The verifier behind a link, turned on a clock the link keeps: with a gap of [`IDLE_RELAX_MS`]
+/// before each turn (the verifier idle between them, its grant relaxed) until `take_after`
+/// verdicts have come, then turn after turn (the verifier busy, until it takes the session over),
+/// and with the gaps again once `give_after` tokens were decoded since (so it hands the session
+/// back).
 struct Local {
     v: VerifierCore,
+    now_us: u64,
     inbox: VecDeque<Incoming>,
     verdicts: usize,
     decoded: usize,
     take_after: usize,
     give_after: usize,
-    taken: bool,
-    giving: bool,
+    /// Taken over (told γ 0), when it had decoded this many tokens.
+    taken: Option<usize>,
+    /// Told a grant of γ 1 or more after it was taken over.
     handed_back: bool,
-    /// The grant to tell with the next decoded token.
-    tell: Option<tandem_spec::Shape>,
-    decoded_at_takeover: usize,
 }
 
 impl Local {
-    fn absorb(&mut self, events: Vec<Event>) -> Result<(), EdgeError> {
-        for e in events {
-            match e {
-                Event::Verdict { verdict, .. } => {
+    fn new(v: VerifierCore, take_after: usize, give_after: usize) -> Self {
+        Self {
+            v,
+            now_us: 0,
+            inbox: VecDeque::new(),
+            verdicts: 0,
+            decoded: 0,
+            take_after,
+            give_after,
+            taken: None,
+            handed_back: false,
+        }
+    }
+
+    /// Whether the verifier is kept busy now.
+    fn busy(&self) -> bool {
+        self.verdicts >= self.take_after
+            && self
+                .taken
+                .is_none_or(|at| self.decoded < at + self.give_after)
+    }
+
+    /// One turn, its messages into the inbox (a refusal is the edge's error). Whether it ran a
+    /// forward or sent anything.
+    fn turn(&mut self) -> Result<bool, EdgeError> {
+        if !self.busy() {
+            self.now_us += IDLE_RELAX_MS * 1000;
+        }
+        let t = self.v.turn(self.now_us);
+        self.now_us = t.ends_us;
+        let did = t.forward.is_some() || !t.out.is_empty();
+        for o in t.out {
+            let before = self.decoded;
+            let grant = match o.msg {
+                ToEdge::Verdict(verdict) => {
                     self.verdicts += 1;
                     self.inbox.push_back(Incoming::Verdict(verdict));
+                    verdict.grant
                 }
-                Event::Decoded { mut decoded, .. } => {
+                ToEdge::Decoded(decoded) => {
                     self.decoded += 1;
-                    // The grant the core's turn would attach: γ 0 once taken over, the grant
-                    // again once handed back.
-                    decoded.grant = self.tell.take();
-                    if decoded.grant.is_some_and(|g| g.draft_len > 0) {
-                        self.handed_back = true;
-                    }
                     self.inbox.push_back(Incoming::Decoded(decoded));
+                    decoded.grant
                 }
-                Event::Error { error, .. } => return Err(EdgeError::Refused(error.to_string())),
+                ToEdge::Error { error, .. } => return Err(EdgeError::Refused(error.to_string())),
+                other => panic!("unexpected {other:?}"),
+            };
+            match grant {
+                Some(g) if g.draft_len == 0 => self.taken = self.taken.or(Some(before)),
+                Some(_) if self.taken.is_some() => self.handed_back = true,
                 _ => {}
             }
         }
-        if !self.taken && self.verdicts >= self.take_after {
-            self.taken = true;
-            self.tell = Some(tandem_spec::Shape::new(0, 1));
-            self.decoded_at_takeover = self.decoded;
-            let e = self.v.set_takeover(SessionId(SESSION), true);
-            self.absorb(e)?;
-        }
-        if self.taken && !self.giving && self.decoded >= self.decoded_at_takeover + self.give_after
-        {
-            self.giving = true;
-            self.tell = Some(tandem_spec::Shape::new(3, 2));
-            let e = self.v.set_takeover(SessionId(SESSION), false);
-            self.absorb(e)?;
-        }
-        Ok(())
+        Ok(did)
     }
 }
 
 impl Link for Local {
     fn send(&mut self, block: Block) -> Result<(), EdgeError> {
-        let e = self.v.draft(SessionId(SESSION), block);
-        self.absorb(e)
+        let msg = Inbound::Draft {
+            session: SESSION,
+            block,
+        };
+        self.v.receive(self.now_us, msg);
+        Ok(())
     }
 
     fn ack(&mut self, committed: usize) -> Result<(), EdgeError> {
-        let e = self.v.ack(SessionId(SESSION), committed);
-        self.absorb(e)
+        let msg = Inbound::Ack {
+            session: SESSION,
+            committed,
+        };
+        self.v.receive(self.now_us, msg);
+        Ok(())
     }
 
     fn recv(&mut self, wait: bool) -> Result<Option<Incoming>, EdgeError> {
-        while wait && self.inbox.is_empty() && self.v.has_work() {
-            let e = self.v.step(0);
-            self.absorb(e)?;
+        while wait && self.inbox.is_empty() {
+            // With no work, a turn sends only the answers to what was received (a refusal).
+            let idle = !self.v.has_work();
+            if !self.turn()? && idle {
+                break;
+            }
         }
         Ok(self.inbox.pop_front())
     }
@@ -117,60 +173,48 @@ impl Link for Local {
 fn a_session_taken_over_and_handed_back_is_the_targets() {
     let prompt: Vec<u32> = (0..8).map(|i| (i * 11 + 5) % 90).collect();
     let n = 40;
-    // The target's own greedy answer: a cloud-only generation on the same verifier.
-    let mut v = verifier();
-    v.open_generation(
-        SessionId(1),
-        TenantId(0),
-        &prompt,
-        SamplingParams::default(),
-        n,
-        vec![],
-    )
-    .unwrap();
-    let want: Vec<u32> = v
-        .run_until_idle(0)
-        .into_iter()
-        .filter_map(|e| match e {
-            Event::Token { token, .. } => Some(token),
-            _ => None,
-        })
-        .collect();
+    // The target's own greedy answer: a cloud-only generation on a verifier of its own.
+    let mut v = verifier(1);
+    let open = Inbound::Open {
+        session: SessionId(1),
+        new: new_session(&prompt, n, Mode::Generate),
+        handle: (),
+    };
+    v.receive(0, open);
+    let mut want: Vec<u32> = Vec::new();
+    while v.has_work() {
+        for o in v.turn(0).out {
+            if let ToEdge::Token { token, .. } = o.msg {
+                want.push(token);
+            }
+        }
+    }
     assert_eq!(want.len(), n);
     for (take_after, give_after, alpha, depth) in [(2, 5, 0.7, 2), (1, 1, 0.5, 3), (4, 12, 0.9, 1)]
     {
-        v.open(
-            SessionId(SESSION),
-            TenantId(0),
-            &prompt,
-            SamplingParams::default(),
-            VerifyRule::Greedy,
-            n,
-            vec![],
-        )
-        .unwrap();
-        // One forward prefills the prompt (and plans the first decode).
-        let first = v
-            .step(0)
-            .into_iter()
-            .find_map(|e| match e {
-                Event::Opened { first, .. } => Some(first),
-                _ => None,
-            })
-            .unwrap();
-        let mut link = Local {
-            v,
-            inbox: VecDeque::new(),
-            verdicts: 0,
-            decoded: 0,
-            take_after,
-            give_after,
-            taken: false,
-            giving: false,
-            handed_back: false,
-            tell: None,
-            decoded_at_takeover: 0,
+        // Grants within the edge's own shape (γ 3 and its depth).
+        let mut link = Local::new(verifier(depth as u32), take_after, give_after);
+        let mode = Mode::Speculate {
+            rule: VerifyRule::Greedy,
+            want: Shape::UNLIMITED,
         };
+        let open = Inbound::Open {
+            session: SESSION,
+            new: new_session(&prompt, n, mode),
+            handle: (),
+        };
+        link.v.receive(0, open);
+        // One forward prefills the prompt (and plans the first decode).
+        let t = link.v.turn(0);
+        let Some(ToEdge::Opened { first, grant }) = t.out.first().map(|o| o.msg.clone()) else {
+            panic!("expected the session to open: {:?}", t.out)
+        };
+        assert_eq!(
+            grant,
+            Shape::new(3, depth as u32),
+            "the idle verifier's grant"
+        );
+        link.now_us = t.ends_us;
         let cfg = SpecConfig {
             session: tandem_spec::edge::SessionConfig {
                 draft_len: 3,
@@ -188,10 +232,10 @@ fn a_session_taken_over_and_handed_back_is_the_targets() {
             &mut d,
             vec![],
             &prompt,
-            // (No grant: as the in-process verifier grants whatever is asked.)
+            // (The core bounds no side nodes: the gRPC service does.)
             Some(tandem_spec::Opened {
                 first,
-                grant: tandem_spec::Shape::UNLIMITED,
+                grant,
                 side_nodes: usize::MAX,
             }),
             &cfg,
@@ -205,7 +249,7 @@ fn a_session_taken_over_and_handed_back_is_the_targets() {
             "take after {take_after}, give after {give_after}"
         );
         assert!(
-            link.taken && link.handed_back,
+            link.taken.is_some() && link.handed_back,
             "it was taken over and handed back"
         );
         assert!(r.measured.cloud_decoded >= give_after, "{:?}", r.measured);
@@ -213,7 +257,5 @@ fn a_session_taken_over_and_handed_back_is_the_targets() {
             "take after {take_after} verdicts, hand back after {give_after}: {} decoded by the verifier, {} verdicts in all, {} stale blocks",
             link.decoded, link.verdicts, r.stats.stale_blocks
         );
-        v = link.v;
-        v.close(SessionId(SESSION));
     }
 }

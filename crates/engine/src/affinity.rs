@@ -12,6 +12,23 @@ pub struct CpuSet {
 }
 
 impl CpuSet {
+    /// One core for the edge and another for the verifier: the first two this process may use
+    /// (no pinning with fewer).
+    pub fn edge_and_cloud() -> (CpuSet, CpuSet) {
+        let allowed: Vec<usize> = CpuSet::allowed()
+            .map(|s| s.cpus().collect())
+            .unwrap_or_default();
+        let one = |c: usize| -> CpuSet {
+            let mut s = CpuSet::default();
+            let _ = s.insert(c);
+            s
+        };
+        match allowed[..] {
+            [e, c, ..] => (one(e), one(c)),
+            _ => (CpuSet::default(), CpuSet::default()),
+        }
+    }
+
     pub const MAX_CPUS: usize = 256;
 
     pub fn is_empty(&self) -> bool {

@@ -30,6 +30,15 @@ const SLOTS: usize = 4;
 const KV_BLOCKS: usize = 48;
 const FINGERPRINT: &str = "fuzz";
 
+/// As `cloud serve` at its largest shape (γ ≤ 8, depth ≤ 4), without token trees, and with
+/// every session kept at the shape it asked for.
+const LOAD: LoadConfig = LoadConfig {
+    max_draft_len: 8,
+    max_depth: 4,
+    max_side_nodes: 0,
+    ..LoadConfig::FIXED
+};
+
 fn model() -> ModelInfo {
     ModelInfo {
         name: "fuzz".into(),
@@ -79,10 +88,11 @@ impl World {
             token_budget: 32,
             max_sessions: 3,
             max_waiting_tokens: 256,
+            load: LOAD,
             ..VerifierConfig::default()
         };
         Self {
-            core: VerifierCore::new(target, cfg).expect("a valid verifier configuration"),
+            core: VerifierCore::new(target, cfg, 0).expect("a valid verifier configuration"),
             slots: Default::default(),
             next_id: 1,
             now_us: 0,
@@ -94,12 +104,8 @@ impl World {
         let Ok(o) = validation::open(open, &model()) else {
             return;
         };
-        // As `cloud serve` at its defaults (γ ≤ 8, depth ≤ 4), without token trees.
-        let load = LoadConfig {
-            max_side_nodes: 0,
-            ..LoadConfig::new(8, 4)
-        };
-        let (want, max_side) = load.clamp(Shape::new(o.want_draft_len, o.want_depth), 0);
+        // What the service checks a session's blocks against, as the core clamps it.
+        let (want, max_side) = LOAD.clamp(Shape::new(o.want_draft_len, o.want_depth), 0);
         let (gamma, depth) = (want.draft_len, want.depth);
         let session = SessionId(self.next_id);
         self.next_id += 1;

@@ -294,6 +294,15 @@ pub fn from_cloud(m: v1::CloudMessage) -> FromCloud {
     }
 }
 
+/// The small tokio runtime every network piece runs on (gRPC clients and servers, the emulated
+/// link): one worker, so it never competes with an engine for a core.
+pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -14,8 +14,6 @@
 //! and reports each session's KV length after it (a rejection truncates) with
 //! [`Scheduler::update`].
 
-pub mod grant;
-pub mod pace;
 pub mod pool;
 
 mod admission;
@@ -26,8 +24,6 @@ use std::collections::{BTreeMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-pub use grant::GrantPolicy;
-pub use pace::{ForwardCost, Pace};
 pub use pool::BlockPool;
 
 /// A session, speculation or cloud-only generation, as the verifier numbers it.

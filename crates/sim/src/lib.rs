@@ -51,10 +51,7 @@ pub const DEFAULT_FORWARD_COST: ForwardCost = ForwardCost {
     ms_per_token: 2.2,
 };
 
-/// What a draft forward costs per extra leaf of the draft tree, as a share of a one-token
-/// forward: `bench engine`'s chunk of 2 tokens on the W4A16 draft, one thread (1.24× on this
-/// project's AMD EPYC machine, 1.20× on the Intel one).
-pub const DEFAULT_LEAF_COST: f64 = 0.25;
+pub use tandem_spec::tree::DEFAULT_LEAF_COST;
 
 /// What one simulation runs. Its flags are `tandem simulate`'s (which sweeps `users` and the
 /// cloud-only baseline, and finds the forward cost).

@@ -25,31 +25,32 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow, SimError> {
             num_blocks: cfg.kv_blocks,
             seed: cfg.seed,
         };
+        // As `cloud serve` sets it up: grants within the configured shape, saturating at twice
+        // the ridge, γ 0 as the last level, takeovers by pace.
+        let load = if cfg.adaptive && cfg.gamma > 0 {
+            LoadConfig {
+                saturation_tokens: 2.0 * cfg.cost.ridge_tokens().max(1.0),
+                forward_cost: Some(cfg.cost),
+                ..LoadConfig::new(cfg.gamma as u32, cfg.depth as u32)
+            }
+        } else {
+            LoadConfig::FIXED
+        };
         let core = VerifierCore::new(
             target,
             VerifierConfig {
                 token_budget: cfg.token_budget,
                 max_sessions: per_replica * 2 + 16,
                 max_waiting_tokens: (per_replica + 16) * cfg.prompt_tokens,
+                load,
                 ..VerifierConfig::default()
             },
+            0,
         )
         .map_err(|e| SimError::Replica {
             replica: r,
             message: e.to_string(),
         })?;
-        // As `cloud serve` sets it up: grants within the configured shape, saturating at twice
-        // the ridge, γ 0 as the last level, takeovers by pace.
-        let core = if cfg.adaptive && cfg.gamma > 0 {
-            let load = LoadConfig {
-                saturation_tokens: 2.0 * cfg.cost.ridge_tokens().max(1.0),
-                forward_cost: Some(cfg.cost),
-                ..LoadConfig::new(cfg.gamma as u32, cfg.depth as u32)
-            };
-            core.with_grants(load.grants(), 0)
-        } else {
-            core
-        };
         replicas.push(Replica {
             core,
             takeovers: 0,

@@ -14,7 +14,7 @@ impl<T: Target, H> VerifierCore<T, H> {
     /// A draft block for `id`: checked and queued. It is planned with the session's next
     /// forward (rebased onto what is committed by then). Returns what can be answered now (a
     /// refusal).
-    pub fn draft(&mut self, id: SessionId, block: Block) -> Vec<Event> {
+    pub(crate) fn draft(&mut self, id: SessionId, block: Block) -> Vec<Event> {
         let refuse = |error: VerifierError| {
             vec![Event::Error {
                 session: id,
@@ -223,7 +223,7 @@ impl<T: Target, H> VerifierCore<T, H> {
 
     /// The edge of `id` has received its first `committed` tokens: a session held back by flow
     /// control goes on. An ack beyond the committed tokens is refused (the session goes on).
-    pub fn ack(&mut self, id: SessionId, committed: usize) -> Vec<Event> {
+    pub(crate) fn ack(&mut self, id: SessionId, committed: usize) -> Vec<Event> {
         let mut events = Vec::new();
         let Some(Work::Spec { vs: Some(vs), .. }) = self.sessions.get_mut(&id).map(|s| &mut s.work)
         else {
@@ -245,7 +245,7 @@ impl<T: Target, H> VerifierCore<T, H> {
     /// since a verified position costs it as much as a decoded one. Its edge is told to draft
     /// nothing (a grant of γ 0) with the next token, and is told its grant again when the session
     /// is handed back (`!on`). The load control has already marked the session.
-    pub fn set_takeover(&mut self, id: SessionId, on: bool) -> Vec<Event> {
+    pub(crate) fn set_takeover(&mut self, id: SessionId, on: bool) -> Vec<Event> {
         let mut events = Vec::new();
         if let Some(s) = self.sessions.get_mut(&id) {
             s.ctl.set_cloud(on);

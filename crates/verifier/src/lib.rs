@@ -33,7 +33,7 @@ use tandem_spec::SpecError;
 
 pub use crate::verifier_core::{ContendedBudget, VerifierConfig, VerifierCore, MAX_QUEUED_BLOCKS};
 pub use control::{LoadConfig, LoadControl, DEFAULT_SATURATION_TOKENS};
-pub use session::{Event, SessionState, VerifierStats};
+pub use session::{SessionState, VerifierStats};
 pub use target::Target;
 pub use turn::{ForwardDone, Inbound, Mode, NewSession, Observation, Outgoing, ToEdge, Turn};
 pub use usage::{Finish, Usage};
@@ -60,6 +60,9 @@ pub enum VerifierError {
     /// The verifier is draining or shut down: open the session on another replica.
     #[error("the verifier is shutting down: open the session on another replica")]
     Draining,
+    /// Its edge sent nothing (a block, an ack) for the idle timeout: the session is closed.
+    #[error("idle: nothing from the edge in {seconds} s; the session is closed")]
+    Idle { seconds: f64 },
 }
 
 impl From<EngineError> for VerifierError {
@@ -70,7 +73,7 @@ impl From<EngineError> for VerifierError {
 
 /// What kind of refusal a [`VerifierError`] is: the transport maps it to its own status codes
 /// (gRPC: `NOT_FOUND`, `ALREADY_EXISTS`, `INVALID_ARGUMENT`, `RESOURCE_EXHAUSTED`, `CANCELLED`,
-/// `UNAVAILABLE`, `INTERNAL`).
+/// `UNAVAILABLE`, `DEADLINE_EXCEEDED`, `INTERNAL`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {
     NotFound,
@@ -82,6 +85,8 @@ pub enum ErrorKind {
     Cancelled,
     /// This verifier is going away; another may serve the request.
     Unavailable,
+    /// Nothing came in time.
+    DeadlineExceeded,
     Internal,
 }
 
@@ -101,6 +106,7 @@ impl VerifierError {
             ) => ErrorKind::InvalidArgument,
             VerifierError::Cancelled(_) => ErrorKind::Cancelled,
             VerifierError::Draining => ErrorKind::Unavailable,
+            VerifierError::Idle { .. } => ErrorKind::DeadlineExceeded,
             VerifierError::Sched(_) | VerifierError::Engine(_) => ErrorKind::Internal,
         }
     }

@@ -1,4 +1,4 @@
-//! The one record the verifier keeps per open session, and what its steps report.
+//! The one record the verifier keeps per open session, and what its iterations report.
 
 use std::collections::VecDeque;
 
@@ -9,9 +9,10 @@ use tandem_spec::{Block, BlockId, CloudSession, Decoded, Feed, Verdict, VerifyRu
 use crate::control::Ctl;
 use crate::VerifierError;
 
-/// Something a step (or a draft) produced for one session.
+/// Something an iteration (or a message from an edge) produced for one session, made into its
+/// edge's message by the turn that sends it.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Event {
+pub(crate) enum Event {
     /// A speculation session's prompt is prefilled; `first` is the target's first token.
     Opened { session: SessionId, first: u32 },
     /// A block's verdict: `drafted` tokens past the committed ones were judged and `accepted` of
@@ -198,6 +199,9 @@ impl DraftRecord {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Meter {
     pub opened_us: u64,
+    /// When its edge last spoke (a block, an ack), or the session opened: its idle timeout
+    /// counts from here ([`crate::LoadConfig::idle_timeout_ms`]).
+    pub heard_us: u64,
     pub last_commit_us: Option<u64>,
     /// Arrival times of blocks not yet answered, by block index, oldest first.
     pub arrivals: VecDeque<(tandem_spec::BlockId, u64)>,
@@ -235,6 +239,11 @@ pub struct SessionState {
 }
 
 impl<H> Session<H> {
+    /// A speculation session whose prompt is prefilled (its edge has had `Opened`).
+    pub fn opened_speculation(&self) -> bool {
+        matches!(&self.work, Work::Spec { vs: Some(_), .. })
+    }
+
     pub fn state(&self) -> SessionState {
         match &self.work {
             Work::Spec {

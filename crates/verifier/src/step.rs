@@ -27,16 +27,6 @@ pub(crate) struct Forward {
 }
 
 impl<T: Target, H> VerifierCore<T, H> {
-    /// Run one iteration: plan, one ragged forward, verdicts and tokens. `now_ms` is the clock the
-    /// rate quotas run on. Returns nothing when there was nothing to plan. Sessions that end with
-    /// it (a finished generation, a fatal error) are closed, as [`VerifierCore::turn`] closes
-    /// them.
-    pub fn step(&mut self, now_ms: u64) -> Vec<Event> {
-        let events = self.iterate(now_ms).events;
-        self.close_ended();
-        events
-    }
-
     /// Close the sessions that ended in the last iteration.
     pub(crate) fn close_ended(&mut self) {
         for id in std::mem::take(&mut self.ended) {
@@ -408,20 +398,5 @@ impl<T: Target, H> VerifierCore<T, H> {
         for id in follow {
             self.proceed(id, events);
         }
-    }
-
-    /// Step until no session has work left (tests and the in-process link); returns every event.
-    pub fn run_until_idle(&mut self, now_ms: u64) -> Vec<Event> {
-        let mut events = Vec::new();
-        while self.has_work() {
-            let forwards = self.stats.target_forwards;
-            let e = self.step(now_ms);
-            let stuck = e.is_empty() && self.stats.target_forwards == forwards;
-            events.extend(e);
-            if stuck {
-                break; // only rate-limited work is left
-            }
-        }
-        events
     }
 }

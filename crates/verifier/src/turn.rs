@@ -165,7 +165,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 let (work, want) = match new.mode {
                     Mode::Speculate { rule, want } => (
                         Self::spec_work(rule, new.prompt.len(), new.max_tokens, new.eog),
-                        Some(want),
+                        Some(self.load.clamp(want, 0).0),
                     ),
                     Mode::Generate => (Self::generation_work(new.max_tokens, new.eog), None),
                 };
@@ -185,6 +185,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
             }
             Inbound::Draft { session, block } => {
                 if let Some(s) = self.sessions.get_mut(&session) {
+                    s.meter.heard_us = s.meter.heard_us.max(now_us);
                     let a = &mut s.meter.arrivals;
                     if a.len() >= 2 * crate::MAX_QUEUED_BLOCKS {
                         a.pop_front();
@@ -195,6 +196,9 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 self.held.extend(e);
             }
             Inbound::Ack { session, committed } => {
+                if let Some(s) = self.sessions.get_mut(&session) {
+                    s.meter.heard_us = s.meter.heard_us.max(now_us);
+                }
                 let e = self.ack(session, committed);
                 self.held.extend(e);
             }
@@ -202,10 +206,10 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
         }
     }
 
-    /// One turn at `now_us`: look at the load (grants, takeovers, handbacks), run one iteration
-    /// if any session has work, and return every message for the edges since the last turn —
-    /// answers to the messages received, the load's, then the forward's — stamped as of the
-    /// turn's end. Sessions that end with their messages (finished, failed) are closed.
+    /// One turn at `now_us`: close the sessions gone idle, look at the load (grants, takeovers,
+    /// handbacks), run one iteration if any session has work, and return every message for the
+    /// edges since the last turn — answers to the messages received, the load's, then the
+    /// forward's — stamped as of the turn's end. Sessions that end with their messages (finished, failed) are closed.
     pub fn turn(&mut self, now_us: u64) -> Turn<H> {
         let now_ms = now_us / 1000;
         self.now_us = self.now_us.max(now_us);
@@ -220,7 +224,9 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
             observations: Vec::new(),
             finished: Vec::new(),
         };
-        // Refusals at admission (the session never opened), cancellations, the shut-down.
+        self.expire_idle(now_us);
+        // Refusals at admission (the session never opened), cancellations, the shut-down, idle
+        // sessions.
         for (session, to, error) in std::mem::take(&mut self.dismissed) {
             let retry_after_ms = match &error {
                 VerifierError::Sched(SchedError::Saturated {
@@ -326,6 +332,8 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
             Event::Opened { first, .. } => {
                 let grant = self.control.on_opened(&mut s.ctl);
                 s.counts.first_token_us = Some(at);
+                // Its edge may have waited for this answer: its idle time starts now.
+                s.meter.heard_us = s.meter.heard_us.max(at);
                 obs.push(first_token(&mut s.meter, at));
                 ToEdge::Opened { first, grant }
             }

@@ -8,18 +8,18 @@
 //! Each session keeps the tokens its target KV holds (`history`), so a preempted session is
 //! recomputed from them and resumes exactly where it was: the same positions, the same logits.
 //!
-//! A session is created in one place ([`VerifierCore::receive`] of an open, or
-//! [`VerifierCore::open`]) and closed in one place ([`VerifierCore::close`]): its record, its
-//! scheduler entry and KV blocks, and its part of the load control go together.
+//! A session is created in one place ([`VerifierCore::receive`] of an open) and closed in one
+//! place ([`VerifierCore::close`]): its record, its scheduler entry and KV blocks, and its part of
+//! the load control go together.
 
 use std::collections::{BTreeMap, VecDeque};
 
 use tandem_engine::Engine;
-use tandem_sched::{GrantPolicy, SchedConfig, Scheduler, SessionId, TenantConfig, TenantId};
+use tandem_sched::{SchedConfig, Scheduler, SessionId, TenantConfig, TenantId};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::VerifyRule;
 
-use crate::control::{Ctl, LoadControl};
+use crate::control::{Ctl, LoadConfig, LoadControl};
 use crate::session::{Meter, Session, SessionState, VerifierStats, Work};
 use crate::{Target, VerifierError};
 
@@ -28,8 +28,8 @@ use crate::{Target, VerifierError};
 pub const MAX_QUEUED_BLOCKS: usize = tandem_spec::pipeline::MAX_BLOCKS_IN_FLIGHT;
 
 /// Settings of the verifier's scheduler, checked by [`VerifierCore::new`] (also `tandem cloud
-/// serve`'s flags).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::Args)]
+/// serve`'s flags), and how it meets its load.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize, clap::Args)]
 #[serde(default, deny_unknown_fields)]
 pub struct VerifierConfig {
     /// Tokens one forward may compute, all sessions together (verify blocks first, then chunks
@@ -55,6 +55,11 @@ pub struct VerifierConfig {
     /// nothing (its draft paused as almost always wrong) gets a token per wait.
     #[arg(long, default_value_t = DEFAULTS.await_drafts_ms)]
     pub await_drafts_ms: u64,
+    /// Grants, takeovers and the idle timeout (`cloud serve` builds it from its own flags and
+    /// the measured forward cost). Default: every session keeps the shape it asks for.
+    #[arg(skip)]
+    #[serde(skip)]
+    pub load: LoadConfig,
 }
 
 /// The smallest contended budget: one session's token and a waiting prompt's chunk.
@@ -69,6 +74,7 @@ const DEFAULTS: VerifierConfig = VerifierConfig {
     max_waiting_tokens: 4096,
     tenant_slowdown_pct: 125,
     await_drafts_ms: 0,
+    load: LoadConfig::FIXED,
 };
 
 impl VerifierConfig {
@@ -76,7 +82,10 @@ impl VerifierConfig {
     /// forward-time target of [`VerifierConfig::tenant_slowdown_pct`] of a one-token forward,
     /// and the largest forward the cost model predicts within it (at least two tokens, a
     /// session's and a waiting prompt's; at most the token budget). None: no such limit (0 percent).
-    pub fn contended_budget(&self, cost: &tandem_sched::ForwardCost) -> Option<ContendedBudget> {
+    pub fn contended_budget(
+        &self,
+        cost: &tandem_spec::capacity::ForwardCost,
+    ) -> Option<ContendedBudget> {
         if self.tenant_slowdown_pct == 0 {
             return None;
         }
@@ -128,15 +137,15 @@ pub struct VerifierCore<T: Target = Engine, H = ()> {
     pub(crate) control: LoadControl,
     /// Answers decided when a message arrived (a stale block, an early verdict, a refusal), sent
     /// with the next turn.
-    pub(crate) held: Vec<crate::Event>,
-    /// Sessions ended outside a step (refused at admission, cancelled by their tenant, shut
-    /// down), told so with the next turn.
+    pub(crate) held: Vec<crate::session::Event>,
+    /// Sessions ended outside an iteration (refused at admission, cancelled by their tenant,
+    /// shut down), told so with the next turn.
     pub(crate) dismissed: Vec<(SessionId, H, VerifierError)>,
     /// Draining: new sessions are refused, open ones go on ([`VerifierCore::drain`]).
     pub(crate) draining: bool,
     /// Sessions that ended (a finished generation, anything that failed for good), closed once
-    /// their last messages are out: by the turn that sends them, or by the next step. Every
-    /// place that ends a session with a fatal error puts it here.
+    /// their last messages are out, by the turn that sends them. Every place that ends a
+    /// session with a fatal error puts it here.
     pub(crate) ended: Vec<SessionId>,
     /// Mean forward time (ms), for the retry hint of a refused session.
     pub(crate) iteration_ms: f64,
@@ -149,27 +158,30 @@ pub struct VerifierCore<T: Target = Engine, H = ()> {
     pub(crate) finished: Vec<crate::Usage>,
     /// [`VerifierConfig::await_drafts_ms`], in µs.
     pub(crate) await_drafts_us: u64,
+    /// What it grants, and its idle timeout ([`VerifierConfig::load`]).
+    pub(crate) load: LoadConfig,
     pub stats: VerifierStats,
 }
 
 impl<T: Target, H> VerifierCore<T, H> {
     /// A verifier over `engine`, whose KV cache becomes the scheduler's block pool. One tenant, 0,
-    /// exists with weight 1 and no quota. Sessions keep the shape they ask for (see
-    /// [`VerifierCore::with_grants`]).
-    pub fn new(engine: T, cfg: VerifierConfig) -> Result<Self, VerifierError> {
+    /// exists with weight 1 and no quota. Grants follow [`VerifierConfig::load`] from `now_us`
+    /// on the driver's clock, a token tree's side nodes kept within the token budget.
+    pub fn new(engine: T, cfg: VerifierConfig, now_us: u64) -> Result<Self, VerifierError> {
         let (block_size, num_blocks) = engine.kv_geometry();
         let sched = Scheduler::new(SchedConfig {
             max_sessions: cfg.max_sessions,
             max_waiting_tokens: cfg.max_waiting_tokens,
             ..SchedConfig::new(cfg.token_budget, block_size, num_blocks)
         })?;
-        let fixed = GrantPolicy::new(u32::MAX, u32::MAX, f64::INFINITY);
+        let load = cfg.load.within_budget(cfg.token_budget);
         let mut v = Self {
             engine,
             sched,
             sessions: BTreeMap::new(),
 
-            control: LoadControl::new(fixed, 0),
+            control: LoadControl::new(load.grants(), now_us / 1000),
+            load,
             held: Vec::new(),
             dismissed: Vec::new(),
             draining: false,
@@ -232,13 +244,6 @@ impl<T: Target, H> VerifierCore<T, H> {
         }
     }
 
-    /// Grant γ and depth by `grants` as the load changes (and take sessions over), starting at
-    /// `now_ms` on the driver's clock.
-    pub fn with_grants(mut self, grants: GrantPolicy, now_ms: u64) -> Self {
-        self.control = LoadControl::new(grants, now_ms);
-        self
-    }
-
     pub fn engine(&self) -> &T {
         &self.engine
     }
@@ -288,24 +293,61 @@ impl<T: Target, H> VerifierCore<T, H> {
         self.sched.has_work()
     }
 
-    /// When a session that waits for its edge's block runs out of patience
-    /// ([`VerifierConfig::await_drafts_ms`]) and is decoded, on the driver's clock (µs): a
-    /// driver with no work turns again then at the latest. None: no session waits.
+    /// When the core must turn even with nothing to do, on the driver's clock (µs): a session
+    /// that waits for its edge's block runs out of patience
+    /// ([`VerifierConfig::await_drafts_ms`]) and is decoded, or one whose edge went quiet
+    /// reaches its idle timeout ([`LoadConfig::idle_timeout_ms`]). None: neither can happen.
     pub fn wake_at_us(&self) -> Option<u64> {
-        if self.await_drafts_us == 0 {
+        let idle_us = self.idle_timeout_us();
+        if self.await_drafts_us == 0 && idle_us.is_none() {
             return None;
         }
         self.sessions
             .values()
-            .filter_map(|s| match &s.work {
-                Work::Spec {
-                    waiting_since: Some(t),
-                    planned: None,
-                    ..
-                } => Some(t + self.await_drafts_us),
-                _ => None,
+            .filter_map(|s| {
+                let waited = match &s.work {
+                    Work::Spec {
+                        waiting_since: Some(t),
+                        planned: None,
+                        ..
+                    } if self.await_drafts_us > 0 => Some(t + self.await_drafts_us),
+                    _ => None,
+                };
+                let idle = idle_us
+                    .filter(|_| s.opened_speculation())
+                    .map(|i| s.meter.heard_us + i);
+                waited.into_iter().chain(idle).min()
             })
             .min()
+    }
+
+    /// [`LoadConfig::idle_timeout_ms`] in µs.
+    pub(crate) fn idle_timeout_us(&self) -> Option<u64> {
+        self.load.idle_timeout_ms.map(|ms| ms.saturating_mul(1000))
+    }
+
+    /// Close the speculation sessions whose edge said nothing for the idle timeout by `now_us`
+    /// ([`LoadConfig::idle_timeout_ms`]): each edge is told with the turn
+    /// ([`VerifierError::Idle`]), and its usage ends as abandoned.
+    pub(crate) fn expire_idle(&mut self, now_us: u64) {
+        let Some(idle_us) = self.idle_timeout_us() else {
+            return;
+        };
+        let quiet: Vec<SessionId> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.opened_speculation() && s.meter.heard_us + idle_us <= now_us)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in quiet {
+            let s = self
+                .retire(id, Some(crate::Finish::Abort))
+                .expect("invariant: open");
+            let error = VerifierError::Idle {
+                seconds: idle_us as f64 / 1e6,
+            };
+            self.dismissed.push((id, s.handle, error));
+        }
     }
 
     /// Stop admitting: every new session is refused with [`VerifierError::Draining`] from now
@@ -362,6 +404,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                 ctl: Ctl::new(want, tenant),
                 meter: Meter {
                     opened_us: now_us,
+                    heard_us: now_us,
                     ..Meter::default()
                 },
                 counts: Default::default(),
@@ -458,46 +501,10 @@ impl<T: Target, H> VerifierCore<T, H> {
     }
 }
 
-impl<T: Target, H: Default> VerifierCore<T, H> {
-    /// Admit a speculation session of at most `max_tokens` new tokens (ending at `eog`, which
-    /// matters when the verifier decodes it itself) that may use any shape; its prompt is
-    /// prefilled by later steps, which report [`Event::Opened`](crate::Event::Opened).
-    #[allow(clippy::too_many_arguments)]
-    pub fn open(
-        &mut self,
-        id: SessionId,
-        tenant: TenantId,
-        prompt: &[u32],
-        params: SamplingParams,
-        rule: VerifyRule,
-        max_tokens: usize,
-        eog: Vec<u32>,
-    ) -> Result<(), VerifierError> {
-        let work = Self::spec_work(rule, prompt.len(), max_tokens, eog);
-        let want = Some(tandem_spec::Shape::UNLIMITED);
-        self.admit(id, tenant, prompt, params, work, want, 0, H::default())
-    }
-
-    /// Admit a cloud-only generation of at most `max_tokens` tokens (stopping at `eog`); later
-    /// steps report each token as [`Event::Token`](crate::Event::Token).
-    pub fn open_generation(
-        &mut self,
-        id: SessionId,
-        tenant: TenantId,
-        prompt: &[u32],
-        params: SamplingParams,
-        max_tokens: usize,
-        eog: Vec<u32>,
-    ) -> Result<(), VerifierError> {
-        let work = Self::generation_work(max_tokens, eog);
-        self.admit(id, tenant, prompt, params, work, None, 0, H::default())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tandem_sched::ForwardCost;
+    use tandem_spec::capacity::ForwardCost;
 
     #[test]
     fn the_contended_budget_is_the_largest_forward_within_the_slowdown() {

@@ -4,29 +4,27 @@
 
 mod common;
 
-use common::{core, oracle};
-use tandem_sched::{SessionId, TenantId};
+use common::{driver, oracle, Sent};
+use tandem_sched::SessionId;
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{Block, Verdict, VerifyRule};
-use tandem_verifier::Event;
+use tandem_verifier::ToEdge;
 
 const PROMPT: [u32; 3] = [3, 4, 5];
 
-fn opened(events: &[Event]) -> u32 {
-    events
-        .iter()
-        .find_map(|e| match e {
-            Event::Opened { first, .. } => Some(*first),
+fn opened(sent: &[Sent]) -> u32 {
+    sent.iter()
+        .find_map(|(_, m)| match m {
+            ToEdge::Opened { first, .. } => Some(*first),
             _ => None,
         })
         .expect("opened")
 }
 
-fn verdicts(events: &[Event]) -> Vec<Verdict> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Verdict { verdict, .. } => Some(*verdict),
+fn verdicts(sent: &[Sent]) -> Vec<Verdict> {
+    sent.iter()
+        .filter_map(|(_, m)| match m {
+            ToEdge::Verdict(v) => Some(*v),
             _ => None,
         })
         .collect()
@@ -35,18 +33,15 @@ fn verdicts(events: &[Event]) -> Vec<Verdict> {
 #[test]
 fn a_failed_verify_puts_the_session_back_and_the_block_verifies_afterwards() {
     let want = oracle(&PROMPT, 6);
-    let (mut v, fail) = core();
-    v.open(
+    let (mut d, fail) = driver();
+    d.open(
         SessionId(1),
-        TenantId(0),
         &PROMPT,
         SamplingParams::default(),
         VerifyRule::Greedy,
         20,
-        vec![],
-    )
-    .unwrap();
-    assert_eq!(opened(&v.step(0)), want[0]);
+    );
+    assert_eq!(opened(&d.turn()), want[0]);
     // A block of the target's next three tokens, after the first: it takes the place of the
     // decode step planned with the Opened.
     let block = Block {
@@ -57,16 +52,18 @@ fn a_failed_verify_puts_the_session_back_and_the_block_verifies_afterwards() {
         q: vec![],
         side: vec![],
     };
-    assert!(v.draft(SessionId(1), block).is_empty());
-    let before = v.session(SessionId(1)).unwrap();
+    d.draft(SessionId(1), block);
+    let before = d.core.session(SessionId(1)).unwrap();
     assert!(before.verifying, "the block is planned");
     fail.set(true);
-    let events = v.step(0);
+    // The turn sends nothing: the block is not refused, and a failed forward is not the edge's
+    // error.
+    let sent = d.turn();
     assert!(
-        events.is_empty(),
-        "a failed forward is not the edge's error: {events:?}"
+        sent.is_empty(),
+        "a failed forward is not the edge's error: {sent:?}"
     );
-    let after = v.session(SessionId(1)).unwrap();
+    let after = d.core.session(SessionId(1)).unwrap();
     assert_eq!(
         (after.committed_len, after.epoch, after.verified_positions),
         (
@@ -78,17 +75,17 @@ fn a_failed_verify_puts_the_session_back_and_the_block_verifies_afterwards() {
     );
     assert!(after.verifying, "the block is planned again");
     assert_eq!(
-        v.stats.target_forwards, 1,
+        d.core.stats.target_forwards, 1,
         "the failed forward does not count"
     );
     // On a target that works, the block verifies as if nothing had happened: accepted whole,
     // with the target's bonus.
     fail.set(false);
-    let vs = verdicts(&v.step(0));
+    let vs = verdicts(&d.turn());
     assert_eq!(vs.len(), 1);
     assert_eq!((vs[0].accepted, vs[0].token), (3, want[4]));
     assert_eq!(
-        v.session(SessionId(1)).unwrap().committed_len,
+        d.core.session(SessionId(1)).unwrap().committed_len,
         PROMPT.len() + 5,
         "the first token, three verified and the bonus"
     );
@@ -97,36 +94,33 @@ fn a_failed_verify_puts_the_session_back_and_the_block_verifies_afterwards() {
 #[test]
 fn a_failed_decode_step_is_decoded_again() {
     let want = oracle(&PROMPT, 8);
-    let (mut v, fail) = core();
-    v.open(
+    let (mut d, fail) = driver();
+    d.open(
         SessionId(1),
-        TenantId(0),
         &PROMPT,
         SamplingParams::default(),
         VerifyRule::Greedy,
         8,
-        vec![],
-    )
-    .unwrap();
+    );
+    // The edge drafts nothing: every forward after the prefill is a decode step.
     let mut decoded = Vec::new();
-    let mut events = v.step(0);
-    events.extend(v.set_takeover(SessionId(1), true));
+    let mut sent = d.turn();
     let mut failures = 0;
     for i in 0..40 {
-        for e in events.drain(..) {
-            match e {
-                Event::Decoded { decoded: d, .. } => decoded.push((d.pos, d.token)),
-                Event::Error { .. } => panic!("a failed decode step is not the edge's error"),
+        for (_, m) in sent.drain(..) {
+            match m {
+                ToEdge::Decoded(dec) => decoded.push((dec.pos, dec.token)),
+                ToEdge::Error { .. } => panic!("a failed decode step is not the edge's error"),
                 _ => {}
             }
         }
-        if !v.has_work() {
+        if !d.core.has_work() {
             break;
         }
         // Every third forward fails.
         fail.set(i % 3 == 1);
         failures += usize::from(fail.get());
-        events = v.step(0);
+        sent = d.turn();
     }
     assert!(failures >= 2);
     let positions: Vec<usize> = decoded.iter().map(|d| d.0).collect();
@@ -142,35 +136,23 @@ fn a_failed_decode_step_is_decoded_again() {
 
 #[test]
 fn a_failed_generation_ends_with_the_error_and_frees_its_kv() {
-    let (mut v, fail) = core();
-    v.open_generation(
-        SessionId(2),
-        TenantId(0),
-        &PROMPT,
-        SamplingParams::default(),
-        10,
-        vec![],
-    )
-    .unwrap();
+    let (mut d, fail) = driver();
+    d.open_generation(SessionId(2), &PROMPT, SamplingParams::default(), 10);
     assert!(matches!(
-        v.step(0).as_slice(),
-        [Event::Token { done: false, .. }]
+        d.turn().as_slice(),
+        [(_, ToEdge::Token { done: false, .. })]
     ));
     fail.set(true);
-    let events = v.step(0);
+    let sent = d.turn();
     assert!(
         matches!(
-            events.as_slice(),
-            [Event::Error {
-                session: SessionId(2),
-                fatal: true,
-                ..
-            }]
+            sent.as_slice(),
+            [(SessionId(2), ToEdge::Error { fatal: true, .. })]
         ),
-        "{events:?}"
+        "{sent:?}"
     );
-    assert!(v.session(SessionId(2)).is_none(), "closed");
-    let pool = v.scheduler().pool();
+    assert!(d.core.session(SessionId(2)).is_none(), "closed");
+    let pool = d.core.scheduler().pool();
     assert_eq!(pool.num_free(), pool.num_blocks(), "its KV is freed");
-    assert!(!v.has_work());
+    assert!(!d.core.has_work());
 }

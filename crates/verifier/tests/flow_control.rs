@@ -4,21 +4,20 @@
 
 mod common;
 
-use common::{core, next};
-use tandem_sched::{SessionId, TenantId};
+use common::{driver, next, Sent};
+use tandem_sched::SessionId;
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{VerifyRule, FLOW_WINDOW};
-use tandem_verifier::Event;
+use tandem_verifier::ToEdge;
 
 const PROMPT: [u32; 3] = [3, 4, 5];
 const S: SessionId = SessionId(1);
 
-/// Decoded tokens among `events`, as (position, token).
-fn decoded(events: &[Event]) -> Vec<(usize, u32)> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Decoded { decoded, .. } => Some((decoded.pos, decoded.token)),
+/// Decoded tokens among `sent`, as (position, token).
+fn decoded(sent: &[Sent]) -> Vec<(usize, u32)> {
+    sent.iter()
+        .filter_map(|(_, m)| match m {
+            ToEdge::Decoded(d) => Some((d.pos, d.token)),
             _ => None,
         })
         .collect()
@@ -26,49 +25,46 @@ fn decoded(events: &[Event]) -> Vec<(usize, u32)> {
 
 #[test]
 fn an_edge_that_does_not_acknowledge_is_decoded_one_window_ahead_and_no_further() {
-    let (mut v, _) = core();
-    v.open(
+    let (mut d, _) = driver();
+    d.open(
         S,
-        TenantId(0),
         &PROMPT,
         SamplingParams::default(),
         VerifyRule::Greedy,
         500,
-        vec![],
-    )
-    .unwrap();
+    );
     // Opened (the first token, acknowledged by the Open itself), then one window of decodes.
-    let first = v.run_until_idle(0);
-    let d = decoded(&first);
-    assert_eq!(d.len(), FLOW_WINDOW, "{d:?}");
-    assert_eq!(d[0].0, PROMPT.len() + 1);
-    assert!(!v.has_work(), "the session waits for its edge");
+    let first = d.run_until_idle();
+    let dec = decoded(&first);
+    assert_eq!(dec.len(), FLOW_WINDOW, "{dec:?}");
+    assert_eq!(dec[0].0, PROMPT.len() + 1);
+    assert!(!d.core.has_work(), "the session waits for its edge");
     let committed = PROMPT.len() + 1 + FLOW_WINDOW;
-    assert_eq!(v.session(S).unwrap().committed_len, committed);
+    assert_eq!(d.core.session(S).unwrap().committed_len, committed);
 
     // An ack of 20 tokens opens the window to 20 + FLOW_WINDOW.
-    let mut events = v.ack(S, 20);
-    events.extend(v.run_until_idle(0));
-    let more = decoded(&events);
+    d.ack(S, 20);
+    let more = decoded(&d.run_until_idle());
     assert_eq!(more.len(), 20 + FLOW_WINDOW - committed, "{more:?}");
     assert_eq!(more[0].0, committed, "decoding goes on where it stopped");
 
     // Acks never go back: an older one changes nothing.
-    let events = v.ack(S, 10);
-    assert!(decoded(&events).is_empty() && !v.has_work());
+    d.ack(S, 10);
+    let sent = d.turn();
+    assert!(decoded(&sent).is_empty() && !d.core.has_work());
 
     // An ack of tokens never committed is refused by name; the session goes on.
-    let events = v.ack(S, 10_000);
-    let refused = events.iter().find_map(|e| match e {
-        Event::Error { error, fatal, .. } => Some((error.to_string(), *fatal)),
+    d.ack(S, 10_000);
+    let sent = d.turn();
+    let refused = sent.iter().find_map(|(_, m)| match m {
+        ToEdge::Error { error, fatal, .. } => Some((error.to_string(), *fatal)),
         _ => None,
     });
     let (msg, fatal) = refused.expect("the bad ack is answered");
     assert!(msg.contains("ack.committed") && !fatal, "{msg}");
-    let now = v.session(S).unwrap().committed_len;
-    let mut events = v.ack(S, now);
-    events.extend(v.run_until_idle(0));
-    assert_eq!(decoded(&events).len(), FLOW_WINDOW);
+    let now = d.core.session(S).unwrap().committed_len;
+    d.ack(S, now);
+    assert_eq!(decoded(&d.run_until_idle()).len(), FLOW_WINDOW);
 
     // Every decoded token is the target's.
     let all: Vec<(usize, u32)> = decoded(&first).into_iter().chain(more).collect();

@@ -5,12 +5,14 @@
 
 mod common;
 
-use common::{core, next, oracle};
-use tandem_sched::{GrantPolicy, SessionId, TenantId};
+use common::{core_with, next, oracle};
+use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::tree::SideNode;
 use tandem_spec::{Block, BlockId, Shape, Verdict, VerifyRule};
-use tandem_verifier::{Inbound, Mode, NewSession, ToEdge, VerifierCore};
+use tandem_verifier::{
+    Inbound, LoadConfig, Mode, NewSession, ToEdge, VerifierConfig, VerifierCore,
+};
 
 const PROMPT: [u32; 3] = [3, 4, 5];
 const S: SessionId = SessionId(1);
@@ -18,8 +20,15 @@ const S: SessionId = SessionId(1);
 /// Open a greedy session whose grants are γ 2 at most (it asks for 8): the verifier and the
 /// target's first tokens from the prompt on, its first one at `want[0]`.
 fn open() -> (VerifierCore<common::OneHot, ()>, Vec<u32>) {
-    let (v, _) = core();
-    let mut v = v.with_grants(GrantPolicy::new(2, 4, f64::INFINITY), 0);
+    let cfg = VerifierConfig {
+        load: LoadConfig {
+            max_draft_len: 2,
+            max_depth: 4,
+            ..LoadConfig::FIXED
+        },
+        ..VerifierConfig::default()
+    };
+    let (mut v, _) = core_with(cfg);
     v.receive(
         0,
         Inbound::Open {

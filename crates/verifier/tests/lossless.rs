@@ -21,12 +21,13 @@ use std::rc::Rc;
 
 use common::{next, VOCAB};
 use proptest::prelude::*;
-use tandem_sched::{GrantPolicy, SessionId, TenantId};
+use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::{uniform, SamplingParams};
 use tandem_spec::{
     Block, BlockId, EdgeSession, Grown, Hedge, Incoming, Next, Output, SessionConfig, Shape,
     TreeConfig, VerifyRule,
 };
+use tandem_verifier::LoadConfig;
 use tandem_verifier::{Inbound, Mode, NewSession, ToEdge, VerifierConfig, VerifierCore};
 
 const PROMPT: [u32; 3] = [3, 4, 5];
@@ -330,10 +331,14 @@ fn run(c: Case, schedule: &[Step]) -> Result<Seen, TestCaseError> {
     let target = common::OneHot {
         fail: Rc::new(Cell::new(false)),
     };
-    let grants = GrantPolicy::new(4, 3, 4.0).with_cloud_decode();
-    let v = VerifierCore::new(target, VerifierConfig::default())
-        .unwrap()
-        .with_grants(grants, 0);
+    let cfg = VerifierConfig {
+        load: LoadConfig {
+            saturation_tokens: 4.0,
+            ..LoadConfig::new(4, 3)
+        },
+        ..VerifierConfig::default()
+    };
+    let v = VerifierCore::new(target, cfg, 0).unwrap();
     let mut w = World {
         v,
         now_us: 0,

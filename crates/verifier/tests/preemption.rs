@@ -2,15 +2,18 @@
 //! are recomputed from their committed tokens and produce exactly what they produce alone — for
 //! cloud-only generations and for speculation sessions alike.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use common::Driver;
 use tandem_engine::testing::{tiny_file, TinySpec};
 use tandem_engine::{Engine, EngineConfig, LlamaModel, WeightMode};
-use tandem_sched::{SessionId, TenantId};
+use tandem_sched::SessionId;
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::{Next, Output, Pipeline, PipelineConfig, VerifyRule};
-use tandem_verifier::{Event, VerifierConfig, VerifierCore};
+use tandem_verifier::{ToEdge, VerifierConfig, VerifierCore};
 
 const BLOCK: usize = 4;
 
@@ -20,7 +23,7 @@ fn model() -> Arc<LlamaModel> {
 }
 
 /// A verifier whose KV pool holds `blocks` blocks of 4 tokens.
-fn verifier(m: &Arc<LlamaModel>, blocks: usize, token_budget: usize) -> VerifierCore {
+fn verifier(m: &Arc<LlamaModel>, blocks: usize, token_budget: usize) -> Driver<Engine> {
     let bytes_per_block = 2 * m.cfg.n_layer * BLOCK * m.cfg.kv_dim() * 4;
     let engine = Engine::new(
         m.clone(),
@@ -37,7 +40,7 @@ fn verifier(m: &Arc<LlamaModel>, blocks: usize, token_budget: usize) -> Verifier
         token_budget,
         ..VerifierConfig::default()
     };
-    VerifierCore::new(engine, cfg).unwrap()
+    Driver::new(VerifierCore::new(engine, cfg, 0).unwrap())
 }
 
 fn prompt(i: u64) -> Vec<u32> {
@@ -47,23 +50,14 @@ fn prompt(i: u64) -> Vec<u32> {
 }
 
 /// Greedy cloud-only generations of `n` tokens for prompts 0..k, all at once.
-fn generate(v: &mut VerifierCore, k: u64, n: usize) -> HashMap<u64, Vec<u32>> {
+fn generate(d: &mut Driver<Engine>, k: u64, n: usize) -> HashMap<u64, Vec<u32>> {
     for i in 0..k {
-        v.open_generation(
-            SessionId(i),
-            TenantId(0),
-            &prompt(i),
-            SamplingParams::default(),
-            n,
-            vec![],
-        )
-        .unwrap();
+        d.open_generation(SessionId(i), &prompt(i), SamplingParams::default(), n);
     }
     let mut out: HashMap<u64, Vec<u32>> = HashMap::new();
-    for e in v.run_until_idle(0) {
-        match e {
-            Event::Token { session, token, .. } => out.entry(session.0).or_default().push(token),
-            Event::Preempted { .. } => {}
+    for (session, m) in d.run_until_idle() {
+        match m {
+            ToEdge::Token { token, .. } => out.entry(session.0).or_default().push(token),
             other => panic!("unexpected {other:?}"),
         }
     }
@@ -76,16 +70,17 @@ fn preempted_generations_resume_identically() {
     // Alone, with room to spare.
     let mut want = HashMap::new();
     for i in 0..3 {
-        let mut v = verifier(&m, 64, 64);
+        let mut d = verifier(&m, 64, 64);
         want.extend(
-            generate(&mut v, i + 1, 20)
+            generate(&mut d, i + 1, 20)
                 .into_iter()
                 .filter(|(s, _)| *s == i),
         );
     }
     // Three at once in a pool that holds 30 of the 90 tokens they need.
-    let mut v = verifier(&m, 12, 64);
-    let got = generate(&mut v, 3, 20);
+    let mut d = verifier(&m, 12, 64);
+    let got = generate(&mut d, 3, 20);
+    let v = &d.core;
     let s = v.scheduler().stats();
     println!(
         "preemptions {}, recomputed tokens {}",
@@ -116,19 +111,16 @@ fn preempted_speculation_sessions_resume_identically() {
     let want = generate(&mut reference, 4, n);
     // Four sessions of 10 + 24 tokens in a pool of 14 blocks (56 token slots), each driven by the
     // real edge pipeline: blocks of 3, one in flight, drafts wrong every few positions.
-    let mut v = verifier(&m, 14, 32);
+    let mut d = verifier(&m, 14, 32);
     let mut edges: Vec<Option<Pipeline>> = (0..4).map(|_| None).collect();
     for i in 0..4 {
-        v.open(
+        d.open(
             SessionId(i),
-            TenantId(0),
             &prompt(i),
             SamplingParams::default(),
             VerifyRule::Greedy,
             n,
-            vec![],
-        )
-        .unwrap();
+        );
     }
     let cfg = PipelineConfig {
         draft_len: 3,
@@ -137,7 +129,8 @@ fn preempted_speculation_sessions_resume_identically() {
     };
     let (mut verdicts, mut decoded) = (0, 0);
     for clock in 0..10_000u64 {
-        let mut events = Vec::new();
+        // 10 ms per iteration: an edge that is done goes idle and gives its KV away after 500 ms.
+        d.now_us = clock * 10_000;
         for (i, e) in edges.iter_mut().enumerate() {
             let Some(p) = e.as_mut() else { continue };
             while p.next() == Next::Draft {
@@ -145,24 +138,26 @@ fn preempted_speculation_sessions_resume_identically() {
                 let t = drafted(&want[&(i as u64)], i as u64, k, 3 + i);
                 for o in p.on_drafted(t, None) {
                     if let Output::Send(b) = o {
-                        events.extend(v.draft(SessionId(i as u64), b));
+                        d.draft(SessionId(i as u64), b);
                     }
                 }
             }
             if p.next() == Next::Done {
-                v.close(SessionId(i as u64));
+                d.close(SessionId(i as u64));
             }
         }
-        if !v.has_work() && events.is_empty() {
+        // With no work, a turn sends only the answers to the blocks sent since the last one (a
+        // refusal, which fails the test below: each block must be accepted as sent).
+        let idle = !d.core.has_work();
+        let sent = d.turn();
+        if idle && sent.is_empty() {
             println!("nothing to do at {clock}");
             break;
         }
-        // 10 ms per iteration: an edge that is done goes idle and gives its KV away after 500 ms.
-        events.extend(v.step(clock * 10));
-        for ev in events {
-            let i = ev.session().0 as usize;
-            let got = match ev {
-                Event::Opened { first, .. } => {
+        for (session, msg) in sent {
+            let i = session.0 as usize;
+            let got = match msg {
+                ToEdge::Opened { first, .. } => {
                     edges[i] = Some(
                         Pipeline::with_first(prompt(i as u64), first, cfg, vec![])
                             .unwrap()
@@ -170,24 +165,24 @@ fn preempted_speculation_sessions_resume_identically() {
                     );
                     Ok(Vec::new())
                 }
-                Event::Verdict { verdict, .. } => {
+                ToEdge::Verdict(verdict) => {
                     verdicts += 1;
                     edges[i].as_mut().unwrap().on_verdict(verdict)
                 }
-                Event::Decoded { decoded: d, .. } => {
+                ToEdge::Decoded(dec) => {
                     decoded += 1;
-                    edges[i].as_mut().unwrap().on_decoded(d)
+                    edges[i].as_mut().unwrap().on_decoded(dec)
                 }
-                Event::Preempted { .. } => Ok(Vec::new()),
                 other => panic!("unexpected {other:?}"),
             };
             for o in got.unwrap() {
                 if let Output::Send(b) = o {
-                    assert!(v.draft(SessionId(i as u64), b).is_empty());
+                    d.draft(SessionId(i as u64), b);
                 }
             }
         }
     }
+    let v = &d.core;
     let s = v.scheduler().stats();
     println!(
         "{verdicts} verdicts, {decoded} decoded, preemptions {}, {:?}",

@@ -3,18 +3,21 @@
 //! tokens (greedy and sample-and-match), and afterwards the session's KV holds only the accepted
 //! path: the next forward's logits equal a fresh linear run's, bit for bit.
 
+mod common;
+
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 
+use common::Driver;
 use tandem_engine::testing::{tiny_file, TinySpec};
 use tandem_engine::{
     Engine, EngineConfig, EngineError, LlamaModel, Logits, SeqChunk, SeqId, Wanted, WeightMode,
 };
-use tandem_sched::{SessionId, TenantId};
+use tandem_sched::SessionId;
 use tandem_spec::sampling::{sample, SamplingParams};
 use tandem_spec::{Block, BlockId, SideNode, VerifyRule};
-use tandem_verifier::{Event, Target, VerifierConfig, VerifierCore};
+use tandem_verifier::{Target, ToEdge, VerifierConfig, VerifierCore};
 
 fn model() -> Arc<LlamaModel> {
     let mut f = tiny_file(&TinySpec::default()).unwrap();
@@ -168,16 +171,16 @@ fn trees_commit_the_targets_tokens_and_keep_only_the_accepted_path() {
                 e: engine(&m),
                 rows: rows.clone(),
             };
-            let mut v: VerifierCore<Recording> =
-                VerifierCore::new(target, VerifierConfig::default()).unwrap();
+            let v: VerifierCore<Recording> =
+                VerifierCore::new(target, VerifierConfig::default(), 0).unwrap();
+            let mut d = Driver::new(v);
             let id = SessionId(1);
-            v.open(id, TenantId(0), &prompt, params, rule, 12, vec![])
-                .unwrap();
-            let first = v
-                .step(0)
+            d.open(id, &prompt, params, rule, 12);
+            let first = d
+                .turn()
                 .into_iter()
-                .find_map(|e| match e {
-                    Event::Opened { first, .. } => Some(first),
+                .find_map(|(_, m)| match m {
+                    ToEdge::Opened { first, .. } => Some(first),
                     _ => None,
                 })
                 .expect("opened");
@@ -190,12 +193,17 @@ fn trees_commit_the_targets_tokens_and_keep_only_the_accepted_path() {
                 q: vec![],
                 side: side_nodes,
             };
-            assert!(v.draft(id, block).is_empty(), "{name}: accepted as sent");
-            let verdict = v
-                .step(1)
+            d.draft(id, block);
+            d.now_us = 1_000;
+            let sent = d.turn();
+            assert!(
+                !sent.iter().any(|(_, m)| matches!(m, ToEdge::Error { .. })),
+                "{name}: accepted as sent: {sent:?}"
+            );
+            let verdict = sent
                 .into_iter()
-                .find_map(|e| match e {
-                    Event::Verdict { verdict, .. } => Some(verdict),
+                .find_map(|(_, m)| match m {
+                    ToEdge::Verdict(v) => Some(v),
                     _ => None,
                 })
                 .expect("a verdict");
@@ -208,11 +216,12 @@ fn trees_commit_the_targets_tokens_and_keep_only_the_accepted_path() {
             // The next forward decodes after the verdict's token: its logits are a fresh linear
             // run's over the committed tokens (the rejected nodes' KV is gone).
             rows.borrow_mut().clear();
-            let decoded = v
-                .step(2)
+            d.now_us = 2_000;
+            let decoded = d
+                .turn()
                 .into_iter()
-                .find_map(|e| match e {
-                    Event::Decoded { decoded, .. } => Some(decoded),
+                .find_map(|(_, m)| match m {
+                    ToEdge::Decoded(decoded) => Some(decoded),
                     _ => None,
                 })
                 .expect("a decode");

@@ -2,15 +2,15 @@
 //! real verifier (its own pinned process) through a netem link: each knows the target's greedy
 //! continuation of its prompt (computed once, by the verifier) and drafts each token right with
 //! probability α at D ms per token, reacting to verdicts through the same pipeline state machine
-//! as a real edge ([`crate::synthetic::SyntheticDrafter`]). Beside them, the cloud-only baseline: N
+//! as a real edge ([`tandem_edge::synthetic::SyntheticDrafter`]). Beside them, the cloud-only baseline: N
 //! clients of the `Generate` RPC, so the verifier decodes every token itself. Before the sweep the
 //! target's forward time is measured against tokens per forward, on the verifier's core, to find
 //! the ridge where it turns compute-bound.
 
-use crate::Mode;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
+use tandem_client::Mode;
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
@@ -299,7 +299,7 @@ pub fn run(
     let wants: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| {
-            let rt = crate::runtime()?;
+            let rt = tandem_client::runtime()?;
             let mut out = Vec::new();
             tandem_edge::grpc::generate_remote(
                 &rt,

@@ -1,7 +1,7 @@
 //! The sweep's report: mode names and the Markdown tables.
 
 use super::LoadReport;
-use crate::Mode;
+use tandem_client::Mode;
 
 /// A row's mode by the blocks in flight its edges asked for: `cloud-only` (none), `sync` (1) or
 /// `async`.

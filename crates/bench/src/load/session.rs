@@ -3,9 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use crate::synthetic::SyntheticDrafter;
 use anyhow::{anyhow, Result};
 use tandem_edge::grpc::{GrpcLink, OpenRequest};
+use tandem_edge::synthetic::SyntheticDrafter;
 use tandem_edge::SpecConfig;
 use tandem_engine::Tokenizer;
 use tandem_spec::sampling::SamplingParams;
@@ -240,7 +240,7 @@ pub(super) fn drive(
     cloud: &CloudProcess,
 ) -> Result<LoadRow> {
     let alpha = spec.map(|s| s.0);
-    let rt = crate::runtime()?;
+    let rt = tandem_client::runtime()?;
     let t0 = Instant::now();
     let from = t0 + Duration::from_secs_f64(j.a.warmup_s);
     let deadline = from + Duration::from_secs_f64(j.a.duration_s);
@@ -332,7 +332,7 @@ pub(super) fn drive(
     };
     Ok(LoadRow {
         mode: match spec {
-            Some((_, d, t)) if t.side_nodes > 0 && d > 1 => crate::Mode::AsyncTree,
+            Some((_, d, t)) if t.side_nodes > 0 && d > 1 => tandem_client::Mode::AsyncTree,
             s => mode_of(s.map(|s| s.1)),
         },
         depth: spec.map_or(0, |s| s.1),

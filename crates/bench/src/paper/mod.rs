@@ -15,15 +15,15 @@
 //! It writes `results.json`, `results.md` and PNG plots into the output folder, and checks its
 //! own output: every mode produced tokens, every output equals the target's, the plots exist.
 
-use crate::Mode;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
+use tandem_client::Mode;
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use tandem_engine::{Engine, EngineConfig, LlamaModel, Tokenizer};
-use tandem_sched::ForwardCost;
+use tandem_spec::capacity::ForwardCost;
 use tandem_spec::policy::expected_accepted;
 use tandem_spec::sampling::SamplingParams;
 
@@ -249,7 +249,7 @@ pub fn run(
     let mut target_greedy = Vec::new();
     for p in &a.latency.prompts {
         let ids = tok.encode_chat(p)?;
-        let o = crate::generate::generate(
+        let o = tandem_client::generate::generate(
             &mut local,
             tok,
             &ids,

@@ -1,7 +1,7 @@
 //! `bench paper`'s outputs: the PNG plots and the Markdown report.
 
-use crate::Mode;
 use std::path::Path;
+use tandem_client::Mode;
 
 use anyhow::Result;
 use tandem_spec::policy::expected_accepted;

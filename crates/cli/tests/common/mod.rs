@@ -136,9 +136,15 @@ pub fn grpc_server_with(
                 .unwrap()
                 .1
         });
-        let mut info = tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok, 8, 4);
-        info.load.saturation_tokens = saturation_tokens;
-        info.load.forward_cost = forward_cost;
+        let info = tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok);
+        let cfg = tandem_verifier::VerifierConfig {
+            load: tandem_verifier::LoadConfig {
+                saturation_tokens,
+                forward_cost,
+                ..tandem_cloud::grpc::serving_load(8, 4)
+            },
+            ..cfg
+        };
         let (service, _batcher) = tandem_cloud::grpc::start(engine, cfg, info, tenants).unwrap();
         let gauges = service.gauges();
         let addr = on_loopback(move |l| async move {
@@ -173,7 +179,7 @@ pub fn spec_out(
     rule: tandem_spec::VerifyRule,
     max_new: usize,
     cloud_url: Option<String>,
-) -> tandem_bench::generate::GenOutput {
+) -> tandem_client::generate::GenOutput {
     spec_out_as(
         None,
         prompt,
@@ -202,7 +208,7 @@ pub fn spec_out_as(
     max_new: usize,
     cloud_url: Option<String>,
     tree: tandem_spec::TreeConfig,
-) -> tandem_bench::generate::GenOutput {
+) -> tandem_client::generate::GenOutput {
     let (draft, tok) = draft();
     let (target, _) = target();
     let one = EngineConfig {
@@ -210,7 +216,7 @@ pub fn spec_out_as(
         kv_budget_bytes: 32 << 20,
         ..EngineConfig::default()
     };
-    let run = tandem_bench::speculate::SpecRun {
+    let run = tandem_client::speculate::SpecRun {
         target: target.clone(),
         draft: draft.clone(),
         tokenizer: tok,
@@ -234,7 +240,7 @@ pub fn spec_out_as(
         api_key,
         tls_ca: None,
     };
-    let out = tandem_bench::speculate::run(&run, prompt, |_| {}).unwrap();
+    let out = tandem_client::speculate::run(&run, prompt, |_| {}).unwrap();
     let s = out.spec.as_ref().unwrap();
     eprintln!(
         "γ={gamma} depth={depth} rtt={rtt_ms}: α={} E[A]={} rounds={} stale={} wasted={} side nodes={} branch hits={}",

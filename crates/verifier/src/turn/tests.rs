@@ -1,8 +1,9 @@
 use super::*;
 use crate::control::IDLE_RELAX_MS;
+use crate::control::{ForwardCost, LoadConfig};
 use crate::VerifierConfig;
 use tandem_engine::{EngineError, Logits, SeqChunk};
-use tandem_sched::{ForwardCost, GrantPolicy, TenantId};
+use tandem_sched::TenantId;
 
 /// A target whose greedy token after position p is `p % 15 + 1`, each forward taking 1 ms,
 /// or (`ragged`) 10 ms, 1 ms a token and 1 ms a sequence more.
@@ -51,7 +52,7 @@ fn the_contended_budget_follows_the_time_forwards_take() {
         tenant_slowdown_pct: 150,
         ..VerifierConfig::default()
     };
-    let mut v: VerifierCore<Flat, u64> = VerifierCore::new(Flat { ragged: true }, cfg).unwrap();
+    let mut v: VerifierCore<Flat, u64> = VerifierCore::new(Flat { ragged: true }, cfg, 0).unwrap();
     let b = cfg
         .contended_budget(&ForwardCost {
             one_token_ms: 10.0,
@@ -102,12 +103,15 @@ fn core() -> VerifierCore<Flat, u64> {
         one_token_ms: 44.0,
         ms_per_token: 2.2,
     };
-    let grants = GrantPolicy::new(4, 2, 40.0)
-        .with_cloud_decode()
-        .with_pace(cost);
-    VerifierCore::new(FLAT, VerifierConfig::default())
-        .unwrap()
-        .with_grants(grants, 0)
+    let cfg = VerifierConfig {
+        load: LoadConfig {
+            saturation_tokens: 40.0,
+            forward_cost: Some(cost),
+            ..LoadConfig::new(4, 2)
+        },
+        ..VerifierConfig::default()
+    };
+    VerifierCore::new(FLAT, cfg, 0).unwrap()
 }
 
 fn open(id: u64, mode: Mode) -> Inbound<u64> {
@@ -177,7 +181,7 @@ fn a_verifier_that_awaits_drafts_verifies_the_blocks_and_decodes_alone_only_afte
             await_drafts_ms: if awaiting { 50 } else { 0 },
             ..VerifierConfig::default()
         };
-        let mut v: VerifierCore<Flat, u64> = VerifierCore::new(FLAT, cfg).unwrap();
+        let mut v: VerifierCore<Flat, u64> = VerifierCore::new(FLAT, cfg, 0).unwrap();
         v.receive(0, open(1, SPEC));
         let t = v.turn(0);
         assert!(matches!(t.out[0].msg, ToEdge::Opened { first: 4, .. }));
@@ -472,4 +476,69 @@ fn cancel_drain_and_shut_down_free_their_sessions_and_say_why() {
     assert_eq!(told, vec![(2, 102), (3, 103)]);
     let pool = v.scheduler().pool();
     assert_eq!(pool.num_free(), pool.num_blocks());
+}
+
+#[test]
+fn a_speculation_session_whose_edge_goes_quiet_is_closed_at_its_idle_timeout() {
+    // Idle timeout 100 ms. The session opens at 0 and its prefill answers at once; its edge
+    // acks at 90 ms, so it lives past 100 ms; with nothing more it is closed at 190 ms (the
+    // driver is woken for it), its edge told why, its usage ended as abandoned. A cloud-only
+    // generation, whose client sends nothing by design, is never closed for it.
+    let cfg = VerifierConfig {
+        load: LoadConfig {
+            idle_timeout_ms: Some(100),
+            ..LoadConfig::FIXED
+        },
+        await_drafts_ms: 1000,
+        ..VerifierConfig::default()
+    };
+    let mut v: VerifierCore<Flat, u64> = VerifierCore::new(FLAT, cfg, 0).unwrap();
+    v.receive(0, open(1, SPEC));
+    v.receive(0, open(2, Mode::Generate));
+    let t = v.turn(0);
+    assert!(t.out.iter().any(|o| matches!(o.msg, ToEdge::Opened { .. })));
+    let opened_at = t.ends_us;
+    v.receive(
+        90_000,
+        Inbound::Ack {
+            session: SessionId(1),
+            committed: 4,
+        },
+    );
+    let mut closed = None;
+    let mut now = 90_000;
+    while closed.is_none() && now < 1_000_000 {
+        let t = if v.has_work() {
+            v.turn(now)
+        } else {
+            now = v
+                .wake_at_us()
+                .expect("a quiet session wakes the driver")
+                .max(now);
+            v.turn(now)
+        };
+        now = t.ends_us;
+        for o in t.out {
+            if let ToEdge::Error { error, fatal, .. } = o.msg {
+                assert_eq!(o.session, SessionId(1), "the generation is never idle");
+                assert!(fatal);
+                assert_eq!(error.kind(), crate::ErrorKind::DeadlineExceeded);
+                assert!(error
+                    .to_string()
+                    .starts_with("idle: nothing from the edge in 0.1 s"));
+                closed = Some((now, t.finished.clone()));
+                break;
+            }
+        }
+    }
+    let (at, finished) = closed.expect("closed for idleness");
+    assert!(at >= 190_000.max(opened_at + 100_000), "closed at {at} µs");
+    assert!(at < 200_000, "closed at {at} µs");
+    let quiet: Vec<_> = finished
+        .iter()
+        .filter(|u| u.session == SessionId(1))
+        .collect();
+    assert_eq!(quiet.len(), 1);
+    assert_eq!(quiet[0].finish, crate::Finish::Abort);
+    assert!(v.session(SessionId(1)).is_none());
 }

@@ -1,12 +1,16 @@
-//! A one-hot target for the verifier core's tests: its greedy token after `token` at `pos` is
-//! [`next`], every forward takes 10 µs, and forwards fail while its `fail` flag is set.
+//! What the verifier core's tests share: a one-hot target (its greedy token after `token` at
+//! `pos` is [`next`], every forward takes 10 µs, and forwards fail while its `fail` flag is set),
+//! and a [`Driver`] that drives a core through its one API, as the batcher and the simulator do.
 #![allow(dead_code)]
 
 use std::cell::Cell;
 use std::rc::Rc;
 
 use tandem_engine::{EngineError, Logits, SeqChunk};
-use tandem_verifier::{Target, VerifierConfig, VerifierCore};
+use tandem_sched::{SessionId, TenantId};
+use tandem_spec::sampling::SamplingParams;
+use tandem_spec::{Block, Shape, VerifyRule};
+use tandem_verifier::{Inbound, Mode, NewSession, Target, ToEdge, VerifierConfig, VerifierCore};
 
 pub const VOCAB: usize = 16;
 
@@ -62,10 +66,132 @@ impl Target for OneHot {
 
 /// A verifier core on a [`OneHot`] target, and the switch that makes its forwards fail.
 pub fn core() -> (VerifierCore<OneHot>, Rc<Cell<bool>>) {
+    core_with(VerifierConfig::default())
+}
+
+/// A [`Driver`] of [`core`], and the switch that makes its forwards fail.
+pub fn driver() -> (Driver<OneHot>, Rc<Cell<bool>>) {
+    let (core, fail) = core();
+    (Driver::new(core), fail)
+}
+
+/// [`core`] with `cfg`.
+pub fn core_with(cfg: VerifierConfig) -> (VerifierCore<OneHot>, Rc<Cell<bool>>) {
     let fail = Rc::new(Cell::new(false));
     let target = OneHot { fail: fail.clone() };
-    (
-        VerifierCore::new(target, VerifierConfig::default()).unwrap(),
-        fail,
-    )
+    (VerifierCore::new(target, cfg, 0).unwrap(), fail)
+}
+
+/// A message a turn sent to a session's edge.
+pub type Sent = (SessionId, ToEdge);
+
+/// Drives a verifier core through [`VerifierCore::receive`] and [`VerifierCore::turn`] alone,
+/// on a clock the test sets: messages arrive and turns run at `now_us`, which a turn does not
+/// move. What the core answers to a message (a refused block or ack, a refused Open) goes out
+/// with the next turn, as to every driver.
+pub struct Driver<T: Target> {
+    pub core: VerifierCore<T>,
+    /// The driver's clock (µs).
+    pub now_us: u64,
+}
+
+impl<T: Target> Driver<T> {
+    /// A driver of `core` at time 0.
+    pub fn new(core: VerifierCore<T>) -> Self {
+        Self { core, now_us: 0 }
+    }
+
+    /// Open speculation session `id` of tenant 0, judged by `rule`, that asks for any shape
+    /// (the default load config grants it) and ends after `max_tokens` new tokens.
+    pub fn open(
+        &mut self,
+        id: SessionId,
+        prompt: &[u32],
+        params: SamplingParams,
+        rule: VerifyRule,
+        max_tokens: usize,
+    ) {
+        let want = Shape::UNLIMITED;
+        self.open_as(
+            id,
+            prompt,
+            params,
+            max_tokens,
+            Mode::Speculate { rule, want },
+        );
+    }
+
+    /// Open cloud-only generation `id` of tenant 0, of `max_tokens` tokens.
+    pub fn open_generation(
+        &mut self,
+        id: SessionId,
+        prompt: &[u32],
+        params: SamplingParams,
+        max_tokens: usize,
+    ) {
+        self.open_as(id, prompt, params, max_tokens, Mode::Generate);
+    }
+
+    fn open_as(
+        &mut self,
+        session: SessionId,
+        prompt: &[u32],
+        params: SamplingParams,
+        max_tokens: usize,
+        mode: Mode,
+    ) {
+        let new = NewSession {
+            tenant: TenantId(0),
+            prompt: prompt.to_vec(),
+            params,
+            max_tokens,
+            eog: vec![],
+            mode,
+        };
+        self.receive(Inbound::Open {
+            session,
+            new,
+            handle: (),
+        });
+    }
+
+    /// Session `session`'s edge sends `block`.
+    pub fn draft(&mut self, session: SessionId, block: Block) {
+        self.receive(Inbound::Draft { session, block });
+    }
+
+    /// Session `session`'s edge has received its first `committed` tokens.
+    pub fn ack(&mut self, session: SessionId, committed: usize) {
+        self.receive(Inbound::Ack { session, committed });
+    }
+
+    /// Session `session`'s edge closes it.
+    pub fn close(&mut self, session: SessionId) {
+        self.receive(Inbound::Close { session });
+    }
+
+    fn receive(&mut self, msg: Inbound<()>) {
+        self.core.receive(self.now_us, msg);
+    }
+
+    /// One turn: the messages it sent, in order.
+    pub fn turn(&mut self) -> Vec<Sent> {
+        let t = self.core.turn(self.now_us);
+        t.out.into_iter().map(|o| (o.session, o.msg)).collect()
+    }
+
+    /// Turn until no session has work left, or a turn runs no forward and sends nothing (only
+    /// rate-limited work is left); at least once, so that the answers to the messages received
+    /// go out. Returns every message sent.
+    pub fn run_until_idle(&mut self) -> Vec<Sent> {
+        let mut sent = Vec::new();
+        loop {
+            let t = self.core.turn(self.now_us);
+            let stuck = t.forward.is_none() && t.out.is_empty();
+            sent.extend(t.out.into_iter().map(|o| (o.session, o.msg)));
+            if stuck || !self.core.has_work() {
+                return sent;
+            }
+        }
+    }
 }

@@ -6,7 +6,7 @@ use serde::Serialize;
 
 use tandem_spec::Shape;
 
-use crate::pace::ForwardCost;
+use super::pace::ForwardCost;
 
 /// [`GrantPolicy::grant_by_model`] changes level only for this gain in predicted rate.
 pub const MODEL_GAIN: f64 = 1.05;
@@ -26,7 +26,7 @@ pub struct GrantPolicy {
     /// ridge a verified position costs as much as a decoded one, and a rejected one is waste).
     pub cloud_decode: bool,
     /// With the target's forward cost, each session is also taken over on its own when its
-    /// speculation is slower than cloud decoding at this load ([`crate::pace`]).
+    /// speculation is slower than cloud decoding at this load ([`super::pace`]).
     pub pace: Option<ForwardCost>,
     level: u32,
 }
@@ -97,7 +97,7 @@ impl GrantPolicy {
 
     /// Predicted committed tokens per millisecond of verifier time at `level`, with `sessions`
     /// sessions whose drafts are accepted at `alpha` per token, all at that level's γ: each
-    /// forward verifies N blocks of γ + 1 positions and commits N·E[A](γ) tokens (γ 0: N tokens
+    /// forward verifies N blocks of γ + 1 positions and commits N·E\[A\](γ) tokens (γ 0: N tokens
     /// for N positions). `None` without a forward cost.
     pub fn predicted_rate(&self, level: u32, sessions: usize, alpha: f64) -> Option<f64> {
         let cost = self.pace?;

@@ -1,46 +1,71 @@
-//! `tandem bench engine|latency|load|paper|quant`: the flags of each benchmark and how it is run.
+//! `tandem bench …`: the flags of each benchmark and how it is run (the binary parses them and
+//! calls [`run`]), and the flags they share: where the report goes ([`ReportArgs`]), the cores
+//! ([`Cores`]), llama.cpp beside Tandem ([`PeerArgs`]).
 
-use super::*;
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use std::path::PathBuf;
+use tandem_engine::{CpuSet, WeightMode};
+use tandem_models::store::{self as models, ModelSpec};
+use tandem_quant::{Method, QuantConfig, Scheme};
+
+use crate::engine_bench::{self as bench, BenchArgs};
 
 /// `tandem bench [--netns …] <benchmark>`.
 #[derive(Args)]
-pub(crate) struct BenchTop {
+pub struct BenchTop {
     #[command(flatten)]
     pub net: NetArgs,
     #[command(subcommand)]
     pub cmd: BenchCmd,
 }
 
+/// Run `tandem bench …`: across network namespaces (entered before any thread starts, held to
+/// the end) when asked.
+pub fn run(home: &std::path::Path, b: BenchTop) -> Result<()> {
+    let _net = b.net.enter()?;
+    match b.cmd {
+        BenchCmd::Engine(a) => cmd_bench(home, a),
+        BenchCmd::Latency(a) => cmd_latency(home, a),
+        BenchCmd::Load(a) => cmd_load(home, a),
+        BenchCmd::Paper(a) => cmd_paper(home, a),
+        BenchCmd::Quant(a) => cmd_quant(home, a),
+        BenchCmd::Serve(a) => cmd_serve_bench(home, a),
+        BenchCmd::Hostile(a) => cmd_hostile_bench(home, a),
+        BenchCmd::Soak(a) => cmd_soak_bench(home, a),
+    }
+}
+
 /// Where the benchmark's edges and verifier talk: loopback through the project's proxy (delay,
 /// jitter), or two network namespaces joined by veth.
 #[derive(Args)]
-pub(crate) struct NetArgs {
+pub struct NetArgs {
     /// Run the verifier in a network namespace and every edge and client in another, joined by a
     /// veth pair whose rate and loss the kernel applies (tbf, nftables), the round trip still
     /// from the project's proxy (root, iproute2 and nftables).
     #[arg(long)]
     netns: bool,
     #[command(flatten)]
-    link: tandem_bench::netns::KernelLink,
+    link: crate::netns::KernelLink,
 }
 
 impl NetArgs {
     /// Enter the namespaces (with --netns): the guard that deletes them.
-    pub fn enter(&self) -> Result<Option<tandem_bench::netns::Netns>> {
+    pub fn enter(&self) -> Result<Option<crate::netns::Netns>> {
         if !self.netns {
-            if self.link != tandem_bench::netns::KernelLink::default() {
+            if self.link != crate::netns::KernelLink::default() {
                 bail!("--link-rate-kbit and --link-loss-pct shape the veth link: give --netns too");
             }
             return Ok(None);
         }
-        let ns = tandem_bench::netns::enter(self.link)?;
+        let ns = crate::netns::enter(self.link)?;
         eprintln!("across network namespaces: {}", self.link.describe());
         Ok(Some(ns))
     }
 }
 
 #[derive(Subcommand)]
-pub(crate) enum BenchCmd {
+pub enum BenchCmd {
     /// Decode speed, verify-chunk latency and batch throughput of the target and the draft.
     Engine(EngineBenchArgs),
     /// TTFT / ITL / α / E[A] of edge-only, cloud-only, sync and async over emulated round trips,
@@ -74,7 +99,7 @@ pub(crate) enum BenchCmd {
 }
 
 #[derive(Args)]
-pub(crate) struct SoakBenchArgs {
+pub struct SoakBenchArgs {
     #[arg(long, default_value_t = 64)]
     sessions: usize,
     #[arg(long, default_value_t = 10.0)]
@@ -97,7 +122,7 @@ pub(crate) struct SoakBenchArgs {
     report: ReportArgs,
 }
 
-pub(crate) fn cmd_soak_bench(home: &std::path::Path, a: SoakBenchArgs) -> Result<()> {
+pub fn cmd_soak_bench(home: &std::path::Path, a: SoakBenchArgs) -> Result<()> {
     if !(a.minutes.is_finite() && a.minutes > 0.0) || a.sessions == 0 || a.tokens < 2 {
         bail!("--minutes must be above 0, --sessions at least 1, --tokens at least 2");
     }
@@ -105,7 +130,7 @@ pub(crate) fn cmd_soak_bench(home: &std::path::Path, a: SoakBenchArgs) -> Result
         bail!("--alpha must be within [0, 1], got {}", a.alpha);
     }
     let (_, cloud_cpus) = a.cores.split();
-    let args = tandem_bench::soak::SoakArgs {
+    let args = crate::soak::SoakArgs {
         home: home.to_path_buf(),
         sessions: a.sessions,
         minutes: a.minutes,
@@ -116,16 +141,16 @@ pub(crate) fn cmd_soak_bench(home: &std::path::Path, a: SoakBenchArgs) -> Result
         png: a.png,
     };
     a.report.run(
-        |progress| tandem_bench::soak::run(&args, progress),
-        tandem_bench::soak::table,
+        |progress| crate::soak::run(&args, progress),
+        crate::soak::table,
     )
 }
 
 #[derive(Args)]
-pub(crate) struct HostileBenchArgs {
+pub struct HostileBenchArgs {
     /// The attacks, in order (an unattacked row always comes first).
-    #[arg(long, value_delimiter = ',', value_enum, default_values_t = tandem_bench::hostile::ALL)]
-    attacks: Vec<tandem_bench::hostile::Attack>,
+    #[arg(long, value_delimiter = ',', value_enum, default_values_t = crate::hostile::ALL)]
+    attacks: Vec<crate::hostile::Attack>,
     /// Seconds the victim is measured under each attack.
     #[arg(long, default_value_t = 20.0)]
     seconds: f64,
@@ -138,12 +163,12 @@ pub(crate) struct HostileBenchArgs {
     report: ReportArgs,
 }
 
-pub(crate) fn cmd_hostile_bench(home: &std::path::Path, a: HostileBenchArgs) -> Result<()> {
+pub fn cmd_hostile_bench(home: &std::path::Path, a: HostileBenchArgs) -> Result<()> {
     if !(a.seconds.is_finite() && a.seconds >= 1.0) {
         bail!("--seconds must be at least 1, got {}", a.seconds);
     }
     let (_, cloud_cpus) = a.cores.split();
-    let args = tandem_bench::hostile::HostileArgs {
+    let args = crate::hostile::HostileArgs {
         home: home.to_path_buf(),
         attacks: a.attacks,
         seconds: a.seconds,
@@ -151,13 +176,13 @@ pub(crate) fn cmd_hostile_bench(home: &std::path::Path, a: HostileBenchArgs) -> 
         cloud_cpus,
     };
     a.report.run(
-        |progress| tandem_bench::hostile::run(&args, progress),
-        tandem_bench::hostile::table,
+        |progress| crate::hostile::run(&args, progress),
+        crate::hostile::table,
     )
 }
 
 #[derive(Args)]
-pub(crate) struct ServeBenchCliArgs {
+pub struct ServeBenchCliArgs {
     /// Concurrent API clients, one level each.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
     clients: Vec<usize>,
@@ -186,9 +211,9 @@ pub(crate) struct ServeBenchCliArgs {
     report: ReportArgs,
 }
 
-pub(crate) fn cmd_serve_bench(home: &std::path::Path, a: ServeBenchCliArgs) -> Result<()> {
+pub fn cmd_serve_bench(home: &std::path::Path, a: ServeBenchCliArgs) -> Result<()> {
     let (edge_cpus, cloud_cpus) = a.cores.split();
-    let args = tandem_bench::serve_bench::ServeBenchArgs {
+    let args = crate::serve_bench::ServeBenchArgs {
         home: home.to_path_buf(),
         clients: a.clients,
         rounds: a.rounds,
@@ -197,7 +222,7 @@ pub(crate) fn cmd_serve_bench(home: &std::path::Path, a: ServeBenchCliArgs) -> R
         gamma: a.gamma,
         depth: a.depth,
         prompts: if a.prompt.is_empty() {
-            tandem_bench::load::default_prompts()
+            crate::load::default_prompts()
         } else {
             a.prompt
         },
@@ -206,13 +231,13 @@ pub(crate) fn cmd_serve_bench(home: &std::path::Path, a: ServeBenchCliArgs) -> R
         cloud_cpus,
     };
     a.report.run(
-        |progress| tandem_bench::serve_bench::run(&args, progress),
-        tandem_bench::serve_bench::table,
+        |progress| crate::serve_bench::run(&args, progress),
+        crate::serve_bench::table,
     )
 }
 
 #[derive(Args)]
-pub(crate) struct QuantBenchArgs {
+pub struct QuantBenchArgs {
     /// A minute or two (CI): three drafts that need no new quantization, 256 corpus tokens, short
     /// outputs.
     #[arg(long)]
@@ -250,7 +275,7 @@ pub(crate) struct QuantBenchArgs {
 }
 
 #[derive(Args)]
-pub(crate) struct PaperBenchArgs {
+pub struct PaperBenchArgs {
     /// A few minutes (CI's smoke test): RTT 0 and 50, 1 and 4 sessions, the 4-bit draft, short
     /// outputs and windows. Without it the full run takes about 18 minutes on 2 cores.
     #[arg(long)]
@@ -283,8 +308,8 @@ pub(crate) struct PaperBenchArgs {
     #[arg(long)]
     warmup: Option<f64>,
     /// Token trees for the async-tree rows (LANES:BELOW[:MIN], or none).
-    #[arg(long, default_value = "2:0.5", value_parser = tandem_bench::latency::parse_tree)]
-    tree: tandem_bench::latency::TreeArg,
+    #[arg(long, default_value = "2:0.5", value_parser = crate::latency::parse_tree)]
+    tree: crate::latency::TreeArg,
     #[command(flatten)]
     cores: Cores,
     #[command(flatten)]
@@ -295,9 +320,9 @@ pub(crate) struct PaperBenchArgs {
 }
 
 #[derive(Args)]
-pub(crate) struct LoadBenchArgs {
+pub struct LoadBenchArgs {
     #[command(flatten)]
-    load: tandem_bench::load::LoadArgs,
+    load: crate::load::LoadArgs,
     #[command(flatten)]
     cores: Cores,
     #[command(flatten)]
@@ -305,9 +330,9 @@ pub(crate) struct LoadBenchArgs {
 }
 
 #[derive(Args)]
-pub(crate) struct LatencyBenchArgs {
+pub struct LatencyBenchArgs {
     #[command(flatten)]
-    latency: tandem_bench::latency::LatencyArgs,
+    latency: crate::latency::LatencyArgs,
     /// Drafts: quantization schemes of the target (w4a16, w8a16, w3a16, w2a16), groups of 32,
     /// rounded to nearest or, with `-gptq` (e.g. w4a16-gptq), calibrated by GPTQ.
     #[arg(long, value_delimiter = ',', default_value = "w4a16,w8a16")]
@@ -321,7 +346,7 @@ pub(crate) struct LatencyBenchArgs {
 }
 
 #[derive(Args)]
-pub(crate) struct EngineBenchArgs {
+pub struct EngineBenchArgs {
     #[command(flatten)]
     bench: BenchArgs,
     #[command(flatten)]
@@ -330,7 +355,7 @@ pub(crate) struct EngineBenchArgs {
     report: ReportArgs,
 }
 
-pub(crate) fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
+pub fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
     a.bench.validate()?;
     let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
     let draft = models::load(home, &ModelSpec::Draft, None, a.report.json)?;
@@ -378,8 +403,8 @@ pub(crate) fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()
     })
 }
 
-pub(crate) fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
-    use tandem_bench::load;
+pub fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
+    use crate::load;
     let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
     let two = [
         DraftChoice::rtn(Scheme::W4A16),
@@ -425,7 +450,7 @@ pub(crate) fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
 /// A draft a benchmark runs: a quantization scheme of the target and how its weights were put
 /// on the grid (`w4a16`, `w4a16-gptq`, ...).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct DraftChoice {
+pub struct DraftChoice {
     scheme: Scheme,
     method: Method,
 }
@@ -454,11 +479,11 @@ impl std::str::FromStr for DraftChoice {
 }
 
 /// The drafts made from the target by these schemes (groups of 32), made on first use.
-pub(crate) fn drafts_of(
+pub fn drafts_of(
     home: &std::path::Path,
     choices: &[DraftChoice],
     quiet: bool,
-) -> Result<Vec<tandem_bench::latency::Draft>> {
+) -> Result<Vec<crate::latency::Draft>> {
     choices
         .iter()
         .map(|c| {
@@ -473,13 +498,13 @@ pub(crate) fn drafts_of(
                 Method::Rtn => format!("{}-g32", c.scheme.name()),
                 m => format!("{}-g32-{}", c.scheme.name(), m.name()),
             };
-            tandem_bench::latency::load_draft(&name, &path)
+            crate::latency::load_draft(&name, &path)
         })
         .collect()
 }
 
-pub(crate) fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
-    use tandem_bench::quant_study::{self, QuantStudyArgs};
+pub fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
+    use crate::quant_study::{self, QuantStudyArgs};
     let q = a.quick;
     let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
     let (edge_cpus, cloud_cpus) = a.cores.split();
@@ -509,13 +534,13 @@ pub(crate) fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()>
         })
         .map(|(v, _)| v)
         .collect();
-    let mut e2e_prompts = tandem_bench::latency::default_prompts();
-    let mut alpha_prompts = tandem_bench::load::default_prompts();
+    let mut e2e_prompts = crate::latency::default_prompts();
+    let mut alpha_prompts = crate::load::default_prompts();
     if q {
         e2e_prompts.truncate(1);
         alpha_prompts.truncate(1);
     }
-    let latency = (!a.no_e2e).then(|| tandem_bench::latency::LatencyArgs {
+    let latency = (!a.no_e2e).then(|| crate::latency::LatencyArgs {
         home: home.to_path_buf(),
         rtts: vec![a.rtt_ms],
         jitter_frac: 0.1,
@@ -525,7 +550,7 @@ pub(crate) fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()>
         max_gamma: 8,
         max_depth: 4,
         // bench quant compares drafts on linear blocks.
-        tree: tandem_bench::latency::TreeArg(None),
+        tree: crate::latency::TreeArg(None),
         temperatures: Vec::new(),
         edge_cpus,
         cloud_cpus,
@@ -559,8 +584,8 @@ pub(crate) fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()>
     )
 }
 
-pub(crate) fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
-    use tandem_bench::{latency, load, paper};
+pub fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
+    use crate::{latency, load, paper};
     let q = a.quick;
     let target = models::load(home, &ModelSpec::Target, None, a.json)?;
     let schemes = a.drafts.clone().unwrap_or(if q {
@@ -625,7 +650,7 @@ pub(crate) fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()>
         cloud_only: true,
         // Tree rows beside the async ones (not in the quick run).
         tree: if q {
-            tandem_bench::latency::TreeArg(None)
+            crate::latency::TreeArg(None)
         } else {
             a.tree
         },
@@ -671,8 +696,8 @@ pub(crate) fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()>
     Ok(())
 }
 
-pub(crate) fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
-    use tandem_bench::latency;
+pub fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
+    use crate::latency;
     let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
     let drafts = drafts_of(home, &a.drafts, a.report.json)?;
     let (edge_cpus, cloud_cpus) = a.cores.split();
@@ -711,4 +736,96 @@ pub(crate) fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result
         }
     })?;
     report(&r, a.report.out.as_deref(), a.report.json, latency::table)
+}
+
+/// Where a benchmark's report goes.
+#[derive(Args)]
+pub struct ReportArgs {
+    /// Also write the JSON report to this file.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Print the JSON report instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl ReportArgs {
+    /// Run a benchmark that tells its progress in lines (on stderr, unless the report is
+    /// JSON), then report what it returned.
+    pub fn run<R: serde::Serialize>(
+        &self,
+        bench: impl FnOnce(&mut dyn FnMut(&str)) -> Result<R>,
+        table: impl Fn(&R) -> String,
+    ) -> Result<()> {
+        let quiet = self.json;
+        let r = bench(&mut |what| {
+            if !quiet {
+                eprintln!("{what}");
+            }
+        })?;
+        report(&r, self.out.as_deref(), self.json, table)
+    }
+}
+
+/// Where a benchmark's edge and verifier run.
+#[derive(Args)]
+pub struct Cores {
+    /// The edge's cores, this process (default: the first core it may use; with one core, no
+    /// pinning).
+    #[arg(long)]
+    pub edge_cpus: Option<CpuSet>,
+    /// The verifier process's cores (default: the second core this process may use).
+    #[arg(long)]
+    pub cloud_cpus: Option<CpuSet>,
+}
+
+impl Cores {
+    /// The edge's and the verifier's cores, defaults filled in.
+    pub fn split(&self) -> (CpuSet, CpuSet) {
+        let (edge, cloud) = CpuSet::edge_and_cloud();
+        (
+            self.edge_cpus.unwrap_or(edge),
+            self.cloud_cpus.unwrap_or(cloud),
+        )
+    }
+}
+
+/// llama.cpp beside Tandem (`../shared/peer`), when installed.
+#[derive(Args)]
+pub struct PeerArgs {
+    /// Python with llama-cpp-python (../shared/peer/setup.sh prints it); default: the peer venv if present.
+    #[arg(long, env = "TANDEM_PEER_PYTHON")]
+    pub peer_python: Option<PathBuf>,
+    /// The peer's bench.py (default: ../shared/peer/bench.py if present).
+    #[arg(long)]
+    pub peer_script: Option<PathBuf>,
+    /// Do not run llama.cpp beside Tandem even when it is installed.
+    #[arg(long)]
+    pub no_peer: bool,
+}
+
+impl PeerArgs {
+    pub fn find(&self) -> Option<(PathBuf, PathBuf)> {
+        crate::latency::find_peer(self.peer_python.clone(), self.peer_script.clone())
+            .filter(|_| !self.no_peer)
+    }
+}
+
+/// Write `r` as JSON to `out` (when given), and print it: JSON, or the `table` of it.
+pub fn report<R: serde::Serialize>(
+    r: &R,
+    out: Option<&std::path::Path>,
+    json: bool,
+    table: impl Fn(&R) -> String,
+) -> Result<()> {
+    let text = serde_json::to_string(r)?;
+    if let Some(p) = out {
+        std::fs::write(p, &text).with_context(|| format!("writing {}", p.display()))?;
+    }
+    if json {
+        println!("{text}");
+    } else {
+        print!("{}", table(r));
+    }
+    Ok(())
 }

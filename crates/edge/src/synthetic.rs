@@ -3,10 +3,12 @@
 //! time per token. The verifier cannot tell it from a model: the protocol, the edge session and
 //! the verdicts are real. With `cover` set it also names second choices for token trees, as a
 //! draft model does where it is unsure, and grows every leaf of the draft tree (a leaf off the
-//! target's continuation is never right), taking [`tandem_sim::DEFAULT_LEAF_COST`] of a forward more per extra leaf.
+//! target's continuation is never right), taking [`DEFAULT_LEAF_COST`] of a forward more per extra leaf.
 
-use tandem_edge::{Drafter, EdgeError, Proposal};
+use tandem_spec::tree::DEFAULT_LEAF_COST;
 use tandem_spec::Hedge;
+
+use crate::{Drafter, EdgeError, Proposal};
 
 /// How sure the synthetic draft says it is: below any sensible branching threshold where it
 /// hedges, above it elsewhere.
@@ -127,7 +129,7 @@ impl SyntheticDrafter {
 
 impl Drafter for SyntheticDrafter {
     fn grow(&mut self, base: &[u32], leaves: &[Vec<u32>]) -> Result<Vec<Proposal>, EdgeError> {
-        self.sleep(1.0 + tandem_sim::DEFAULT_LEAF_COST * leaves.len().saturating_sub(1) as f64);
+        self.sleep(1.0 + DEFAULT_LEAF_COST * leaves.len().saturating_sub(1) as f64);
         Ok(leaves
             .iter()
             .map(|leaf| {

@@ -1,16 +1,22 @@
 //! The verifier's adaptation to its load, as a pure policy: the grant (γ and depth) every
 //! speculation session may use, planned from the target's forward cost ([`GrantPolicy`]), and the
 //! takeover of a session whose speculation commits more slowly than cloud decoding would
-//! ([`tandem_sched::pace`]). It keeps no session table: each session's part ([`Ctl`]) lives in
+//! ([`pace`]). It keeps no session table: each session's part ([`Ctl`]) lives in
 //! the core's record of it. It runs on a clock the caller passes in and returns decisions, which
 //! [`VerifierCore`](crate::VerifierCore) carries out; the batcher and `tandem-sim` drive the same
 //! core, so both run the same decisions.
 
-use std::collections::HashMap;
-use tandem_sched::pace::{prefer_cloud, PROBE_TOKENS};
+pub mod grant;
+pub mod pace;
 
-use tandem_sched::{GrantPolicy, Pace, SessionId, TenantId};
+use std::collections::HashMap;
+
+use tandem_sched::{SessionId, TenantId};
 use tandem_spec::{Decoded, Shape, Verdict};
+
+pub use grant::GrantPolicy;
+use pace::{prefer_cloud, PROBE_TOKENS};
+pub use pace::{ForwardCost, Pace};
 
 /// Forwards between two looks at the load by the grant policy (each moves one level at most).
 pub const GRANT_EVERY: u64 = 2;
@@ -28,9 +34,13 @@ const PRIOR_ALPHA: f64 = 0.8;
 
 /// How the verifier meets its load: the most it grants a session (γ, depth, a token tree's side
 /// nodes), the tokens per forward at which its target saturates, the target's forward cost, and
-/// whether it adapts at all. The one place that builds the grant policy ([`LoadConfig::grants`])
-/// and clamps what a session asks for at Open ([`LoadConfig::clamp`]): `cloud serve`, the
-/// simulator and the fuzzer take them from here.
+/// whether it adapts at all, and how long an open session may go without a word from its edge.
+/// [`VerifierCore::new`](crate::VerifierCore::new) builds the grant policy from it
+/// ([`LoadConfig::grants`]), [`VerifierCore::receive`](crate::VerifierCore::receive) clamps what
+/// a session asks for at Open ([`LoadConfig::clamp`]) and
+/// [`VerifierCore::turn`](crate::VerifierCore::turn) closes the idle ones: `cloud serve`, the
+/// simulator and the fuzzer run the same policy. The default grants every session the shape it
+/// asks for and never closes one for idleness.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LoadConfig {
     pub max_draft_len: u32,
@@ -42,15 +52,35 @@ pub struct LoadConfig {
     pub saturation_tokens: f64,
     /// The target's measured forward cost: with it, grants are planned by the model and a
     /// session whose speculation commits slower than cloud decoding at this load is taken over
-    /// ([`tandem_sched::pace`]).
-    pub forward_cost: Option<tandem_sched::ForwardCost>,
+    /// ([`pace`]).
+    pub forward_cost: Option<tandem_spec::capacity::ForwardCost>,
     /// Adapt to the load: shrink grants down to γ 0 (the verifier decodes) and take slow
     /// sessions over. Off, every session keeps the shape it asked for (within the maxima):
     /// speculation measured as such.
     pub adapt: bool,
+    /// Close a speculation session whose edge sent nothing (a block, an ack, a close) for this
+    /// long (ms) since it opened or last spoke. None: never.
+    pub idle_timeout_ms: Option<u64>,
+}
+
+impl Default for LoadConfig {
+    fn default() -> Self {
+        Self::FIXED
+    }
 }
 
 impl LoadConfig {
+    /// Every session keeps the shape it asks for, and is never closed for idleness.
+    pub const FIXED: LoadConfig = LoadConfig {
+        max_draft_len: u32::MAX,
+        max_depth: u32::MAX,
+        max_side_nodes: tandem_spec::tree::MAX_SIDE_NODES as u32,
+        saturation_tokens: f64::INFINITY,
+        forward_cost: None,
+        adapt: false,
+        idle_timeout_ms: None,
+    };
+
     /// Grants of at most `max_draft_len` and `max_depth`, adapting at a saturation point of 40
     /// tokens per forward until told the target's forward cost.
     pub fn new(max_draft_len: u32, max_depth: u32) -> Self {
@@ -61,6 +91,7 @@ impl LoadConfig {
             saturation_tokens: DEFAULT_SATURATION_TOKENS,
             forward_cost: None,
             adapt: true,
+            idle_timeout_ms: None,
         }
     }
 
@@ -82,7 +113,7 @@ impl LoadConfig {
     /// Side nodes limited to what one forward of `token_budget` tokens holds beside a block of
     /// the largest γ and its committed token (a tree past it could never be verified).
     pub fn within_budget(mut self, token_budget: usize) -> Self {
-        let room = (token_budget as u32).saturating_sub(self.max_draft_len + 1);
+        let room = (token_budget as u32).saturating_sub(self.max_draft_len.saturating_add(1));
         self.max_side_nodes = self.max_side_nodes.min(room);
         self
     }
@@ -399,7 +430,7 @@ impl LoadControl {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tandem_sched::ForwardCost;
+    use tandem_spec::capacity::ForwardCost;
 
     #[test]
     fn the_load_config_builds_the_one_grant_policy_and_clamps_what_a_session_asks_for() {
@@ -545,7 +576,7 @@ mod tests {
     /// measured afresh.
     #[test]
     fn the_pace_starts_at_the_first_verdict_and_a_taken_over_session_is_tried_again() {
-        use tandem_sched::pace::MIN_PACE_GAPS;
+        use super::pace::MIN_PACE_GAPS;
         let mut c = control();
         let mut ctl = Ctl::new(Some(Shape::new(4, 2)), TenantId(0));
         c.on_opened(&mut ctl);

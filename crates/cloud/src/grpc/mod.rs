@@ -23,7 +23,7 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::tenants::Tenants;
-use tandem_verifier::{Inbound, LoadConfig, Mode, NewSession, ToEdge, VerifierCore, VerifierError};
+use tandem_verifier::{Inbound, LoadConfig, Mode, NewSession, ToEdge, VerifierError};
 
 use crate::validation::{OnStream, SessionStream};
 use crate::{code, validation, Gauges, Reply, ToCloud};
@@ -34,15 +34,9 @@ pub struct ServiceInfo {
     pub model: ModelInfo,
     /// End-of-generation ids of the served tokenizer (cloud-only generation stops at them).
     pub eog: Vec<u32>,
-    /// What it grants and how it adapts to its load ([`start`] keeps a token tree's side nodes
-    /// within the forward's token budget: a tree that exceeded it could never be verified).
-    pub load: LoadConfig,
     /// How long a session stream may take to send its `Open`: past it the stream is cut
     /// (DEADLINE_EXCEEDED), so that streams that never open hold nothing.
     pub open_deadline: Duration,
-    /// How long an open session may go without a message from its edge (a block, an ack, a
-    /// close) before it is closed.
-    pub idle_timeout: Duration,
 }
 
 /// The largest message either side may send: a block (γ ≤ 8 tokens, each with a q of at most
@@ -57,21 +51,28 @@ pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
 /// peer (a half-open TCP connection) is found and its sessions freed.
 pub const KEEPALIVE: Duration = Duration::from_secs(10);
 
-/// A session's idle timeout by default.
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// A session's idle timeout by default (ms).
+pub const IDLE_TIMEOUT_MS: u64 = 60_000;
+
+/// How a verifier serving over gRPC meets its load by default: grants of at most
+/// `max_draft_len` and `max_depth` that adapt to the load, and sessions closed after
+/// [`IDLE_TIMEOUT_MS`] without a word from their edge.
+pub fn serving_load(max_draft_len: u32, max_depth: u32) -> LoadConfig {
+    LoadConfig {
+        idle_timeout_ms: Some(IDLE_TIMEOUT_MS),
+        ..LoadConfig::new(max_draft_len, max_depth)
+    }
+}
 
 /// A session's `Open` deadline by default.
 pub const OPEN_DEADLINE: Duration = Duration::from_secs(10);
 
 impl ServiceInfo {
-    /// What a verifier serving `model` (with its `tokenizer`) tells edges, granting at most
-    /// `max_draft_len` and `max_depth`.
+    /// What a verifier serving `model` (with its `tokenizer`) tells edges.
     pub fn new(
         name: &str,
         model: &tandem_engine::LlamaModel,
         tokenizer: &tandem_engine::Tokenizer,
-        max_draft_len: u32,
-        max_depth: u32,
     ) -> Self {
         Self {
             model: ModelInfo {
@@ -82,9 +83,7 @@ impl ServiceInfo {
                 weights: model.format(),
             },
             eog: tokenizer.eog_ids(),
-            load: LoadConfig::new(max_draft_len, max_depth),
             open_deadline: OPEN_DEADLINE,
-            idle_timeout: IDLE_TIMEOUT,
         }
     }
 }
@@ -97,6 +96,9 @@ pub type TransportError = tonic::transport::Error;
 pub struct Service {
     batcher: Arc<Mutex<Sender<ToCloud>>>,
     info: ServiceInfo,
+    /// What the core grants at most (its [`VerifierConfig::load`](tandem_verifier::VerifierConfig)):
+    /// told in `Info`, and the size a session's blocks are checked against.
+    load: LoadConfig,
     gauges: Arc<Gauges>,
     tenants: Arc<Tenants>,
     /// Session ids: a keyed permutation of a counter (they reveal no volume).
@@ -206,12 +208,14 @@ impl Service {
     pub fn new(
         batcher: Sender<ToCloud>,
         info: ServiceInfo,
+        load: LoadConfig,
         gauges: Arc<Gauges>,
         tenants: Arc<Tenants>,
     ) -> Self {
         Self {
             batcher: Arc::new(Mutex::new(batcher)),
             info,
+            load,
             gauges,
             tenants,
             ids: crate::ids::SessionIds::new(),
@@ -292,7 +296,7 @@ impl VerifierRpc for Service {
         // Token trees: the side nodes a block may carry (their positions count in the forward's
         // token budget like any other).
         let want = tandem_spec::Shape::new(o.want_draft_len, o.want_depth);
-        let (want, side_nodes) = self.info.load.clamp(want, o.want_side_nodes);
+        let (want, side_nodes) = self.load.clamp(want, o.want_side_nodes);
         let (gamma, depth) = (want.draft_len, want.depth);
         let session = SessionId(self.ids.next());
         let (out, rx) = channel(OUTBOX);
@@ -357,30 +361,37 @@ impl VerifierRpc for Service {
             max_side: side_nodes as usize,
             uses_q: o.rule.effective(&o.params) == tandem_spec::VerifyRule::Rejection,
         };
-        let idle = self.info.idle_timeout;
         // The stream is read from the start: blocks an edge sends right behind its Open (it
         // drafts while the prompt is prefilled) wait in the session's queue for the first
-        // forward. What the edge is told (a refusal, the idle deadline) goes after `Opened`.
-        // (The outbox comes over `opened` once the session is open; the reader holds it from
-        // then on, as the batcher does, so the response stream lasts while either does.)
+        // forward. What the edge is told (a refusal) goes after `Opened`. (The outbox comes
+        // over `opened` once the session is open; the reader holds it from then on, as the
+        // batcher does, so the response stream lasts while either does. The reader ends with
+        // the response stream: a session the core closed, an idle one among them, frees it.)
         let (opened, on_open) = tokio::sync::oneshot::channel();
         let reader = tokio::spawn(async move {
             let send = |m: ToCloud| batcher.lock().map(|b| b.send(m).is_ok()).unwrap_or(false);
             // Messages refused so far: past BAD_MESSAGES the stream is cut.
             let mut bad = 0usize;
             let mut on_open = Some(on_open);
-            let mut tx = None;
+            let mut tx: Option<tokio::sync::mpsc::Sender<Result<CloudMessage, Status>>> = None;
             loop {
-                // An edge that neither sends nor reads is idle: one that reads acks what it is
-                // sent, one that drafts sends blocks.
-                let next = tokio::time::timeout(idle, inbound.message()).await;
-                if let Some(w) = on_open.as_mut() {
-                    if let Ok(t) = w.try_recv() {
-                        (tx, on_open) = (Some(t), None);
+                let next = tokio::select! {
+                    m = inbound.message() => m,
+                    t = async { on_open.as_mut().expect("guarded").await }, if on_open.is_some() => {
+                        on_open = None;
+                        match t {
+                            Ok(t) => {
+                                tx = Some(t);
+                                continue;
+                            }
+                            // The session failed to open.
+                            Err(_) => break,
+                        }
                     }
-                }
+                    _ = async { tx.as_ref().expect("guarded").closed().await }, if tx.is_some() => break,
+                };
                 let to_edge = match next {
-                    Ok(Ok(Some(m))) => match check.message(m) {
+                    Ok(Some(m)) => match check.message(m) {
                         OnStream::Core(m) => {
                             if !send(ToCloud::Core(m)) {
                                 break;
@@ -391,14 +402,10 @@ impl VerifierRpc for Service {
                         OnStream::End => break,
                     },
                     // End of stream: free the session.
-                    Ok(Ok(None)) => break,
+                    Ok(None) => break,
                     // A message the transport refused (past the size limit, undecodable): the
                     // edge is told why, and the session ends.
-                    Ok(Err(status)) => Err(status),
-                    Err(_) => Err(Status::deadline_exceeded(format!(
-                        "idle: nothing from the edge in {} s; the session is closed",
-                        idle.as_secs_f64()
-                    ))),
+                    Err(status) => Err(status),
                 };
                 if let Some(w) = on_open.take() {
                     // Wait for the session to open (a failed open ends the reader).
@@ -483,8 +490,8 @@ impl VerifierRpc for Service {
         Ok(Response::new(InfoResponse {
             model: Some(self.info.model.clone()),
             protocol_version: PROTOCOL_VERSION,
-            max_draft_len: self.info.load.max_draft_len,
-            max_depth: self.info.load.max_depth,
+            max_draft_len: self.load.max_draft_len,
+            max_depth: self.load.max_depth,
             load: Some(Load {
                 sessions: g(&self.gauges.sessions),
                 generations: g(&self.gauges.generations),
@@ -537,240 +544,10 @@ impl VerifierRpc for Service {
     }
 }
 
-/// Start the batcher thread over `engine` (a verifier core with `cfg`) and the service in front
-/// of it, serving `tenants` (their weights and quotas are set on the core). The thread ends (and
-/// hands back the core) when the service is dropped.
-pub fn start(
-    engine: tandem_engine::Engine,
-    cfg: tandem_verifier::VerifierConfig,
-    info: ServiceInfo,
-    tenants: Tenants,
-) -> Result<
-    (
-        Service,
-        std::thread::JoinHandle<VerifierCore<tandem_engine::Engine, Reply>>,
-    ),
-    VerifierError,
-> {
-    start_with_ledger(engine, cfg, info, tenants, None)
-}
+mod serve;
+mod start;
+mod watchdog;
 
-/// [`start`], recording every ended session in `ledger` (see [`crate::ledger`]).
-pub fn start_with_ledger(
-    engine: tandem_engine::Engine,
-    cfg: tandem_verifier::VerifierConfig,
-    mut info: ServiceInfo,
-    tenants: Tenants,
-    ledger: Option<crate::ledger::Ledger>,
-) -> Result<
-    (
-        Service,
-        std::thread::JoinHandle<VerifierCore<tandem_engine::Engine, Reply>>,
-    ),
-    VerifierError,
-> {
-    // A block's forward feeds the last committed token, γ tokens and the side nodes.
-    info.load = info.load.within_budget(cfg.token_budget);
-    let mut core = VerifierCore::new(engine, cfg)?.with_grants(info.load.grants(), 0);
-    if let Some(cost) = &info.load.forward_cost {
-        core.set_contended_budget(cfg.contended_budget(cost))?;
-    }
-    for (id, cfg) in tenants.configs() {
-        core.set_tenant(id, cfg)?;
-    }
-    let (tx, rx) = std::sync::mpsc::channel();
-    let gauges = Arc::new(Gauges::default());
-    let g = gauges.clone();
-    let names = tenants.names().to_vec();
-    let batcher = std::thread::Builder::new()
-        .name("tandem-batcher".into())
-        .spawn(move || crate::run_batcher(core, rx, g, names, ledger))
-        .map_err(|e| VerifierError::Engine(format!("starting the batcher: {e}")))?;
-    Ok((Service::new(tx, info, gauges, Arc::new(tenants)), batcher))
-}
-
-/// A verifier's TLS identity: its certificate chain and its private key, PEM.
-#[derive(Debug, Clone)]
-pub struct ServerTls {
-    pub cert_pem: Vec<u8>,
-    pub key_pem: Vec<u8>,
-}
-
-impl ServerTls {
-    /// Whether rustls takes the certificate and key (checked before a server starts, so that a
-    /// bad file is refused at once and by name).
-    pub fn check(&self) -> Result<(), String> {
-        let id = tonic::transport::Identity::from_pem(&self.cert_pem, &self.key_pem);
-        tonic::transport::Server::builder()
-            .tls_config(tonic::transport::ServerTlsConfig::new().identity(id))
-            .map(|_| ())
-            .map_err(|e| {
-                let mut s = e.to_string();
-                let mut at = std::error::Error::source(&e);
-                while let Some(c) = at {
-                    s.push_str(&format!(": {c}"));
-                    at = c.source();
-                }
-                s
-            })
-    }
-}
-
-/// [`serve_grpc_tls`] in plaintext (loopback, or behind a proxy that terminates TLS).
-pub async fn serve_grpc(
-    service: Service,
-    listener: tokio::net::TcpListener,
-    shutdown: impl std::future::Future<Output = ()> + Send,
-    drain_timeout: Duration,
-) -> Result<(), tonic::transport::Error> {
-    serve_grpc_tls(service, listener, shutdown, drain_timeout, None, None).await
-}
-
-/// Serve `service` on `listener` with the standard gRPC health service (`grpc.health.v1.Health`:
-/// `""` and `tandem.v1.Verifier` SERVING), over TLS (rustls) when `tls` is given. When
-/// `shutdown` resolves it drains: health turns NOT_SERVING, new sessions are refused with
-/// UNAVAILABLE, open ones run until they end or `drain_timeout` passes (then their streams end
-/// with UNAVAILABLE), and the server stops. A certificate or key that does not parse is an error
-/// before anything is served.
-///
-/// With `health`, the same health service is served there too, in plaintext and alone (for
-/// probes that cannot speak TLS, such as Kubernetes' gRPC probes), with one more service name,
-/// [`LIVENESS`], SERVING for as long as the process serves (a drain does not turn it: a
-/// draining verifier is alive, only not ready).
-pub async fn serve_grpc_tls(
-    service: Service,
-    listener: tokio::net::TcpListener,
-    shutdown: impl std::future::Future<Output = ()> + Send,
-    drain_timeout: Duration,
-    tls: Option<&ServerTls>,
-    health_listener: Option<tokio::net::TcpListener>,
-) -> Result<(), tonic::transport::Error> {
-    let mut builder = tonic::transport::Server::builder()
-        .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
-        .http2_keepalive_interval(Some(KEEPALIVE))
-        .http2_keepalive_timeout(Some(KEEPALIVE))
-        .tcp_keepalive(Some(Duration::from_secs(30)));
-    if let Some(t) = tls {
-        let id = tonic::transport::Identity::from_pem(&t.cert_pem, &t.key_pem);
-        builder = builder.tls_config(tonic::transport::ServerTlsConfig::new().identity(id))?;
-    }
-    let (reporter, health) = tonic_health::server::health_reporter();
-    reporter.set_serving::<VerifierServer<Service>>().await;
-    reporter
-        .set_service_status("", tonic_health::ServingStatus::Serving)
-        .await;
-    reporter
-        .set_service_status(LIVENESS, tonic_health::ServingStatus::Serving)
-        .await;
-    if let Some(l) = health_listener {
-        let probes = tonic::transport::Server::builder()
-            .add_service(health.clone())
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l));
-        tokio::spawn(async move {
-            if let Err(e) = probes.await {
-                tracing::error!("the health listener stopped: {e}");
-            }
-        });
-    }
-    let (draining, batcher) = (service.draining.clone(), service.batcher.clone());
-    let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
-    let drain = async move {
-        shutdown.await;
-        draining.store(true, Ordering::Relaxed);
-        reporter.set_not_serving::<VerifierServer<Service>>().await;
-        reporter
-            .set_service_status("", tonic_health::ServingStatus::NotServing)
-            .await;
-        let deadline = tokio::time::Instant::now() + drain_timeout;
-        // The core stops admitting with the first Drain; its answer counts what is still open
-        // after it, so no session can slip in between the count and the shut-down.
-        loop {
-            match ask(&batcher, |reply| ToCloud::Drain { reply }).await {
-                Ok(0) | Err(_) => break,
-                Ok(_) if tokio::time::Instant::now() >= deadline => {
-                    let _ = ask(&batcher, |reply| ToCloud::ShutDown {
-                        reply: Box::new(move || reply(())),
-                    })
-                    .await;
-                    break;
-                }
-                Ok(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-            }
-        }
-        tracing::info!("drained");
-        let _ = drained_tx.send(());
-    };
-    let server = builder
-        .add_service(health)
-        .add_service(service.into_server())
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            drain,
-        );
-    // Once drained, connections get a moment to flush their last messages; one whose client does
-    // not read (its stream can never finish) does not hold the shutdown past it.
-    tokio::select! {
-        r = server => r,
-        _ = async {
-            if drained_rx.await.is_ok() {
-                tokio::time::sleep(DRAIN_GRACE).await;
-            } else {
-                std::future::pending::<()>().await;
-            }
-        } => {
-            tracing::warn!(
-                "connections still open {} ms after the drain: closing them",
-                DRAIN_GRACE.as_millis()
-            );
-            Ok(())
-        }
-    }
-}
-
-/// The health service name that stays SERVING while the process serves, draining or not (a
-/// liveness probe's; readiness asks for `""` or `tandem.v1.Verifier`, which a drain turns).
-pub const LIVENESS: &str = "liveness";
-
-/// Watch the batcher thread: the future resolves, with why, if it panics or ends while the server
-/// is not draining (every RPC would fail while health said SERVING); it never resolves when the
-/// batcher ends with a drain. The returned thread ends when the batcher has (join it to wait for
-/// the batcher's last work: the ledger's flush).
-pub fn batcher_failure<T: Send + 'static>(
-    batcher: std::thread::JoinHandle<T>,
-    draining: Arc<AtomicBool>,
-) -> (
-    impl std::future::Future<Output = String> + Send,
-    std::thread::JoinHandle<()>,
-) {
-    let (tx, rx) = tokio::sync::oneshot::channel::<String>();
-    let watcher = std::thread::spawn(move || {
-        let why = match batcher.join() {
-            Err(p) => {
-                let m = p
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| p.downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
-                Some(format!("the batcher panicked: {m}"))
-            }
-            Ok(_) if !draining.load(Ordering::Relaxed) => {
-                Some("the batcher stopped while serving".to_string())
-            }
-            Ok(_) => None,
-        };
-        if let Some(w) = why {
-            tracing::error!("{w}");
-            let _ = tx.send(w);
-        }
-    });
-    let failed = async move {
-        match rx.await {
-            Ok(why) => why,
-            Err(_) => std::future::pending().await,
-        }
-    };
-    (failed, watcher)
-}
-
-/// How long connections may take to flush after the drain before the server closes them.
-pub const DRAIN_GRACE: Duration = Duration::from_secs(1);
+pub use serve::{serve_grpc, serve_grpc_tls, ServerTls, DRAIN_GRACE, LIVENESS};
+pub use start::{start, start_with_ledger};
+pub use watchdog::batcher_failure;

@@ -283,18 +283,13 @@ impl LocalVerifier {
                         a.max_depth.max(r.spec.session.depth),
                     )
                 });
-        let info = tandem_cloud::grpc::ServiceInfo::new(
-            "in-process",
-            &r.target,
-            r.tokenizer,
-            len as u32,
-            depth as u32,
-        );
+        let info = tandem_cloud::grpc::ServiceInfo::new("in-process", &r.target, r.tokenizer);
         // The budget holds any block this edge may send, with its correction in front.
         let cfg = tandem_verifier::VerifierConfig {
             token_budget: tandem_verifier::VerifierConfig::default()
                 .token_budget
                 .max(len + 1),
+            load: tandem_cloud::grpc::serving_load(len as u32, depth as u32),
             ..tandem_verifier::VerifierConfig::default()
         };
         let (service, batcher) =

@@ -1,0 +1,155 @@
+//! Serving the gRPC service: the transport's limits and keepalive, TLS, the health service, and
+//! the drain on shutdown.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tandem_proto::v1::verifier_server::VerifierServer;
+
+use super::{ask, Service, KEEPALIVE, MAX_STREAMS_PER_CONNECTION};
+use crate::ToCloud;
+
+/// A verifier's TLS identity: its certificate chain and its private key, PEM.
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+}
+
+impl ServerTls {
+    /// Whether rustls takes the certificate and key (checked before a server starts, so that a
+    /// bad file is refused at once and by name).
+    pub fn check(&self) -> Result<(), String> {
+        let id = tonic::transport::Identity::from_pem(&self.cert_pem, &self.key_pem);
+        tonic::transport::Server::builder()
+            .tls_config(tonic::transport::ServerTlsConfig::new().identity(id))
+            .map(|_| ())
+            .map_err(|e| {
+                let mut s = e.to_string();
+                let mut at = std::error::Error::source(&e);
+                while let Some(c) = at {
+                    s.push_str(&format!(": {c}"));
+                    at = c.source();
+                }
+                s
+            })
+    }
+}
+
+/// [`serve_grpc_tls`] in plaintext (loopback, or behind a proxy that terminates TLS).
+pub async fn serve_grpc(
+    service: Service,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+    drain_timeout: Duration,
+) -> Result<(), tonic::transport::Error> {
+    serve_grpc_tls(service, listener, shutdown, drain_timeout, None, None).await
+}
+
+/// Serve `service` on `listener` with the standard gRPC health service (`grpc.health.v1.Health`:
+/// `""` and `tandem.v1.Verifier` SERVING), over TLS (rustls) when `tls` is given. When
+/// `shutdown` resolves it drains: health turns NOT_SERVING, new sessions are refused with
+/// UNAVAILABLE, open ones run until they end or `drain_timeout` passes (then their streams end
+/// with UNAVAILABLE), and the server stops. A certificate or key that does not parse is an error
+/// before anything is served.
+///
+/// With `health`, the same health service is served there too, in plaintext and alone (for
+/// probes that cannot speak TLS, such as Kubernetes' gRPC probes), with one more service name,
+/// [`LIVENESS`], SERVING for as long as the process serves (a drain does not turn it: a
+/// draining verifier is alive, only not ready).
+pub async fn serve_grpc_tls(
+    service: Service,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+    drain_timeout: Duration,
+    tls: Option<&ServerTls>,
+    health_listener: Option<tokio::net::TcpListener>,
+) -> Result<(), tonic::transport::Error> {
+    let mut builder = tonic::transport::Server::builder()
+        .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
+        .http2_keepalive_interval(Some(KEEPALIVE))
+        .http2_keepalive_timeout(Some(KEEPALIVE))
+        .tcp_keepalive(Some(Duration::from_secs(30)));
+    if let Some(t) = tls {
+        let id = tonic::transport::Identity::from_pem(&t.cert_pem, &t.key_pem);
+        builder = builder.tls_config(tonic::transport::ServerTlsConfig::new().identity(id))?;
+    }
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_serving::<VerifierServer<Service>>().await;
+    reporter
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+    reporter
+        .set_service_status(LIVENESS, tonic_health::ServingStatus::Serving)
+        .await;
+    if let Some(l) = health_listener {
+        let probes = tonic::transport::Server::builder()
+            .add_service(health.clone())
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l));
+        tokio::spawn(async move {
+            if let Err(e) = probes.await {
+                tracing::error!("the health listener stopped: {e}");
+            }
+        });
+    }
+    let (draining, batcher) = (service.draining.clone(), service.batcher.clone());
+    let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
+    let drain = async move {
+        shutdown.await;
+        draining.store(true, Ordering::Relaxed);
+        reporter.set_not_serving::<VerifierServer<Service>>().await;
+        reporter
+            .set_service_status("", tonic_health::ServingStatus::NotServing)
+            .await;
+        let deadline = tokio::time::Instant::now() + drain_timeout;
+        // The core stops admitting with the first Drain; its answer counts what is still open
+        // after it, so no session can slip in between the count and the shut-down.
+        loop {
+            match ask(&batcher, |reply| ToCloud::Drain { reply }).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) if tokio::time::Instant::now() >= deadline => {
+                    let _ = ask(&batcher, |reply| ToCloud::ShutDown {
+                        reply: Box::new(move || reply(())),
+                    })
+                    .await;
+                    break;
+                }
+                Ok(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+        tracing::info!("drained");
+        let _ = drained_tx.send(());
+    };
+    let server = builder
+        .add_service(health)
+        .add_service(service.into_server())
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            drain,
+        );
+    // Once drained, connections get a moment to flush their last messages; one whose client does
+    // not read (its stream can never finish) does not hold the shutdown past it.
+    tokio::select! {
+        r = server => r,
+        _ = async {
+            if drained_rx.await.is_ok() {
+                tokio::time::sleep(DRAIN_GRACE).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        } => {
+            tracing::warn!(
+                "connections still open {} ms after the drain: closing them",
+                DRAIN_GRACE.as_millis()
+            );
+            Ok(())
+        }
+    }
+}
+
+/// The health service name that stays SERVING while the process serves, draining or not (a
+/// liveness probe's; readiness asks for `""` or `tandem.v1.Verifier`, which a drain turns).
+pub const LIVENESS: &str = "liveness";
+
+/// How long connections may take to flush after the drain before the server closes them.
+pub const DRAIN_GRACE: Duration = Duration::from_secs(1);
