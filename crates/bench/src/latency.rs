@@ -129,14 +129,14 @@ pub struct Row {
     pub ttft_ms: f64,
     pub itl_ms: Summary,
     pub acceptance_rate: f64,
-    /// α counting a token tree's branch hits as accepted (= `acceptance_rate` without trees).
+    /// α counting a token tree's lane hits as accepted (= `acceptance_rate` without trees).
     pub tree_acceptance_rate: f64,
     pub mean_accepted: f64,
     pub wasted_draft_tokens: usize,
     pub drafted: usize,
     /// Token trees: side nodes sent and committed tokens a branch guessed.
     pub side_nodes: usize,
-    pub branch_hits: usize,
+    pub lane_hits: usize,
     pub tokens: usize,
     /// Measured draft forward, verifier forward and round trip (ms; speculative modes).
     pub draft_ms: f64,
@@ -309,9 +309,9 @@ fn fold(draft: &str, rtt: f64, mode: Mode, outs: &[GenOutput], want: &[Vec<u32>]
             .iter()
             .filter_map(|o| o.spec.as_ref().map(|s| s.side_nodes))
             .sum(),
-        branch_hits: outs
+        lane_hits: outs
             .iter()
-            .filter_map(|o| o.spec.as_ref().map(|s| s.branch_hits))
+            .filter_map(|o| o.spec.as_ref().map(|s| s.lane_hits))
             .sum(),
         mean_accepted: round2(spec(&|s| s.mean_accepted)),
         wasted_draft_tokens: outs

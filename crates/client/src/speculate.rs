@@ -24,10 +24,12 @@ pub struct SpecFields {
     pub drafted: usize,
     pub wasted_draft_tokens: usize,
     pub stale_blocks: usize,
-    /// Token trees: side nodes sent, and committed tokens a branch guessed.
+    /// Token trees: side nodes sent, and committed tokens a lane guessed where the main path
+    /// missed (JSON: `branch_hits`, its first name: this output only gains fields).
     pub side_nodes: usize,
-    pub branch_hits: usize,
-    /// α counting a branch's hit as accepted.
+    #[serde(rename = "branch_hits")]
+    pub lane_hits: usize,
+    /// α counting a lane's hit as accepted.
     pub tree_acceptance_rate: f64,
     pub target_forwards: u64,
     pub rounds: usize,
@@ -370,7 +372,7 @@ fn finish(
         wasted_draft_tokens: s.wasted_draft_tokens,
         stale_blocks: s.stale_blocks,
         side_nodes: s.side_nodes,
-        branch_hits: s.branch_hits,
+        lane_hits: s.lane_hits,
         tree_acceptance_rate: round2(s.tree_acceptance_rate() * 100.0) / 100.0,
         // Known for the in-process verifier; a shared remote one counts all its tenants'.
         target_forwards: 0,

@@ -66,8 +66,8 @@ impl Gauges {
         let (spec, gen) = v.counts();
         set(&self.sessions, spec);
         set(&self.generations, gen);
-        set(&self.kv_blocks_used, pool.num_blocks() - pool.num_free());
-        set(&self.kv_blocks_total, pool.num_blocks());
+        set(&self.kv_blocks_used, pool.num_pages() - pool.num_free());
+        set(&self.kv_blocks_total, pool.num_pages());
         set(&self.waiting_tokens, v.scheduler().waiting_tokens());
         let (running, waiting) = v.request_counts();
         set(&self.running, running);

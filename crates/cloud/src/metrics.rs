@@ -9,7 +9,7 @@
 //! `spec_decode_num_accepted_tokens_total`, `spec_decode_num_accepted_tokens_per_pos_total`.
 //! Tandem's own beside them: batch size, the time of a forward, a block's queue time, takeovers,
 //! refused sessions, prompt tokens waiting, tokens the verifier produced itself
-//! (`cloud_tokens_total`, of them `cloud_decoded_tokens_total`), per tenant verified positions,
+//! (`cloud_tokens_total`, of them `cloud_decoded_tokens_total`), per tenant positions computed to verify,
 //! drafted and accepted tokens (α = accepted / drafted), and `draft_acceptance_rate`: the share of
 //! drafted tokens accepted over the last few hundred, the gauge to alarm on (a broken draft — a
 //! wrong file, a mismatched quantization — is speculative decoding's most common failure, and
@@ -62,7 +62,7 @@ pub struct Metrics {
     pub takeovers: IntCounter,
     pub refused: IntCounter,
     /// Per tenant (label `tenant`, its name).
-    pub tenant_verified: IntCounterVec,
+    pub tenant_verify_positions: IntCounterVec,
     pub tenant_drafted: IntCounterVec,
     pub tenant_accepted: IntCounterVec,
     waiting: IntGauge,
@@ -174,9 +174,9 @@ impl Default for Metrics {
                 "Sessions refused at admission (saturated or over a tenant quota).",
             )
             .expect("valid"),
-            tenant_verified: IntCounterVec::new(
+            tenant_verify_positions: IntCounterVec::new(
                 Opts::new(
-                    "tandem:tenant_verified_positions_total",
+                    "tandem:tenant_verify_positions_total",
                     "Positions the target computed to verify the tenant's blocks: drafted tokens plus an unfed correction or bonus in front.",
                 ),
                 &["tenant"],
@@ -289,7 +289,7 @@ impl Default for Metrics {
             Box::new(m.preemptions.clone()),
             Box::new(m.takeovers.clone()),
             Box::new(m.refused.clone()),
-            Box::new(m.tenant_verified.clone()),
+            Box::new(m.tenant_verify_positions.clone()),
             Box::new(m.tenant_drafted.clone()),
             Box::new(m.tenant_accepted.clone()),
             Box::new(m.waiting.clone()),
@@ -359,7 +359,7 @@ impl Metrics {
                             .with_label_values(&[&pos.to_string()])
                             .inc();
                     }
-                    self.tenant_verified
+                    self.tenant_verify_positions
                         .with_label_values(&[&t])
                         .inc_by(positions as u64);
                     self.tenant_drafted
@@ -451,7 +451,11 @@ mod tests {
         let g = Gauges::default();
         // Series with labels show once they have one.
         let m = &g.metrics;
-        for v in [&m.tenant_verified, &m.tenant_drafted, &m.tenant_accepted] {
+        for v in [
+            &m.tenant_verify_positions,
+            &m.tenant_drafted,
+            &m.tenant_accepted,
+        ] {
             v.with_label_values(&["a"]);
         }
         m.accepted_per_pos.with_label_values(&["0"]);

@@ -204,7 +204,7 @@ impl DraftSeq {
     /// Plan the step that grows each leaf (`base` followed by `leaves[i]`) by one token: the KV
     /// is reconciled with the leaves now, and the chunk feeds what it lacks of each path (each
     /// tip always; paths that share a prefix share its new nodes).
-    pub fn plan(
+    pub fn grow_step(
         &mut self,
         engine: &mut Engine,
         base: &[u32],
@@ -363,7 +363,7 @@ impl<'a> EngineDrafter<'a> {
 
 impl Drafter for EngineDrafter<'_> {
     fn grow(&mut self, base: &[u32], leaves: &[Vec<u32>]) -> Result<Vec<Proposal>, EdgeError> {
-        let step = self.seq.plan(self.engine, base, leaves)?;
+        let step = self.seq.grow_step(self.engine, base, leaves)?;
         let logits = self.engine.forward(std::slice::from_ref(&step.chunk))?;
         self.seq.finish(step, &logits)
     }

@@ -508,7 +508,7 @@ fn committed_counts(
         stats.rejections += s.rejections;
         stats.stale_blocks += s.stale_blocks;
         stats.stale_verdicts += s.stale_verdicts;
-        stats.branch_hits += s.branch_hits;
+        stats.lane_hits += s.lane_hits;
         stats.side_nodes += s.side_nodes;
     }
     (counts, stats)
@@ -535,7 +535,7 @@ fn check(rule: VerifyRule) {
         );
         println!(
             "{rule:?}, {}: {} drafted, {} accepted, {} rejections (acceptance {:.3}), \
-             {} stale blocks, {} stale verdicts, {} side nodes, {} branch hits; the verifier: \
+             {} stale blocks, {} stale verdicts, {} side nodes, {} lane hits; the verifier: \
              {verified} blocks verified, {early} matched without a forward, {decoded} tokens decoded",
             case.name,
             stats.drafted,
@@ -545,7 +545,7 @@ fn check(rule: VerifyRule) {
             stats.stale_blocks,
             stats.stale_verdicts,
             stats.side_nodes,
-            stats.branch_hits,
+            stats.lane_hits,
         );
         for pos in 1..3 {
             let (x, dof) = chi2(&counts[pos], &want[pos]);
@@ -579,7 +579,7 @@ fn check(rule: VerifyRule) {
             case.name
         );
         assert!(
-            case.tree.side_nodes == 0 || stats.branch_hits > some,
+            case.tree.side_nodes == 0 || stats.lane_hits > some,
             "{rule:?}, {}: the branches must be committed often: {stats:?}",
             case.name
         );

@@ -139,8 +139,8 @@ fn sessions_share_one_forward_and_each_proposes_what_it_would_alone() {
         } else {
             vec![vec![9 + step as u32], vec![11]]
         };
-        let s1 = a.plan(&mut e, &base1, &leaves1).unwrap();
-        let s2 = b.plan(&mut e, &base2, &leaves2).unwrap();
+        let s1 = a.grow_step(&mut e, &base1, &leaves1).unwrap();
+        let s2 = b.grow_step(&mut e, &base2, &leaves2).unwrap();
         let logits = e.forward(&[s1.chunk.clone(), s2.chunk.clone()]).unwrap();
         let g1 = a.finish(s1, &logits).unwrap();
         let g2 = b.finish(s2, &logits).unwrap();

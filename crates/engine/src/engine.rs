@@ -238,7 +238,7 @@ impl Engine {
     /// V of slots `path` move to slots `len..` of `table`. The caller owns the length (now
     /// `len + path.len()`) and the tree's shape (a verifier's tree is the chunk it just ran).
     pub fn keep_path_paged(&mut self, table: &[u32], len: usize, path: &[usize]) -> Result<()> {
-        let bs = self.kv.tables.block_size();
+        let bs = self.kv.tables.page_size();
         let cap = table.len() * bs;
         if path.iter().any(|&s| s >= cap) || path.windows(2).any(|w| w[0] >= w[1]) {
             return Err(EngineError::InvalidBatch(format!(
@@ -341,7 +341,7 @@ impl Engine {
                 batch.len()
             )));
         }
-        let (bs, nb) = (self.kv.tables.block_size(), self.kv.tables.num_blocks());
+        let (bs, nb) = (self.kv.tables.page_size(), self.kv.tables.num_pages());
         let mut used = HashSet::new();
         for (s, t) in batch.iter().zip(tables) {
             let need = (s.start_pos + s.tokens.len()).div_ceil(bs);
@@ -428,7 +428,7 @@ impl Engine {
         ctx: &[NodeCtx],
         observe: Option<Observer<'_>>,
     ) -> Result<Logits> {
-        let bs = self.kv.tables.block_size();
+        let bs = self.kv.tables.page_size();
         let slots: Vec<usize> = batch
             .iter()
             .zip(tables)
@@ -488,7 +488,7 @@ fn contexts(chunk: &SeqChunk, tail: &[NodeCtx], all: &mut Vec<NodeCtx>) -> Resul
 /// Move the K and V of `table`'s slots `path[i]` to slot `len + i`, every layer (ascending slots
 /// at or above `len`: each copy goes down, onto a slot already read).
 fn copy_slots(kv: &mut PagedKvCache, table: &[u32], len: usize, path: &[usize]) {
-    let bs = kv.tables.block_size();
+    let bs = kv.tables.page_size();
     let d = kv.kv_dim;
     let phys = |s: usize| table[s / bs] as usize * bs + s % bs;
     for (i, &from) in path.iter().enumerate() {

@@ -1,6 +1,6 @@
 //! Paged KV cache: fixed-size blocks of `block_size` token slots from one pool sized by a memory
 //! budget, and a block table per sequence. The blocks come from Tandem's one allocator,
-//! [`tandem_sched::BlockPool`]: the verifier's scheduler hands the engine its tables
+//! [`tandem_sched::PagePool`]: the verifier's scheduler hands the engine its tables
 //! ([`crate::Engine::forward_paged`]); an engine that runs its own sequences keeps them in
 //! [`Sequences`] (lengths over a pool keyed by sequence). [`PagedKvCache`] adds the f32 storage
 //! the attention reads.
@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use tandem_sched::{BlockPool, SchedError};
+use tandem_sched::{PagePool, SchedError};
 
 use crate::error::{EngineError, Result};
 
@@ -25,10 +25,10 @@ impl fmt::Display for SeqId {
 }
 
 /// The sequences an engine runs on its own: their lengths, and their KV blocks from the one
-/// allocator ([`tandem_sched::BlockPool`], keyed by sequence). No tensors.
+/// allocator ([`tandem_sched::PagePool`], keyed by sequence). No tensors.
 #[derive(Debug, Clone)]
 pub struct Sequences {
-    pool: BlockPool<SeqId>,
+    pool: PagePool<SeqId>,
     lens: HashMap<SeqId, usize>,
 }
 
@@ -36,7 +36,7 @@ impl Sequences {
     /// `num_blocks` blocks of `block_size` slots; both at least 1 ([`PagedKvCache::new`] checks).
     pub fn new(num_blocks: usize, block_size: usize) -> Result<Self> {
         Ok(Self {
-            pool: BlockPool::new(num_blocks, block_size).map_err(|e| {
+            pool: PagePool::new(num_blocks, block_size).map_err(|e| {
                 EngineError::InvalidSetting {
                     field: "kv_blocks",
                     message: e.to_string(),
@@ -46,11 +46,11 @@ impl Sequences {
         })
     }
 
-    pub fn block_size(&self) -> usize {
-        self.pool.block_size()
+    pub fn page_size(&self) -> usize {
+        self.pool.page_size()
     }
-    pub fn num_blocks(&self) -> usize {
-        self.pool.num_blocks()
+    pub fn num_pages(&self) -> usize {
+        self.pool.num_pages()
     }
     pub fn num_free_blocks(&self) -> usize {
         self.pool.num_free()
@@ -76,8 +76,8 @@ impl Sequences {
             SchedError::OutOfBlocks { needed, free } => EngineError::OutOfBlocks {
                 needed,
                 free,
-                total: self.pool.num_blocks(),
-                block_size: self.pool.block_size(),
+                total: self.pool.num_pages(),
+                block_size: self.pool.page_size(),
             },
             e => EngineError::InvalidBatch(e.to_string()),
         })?;
@@ -177,7 +177,7 @@ impl PagedKvCache {
 
     /// Capacity in tokens.
     pub fn capacity_tokens(&self) -> usize {
-        self.tables.num_blocks() * self.tables.block_size()
+        self.tables.num_pages() * self.tables.page_size()
     }
 }
 

@@ -358,7 +358,7 @@ impl World {
         let pool = self.core.scheduler().pool();
         assert_eq!(
             pool.num_free(),
-            pool.num_blocks(),
+            pool.num_pages(),
             "every KV block is free once every session is closed"
         );
     }

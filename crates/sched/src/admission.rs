@@ -36,14 +36,14 @@ impl Scheduler {
             .tenants
             .get(&tenant)
             .ok_or(SchedError::UnknownTenant(tenant))?;
-        let capacity = self.pool.num_blocks() * self.pool.block_size();
+        let capacity = self.pool.num_pages() * self.pool.page_size();
         if prompt_len == 0 || prompt_len > capacity {
             return Err(SchedError::PromptTooLarge {
                 len: prompt_len,
                 capacity,
             });
         }
-        if self.pool.blocks_for(prompt_len) > self.block_capacity(tenant) {
+        if self.pool.pages_for(prompt_len) > self.block_capacity(tenant) {
             return Err(SchedError::QuotaExceeded {
                 tenant,
                 what: "KV blocks (for this prompt)",

@@ -6,7 +6,7 @@ use super::*;
 impl Scheduler {
     /// `tenant`'s weighted share of the pool, in blocks.
     pub(crate) fn kv_share(&self, tenant: TenantId) -> usize {
-        (self.share(tenant) * self.pool.num_blocks() as f64).ceil() as usize
+        (self.share(tenant) * self.pool.num_pages() as f64).ceil() as usize
     }
 
     /// The default KV quota between tenants: the tenants that hold more than their weighted

@@ -10,7 +10,7 @@
 //! recently active other session is preempted: its KV is dropped and recomputed later from its
 //! committed tokens — the session and its committed tokens are never dropped.
 //!
-//! The shell calls [`Scheduler::schedule`], runs the returned [`StepPlan`] as one ragged forward,
+//! The shell calls [`Scheduler::schedule`], runs the returned [`Batch`] as one ragged forward,
 //! and reports each session's KV length after it (a rejection truncates) with
 //! [`Scheduler::update`].
 
@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-pub use pool::BlockPool;
+pub use pool::PagePool;
 
 /// A session, speculation or cloud-only generation, as the verifier numbers it.
 #[derive(
@@ -165,8 +165,10 @@ impl TenantConfig {
 pub enum WorkKind {
     /// Prompt prefill, or recomputing a preempted session's committed history.
     Prefill,
-    /// A verify block (with any unfed committed token in front).
-    Verify,
+    /// Decoding: a speculation session's draft block to verify, or the one token the verifier
+    /// decodes itself (a taken-over session, a cloud-only generation), with any unfed committed
+    /// token in front.
+    Decode,
 }
 
 /// One session's share of an iteration: compute positions `start .. start + len`.
@@ -176,13 +178,13 @@ pub struct Chunk {
     pub start: usize,
     pub len: usize,
     pub kind: WorkKind,
-    /// The session's block table, holding at least `start + len` slots.
-    pub blocks: Vec<u32>,
+    /// The session's KV page table, holding at least `start + len` slots.
+    pub pages: Vec<u32>,
 }
 
 /// What to run this iteration.
 #[derive(Debug, Clone, PartialEq, Default, Serialize)]
-pub struct StepPlan {
+pub struct Batch {
     pub iteration: u64,
     pub chunks: Vec<Chunk>,
     /// Sessions whose KV was dropped to make room; they recompute later.
@@ -192,7 +194,7 @@ pub struct StepPlan {
     pub contended: bool,
 }
 
-impl StepPlan {
+impl Batch {
     pub fn tokens(&self) -> usize {
         self.chunks.iter().map(|c| c.len).sum()
     }
@@ -254,7 +256,7 @@ pub struct SchedStats {
 
 pub struct Scheduler {
     cfg: SchedConfig,
-    pool: BlockPool,
+    pool: PagePool,
     sessions: BTreeMap<SessionId, Session>,
     tenants: BTreeMap<TenantId, Tenant>,
     iteration: u64,
@@ -282,7 +284,7 @@ impl Scheduler {
         }
         check_contended_budget(cfg.contended_budget)?;
         Ok(Self {
-            pool: BlockPool::new(cfg.num_blocks, cfg.block_size)?,
+            pool: PagePool::new(cfg.num_blocks, cfg.block_size)?,
             cfg,
             sessions: BTreeMap::new(),
             tenants: BTreeMap::new(),
@@ -299,7 +301,7 @@ impl Scheduler {
         Ok(())
     }
 
-    pub fn pool(&self) -> &BlockPool {
+    pub fn pool(&self) -> &PagePool {
         &self.pool
     }
     pub fn stats(&self) -> SchedStats {
@@ -413,7 +415,7 @@ impl Scheduler {
     /// Blocks a session of `tenant` may ever hold: the pool, or less under its quota.
     fn block_capacity(&self, tenant: TenantId) -> usize {
         let quota = self.tenants.get(&tenant).and_then(|t| t.cfg.max_kv_blocks);
-        quota.map_or(self.pool.num_blocks(), |q| q.min(self.pool.num_blocks()))
+        quota.map_or(self.pool.num_pages(), |q| q.min(self.pool.num_pages()))
     }
 
     /// A verify block of `len` tokens arrived for `id` (to be computed whole, after what is known).
@@ -465,7 +467,7 @@ impl Scheduler {
             queued -= s.verifies.back().ok_or(SchedError::UnknownSession(id))?.0;
         }
         let tokens = s.known + queued + len;
-        let (needed, capacity) = (self.pool.blocks_for(tokens), self.block_capacity(s.tenant));
+        let (needed, capacity) = (self.pool.pages_for(tokens), self.block_capacity(s.tenant));
         if needed > capacity {
             return Err(SchedError::CannotFit {
                 tokens,
@@ -502,7 +504,7 @@ impl Scheduler {
             .sessions
             .iter()
             .filter(|(_, s)| match kind {
-                WorkKind::Verify => s.computed == s.known && !s.verifies.is_empty(),
+                WorkKind::Decode => s.computed == s.known && !s.verifies.is_empty(),
                 WorkKind::Prefill => s.needs_compute(),
             })
             .map(|(id, s)| {
@@ -510,7 +512,7 @@ impl Scheduler {
                 // Verify: oldest block first. Prefill: least recently served first, so one long
                 // prompt does not hold the others back until it is done.
                 let since = match kind {
-                    WorkKind::Verify => s.verifies.front().map_or(0, |v| v.1),
+                    WorkKind::Decode => s.verifies.front().map_or(0, |v| v.1),
                     WorkKind::Prefill => s.last_active,
                 };
                 (vt, since, *id)
@@ -543,14 +545,14 @@ impl Scheduler {
     }
 
     /// Plan the next iteration; `now_ms` is the shell's clock, for the rate quotas.
-    pub fn schedule(&mut self, now_ms: u64) -> StepPlan {
+    pub fn schedule(&mut self, now_ms: u64) -> Batch {
         self.refill(now_ms);
         self.now_ms = self.now_ms.max(now_ms);
         self.iteration += 1;
         self.stats.iterations += 1;
-        let mut plan = StepPlan {
+        let mut plan = Batch {
             iteration: self.iteration,
-            ..StepPlan::default()
+            ..Batch::default()
         };
         plan.contended = self.contended();
         let full = self.budget_when(plan.contended);
@@ -573,7 +575,7 @@ impl Scheduler {
         // Verify blocks first, whole, one per session, in fair order (re-sorted after each charge).
         loop {
             let next = self
-                .candidates(WorkKind::Verify)
+                .candidates(WorkKind::Decode)
                 .into_iter()
                 .find(|id| !taken.contains(id));
             let Some(id) = next else { break };
@@ -635,8 +637,8 @@ impl Scheduler {
                 session: id,
                 start,
                 len,
-                kind: WorkKind::Verify,
-                blocks: self.pool.table(id).to_vec(),
+                kind: WorkKind::Decode,
+                pages: self.pool.table(id).to_vec(),
             });
         }
         // While sessions decode (verify work ran), prompts get at most a quarter of the budget
@@ -661,7 +663,7 @@ impl Scheduler {
             if !self.within_rate(tenant) {
                 continue;
             }
-            let bs = self.pool.block_size();
+            let bs = self.pool.page_size();
             let want = (known - start).min(budget);
             loop {
                 let free = self.pool.num_free().min(self.tenant_room(tenant));
@@ -691,8 +693,8 @@ impl Scheduler {
                 }
             }
             let free = self.pool.num_free().min(self.tenant_room(tenant));
-            let room = free * self.pool.block_size()
-                + (self.pool.held(id) * self.pool.block_size()).saturating_sub(start);
+            let room = free * self.pool.page_size()
+                + (self.pool.held(id) * self.pool.page_size()).saturating_sub(start);
             let len = (known - start).min(budget).min(room);
             if len == 0 {
                 continue;
@@ -712,7 +714,7 @@ impl Scheduler {
                 start,
                 len,
                 kind: WorkKind::Prefill,
-                blocks: self.pool.table(id).to_vec(),
+                pages: self.pool.table(id).to_vec(),
             });
         }
         plan
@@ -722,7 +724,7 @@ impl Scheduler {
     /// (a rejection truncates), and for a chunk whose forward failed, its start (nothing was
     /// computed); prefill chunks not listed computed what they were given. Whatever the cloud
     /// committed is then known.
-    pub fn update(&mut self, plan: &StepPlan, kv_len: &[(SessionId, usize)]) {
+    pub fn update(&mut self, plan: &Batch, kv_len: &[(SessionId, usize)]) {
         for c in &plan.chunks {
             let Some(s) = self.sessions.get_mut(&c.session) else {
                 continue; // closed meanwhile
@@ -731,7 +733,7 @@ impl Scheduler {
             if let Some(&(_, kv)) = kv_len.iter().find(|(id, _)| *id == c.session) {
                 end = end.min(kv);
             }
-            if c.kind == WorkKind::Verify {
+            if c.kind == WorkKind::Decode {
                 s.known = end;
             }
             s.computed = end;

@@ -1,23 +1,25 @@
-//! Fixed-size KV blocks: allocate, free, truncate. Every block is either free or owned by exactly one
+//! Fixed-size KV pages: allocate, free, truncate. Every page is either free or owned by exactly one
 //! owner. This is Tandem's one KV allocator: the scheduler owns one for the verifier's sessions
-//! (the engine stores K and V in the blocks it hands out), and an engine that runs its own
-//! sequences (the edge's draft, tests, calibration) keeps one keyed by its sequence ids.
+//! (the engine stores K and V in the pages it hands out), and an engine that runs its own
+//! sequences (the edge's draft, tests, calibration) keeps one keyed by its sequence ids. (The
+//! flags, metrics and wire fields keep their older name, KV *blocks*: `--max-kv-blocks`,
+//! `kv_blocks_used`; in the code a *block* is a draft block.)
 
 use std::collections::HashMap;
 use std::hash::Hash;
 
 use crate::{SchedError, SessionId};
 
-/// Blocks of `block_size` token slots, each free or owned by one `K`.
+/// Pages of `page_size` token slots, each free or owned by one `K`.
 #[derive(Debug, Clone)]
-pub struct BlockPool<K = SessionId> {
+pub struct PagePool<K = SessionId> {
     block_size: usize,
     num_blocks: usize,
     free: Vec<u32>,
     owned: HashMap<K, Vec<u32>>,
 }
 
-impl<K: Copy + Eq + Hash> BlockPool<K> {
+impl<K: Copy + Eq + Hash> PagePool<K> {
     pub fn new(num_blocks: usize, block_size: usize) -> Result<Self, SchedError> {
         if num_blocks == 0 || block_size == 0 {
             return Err(SchedError::InvalidConfig(
@@ -33,17 +35,17 @@ impl<K: Copy + Eq + Hash> BlockPool<K> {
         })
     }
 
-    pub fn block_size(&self) -> usize {
+    pub fn page_size(&self) -> usize {
         self.block_size
     }
-    pub fn num_blocks(&self) -> usize {
+    pub fn num_pages(&self) -> usize {
         self.num_blocks
     }
     pub fn num_free(&self) -> usize {
         self.free.len()
     }
     /// Blocks needed to hold `tokens` token slots.
-    pub fn blocks_for(&self, tokens: usize) -> usize {
+    pub fn pages_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.block_size)
     }
     pub fn table(&self, s: K) -> &[u32] {
@@ -55,7 +57,7 @@ impl<K: Copy + Eq + Hash> BlockPool<K> {
 
     /// Extra blocks `s` needs to hold `tokens` slots.
     pub fn shortfall(&self, s: K, tokens: usize) -> usize {
-        self.blocks_for(tokens).saturating_sub(self.held(s))
+        self.pages_for(tokens).saturating_sub(self.held(s))
     }
 
     /// Grow `s` to hold `tokens` slots; all or nothing.
@@ -98,7 +100,7 @@ impl<K: Copy + Eq + Hash> BlockPool<K> {
 
     /// Keep only the blocks `s` needs for `tokens` slots.
     pub fn truncate(&mut self, s: K, tokens: usize) {
-        let keep = self.blocks_for(tokens);
+        let keep = self.pages_for(tokens);
         if let Some(t) = self.owned.get_mut(&s) {
             while t.len() > keep {
                 let b = t.pop().expect("len > keep ≥ 0");

@@ -29,7 +29,7 @@ fn a_long_prefill_never_delays_a_verify() {
         s.enqueue_verify(SessionId(2), 5).unwrap();
         let p = s.schedule(0);
         assert_eq!(p.chunks[0].session, SessionId(2), "{p:?}");
-        assert_eq!(p.chunks[0].kind, WorkKind::Verify);
+        assert_eq!(p.chunks[0].kind, WorkKind::Decode);
         assert!(p.tokens() <= 16);
         let kv = p.chunks[0].start + 3; // two positions rejected
         s.update(&p, &[(SessionId(2), kv)]);
@@ -95,7 +95,7 @@ fn a_full_pool_preempts_the_least_recently_active_session() {
     s.update(&p, &[]);
     assert_eq!(s.sessions[&SessionId(1)].computed, 8);
     let p = s.schedule(0);
-    assert_eq!((p.chunks[0].kind, p.chunks[0].start), (WorkKind::Verify, 8));
+    assert_eq!((p.chunks[0].kind, p.chunks[0].start), (WorkKind::Decode, 8));
     assert!(s.pool().conserved());
 }
 
@@ -235,7 +235,7 @@ fn an_idle_session_gives_its_kv_to_a_waiting_prompt() {
     assert_eq!((p.chunks[0].session, p.chunks[0].len), (SessionId(1), 12));
     s.update(&p, &[]);
     let p = s.schedule(0);
-    assert_eq!(p.chunks[0].kind, WorkKind::Verify);
+    assert_eq!(p.chunks[0].kind, WorkKind::Decode);
     assert!(s.pool().conserved());
 }
 
@@ -352,17 +352,17 @@ fn the_evictor_is_billed_for_the_victims_recompute() {
     );
     // Its own work after that is its own again.
     let p = s.schedule(0);
-    assert_eq!(p.chunks[0].kind, WorkKind::Verify);
+    assert_eq!(p.chunks[0].kind, WorkKind::Decode);
     s.update(&p, &[]);
     assert_eq!(s.tenant_billed(TenantId(1)), 8 + 2);
 }
 
 /// The forward of `p` ran: every verify chunk's tokens are in its KV.
-fn update_verified(s: &mut Scheduler, p: &StepPlan) {
+fn update_verified(s: &mut Scheduler, p: &Batch) {
     let kv: Vec<_> = p
         .chunks
         .iter()
-        .filter(|c| c.kind == WorkKind::Verify)
+        .filter(|c| c.kind == WorkKind::Decode)
         .map(|c| (c.session, c.start + c.len))
         .collect();
     s.update(p, &kv);
@@ -436,7 +436,7 @@ fn prompts_take_at_most_a_quarter_of_a_forward_while_sessions_decode() {
             .filter(|c| c.kind == WorkKind::Prefill)
             .map(|c| c.len)
             .sum();
-        assert!(p.chunks.iter().any(|c| c.kind == WorkKind::Verify));
+        assert!(p.chunks.iter().any(|c| c.kind == WorkKind::Decode));
         assert!(prefill <= 16, "{prefill} prompt tokens beside a decode");
         update_verified(&mut s, &p);
     }
@@ -473,7 +473,7 @@ fn while_two_tenants_are_open_forwards_keep_to_the_contended_budget() {
             }
             let p = s.schedule(0);
             update_verified(s, &p);
-            if p.chunks.iter().all(|c| c.kind == WorkKind::Verify) {
+            if p.chunks.iter().all(|c| c.kind == WorkKind::Decode) {
                 return p;
             }
         }
@@ -584,7 +584,7 @@ fn a_prompt_within_its_tenants_share_takes_room_from_a_busy_tenant_over_its_shar
         let kv: Vec<_> = p
             .chunks
             .iter()
-            .filter(|c| c.kind == WorkKind::Verify)
+            .filter(|c| c.kind == WorkKind::Decode)
             .map(|c| (c.session, c.start))
             .collect();
         s.update(&p, &kv);

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
-use tandem_sched::{SchedConfig, Scheduler, SessionId, StepPlan, TenantConfig, TenantId, WorkKind};
+use tandem_sched::{Batch, SchedConfig, Scheduler, SessionId, TenantConfig, TenantId, WorkKind};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -35,8 +35,8 @@ fn step(
     reject: &[usize],
     known: &mut BTreeMap<SessionId, usize>,
     open: &[SessionId],
-) -> Result<StepPlan, TestCaseError> {
-    let (budget, block_size) = (s.config().token_budget, s.pool().block_size());
+) -> Result<Batch, TestCaseError> {
+    let (budget, block_size) = (s.config().token_budget, s.pool().page_size());
     let p = s.schedule(now_ms);
     prop_assert!(p.tokens() <= budget, "{} > {budget}", p.tokens());
     prop_assert!(s.pool().conserved());
@@ -44,7 +44,7 @@ fn step(
     for c in &p.chunks {
         prop_assert!(seen.insert(c.session), "one chunk per session");
         prop_assert!(c.len > 0);
-        prop_assert!(c.blocks.len() * block_size >= c.start + c.len);
+        prop_assert!(c.pages.len() * block_size >= c.start + c.len);
         if c.kind == WorkKind::Prefill {
             prop_assert!(c.start + c.len <= known[&c.session]);
         } else {
@@ -55,7 +55,7 @@ fn step(
     let kv: Vec<(SessionId, usize)> = p
         .chunks
         .iter()
-        .filter(|c| c.kind == WorkKind::Verify)
+        .filter(|c| c.kind == WorkKind::Decode)
         .enumerate()
         .map(|(i, c)| {
             let r = reject.get(i).copied().unwrap_or(0).min(c.len - 1);
@@ -68,7 +68,7 @@ fn step(
     }
     prop_assert!(s.pool().conserved());
     for &id in open {
-        prop_assert!(s.pool().held(id) <= s.pool().blocks_for(known[&id]));
+        prop_assert!(s.pool().held(id) <= s.pool().pages_for(known[&id]));
     }
     Ok(p)
 }

@@ -608,7 +608,7 @@ impl Sim {
                 let st = *p.stats();
                 self.accepted += st.accepted as u64;
                 self.judged += (st.accepted + st.rejections) as u64;
-                self.lane_hits += st.branch_hits as u64;
+                self.lane_hits += st.lane_hits as u64;
                 self.finish(sid);
             }
         }

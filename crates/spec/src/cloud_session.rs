@@ -88,7 +88,7 @@ pub struct Finished {
     /// otherwise.
     pub keep: Vec<usize>,
     /// The forward fed only the first positions of a longer block (see
-    /// [`CloudSession::plan_block_within`]) and the target followed the block through them and
+    /// [`CloudSession::block_action_within`]) and the target followed the block through them and
     /// on to its next token (of a tree: one of the children below the last node fed): they are
     /// committed, the block is not answered yet (the verdict is not
     /// for the edge), and it goes on in a later forward. The `accepted + 1` tokens committed (at
@@ -246,18 +246,22 @@ impl CloudSession {
     /// Plan the oldest queued block now: stale, covered, contradicted (the epoch moves on), or
     /// the forward that verifies its tokens past the committed ones. A current block that starts
     /// beyond the committed tokens skipped some: refused by name.
-    pub fn plan_block(&mut self, b: &Block) -> Result<BlockAction, SpecError> {
-        self.plan_block_within(b, usize::MAX)
+    pub fn block_action(&mut self, b: &Block) -> Result<BlockAction, SpecError> {
+        self.block_action_within(b, usize::MAX)
     }
 
-    /// [`plan_block`](Self::plan_block), feeding at most `most` positions of a block past the
+    /// [`block_action`](Self::block_action), feeding at most `most` positions of a block past the
     /// committed ones (the γ granted now, when the block was drafted under a larger grant; at
     /// least one): a linear block's next `most` tokens, a token tree's nodes at most `most`
     /// below where the committed tokens reached. A block trimmed, not refused: its verdict comes
     /// once it is judged to its end or rejected, over as many forwards as it takes
     /// ([`Finished::partial`]). The block itself stays whole, so that every plan walks it from
     /// its start, as the edge does, and the verdict names its path in the block's own terms.
-    pub fn plan_block_within(&mut self, b: &Block, most: usize) -> Result<BlockAction, SpecError> {
+    pub fn block_action_within(
+        &mut self,
+        b: &Block,
+        most: usize,
+    ) -> Result<BlockAction, SpecError> {
         if b.epoch < self.epoch {
             return Ok(BlockAction::Stale);
         }
@@ -311,7 +315,7 @@ impl CloudSession {
         Ok(())
     }
 
-    /// [`plan_block`](Self::plan_block) for a token tree: walk it along the committed tokens
+    /// [`block_action`](Self::block_action) for a token tree: walk it along the committed tokens
     /// (a diversion into a side path moves nothing; leaving the tree moves the epoch), then feed
     /// the subtree below where the walk stopped, to `most` levels — only the committed token when
     /// that is a lane that ended inside the block, whose verdict is then a correction.
@@ -396,7 +400,7 @@ impl CloudSession {
     }
 
     /// Fold the target's logits for `b` (rows in the order of the plan's `logits_at`, as planned
-    /// by [`plan_block`](Self::plan_block) just before, in `feed`) into the verdict, and move the
+    /// by [`block_action`](Self::block_action) just before, in `feed`) into the verdict, and move the
     /// session on: the accepted run and the correction or bonus are committed.
     pub fn finish(
         &mut self,

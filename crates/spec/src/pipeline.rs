@@ -146,7 +146,7 @@ pub struct PipelineStats {
     pub cloud_tokens: usize,
     /// Committed tokens that a lane of the draft tree guessed where the main path missed (each
     /// also counts as a rejection of the main path's token).
-    pub branch_hits: usize,
+    pub lane_hits: usize,
     /// Side nodes sent.
     pub side_nodes: usize,
     /// Blocks dropped unanswered: made stale by an earlier rejection, lost with a connection, or
@@ -206,7 +206,7 @@ impl PipelineStats {
         if judged == 0 {
             0.0
         } else {
-            (self.accepted + self.branch_hits) as f64 / judged as f64
+            (self.accepted + self.lane_hits) as f64 / judged as f64
         }
     }
     /// Mean tokens committed per verdict (its verified run plus the cloud's token), E[A].
@@ -555,7 +555,7 @@ impl Pipeline {
             }
             if let Some(k) = self.lane_with(pos, token) {
                 // A lane guessed it: it is the main path now, in the blocks behind as well.
-                self.stats.branch_hits += 1;
+                self.stats.lane_hits += 1;
                 self.stats.wasted_draft_tokens += self.switch_to(k, pos);
             } else {
                 self.stats.wasted_draft_tokens += self.tokens.len().saturating_sub(pos);

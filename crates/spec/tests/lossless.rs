@@ -185,7 +185,7 @@ impl Cloud {
             return Ok(None);
         }
         while let Some(b) = self.queue.front().cloned() {
-            match self.session.plan_block(&b) {
+            match self.session.block_action(&b) {
                 Ok(
                     BlockAction::Stale | BlockAction::Covered | BlockAction::Contradicted { .. },
                 ) => {

@@ -6,7 +6,7 @@
 use tandem_sched::SessionId;
 use tandem_spec::{Block, BlockAction};
 
-use crate::session::{Event, Planned, Work};
+use crate::session::{Event, Scheduled, Work};
 use crate::verifier_core::{VerifierCore, MAX_QUEUED_BLOCKS};
 use crate::{Target, VerifierError};
 
@@ -109,8 +109,8 @@ impl<T: Target, H> VerifierCore<T, H> {
         // A decode step not yet run becomes a block's verify when a usable block is queued.
         let upgrade = match planned {
             None => false,
-            Some(Planned::Decode { .. }) => true,
-            Some(Planned::Verify { .. }) => return,
+            Some(Scheduled::Decode { .. }) => true,
+            Some(Scheduled::Verify { .. }) => return,
         };
         if vs.committed_len() >= *limit || vs.committed().last().is_some_and(|t| eog.contains(t)) {
             return; // the edge has every token it asked for and closes
@@ -127,7 +127,7 @@ impl<T: Target, H> VerifierCore<T, H> {
         // token tree diverted, moves the epoch):
         // a plan to verify, or a refusal, leaves it as it was, so nothing needs putting back.
         while let Some(b) = queue.front() {
-            let action = vs.plan_block_within(b, most);
+            let action = vs.block_action_within(b, most);
             tracing::debug!(
                 session = id.0,
                 committed = vs.committed_len(),
@@ -180,7 +180,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                         return;
                     }
                     let block = queue.pop_front().expect("invariant: front");
-                    *planned = Some(Planned::Verify { block, feed });
+                    *planned = Some(Scheduled::Verify { block, feed });
                     *waiting_since = None;
                     return;
                 }
@@ -208,7 +208,7 @@ impl<T: Target, H> VerifierCore<T, H> {
         };
         match vs.plan_decode() {
             Ok(feed) => match self.sched.enqueue_verify(id, feed.tokens.len()) {
-                Ok(()) => *planned = Some(Planned::Decode { feed }),
+                Ok(()) => *planned = Some(Scheduled::Decode { feed }),
                 Err(e) => {
                     events.push(fatal(e.into()));
                     self.ended.push(id);

@@ -64,7 +64,7 @@ impl Event {
 }
 
 /// The forward planned for a speculation session: one chunk per session per forward.
-pub(crate) enum Planned {
+pub(crate) enum Scheduled {
     /// Verify a block's tokens past the committed ones (planning moved nothing: a failed
     /// forward only puts the block back).
     Verify { block: Block, feed: Feed },
@@ -72,10 +72,10 @@ pub(crate) enum Planned {
     Decode { feed: Feed },
 }
 
-impl Planned {
+impl Scheduled {
     pub fn feed(&self) -> &Feed {
         match self {
-            Planned::Verify { feed, .. } | Planned::Decode { feed } => feed,
+            Scheduled::Verify { feed, .. } | Scheduled::Decode { feed } => feed,
         }
     }
 }
@@ -115,7 +115,7 @@ pub(crate) enum Work {
         /// Blocks received, planned in order when the session's next forward is.
         queue: VecDeque<Block>,
         /// The forward planned for the session (None: nothing to do, or not yet prefilled).
-        planned: Option<Planned>,
+        planned: Option<Scheduled>,
         /// How often its drafts turn out right: whether verifying its blocks pays.
         draft: DraftRecord,
         /// Since when (the driver's µs) it has waited for its edge's next block with nothing
@@ -254,7 +254,7 @@ impl<H> Session<H> {
                 epoch: vs.as_ref().map_or(0, |v| v.epoch()),
                 verified_positions: vs.as_ref().map_or(0, |v| v.verified_positions),
                 queued_blocks: queue.len(),
-                verifying: matches!(planned, Some(Planned::Verify { .. })),
+                verifying: matches!(planned, Some(Scheduled::Verify { .. })),
                 prefilled: vs.is_some(),
             },
             Work::Generation { next, produced, .. } => SessionState {

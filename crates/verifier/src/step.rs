@@ -2,11 +2,11 @@
 //! and the verdicts and tokens folded from its logits.
 
 use tandem_engine::{EngineError, Logits, Parent, SeqChunk, SeqId, Wanted};
-use tandem_sched::{SessionId, StepPlan, WorkKind};
+use tandem_sched::{Batch, SessionId, WorkKind};
 use tandem_spec::sampling::sample;
 use tandem_spec::{CloudSession, Decoded, Verdict};
 
-use crate::session::{Event, Planned, Work};
+use crate::session::{Event, Scheduled, Work};
 use crate::verifier_core::VerifierCore;
 use crate::{Target, VerifierError};
 
@@ -72,7 +72,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                     };
                     SeqChunk::new(seq, c.start, s.history[c.start..end].to_vec(), wanted)
                 }
-                (WorkKind::Verify, Work::Spec { planned, .. }) => {
+                (WorkKind::Decode, Work::Spec { planned, .. }) => {
                     let p = planned
                         .as_ref()
                         .expect("invariant: a planned session has its plan")
@@ -99,13 +99,13 @@ impl<T: Target, H> VerifierCore<T, H> {
                         SeqChunk::new(seq, c.start, p.tokens.clone(), wanted)
                     }
                 }
-                (WorkKind::Verify, Work::Generation { next, .. }) => {
+                (WorkKind::Decode, Work::Generation { next, .. }) => {
                     let t = next.expect("invariant: a decode step follows the prefill");
                     SeqChunk::new(seq, c.start, vec![t], Wanted::Last)
                 }
             };
             chunks.push(chunk);
-            tables.push(c.blocks.clone());
+            tables.push(c.pages.clone());
         }
         // A session's first prefill chunk ends its wait in the queue.
         for c in plan
@@ -144,7 +144,7 @@ impl<T: Target, H> VerifierCore<T, H> {
     }
 
     /// Verdicts and tokens from a forward's logits, then the scheduler's update.
-    fn fold(&mut self, plan: &StepPlan, logits: &Logits, verify_us: u32, events: &mut Vec<Event>) {
+    fn fold(&mut self, plan: &Batch, logits: &Logits, verify_us: u32, events: &mut Vec<Event>) {
         let mut kv_len = Vec::new();
         let mut follow = Vec::new();
         let mut enqueue = Vec::new();
@@ -170,7 +170,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                             let max_len = self
                                 .engine
                                 .context_len()
-                                .min(pool.num_blocks() * pool.block_size());
+                                .min(pool.num_pages() * pool.page_size());
                             let mut cs = CloudSession::new(
                                 *rule,
                                 s.params,
@@ -218,7 +218,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                     }
                 }
                 (
-                    WorkKind::Verify,
+                    WorkKind::Decode,
                     Work::Spec {
                         vs,
                         planned,
@@ -229,7 +229,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                 ) => {
                     let vs = vs.as_mut().expect("invariant: prefilled");
                     match planned.take().expect("invariant: planned") {
-                        Planned::Decode { feed } => {
+                        Scheduled::Decode { feed } => {
                             let row = logits.last_for(seq).expect("invariant: asked for");
                             let decoded = vs.finish_decode(row);
                             s.history.truncate(feed.start_pos);
@@ -242,7 +242,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                                 drafted: false,
                             });
                         }
-                        Planned::Verify { block: b, feed: p } => {
+                        Scheduled::Verify { block: b, feed: p } => {
                             let rows: Vec<&[f32]> = logits.for_seq(seq).map(|(_, r)| r).collect();
                             self.stats.blocks_verified += 1;
                             match vs.finish(&b, &p, &rows) {
@@ -256,7 +256,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                                         // A failed move is a broken invariant of the table, not
                                         // of the session: the verdict stands on the logits.
                                         self.engine
-                                            .keep_path(&c.blocks, p.start_pos + 1, &slots)
+                                            .keep_path(&c.pages, p.start_pos + 1, &slots)
                                             .expect(
                                                 "invariant: the path lies in the session's table",
                                             );
@@ -314,7 +314,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                     follow.push(id);
                 }
                 (
-                    WorkKind::Verify,
+                    WorkKind::Decode,
                     Work::Generation {
                         next,
                         produced,
@@ -362,7 +362,7 @@ impl<T: Target, H> VerifierCore<T, H> {
     /// The engine refused the batch: nothing was computed. A speculation session is put back as
     /// it was (its block queued again, first) and planned again; cloud-only generations end with
     /// the error.
-    fn failed(&mut self, plan: &StepPlan, e: EngineError, events: &mut Vec<Event>) {
+    fn failed(&mut self, plan: &Batch, e: EngineError, events: &mut Vec<Event>) {
         let msg = e.to_string();
         let kv_len: Vec<(SessionId, usize)> =
             plan.chunks.iter().map(|c| (c.session, c.start)).collect();
@@ -376,10 +376,10 @@ impl<T: Target, H> VerifierCore<T, H> {
             match &mut s.work {
                 Work::Spec {
                     vs, planned, queue, ..
-                } if c.kind == WorkKind::Verify => {
+                } if c.kind == WorkKind::Decode => {
                     // The block goes back to the front of the queue, planned again (rebased) with
                     // the session's next forward; a decode step is planned again.
-                    if let Some(Planned::Verify { block, .. }) = planned.take() {
+                    if let Some(Scheduled::Verify { block, .. }) = planned.take() {
                         queue.push_front(block);
                     }
                     follow.push(c.session);

@@ -34,7 +34,7 @@ impl Target for Engine {
 
     fn kv_geometry(&self) -> (usize, usize) {
         let t = &self.kv().tables;
-        (t.block_size(), t.num_blocks())
+        (t.page_size(), t.num_pages())
     }
 
     fn forward_timed(

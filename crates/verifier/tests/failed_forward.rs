@@ -153,6 +153,6 @@ fn a_failed_generation_ends_with_the_error_and_frees_its_kv() {
     );
     assert!(d.core.session(SessionId(2)).is_none(), "closed");
     let pool = d.core.scheduler().pool();
-    assert_eq!(pool.num_free(), pool.num_blocks(), "its KV is freed");
+    assert_eq!(pool.num_free(), pool.num_pages(), "its KV is freed");
     assert!(!d.core.has_work());
 }

@@ -143,7 +143,7 @@ struct Seen {
     /// Verdicts whose accepted path ended in a branch, and committed tokens a branch guessed
     /// (by a verdict or by a decode).
     side_verdicts: usize,
-    branch_hits: usize,
+    lane_hits: usize,
     /// Forwards that fed only part of a block drafted under a larger grant than the current one,
     /// and turns in which such a block was a token tree.
     partial: usize,
@@ -517,7 +517,7 @@ fn run(c: Case, schedule: &[Step]) -> Result<Seen, TestCaseError> {
     prop_assert_eq!(&shell.committed, &shell.want);
     w.seen.reconnects = edge.measured().reconnects;
     w.seen.covered = edge.pipeline().stats().covered_blocks;
-    w.seen.branch_hits = edge.pipeline().stats().branch_hits;
+    w.seen.lane_hits = edge.pipeline().stats().lane_hits;
     Ok(w.seen)
 }
 
@@ -587,7 +587,7 @@ fn the_interleavings_reach_every_path() {
             s.reconnects,
             s.covered,
             s.side_verdicts,
-            s.branch_hits.saturating_sub(s.side_verdicts),
+            s.lane_hits.saturating_sub(s.side_verdicts),
             s.partial,
             s.partial_trees,
         ];

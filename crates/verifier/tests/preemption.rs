@@ -35,7 +35,7 @@ fn verifier(m: &Arc<LlamaModel>, blocks: usize, token_budget: usize) -> Driver<E
         },
     )
     .unwrap();
-    assert_eq!(engine.kv().tables.num_blocks(), blocks);
+    assert_eq!(engine.kv().tables.num_pages(), blocks);
     let cfg = VerifierConfig {
         token_budget,
         ..VerifierConfig::default()

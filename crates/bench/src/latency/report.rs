@@ -55,7 +55,7 @@ pub fn table(r: &LatencyReport) -> String {
         if r.edge_cpus.is_empty() { "any" } else { &r.edge_cpus },
         if r.cloud_cpus.is_empty() { "any" } else { &r.cloud_cpus },
     );
-    s += "| draft | RTT ms | mode | T | rule | γ | depth | TTFT ms | ITL mean | p50 | p99 | α | α with branches | E[A] | side nodes | branch hits | wasted drafts | draft ms | edge ms/verdict | model ITL | model err | = target |\n";
+    s += "| draft | RTT ms | mode | T | rule | γ | depth | TTFT ms | ITL mean | p50 | p99 | α | α with lanes | E[A] | side nodes | lane hits | wasted drafts | draft ms | edge ms/verdict | model ITL | model err | = target |\n";
     s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for x in &r.rows {
         let spec = x.mode != Mode::EdgeOnly && x.mode != Mode::CloudOnly;
@@ -81,7 +81,7 @@ pub fn table(r: &LatencyReport) -> String {
             if spec { format!("{:.2}", x.tree_acceptance_rate) } else { "-".into() },
             if spec { format!("{:.2}", x.mean_accepted) } else { "-".into() },
             if spec { x.side_nodes.to_string() } else { "-".into() },
-            if spec { x.branch_hits.to_string() } else { "-".into() },
+            if spec { x.lane_hits.to_string() } else { "-".into() },
             if spec { format!("{}/{}", x.wasted_draft_tokens, x.drafted) } else { "-".into() },
             if spec { format!("{:.1}", x.draft_ms) } else { "-".into() },
             if spec { format!("{:.1}", x.verdict_ms) } else { "-".into() },

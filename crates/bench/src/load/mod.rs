@@ -179,7 +179,7 @@ pub struct LoadRow {
     pub takeovers: f64,
     /// Token trees: side nodes sent per committed token, and commits a branch guessed.
     pub side_nodes_per_token: f64,
-    pub branch_hits: usize,
+    pub lane_hits: usize,
     pub sessions_run: usize,
     /// Sessions whose output differed from the target's (must be 0), and refused or failed ones.
     pub mismatches: usize,

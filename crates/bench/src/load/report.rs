@@ -44,7 +44,7 @@ pub fn table(r: &LoadReport) -> String {
         "\nRTT {} ms, synthetic draft {} ms/token, γ ≤ {}, depth {:?}, token budget {}, {} s measured per row; SLOs: p99 ITL ≤ {:.1} ms, mean ITL ≤ {:.1} ms (3× and 1.5× the single-session cloud-only mean).\n\n",
         r.rtt_ms, r.draft_ms, r.gamma, r.depths, r.token_budget, r.duration_s, r.slo_ms, r.mean_slo_ms
     ));
-    s.push_str("| mode | N | α (set / measured) | tok/s | ITL mean | ITL p50 | ITL p99 | TTFT p50 | batch | tokens/fwd | fwd ms (busy) | queue ms | fwd/token (bound) | γ granted | cloud-decoded | ÷ cloud-only | side nodes/token (branch hits) | sessions | wrong |\n");
+    s.push_str("| mode | N | α (set / measured) | tok/s | ITL mean | ITL p50 | ITL p99 | TTFT p50 | batch | tokens/fwd | fwd ms (busy) | queue ms | fwd/token (bound) | γ granted | cloud-decoded | ÷ cloud-only | side nodes/token (lane hits) | sessions | wrong |\n");
     s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for x in &r.rows {
         let alpha = x
@@ -59,7 +59,7 @@ pub fn table(r: &LoadReport) -> String {
             .find(|c| c.alpha.is_none() && c.sessions == x.sessions)
             .filter(|c| c.throughput_tok_s > 0.0);
         let side = if x.mode == Mode::AsyncTree {
-            format!("{:.2} ({})", x.side_nodes_per_token, x.branch_hits)
+            format!("{:.2} ({})", x.side_nodes_per_token, x.lane_hits)
         } else {
             "-".into()
         };

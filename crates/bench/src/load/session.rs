@@ -31,7 +31,7 @@ pub(super) struct SessionOut {
     pub(super) tokens: usize,
     /// Side nodes sent, and commits a branch guessed.
     pub(super) side_nodes: usize,
-    pub(super) branch_hits: usize,
+    pub(super) lane_hits: usize,
 }
 
 /// Per-token gaps of the commits inside `window`: a commit of k tokens after a gap g counts k
@@ -194,7 +194,7 @@ fn spec_session(
         cloud_decoded: r.measured.cloud_decoded,
         tokens: r.output_ids.len(),
         side_nodes: r.stats.side_nodes,
-        branch_hits: r.stats.branch_hits,
+        lane_hits: r.stats.lane_hits,
     })
 }
 
@@ -226,7 +226,7 @@ fn cloud_session(j: &Job<'_>, rt: &tokio::runtime::Runtime, k: usize) -> Result<
         cloud_decoded: out.len(),
         tokens: out.len(),
         side_nodes: 0,
-        branch_hits: 0,
+        lane_hits: 0,
     })
 }
 
@@ -382,7 +382,7 @@ pub(super) fn drive(
                 .fold((0, 0), |s, o| (s.0 + o.side_nodes, s.1 + o.tokens));
             round2(n as f64 / t.max(1) as f64)
         },
-        branch_hits: outs.iter().map(|o| o.branch_hits).sum(),
+        lane_hits: outs.iter().map(|o| o.lane_hits).sum(),
         sessions_run: outs.len(),
         mismatches: outs.iter().filter(|o| !o.ok).count(),
         failures,
@@ -408,7 +408,7 @@ mod tests {
             cloud_decoded: 0,
             tokens: 5,
             side_nodes: 0,
-            branch_hits: 0,
+            lane_hits: 0,
         };
         let (itl, ttft) = gaps(&[o], (t0, t0 + Duration::from_secs(1)));
         assert_eq!(ttft.len(), 1);

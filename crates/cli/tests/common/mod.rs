@@ -243,14 +243,14 @@ pub fn spec_out_as(
     let out = tandem_client::speculate::run(&run, prompt, |_| {}).unwrap();
     let s = out.spec.as_ref().unwrap();
     eprintln!(
-        "γ={gamma} depth={depth} rtt={rtt_ms}: α={} E[A]={} rounds={} stale={} wasted={} side nodes={} branch hits={}",
+        "γ={gamma} depth={depth} rtt={rtt_ms}: α={} E[A]={} rounds={} stale={} wasted={} side nodes={} lane hits={}",
         s.acceptance_rate,
         s.mean_accepted,
         s.rounds,
         s.stale_blocks,
         s.wasted_draft_tokens,
         s.side_nodes,
-        s.branch_hits
+        s.lane_hits
     );
     out
 }

@@ -202,7 +202,7 @@ impl Default for EdgeMetrics {
 impl EdgeMetrics {
     pub fn set_running(&self, n: usize, kv: &PagedKvCache) {
         self.running.set(n as i64);
-        let total = kv.tables.num_blocks();
+        let total = kv.tables.num_pages();
         if total > 0 {
             let used = total - kv.tables.num_free_blocks();
             self.kv_usage.set(used as f64 / total as f64);

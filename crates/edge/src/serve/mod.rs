@@ -50,7 +50,7 @@ pub struct ServeConfig {
     pub client_keys: Vec<String>,
     /// The model's name in the API.
     pub model_name: String,
-    /// Each request's session: its shape, and the rule for sampled drafts (greedy at
+    /// Each request's session: its shape (γ, depth), and the rule for sampled drafts (greedy at
     /// temperature 0); the request sets the sampling parameters and the length.
     pub spec: SpecConfig,
     /// No verifier reachable, or lost for good mid-answer: answer with the draft alone, every
@@ -87,7 +87,7 @@ pub async fn serve(
     let (tx, rx) = std::sync::mpsc::channel();
     let metrics = Arc::new(EdgeMetrics::default());
     let tables = &draft.kv().tables;
-    let (kv_blocks, block_size) = (tables.num_blocks(), tables.block_size());
+    let (kv_blocks, block_size) = (tables.num_pages(), tables.page_size());
     let context_len = draft.model().cfg.context_len;
     let sessions = Sessions {
         tok: tok.clone(),
@@ -329,14 +329,14 @@ async fn complete(
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let shape = Shape {
+    let envelope = Envelope {
         id,
         created,
         model: req.model.clone(),
         kind,
     };
     if req.stream {
-        return stream(shape, req, events);
+        return stream(envelope, req, events);
     }
     // Not streamed: the whole answer, or the error that ended it.
     let (mut text, mut unverified_from) = (String::new(), None);
@@ -353,7 +353,9 @@ async fn complete(
             }
             Event::Live { .. } => {}
             Event::Error(e) => return error(e),
-            Event::Done(f) => return json_response(200, &shape.whole(&text, &f, unverified_from)),
+            Event::Done(f) => {
+                return json_response(200, &envelope.whole(&text, &f, unverified_from))
+            }
         }
     }
     error(ApiError {
@@ -417,14 +419,14 @@ async fn connect(
 }
 
 /// What every response and chunk of one request shares.
-struct Shape {
+struct Envelope {
     id: String,
     created: u64,
     model: String,
     kind: Kind,
 }
 
-impl Shape {
+impl Envelope {
     fn object(&self, chunk: bool) -> &'static str {
         match (self.kind, chunk) {
             (Kind::Chat, false) => "chat.completion",
@@ -550,11 +552,15 @@ impl Shape {
 }
 
 /// Stream the answer as SSE; a client that goes away cancels its session.
-fn stream(shape: Shape, req: Request, mut events: mpsc::UnboundedReceiver<Event>) -> Response {
+fn stream(
+    envelope: Envelope,
+    req: Request,
+    mut events: mpsc::UnboundedReceiver<Event>,
+) -> Response {
     let (tx, rx) = mpsc::channel::<Result<SseEvent, std::convert::Infallible>>(64);
     tokio::spawn(async move {
-        if shape.kind == Kind::Chat {
-            let first = shape.chunk(Some(""), None, true);
+        if envelope.kind == Kind::Chat {
+            let first = envelope.chunk(Some(""), None, true);
             if tx
                 .send(Ok(SseEvent::default().data(first.to_string())))
                 .await
@@ -571,7 +577,7 @@ fn stream(shape: Shape, req: Request, mut events: mpsc::UnboundedReceiver<Event>
             };
             let Some(e) = e else { break };
             let last = matches!(e, Event::Done(_) | Event::Error(_));
-            for ev in shape.events(e, req.include_usage) {
+            for ev in envelope.events(e, req.include_usage) {
                 if tx.send(Ok(ev)).await.is_err() {
                     return;
                 }

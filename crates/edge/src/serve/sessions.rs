@@ -322,7 +322,7 @@ struct Active {
 }
 
 /// The step a session takes in this round's forward.
-enum Plan {
+enum RoundWork {
     Prefill,
     /// The frontier the session's driver asked to grow (from this round's poll).
     Draft(tandem_spec::Frontier),
@@ -352,7 +352,7 @@ impl Sessions {
                 }
             }
             // Advance every session; those that are over leave.
-            let mut plans: Vec<(usize, Plan)> = Vec::new();
+            let mut plans: Vec<(usize, RoundWork)> = Vec::new();
             let mut i = 0;
             while i < actives.len() {
                 match self.advance(&mut actives[i]) {
@@ -429,7 +429,7 @@ impl Sessions {
 
     /// Take what arrived for the session; says the step it wants in this round's forward, or
     /// that it is over (`Err`: how).
-    fn advance(&self, a: &mut Active) -> Result<Option<Plan>, End> {
+    fn advance(&self, a: &mut Active) -> Result<Option<RoundWork>, End> {
         if let Phase::Connecting(rx) = &mut a.phase {
             match rx.try_recv() {
                 Ok(Linked::Open(link, opened)) => {
@@ -471,13 +471,13 @@ impl Sessions {
             return Err(End::Done);
         }
         match &mut a.phase {
-            Phase::Connecting(_) => Ok((!a.prefilled).then_some(Plan::Prefill)),
+            Phase::Connecting(_) => Ok((!a.prefilled).then_some(RoundWork::Prefill)),
             Phase::Spec(d) => {
                 let out = &mut a.out;
                 match d.poll(false, &mut |u| out.on_update(u)) {
                     Ok((Want::Done, _)) => Err(End::Done),
                     Ok((Want::Wait, _)) => Ok(None),
-                    Ok((Want::Draft(f), _)) => Ok(Some(Plan::Draft(f))),
+                    Ok((Want::Draft(f), _)) => Ok(Some(RoundWork::Draft(f))),
                     Err(EdgeError::LinkClosed) => {
                         self.recover(a);
                         Ok(None)
@@ -490,7 +490,7 @@ impl Sessions {
                 if l.left == 0 || a.out.ids.last().is_some_and(|&t| self.tok.is_eog(t)) {
                     Err(End::Done)
                 } else {
-                    Ok(Some(Plan::Local))
+                    Ok(Some(RoundWork::Local))
                 }
             }
         }
@@ -553,19 +553,28 @@ impl Sessions {
     }
 
     /// One round: every planned step in one forward of the draft.
-    fn round(&self, engine: &mut Engine, actives: &mut Vec<Active>, plans: Vec<(usize, Plan)>) {
-        let mut steps: Vec<(usize, Plan, DraftStep)> = Vec::with_capacity(plans.len());
+    fn round(
+        &self,
+        engine: &mut Engine,
+        actives: &mut Vec<Active>,
+        plans: Vec<(usize, RoundWork)>,
+    ) {
+        let mut steps: Vec<(usize, RoundWork, DraftStep)> = Vec::with_capacity(plans.len());
         let mut failed: Vec<(usize, EdgeError)> = Vec::new();
         for (i, p) in plans {
             let a = &mut actives[i];
             let planned = match (&p, &a.phase) {
-                (Plan::Prefill, _) => a.seq.plan(engine, &a.req.prompt_ids, &[Vec::new()]),
-                (Plan::Draft(f), Phase::Spec(d)) => a.seq.plan(
+                (RoundWork::Prefill, _) => {
+                    a.seq.grow_step(engine, &a.req.prompt_ids, &[Vec::new()])
+                }
+                (RoundWork::Draft(f), Phase::Spec(d)) => a.seq.grow_step(
                     engine,
                     &d.session().pipeline().tokens()[..f.base],
                     &f.leaves,
                 ),
-                (Plan::Local, Phase::Local(l)) => a.seq.plan(engine, &l.history, &[Vec::new()]),
+                (RoundWork::Local, Phase::Local(l)) => {
+                    a.seq.grow_step(engine, &l.history, &[Vec::new()])
+                }
                 _ => continue,
             };
             match planned {
@@ -605,15 +614,15 @@ impl Sessions {
                 }
             };
             let r = match (&p, &mut a.phase) {
-                (Plan::Prefill, _) => {
+                (RoundWork::Prefill, _) => {
                     a.prefilled = true;
                     Ok(())
                 }
-                (Plan::Draft(_), Phase::Spec(d)) => {
+                (RoundWork::Draft(_), Phase::Spec(d)) => {
                     let out = &mut a.out;
                     d.grown(props, ms, &mut |u| out.on_update(u))
                 }
-                (Plan::Local, Phase::Local(l)) => {
+                (RoundWork::Local, Phase::Local(l)) => {
                     let t = props[0].token;
                     l.history.push(t);
                     l.left -= 1;

@@ -563,7 +563,7 @@ impl LlamaModel {
         let mut g = vec![0f32; n_tok * ff];
         let mut u = vec![0f32; n_tok * ff];
 
-        let bs = kv.tables.block_size();
+        let bs = kv.tables.page_size();
         let isa = kernels::Isa::selected();
         // Where each token's context positions sit in a layer's cache (in units of kv rows):
         // the same for every layer and head, so the block-table lookups run once a forward.

@@ -43,7 +43,7 @@ fn a_block_is_verified_past_the_committed_tokens_and_commits_its_run_and_bonus()
     let mut s = session();
     let b = block(0, 0, 4, &[8, 9, 10]);
     s.check(&b).unwrap();
-    let BlockAction::Forward(f) = s.plan_block(&b).unwrap() else {
+    let BlockAction::Forward(f) = s.block_action(&b).unwrap() else {
         panic!()
     };
     assert_eq!((f.start_pos, f.tokens.clone()), (3, vec![7, 8, 9, 10]));
@@ -62,7 +62,7 @@ fn a_block_trimmed_to_the_grant_is_judged_over_several_forwards_with_one_verdict
     // A block of five drafted under γ 5, verified under γ 2: two tokens a forward.
     let mut s = session();
     let b = block(0, 0, 4, &[8, 9, 10, 11, 12]);
-    let plan = |s: &mut CloudSession| match s.plan_block_within(&b, 2).unwrap() {
+    let plan = |s: &mut CloudSession| match s.block_action_within(&b, 2).unwrap() {
         BlockAction::Forward(f) => f,
         other => panic!("{other:?}"),
     };
@@ -98,11 +98,11 @@ fn a_block_trimmed_to_the_grant_is_judged_over_several_forwards_with_one_verdict
     // (the edge had each token as a decoded one).
     let mut s = session();
     let b = block(0, 0, 4, &[8, 9, 10]);
-    let BlockAction::Forward(f) = s.plan_block_within(&b, 2).unwrap() else {
+    let BlockAction::Forward(f) = s.block_action_within(&b, 2).unwrap() else {
         panic!()
     };
     assert!(s.finish(&b, &f, &refs(&rows(&[8, 9, 10]))).unwrap().partial);
-    assert_eq!(s.plan_block_within(&b, 2).unwrap(), BlockAction::Covered);
+    assert_eq!(s.block_action_within(&b, 2).unwrap(), BlockAction::Covered);
 }
 
 #[test]
@@ -118,7 +118,7 @@ fn a_block_behind_the_decoded_tokens_is_rebased_not_replayed() {
     assert_eq!((s.committed_len(), s.kv_len()), (6, 5));
     // The block agrees with both and drafts two more: only those are verified.
     let b = block(0, 0, 4, &[8, 9, 10, 11]);
-    let BlockAction::Forward(f) = s.plan_block(&b).unwrap() else {
+    let BlockAction::Forward(f) = s.block_action(&b).unwrap() else {
         panic!()
     };
     assert_eq!((f.start_pos, f.tokens.clone()), (5, vec![9, 10, 11]));
@@ -135,16 +135,16 @@ fn a_block_behind_the_decoded_tokens_is_rebased_not_replayed() {
     // of the old epoch is stale; one wholly committed is covered.
     let bad = block(0, 1, 8, &[11, 5]);
     assert_eq!(
-        s.plan_block(&bad).unwrap(),
+        s.block_action(&bad).unwrap(),
         BlockAction::Contradicted { pos: 8 }
     );
     assert_eq!(s.epoch(), 1);
     assert_eq!(
-        s.plan_block(&block(0, 2, 9, &[1])).unwrap(),
+        s.block_action(&block(0, 2, 9, &[1])).unwrap(),
         BlockAction::Stale
     );
     assert_eq!(
-        s.plan_block(&block(1, 3, 5, &[9, 10])).unwrap(),
+        s.block_action(&block(1, 3, 5, &[9, 10])).unwrap(),
         BlockAction::Covered
     );
 }
@@ -222,7 +222,7 @@ fn a_tree_commits_the_path_the_target_follows() {
     ] {
         let mut s = session();
         s.check(&b).unwrap();
-        let BlockAction::Forward(f) = s.plan_block(&b).unwrap() else {
+        let BlockAction::Forward(f) = s.block_action(&b).unwrap() else {
             panic!()
         };
         assert_eq!(f.tokens.len(), 7, "the committed token and every node");
@@ -253,12 +253,12 @@ fn a_tree_trimmed_to_the_grant_is_judged_over_several_forwards_with_one_verdict(
     let b = tree_block();
     // Trimmed to two levels: the root's children and theirs, not 10 nor 21 below them.
     let mut s = session();
-    let BlockAction::Forward(f) = s.plan_block_within(&b, 2).unwrap() else {
+    let BlockAction::Forward(f) = s.block_action_within(&b, 2).unwrap() else {
         panic!()
     };
     assert_eq!(f.tokens, vec![7, 8, 9, 20, 30]);
     // To one level: 8 and 30 beside it.
-    let plan = |s: &mut CloudSession| match s.plan_block_within(&b, 1).unwrap() {
+    let plan = |s: &mut CloudSession| match s.block_action_within(&b, 1).unwrap() {
         BlockAction::Forward(f) => f,
         other => panic!("{other:?}"),
     };
@@ -326,7 +326,7 @@ fn decodes_that_divert_a_tree_move_nothing_and_decodes_off_it_move_the_epoch() {
         s.plan_decode().unwrap();
         s.finish_decode(&rows(&[t])[0]);
     }
-    let BlockAction::Forward(f) = s.plan_block(&b).unwrap() else {
+    let BlockAction::Forward(f) = s.block_action(&b).unwrap() else {
         panic!()
     };
     assert_eq!(f.tokens, vec![20, 21], "the subtree below the lane");
@@ -351,7 +351,7 @@ fn decodes_that_divert_a_tree_move_nothing_and_decodes_off_it_move_the_epoch() {
         s.plan_decode().unwrap();
         s.finish_decode(&rows(&[t])[0]);
     }
-    assert_eq!(s.plan_block(&b).unwrap(), BlockAction::Covered);
+    assert_eq!(s.block_action(&b).unwrap(), BlockAction::Covered);
     assert_eq!(s.epoch(), 0);
     let mut s = session();
     for t in [8, 20, 3] {
@@ -359,7 +359,7 @@ fn decodes_that_divert_a_tree_move_nothing_and_decodes_off_it_move_the_epoch() {
         s.finish_decode(&rows(&[t])[0]);
     }
     assert_eq!(
-        s.plan_block(&b).unwrap(),
+        s.block_action(&b).unwrap(),
         BlockAction::Contradicted { pos: 6 }
     );
     assert_eq!(s.epoch(), 1);
@@ -373,7 +373,7 @@ fn a_lane_that_ends_inside_the_block_is_a_correction_after_its_end() {
     let mut s = session();
     s.plan_decode().unwrap();
     s.finish_decode(&rows(&[30])[0]);
-    let BlockAction::Forward(f) = s.plan_block(&b).unwrap() else {
+    let BlockAction::Forward(f) = s.block_action(&b).unwrap() else {
         panic!()
     };
     assert_eq!(
@@ -424,7 +424,7 @@ fn under_rejection_sampling_a_side_node_marked_point_is_judged_as_a_point_mass()
                 }],
                 ..block(0, 0, 4, &[d])
             };
-            let BlockAction::Forward(f) = s.plan_block(&b).unwrap() else {
+            let BlockAction::Forward(f) = s.block_action(&b).unwrap() else {
                 panic!()
             };
             let rows = vec![target.to_vec(); f.tokens.len()];
@@ -527,11 +527,17 @@ fn bad_trees_are_refused_by_name() {
 #[test]
 fn bad_blocks_are_refused_by_name() {
     let mut s = session();
-    let e = s.plan_block(&block(2, 0, 4, &[7])).unwrap_err().to_string();
+    let e = s
+        .block_action(&block(2, 0, 4, &[7]))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("epoch 2") && e.contains("epoch 0"), "{e}");
     let e = s.check(&block(0, 0, 2, &[7])).unwrap_err().to_string();
     assert!(e.contains("inside the prompt"), "{e}");
-    let e = s.plan_block(&block(0, 0, 9, &[7])).unwrap_err().to_string();
+    let e = s
+        .block_action(&block(0, 0, 9, &[7]))
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("starts at position 9, beyond the 4 committed"),
         "{e}"

@@ -257,7 +257,7 @@ fn a_commit_that_a_lane_guessed_makes_it_the_main_path_and_keeps_the_blocks() {
     assert!(out.contains(&Output::Rollback { to: 4 }), "{out:?}");
     assert_eq!(&p.tokens()[4..], &[40, 41, 42, 43]);
     assert_eq!((p.epoch(), p.blocks_in_flight()), (0, 2));
-    assert_eq!((p.stats().branch_hits, p.stats().rejections), (1, 1));
+    assert_eq!((p.stats().lane_hits, p.stats().rejections), (1, 1));
     assert_eq!(p.frontier().leaves, vec![Vec::<u32>::new()], "no lane left");
     // Block 0's verdict ends on the lane (41, side node 1) with the bonus 42: block 1 carries
     // the lane on, so the walk into it diverts and nothing moves.
@@ -298,7 +298,7 @@ fn a_commit_the_main_path_guessed_ends_the_lanes_that_disagree() {
     })
     .unwrap();
     assert_eq!(p.frontier().leaves.len(), 1);
-    assert_eq!((p.stats().accepted, p.stats().branch_hits), (1, 0));
+    assert_eq!((p.stats().accepted, p.stats().lane_hits), (1, 0));
     // At most `lanes` grow; a fork the estimates find too unlikely is not taken.
     let mut p = pipeline(2, 3);
     p.set_tree(TreeConfig { lanes: 1, ..LANES });

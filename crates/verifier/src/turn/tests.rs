@@ -475,7 +475,7 @@ fn cancel_drain_and_shut_down_free_their_sessions_and_say_why() {
     told.sort();
     assert_eq!(told, vec![(2, 102), (3, 103)]);
     let pool = v.scheduler().pool();
-    assert_eq!(pool.num_free(), pool.num_blocks());
+    assert_eq!(pool.num_free(), pool.num_pages());
 }
 
 #[test]
