@@ -1,7 +1,9 @@
 //! `tandem`: the one binary. It parses flags and dispatches; the work is in the library crates
-//! (the map: docs/ARCHITECTURE.md). Each command group's flags and runner are a module here.
+//! (the map: docs/ARCHITECTURE.md). `generate` and `demo` are the client's
+//! (`tandem_client::commands`), `bench …` the benchmarks' (`tandem_bench::commands`); the
+//! modules here wire up the servers (`cloud serve`, `serve`), the model tools (`quantize`,
+//! `info`) and the model's commands (`simulate`, `plan`).
 
-use std::io::Write;
 use std::path::PathBuf;
 
 mod cloud;
@@ -14,16 +16,15 @@ use generate::*;
 use model::*;
 use serve::*;
 use tandem_bench::commands::{report, BenchTop, ReportArgs};
+use tandem_client::commands::*;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use tandem_client::generate::generate;
-use tandem_engine::{CpuSet, Engine, EngineConfig, WeightMode};
+use tandem_engine::{CpuSet, Engine, EngineConfig};
 use tandem_models::pull;
 use tandem_models::store::{self as models, ModelSpec};
 use tandem_quant::{EmbedPrecision, Method, QuantConfig, Scheme};
 use tandem_spec::sampling::SamplingParams;
-use tandem_spec::VerifyRule;
 
 #[derive(Parser)]
 #[command(
@@ -72,35 +73,6 @@ enum Cmd {
     Simulate(SimulateArgs),
 }
 
-#[derive(Args)]
-struct EngineArgs {
-    /// Worker threads (default: all cores).
-    #[arg(long)]
-    threads: Option<usize>,
-    /// KV cache budget in MiB.
-    #[arg(long, default_value_t = 256)]
-    kv_budget_mb: usize,
-    /// Tokens per KV cache block.
-    #[arg(long, default_value_t = 16)]
-    kv_block_size: usize,
-    /// Pin the engine's worker threads to these cores (a `taskset -c` list: 0, 0-1, 0,2).
-    #[arg(long)]
-    cpus: Option<CpuSet>,
-}
-
-impl EngineArgs {
-    fn config(&self) -> EngineConfig {
-        EngineConfig {
-            threads: self
-                .threads
-                .unwrap_or_else(|| EngineConfig::default().threads),
-            kv_budget_bytes: self.kv_budget_mb << 20,
-            kv_block_size: self.kv_block_size,
-            cpus: self.cpus.unwrap_or_default(),
-        }
-    }
-}
-
 fn main() {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "warn".into());
@@ -134,14 +106,6 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Netem(a) => cmd_netem(a)?,
     }
     Ok(())
-}
-
-/// `--tls-ca PEM`: the certificate authority's PEM text, when given.
-fn read_tls_ca(path: Option<&std::path::Path>) -> Result<Option<String>> {
-    path.map(|p| {
-        std::fs::read_to_string(p).with_context(|| format!("--tls-ca {}: cannot read", p.display()))
-    })
-    .transpose()
 }
 
 /// Bind the address flag `flag` names (within a runtime).

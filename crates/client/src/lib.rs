@@ -6,6 +6,7 @@
 //! front of a verifier (`tandem netem`, the benchmarks, the tests). `tandem generate` and `tandem
 //! demo` are this crate; the benchmarks run it many times.
 
+pub mod commands;
 pub mod generate;
 pub mod live;
 pub mod netem;

@@ -1,0 +1,473 @@
+//! `tandem generate` and `tandem demo`: their flags and how they run (the binary parses them and
+//! calls [`cmd_generate`] / [`cmd_demo`]), and the flags other commands share with them: an
+//! engine's ([`EngineArgs`]), the speculation shape ([`ShapeArgs`]), a verifier's certificate
+//! authority ([`read_tls_ca`]).
+
+use std::io::Write;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use tandem_engine::{CpuSet, Engine, EngineConfig, WeightMode};
+use tandem_models::store::{self as models, ModelSpec};
+use tandem_spec::sampling::SamplingParams;
+use tandem_spec::VerifyRule;
+
+use crate::generate::generate;
+use crate::Mode;
+
+#[derive(Args)]
+pub struct EngineArgs {
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// KV cache budget in MiB.
+    #[arg(long, default_value_t = 256)]
+    pub kv_budget_mb: usize,
+    /// Tokens per KV cache block.
+    #[arg(long, default_value_t = 16)]
+    pub kv_block_size: usize,
+    /// Pin the engine's worker threads to these cores (a `taskset -c` list: 0, 0-1, 0,2).
+    #[arg(long)]
+    pub cpus: Option<CpuSet>,
+}
+
+impl EngineArgs {
+    pub fn config(&self) -> EngineConfig {
+        EngineConfig {
+            threads: self
+                .threads
+                .unwrap_or_else(|| EngineConfig::default().threads),
+            kv_budget_bytes: self.kv_budget_mb << 20,
+            kv_block_size: self.kv_block_size,
+            cpus: self.cpus.unwrap_or_default(),
+        }
+    }
+}
+
+/// `--tls-ca PEM`: the certificate authority's PEM text, when given.
+pub fn read_tls_ca(path: Option<&std::path::Path>) -> Result<Option<String>> {
+    path.map(|p| {
+        std::fs::read_to_string(p).with_context(|| format!("--tls-ca {}: cannot read", p.display()))
+    })
+    .transpose()
+}
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// local: run --model alone; edge: the draft alone; cloud: the target alone; sync / async:
+    /// speculation, the draft here and the target in an in-process verifier behind --rtt-ms.
+    #[arg(long, default_value = "local")]
+    pub mode: Mode,
+    /// `target` (f32 cloud model), `draft` (W4A16 edge model) or a GGUF path (local mode; the
+    /// draft in sync/async modes).
+    #[arg(long, default_value = "target")]
+    pub model: ModelSpec,
+    /// Draft tokens per block (γ), sync/async.
+    #[arg(long, default_value_t = 4)]
+    pub gamma: usize,
+    /// Blocks in flight (async; sync is 1).
+    #[arg(long, default_value_t = 3)]
+    pub depth: usize,
+    /// Emulated network round trip between edge and verifier, ms.
+    #[arg(long, default_value_t = 0.0)]
+    pub rtt_ms: f64,
+    /// Jitter of the emulated link, ± ms per direction (at most half the RTT).
+    #[arg(long, default_value_t = 0.0)]
+    pub jitter_ms: f64,
+    #[command(flatten)]
+    pub shape: ShapeArgs,
+    /// Threads of the verifier's engine (sync/async).
+    #[arg(long, default_value_t = 1)]
+    pub cloud_threads: usize,
+    /// Pin the in-process verifier's threads to these cores (sync/async; --cpus pins the edge's).
+    #[arg(long)]
+    pub cloud_cpus: Option<CpuSet>,
+    /// A running verifier (`tandem cloud serve`), e.g. http://127.0.0.1:50051: sync and async verify
+    /// there, cloud generates there (the `Generate` RPC). Without it, sync and async start a gRPC
+    /// verifier in this process on a loopback port, and cloud runs the target here. Either way
+    /// --rtt-ms puts an emulated link in front (sync/async).
+    #[arg(long)]
+    pub cloud: Option<String>,
+    /// The tenant's API key for --cloud (a verifier started with --tenants needs one).
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// For --cloud https://…: the certificate authority (PEM file) that signed the verifier's
+    /// certificate. Default: the public web PKI's roots.
+    #[arg(long)]
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// Weight handling: f32, f16, native (W4A16/W8A16 blocks) or w4a8 (8-bit activations).
+    /// Default: f32 for `target`, native otherwise.
+    #[arg(long)]
+    pub weights: Option<WeightMode>,
+    #[arg(long)]
+    pub prompt: String,
+    /// Wrap the prompt in the model's chat template as a user message.
+    #[arg(long)]
+    pub chat: bool,
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// 0 keeps every token.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print one JSON object on one line instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+pub fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
+    let params = SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+    };
+    if let Err(e) = params.validate() {
+        bail!("invalid sampling parameters: {e}");
+    }
+    if a.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let tls_ca = read_tls_ca(a.tls_ca.as_deref())?;
+    let spec = match a.mode {
+        Mode::Local => a.model.clone(),
+        Mode::EdgeOnly | Mode::Sync | Mode::Async => {
+            if a.model == ModelSpec::Target {
+                ModelSpec::Draft
+            } else {
+                a.model.clone()
+            }
+        }
+        // Rows of the benchmarks, not modes of this command (clap never parses them).
+        Mode::CloudOnly | Mode::AsyncAuto | Mode::AsyncTree => ModelSpec::Target,
+    };
+    let m = models::load(home, &spec, a.weights, a.json)?;
+    let ids = if a.chat {
+        m.tokenizer.encode_chat(&a.prompt)?
+    } else {
+        m.tokenizer.encode(&a.prompt)?
+    };
+    let mut stdout = std::io::stdout();
+    let mut print = |piece: &str| {
+        if !a.json {
+            let _ = stdout.write_all(piece.as_bytes());
+            let _ = stdout.flush();
+        }
+    };
+    let mut out = if matches!(a.mode, Mode::Sync | Mode::Async) {
+        let target = models::load(home, &ModelSpec::Target, None, a.json)?;
+        if target.tokenizer.fingerprint() != m.tokenizer.fingerprint() {
+            bail!("the draft's tokenizer differs from the target's: they cannot share token ids");
+        }
+        let run = crate::speculate::SpecRun {
+            target: target.model.clone(),
+            draft: m.model.clone(),
+            tokenizer: &m.tokenizer,
+            cloud: EngineConfig {
+                threads: a.cloud_threads,
+                cpus: a.cloud_cpus.unwrap_or_default(),
+                ..a.engine.config()
+            },
+            edge: EngineConfig {
+                threads: a.engine.threads.unwrap_or(1),
+                ..a.engine.config()
+            },
+            spec: tandem_edge::SpecConfig {
+                session: if a.mode == Mode::Sync {
+                    a.shape.session(a.gamma, 1, Some(1), a.max_tokens, a.rtt_ms)
+                } else {
+                    a.shape
+                        .session(a.gamma, a.depth, None, a.max_tokens, a.rtt_ms)
+                },
+                rule: a.shape.verify.rule(),
+                params,
+                q_top_k: 32,
+            },
+            rtt_ms: a.rtt_ms,
+            jitter_ms: a.jitter_ms,
+            cloud_url: a.cloud.clone(),
+            api_key: a.api_key.clone(),
+            tls_ca: tls_ca.clone(),
+        };
+        crate::speculate::run(&run, &ids, &mut print)?
+    } else if let (Mode::CloudOnly, Some(url)) = (a.mode, &a.cloud) {
+        crate::generate::generate_remote(
+            tandem_edge::grpc::Remote {
+                url,
+                api_key: a.api_key.as_deref(),
+                tls_ca: tls_ca.as_deref(),
+            },
+            &m.tokenizer,
+            &ids,
+            a.max_tokens,
+            &params,
+            &mut print,
+        )?
+    } else {
+        let mut engine = Engine::new(m.model.clone(), a.engine.config())?;
+        let mut o = generate(
+            &mut engine,
+            &m.tokenizer,
+            &ids,
+            a.max_tokens,
+            &params,
+            &mut print,
+        )?;
+        o.mode = match a.mode {
+            Mode::EdgeOnly | Mode::CloudOnly => a.mode,
+            _ => Mode::Local,
+        };
+        o
+    };
+    if out.model.is_empty() {
+        out.model = m.path.display().to_string();
+    }
+    if a.json {
+        println!("{}", serde_json::to_string(&out)?);
+    } else {
+        println!();
+        eprintln!(
+            "[{} tokens, {}: ttft {:.1} ms, itl mean {:.1} ms p50 {:.1} p99 {:.1}, {:.1} tok/s]",
+            out.output_ids.len(),
+            out.finish_reason,
+            out.ttft_ms,
+            out.itl_ms.mean,
+            out.itl_ms.p50,
+            out.itl_ms.p99,
+            out.tokens_per_s
+        );
+    }
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct DemoArgs {
+    #[arg(
+        long,
+        default_value = "Explain how a bicycle works in three sentences."
+    )]
+    pub prompt: String,
+    #[arg(long, default_value_t = 48)]
+    pub max_tokens: usize,
+    /// Emulated round trip between the edge and the verifier, ms.
+    #[arg(long, default_value_t = 80.0)]
+    pub rtt_ms: f64,
+    /// Draft tokens per block (the 4-bit draft's α ≈ 0.7 favours short blocks: `bench latency`).
+    #[arg(long, default_value_t = 2)]
+    pub gamma: usize,
+    #[arg(long, default_value_t = 3)]
+    pub depth: usize,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+pub fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
+    let target = models::load(home, &ModelSpec::Target, None, false)?;
+    let draft = models::load(home, &ModelSpec::Draft, None, false)?;
+    let ids = target.tokenizer.encode_chat(&a.prompt)?;
+    let params = SamplingParams::default();
+    println!("user: {}\n", a.prompt);
+    let mut rows = Vec::new();
+    let one = EngineConfig {
+        threads: 1,
+        ..a.engine.config()
+    };
+    // The edge and the verifier each on a core of its own, when there are two.
+    let (edge_cpus, cloud_cpus) = CpuSet::edge_and_cloud();
+    let edge = EngineConfig {
+        cpus: edge_cpus,
+        ..one
+    };
+    let cloud = EngineConfig {
+        cpus: cloud_cpus,
+        ..one
+    };
+    // Speculation first, streamed: the draft here, the target behind an emulated link.
+    for (mode, depth) in [(Mode::Async, a.depth), (Mode::Sync, 1)] {
+        let run = crate::speculate::SpecRun {
+            target: target.model.clone(),
+            draft: draft.model.clone(),
+            tokenizer: &draft.tokenizer,
+            cloud,
+            edge,
+            spec: tandem_edge::SpecConfig {
+                session: tandem_spec::edge::SessionConfig {
+                    draft_len: a.gamma,
+                    depth,
+                    max_new_tokens: a.max_tokens,
+                    auto: None,
+                    tree: tandem_spec::TreeConfig::LINEAR,
+                },
+                rule: VerifyRule::Greedy,
+                params,
+                q_top_k: 32,
+            },
+            rtt_ms: a.rtt_ms,
+            jitter_ms: a.rtt_ms / 10.0,
+            cloud_url: None,
+            api_key: None,
+            tls_ca: None,
+        };
+        let label = format!("assistant ({mode}, {} ms round trip): ", a.rtt_ms);
+        print!("{label}");
+        let mut live = crate::live::Live::stdout().at_column(label.chars().count());
+        let out = crate::speculate::run_shown(&run, &ids, true, &mut |s| live.show(s))?;
+        live.finish();
+        println!();
+        if !live.corrections.is_empty() {
+            let list: Vec<String> = live
+                .corrections
+                .iter()
+                .take(8)
+                .map(|(d, t)| format!("{d:?}→{t:?}"))
+                .collect();
+            println!(
+                "  {} corrections by the target (draft→target): {}{}",
+                live.corrections.len(),
+                list.join(", "),
+                if live.corrections.len() > 8 {
+                    ", …"
+                } else {
+                    ""
+                }
+            );
+        }
+        println!();
+        rows.push((mode, out));
+    }
+    for (mode, spec, cfg) in [
+        (Mode::CloudOnly, &target, cloud),
+        (Mode::EdgeOnly, &draft, edge),
+    ] {
+        let mut engine = Engine::new(spec.model.clone(), cfg)?;
+        let mut out = generate(
+            &mut engine,
+            &spec.tokenizer,
+            &ids,
+            a.max_tokens,
+            &params,
+            |_| {},
+        )?;
+        if mode == Mode::CloudOnly {
+            // Every streamed token crosses the link once; the first waits for the request too.
+            out.ttft_ms += a.rtt_ms;
+        }
+        rows.push((mode, out));
+    }
+    let want = rows
+        .iter()
+        .find(|r| r.0 == Mode::CloudOnly)
+        .map(|r| r.1.output_ids.clone())
+        .unwrap_or_default();
+    println!("| mode | TTFT ms | ITL mean ms | tokens/s | α | E[A] | same tokens as the target |");
+    println!("|---|---|---|---|---|---|---|");
+    for (mode, o) in &rows {
+        let (alpha, ea) = o.spec.as_ref().map_or(("-".into(), "-".into()), |s| {
+            (
+                format!("{:.2}", s.acceptance_rate),
+                format!("{:.2}", s.mean_accepted),
+            )
+        });
+        println!(
+            "| {mode} | {:.0} | {:.1} | {:.1} | {alpha} | {ea} | {} |",
+            o.ttft_ms,
+            o.itl_ms.mean,
+            o.tokens_per_s,
+            if o.output_ids == want { "yes" } else { "no" }
+        );
+    }
+    println!(
+        "\n(one thread each for the edge (cpus {}) and the verifier (cpus {}); cloud-only includes one round trip in its TTFT)",
+        if edge_cpus.is_empty() { "any".into() } else { edge_cpus.to_string() },
+        if cloud_cpus.is_empty() { "any".into() } else { cloud_cpus.to_string() },
+    );
+    Ok(())
+}
+
+/// The speculation flags `generate` and `serve` share (γ and depth, whose defaults differ, are
+/// each command's own).
+#[derive(Args)]
+pub struct ShapeArgs {
+    /// Let the policy choose γ and depth from what it measures (α, draft and verify time, round
+    /// trip), starting at --gamma / --depth, within --max-gamma / --max-depth and the cloud's grant.
+    #[arg(long)]
+    pub auto: bool,
+    #[arg(long, default_value_t = 8)]
+    pub max_gamma: usize,
+    #[arg(long, default_value_t = 4)]
+    pub max_depth: usize,
+    /// Token trees: LANES:BELOW[:MIN] grows up to LANES lanes beside the main path, forked where
+    /// the draft's confidence is below BELOW (and the lane's chance to be the target's path at
+    /// least MIN, default 0.05), carried on across blocks (e.g. 3:0.5); none: linear.
+    #[arg(long, value_parser = tandem_spec::pipeline::parse_tree, default_value = "none")]
+    pub tree: tandem_spec::pipeline::TreeArg,
+    /// How the verifier judges sampled drafts: sample-match, rejection, or auto (greedy when
+    /// temperature is 0). auto: rejection sampling, which commits more, on linear blocks and
+    /// over trees (docs/RESULTS.md).
+    #[arg(long, default_value = "auto")]
+    pub verify: RuleChoice,
+}
+
+impl ShapeArgs {
+    /// A session starting at `gamma` and `depth`; with --auto the policy's limits are
+    /// --max-gamma and --max-depth (or `max_depth` when the mode fixes it), its prior planned for
+    /// `rtt_ms`.
+    pub fn session(
+        &self,
+        gamma: usize,
+        depth: usize,
+        max_depth: Option<usize>,
+        max_new_tokens: usize,
+        rtt_ms: f64,
+    ) -> tandem_spec::edge::SessionConfig {
+        tandem_spec::edge::SessionConfig {
+            draft_len: gamma,
+            depth,
+            max_new_tokens,
+            auto: self.auto.then(|| tandem_spec::edge::AutoShape {
+                max_draft_len: self.max_gamma.max(1),
+                max_depth: max_depth.unwrap_or(self.max_depth).max(1),
+                prior: tandem_spec::edge::default_prior(rtt_ms),
+            }),
+            tree: self.tree.0.unwrap_or(tandem_spec::TreeConfig::LINEAR),
+        }
+    }
+}
+
+/// `--verify`: a verify rule, or the one that commits more for this run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RuleChoice {
+    Auto,
+    Rule(VerifyRule),
+}
+
+impl RuleChoice {
+    /// The rule to verify sampled drafts with: rejection sampling unless one was named.
+    pub fn rule(self) -> VerifyRule {
+        match self {
+            RuleChoice::Rule(r) => r,
+            RuleChoice::Auto => VerifyRule::Rejection,
+        }
+    }
+}
+
+impl std::str::FromStr for RuleChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(RuleChoice::Auto),
+            s => s
+                .parse()
+                .map(RuleChoice::Rule)
+                .map_err(|e: String| format!("{e}, or auto")),
+        }
+    }
+}
