@@ -572,7 +572,29 @@ impl Scheduler {
         } else {
             full / PREFILL_RESERVE_DIV
         };
-        // Verify blocks first, whole, one per session, in fair order (re-sorted after each charge).
+        self.schedule_decodes(&mut plan, &mut taken, &mut budget, reserve);
+        // While sessions decode (verify work ran), prompts get at most a quarter of the budget
+        // per forward: a burst of prompts lengthens everyone's forwards, and so their ITL, by
+        // that much at most.
+        if !plan.chunks.is_empty() {
+            budget = budget.min(reserve.max(full / PREFILL_RESERVE_DIV).max(1));
+        }
+        self.schedule_prefills(&mut plan, &mut taken, budget);
+        plan
+    }
+
+    /// Decode work first: each session's next block to verify (or its one token to decode),
+    /// whole, one per session, in fair order (re-sorted after each charge), within `budget` less
+    /// the `reserve` kept for waiting prompts (a lone block that needs more still goes). A
+    /// session that needs KV preempts its own tenant's sessions past the tenant's quota, then
+    /// the least recently active others.
+    fn schedule_decodes(
+        &mut self,
+        plan: &mut Batch,
+        taken: &mut Vec<SessionId>,
+        budget: &mut usize,
+        reserve: usize,
+    ) {
         loop {
             let next = self
                 .candidates(WorkKind::Decode)
@@ -631,7 +653,7 @@ impl Scheduler {
             s.last_active = self.iteration;
             s.last_planned_ms = self.now_ms;
             self.stats.max_verify_wait = self.stats.max_verify_wait.max(self.iteration - since);
-            budget = budget.saturating_sub(len);
+            *budget = budget.saturating_sub(len);
             self.charge(tenant, len);
             plan.chunks.push(Chunk {
                 session: id,
@@ -641,15 +663,17 @@ impl Scheduler {
                 pages: self.pool.table(id).to_vec(),
             });
         }
-        // While sessions decode (verify work ran), prompts get at most a quarter of the budget
-        // per forward: a burst of prompts lengthens everyone's forwards, and so their ITL, by
-        // that much at most.
-        if !plan.chunks.is_empty() {
-            budget = budget.min(reserve.max(full / PREFILL_RESERVE_DIV).max(1));
-        }
-        // Prefill (and recompute) with what is left, in chunks. It preempts only idle sessions
-        // (nothing queued) that have been idle since before it started waiting: a session whose
-        // edge went quiet does not keep its KV from those with work.
+    }
+
+    /// Prefill (and recompute) with what is left of `budget`, in chunks. It preempts only idle
+    /// sessions (nothing queued) that have been idle since before it started waiting: a session
+    /// whose edge went quiet does not keep its KV from those with work.
+    fn schedule_prefills(
+        &mut self,
+        plan: &mut Batch,
+        taken: &mut Vec<SessionId>,
+        mut budget: usize,
+    ) {
         for id in self.candidates(WorkKind::Prefill) {
             if budget == 0 {
                 break;
@@ -717,7 +741,6 @@ impl Scheduler {
                 pages: self.pool.table(id).to_vec(),
             });
         }
-        plan
     }
 
     /// The plan ran. `kv_len` gives, for verify chunks, each session's KV length after its verdict
