@@ -50,7 +50,7 @@ impl<L: Link> Driver<L> {
         start: Instant,
         on_update: &mut impl FnMut(Update<'_>),
     ) -> Result<Self, EdgeError> {
-        let now = start.elapsed().as_secs_f64() * 1e3;
+        let now = start.elapsed().as_micros() as u64;
         let (es, out) = match opened {
             Some(o) => EdgeSession::new(now, prompt.to_vec(), o, cfg, eog)?,
             None => EdgeSession::opening(now, prompt.to_vec(), cfg, eog)?,
@@ -69,8 +69,14 @@ impl<L: Link> Driver<L> {
         Ok(d)
     }
 
+    /// Since the start, ms (the user's timings and the logs).
     fn now(&self) -> f64 {
         self.start.elapsed().as_secs_f64() * 1e3
+    }
+
+    /// Since the start, µs: the session's clock.
+    fn now_us(&self) -> u64 {
+        self.start.elapsed().as_micros() as u64
     }
 
     pub fn session(&self) -> &EdgeSession {
@@ -145,8 +151,7 @@ impl<L: Link> Driver<L> {
                 drafted = self.es.pipeline().tokens().len(),
                 "edge receives"
             );
-            let now = self.now();
-            let r = self.es.on_message(now, m)?;
+            let r = self.es.on_message(self.now_us(), m)?;
             self.apply(r.outputs)?;
             self.show(on_update, r.correction);
         }
@@ -197,8 +202,7 @@ impl<L: Link> Driver<L> {
                 hedge: p.hedge,
             })
             .collect();
-        let now = self.now();
-        let outs = self.es.on_grown(now, grown, ms, prefill)?;
+        let outs = self.es.on_grown(self.now_us(), grown, ms, prefill)?;
         self.apply(outs)?;
         self.show(on_update, None);
         Ok(())

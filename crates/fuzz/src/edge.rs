@@ -21,7 +21,7 @@ struct Edge {
     /// Committed tokens (the prompt included), as the outputs told them.
     history: Vec<u32>,
     max_new: usize,
-    now_ms: f64,
+    now_us: u64,
 }
 
 impl Edge {
@@ -50,7 +50,7 @@ impl Edge {
 
     fn raw(&mut self, m: v1::CloudMessage) {
         if let FromCloud::Message(m) = tandem_proto::from_cloud(m) {
-            if let Ok(r) = self.s.on_message(self.now_ms, m) {
+            if let Ok(r) = self.s.on_message(self.now_us, m) {
                 self.outputs(r.outputs);
             }
         }
@@ -76,23 +76,23 @@ pub fn edge_session(data: &[u8]) {
         grant,
         side_nodes: 0,
     };
-    let Ok((s, out)) = EdgeSession::new(0.0, PROMPT.to_vec(), opened, cfg, vec![255]) else {
+    let Ok((s, out)) = EdgeSession::new(0, PROMPT.to_vec(), opened, cfg, vec![255]) else {
         return;
     };
     let mut e = Edge {
         s,
         history: PROMPT.to_vec(),
         max_new: cfg.max_new_tokens,
-        now_ms: 0.0,
+        now_us: 0,
     };
     e.outputs(out);
     while !input.is_empty() {
-        e.now_ms += f64::from(input.byte());
+        e.now_us += u64::from(input.byte()) * 1000;
         match input.byte() % 8 {
             0..=2 => {
                 let token = u32::from(input.byte());
                 if e.s.next() == tandem_spec::pipeline::Next::Draft {
-                    let out = e.s.on_drafted(e.now_ms, token, None, 1.0, false);
+                    let out = e.s.on_drafted(e.now_us, token, None, 1.0, false);
                     e.outputs(out);
                 }
             }

@@ -227,14 +227,14 @@ impl World {
         } else {
             u32::from(choice) % VOCAB as u32
         };
-        let out = edge.on_drafted(self.now_us as f64 / 1e3, token, None, 1.0, false);
+        let out = edge.on_drafted(self.now_us, token, None, 1.0, false);
         self.outputs(slot, out);
     }
 
     fn turn(&mut self) {
         let turn = self.core.turn(self.now_us);
         self.now_us = self.now_us.max(turn.ends_us);
-        let now_ms = self.now_us as f64 / 1e3;
+        let now_us = self.now_us;
         for o in turn.out {
             let slot = o.to as usize;
             let Some(s) = self.slots[slot].as_mut() else {
@@ -261,7 +261,7 @@ impl World {
                         side_nodes: 0,
                     };
                     let (edge, out) =
-                        EdgeSession::new(now_ms, s.prompt.clone(), opened, cfg, eog())
+                        EdgeSession::new(now_us, s.prompt.clone(), opened, cfg, eog())
                             .expect("the verifier's Opened starts an edge session");
                     s.edge = Some(edge);
                     self.outputs(slot, out);
@@ -288,7 +288,7 @@ impl World {
             let Some(edge) = s.edge.as_mut() else {
                 continue;
             };
-            match edge.on_message(now_ms, m) {
+            match edge.on_message(now_us, m) {
                 Ok(r) => self.outputs(slot, r.outputs),
                 Err(e) => assert!(
                     s.tainted,

@@ -544,8 +544,9 @@ impl Scheduler {
         }
     }
 
-    /// Plan the next iteration; `now_ms` is the shell's clock, for the rate quotas.
-    pub fn schedule(&mut self, now_ms: u64) -> Batch {
+    /// Plan the next iteration; `now_us` is the driver's clock, for the rate quotas.
+    pub fn schedule(&mut self, now_us: u64) -> Batch {
+        let now_ms = now_us / 1000;
         self.refill(now_ms);
         self.now_ms = self.now_ms.max(now_ms);
         self.iteration += 1;

@@ -198,7 +198,7 @@ fn a_rate_quota_holds_a_tenant_to_its_tokens_per_second() {
                 s.enqueue_verify(id, 4).unwrap();
             }
         }
-        let p = s.schedule(i * 10);
+        let p = s.schedule(i * 10_000);
         let kv: Vec<_> = p.chunks.iter().map(|c| (c.session, c.start + 1)).collect();
         s.update(&p, &kv);
     }
@@ -220,11 +220,11 @@ fn an_idle_session_gives_its_kv_to_a_waiting_prompt() {
     // tenant 1 holds more than its share of the pool.)
     s.open(SessionId(2), TenantId(1), 8).unwrap();
     // Quiet for less than idle_evict_ms: the new prompt takes the free block and waits.
-    let p = s.schedule(100);
+    let p = s.schedule(100_000);
     assert!(p.preempted.is_empty(), "{p:?}");
     assert_eq!((p.chunks[0].session, p.chunks[0].len), (SessionId(2), 4));
     s.update(&p, &[]);
-    let p = s.schedule(600);
+    let p = s.schedule(600_000);
     assert_eq!(p.preempted, vec![SessionId(1)]);
     assert_eq!((p.chunks[0].session, p.chunks[0].start), (SessionId(2), 4));
     s.update(&p, &[]);
@@ -580,7 +580,7 @@ fn a_prompt_within_its_tenants_share_takes_room_from_a_busy_tenant_over_its_shar
                 s.enqueue_verify(id, 1).unwrap();
             }
         }
-        let p = s.schedule(now);
+        let p = s.schedule(now * 1000);
         let kv: Vec<_> = p
             .chunks
             .iter()

@@ -37,7 +37,7 @@ fn step(
     open: &[SessionId],
 ) -> Result<Batch, TestCaseError> {
     let (budget, block_size) = (s.config().token_budget, s.pool().page_size());
-    let p = s.schedule(now_ms);
+    let p = s.schedule(now_ms * 1000);
     prop_assert!(p.tokens() <= budget, "{} > {budget}", p.tokens());
     prop_assert!(s.pool().conserved());
     let mut seen = std::collections::BTreeSet::new();

@@ -283,7 +283,7 @@ impl Sim {
                     return;
                 };
                 self.drafted += grown.len() as u64;
-                match es.on_grown(self.now as f64 / 1e3, grown, ms, false) {
+                match es.on_grown(self.now, grown, ms, false) {
                     Ok(outs) => self.outputs(sid, outs),
                     Err(_) => self.errors += 1,
                 }
@@ -425,7 +425,6 @@ impl Sim {
                     auto: None,
                     tree: self.cfg.tree.0.unwrap_or(TreeConfig::LINEAR),
                 };
-                let now_ms = self.now as f64 / 1e3;
                 // (The core's replicas bound no side nodes: the gRPC service does.)
                 let opened = Opened {
                     first,
@@ -433,7 +432,7 @@ impl Sim {
                     side_nodes: usize::MAX,
                 };
                 let (es, outs) =
-                    EdgeSession::new(now_ms, s.prompt.clone(), opened, cfg, Vec::new())
+                    EdgeSession::new(self.now, s.prompt.clone(), opened, cfg, Vec::new())
                         .expect("invariant: a valid session configuration");
                 s.edge = Some(es);
                 self.outputs(sid, outs);
@@ -485,8 +484,7 @@ impl Sim {
             auto: None,
             tree: TreeConfig::LINEAR,
         };
-        let now_ms = self.now as f64 / 1e3;
-        let (es, outs) = EdgeSession::opening(now_ms, s.prompt.clone(), cfg, Vec::new())
+        let (es, outs) = EdgeSession::opening(self.now, s.prompt.clone(), cfg, Vec::new())
             .expect("invariant: a valid session configuration");
         s.edge = Some(es);
         self.outputs(sid, outs);
@@ -508,14 +506,14 @@ impl Sim {
     }
 
     fn message(&mut self, sid: u64, m: Incoming) {
-        let now_ms = self.now as f64 / 1e3;
+        let now_us = self.now;
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
         let Some(es) = s.edge.as_mut() else {
             return;
         };
-        match es.on_message(now_ms, m) {
+        match es.on_message(now_us, m) {
             Ok(r) => {
                 self.outputs(sid, r.outputs);
             }

@@ -203,14 +203,15 @@ pub struct EdgeSession {
 
 impl EdgeSession {
     /// A session over `prompt`, already open on the verifier, which answered with the target's
-    /// `first` token at `now_ms`: the outputs commit it.
+    /// `first` token at `now_us`: the outputs commit it.
     pub fn new(
-        now_ms: f64,
+        now_us: u64,
         prompt: Vec<u32>,
         opened: Opened,
         cfg: SessionConfig,
         eog: Vec<u32>,
     ) -> Result<(Self, Vec<Output>), SpecError> {
+        let now_ms = as_ms(now_us);
         let mut cfg = cfg;
         cfg.tree.side_nodes = cfg.tree.side_nodes.min(opened.side_nodes);
         let grant = Some(opened.grant);
@@ -226,11 +227,12 @@ impl EdgeSession {
     /// with the grant), judged against the draft's guess like any token the verifier decoded.
     /// Linear blocks only: a tree's side nodes wait for the grant that bounds them.
     pub fn opening(
-        now_ms: f64,
+        now_us: u64,
         prompt: Vec<u32>,
         cfg: SessionConfig,
         eog: Vec<u32>,
     ) -> Result<(Self, Vec<Output>), SpecError> {
+        let now_ms = as_ms(now_us);
         if cfg.tree.side_nodes > 0 {
             return Err(SpecError::InvalidConfig {
                 field: "tree",
@@ -372,16 +374,17 @@ impl EdgeSession {
     }
 
     /// The draft produced `token` (with its distribution `q` when the verify rule needs it) at
-    /// `now_ms`, in a forward of `ms`; `prefill`: that forward also fed the prompt (its time is
+    /// `now_us`, in a forward of `ms`; `prefill`: that forward also fed the prompt (its time is
     /// not a draft step's).
     pub fn on_drafted(
         &mut self,
-        now_ms: f64,
+        now_us: u64,
         token: u32,
         q: Option<SparseDist>,
         ms: f64,
         prefill: bool,
     ) -> Vec<Output> {
+        let now_ms = as_ms(now_us);
         if !prefill {
             self.est.on_draft(ms);
             self.totals.draft_ms += ms;
@@ -397,15 +400,16 @@ impl EdgeSession {
         self.p.frontier()
     }
 
-    /// The drafter grew the frontier at `now_ms`, in a forward of `ms` (`prefill`: that forward
+    /// The drafter grew the frontier at `now_us`, in a forward of `ms` (`prefill`: that forward
     /// also fed the prompt): one token per leaf.
     pub fn on_grown(
         &mut self,
-        now_ms: f64,
+        now_us: u64,
         grown: Vec<Grown>,
         ms: f64,
         prefill: bool,
     ) -> Result<Vec<Output>, SpecError> {
+        let now_ms = as_ms(now_us);
         if !prefill {
             self.est.on_draft(ms);
             self.totals.draft_ms += ms;
@@ -416,8 +420,9 @@ impl EdgeSession {
         Ok(out)
     }
 
-    /// A message from the verifier arrived at `now_ms`.
-    pub fn on_message(&mut self, now_ms: f64, msg: Incoming) -> Result<Reaction, SpecError> {
+    /// A message from the verifier arrived at `now_us`.
+    pub fn on_message(&mut self, now_us: u64, msg: Incoming) -> Result<Reaction, SpecError> {
+        let now_ms = as_ms(now_us);
         let mut r = Reaction::default();
         let v = match msg {
             Incoming::Verdict(v) => v,
@@ -633,6 +638,11 @@ impl EdgeSession {
             ..self.m
         }
     }
+}
+
+/// The driver's clock (µs, as every core takes it) in the ms the session's estimates use.
+fn as_ms(us: u64) -> f64 {
+    us as f64 / 1e3
 }
 
 #[cfg(test)]

@@ -36,8 +36,8 @@ impl<T: Target, H> VerifierCore<T, H> {
 
     /// One iteration, leaving the sessions that ended open until
     /// [`VerifierCore::close_ended`] (their last messages still go out through their records).
-    pub(crate) fn iterate(&mut self, now_ms: u64) -> Iteration {
-        let plan = self.sched.schedule(now_ms);
+    pub(crate) fn iterate(&mut self, now_us: u64) -> Iteration {
+        let plan = self.sched.schedule(now_us);
         let mut events: Vec<Event> = plan
             .preempted
             .iter()

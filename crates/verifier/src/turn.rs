@@ -211,7 +211,6 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
     /// edges since the last turn — answers to the messages received, the load's, then the
     /// forward's — stamped as of the turn's end. Sessions that end with their messages (finished, failed) are closed.
     pub fn turn(&mut self, now_us: u64) -> Turn<H> {
-        let now_ms = now_us / 1000;
         self.now_us = self.now_us.max(now_us);
         let mut turn = Turn {
             out: Vec::new(),
@@ -260,7 +259,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
             sessions: self.sessions.len(),
         };
         let decisions = self.control.turn(
-            now_ms,
+            now_us,
             load,
             self.sessions.iter_mut().map(|(&id, s)| (id, &mut s.ctl)),
         );
@@ -287,7 +286,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
             self.proceed(id, &mut events);
         }
         if self.has_work() {
-            let it = self.iterate(now_ms);
+            let it = self.iterate(now_us);
             let e = it.events;
             if let Some(f) = it.forward {
                 let (sessions, tokens) = (f.sessions, f.tokens);
@@ -295,7 +294,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 let ms = us as f64 / 1e3;
                 self.iteration_ms += 0.1 * (ms - self.iteration_ms);
                 turn.ends_us = now_us + us;
-                self.control.on_forward(turn.ends_us / 1000, tokens, ms);
+                self.control.on_forward(turn.ends_us, tokens, ms);
                 self.adapt_contended(tokens, ms, f.contended);
                 turn.forward = Some(ForwardDone {
                     sessions,
@@ -322,7 +321,6 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
     /// and the α the grant plans with, and the observations of its timing.
     fn stamp(&mut self, e: Event, turn: &mut Turn<H>) {
         let at = turn.ends_us;
-        let at_ms = at / 1000;
         let id = e.session();
         let Some(s) = self.sessions.get_mut(&id) else {
             return; // closed since (its edge hung up)
@@ -345,7 +343,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 ..
             } => {
                 self.control
-                    .on_verdict(&mut s.ctl, &mut verdict, drafted, accepted, at_ms);
+                    .on_verdict(&mut s.ctl, &mut verdict, drafted, accepted, at);
                 // Blocks before this one were answered or went stale.
                 while let Some(&(b, t)) = s.meter.arrivals.front() {
                     if b > verdict.block {
@@ -391,7 +389,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 } else {
                     s.counts.decoded += 1;
                 }
-                self.control.on_decoded(&mut s.ctl, &mut decoded, at_ms);
+                self.control.on_decoded(&mut s.ctl, &mut decoded, at);
                 obs.extend(inter_token(&mut s.meter, at, 1));
                 ToEdge::Decoded(decoded)
             }

@@ -180,7 +180,7 @@ impl<T: Target, H> VerifierCore<T, H> {
             sched,
             sessions: BTreeMap::new(),
 
-            control: LoadControl::new(load.grants(), now_us / 1000),
+            control: LoadControl::new(load.grants(), now_us),
             load,
             held: Vec::new(),
             dismissed: Vec::new(),

@@ -365,7 +365,7 @@ fn run(c: Case, schedule: &[Step]) -> Result<Seen, TestCaseError> {
         grant,
         side_nodes: usize::MAX,
     };
-    let (mut edge, outs) = EdgeSession::new(0.0, PROMPT.to_vec(), opened, cfg, vec![EOG]).unwrap();
+    let (mut edge, outs) = EdgeSession::new(0, PROMPT.to_vec(), opened, cfg, vec![EOG]).unwrap();
     let mut shell = Shell {
         want: oracle(&PROMPT, max_new, &[EOG]),
         committed: Vec::new(),
@@ -378,7 +378,7 @@ fn run(c: Case, schedule: &[Step]) -> Result<Seen, TestCaseError> {
     while edge.next() != Next::Done {
         steps += 1;
         prop_assert!(steps < 20_000, "no progress");
-        let now_ms = w.now_us as f64 / 1e3;
+        let now_us = w.now_us;
         let s = schedule.get(i).copied().unwrap_or(match steps % 4 {
             0 => Step::Draft,
             1 => Step::Up,
@@ -413,7 +413,7 @@ fn run(c: Case, schedule: &[Step]) -> Result<Seen, TestCaseError> {
                         });
                     }
                     let outs = edge
-                        .on_grown(now_ms, grown, 1.0, false)
+                        .on_grown(now_us, grown, 1.0, false)
                         .map_err(|e| TestCaseError::fail(format!("growing refused: {e}")))?;
                     shell.handle(outs, &mut w)?;
                     shell.roll_back(&edge)?;
@@ -445,7 +445,7 @@ fn run(c: Case, schedule: &[Step]) -> Result<Seen, TestCaseError> {
                     None => None,
                 };
                 if let Some(msg) = msg {
-                    let r = edge.on_message(now_ms, msg).map_err(|e| {
+                    let r = edge.on_message(now_us, msg).map_err(|e| {
                         TestCaseError::fail(format!("the edge refused {msg:?}: {e}"))
                     })?;
                     shell.handle(r.outputs, &mut w)?;

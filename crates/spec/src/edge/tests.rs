@@ -17,15 +17,15 @@ fn session(auto: Option<AutoShape>) -> (EdgeSession, Vec<Output>) {
         auto,
         tree: TreeConfig::LINEAR,
     };
-    EdgeSession::new(0.0, vec![1, 2, 3], opened(Shape::new(4, 2)), cfg, vec![]).unwrap()
+    EdgeSession::new(0, vec![1, 2, 3], opened(Shape::new(4, 2)), cfg, vec![]).unwrap()
 }
 
-/// Draft `tokens` at 10 ms each from `t0`; returns the blocks sent.
-fn draft(s: &mut EdgeSession, t0: f64, tokens: &[u32]) -> Vec<crate::Block> {
+/// Draft `tokens` at 10 ms each from `t0` (µs); returns the blocks sent.
+fn draft(s: &mut EdgeSession, t0: u64, tokens: &[u32]) -> Vec<crate::Block> {
     let mut sent = Vec::new();
     for (i, &t) in tokens.iter().enumerate() {
         assert_eq!(s.next(), Next::Draft);
-        for o in s.on_drafted(t0 + 10.0 * (i + 1) as f64, t, None, 10.0, false) {
+        for o in s.on_drafted(t0 + 10_000 * (i as u64 + 1), t, None, 10.0, false) {
             if let Output::Send(b) = o {
                 sent.push(b);
             }
@@ -44,7 +44,7 @@ fn a_verdict_is_timed_from_its_send_and_its_grant_narrows_the_shape() {
             tokens: vec![7]
         }]
     );
-    let sent = draft(&mut s, 0.0, &[8, 9, 10, 11]);
+    let sent = draft(&mut s, 0, &[8, 9, 10, 11]);
     assert_eq!(sent.len(), 1, "a block of γ 4 leaves after the 4th token");
     let verdict = Verdict {
         epoch: 0,
@@ -55,7 +55,7 @@ fn a_verdict_is_timed_from_its_send_and_its_grant_narrows_the_shape() {
         verify_us: 30_000,
         grant: Some(Shape::new(2, 1)),
     };
-    let r = s.on_message(100.0, Incoming::Verdict(verdict)).unwrap();
+    let r = s.on_message(100_000, Incoming::Verdict(verdict)).unwrap();
     assert!(r.correction.is_none());
     assert!(r.outputs.iter().any(|o| matches!(o, Output::Commit { .. })));
     let c = s.pipeline().config();
@@ -84,13 +84,13 @@ fn a_session_drafts_from_its_open_and_the_first_token_judges_its_guess() {
         auto: None,
         tree: TreeConfig::LINEAR,
     };
-    let opening = || EdgeSession::opening(0.0, vec![1, 2, 3], cfg, vec![]).unwrap();
+    let opening = || EdgeSession::opening(0, vec![1, 2, 3], cfg, vec![]).unwrap();
     let (mut s, out) = opening();
     assert!(
         out.is_empty(),
         "nothing is committed before the verifier answers"
     );
-    let sent = draft(&mut s, 0.0, &[7, 8, 9, 10, 11, 12, 13, 14]);
+    let sent = draft(&mut s, 0, &[7, 8, 9, 10, 11, 12, 13, 14]);
     let starts: Vec<_> = sent.iter().map(|b| (b.epoch, b.start_pos)).collect();
     assert_eq!(starts, vec![(0, 3), (0, 7)]);
     let first = |token| Opened {
@@ -99,7 +99,7 @@ fn a_session_drafts_from_its_open_and_the_first_token_judges_its_guess() {
         side_nodes: 0,
     };
     // The guess was right: it is committed, the blocks stay, the grant narrows what follows.
-    let r = s.on_message(50.0, Incoming::Opened(first(7))).unwrap();
+    let r = s.on_message(50_000, Incoming::Opened(first(7))).unwrap();
     assert_eq!(
         r.outputs.first(),
         Some(&Output::Commit {
@@ -126,22 +126,22 @@ fn a_session_drafts_from_its_open_and_the_first_token_judges_its_guess() {
         verify_us: 30_000,
         grant: None,
     };
-    s.on_message(80.0, Incoming::Verdict(v)).unwrap();
+    s.on_message(80_000, Incoming::Verdict(v)).unwrap();
     assert_eq!(s.pipeline().committed_len(), 8);
     // The guessed first token, three verified, and the bonus (11) that block 1 guessed too.
     assert_eq!(s.pipeline().stats().accepted, 5);
     // The guess was wrong: the verifier finds the same contradiction in the first block,
     // both move to epoch 1, and the edge drafts on from the verifier's first token.
     let (mut s, _) = opening();
-    draft(&mut s, 0.0, &[7, 8, 9, 10]);
-    let r = s.on_message(50.0, Incoming::Opened(first(5))).unwrap();
+    draft(&mut s, 0, &[7, 8, 9, 10]);
+    let r = s.on_message(50_000, Incoming::Opened(first(5))).unwrap();
     assert_eq!(r.correction, Some((7, 5)));
     assert_eq!(
         (s.pipeline().epoch(), s.pipeline().blocks_in_flight()),
         (1, 0)
     );
     assert_eq!(s.pipeline().tokens(), &[1, 2, 3, 5]);
-    let sent = draft(&mut s, 60.0, &[6, 7]);
+    let sent = draft(&mut s, 60_000, &[6, 7]);
     assert_eq!(
         sent.iter()
             .map(|b| (b.epoch, b.start_pos))
@@ -166,7 +166,7 @@ fn a_shrinking_grant_drops_the_trees_first_and_the_full_grant_brings_them_back()
         tree,
     };
     let (mut s, _) =
-        EdgeSession::new(0.0, vec![1, 2, 3], opened(Shape::new(4, 2)), cfg, vec![]).unwrap();
+        EdgeSession::new(0, vec![1, 2, 3], opened(Shape::new(4, 2)), cfg, vec![]).unwrap();
     assert_eq!(s.pipeline().tree(), tree);
     let decoded = |s: &EdgeSession, grant| Decoded {
         epoch: s.pipeline().epoch(),
@@ -175,17 +175,17 @@ fn a_shrinking_grant_drops_the_trees_first_and_the_full_grant_brings_them_back()
         grant: Some(grant),
     };
     let d = decoded(&s, Shape::new(2, 1));
-    s.on_message(10.0, Incoming::Decoded(d)).unwrap();
+    s.on_message(10_000, Incoming::Decoded(d)).unwrap();
     assert_eq!(s.pipeline().tree(), TreeConfig::LINEAR);
     let d = decoded(&s, Shape::new(4, 2));
-    s.on_message(20.0, Incoming::Decoded(d)).unwrap();
+    s.on_message(20_000, Incoming::Decoded(d)).unwrap();
     assert_eq!(s.pipeline().tree(), tree);
 }
 
 #[test]
 fn a_rejection_names_the_draft_token_and_the_targets() {
     let (mut s, _) = session(None);
-    let sent = draft(&mut s, 0.0, &[8, 9, 10, 11]);
+    let sent = draft(&mut s, 0, &[8, 9, 10, 11]);
     let verdict = Verdict {
         epoch: 0,
         block: sent[0].index,
@@ -195,7 +195,7 @@ fn a_rejection_names_the_draft_token_and_the_targets() {
         verify_us: 0,
         grant: None,
     };
-    let r = s.on_message(50.0, Incoming::Verdict(verdict)).unwrap();
+    let r = s.on_message(50_000, Incoming::Verdict(verdict)).unwrap();
     assert_eq!(r.correction, Some((9, 42)));
     assert!(
         r.outputs.contains(&Output::Rollback { to: 5 }),
@@ -215,11 +215,11 @@ fn a_draft_that_is_almost_always_wrong_is_paused_and_tried_again() {
         tree: TreeConfig::LINEAR,
     };
     let (mut s, _) =
-        EdgeSession::new(0.0, vec![1, 2, 3], opened(Shape::new(2, 1)), cfg, vec![]).unwrap();
+        EdgeSession::new(0, vec![1, 2, 3], opened(Shape::new(2, 1)), cfg, vec![]).unwrap();
     // Every token the verifier decodes contradicts what the edge drafted there.
-    let mut t = 0.0;
+    let mut t = 0;
     let mut decode = |s: &mut EdgeSession| {
-        t += 40.0;
+        t += 40_000;
         let pos = s.pipeline().committed_len();
         let d = Decoded {
             epoch: s.pipeline().epoch(),
@@ -232,7 +232,7 @@ fn a_draft_that_is_almost_always_wrong_is_paused_and_tried_again() {
     let mut paused_at = None;
     for k in 0..20 {
         if s.next() == Next::Draft {
-            draft(&mut s, 0.0, &[9]);
+            draft(&mut s, 0, &[9]);
         }
         decode(&mut s);
         if s.measured().draft_pauses > 0 {
@@ -254,7 +254,7 @@ fn a_draft_that_is_almost_always_wrong_is_paused_and_tried_again() {
 #[test]
 fn a_lost_connection_is_reopened_over_the_committed_history_within_the_window() {
     let (mut s, _) = session(None);
-    draft(&mut s, 0.0, &[8, 9, 10, 11]);
+    draft(&mut s, 0, &[8, 9, 10, 11]);
     let out = s.on_connection_lost();
     assert!(out.contains(&Output::Rollback { to: 4 }), "{out:?}");
     // Tries over the 30 s window: waits double from 100 ms to 2 s (no jitter: the longest),
@@ -322,8 +322,8 @@ fn the_adaptive_policy_replans_when_the_model_predicts_a_clear_gain() {
         tree: TreeConfig::LINEAR,
     };
     let (mut s, _) =
-        EdgeSession::new(0.0, vec![1, 2, 3], opened(Shape::UNLIMITED), cfg, vec![]).unwrap();
-    let sent = draft(&mut s, 0.0, &[8]);
+        EdgeSession::new(0, vec![1, 2, 3], opened(Shape::UNLIMITED), cfg, vec![]).unwrap();
+    let sent = draft(&mut s, 0, &[8]);
     let verdict = Verdict {
         epoch: 0,
         block: sent[0].index,
@@ -333,7 +333,7 @@ fn the_adaptive_policy_replans_when_the_model_predicts_a_clear_gain() {
         verify_us: 60_000,
         grant: None,
     };
-    s.on_message(300.0, Incoming::Verdict(verdict)).unwrap();
+    s.on_message(300_000, Incoming::Verdict(verdict)).unwrap();
     let c = s.pipeline().config();
     assert!((c.draft_len, c.depth) != (1, 1), "{c:?}");
     assert_eq!(s.measured().reshapes, 1);

@@ -245,11 +245,12 @@ pub struct LoadControl {
 }
 
 impl LoadControl {
-    pub fn new(grants: GrantPolicy, now_ms: u64) -> Self {
+    /// Grants by `grants`, starting at `now_us` on the driver's clock.
+    pub fn new(grants: GrantPolicy, now_us: u64) -> Self {
         Self {
             grants,
             graded_at: 0,
-            last_forward_ms: now_ms,
+            last_forward_ms: now_us / 1000,
             all: Record::default(),
             tenants: HashMap::new(),
         }
@@ -278,10 +279,11 @@ impl LoadControl {
     /// as decided; the caller takes each one over or hands it back.
     pub fn turn<'a>(
         &mut self,
-        now_ms: u64,
+        now_us: u64,
         load: Load,
         sessions: impl Iterator<Item = (SessionId, &'a mut Ctl)>,
     ) -> Decisions {
+        let now_ms = now_us / 1000;
         let mut d = Decisions::default();
         if now_ms.saturating_sub(self.last_forward_ms) >= IDLE_RELAX_MS {
             self.last_forward_ms = now_ms;
@@ -329,9 +331,9 @@ impl LoadControl {
         d
     }
 
-    /// A forward of `tokens` tokens ended at `now_ms`, after `ms`.
-    pub fn on_forward(&mut self, now_ms: u64, tokens: usize, ms: f64) {
-        self.last_forward_ms = now_ms;
+    /// A forward of `tokens` tokens ended at `now_us`, after `ms`.
+    pub fn on_forward(&mut self, now_us: u64, tokens: usize, ms: f64) {
+        self.last_forward_ms = now_us / 1000;
         self.grants.observe_forward(tokens, ms);
         for (g, _) in self.tenants.values_mut() {
             g.observe_forward(tokens, ms);
@@ -392,7 +394,7 @@ impl LoadControl {
     }
 
     /// A verdict that judged `drafted` tokens past the committed ones, `accepted` of them, is
-    /// going out at `now_ms`: it carries a new grant when the session's changed, and feeds the α
+    /// going out at `now_us`: it carries a new grant when the session's changed, and feeds the α
     /// and the session's pace.
     pub fn on_verdict(
         &mut self,
@@ -400,8 +402,9 @@ impl LoadControl {
         verdict: &mut Verdict,
         drafted: usize,
         accepted: usize,
-        now_ms: u64,
+        now_us: u64,
     ) {
+        let now_ms = now_us / 1000;
         self.tell_grant(c, &mut verdict.grant);
         if drafted > 0 {
             let judged = accepted + usize::from(accepted < drafted);
@@ -415,9 +418,10 @@ impl LoadControl {
         }
     }
 
-    /// A token the verifier decoded is going out at `now_ms`: it carries a new grant when the
+    /// A token the verifier decoded is going out at `now_us`: it carries a new grant when the
     /// session's changed (γ 0 once taken over, the grant again when handed back).
-    pub fn on_decoded(&self, c: &mut Ctl, decoded: &mut Decoded, now_ms: u64) {
+    pub fn on_decoded(&self, c: &mut Ctl, decoded: &mut Decoded, now_us: u64) {
+        let now_ms = now_us / 1000;
         self.tell_grant(c, &mut decoded.grant);
         if c.cloud {
             c.cloud_tokens = c.cloud_tokens.saturating_add(1);
@@ -466,6 +470,9 @@ mod tests {
         assert_eq!(fit.clamp(Shape::new(8, 4), 100).1, 32 - 9);
     }
 
+    /// A millisecond on the driver's clock (µs).
+    const MS: u64 = 1000;
+
     fn control() -> LoadControl {
         let cost = ForwardCost {
             one_token_ms: 44.0,
@@ -506,10 +513,10 @@ mod tests {
             "an idle verifier grants what was asked"
         );
         let mut v = verdict(2);
-        c.on_verdict(&mut spec, &mut v, 4, 2, 10);
+        c.on_verdict(&mut spec, &mut v, 4, 2, 10 * MS);
         assert_eq!(v.grant, None, "unchanged");
         // A cloud-only generation has no grant to carry.
-        c.on_verdict(&mut gen, &mut v, 0, 0, 10);
+        c.on_verdict(&mut gen, &mut v, 0, 0, 10 * MS);
         assert_eq!(v.grant, None);
         let mut d = Decoded {
             epoch: 1,
@@ -517,17 +524,17 @@ mod tests {
             token: 3,
             grant: None,
         };
-        c.on_decoded(&mut spec, &mut d, 20);
+        c.on_decoded(&mut spec, &mut d, 20 * MS);
         assert_eq!(d.grant, None, "unchanged");
         // Taken over: the next token says γ 0, once; handed back: the grant again.
         spec.set_cloud(true);
-        c.on_decoded(&mut spec, &mut d, 30);
+        c.on_decoded(&mut spec, &mut d, 30 * MS);
         assert_eq!(d.grant, Some(Shape::new(0, 1)));
         let mut d2 = Decoded { grant: None, ..d };
-        c.on_decoded(&mut spec, &mut d2, 40);
+        c.on_decoded(&mut spec, &mut d2, 40 * MS);
         assert_eq!(d2.grant, None);
         spec.set_cloud(false);
-        c.on_decoded(&mut spec, &mut d2, 50);
+        c.on_decoded(&mut spec, &mut d2, 50 * MS);
         assert_eq!(
             d2.grant,
             Some(Shape::new(4, 2)),
@@ -551,7 +558,7 @@ mod tests {
         // every speculation session (not the generation) is taken over, once.
         let mut taken = Vec::new();
         for k in 1..=8 {
-            let d = c.turn(k, load(2 * k), ctls.iter_mut().map(|(id, c)| (*id, c)));
+            let d = c.turn(k * MS, load(2 * k), ctls.iter_mut().map(|(id, c)| (*id, c)));
             assert!(!d.idle);
             taken.extend(d.takeovers);
         }
@@ -562,7 +569,7 @@ mod tests {
         assert!(!ctls[3].1.is_cloud());
         // An idle spell relaxes a level and says so; γ 1 again, every session is handed back.
         let d = c.turn(
-            8 + IDLE_RELAX_MS,
+            (8 + IDLE_RELAX_MS) * MS,
             load(16),
             ctls.iter_mut().map(|(id, c)| (*id, c)),
         );
@@ -594,20 +601,20 @@ mod tests {
         let mut verdict = verdict(0);
         let mut now = 0;
         let turn = |c: &mut LoadControl, ctl: &mut Ctl, now: u64| {
-            c.turn(now, load(now), std::iter::once((SessionId(1), ctl)))
+            c.turn(now * MS, load(now), std::iter::once((SessionId(1), ctl)))
                 .takeovers
         };
         // Tokens decoded alone at twice the cloud ITL (44 ms): not the speculation's pace.
         for _ in 0..3 * MIN_PACE_GAPS {
             now += 88;
-            c.on_decoded(&mut ctl, &mut decoded, now);
+            c.on_decoded(&mut ctl, &mut decoded, now * MS);
             assert!(turn(&mut c, &mut ctl, now).is_empty(), "at {now} ms");
         }
         // Verdicts committing one token every 88 ms: taken over once the gaps count.
         let mut taken_at = None;
         for k in 0..=MIN_PACE_GAPS {
             now += 88;
-            c.on_verdict(&mut ctl, &mut verdict, 4, 0, now);
+            c.on_verdict(&mut ctl, &mut verdict, 4, 0, now * MS);
             if !turn(&mut c, &mut ctl, now).is_empty() {
                 taken_at = Some(k);
                 break;
@@ -618,7 +625,7 @@ mod tests {
         // Decoded by the verifier: handed back after PROBE_TOKENS tokens, not before.
         for k in 1..=PROBE_TOKENS {
             now += 44;
-            c.on_decoded(&mut ctl, &mut decoded, now);
+            c.on_decoded(&mut ctl, &mut decoded, now * MS);
             let d = turn(&mut c, &mut ctl, now);
             if k < PROBE_TOKENS {
                 assert!(d.is_empty(), "token {k}");
@@ -646,7 +653,7 @@ mod tests {
             let mut v = verdict(0);
             for k in 1..=40u64 {
                 for (ctl, &(_, accepted)) in ctls.iter_mut().zip(tenants) {
-                    c.on_verdict(ctl, &mut v, 4, accepted, k);
+                    c.on_verdict(ctl, &mut v, 4, accepted, k * MS);
                 }
                 let load = Load {
                     forwards: 2 * k,
@@ -654,7 +661,7 @@ mod tests {
                     sessions: 6,
                 };
                 c.turn(
-                    k,
+                    k * MS,
                     load,
                     ctls.iter_mut()
                         .enumerate()
