@@ -213,7 +213,8 @@ impl<T: Target, H> VerifierCore<T, H> {
     }
 
     /// The contended budget now, in tokens (see [`VerifierCore::set_contended_budget`]).
-    pub fn contended_tokens(&self) -> Option<usize> {
+    #[cfg(test)]
+    pub(crate) fn contended_tokens(&self) -> Option<usize> {
         self.sched.config().contended_budget
     }
 
@@ -244,13 +245,11 @@ impl<T: Target, H> VerifierCore<T, H> {
         }
     }
 
-    pub fn engine(&self) -> &T {
-        &self.engine
-    }
     pub fn scheduler(&self) -> &Scheduler {
         &self.sched
     }
-    pub fn control(&self) -> &LoadControl {
+    #[cfg(test)]
+    pub(crate) fn control(&self) -> &LoadControl {
         &self.control
     }
 
@@ -284,7 +283,8 @@ impl<T: Target, H> VerifierCore<T, H> {
     }
 
     /// Whether the verifier decodes speculation session `id` itself.
-    pub fn is_taken_over(&self, id: SessionId) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_taken_over(&self, id: SessionId) -> bool {
         self.sessions.get(&id).is_some_and(|s| s.ctl.is_cloud())
     }
 
@@ -354,10 +354,6 @@ impl<T: Target, H> VerifierCore<T, H> {
     /// on; open ones go on until they end or [`VerifierCore::shut_down`].
     pub fn drain(&mut self) {
         self.draining = true;
-    }
-
-    pub fn is_draining(&self) -> bool {
-        self.draining
     }
 
     /// Open sessions of every kind.
