@@ -6,6 +6,7 @@
 //!   engine: no tokio, tonic, candle or `tandem-engine`.
 //! - The simulator links no server stack: no tonic, axum or prometheus.
 //! - Only the binary (`tandem-cli`) depends on `tandem-bench`.
+//! - The test-only support crate, `tandem-testkit`, is only ever a dev-dependency.
 //! - No dev-dependency closes a cycle: a crate's tests never depend on a crate that links it
 //!   (as the edge's tests once did on the benchmarks, which link the edge).
 //!
@@ -131,6 +132,9 @@ fn broken(g: &Graph) -> Vec<String> {
         if m != "tandem-cli" && m != "tandem-bench" && on_bench {
             out.push(format!("{m} depends on tandem-bench (only the binary may)"));
         }
+        if g.deps[m].contains("tandem-testkit") {
+            out.push(format!("{m} depends on tandem-testkit (only tests may)"));
+        }
         for d in g.dev.get(m).into_iter().flatten() {
             if d == m || !g.members.contains(d) {
                 continue;
@@ -149,7 +153,13 @@ fn broken(g: &Graph) -> Vec<String> {
 #[test]
 fn the_dependency_rules_of_the_architecture_page_hold() {
     let g = Graph::load();
-    for krate in ["tandem-spec", "tandem-sched", "tandem-sim", "tandem-bench"] {
+    for krate in [
+        "tandem-spec",
+        "tandem-sched",
+        "tandem-sim",
+        "tandem-bench",
+        "tandem-testkit",
+    ] {
         assert!(
             g.members.contains(krate),
             "{krate} is not a workspace member"
@@ -162,8 +172,8 @@ fn the_dependency_rules_of_the_architecture_page_hold() {
 #[test]
 fn a_broken_rule_is_found_and_named_by_its_chain() {
     // The real graph with one planted edge each: the scheduler through the protocol crate to
-    // tonic, the edge on the benchmarks, and the edge's tests on the client (which links the
-    // edge).
+    // tonic, the edge on the benchmarks, the cloud on the test support, and the edge's tests on
+    // the client (which links the edge).
     let mut g = Graph::load();
     g.deps
         .get_mut("tandem-sched")
@@ -177,6 +187,10 @@ fn a_broken_rule_is_found_and_named_by_its_chain() {
         .entry("tandem-edge".into())
         .or_default()
         .insert("tandem-client".into());
+    g.deps
+        .get_mut("tandem-cloud")
+        .unwrap()
+        .insert("tandem-testkit".into());
     let broken = broken(&g);
     assert!(
         broken.iter().any(|l| l.starts_with("tandem-sched links")
@@ -187,6 +201,12 @@ fn a_broken_rule_is_found_and_named_by_its_chain() {
         broken
             .iter()
             .any(|l| l == "tandem-edge depends on tandem-bench (only the binary may)"),
+        "{broken:?}"
+    );
+    assert!(
+        broken
+            .iter()
+            .any(|l| l == "tandem-cloud depends on tandem-testkit (only tests may)"),
         "{broken:?}"
     );
     assert!(

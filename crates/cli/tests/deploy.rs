@@ -2,7 +2,8 @@
 //! be installed here): every manifest parses, and the fields that make a rollout safe hold — the
 //! probes ask the verifier's plaintext health listener for the right services, the ports and
 //! secrets line up with the flags, every flag is one `tandem cloud serve` takes, and termination
-//! waits for the drain. (The nginx configuration is checked by `nginx -t` in the serve tests.)
+//! waits for the drain. (The nginx configuration is run, `nginx -t` first, in front of real
+//! replicas in `deploy_failover.rs`.)
 
 use std::path::{Path, PathBuf};
 

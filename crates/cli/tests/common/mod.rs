@@ -1,171 +1,27 @@
-//! Helpers shared by the SmolLM2 integration tests: the model files (pulled and made on first use),
-//! a reference greedy decoder, and real gRPC verifiers on loopback ports.
+//! Helpers shared by the binary's integration tests: those of `tandem-testkit` (the model files,
+//! pulled and made on first use, and a reference greedy decoder), the in-process gRPC verifiers
+//! of the verifier server's tests (`crates/cloud/tests/common`, included here), speculative runs
+//! through the client, and `tandem` processes started and read.
 #![allow(dead_code)]
 
+pub mod serve;
+
+#[path = "../../../cloud/tests/common/mod.rs"]
+mod in_process;
+
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::sync::Arc;
 
-use tandem_engine::{
-    Engine, EngineConfig, GgufFile, LlamaModel, SeqChunk, SeqId, Tokenizer, Wanted, WeightMode,
-};
-use tandem_models::{pull, store as models};
-use tandem_spec::sampling as sampler;
+pub use in_process::*;
+use tandem_engine::EngineConfig;
 
-pub fn home() -> PathBuf {
-    pull::home_dir(None)
-}
-
-pub fn model_path() -> &'static PathBuf {
-    static P: OnceLock<PathBuf> = OnceLock::new();
-    P.get_or_init(|| pull::ensure_model(&home(), true).expect("pull the model"))
-}
-
-pub fn draft_path() -> &'static PathBuf {
-    static P: OnceLock<PathBuf> = OnceLock::new();
-    P.get_or_init(|| models::ensure_draft(&home(), true).expect("make the draft"))
-}
-
-pub fn load(path: &Path, mode: WeightMode) -> (Arc<LlamaModel>, Tokenizer) {
-    let mut g = GgufFile::open(path).unwrap();
-    let tok = Tokenizer::from_gguf(&g).unwrap();
-    (Arc::new(LlamaModel::load(&mut g, mode).unwrap()), tok)
-}
-
-pub fn target() -> &'static (Arc<LlamaModel>, Tokenizer) {
-    static T: OnceLock<(Arc<LlamaModel>, Tokenizer)> = OnceLock::new();
-    T.get_or_init(|| load(model_path(), WeightMode::F32))
-}
-
-pub fn engine(m: &Arc<LlamaModel>) -> Engine {
-    Engine::new(
-        m.clone(),
-        EngineConfig {
-            threads: 2,
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap()
-}
-
-pub fn greedy(e: &mut Engine, seq: SeqId, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut out = Vec::new();
-    let mut chunk = SeqChunk::new(seq, 0, prompt.to_vec(), Wanted::Last);
-    for _ in 0..n {
-        let l = e.forward(std::slice::from_ref(&chunk)).unwrap();
-        let next = sampler::argmax(l.row(0));
-        out.push(next);
-        chunk = SeqChunk::new(
-            seq,
-            chunk.start_pos + chunk.tokens.len(),
-            vec![next],
-            Wanted::Last,
-        );
-    }
-    e.free(seq);
-    out
-}
-
-pub fn draft() -> &'static (Arc<LlamaModel>, Tokenizer) {
-    static DRAFT: OnceLock<(Arc<LlamaModel>, Tokenizer)> = OnceLock::new();
-    DRAFT.get_or_init(|| load(draft_path(), WeightMode::Native))
-}
-
-/// Run `serve` on a fresh loopback listener, in a thread with its own runtime; returns the address.
-pub fn on_loopback<F, Fut>(serve: F) -> std::net::SocketAddr
-where
-    F: FnOnce(tokio::net::TcpListener) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()>,
-{
-    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            addr_tx.send(l.local_addr().unwrap()).unwrap();
-            serve(l).await;
-        });
-    });
-    addr_rx.recv().unwrap()
-}
-
-/// A greedy session's Open over `prompt`: 16 tokens, γ 4, depth 2, linear blocks, no API key
-/// (tests change what they need with `..`).
-pub fn greedy_open(fingerprint: &str, prompt: &[u32]) -> tandem_edge::grpc::OpenRequest {
-    tandem_edge::grpc::OpenRequest {
-        tokenizer_fingerprint: fingerprint.to_string(),
-        prompt_ids: prompt.to_vec(),
-        params: tandem_spec::sampling::SamplingParams::default(),
-        max_tokens: 16,
-        rule: tandem_spec::VerifyRule::Greedy,
-        want_draft_len: 4,
-        want_depth: 2,
-        want_side_nodes: 0,
-        api_key: None,
-        tls_ca: None,
-        route: None,
-    }
-}
-
-/// A verifier with these tenants, scheduler settings and KV cache size; with `pace`, it measures
-/// its forward cost first and takes slow speculation sessions over on their own.
-pub fn grpc_server_with(
-    saturation_tokens: f64,
-    pace: bool,
-    tenants: tandem_cloud::tenants::Tenants,
-    cfg: tandem_verifier::VerifierConfig,
-    kv_budget_bytes: usize,
-) -> (String, std::sync::Arc<tandem_cloud::Gauges>) {
-    {
-        let (m, tok) = target();
-        let mut engine = Engine::new(
-            m.clone(),
-            EngineConfig {
-                threads: 1,
-                kv_budget_bytes,
-                ..EngineConfig::default()
-            },
-        )
-        .unwrap();
-        let forward_cost = pace.then(|| {
-            tandem_cloud::measure_forward_cost(&mut engine, &tandem_cloud::CALIBRATION_SIZES, 3)
-                .unwrap()
-                .1
-        });
-        let info = tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok);
-        let cfg = tandem_verifier::VerifierConfig {
-            load: tandem_verifier::LoadConfig {
-                saturation_tokens,
-                forward_cost,
-                ..tandem_cloud::grpc::serving_load(8, 4)
-            },
-            ..cfg
-        };
-        let (service, _batcher) = tandem_cloud::grpc::start(engine, cfg, info, tenants).unwrap();
-        let gauges = service.gauges();
-        let addr = on_loopback(move |l| async move {
-            tandem_cloud::grpc::serve_grpc(service, l, std::future::pending(), Duration::ZERO)
-                .await
-                .unwrap();
-        });
-        (format!("http://{addr}"), gauges)
-    }
-}
-
-/// A verifier of its own (open to every tenant, default settings, a 256 MiB KV cache), for a
-/// test that reads the server's load or holds its sessions: its URL and its gauges.
-pub fn new_grpc_server(saturation_tokens: f64) -> (String, std::sync::Arc<tandem_cloud::Gauges>) {
-    grpc_server_with(
-        saturation_tokens,
-        false,
-        tandem_cloud::tenants::Tenants::open(),
-        tandem_verifier::VerifierConfig::default(),
-        256 << 20,
-    )
+/// A fixture of `fixtures/` (made by `fixtures/make_fixtures.py`, the independent numpy
+/// reference), parsed.
+pub fn fixture(name: &str) -> serde_json::Value {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(name);
+    serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
 }
 
 /// One speculative run: in-process behind `rtt_ms`, or against the verifier at `cloud_url`.
@@ -435,15 +291,6 @@ pub fn scratch(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-/// A tokio runtime with one worker, for a test's clients.
-pub fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap()
 }
 
 /// Run `cmd` to its end; its stdout, or a panic with its stderr (and `what` it was) when it

@@ -1,0 +1,159 @@
+//! `tandem serve` against clients that are not ours, with a real `tandem cloud serve` verifier
+//! behind it: the unmodified `openai` Python client gets the target's answers, in plaintext and
+//! over TLS (an edge that does not trust the verifier's CA gets a 503), and the live view in a
+//! real headless Chromium shows the target's answer with its tentative drafts and corrections.
+//! `scripts/test-deps` installs the clients. The model is pulled on first use.
+
+mod common;
+
+use common::serve::*;
+use common::*;
+use serde_json::{json, Value};
+
+/// The paths `scripts/test-deps` set up (the openai client's Python, playwright-core).
+fn test_deps() -> (String, String) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/test-deps");
+    let stdout = stdout_of(
+        "scripts/test-deps",
+        std::process::Command::new("bash").arg(script),
+    );
+    let text = String::from_utf8(stdout).unwrap();
+    let get = |k: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(k))
+            .unwrap()
+            .to_string()
+    };
+    (get("OPENAI_PYTHON="), get("NODE_PATH="))
+}
+
+/// The openai client's run against the edge at `base`, checked against the target.
+fn openai_client(python: &str, port: u16) {
+    let tok = &target().1;
+    let (q, p, n) = ("Name three colours.", "The capital of France is", 16);
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/clients/openai_client.py"
+    );
+    let stdout = stdout_of(
+        "the openai client",
+        std::process::Command::new(python)
+            .args([script, &format!("http://127.0.0.1:{port}/v1"), MODEL, q, p])
+            .arg(n.to_string()),
+    );
+    let r: Value = serde_json::from_slice(&stdout).unwrap();
+    let chat = expected_chat(q, n);
+    let completion = expected_completion(p, n);
+    let usage = |prompt: usize, e: &Expect| {
+        (
+            prompt as u64,
+            e.ids.len() as u64,
+            (prompt + e.ids.len()) as u64,
+        )
+    };
+    let got = |v: &Value| {
+        (
+            v["prompt_tokens"].as_u64().unwrap(),
+            v["completion_tokens"].as_u64().unwrap(),
+            v["total_tokens"].as_u64().unwrap(),
+        )
+    };
+    let chat_prompt = tok.encode_chat(q).unwrap().len();
+    assert_eq!(r["chat"]["text"], chat.text.as_str(), "{r}");
+    assert_eq!(r["chat"]["finish_reason"], chat.finish);
+    assert_eq!(got(&r["chat"]["usage"]), usage(chat_prompt, &chat));
+    assert_eq!(r["stream"]["text"], chat.text.as_str());
+    assert_eq!(r["stream"]["finish_reason"], chat.finish);
+    assert_eq!(got(&r["stream"]["usage"]), usage(chat_prompt, &chat));
+    assert_eq!(r["completion"]["text"], completion.text.as_str());
+    assert_eq!(
+        got(&r["completion"]["usage"]),
+        usage(tok.encode(p).unwrap().len(), &completion)
+    );
+    assert_eq!(r["bad"]["status"], 400, "{r}");
+    assert_eq!(r["bad"]["param"], "temperature");
+    assert_eq!(r["unknown_model"]["status"], 404);
+    assert_eq!(r["models"], json!([MODEL]));
+}
+
+#[test]
+fn the_unmodified_openai_client_gets_the_targets_answers_in_plaintext_and_over_tls() {
+    let (python, _) = test_deps();
+    let v = verifier(&[]);
+    let e = edge(&[format!("http://127.0.0.1:{}", v.port)], &[]);
+    openai_client(&python, e.port);
+
+    // The same with TLS on the link (the edge trusts the test's CA).
+    let dir = scratch("serve-tls");
+    let (ca, cert, key) = certificates(&dir, "serve");
+    let tv = verifier(&[
+        "--tls-cert",
+        cert.to_str().unwrap(),
+        "--tls-key",
+        key.to_str().unwrap(),
+    ]);
+    let te = edge(
+        &[format!("https://localhost:{}", tv.port)],
+        &["--tls-ca", ca.to_str().unwrap()],
+    );
+    openai_client(&python, te.port);
+    // An edge that does not trust the verifier's CA gets no verifier: a 503.
+    let untrusting = edge(&[format!("https://localhost:{}", tv.port)], &[]);
+    let (s, r) = post(untrusting.port, "/v1/chat/completions", &chat("Hi", 4));
+    assert_eq!(s, 503, "{r}");
+}
+
+#[test]
+fn the_live_view_in_a_real_browser_shows_the_targets_answer() {
+    let (_, node_path) = test_deps();
+    // Every block judged, so that tentative drafts show however slow the draft.
+    let v = verifier(&["--fixed-grants", "--await-drafts-ms", "5000"]);
+    let e = edge(&[format!("http://127.0.0.1:{}", v.port)], &[]);
+    let q = "Explain how a bicycle works in three sentences.";
+    let want = expected_chat(q, 48);
+    let shot = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("live-view.png");
+    let _ = std::fs::remove_file(&shot);
+    let profile = scratch("chromium-profile");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/clients/live_view.cjs");
+    let stdout = stdout_of(
+        "the browser",
+        std::process::Command::new("node")
+            .env("NODE_PATH", &node_path)
+            .args([script, &format!("{}/", local(&e)), q, "48"])
+            .arg(&shot)
+            .arg(&profile),
+    );
+    let r: Value = serde_json::from_slice(&stdout).unwrap();
+    assert_eq!(r["done"], "1", "{r}");
+    assert_eq!(r["page_errors"], json!([]));
+    assert_eq!(
+        r["text"],
+        want.text.as_str(),
+        "the page shows the target's answer: {r}"
+    );
+    assert_eq!(
+        r["saw_tentative"], true,
+        "the view was given tentative draft tokens: {r}"
+    );
+    assert_eq!(r["unverified"], 0);
+    assert!(r["status"].as_str().unwrap().starts_with("done"), "{r}");
+    assert!(
+        r["alpha"].as_str().unwrap().parse::<f64>().is_ok(),
+        "α shown: {r}"
+    );
+    assert!(
+        r["itl"].as_str().unwrap().parse::<f64>().is_ok(),
+        "ITL shown: {r}"
+    );
+    // Each correction shown is the target's token after a struck-through draft token.
+    assert!(
+        r["rejected"].as_array().unwrap().len() >= r["fixes"].as_array().unwrap().len(),
+        "{r}"
+    );
+    let png = std::fs::read(&shot).unwrap();
+    assert!(
+        png.starts_with(b"\x89PNG") && png.len() > 10_000,
+        "a screenshot"
+    );
+    eprintln!("screenshot: {}", shot.display());
+}
