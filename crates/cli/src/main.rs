@@ -1,30 +1,27 @@
 //! `tandem`: the one binary. It parses flags and dispatches; the work is in the library crates
-//! (the map: docs/ARCHITECTURE.md). `generate` and `demo` are the client's
-//! (`tandem_client::commands`), `bench …` the benchmarks' (`tandem_bench::commands`); the
-//! modules here wire up the servers (`cloud serve`, `serve`), the model tools (`quantize`,
-//! `info`) and the model's commands (`simulate`, `plan`).
+//! (the map: docs/ARCHITECTURE.md), each of which holds its commands' flags and runners:
+//! `cloud serve` and `cloud usage` (`tandem_cloud::commands`), `serve` (`tandem_edge::commands`),
+//! `generate`, `demo` and `netem` (`tandem_client::commands`), `bench …`
+//! (`tandem_bench::commands`). The two modules here hand `quantize` and `info` to the model
+//! store and the quantizer, and `simulate` and `plan` to the simulator and the model.
 
 use std::path::PathBuf;
 
-mod cloud;
 mod generate;
 mod model;
-mod serve;
 
-use cloud::*;
 use generate::*;
 use model::*;
-use serve::*;
 use tandem_bench::commands::{report, BenchTop, ReportArgs};
 use tandem_client::commands::*;
+use tandem_cloud::commands::CloudCmd;
+use tandem_edge::commands::EdgeServeArgs;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use tandem_engine::{CpuSet, Engine, EngineConfig};
 use tandem_models::pull;
 use tandem_models::store::{self as models, ModelSpec};
 use tandem_quant::{EmbedPrecision, Method, QuantConfig, Scheme};
-use tandem_spec::sampling::SamplingParams;
 
 #[derive(Parser)]
 #[command(
@@ -98,39 +95,13 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(b) => tandem_bench::commands::run(&home, b)?,
         Cmd::Info(a) => cmd_info(&home, a)?,
         Cmd::Demo(a) => cmd_demo(&home, a)?,
-        Cmd::Serve(a) => cmd_edge_serve(&home, a)?,
-        Cmd::Cloud(CloudCmd::Serve(a)) => cmd_serve(&home, a)?,
-        Cmd::Cloud(CloudCmd::Usage(a)) => cmd_usage(&home, a)?,
+        Cmd::Serve(a) => tandem_edge::commands::cmd_edge_serve(&home, a)?,
+        Cmd::Cloud(c) => tandem_cloud::commands::run(&home, c)?,
         Cmd::Simulate(a) => cmd_simulate(a)?,
         Cmd::Plan(a) => cmd_plan(a)?,
         Cmd::Netem(a) => cmd_netem(a)?,
     }
     Ok(())
-}
-
-/// Bind the address flag `flag` names (within a runtime).
-async fn listen(flag: &str, addr: &str) -> Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("{flag} {addr}: cannot bind"))
-}
-
-/// `ONE_TOKEN_MS,MS_PER_TOKEN`, both positive.
-fn parse_forward_cost(s: &str) -> Result<tandem_spec::capacity::ForwardCost, String> {
-    let (a, b) = s
-        .split_once(',')
-        .ok_or_else(|| format!("{s:?}: give ONE_TOKEN_MS,MS_PER_TOKEN (e.g. 100,12.5)"))?;
-    let num = |x: &str, what: &str| {
-        x.trim()
-            .parse::<f64>()
-            .ok()
-            .filter(|v| v.is_finite() && *v > 0.0)
-            .ok_or_else(|| format!("{what} {x:?} is not a positive number of milliseconds"))
-    };
-    Ok(tandem_spec::capacity::ForwardCost {
-        one_token_ms: num(a, "ONE_TOKEN_MS")?,
-        ms_per_token: num(b, "MS_PER_TOKEN")?,
-    })
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ pub(crate) struct SimulateArgs {
     cloud_only: bool,
     /// The target's forward cost `ONE_TOKEN_MS,MS_PER_TOKEN` (default: from --engine-json, else
     /// 44,2.2: `cloud serve --threads 1` on this project's CI machine).
-    #[arg(long, value_parser = parse_forward_cost)]
+    #[arg(long)]
     forward_cost: Option<tandem_spec::capacity::ForwardCost>,
     /// A `tandem bench engine --out` report to take the forward cost from (one-token forward and
     /// the kernels' FLOP rate).

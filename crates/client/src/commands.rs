@@ -1,7 +1,5 @@
-//! `tandem generate` and `tandem demo`: their flags and how they run (the binary parses them and
-//! calls [`cmd_generate`] / [`cmd_demo`]), and the flags other commands share with them: an
-//! engine's ([`EngineArgs`]), the speculation shape ([`ShapeArgs`]), a verifier's certificate
-//! authority ([`read_tls_ca`]).
+//! `tandem generate`, `tandem demo` and `tandem netem`: their flags and how they run (the binary
+//! parses them and calls [`cmd_generate`], [`cmd_demo`], [`cmd_netem`]).
 
 use std::io::Write;
 
@@ -12,45 +10,11 @@ use tandem_models::store::{self as models, ModelSpec};
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::VerifyRule;
 
+use tandem_edge::commands::{read_tls_ca, ShapeArgs};
+use tandem_models::EngineArgs;
+
 use crate::generate::generate;
 use crate::Mode;
-
-#[derive(Args)]
-pub struct EngineArgs {
-    /// Worker threads (default: all cores).
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// KV cache budget in MiB.
-    #[arg(long, default_value_t = 256)]
-    pub kv_budget_mb: usize,
-    /// Tokens per KV cache block.
-    #[arg(long, default_value_t = 16)]
-    pub kv_block_size: usize,
-    /// Pin the engine's worker threads to these cores (a `taskset -c` list: 0, 0-1, 0,2).
-    #[arg(long)]
-    pub cpus: Option<CpuSet>,
-}
-
-impl EngineArgs {
-    pub fn config(&self) -> EngineConfig {
-        EngineConfig {
-            threads: self
-                .threads
-                .unwrap_or_else(|| EngineConfig::default().threads),
-            kv_budget_bytes: self.kv_budget_mb << 20,
-            kv_block_size: self.kv_block_size,
-            cpus: self.cpus.unwrap_or_default(),
-        }
-    }
-}
-
-/// `--tls-ca PEM`: the certificate authority's PEM text, when given.
-pub fn read_tls_ca(path: Option<&std::path::Path>) -> Result<Option<String>> {
-    path.map(|p| {
-        std::fs::read_to_string(p).with_context(|| format!("--tls-ca {}: cannot read", p.display()))
-    })
-    .transpose()
-}
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -392,82 +356,40 @@ pub fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
     Ok(())
 }
 
-/// The speculation flags `generate` and `serve` share (γ and depth, whose defaults differ, are
-/// each command's own).
+/// `tandem netem`: a link emulator in front of a verifier.
 #[derive(Args)]
-pub struct ShapeArgs {
-    /// Let the policy choose γ and depth from what it measures (α, draft and verify time, round
-    /// trip), starting at --gamma / --depth, within --max-gamma / --max-depth and the cloud's grant.
+pub struct NetemArgs {
     #[arg(long)]
-    pub auto: bool,
-    #[arg(long, default_value_t = 8)]
-    pub max_gamma: usize,
-    #[arg(long, default_value_t = 4)]
-    pub max_depth: usize,
-    /// Token trees: LANES:BELOW[:MIN] grows up to LANES lanes beside the main path, forked where
-    /// the draft's confidence is below BELOW (and the lane's chance to be the target's path at
-    /// least MIN, default 0.05), carried on across blocks (e.g. 3:0.5); none: linear.
-    #[arg(long, value_parser = tandem_spec::pipeline::parse_tree, default_value = "none")]
-    pub tree: tandem_spec::pipeline::TreeArg,
-    /// How the verifier judges sampled drafts: sample-match, rejection, or auto (greedy when
-    /// temperature is 0). auto: rejection sampling, which commits more, on linear blocks and
-    /// over trees (docs/RESULTS.md).
-    #[arg(long, default_value = "auto")]
-    pub verify: RuleChoice,
+    pub listen: String,
+    #[arg(long)]
+    pub upstream: String,
+    #[command(flatten)]
+    pub link: crate::netem::NetemConfig,
 }
 
-impl ShapeArgs {
-    /// A session starting at `gamma` and `depth`; with --auto the policy's limits are
-    /// --max-gamma and --max-depth (or `max_depth` when the mode fixes it), its prior planned for
-    /// `rtt_ms`.
-    pub fn session(
-        &self,
-        gamma: usize,
-        depth: usize,
-        max_depth: Option<usize>,
-        max_new_tokens: usize,
-        rtt_ms: f64,
-    ) -> tandem_spec::edge::SessionConfig {
-        tandem_spec::edge::SessionConfig {
-            draft_len: gamma,
-            depth,
-            max_new_tokens,
-            auto: self.auto.then(|| tandem_spec::edge::AutoShape {
-                max_draft_len: self.max_gamma.max(1),
-                max_depth: max_depth.unwrap_or(self.max_depth).max(1),
-                prior: tandem_spec::edge::default_prior(rtt_ms),
-            }),
-            tree: self.tree.0.unwrap_or(tandem_spec::TreeConfig::LINEAR),
+pub fn cmd_netem(a: NetemArgs) -> Result<()> {
+    let cfg = a.link;
+    cfg.validate()
+        .map_err(|e| anyhow::anyhow!("invalid netem setting: {e}"))?;
+    let upstream: std::net::SocketAddr = a.upstream.parse().with_context(|| {
+        format!(
+            "--upstream {}: not an address like 127.0.0.1:50051",
+            a.upstream
+        )
+    })?;
+    let rt = crate::runtime()?;
+    rt.block_on(async {
+        let listener = tandem_proto::listen("--listen", &a.listen).await?;
+        eprintln!(
+            "netem {} -> {upstream}: rtt {} ms ± {} ms",
+            listener.local_addr()?,
+            cfg.rtt_ms,
+            cfg.jitter_ms
+        );
+        tokio::select! {
+            r = crate::netem::proxy(listener, upstream, cfg) => r?,
+            _ = tokio::signal::ctrl_c() => {}
         }
-    }
-}
-
-/// `--verify`: a verify rule, or the one that commits more for this run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RuleChoice {
-    Auto,
-    Rule(VerifyRule),
-}
-
-impl RuleChoice {
-    /// The rule to verify sampled drafts with: rejection sampling unless one was named.
-    pub fn rule(self) -> VerifyRule {
-        match self {
-            RuleChoice::Rule(r) => r,
-            RuleChoice::Auto => VerifyRule::Rejection,
-        }
-    }
-}
-
-impl std::str::FromStr for RuleChoice {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(RuleChoice::Auto),
-            s => s
-                .parse()
-                .map(RuleChoice::Rule)
-                .map_err(|e: String| format!("{e}, or auto")),
-        }
-    }
+        anyhow::Ok(())
+    })
 }

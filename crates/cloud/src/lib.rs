@@ -9,6 +9,7 @@
 //! - [`grpc`]: the `tandem.v1.Verifier` service, health, admission, drain; [`metrics`]: Prometheus.
 
 pub mod batcher;
+pub mod commands;
 pub mod grpc;
 pub mod ids;
 pub mod ledger;

@@ -6,6 +6,7 @@
 //! have arrived, and the edge blocks on the link only when the pipeline is full (`depth` blocks in
 //! flight). `depth = 1` is synchronous speculation.
 
+pub mod commands;
 pub mod drafter;
 pub mod driver;
 pub mod grpc;

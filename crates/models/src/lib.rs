@@ -52,3 +52,33 @@ impl<T, E: Into<Box<dyn std::error::Error + Send + Sync>>> WithContext<T>
         })
     }
 }
+
+/// An engine's flags (`generate`, `demo`, `cloud serve`): its threads, KV cache and cores.
+#[derive(clap::Args)]
+pub struct EngineArgs {
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// KV cache budget in MiB.
+    #[arg(long, default_value_t = 256)]
+    pub kv_budget_mb: usize,
+    /// Tokens per KV cache block.
+    #[arg(long, default_value_t = 16)]
+    pub kv_block_size: usize,
+    /// Pin the engine's worker threads to these cores (a `taskset -c` list: 0, 0-1, 0,2).
+    #[arg(long)]
+    pub cpus: Option<tandem_engine::CpuSet>,
+}
+
+impl EngineArgs {
+    pub fn config(&self) -> tandem_engine::EngineConfig {
+        tandem_engine::EngineConfig {
+            threads: self
+                .threads
+                .unwrap_or_else(|| tandem_engine::EngineConfig::default().threads),
+            kv_budget_bytes: self.kv_budget_mb << 20,
+            kv_block_size: self.kv_block_size,
+            cpus: self.cpus.unwrap_or_default(),
+        }
+    }
+}

@@ -294,6 +294,35 @@ pub fn from_cloud(m: v1::CloudMessage) -> FromCloud {
     }
 }
 
+/// Bind `addr`, the address flag `flag` names (within a runtime); a failure names both.
+pub async fn listen(flag: &str, addr: &str) -> std::io::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{flag} {addr}: cannot bind: {e}")))
+}
+
+/// Ctrl-c or SIGTERM: when a server starts its drain.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
+
 /// The small tokio runtime every network piece runs on (gRPC clients and servers, the emulated
 /// link): one worker, so it never competes with an engine for a core.
 pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {

@@ -34,6 +34,27 @@ pub struct ForwardCost {
     pub ms_per_token: f64,
 }
 
+/// `ONE_TOKEN_MS,MS_PER_TOKEN`, both positive (the flags that take a forward cost).
+impl std::str::FromStr for ForwardCost {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (a, b) = s
+            .split_once(',')
+            .ok_or_else(|| format!("{s:?}: give ONE_TOKEN_MS,MS_PER_TOKEN (e.g. 100,12.5)"))?;
+        let num = |x: &str, what: &str| {
+            x.trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|v| v.is_finite() && *v > 0.0)
+                .ok_or_else(|| format!("{what} {x:?} is not a positive number of milliseconds"))
+        };
+        Ok(ForwardCost {
+            one_token_ms: num(a, "ONE_TOKEN_MS")?,
+            ms_per_token: num(b, "MS_PER_TOKEN")?,
+        })
+    }
+}
+
 impl ForwardCost {
     /// Fit to measured `(tokens, ms)` points, smallest first: the slope by least squares over the
     /// large sizes (at least a quarter of the largest; the last two if fewer qualify), the

@@ -1,21 +1,26 @@
-//! `tandem cloud serve` (the verifier process, with graceful drain) and `tandem netem`.
+//! `tandem cloud serve` and `tandem cloud usage`: their flags and how they run (the binary parses
+//! them and calls [`run`]): the verifier's start-up (the model, the measured forward cost, the
+//! load policy, tenants, TLS, the ledger, metrics and health listeners, the drain on SIGTERM) and
+//! the ledger's per-tenant totals.
 
-use super::*;
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use tandem_engine::Engine;
+use tandem_models::store::{self as models, ModelSpec};
+use tandem_models::EngineArgs;
 
-#[derive(Args)]
-pub(crate) struct NetemArgs {
-    #[arg(long)]
-    listen: String,
-    #[arg(long)]
-    upstream: String,
-    #[command(flatten)]
-    link: tandem_client::netem::NetemConfig,
+/// Run `tandem cloud …`.
+pub fn run(home: &std::path::Path, cmd: CloudCmd) -> Result<()> {
+    match cmd {
+        CloudCmd::Serve(a) => cmd_serve(home, a),
+        CloudCmd::Usage(a) => cmd_usage(home, a),
+    }
 }
 
 // Parsed once per run: the size of the serve flags does not matter.
 #[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
-pub(crate) enum CloudCmd {
+pub enum CloudCmd {
     /// Serve the target as a tandem.v1 gRPC verifier.
     Serve(ServeArgs),
     /// Per-tenant totals from the usage ledger (what `cloud serve` recorded of each session).
@@ -23,19 +28,19 @@ pub(crate) enum CloudCmd {
 }
 
 #[derive(Args)]
-pub(crate) struct UsageArgs {
+pub struct UsageArgs {
     /// The ledger (default: ledger.sqlite in the model directory, as `cloud serve` writes it).
     #[arg(long)]
-    ledger: Option<std::path::PathBuf>,
+    pub ledger: Option<std::path::PathBuf>,
     /// Only this tenant (its name in the tenants file).
     #[arg(long)]
-    tenant: Option<String>,
+    pub tenant: Option<String>,
     /// Only sessions closed since: Unix seconds, or a span ago (`90s`, `30m`, `24h`, `7d`).
     #[arg(long, value_parser = parse_since)]
-    since: Option<i64>,
+    pub since: Option<i64>,
     /// Print JSON (a list of per-tenant totals) instead of a table.
     #[arg(long)]
-    json: bool,
+    pub json: bool,
 }
 
 /// `--since`: Unix seconds, or `N` followed by s, m, h or d (that long ago), as Unix ms.
@@ -60,11 +65,11 @@ fn parse_since(s: &str) -> Result<i64, String> {
 }
 
 /// The ledger's default place.
-pub(crate) fn default_ledger(home: &std::path::Path) -> std::path::PathBuf {
+pub fn default_ledger(home: &std::path::Path) -> std::path::PathBuf {
     home.join("ledger.sqlite")
 }
 
-pub(crate) fn cmd_usage(home: &std::path::Path, a: UsageArgs) -> Result<()> {
+pub fn cmd_usage(home: &std::path::Path, a: UsageArgs) -> Result<()> {
     let path = a.ledger.unwrap_or_else(|| default_ledger(home));
     if !path.exists() {
         bail!(
@@ -72,8 +77,8 @@ pub(crate) fn cmd_usage(home: &std::path::Path, a: UsageArgs) -> Result<()> {
             path.display()
         );
     }
-    let c = tandem_cloud::ledger::open(&path)?;
-    let rows = tandem_cloud::ledger::totals(&c, a.tenant.as_deref(), a.since.unwrap_or(0))?;
+    let c = crate::ledger::open(&path)?;
+    let rows = crate::ledger::totals(&c, a.tenant.as_deref(), a.since.unwrap_or(0))?;
     if a.json {
         println!("{}", serde_json::to_string(&rows)?);
         return Ok(());
@@ -97,89 +102,89 @@ pub(crate) fn cmd_usage(home: &std::path::Path, a: UsageArgs) -> Result<()> {
 }
 
 #[derive(Args)]
-pub(crate) struct ServeArgs {
+pub struct ServeArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:50051")]
-    listen: String,
+    pub listen: String,
     /// Serve Prometheus metrics on `GET /metrics` at this address too.
     #[arg(long)]
-    metrics_listen: Option<String>,
+    pub metrics_listen: Option<String>,
     /// Serve the gRPC health service alone, in plaintext, at this address too (for probes that
     /// cannot speak TLS, e.g. Kubernetes' gRPC probes): `""` and `tandem.v1.Verifier` turn
     /// NOT_SERVING when the verifier drains, `liveness` stays SERVING while it runs.
     #[arg(long)]
-    health_listen: Option<String>,
+    pub health_listen: Option<String>,
     /// Largest draft length (γ) granted to a session.
     #[arg(long, default_value_t = 8)]
-    max_draft_len: u32,
+    pub max_draft_len: u32,
     /// Largest number of blocks in flight granted to a session.
     #[arg(long, default_value_t = 4)]
-    max_depth: u32,
+    pub max_depth: u32,
     /// Tokens per forward at which the target is saturated: grants shrink (γ halves, depth drops
     /// by one per step, then γ 0: the verifier decodes the sessions itself) as the mean load
     /// nears it, and grow back below half; open sessions learn the new grant with their next
     /// verdict. Default: twice the ridge of the target's forward cost.
     #[arg(long)]
-    saturation_tokens: Option<f64>,
+    pub saturation_tokens: Option<f64>,
     /// The target's forward cost as `ONE_TOKEN_MS,MS_PER_TOKEN` (a forward takes the larger of
     /// the one-token time and MS_PER_TOKEN per token). Default: measured at start-up (a few
     /// seconds). With it, a session whose speculation commits slower than cloud decoding would at
     /// the current load is taken over by the verifier on its own.
-    #[arg(long, value_parser = parse_forward_cost)]
-    forward_cost: Option<tandem_spec::capacity::ForwardCost>,
+    #[arg(long)]
+    pub forward_cost: Option<tandem_spec::capacity::ForwardCost>,
     /// Keep every session at the γ and depth it asked for (within --max-draft-len and
     /// --max-depth): no load-aware grants, no takeovers. For measuring speculation as such.
     #[arg(long)]
-    fixed_grants: bool,
+    pub fixed_grants: bool,
     /// Tenants and their API keys (TOML: [[tenant]] name, keys, weight, max_sessions,
     /// max_kv_blocks, tokens_per_s). Every RPC must then carry `authorization: Bearer <key>`.
     #[arg(long)]
-    tenants: Option<std::path::PathBuf>,
+    pub tenants: Option<std::path::PathBuf>,
     /// Serve without API keys (one tenant, `default`): only on a loopback address.
     #[arg(long)]
-    no_auth: bool,
+    pub no_auth: bool,
     /// TLS (rustls): this verifier's certificate chain, PEM. With --tls-key.
     #[arg(long, requires = "tls_key")]
-    tls_cert: Option<std::path::PathBuf>,
+    pub tls_cert: Option<std::path::PathBuf>,
     /// TLS: the certificate's private key, PEM. With --tls-cert.
     #[arg(long, requires = "tls_cert")]
-    tls_key: Option<std::path::PathBuf>,
+    pub tls_key: Option<std::path::PathBuf>,
     /// Serve API keys in plaintext on a non-loopback address: only where a balancer or mesh in
     /// front of this verifier terminates TLS (without it, --tenants off loopback needs TLS).
     #[arg(long)]
-    insecure_behind_proxy: bool,
+    pub insecure_behind_proxy: bool,
     /// The usage ledger: a row per ended session (tenant, times, counts; never content), SQLite
     /// (default: ledger.sqlite in the model directory).
     #[arg(long)]
-    ledger: Option<std::path::PathBuf>,
+    pub ledger: Option<std::path::PathBuf>,
     /// Keep no usage ledger.
     #[arg(long, conflicts_with = "ledger")]
-    no_ledger: bool,
+    pub no_ledger: bool,
     #[command(flatten)]
-    verifier: tandem_verifier::VerifierConfig,
+    pub verifier: tandem_verifier::VerifierConfig,
     /// On ctrl-c or SIGTERM, let open sessions finish for up to this many seconds.
     #[arg(long, default_value_t = 30.0)]
-    drain_timeout_s: f64,
+    pub drain_timeout_s: f64,
     /// How long a session stream may take to send its Open before it is cut, ms.
     #[arg(long, default_value_t = 10_000)]
-    open_deadline_ms: u64,
+    pub open_deadline_ms: u64,
     /// How long an open session may go without a message from its edge (a block, an ack)
     /// before it is closed, s.
     #[arg(long, default_value_t = 60.0)]
-    idle_timeout_s: f64,
+    pub idle_timeout_s: f64,
     #[command(flatten)]
-    engine: EngineArgs,
+    pub engine: EngineArgs,
 }
 
-pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
+pub fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
     let addr: std::net::SocketAddr = a
         .listen
         .parse()
         .with_context(|| format!("--listen {}: not an address (ip:port)", a.listen))?;
     let tenants = match (&a.tenants, a.no_auth) {
         (Some(_), true) => bail!("--tenants and --no-auth exclude each other"),
-        (Some(path), false) => tandem_cloud::tenants::Tenants::load(path)?,
-        (None, true) if addr.ip().is_loopback() => tandem_cloud::tenants::Tenants::open(),
+        (Some(path), false) => crate::tenants::Tenants::load(path)?,
+        (None, true) if addr.ip().is_loopback() => crate::tenants::Tenants::open(),
         (None, true) => bail!(
             "--no-auth is allowed only on a loopback address, not {addr}: give --tenants FILE"
         ),
@@ -188,7 +193,7 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
         ),
     };
     let tls = match (&a.tls_cert, &a.tls_key) {
-        (Some(c), Some(k)) => Some(tandem_cloud::grpc::ServerTls {
+        (Some(c), Some(k)) => Some(crate::grpc::ServerTls {
             cert_pem: std::fs::read(c)
                 .with_context(|| format!("--tls-cert {}: cannot read", c.display()))?,
             key_pem: std::fs::read(k)
@@ -234,9 +239,7 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
     let mut engine = Engine::new(m.model.clone(), a.engine.config())?;
     let cost = match a.forward_cost {
         Some(c) => c,
-        None => {
-            tandem_cloud::measure_forward_cost(&mut engine, &tandem_cloud::CALIBRATION_SIZES, 3)?.1
-        }
+        None => crate::measure_forward_cost(&mut engine, &crate::CALIBRATION_SIZES, 3)?.1,
     };
     eprintln!(
         "target forward: {:.1} ms for one token, {:.2} ms per token past the ridge (≈ {:.1} tokens)",
@@ -258,9 +261,9 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
         idle_timeout_ms: Some((a.idle_timeout_s.max(0.001) * 1e3).ceil() as u64),
         ..tandem_verifier::LoadConfig::new(a.max_draft_len, a.max_depth)
     };
-    let info = tandem_cloud::grpc::ServiceInfo {
+    let info = crate::grpc::ServiceInfo {
         open_deadline: std::time::Duration::from_millis(a.open_deadline_ms.max(1)),
-        ..tandem_cloud::grpc::ServiceInfo::new(&name, &m.model, &m.tokenizer)
+        ..crate::grpc::ServiceInfo::new(&name, &m.model, &m.tokenizer)
     };
     let cfg = tandem_verifier::VerifierConfig { load, ..a.verifier };
     let auth = tenants.auth_required();
@@ -269,30 +272,27 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
     } else {
         let path = a.ledger.clone().unwrap_or_else(|| default_ledger(home));
         eprintln!("usage ledger: {}", path.display());
-        Some(tandem_cloud::ledger::Ledger::start(&path)?)
+        Some(crate::ledger::Ledger::start(&path)?)
     };
-    let (service, batcher) =
-        tandem_cloud::grpc::start_with_ledger(engine, cfg, info, tenants, ledger)?;
-    let rt = tandem_client::runtime()?;
+    let (service, batcher) = crate::grpc::start_with_ledger(engine, cfg, info, tenants, ledger)?;
+    let rt = tandem_proto::runtime()?;
     let served = rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("--listen {addr}: cannot bind"))?;
         if let Some(addr) = &a.metrics_listen {
-            let ml = listen("--metrics-listen", addr).await?;
+            let ml = tandem_proto::listen("--metrics-listen", addr).await?;
             eprintln!("metrics on http://{}/metrics", ml.local_addr()?);
             let g = service.gauges();
             tokio::spawn(async move {
-                if let Err(e) =
-                    tandem_cloud::metrics::serve_metrics(ml, g, std::future::pending()).await
-                {
+                if let Err(e) = crate::metrics::serve_metrics(ml, g, std::future::pending()).await {
                     eprintln!("metrics server stopped: {e}");
                 }
             });
         }
         let health = match &a.health_listen {
             Some(addr) => {
-                let hl = listen("--health-listen", addr).await?;
+                let hl = tandem_proto::listen("--health-listen", addr).await?;
                 eprintln!("health (plaintext gRPC) on {}", hl.local_addr()?);
                 Some(hl)
             }
@@ -305,13 +305,13 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             if tls.is_some() { "TLS" } else { "plaintext" }
         );
         let drain = std::time::Duration::from_secs_f64(a.drain_timeout_s);
-        let (failure, watcher) = tandem_cloud::grpc::batcher_failure(batcher, service.draining());
+        let (failure, watcher) = crate::grpc::batcher_failure(batcher, service.draining());
         let failed = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
         let record = failed.clone();
         // A signal drains; a failed batcher stops the server at once (health NOT_SERVING first).
         let shutdown = async move {
             tokio::select! {
-                _ = shutdown_signal() => {
+                _ = tandem_proto::shutdown_signal() => {
                     eprintln!("draining (up to {:.0} s)", drain.as_secs_f64());
                 }
                 why = failure => {
@@ -320,16 +320,9 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
                 }
             }
         };
-        tandem_cloud::grpc::serve_grpc_tls(
-            service,
-            listener,
-            shutdown,
-            drain,
-            tls.as_ref(),
-            health,
-        )
-        .await
-        .context("serving (a TLS certificate or key that does not parse is refused here)")?;
+        crate::grpc::serve_grpc_tls(service, listener, shutdown, drain, tls.as_ref(), health)
+            .await
+            .context("serving (a TLS certificate or key that does not parse is refused here)")?;
         let why = failed.lock().unwrap_or_else(|e| e.into_inner()).take();
         anyhow::Ok((why, watcher))
     });
@@ -341,53 +334,4 @@ pub(crate) fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
     let _ = watcher.join();
     eprintln!("stopped");
     Ok(())
-}
-
-/// Ctrl-c or SIGTERM.
-pub(crate) async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
-    }
-}
-
-pub(crate) fn cmd_netem(a: NetemArgs) -> Result<()> {
-    let cfg = a.link;
-    cfg.validate()
-        .map_err(|e| anyhow::anyhow!("invalid netem setting: {e}"))?;
-    let upstream: std::net::SocketAddr = a.upstream.parse().with_context(|| {
-        format!(
-            "--upstream {}: not an address like 127.0.0.1:50051",
-            a.upstream
-        )
-    })?;
-    let rt = tandem_client::runtime()?;
-    rt.block_on(async {
-        let listener = listen("--listen", &a.listen).await?;
-        eprintln!(
-            "netem {} -> {upstream}: rtt {} ms ± {} ms",
-            listener.local_addr()?,
-            cfg.rtt_ms,
-            cfg.jitter_ms
-        );
-        tokio::select! {
-            r = tandem_client::netem::proxy(listener, upstream, cfg) => r?,
-            _ = tokio::signal::ctrl_c() => {}
-        }
-        anyhow::Ok(())
-    })
 }

@@ -1,69 +1,78 @@
-//! `tandem serve`: the edge daemon, an OpenAI-compatible HTTP server in front of the draft model
-//! and speculation against one or more verifiers (the work is in `tandem_edge::serve`).
+//! `tandem serve`'s flags and how it starts (the binary parses them and calls
+//! [`cmd_edge_serve`]; the server is [`crate::serve`]), and the speculation flags `generate`
+//! shares with it ([`ShapeArgs`], [`RuleChoice`]) and a verifier's certificate authority
+//! ([`read_tls_ca`]).
 
-use super::*;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use tandem_engine::{CpuSet, Engine, EngineConfig};
+use tandem_models::store::{self as models, ModelSpec};
+use tandem_spec::sampling::SamplingParams;
+use tandem_spec::VerifyRule;
 
 #[derive(Args)]
-pub(crate) struct EdgeServeArgs {
+pub struct EdgeServeArgs {
     /// A verifier (`tandem cloud serve`), http://HOST:PORT or https://HOST:PORT; repeat for others
     /// to try in order when one does not answer.
     #[arg(long, required = true)]
-    cloud: Vec<String>,
+    pub cloud: Vec<String>,
     /// Address the HTTP API listens on.
     #[arg(long, default_value = "127.0.0.1:8080")]
-    listen: String,
+    pub listen: String,
     /// The tenant's API key this edge presents to the verifier (one started with --tenants needs
     /// it).
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
-    api_key: Option<String>,
+    pub api_key: Option<String>,
     /// For https:// verifiers: the certificate authority (PEM file) that signed their
     /// certificates. Default: the public web PKI's roots.
     #[arg(long)]
-    tls_ca: Option<PathBuf>,
+    pub tls_ca: Option<PathBuf>,
     /// A key local clients must present (`Authorization: Bearer KEY`); repeat for several.
     /// Default: none (on loopback, anyone on this machine may call).
     #[arg(long)]
-    client_key: Vec<String>,
+    pub client_key: Vec<String>,
     /// When no verifier answers, or one is lost mid-answer and cannot be reached again: `local`
     /// finishes the answer with the draft alone and marks those tokens unverified; `none` answers
     /// 503.
     #[arg(long, default_value = "none", value_parser = ["none", "local"])]
-    fallback: String,
+    pub fallback: String,
     /// How long opening a session on one verifier may take, ms.
     #[arg(long, default_value_t = 3000)]
-    connect_timeout_ms: u64,
+    pub connect_timeout_ms: u64,
     /// How long a session whose connection was lost keeps trying to reopen it (waits doubling to
     /// 2 s, jittered, honouring the verifier's retry-after-ms), ms; then 503, or the draft alone
     /// with --fallback local.
     #[arg(long, default_value_t = tandem_spec::edge::RECONNECT_WINDOW_MS)]
-    reconnect_window_ms: u64,
+    pub reconnect_window_ms: u64,
     /// The model's name in the API (default: the draft file's name up to its first dot).
     #[arg(long)]
-    served_model_name: Option<String>,
+    pub served_model_name: Option<String>,
     /// The draft: `draft` (made from the target on first use) or a GGUF path.
     #[arg(long, default_value = "draft")]
-    model: ModelSpec,
+    pub model: ModelSpec,
     /// Draft tokens per block (γ).
     #[arg(long, default_value_t = 2)]
-    gamma: usize,
+    pub gamma: usize,
     /// Blocks in flight.
     #[arg(long, default_value_t = 3)]
-    depth: usize,
+    pub depth: usize,
     #[command(flatten)]
-    shape: ShapeArgs,
+    pub shape: ShapeArgs,
     /// Worker threads of the draft engine (default: all cores).
     #[arg(long)]
-    threads: Option<usize>,
+    pub threads: Option<usize>,
     /// The draft's KV cache in MiB: what the requests in progress may hold together (each
     /// reserves its prompt and max_tokens; others wait).
     #[arg(long, default_value_t = 1024)]
-    kv_mb: usize,
+    pub kv_mb: usize,
     /// Pin the draft engine's threads to these cores.
     #[arg(long)]
-    cpus: Option<CpuSet>,
+    pub cpus: Option<CpuSet>,
 }
 
-pub(crate) fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result<()> {
+pub fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result<()> {
     for url in &a.cloud {
         if !(url.starts_with("http://") || url.starts_with("https://")) {
             bail!("--cloud {url}: give the verifier as http://HOST:PORT or https://HOST:PORT");
@@ -91,7 +100,7 @@ pub(crate) fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result
             cpus: a.cpus.unwrap_or_default(),
         },
     )?;
-    let spec = tandem_edge::SpecConfig {
+    let spec = crate::SpecConfig {
         // The prior plans for a 50 ms round trip until the session measures its own.
         session: a
             .shape
@@ -100,7 +109,7 @@ pub(crate) fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result
         params: SamplingParams::default(),
         q_top_k: 32,
     };
-    let cfg = tandem_edge::serve::ServeConfig {
+    let cfg = crate::serve::ServeConfig {
         clouds: a.cloud.clone(),
         api_key: a.api_key.clone(),
         tls_ca,
@@ -112,9 +121,9 @@ pub(crate) fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result
         reconnect_window: std::time::Duration::from_millis(a.reconnect_window_ms),
     };
     let tok = std::sync::Arc::new(m.tokenizer);
-    let rt = tandem_client::runtime()?;
+    let rt = tandem_proto::runtime()?;
     rt.block_on(async {
-        let listener = listen("--listen", &a.listen).await?;
+        let listener = tandem_proto::listen("--listen", &a.listen).await?;
         eprintln!(
             "tandem serve listening on http://{} (model {model_name}, verifier {}{}{})",
             listener.local_addr()?,
@@ -130,7 +139,7 @@ pub(crate) fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result
                 ""
             }
         );
-        tandem_edge::serve::serve(listener, engine, tok, cfg, shutdown_signal())
+        crate::serve::serve(listener, engine, tok, cfg, tandem_proto::shutdown_signal())
             .await
             .context("serving")?;
         anyhow::Ok(())
@@ -138,4 +147,92 @@ pub(crate) fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result
     rt.shutdown_timeout(std::time::Duration::from_secs(2));
     eprintln!("stopped");
     Ok(())
+}
+
+/// `--tls-ca PEM`: the certificate authority's PEM text, when given.
+pub fn read_tls_ca(path: Option<&std::path::Path>) -> Result<Option<String>> {
+    path.map(|p| {
+        std::fs::read_to_string(p).with_context(|| format!("--tls-ca {}: cannot read", p.display()))
+    })
+    .transpose()
+}
+
+/// The speculation flags `generate` and `serve` share (γ and depth, whose defaults differ, are
+/// each command's own).
+#[derive(Args)]
+pub struct ShapeArgs {
+    /// Let the policy choose γ and depth from what it measures (α, draft and verify time, round
+    /// trip), starting at --gamma / --depth, within --max-gamma / --max-depth and the cloud's grant.
+    #[arg(long)]
+    pub auto: bool,
+    #[arg(long, default_value_t = 8)]
+    pub max_gamma: usize,
+    #[arg(long, default_value_t = 4)]
+    pub max_depth: usize,
+    /// Token trees: LANES:BELOW[:MIN] grows up to LANES lanes beside the main path, forked where
+    /// the draft's confidence is below BELOW (and the lane's chance to be the target's path at
+    /// least MIN, default 0.05), carried on across blocks (e.g. 3:0.5); none: linear.
+    #[arg(long, value_parser = tandem_spec::pipeline::parse_tree, default_value = "none")]
+    pub tree: tandem_spec::pipeline::TreeArg,
+    /// How the verifier judges sampled drafts: sample-match, rejection, or auto (greedy when
+    /// temperature is 0). auto: rejection sampling, which commits more, on linear blocks and
+    /// over trees (docs/RESULTS.md).
+    #[arg(long, default_value = "auto")]
+    pub verify: RuleChoice,
+}
+
+impl ShapeArgs {
+    /// A session starting at `gamma` and `depth`; with --auto the policy's limits are
+    /// --max-gamma and --max-depth (or `max_depth` when the mode fixes it), its prior planned for
+    /// `rtt_ms`.
+    pub fn session(
+        &self,
+        gamma: usize,
+        depth: usize,
+        max_depth: Option<usize>,
+        max_new_tokens: usize,
+        rtt_ms: f64,
+    ) -> tandem_spec::edge::SessionConfig {
+        tandem_spec::edge::SessionConfig {
+            draft_len: gamma,
+            depth,
+            max_new_tokens,
+            auto: self.auto.then(|| tandem_spec::edge::AutoShape {
+                max_draft_len: self.max_gamma.max(1),
+                max_depth: max_depth.unwrap_or(self.max_depth).max(1),
+                prior: tandem_spec::edge::default_prior(rtt_ms),
+            }),
+            tree: self.tree.0.unwrap_or(tandem_spec::TreeConfig::LINEAR),
+        }
+    }
+}
+
+/// `--verify`: a verify rule, or the one that commits more for this run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RuleChoice {
+    Auto,
+    Rule(VerifyRule),
+}
+
+impl RuleChoice {
+    /// The rule to verify sampled drafts with: rejection sampling unless one was named.
+    pub fn rule(self) -> VerifyRule {
+        match self {
+            RuleChoice::Rule(r) => r,
+            RuleChoice::Auto => VerifyRule::Rejection,
+        }
+    }
+}
+
+impl std::str::FromStr for RuleChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(RuleChoice::Auto),
+            s => s
+                .parse()
+                .map(RuleChoice::Rule)
+                .map_err(|e: String| format!("{e}, or auto")),
+        }
+    }
 }

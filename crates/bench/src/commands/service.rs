@@ -1,0 +1,144 @@
+//! The service benchmarks' flags and runners: `bench serve`, `bench hostile`, `bench soak`.
+
+use anyhow::{bail, Result};
+use clap::Args;
+
+use super::*;
+
+#[derive(Args)]
+pub struct SoakBenchArgs {
+    #[arg(long, default_value_t = 64)]
+    sessions: usize,
+    #[arg(long, default_value_t = 10.0)]
+    minutes: f64,
+    /// Tokens per answer.
+    #[arg(long, default_value_t = 48)]
+    tokens: usize,
+    /// Acceptance rate of the synthetic drafts.
+    #[arg(long, default_value_t = 0.7)]
+    alpha: f64,
+    /// No hostile clients beside the sessions.
+    #[arg(long)]
+    no_hostile: bool,
+    /// Draw memory and throughput over time into this PNG.
+    #[arg(long)]
+    png: Option<PathBuf>,
+    #[command(flatten)]
+    cores: Cores,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+pub fn cmd_soak_bench(home: &std::path::Path, a: SoakBenchArgs) -> Result<()> {
+    if !(a.minutes.is_finite() && a.minutes > 0.0) || a.sessions == 0 || a.tokens < 2 {
+        bail!("--minutes must be above 0, --sessions at least 1, --tokens at least 2");
+    }
+    if !(0.0..=1.0).contains(&a.alpha) {
+        bail!("--alpha must be within [0, 1], got {}", a.alpha);
+    }
+    let (_, cloud_cpus) = a.cores.split();
+    let args = crate::soak::SoakArgs {
+        home: home.to_path_buf(),
+        sessions: a.sessions,
+        minutes: a.minutes,
+        tokens: a.tokens,
+        alpha: a.alpha,
+        hostile: !a.no_hostile,
+        cloud_cpus,
+        png: a.png,
+    };
+    a.report.run(
+        |progress| crate::soak::run(&args, progress),
+        crate::soak::table,
+    )
+}
+
+#[derive(Args)]
+pub struct HostileBenchArgs {
+    /// The attacks, in order (an unattacked row always comes first).
+    #[arg(long, value_delimiter = ',', value_enum, default_values_t = crate::hostile::ALL)]
+    attacks: Vec<crate::hostile::Attack>,
+    /// Seconds the victim is measured under each attack.
+    #[arg(long, default_value_t = 20.0)]
+    seconds: f64,
+    /// Tokens per victim answer.
+    #[arg(long, default_value_t = 48)]
+    victim_tokens: u32,
+    #[command(flatten)]
+    cores: Cores,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+pub fn cmd_hostile_bench(home: &std::path::Path, a: HostileBenchArgs) -> Result<()> {
+    if !(a.seconds.is_finite() && a.seconds >= 1.0) {
+        bail!("--seconds must be at least 1, got {}", a.seconds);
+    }
+    let (_, cloud_cpus) = a.cores.split();
+    let args = crate::hostile::HostileArgs {
+        home: home.to_path_buf(),
+        attacks: a.attacks,
+        seconds: a.seconds,
+        victim_tokens: a.victim_tokens.max(1),
+        cloud_cpus,
+    };
+    a.report.run(
+        |progress| crate::hostile::run(&args, progress),
+        crate::hostile::table,
+    )
+}
+
+#[derive(Args)]
+pub struct ServeBenchCliArgs {
+    /// Concurrent API clients, one level each.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    clients: Vec<usize>,
+    /// Requests each client sends, one after another.
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    #[arg(long, default_value_t = 48)]
+    max_tokens: usize,
+    /// Emulated round trip to the verifier, ms.
+    #[arg(long, default_value_t = 50.0)]
+    rtt_ms: f64,
+    #[arg(long, default_value_t = 2)]
+    gamma: usize,
+    #[arg(long, default_value_t = 3)]
+    depth: usize,
+    /// Chat prompts (default: the load benchmark's four).
+    #[arg(long)]
+    prompt: Vec<String>,
+    /// Keep every session speculating (the verifier's --fixed-grants: no takeovers), to measure
+    /// speculation as such.
+    #[arg(long)]
+    fixed_grants: bool,
+    #[command(flatten)]
+    cores: Cores,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+pub fn cmd_serve_bench(home: &std::path::Path, a: ServeBenchCliArgs) -> Result<()> {
+    let (edge_cpus, cloud_cpus) = a.cores.split();
+    let args = crate::serve_bench::ServeBenchArgs {
+        home: home.to_path_buf(),
+        clients: a.clients,
+        rounds: a.rounds,
+        max_tokens: a.max_tokens,
+        rtt_ms: a.rtt_ms,
+        gamma: a.gamma,
+        depth: a.depth,
+        prompts: if a.prompt.is_empty() {
+            crate::load::default_prompts()
+        } else {
+            a.prompt
+        },
+        fixed_grants: a.fixed_grants,
+        edge_cpus,
+        cloud_cpus,
+    };
+    a.report.run(
+        |progress| crate::serve_bench::run(&args, progress),
+        crate::serve_bench::table,
+    )
+}
