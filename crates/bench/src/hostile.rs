@@ -20,8 +20,8 @@ use serde::Serialize;
 use tandem_engine::{CpuSet, GgufFile, Tokenizer};
 use tandem_proto::v1::verifier_client::VerifierClient;
 use tandem_proto::v1::{
-    cloud_message, edge_message, Draft, EdgeMessage, GenerateRequest, Open, SamplingParams,
-    SparseDist, TokenProb,
+    cloud_message, edge_message, Draft, EdgeMessage, GenerateRequest, SamplingParams, SparseDist,
+    TokenProb,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
@@ -196,24 +196,13 @@ pub fn open(
     rule: i32,
     max_tokens: u32,
 ) -> EdgeMessage {
-    EdgeMessage {
-        kind: Some(edge_message::Kind::Open(Open {
-            protocol_version: tandem_proto::PROTOCOL_VERSION,
-            tokenizer_fingerprint: fingerprint.to_string(),
-            prompt_ids: prompt.to_vec(),
-            params: Some(SamplingParams {
-                temperature,
-                top_k: 0,
-                top_p: 1.0,
-                seed: 1,
-            }),
-            max_tokens,
-            rule,
-            want_draft_len: 4,
-            want_depth: 2,
-            want_side_nodes: 0,
-        })),
-    }
+    let params = SamplingParams {
+        temperature,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 1,
+    };
+    tandem_proto::open_message(fingerprint, prompt, Some(params), rule, max_tokens, (4, 2))
 }
 
 /// A draft of `tokens` at `start_pos` (block 0 of epoch 0) with `q`.

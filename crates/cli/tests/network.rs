@@ -30,11 +30,7 @@ fn every_rule_stays_the_targets_through_netem_at_0_50_and_150_ms() {
     let sampled = tandem_client::generate::generate(&mut engine(m), tok, &p, 16, &params, |_| {})
         .unwrap()
         .output_ids;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = tandem_testkit::rt();
     for rtt in [0.0, 50.0, 150.0] {
         let addr = on_loopback(move |l| async move {
             let cfg = tandem_client::netem::NetemConfig {

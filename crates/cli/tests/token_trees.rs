@@ -21,11 +21,7 @@ fn token_trees_over_real_grpc_commit_the_targets_tokens() {
     let url = grpc_server().clone();
     let prompt = tok.encode_chat("Name three colours.").unwrap();
     let want = greedy(&mut engine(m), SeqId(9), &prompt, 16);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = tandem_testkit::rt();
     let not = |t: u32| (t + 1) % 1000;
     let w = |i: usize| want[i];
     let side = |parent, token| SideNode {

@@ -26,11 +26,7 @@ fn grpc_health_and_hung_up_clients_are_freed() {
     use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
     let (_, tok) = target();
     let url = new_grpc_server(tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS).0;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = tandem_testkit::rt();
     let p = tok
         .encode_chat("Write a long story about a dragon and a knight.")
         .unwrap();

@@ -22,11 +22,7 @@ fn grants_shrink_under_load_and_grow_back() {
     use tandem_proto::v1::verifier_client::VerifierClient;
     let (_, tok) = target();
     let url = new_grpc_server(1.0).0;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = tandem_testkit::rt();
     let p = tok
         .encode_chat("Write a long story about a dragon.")
         .unwrap();

@@ -18,11 +18,7 @@ fn grpc_refuses_bad_sessions_and_drafts_by_name() {
     use tandem_edge::Link;
     let (_, tok) = target();
     let url = grpc_server().clone();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = tandem_testkit::rt();
     let open = |fp: &str, ids: Vec<u32>| greedy_open(fp, &ids);
     let prompt = tok.encode("The capital of France is").unwrap();
     let err = GrpcLink::connect(&rt, &url, open("0123", prompt.clone()))
@@ -132,11 +128,7 @@ fn grpc_generate_is_the_targets_greedy_output() {
     let url = grpc_server().clone();
     let p = tok.encode("The capital of France is").unwrap();
     let want = greedy(&mut engine(m), SeqId(8), &p, 12);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = tandem_testkit::rt();
     let got: Vec<u32> = rt.block_on(async {
         let mut c = VerifierClient::connect(url).await.unwrap();
         let req = tandem_proto::v1::GenerateRequest {

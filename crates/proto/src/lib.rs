@@ -294,6 +294,32 @@ pub fn from_cloud(m: v1::CloudMessage) -> FromCloud {
     }
 }
 
+/// An `Open` over `prompt` for a tokenizer of `fingerprint`, asking for `want` (γ, depth) on
+/// linear blocks, at this protocol's version, with `params`, verify rule `rule` (the wire's
+/// number) and `max_tokens`: what the benchmarks' and the tests' hand-driven sessions send.
+pub fn open_message(
+    fingerprint: &str,
+    prompt: &[u32],
+    params: Option<v1::SamplingParams>,
+    rule: i32,
+    max_tokens: u32,
+    want: (u32, u32),
+) -> v1::EdgeMessage {
+    v1::EdgeMessage {
+        kind: Some(v1::edge_message::Kind::Open(v1::Open {
+            protocol_version: PROTOCOL_VERSION,
+            tokenizer_fingerprint: fingerprint.to_string(),
+            prompt_ids: prompt.to_vec(),
+            params,
+            max_tokens,
+            rule,
+            want_draft_len: want.0,
+            want_depth: want.1,
+            want_side_nodes: 0,
+        })),
+    }
+}
+
 /// Bind `addr`, the address flag `flag` names (within a runtime); a failure names both.
 pub async fn listen(flag: &str, addr: &str) -> std::io::Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::bind(addr)

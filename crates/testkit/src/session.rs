@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tandem_proto::v1::verifier_client::VerifierClient;
 use tandem_proto::v1::{
-    cloud_message, edge_message, CloudMessage, Draft, EdgeMessage, Open, SamplingParams, Verdict,
+    cloud_message, edge_message, CloudMessage, Draft, EdgeMessage, SamplingParams, Verdict,
 };
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tonic::{Code, Request, Status, Streaming};
@@ -32,19 +32,7 @@ pub fn open_message(
     rule: i32,
     max_tokens: u32,
 ) -> EdgeMessage {
-    EdgeMessage {
-        kind: Some(edge_message::Kind::Open(Open {
-            protocol_version: tandem_proto::PROTOCOL_VERSION,
-            tokenizer_fingerprint: fingerprint.to_string(),
-            prompt_ids: prompt.to_vec(),
-            params,
-            max_tokens,
-            rule,
-            want_draft_len: 4,
-            want_depth: 2,
-            want_side_nodes: 0,
-        })),
-    }
+    tandem_proto::open_message(fingerprint, prompt, params, rule, max_tokens, (4, 2))
 }
 
 /// A session driven by hand over a raw stream.
