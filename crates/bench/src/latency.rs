@@ -134,8 +134,10 @@ pub struct Row {
     pub mean_accepted: f64,
     pub wasted_draft_tokens: usize,
     pub drafted: usize,
-    /// Token trees: side nodes sent and committed tokens a branch guessed.
+    /// Token trees: side nodes sent and committed tokens a lane guessed (JSON: `branch_hits`,
+    /// its first name).
     pub side_nodes: usize,
+    #[serde(rename = "branch_hits")]
     pub lane_hits: usize,
     pub tokens: usize,
     /// Measured draft forward, verifier forward and round trip (ms; speculative modes).

@@ -228,6 +228,13 @@ pub fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             a.drain_timeout_s
         );
     }
+    // At most a year: a timeout that long is "never", and µs past it would overflow.
+    if !(a.idle_timeout_s.is_finite() && a.idle_timeout_s > 0.0 && a.idle_timeout_s <= 3.2e7) {
+        bail!(
+            "--idle-timeout-s must be more than 0 and at most a year (31,536,000), got {}",
+            a.idle_timeout_s
+        );
+    }
     if a.verifier.token_budget <= a.max_draft_len as usize {
         bail!(
             "--token-budget {} must exceed --max-draft-len {} (a block and its correction go in one forward)",
@@ -258,7 +265,7 @@ pub fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             .unwrap_or(2.0 * cost.ridge_tokens().max(1.0)),
         forward_cost: Some(cost),
         adapt: !a.fixed_grants,
-        idle_timeout_ms: Some((a.idle_timeout_s.max(0.001) * 1e3).ceil() as u64),
+        idle_timeout_ms: Some((a.idle_timeout_s * 1e3).ceil().max(1.0) as u64),
         ..tandem_verifier::LoadConfig::new(a.max_draft_len, a.max_depth)
     };
     let info = crate::grpc::ServiceInfo {

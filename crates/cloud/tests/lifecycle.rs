@@ -295,3 +295,61 @@ fn a_failed_batcher_stops_the_server_instead_of_answering_every_rpc_unavailable(
     );
     watcher.join().unwrap();
 }
+
+/// A speculation session whose edge goes quiet is closed by the verifier core at its idle
+/// timeout, through the in-process service: the edge reads (the tokens the verifier decodes
+/// alone, up to the flow window) but sends nothing, and its stream ends with DEADLINE_EXCEEDED
+/// naming idleness about the timeout after `Opened`; the verifier then holds no session.
+#[test]
+fn a_quiet_session_is_closed_by_the_core_at_its_idle_timeout() {
+    let cfg = VerifierConfig {
+        load: tandem_verifier::LoadConfig {
+            idle_timeout_ms: Some(700),
+            ..tandem_verifier::LoadConfig::FIXED
+        },
+        ..VerifierConfig::default()
+    };
+    let (url, gauges) = grpc_server_with(
+        tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS,
+        false,
+        Tenants::open(),
+        cfg,
+        256 << 20,
+    );
+    let (_, tok) = target();
+    let prompt = tok.encode("The capital of France is").unwrap();
+    tandem_testkit::rt().block_on(async {
+        let mut raw = tandem_testkit::session::open_raw(&url, None, &prompt)
+            .await
+            .unwrap();
+        let opened = std::time::Instant::now();
+        let (code, message) = loop {
+            match raw.message().await {
+                Ok(_) => continue,
+                Err(end) => break end,
+            }
+        };
+        let after = opened.elapsed();
+        assert_eq!(code, Code::DeadlineExceeded, "{message}");
+        assert!(
+            message.starts_with("idle: nothing from the edge in 0.7 s"),
+            "{message}"
+        );
+        assert!(
+            after >= Duration::from_millis(600) && after < Duration::from_secs(5),
+            "closed {after:?} after Opened"
+        );
+        assert!(
+            raw.decoded > 0,
+            "the verifier decoded while the edge was quiet"
+        );
+        let t0 = std::time::Instant::now();
+        while gauges.sessions.load(std::sync::atomic::Ordering::Relaxed) != 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "the session is still held"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+}

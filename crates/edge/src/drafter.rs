@@ -201,7 +201,7 @@ impl DraftSeq {
         }
     }
 
-    /// Plan the step that grows each leaf (`base` followed by `leaves[i]`) by one token: the KV
+    /// The step that grows each leaf (`base` followed by `leaves[i]`) by one token: the KV
     /// is reconciled with the leaves now, and the chunk feeds what it lacks of each path (each
     /// tip always; paths that share a prefix share its new nodes).
     pub fn grow_step(

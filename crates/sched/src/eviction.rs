@@ -27,7 +27,7 @@ impl Scheduler {
             .collect()
     }
 
-    /// KV blocks `tenant` may still take under its quota.
+    /// KV pages `tenant` may still take under its quota (`max_kv_blocks`).
     pub(crate) fn tenant_room(&self, tenant: TenantId) -> usize {
         match self.tenants.get(&tenant).and_then(|t| t.cfg.max_kv_blocks) {
             Some(limit) => limit.saturating_sub(self.tenant_blocks(tenant)),

@@ -6,7 +6,7 @@
 //! latency-critical: they are scheduled first and whole; prompt prefill (and the recompute of a
 //! preempted session) takes what budget is left, in chunks. A session whose edge has sent nothing
 //! is simply not in the batch. Between tenants the budget is shared by weighted fair queueing,
-//! charged in computed positions. When the block pool cannot hold a verify block, the least
+//! charged in computed positions. When the page pool cannot hold a verify block, the least
 //! recently active other session is preempted: its KV is dropped and recomputed later from its
 //! committed tokens — the session and its committed tokens are never dropped.
 //!
@@ -94,8 +94,9 @@ pub enum SchedError {
 pub struct SchedConfig {
     /// Tokens one forward may compute, all sessions together.
     pub token_budget: usize,
-    pub block_size: usize,
-    pub num_blocks: usize,
+    /// The KV page pool: tokens per page, and pages.
+    pub page_size: usize,
+    pub num_pages: usize,
     /// Admission: open sessions (all tenants) beyond which new ones are refused.
     pub max_sessions: usize,
     /// Admission: prompt tokens waiting for prefill beyond which new sessions are refused.
@@ -113,11 +114,11 @@ pub struct SchedConfig {
 impl SchedConfig {
     /// A budget and a pool, with admission limits that refuse only a verifier that is clearly
     /// behind: 1024 sessions, eight iterations' worth of waiting prompt tokens.
-    pub fn new(token_budget: usize, block_size: usize, num_blocks: usize) -> Self {
+    pub fn new(token_budget: usize, page_size: usize, num_pages: usize) -> Self {
         Self {
             token_budget,
-            block_size,
-            num_blocks,
+            page_size,
+            num_pages,
             max_sessions: 1024,
             max_waiting_tokens: 8 * token_budget,
             idle_evict_ms: 500,
@@ -189,7 +190,7 @@ pub struct Batch {
     pub chunks: Vec<Chunk>,
     /// Sessions whose KV was dropped to make room; they recompute later.
     pub preempted: Vec<SessionId>,
-    /// Sessions of two tenants or more were open: the plan kept to the contended budget
+    /// Sessions of two tenants or more were open: the batch kept to the contended budget
     /// ([`SchedConfig::contended_budget`]), if there is one.
     pub contended: bool,
 }
@@ -284,7 +285,7 @@ impl Scheduler {
         }
         check_contended_budget(cfg.contended_budget)?;
         Ok(Self {
-            pool: PagePool::new(cfg.num_blocks, cfg.block_size)?,
+            pool: PagePool::new(cfg.num_pages, cfg.page_size)?,
             cfg,
             sessions: BTreeMap::new(),
             tenants: BTreeMap::new(),
@@ -551,12 +552,12 @@ impl Scheduler {
         self.now_ms = self.now_ms.max(now_ms);
         self.iteration += 1;
         self.stats.iterations += 1;
-        let mut plan = Batch {
+        let mut batch = Batch {
             iteration: self.iteration,
             ..Batch::default()
         };
-        plan.contended = self.contended();
-        let full = self.budget_when(plan.contended);
+        batch.contended = self.contended();
+        let full = self.budget_when(batch.contended);
         let mut budget = full;
         let mut taken: Vec<SessionId> = Vec::new();
         // Verify comes first, but while prompts wait it leaves them a quarter of the budget, so a
@@ -573,15 +574,15 @@ impl Scheduler {
         } else {
             full / PREFILL_RESERVE_DIV
         };
-        self.schedule_decodes(&mut plan, &mut taken, &mut budget, reserve);
+        self.schedule_decodes(&mut batch, &mut taken, &mut budget, reserve);
         // While sessions decode (verify work ran), prompts get at most a quarter of the budget
         // per forward: a burst of prompts lengthens everyone's forwards, and so their ITL, by
         // that much at most.
-        if !plan.chunks.is_empty() {
+        if !batch.chunks.is_empty() {
             budget = budget.min(reserve.max(full / PREFILL_RESERVE_DIV).max(1));
         }
-        self.schedule_prefills(&mut plan, &mut taken, budget);
-        plan
+        self.schedule_prefills(&mut batch, &mut taken, budget);
+        batch
     }
 
     /// Decode work first: each session's next block to verify (or its one token to decode),
@@ -591,7 +592,7 @@ impl Scheduler {
     /// the least recently active others.
     fn schedule_decodes(
         &mut self,
-        plan: &mut Batch,
+        batch: &mut Batch,
         taken: &mut Vec<SessionId>,
         budget: &mut usize,
         reserve: usize,
@@ -605,7 +606,7 @@ impl Scheduler {
             let s = &self.sessions[&id];
             let (len, since) = *s.verifies.front().expect("candidate has a block");
             let fits = len <= budget.saturating_sub(reserve)
-                || (plan.chunks.is_empty() && len <= self.cfg.token_budget);
+                || (batch.chunks.is_empty() && len <= self.cfg.token_budget);
             if !fits {
                 // Not this iteration; smaller blocks of others may still fit.
                 taken.push(id);
@@ -623,7 +624,7 @@ impl Scheduler {
                 keep.push(id);
                 match self.preempt_one(&keep, Some(tenant), tenant) {
                     Some(v) => {
-                        plan.preempted.push(v);
+                        batch.preempted.push(v);
                         taken.push(v);
                     }
                     None => break,
@@ -638,7 +639,7 @@ impl Scheduler {
                 keep.push(id);
                 match self.preempt_one(&keep, None, tenant) {
                     Some(v) => {
-                        plan.preempted.push(v);
+                        batch.preempted.push(v);
                         // It recomputes in a later iteration, not in the one that evicted it.
                         taken.push(v);
                     }
@@ -656,7 +657,7 @@ impl Scheduler {
             self.stats.max_verify_wait = self.stats.max_verify_wait.max(self.iteration - since);
             *budget = budget.saturating_sub(len);
             self.charge(tenant, len);
-            plan.chunks.push(Chunk {
+            batch.chunks.push(Chunk {
                 session: id,
                 start,
                 len,
@@ -671,7 +672,7 @@ impl Scheduler {
     /// whose edge went quiet does not keep its KV from those with work.
     fn schedule_prefills(
         &mut self,
-        plan: &mut Batch,
+        batch: &mut Batch,
         taken: &mut Vec<SessionId>,
         mut budget: usize,
     ) {
@@ -708,12 +709,12 @@ impl Scheduler {
                         }
                         // (Sessions passed over this iteration hold nothing it needs.)
                         let mut planned: Vec<SessionId> =
-                            plan.chunks.iter().map(|c| c.session).collect();
+                            batch.chunks.iter().map(|c| c.session).collect();
                         planned.push(id);
                         self.preempt_over_share(&planned, tenant)
                     });
                 match v {
-                    Some(v) => plan.preempted.push(v),
+                    Some(v) => batch.preempted.push(v),
                     None => break,
                 }
             }
@@ -734,7 +735,7 @@ impl Scheduler {
                 s.last_active = self.iteration;
                 s.last_planned_ms = self.now_ms;
             }
-            plan.chunks.push(Chunk {
+            batch.chunks.push(Chunk {
                 session: id,
                 start,
                 len,
@@ -744,12 +745,12 @@ impl Scheduler {
         }
     }
 
-    /// The plan ran. `kv_len` gives, for verify chunks, each session's KV length after its verdict
+    /// The batch ran. `kv_len` gives, for decode chunks, each session's KV length after its verdict
     /// (a rejection truncates), and for a chunk whose forward failed, its start (nothing was
     /// computed); prefill chunks not listed computed what they were given. Whatever the cloud
     /// committed is then known.
-    pub fn update(&mut self, plan: &Batch, kv_len: &[(SessionId, usize)]) {
-        for c in &plan.chunks {
+    pub fn update(&mut self, batch: &Batch, kv_len: &[(SessionId, usize)]) {
+        for c in &batch.chunks {
             let Some(s) = self.sessions.get_mut(&c.session) else {
                 continue; // closed meanwhile
             };

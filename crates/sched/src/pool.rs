@@ -13,40 +13,40 @@ use crate::{SchedError, SessionId};
 /// Pages of `page_size` token slots, each free or owned by one `K`.
 #[derive(Debug, Clone)]
 pub struct PagePool<K = SessionId> {
-    block_size: usize,
-    num_blocks: usize,
+    page_size: usize,
+    num_pages: usize,
     free: Vec<u32>,
     owned: HashMap<K, Vec<u32>>,
 }
 
 impl<K: Copy + Eq + Hash> PagePool<K> {
-    pub fn new(num_blocks: usize, block_size: usize) -> Result<Self, SchedError> {
-        if num_blocks == 0 || block_size == 0 {
+    pub fn new(num_pages: usize, page_size: usize) -> Result<Self, SchedError> {
+        if num_pages == 0 || page_size == 0 {
             return Err(SchedError::InvalidConfig(
-                "the block pool needs at least one block of at least one token".into(),
+                "the KV page pool needs at least one page of at least one token".into(),
             ));
         }
         Ok(Self {
-            block_size,
-            num_blocks,
+            page_size,
+            num_pages,
             // Popped from the end: low ids first.
-            free: (0..num_blocks as u32).rev().collect(),
+            free: (0..num_pages as u32).rev().collect(),
             owned: HashMap::new(),
         })
     }
 
     pub fn page_size(&self) -> usize {
-        self.block_size
+        self.page_size
     }
     pub fn num_pages(&self) -> usize {
-        self.num_blocks
+        self.num_pages
     }
     pub fn num_free(&self) -> usize {
         self.free.len()
     }
-    /// Blocks needed to hold `tokens` token slots.
+    /// Pages needed to hold `tokens` token slots.
     pub fn pages_for(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.block_size)
+        tokens.div_ceil(self.page_size)
     }
     pub fn table(&self, s: K) -> &[u32] {
         self.owned.get(&s).map_or(&[], |v| v)
@@ -55,7 +55,7 @@ impl<K: Copy + Eq + Hash> PagePool<K> {
         self.table(s).len()
     }
 
-    /// Extra blocks `s` needs to hold `tokens` slots.
+    /// Extra pages `s` needs to hold `tokens` slots.
     pub fn shortfall(&self, s: K, tokens: usize) -> usize {
         self.pages_for(tokens).saturating_sub(self.held(s))
     }
@@ -66,10 +66,10 @@ impl<K: Copy + Eq + Hash> PagePool<K> {
     }
 
     /// Grow every `(owner, tokens)` to hold `tokens` slots, all or nothing: when the pool cannot
-    /// hold them all, nothing changes and `OutOfBlocks` says how many blocks were missing. An
+    /// hold them all, nothing changes and `OutOfBlocks` says how many pages were missing. An
     /// owner named twice is grown to the larger size.
     pub fn grow_all(&mut self, plan: &[(K, usize)]) -> Result<(), SchedError> {
-        // In the plan's order, so that block ids are handed out deterministically.
+        // In the batch's order, so that page ids are handed out deterministically.
         let mut at: HashMap<K, usize> = HashMap::new();
         let mut want: Vec<(K, usize)> = Vec::with_capacity(plan.len());
         for &(s, tokens) in plan {
@@ -98,7 +98,7 @@ impl<K: Copy + Eq + Hash> PagePool<K> {
         Ok(())
     }
 
-    /// Keep only the blocks `s` needs for `tokens` slots.
+    /// Keep only the pages `s` needs for `tokens` slots.
     pub fn truncate(&mut self, s: K, tokens: usize) {
         let keep = self.pages_for(tokens);
         if let Some(t) = self.owned.get_mut(&s) {
@@ -116,12 +116,12 @@ impl<K: Copy + Eq + Hash> PagePool<K> {
         self.truncate(s, 0);
     }
 
-    /// Every block is free or owned once (for tests).
+    /// Every page is free or owned once (for tests).
     pub fn conserved(&self) -> bool {
-        let mut seen = vec![false; self.num_blocks];
+        let mut seen = vec![false; self.num_pages];
         for b in self.free.iter().chain(self.owned.values().flatten()) {
             let i = *b as usize;
-            if i >= self.num_blocks || seen[i] {
+            if i >= self.num_pages || seen[i] {
                 return false;
             }
             seen[i] = true;

@@ -279,7 +279,7 @@ impl CloudSession {
             )));
         }
         if b.is_tree() {
-            return self.plan_tree(b, most.max(1));
+            return self.tree_action(b, most.max(1));
         }
         let known = (c - b.start_pos).min(b.tokens.len());
         if let Some(i) = (0..known).find(|&i| b.tokens[i] != self.committed[b.start_pos + i]) {
@@ -319,7 +319,7 @@ impl CloudSession {
     /// (a diversion into a side path moves nothing; leaving the tree moves the epoch), then feed
     /// the subtree below where the walk stopped, to `most` levels — only the committed token when
     /// that is a lane that ended inside the block, whose verdict is then a correction.
-    fn plan_tree(&mut self, b: &Block, most: usize) -> Result<BlockAction, SpecError> {
+    fn tree_action(&mut self, b: &Block, most: usize) -> Result<BlockAction, SpecError> {
         let c = self.committed.len();
         let mut at = Node::Root;
         for pos in b.start_pos..c {
@@ -368,7 +368,7 @@ impl CloudSession {
     }
 
     /// The forward that decodes the session's next token: the last committed token, fed.
-    pub fn plan_decode(&self) -> Result<Feed, SpecError> {
+    pub fn decode_feed(&self) -> Result<Feed, SpecError> {
         if self.committed.len() >= self.max_len {
             return Err(SpecError::Protocol(format!(
                 "the session reached the context limit {}",
@@ -384,7 +384,7 @@ impl CloudSession {
         })
     }
 
-    /// The target's logits after [`plan_decode`](Self::plan_decode): the next token, committed.
+    /// The target's logits after [`decode_feed`](Self::decode_feed): the next token, committed.
     /// It does not move the epoch: blocks in flight are rebased against it.
     pub fn finish_decode(&mut self, row: &[f32]) -> Decoded {
         self.kv_len += 1;

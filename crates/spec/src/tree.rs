@@ -59,13 +59,13 @@ pub enum Step {
     Leaf,
 }
 
-/// Side nodes a block may carry at most.
 /// What a draft forward costs per extra leaf of the draft tree, as a share of a one-token
 /// forward: `bench engine`'s chunk of 2 tokens on the W4A16 draft, one thread (1.24× on this
 /// project's AMD EPYC machine, 1.20× on the Intel one). The simulator's and the synthetic
 /// draft's model of a tree's drafting time.
 pub const DEFAULT_LEAF_COST: f64 = 0.25;
 
+/// Side nodes a block may carry at most.
 pub const MAX_SIDE_NODES: usize = 64;
 
 /// Buckets of the draft's probability of its own token, `[lower, upper)`: where it is unsure

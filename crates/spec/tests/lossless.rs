@@ -209,7 +209,7 @@ impl Cloud {
                 Err(e) => return Err(TestCaseError::fail(format!("planning a block: {e}"))),
             }
         }
-        let plan = self.session.plan_decode().expect("below the context limit");
+        let plan = self.session.decode_feed().expect("below the context limit");
         let rows = self.forward(&plan);
         let mut d = self.session.finish_decode(&rows[0]);
         self.keep(&plan, &[], self.session.kv_len())?;

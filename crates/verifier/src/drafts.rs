@@ -206,7 +206,7 @@ impl<T: Target, H> VerifierCore<T, H> {
             error: e,
             fatal: true,
         };
-        match vs.plan_decode() {
+        match vs.decode_feed() {
             Ok(feed) => match self.sched.enqueue_verify(id, feed.tokens.len()) {
                 Ok(()) => *planned = Some(Scheduled::Decode { feed }),
                 Err(e) => {

@@ -3,7 +3,7 @@
 //! target model behind a trait ([`Target`]), and what must happen comes back as plain data.
 //!
 //! - [`VerifierCore`]: one record per open session (speculation or cloud-only generation), the
-//!   multi-tenant scheduler (`tandem-sched`) over the KV block pool, and the load control. A
+//!   multi-tenant scheduler (`tandem-sched`) over the KV page pool, and the load control. A
 //!   driver hands it each message from an edge ([`VerifierCore::receive`]) and then runs a turn
 //!   ([`VerifierCore::turn`]): the load is looked at (grants, takeovers, handbacks), one ragged
 //!   forward runs over every session's planned work (verify blocks first and whole, then chunked

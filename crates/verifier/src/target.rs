@@ -9,9 +9,9 @@ pub trait Target {
     fn vocab(&self) -> usize;
     /// Positions a sequence may reach.
     fn context_len(&self) -> usize;
-    /// Token slots per KV block, and blocks.
+    /// Token slots per KV page, and pages.
     fn kv_geometry(&self) -> (usize, usize);
-    /// One forward over `batch` (with the scheduler's block `tables`), and how long it took (µs):
+    /// One forward over `batch` (with the scheduler's page `tables`), and how long it took (µs):
     /// the verifier's clock advances by it.
     fn forward_timed(
         &mut self,

@@ -1,7 +1,8 @@
 //! [`VerifierCore`]: the target driven by the multi-tenant [`Scheduler`], with one record per
-//! session. The scheduler plans every iteration (verify blocks first and whole, then chunks of
-//! prompt prefill and the recompute of preempted sessions, under one token budget, over its own KV
-//! block pool); the core turns the plan into one ragged forward over the scheduler's block tables,
+//! session. The scheduler makes every iteration's batch (decode work first and whole: draft blocks
+//! to verify, tokens to decode; then chunks of prompt prefill and the recompute of preempted
+//! sessions, under one token budget, over its own KV page pool); the core turns the batch into one
+//! ragged forward over the scheduler's page tables,
 //! folds the logits into verdicts and tokens, and reports back. The scheduler never sees a tensor;
 //! the engine never allocates.
 //!
@@ -9,7 +10,7 @@
 //! recomputed from them and resumes exactly where it was: the same positions, the same logits.
 //!
 //! A session is created in one place ([`VerifierCore::receive`] of an open) and closed in one
-//! place ([`VerifierCore::close`]): its record, its scheduler entry and KV blocks, and its part of
+//! place ([`VerifierCore::close`]): its record, its scheduler entry and KV pages, and its part of
 //! the load control go together.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -164,15 +165,16 @@ pub struct VerifierCore<T: Target = Engine, H = ()> {
 }
 
 impl<T: Target, H> VerifierCore<T, H> {
-    /// A verifier over `engine`, whose KV cache becomes the scheduler's block pool. One tenant, 0,
+    /// A verifier over `engine`, whose KV cache becomes the scheduler's page pool. One tenant, 0,
     /// exists with weight 1 and no quota. Grants follow [`VerifierConfig::load`] from `now_us`
-    /// on the driver's clock, a token tree's side nodes kept within the token budget.
+    /// on the driver's clock. (A token tree's side nodes are the transport's to bound: the gRPC
+    /// service checks them against `LoadConfig::within_budget`.)
     pub fn new(engine: T, cfg: VerifierConfig, now_us: u64) -> Result<Self, VerifierError> {
-        let (block_size, num_blocks) = engine.kv_geometry();
+        let (page_size, num_pages) = engine.kv_geometry();
         let sched = Scheduler::new(SchedConfig {
             max_sessions: cfg.max_sessions,
             max_waiting_tokens: cfg.max_waiting_tokens,
-            ..SchedConfig::new(cfg.token_budget, block_size, num_blocks)
+            ..SchedConfig::new(cfg.token_budget, page_size, num_pages)
         })?;
         let load = cfg.load.within_budget(cfg.token_budget);
         let mut v = Self {
@@ -315,7 +317,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                 };
                 let idle = idle_us
                     .filter(|_| s.opened_speculation())
-                    .map(|i| s.meter.heard_us + i);
+                    .map(|i| s.meter.heard_us.saturating_add(i));
                 waited.into_iter().chain(idle).min()
             })
             .min()
@@ -328,7 +330,7 @@ impl<T: Target, H> VerifierCore<T, H> {
 
     /// Close the speculation sessions whose edge said nothing for the idle timeout by `now_us`
     /// ([`LoadConfig::idle_timeout_ms`]): each edge is told with the turn
-    /// ([`VerifierError::Idle`]), and its usage ends as abandoned.
+    /// ([`VerifierError::Idle`]); its usage ends by what it committed, as a close's does.
     pub(crate) fn expire_idle(&mut self, now_us: u64) {
         let Some(idle_us) = self.idle_timeout_us() else {
             return;
@@ -336,13 +338,15 @@ impl<T: Target, H> VerifierCore<T, H> {
         let quiet: Vec<SessionId> = self
             .sessions
             .iter()
-            .filter(|(_, s)| s.opened_speculation() && s.meter.heard_us + idle_us <= now_us)
+            .filter(|(_, s)| {
+                s.opened_speculation() && s.meter.heard_us.saturating_add(idle_us) <= now_us
+            })
             .map(|(&id, _)| id)
             .collect();
         for id in quiet {
-            let s = self
-                .retire(id, Some(crate::Finish::Abort))
-                .expect("invariant: open");
+            // Ended by what it committed, as when its edge closes it: abandoned mid-answer, or
+            // finished and never closed.
+            let s = self.retire(id, None).expect("invariant: open");
             let error = VerifierError::Idle {
                 seconds: idle_us as f64 / 1e6,
             };
@@ -437,7 +441,7 @@ impl<T: Target, H> VerifierCore<T, H> {
         }
     }
 
-    /// Close session `id`: its record goes, with its scheduler entry, its KV blocks and its part
+    /// Close session `id`: its record goes, with its scheduler entry, its KV pages and its part
     /// of the load control, and what it used is told with the next turn. Closing a session that
     /// is not open does nothing.
     pub fn close(&mut self, id: SessionId) {

@@ -177,8 +177,10 @@ pub struct LoadRow {
     /// speculation sessions the verifier took over.
     pub preemptions: f64,
     pub takeovers: f64,
-    /// Token trees: side nodes sent per committed token, and commits a branch guessed.
+    /// Token trees: side nodes sent per committed token, and commits a lane guessed (JSON:
+    /// `branch_hits`, its first name).
     pub side_nodes_per_token: f64,
+    #[serde(rename = "branch_hits")]
     pub lane_hits: usize,
     pub sessions_run: usize,
     /// Sessions whose output differed from the target's (must be 0), and refused or failed ones.

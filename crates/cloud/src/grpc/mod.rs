@@ -303,7 +303,11 @@ impl VerifierRpc for Service {
         // Only the batcher's record of the session holds the outbox while it opens: if the
         // batcher is gone, the wait for its first answer ends (UNAVAILABLE) instead of hanging.
         let weak = out.downgrade();
+        // Dropped with the core's record of the session (closed, refused, failed, idle): the
+        // stream's reader ends then, whether or not the edge still sends or reads.
+        let (held, mut released) = tokio::sync::oneshot::channel::<()>();
         let reply: Reply = Arc::new(move |msg: ToEdge| {
+            let _held = &held;
             let m = match msg {
                 ToEdge::Opened { first, grant } => Ok(CloudMessage {
                     kind: Some(cloud_message::Kind::Opened(Opened {
@@ -365,8 +369,10 @@ impl VerifierRpc for Service {
         // drafts while the prompt is prefilled) wait in the session's queue for the first
         // forward. What the edge is told (a refusal) goes after `Opened`. (The outbox comes
         // over `opened` once the session is open; the reader holds it from then on, as the
-        // batcher does, so the response stream lasts while either does. The reader ends with
-        // the response stream: a session the core closed, an idle one among them, frees it.)
+        // batcher does, so the response stream lasts while either does.) The reader ends when
+        // the edge hangs up, when the response stream is gone, or when the core lets the
+        // session go (`released`: closed, failed, or idle past its timeout, even if its edge
+        // neither sends nor reads).
         let (opened, on_open) = tokio::sync::oneshot::channel();
         let reader = tokio::spawn(async move {
             let send = |m: ToCloud| batcher.lock().map(|b| b.send(m).is_ok()).unwrap_or(false);
@@ -389,6 +395,7 @@ impl VerifierRpc for Service {
                         }
                     }
                     _ = async { tx.as_ref().expect("guarded").closed().await }, if tx.is_some() => break,
+                    _ = &mut released => break,
                 };
                 let to_edge = match next {
                     Ok(Some(m)) => match check.message(m) {

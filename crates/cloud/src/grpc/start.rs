@@ -40,8 +40,15 @@ pub fn start_with_ledger(
     ),
     VerifierError,
 > {
-    // A block's forward feeds the last committed token, γ tokens and the side nodes (the core
-    // keeps a token tree's side nodes within the forward's token budget the same way).
+    // A verifier on the wire tells edges the largest γ and depth it grants: it needs them
+    // (`serving_load`), not the core's default of whatever a session asks for.
+    if cfg.load.max_draft_len == u32::MAX || cfg.load.max_depth == u32::MAX {
+        return Err(VerifierError::Invalid(
+            "load: a gRPC verifier needs its largest γ and depth (grpc::serving_load), not LoadConfig::FIXED's unbounded ones".into(),
+        ));
+    }
+    // A block's forward feeds the last committed token, γ tokens and the side nodes: the
+    // service checks a token tree's side nodes against what the forward's token budget holds.
     let load = cfg.load.within_budget(cfg.token_budget);
     let mut core = VerifierCore::new(engine, cfg, 0)?;
     if let Some(cost) = &load.forward_cost {

@@ -59,6 +59,11 @@ pub fn grpc_server_with(
         load: tandem_verifier::LoadConfig {
             saturation_tokens,
             forward_cost,
+            // A test's own idle timeout, else the served default.
+            idle_timeout_ms: cfg
+                .load
+                .idle_timeout_ms
+                .or(Some(tandem_cloud::grpc::IDLE_TIMEOUT_MS)),
             ..tandem_cloud::grpc::serving_load(8, 4)
         },
         ..cfg

@@ -110,7 +110,7 @@ fn a_block_behind_the_decoded_tokens_is_rebased_not_replayed() {
     let mut s = session();
     // Two tokens decoded while the block travels: 8 at 4, 9 at 5.
     for t in [8, 9] {
-        let f = s.plan_decode().unwrap();
+        let f = s.decode_feed().unwrap();
         assert_eq!(f.tokens.len(), 1);
         let d = s.finish_decode(&rows(&[t])[0]);
         assert_eq!((d.epoch, d.token), (0, t), "a decode keeps the epoch");
@@ -323,7 +323,7 @@ fn decodes_that_divert_a_tree_move_nothing_and_decodes_off_it_move_the_epoch() {
     let b = tree_block();
     let mut s = session();
     for t in [8, 20] {
-        s.plan_decode().unwrap();
+        s.decode_feed().unwrap();
         s.finish_decode(&rows(&[t])[0]);
     }
     let BlockAction::Forward(f) = s.block_action(&b).unwrap() else {
@@ -348,14 +348,14 @@ fn decodes_that_divert_a_tree_move_nothing_and_decodes_off_it_move_the_epoch() {
     // A tree the decodes walk to its end is covered; one they leave is contradicted.
     let mut s = session();
     for t in [8, 20, 21] {
-        s.plan_decode().unwrap();
+        s.decode_feed().unwrap();
         s.finish_decode(&rows(&[t])[0]);
     }
     assert_eq!(s.block_action(&b).unwrap(), BlockAction::Covered);
     assert_eq!(s.epoch(), 0);
     let mut s = session();
     for t in [8, 20, 3] {
-        s.plan_decode().unwrap();
+        s.decode_feed().unwrap();
         s.finish_decode(&rows(&[t])[0]);
     }
     assert_eq!(
@@ -371,7 +371,7 @@ fn a_lane_that_ends_inside_the_block_is_a_correction_after_its_end() {
     // but the committed token, whose verdict is a correction (the epoch moves).
     let b = tree_block();
     let mut s = session();
-    s.plan_decode().unwrap();
+    s.decode_feed().unwrap();
     s.finish_decode(&rows(&[30])[0]);
     let BlockAction::Forward(f) = s.block_action(&b).unwrap() else {
         panic!()
