@@ -96,10 +96,10 @@ pub async fn client(
         .http2_keep_alive_interval(KEEPALIVE)
         .keep_alive_timeout(KEEPALIVE)
         .keep_alive_while_idle(true);
-    let channel = ep
-        .connect()
-        .await
-        .map_err(|e| refused(format!("connecting to {url}: {}", source_chain(&e))))?;
+    let channel = ep.connect().await.map_err(|e| {
+        let e = refused(format!("connecting to {url}: {}", source_chain(&e)));
+        plaintext_hint(url, e)
+    })?;
     Ok(VerifierClient::new(channel))
 }
 
@@ -129,9 +129,13 @@ pub fn authorized<T>(msg: T, api_key: Option<&str>) -> Result<tonic::Request<T>,
 }
 
 /// A plaintext client at a TLS port sees only an HTTP/2 protocol or transport error: say what it
-/// may mean.
+/// may mean. A refused connection is not that: nothing listens at the address (a verifier that is
+/// down, or restarting), and the answer says so instead.
 fn plaintext_hint(url: &str, e: EdgeError) -> EdgeError {
     match e {
+        EdgeError::Refused(m) if m.contains("onnection refused") => EdgeError::Refused(format!(
+            "{m} (nothing accepts connections at {url}: is the verifier running?)"
+        )),
         EdgeError::Refused(m)
             if url.starts_with("http://")
                 && (m.contains("h2 protocol error") || m.contains("transport error")) =>
@@ -510,4 +514,30 @@ pub fn generate_remote(
         }
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_closed_port_is_not_diagnosed_as_tls() {
+        let refused = "Unavailable: error trying to connect: tcp connect error: Connection refused (os error 111)";
+        let EdgeError::Refused(m) =
+            plaintext_hint("http://127.0.0.1:9", EdgeError::Refused(refused.into()))
+        else {
+            panic!("still a refusal");
+        };
+        assert!(
+            m.contains("is the verifier running?") && !m.contains("https"),
+            "{m}"
+        );
+        let h2 = "Unknown: transport error: h2 protocol error: http2 error";
+        let EdgeError::Refused(m) =
+            plaintext_hint("http://127.0.0.1:9", EdgeError::Refused(h2.into()))
+        else {
+            panic!("still a refusal");
+        };
+        assert!(m.contains("try https://"), "{m}");
+    }
 }
