@@ -332,6 +332,10 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 s.counts.first_token_us = Some(at);
                 // Its edge may have waited for this answer: its idle time starts now.
                 s.meter.heard_us = s.meter.heard_us.max(at);
+                if let Some(idle) = self.load.idle_timeout_ms {
+                    let due = at.saturating_add(idle.saturating_mul(1000));
+                    self.idle_check_us = self.idle_check_us.min(due);
+                }
                 obs.push(first_token(&mut s.meter, at));
                 ToEdge::Opened { first, grant }
             }

@@ -161,6 +161,10 @@ pub struct VerifierCore<T: Target = Engine, H = ()> {
     pub(crate) await_drafts_us: u64,
     /// What it grants, and its idle timeout ([`VerifierConfig::load`]).
     pub(crate) load: LoadConfig,
+    /// No opened session can be idle before this (µs): a lower bound of their idle deadlines,
+    /// set by each scan and by each `Opened`, so that a turn scans the sessions only when one
+    /// may be due (u64::MAX: none open).
+    pub(crate) idle_check_us: u64,
     pub stats: VerifierStats,
 }
 
@@ -184,6 +188,7 @@ impl<T: Target, H> VerifierCore<T, H> {
 
             control: LoadControl::new(load.grants(), now_us),
             load,
+            idle_check_us: u64::MAX,
             held: Vec::new(),
             dismissed: Vec::new(),
             draining: false,
@@ -304,22 +309,22 @@ impl<T: Target, H> VerifierCore<T, H> {
         if self.await_drafts_us == 0 && idle_us.is_none() {
             return None;
         }
+        let idle =
+            (idle_us.is_some() && self.idle_check_us < u64::MAX).then_some(self.idle_check_us);
+        if self.await_drafts_us == 0 {
+            return idle;
+        }
         self.sessions
             .values()
-            .filter_map(|s| {
-                let waited = match &s.work {
-                    Work::Spec {
-                        waiting_since: Some(t),
-                        planned: None,
-                        ..
-                    } if self.await_drafts_us > 0 => Some(t + self.await_drafts_us),
-                    _ => None,
-                };
-                let idle = idle_us
-                    .filter(|_| s.opened_speculation())
-                    .map(|i| s.meter.heard_us.saturating_add(i));
-                waited.into_iter().chain(idle).min()
+            .filter_map(|s| match &s.work {
+                Work::Spec {
+                    waiting_since: Some(t),
+                    planned: None,
+                    ..
+                } => Some(t + self.await_drafts_us),
+                _ => None,
             })
+            .chain(idle)
             .min()
     }
 
@@ -335,14 +340,23 @@ impl<T: Target, H> VerifierCore<T, H> {
         let Some(idle_us) = self.idle_timeout_us() else {
             return;
         };
-        let quiet: Vec<SessionId> = self
-            .sessions
-            .iter()
-            .filter(|(_, s)| {
-                s.opened_speculation() && s.meter.heard_us.saturating_add(idle_us) <= now_us
-            })
-            .map(|(&id, _)| id)
-            .collect();
+        if now_us < self.idle_check_us {
+            return;
+        }
+        let mut quiet = Vec::new();
+        let mut next = u64::MAX;
+        for (&id, s) in &self.sessions {
+            if !s.opened_speculation() {
+                continue;
+            }
+            let due = s.meter.heard_us.saturating_add(idle_us);
+            if due <= now_us {
+                quiet.push(id);
+            } else {
+                next = next.min(due);
+            }
+        }
+        self.idle_check_us = next;
         for id in quiet {
             // Ended by what it committed, as when its edge closes it: abandoned mid-answer, or
             // finished and never closed.
