@@ -9,6 +9,8 @@
 //! max_sessions = 64     # optional quotas
 //! max_kv_blocks = 2000
 //! tokens_per_s = 5000.0
+//! prefix_cache_salt = "public"   # optional: share cached prompt pages with the tenants
+//!                                # that name the same salt (default: its own, isolated)
 //! ```
 //!
 //! Every RPC then carries `authorization: Bearer <key>`; the key names the tenant, and a session is
@@ -46,6 +48,7 @@ struct Entry {
     max_sessions: Option<usize>,
     max_kv_blocks: Option<usize>,
     tokens_per_s: Option<f64>,
+    prefix_cache_salt: Option<String>,
 }
 
 fn one() -> f64 {
@@ -139,7 +142,14 @@ impl Tenants {
                 max_sessions: e.max_sessions,
                 max_kv_blocks: e.max_kv_blocks,
                 tokens_per_s: e.tokens_per_s,
+                cache_salt: e
+                    .prefix_cache_salt
+                    .as_deref()
+                    .map(tandem_sched::shared_salt),
             };
+            if e.prefix_cache_salt.as_ref().is_some_and(|s| s.is_empty()) {
+                return Err(bad("prefix_cache_salt: must not be empty".into()));
+            }
             if !(cfg.weight.is_finite() && cfg.weight > 0.0) {
                 return Err(bad(format!("weight: must be positive, got {}", cfg.weight)));
             }

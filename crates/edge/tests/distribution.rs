@@ -461,7 +461,7 @@ fn committed_counts(
         let t = verifier.turn(0);
         let (first, grant) = match t.out.as_slice() {
             [Outgoing {
-                msg: ToEdge::Opened { first, grant },
+                msg: ToEdge::Opened { first, grant, .. },
                 ..
             }] => (*first, *grant),
             other => panic!("expected the session to open: {other:?}"),

@@ -134,13 +134,26 @@ impl Logits {
         vocab: usize,
         next: impl Fn(SeqId, usize, u32) -> u32,
     ) -> Self {
+        Self::one_hot_at(batch, vocab, |k, i, pos| {
+            next(batch[k].seq, pos, batch[k].tokens[i])
+        })
+    }
+
+    /// Logits for the positions `batch` asks for, one-hot at `next(k, i, pos)` for token `i` (at
+    /// position `pos`) of chunk `k`: a simulated target whose choice depends on more than the
+    /// token (a token tree's branch, the KV it reads).
+    pub fn one_hot_at(
+        batch: &[SeqChunk],
+        vocab: usize,
+        next: impl Fn(usize, usize, usize) -> u32,
+    ) -> Self {
         let (mut rows, mut data, mut t0) = (Vec::new(), Vec::new(), 0);
-        for c in batch {
+        for (k, c) in batch.iter().enumerate() {
             let positions = c.positions();
             for i in c.logits.indices(c.tokens.len()) {
                 let pos = positions[i];
                 let mut row = vec![0f32; vocab];
-                row[next(c.seq, pos, c.tokens[i]) as usize] = 1.0;
+                row[next(k, i, pos) as usize] = 1.0;
                 data.extend_from_slice(&row);
                 rows.push(LogitsRow {
                     seq: c.seq,

@@ -342,7 +342,14 @@ impl Engine {
             )));
         }
         let (bs, nb) = (self.kv.tables.page_size(), self.kv.tables.num_pages());
-        let mut used = HashSet::new();
+        // Tables may share the pages of a cached prefix, which the forward only reads; a page it
+        // writes belongs to one table, once.
+        let mut holders: HashMap<u32, usize> = HashMap::new();
+        for t in tables {
+            for &b in t {
+                *holders.entry(b).or_default() += 1;
+            }
+        }
         for (s, t) in batch.iter().zip(tables) {
             let need = (s.start_pos + s.tokens.len()).div_ceil(bs);
             if t.len() < need {
@@ -353,9 +360,16 @@ impl Engine {
                     s.start_pos + s.tokens.len()
                 )));
             }
-            if let Some(b) = t.iter().find(|&&b| b as usize >= nb || !used.insert(b)) {
+            if let Some(b) = t.iter().find(|&&b| b as usize >= nb) {
                 return Err(EngineError::InvalidBatch(format!(
-                    "sequence {}: KV block {b} is out of range ({nb}) or shared",
+                    "sequence {}: KV block {b} is out of range ({nb})",
+                    s.seq
+                )));
+            }
+            let written = &t[s.start_pos / bs..need];
+            if let Some(b) = written.iter().find(|&b| holders[b] > 1) {
+                return Err(EngineError::InvalidBatch(format!(
+                    "sequence {}: KV block {b}, which it writes, is shared",
                     s.seq
                 )));
             }

@@ -99,8 +99,9 @@ impl Sequences {
                 "cannot truncate sequence {seq} to {len} tokens: it holds {have}"
             )));
         }
-        self.pool.truncate(seq, len);
-        self.lens.insert(seq, len);
+        // It shares no page (only the scheduler's pool attaches cached pages), so keeps all.
+        let kept = self.pool.truncate(seq, len);
+        self.lens.insert(seq, kept);
         Ok(())
     }
 

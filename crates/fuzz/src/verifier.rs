@@ -244,7 +244,7 @@ impl World {
                 continue; // a session closed before, whose slot was reused
             }
             let incoming = match o.msg {
-                ToEdge::Opened { first, grant } => {
+                ToEdge::Opened { first, grant, .. } => {
                     if s.tainted || s.edge.is_some() {
                         continue;
                     }

@@ -19,7 +19,7 @@ impl Scheduler {
         }
         let mut held: BTreeMap<TenantId, usize> = BTreeMap::new();
         for (id, s) in &self.sessions {
-            *held.entry(s.tenant).or_default() += self.pool.held(*id);
+            *held.entry(s.tenant).or_default() += self.pool.charged(*id);
         }
         held.into_iter()
             .filter(|&(t, n)| n > self.kv_share(t))
@@ -86,6 +86,7 @@ impl Scheduler {
                 s.evicted_by = Some((by, owed));
             }
             s.computed = 0;
+            s.published = 0;
         }
         self.stats.preemptions += 1;
     }

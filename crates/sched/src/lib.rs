@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-pub use pool::PagePool;
+pub use pool::{CacheCounts, PageHash, PagePool};
 
 /// A session, speculation or cloud-only generation, as the verifier numbers it.
 #[derive(
@@ -104,6 +104,10 @@ pub struct SchedConfig {
     /// A session idle this long (ms: nothing queued since its last computed chunk) gives its KV
     /// to sessions that wait for room; so does one idle since before they started waiting.
     pub idle_evict_ms: u64,
+    /// The prefix cache: a session's prompt starts from the KV pages of the same tokens (under
+    /// the same salt) that earlier sessions computed, and its pages of committed tokens are kept
+    /// for later ones (see [`pool`]).
+    pub prefix_cache: bool,
     /// The token budget while sessions of two tenants or more are open (None: `token_budget`).
     /// A session's next token waits for the whole forward it is in, so a forward sized for one
     /// tenant's load slows every other tenant's tokens; sized by the forward's cost, this bounds
@@ -122,6 +126,7 @@ impl SchedConfig {
             max_sessions: 1024,
             max_waiting_tokens: 8 * token_budget,
             idle_evict_ms: 500,
+            prefix_cache: false,
             contended_budget: None,
         }
     }
@@ -140,6 +145,17 @@ pub struct TenantConfig {
     pub max_kv_blocks: Option<usize>,
     /// Positions computed per second (verify and prefill), a token bucket with one second of burst.
     pub tokens_per_s: Option<f64>,
+    /// The salt of its pages' content addresses in the prefix cache. None, the default: its own
+    /// (from its id), so that it never hits, nor learns by timing, another tenant's prompts.
+    /// Tenants given the same salt share their cached pages (a public system prompt);
+    /// [`shared_salt`] makes one from a name.
+    pub cache_salt: Option<u64>,
+}
+
+/// The prefix-cache salt tenants opt into by sharing `name` (a tenant's own salt is its id, below
+/// 2^32; a shared one has its top bit set, so that the two never meet).
+pub fn shared_salt(name: &str) -> u64 {
+    PageHash::next(None, 0, &name.bytes().map(u32::from).collect::<Vec<_>>()).0 as u64 | 1 << 63
 }
 
 impl Default for TenantConfig {
@@ -149,6 +165,7 @@ impl Default for TenantConfig {
             max_sessions: None,
             max_kv_blocks: None,
             tokens_per_s: None,
+            cache_salt: None,
         }
     }
 }
@@ -220,6 +237,10 @@ struct Session {
     /// Preempted by another tenant's session: that tenant, and the positions (from 0) it owes
     /// the recompute of.
     evicted_by: Option<(TenantId, usize)>,
+    /// The content addresses of its full pages of known tokens, as far as computed, and how
+    /// many of its pages (from the first) are published or were attached from the cache.
+    hashes: Vec<PageHash>,
+    published: usize,
 }
 
 impl Session {
@@ -253,6 +274,10 @@ pub struct SchedStats {
     pub max_verify_wait: u64,
     /// Sessions refused at admission (saturated or over quota).
     pub refused: u64,
+    /// Prompt tokens looked up in the prefix cache, and those found (vLLM's
+    /// `prefix_cache_queries` and `prefix_cache_hits`).
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
 }
 
 pub struct Scheduler {
@@ -346,13 +371,27 @@ impl Scheduler {
             .count()
     }
 
-    /// KV blocks held by `tenant`'s sessions.
+    /// KV blocks charged to `tenant`'s sessions: a page several sessions hold (a cached
+    /// prefix) counts once, against the earliest of them ([`PagePool::charged`]).
     pub fn tenant_blocks(&self, tenant: TenantId) -> usize {
         self.sessions
             .iter()
             .filter(|(_, s)| s.tenant == tenant)
-            .map(|(id, _)| self.pool.held(*id))
+            .map(|(id, _)| self.pool.charged(*id))
             .sum()
+    }
+
+    /// The salt of `tenant`'s content addresses (see [`TenantConfig::cache_salt`]).
+    fn salt(&self, tenant: TenantId) -> u64 {
+        self.tenants
+            .get(&tenant)
+            .and_then(|t| t.cfg.cache_salt)
+            .unwrap_or(u64::from(tenant.0))
+    }
+
+    /// Session `id`'s tokens known to the cloud, and those whose KV is computed.
+    pub fn session_kv(&self, id: SessionId) -> Option<(usize, usize)> {
+        self.sessions.get(&id).map(|s| (s.known, s.computed))
     }
 
     /// Open sessions, all tenants.
@@ -372,13 +411,17 @@ impl Scheduler {
         self.tenants.get(&tenant).map_or(0, |t| t.positions)
     }
 
-    /// A new session with a prompt of `prompt_len` tokens to prefill.
+    /// A new session with `prompt` to prefill. With the prefix cache on, it starts from the
+    /// cached pages its prompt matches under its tenant's salt, up to the last token's page (the
+    /// last token is always computed: its logits give the first token). The prompt tokens served
+    /// from the cache.
     pub fn open(
         &mut self,
         id: SessionId,
         tenant: TenantId,
-        prompt_len: usize,
-    ) -> Result<(), SchedError> {
+        prompt: &[u32],
+    ) -> Result<usize, SchedError> {
+        let prompt_len = prompt.len();
         if self.sessions.contains_key(&id) {
             return Err(SchedError::DuplicateSession(id));
         }
@@ -408,9 +451,62 @@ impl Scheduler {
                 prefilled: false,
                 arrival: self.iteration,
                 evicted_by: None,
+                hashes: Vec::new(),
+                published: 0,
             },
         );
-        Ok(())
+        if !self.cfg.prefix_cache {
+            return Ok(0);
+        }
+        let (salt, ps) = (self.salt(tenant), self.pool.page_size());
+        if let Some(s) = self.sessions.get_mut(&id) {
+            PageHash::extend_chain(&mut s.hashes, salt, ps, prompt);
+        }
+        let cached = self.attach_cached(id, prompt_len - 1);
+        self.stats.prefix_queries += prompt_len as u64;
+        self.stats.prefix_hits += cached as u64;
+        Ok(cached)
+    }
+
+    /// `id`, which holds no KV, takes the cached pages that match its first `upto` tokens; the
+    /// tokens it now has computed.
+    fn attach_cached(&mut self, id: SessionId, upto: usize) -> usize {
+        let ps = self.pool.page_size();
+        let Some(s) = self.sessions.get_mut(&id) else {
+            return 0;
+        };
+        let n = (upto / ps).min(s.hashes.len());
+        let pages = self.pool.lookup(&s.hashes[..n]);
+        if pages.is_empty() || self.pool.attach(id, &pages).is_err() {
+            return 0;
+        }
+        s.computed = pages.len() * ps;
+        s.published = pages.len();
+        s.computed
+    }
+
+    /// Publish `id`'s pages that now hold committed tokens only (known and computed) in the
+    /// prefix cache; `tokens` are its tokens from position 0 (at least its known ones). Nothing
+    /// without the prefix cache.
+    pub fn publish(&mut self, id: SessionId, tokens: &[u32]) {
+        if !self.cfg.prefix_cache {
+            return;
+        }
+        let ps = self.pool.page_size();
+        let Some(tenant) = self.sessions.get(&id).map(|s| s.tenant) else {
+            return;
+        };
+        let salt = self.salt(tenant);
+        let s = self.sessions.get_mut(&id).expect("checked");
+        let full = s.computed.min(s.known).min(tokens.len()) / ps;
+        if full <= s.published {
+            return;
+        }
+        PageHash::extend_chain(&mut s.hashes, salt, ps, &tokens[..full * ps]);
+        for i in s.published..full {
+            self.pool.publish(id, i, s.hashes[i]);
+        }
+        s.published = full;
     }
 
     /// Blocks a session of `tenant` may ever hold: the pool, or less under its quota.
@@ -655,6 +751,10 @@ impl Scheduler {
             s.last_active = self.iteration;
             s.last_planned_ms = self.now_ms;
             self.stats.max_verify_wait = self.stats.max_verify_wait.max(self.iteration - since);
+            assert!(
+                self.pool.writable(id, start, start + len),
+                "invariant: a session never writes into a page it shares"
+            );
             *budget = budget.saturating_sub(len);
             self.charge(tenant, len);
             batch.chunks.push(Chunk {
@@ -683,8 +783,18 @@ impl Scheduler {
             if taken.contains(&id) {
                 continue;
             }
+            // A preempted session recomputes from what is still cached of its history (up to
+            // its prompt's last token, when that token's logits are still to come).
+            let s = &self.sessions[&id];
+            if self.cfg.prefix_cache && s.computed == 0 && self.pool.held(id) == 0 {
+                let upto = if s.prefilled { s.known } else { s.known - 1 };
+                self.attach_cached(id, upto);
+            }
             let s = &self.sessions[&id];
             let (start, known, tenant) = (s.computed, s.known, s.tenant);
+            if start >= known {
+                continue;
+            }
             let since = s.verifies.front().map_or(s.last_active, |v| v.1);
             if !self.within_rate(tenant) {
                 continue;
@@ -728,6 +838,10 @@ impl Scheduler {
             if self.pool.grow(id, start + len).is_err() {
                 continue;
             }
+            assert!(
+                self.pool.writable(id, start, start + len),
+                "invariant: a session never writes into a page it shares"
+            );
             taken.push(id);
             budget -= len;
             self.charge_prefill(id, tenant, start, len);
@@ -761,9 +875,12 @@ impl Scheduler {
             if c.kind == WorkKind::Decode {
                 s.known = end;
             }
-            s.computed = end;
             s.prefilled |= end >= s.known;
-            self.pool.truncate(c.session, end);
+            // The pool keeps less only when the end falls in a shared page (never, as only
+            // pages of committed tokens are shared): then that page is computed again.
+            let kept = self.pool.truncate(c.session, end);
+            s.computed = end.min(kept);
+            s.published = s.published.min(kept / self.pool.page_size());
         }
     }
 }

@@ -1,5 +1,10 @@
 use super::*;
 
+/// A prompt of `n` tokens (the prefix cache is off in these tests).
+fn prompt(n: usize) -> Vec<u32> {
+    vec![1; n]
+}
+
 fn sched(budget: usize, blocks: usize) -> Scheduler {
     let mut s = Scheduler::new(SchedConfig {
         max_waiting_tokens: 10_000,
@@ -16,8 +21,8 @@ fn sched(budget: usize, blocks: usize) -> Scheduler {
 #[test]
 fn a_long_prefill_never_delays_a_verify() {
     let mut s = sched(16, 64);
-    s.open(SessionId(1), TenantId(1), 200).unwrap(); // a long prompt
-    s.open(SessionId(2), TenantId(1), 4).unwrap();
+    s.open(SessionId(1), TenantId(1), &prompt(200)).unwrap(); // a long prompt
+    s.open(SessionId(2), TenantId(1), &prompt(4)).unwrap();
     // Prefill takes turns: session 2's short prompt is done by the second iteration.
     for _ in 0..2 {
         let p = s.schedule(0);
@@ -42,8 +47,12 @@ fn a_long_prefill_never_delays_a_verify() {
 fn weights_split_the_budget_under_saturation() {
     let mut s = sched(12, 1000);
     for id in 0..6u64 {
-        s.open(SessionId(id), TenantId(if id < 3 { 1 } else { 2 }), 4)
-            .unwrap();
+        s.open(
+            SessionId(id),
+            TenantId(if id < 3 { 1 } else { 2 }),
+            &prompt(4),
+        )
+        .unwrap();
     }
     for _ in 0..400 {
         for id in (0..6u64).map(SessionId) {
@@ -71,8 +80,8 @@ fn weights_split_the_budget_under_saturation() {
 fn a_full_pool_preempts_the_least_recently_active_session() {
     // 4 blocks of 4 tokens: two sessions of 8 tokens fill it.
     let mut s = sched(32, 4);
-    s.open(SessionId(1), TenantId(1), 8).unwrap();
-    s.open(SessionId(2), TenantId(1), 8).unwrap();
+    s.open(SessionId(1), TenantId(1), &prompt(8)).unwrap();
+    s.open(SessionId(2), TenantId(1), &prompt(8)).unwrap();
     let p = s.schedule(0);
     s.update(&p, &[]);
     assert_eq!(s.pool().num_free(), 0);
@@ -116,9 +125,9 @@ fn admission_refuses_a_saturated_verifier_and_enforces_session_quotas() {
         ..TenantConfig::default()
     };
     s.set_tenant(TenantId(2), quota).unwrap();
-    s.open(SessionId(1), TenantId(1), 16).unwrap();
+    s.open(SessionId(1), TenantId(1), &prompt(16)).unwrap();
     // 16 tokens wait; 8 more would pass 20.
-    let e = s.open(SessionId(2), TenantId(1), 8).unwrap_err();
+    let e = s.open(SessionId(2), TenantId(1), &prompt(8)).unwrap_err();
     assert!(
         matches!(
             e,
@@ -129,12 +138,12 @@ fn admission_refuses_a_saturated_verifier_and_enforces_session_quotas() {
         ),
         "{e}"
     );
-    s.open(SessionId(2), TenantId(1), 4).unwrap();
+    s.open(SessionId(2), TenantId(1), &prompt(4)).unwrap();
     let p = s.schedule(0);
     s.update(&p, &[]);
-    s.open(SessionId(3), TenantId(2), 4).unwrap();
+    s.open(SessionId(3), TenantId(2), &prompt(4)).unwrap();
     assert_eq!(
-        s.open(SessionId(4), TenantId(2), 4),
+        s.open(SessionId(4), TenantId(2), &prompt(4)),
         Err(SchedError::QuotaExceeded {
             tenant: TenantId(2),
             what: "sessions",
@@ -147,12 +156,12 @@ fn admission_refuses_a_saturated_verifier_and_enforces_session_quotas() {
     }
     assert_eq!(s.waiting_tokens(), 0);
     assert!(matches!(
-        s.open(SessionId(5), TenantId(1), 4),
+        s.open(SessionId(5), TenantId(1), &prompt(4)),
         Err(SchedError::Saturated { .. })
     ));
     assert_eq!(s.stats().refused, 3);
     s.close(SessionId(1));
-    s.open(SessionId(5), TenantId(1), 4).unwrap();
+    s.open(SessionId(5), TenantId(1), &prompt(4)).unwrap();
 }
 
 #[test]
@@ -163,9 +172,9 @@ fn a_tenant_over_its_kv_quota_preempts_only_its_own_sessions() {
         ..TenantConfig::default()
     };
     s.set_tenant(TenantId(2), quota).unwrap();
-    s.open(SessionId(1), TenantId(1), 4).unwrap(); // tenant 1: one block, the least recently active
-    s.open(SessionId(2), TenantId(2), 4).unwrap();
-    s.open(SessionId(3), TenantId(2), 8).unwrap(); // tenant 2: three blocks, its quota
+    s.open(SessionId(1), TenantId(1), &prompt(4)).unwrap(); // tenant 1: one block, the least recently active
+    s.open(SessionId(2), TenantId(2), &prompt(4)).unwrap();
+    s.open(SessionId(3), TenantId(2), &prompt(8)).unwrap(); // tenant 2: three blocks, its quota
     let p = s.schedule(0);
     s.update(&p, &[]);
     assert_eq!(s.tenant_blocks(TenantId(2)), 3);
@@ -189,8 +198,8 @@ fn a_rate_quota_holds_a_tenant_to_its_tokens_per_second() {
         ..TenantConfig::default()
     };
     s.set_tenant(TenantId(2), quota).unwrap();
-    s.open(SessionId(1), TenantId(1), 4).unwrap();
-    s.open(SessionId(2), TenantId(2), 4).unwrap();
+    s.open(SessionId(1), TenantId(1), &prompt(4)).unwrap();
+    s.open(SessionId(2), TenantId(2), &prompt(4)).unwrap();
     // Ten simulated seconds, an iteration every 10 ms, both sessions always with a block.
     for i in 0..1000u64 {
         for id in [SessionId(1), SessionId(2)] {
@@ -212,13 +221,13 @@ fn a_rate_quota_holds_a_tenant_to_its_tokens_per_second() {
 fn an_idle_session_gives_its_kv_to_a_waiting_prompt() {
     // 4 blocks of 4 tokens; session 1 takes three and goes quiet.
     let mut s = sched(32, 4);
-    s.open(SessionId(1), TenantId(1), 12).unwrap();
+    s.open(SessionId(1), TenantId(1), &prompt(12)).unwrap();
     let p = s.schedule(0);
     s.update(&p, &[]);
     assert_eq!(s.pool().num_free(), 1);
     // (A session of the same tenant: another tenant's prompt would take the KV at once, as
     // tenant 1 holds more than its share of the pool.)
-    s.open(SessionId(2), TenantId(1), 8).unwrap();
+    s.open(SessionId(2), TenantId(1), &prompt(8)).unwrap();
     // Quiet for less than idle_evict_ms: the new prompt takes the free block and waits.
     let p = s.schedule(100_000);
     assert!(p.preempted.is_empty(), "{p:?}");
@@ -243,7 +252,7 @@ fn an_idle_session_gives_its_kv_to_a_waiting_prompt() {
 fn a_block_that_could_never_fit_is_refused_and_a_failed_forward_computes_nothing() {
     // 4 blocks of 4 tokens: a session at 14 tokens can take 2 more, never 3.
     let mut s = sched(32, 4);
-    s.open(SessionId(1), TenantId(1), 14).unwrap();
+    s.open(SessionId(1), TenantId(1), &prompt(14)).unwrap();
     let p = s.schedule(0);
     assert_eq!((p.chunks[0].start, p.chunks[0].len), (0, 14));
     // The forward failed: nothing is computed and the same chunk is planned again.
@@ -268,10 +277,10 @@ fn a_block_that_could_never_fit_is_refused_and_a_failed_forward_computes_nothing
     };
     s.set_tenant(TenantId(2), quota).unwrap();
     assert!(matches!(
-        s.open(SessionId(2), TenantId(2), 9),
+        s.open(SessionId(2), TenantId(2), &prompt(9)),
         Err(SchedError::QuotaExceeded { what, .. }) if what.starts_with("KV blocks")
     ));
-    s.open(SessionId(2), TenantId(2), 8).unwrap();
+    s.open(SessionId(2), TenantId(2), &prompt(8)).unwrap();
     assert!(matches!(
         s.enqueue_verify(SessionId(2), 1),
         Err(SchedError::CannotFit { .. })
@@ -283,12 +292,12 @@ fn a_block_that_could_never_fit_is_refused_and_a_failed_forward_computes_nothing
 fn refusals_name_the_problem() {
     let mut s = sched(8, 4);
     assert_eq!(
-        s.open(SessionId(1), TenantId(9), 4),
+        s.open(SessionId(1), TenantId(9), &prompt(4)),
         Err(SchedError::UnknownTenant(TenantId(9)))
     );
-    s.open(SessionId(1), TenantId(1), 4).unwrap();
+    s.open(SessionId(1), TenantId(1), &prompt(4)).unwrap();
     assert_eq!(
-        s.open(SessionId(1), TenantId(1), 4),
+        s.open(SessionId(1), TenantId(1), &prompt(4)),
         Err(SchedError::DuplicateSession(SessionId(1)))
     );
     assert!(matches!(
@@ -300,7 +309,7 @@ fn refusals_name_the_problem() {
         Err(SchedError::UnknownSession(SessionId(7)))
     );
     assert!(matches!(
-        s.open(SessionId(2), TenantId(1), 17),
+        s.open(SessionId(2), TenantId(1), &prompt(17)),
         Err(SchedError::PromptTooLarge { .. })
     ));
     assert!(s
@@ -318,8 +327,8 @@ fn the_evictor_is_billed_for_the_victims_recompute() {
     let mut s = sched(32, 4);
     s.set_tenant(TenantId(1), TenantConfig::weight(3.0))
         .unwrap();
-    s.open(SessionId(1), TenantId(1), 8).unwrap();
-    s.open(SessionId(2), TenantId(2), 8).unwrap();
+    s.open(SessionId(1), TenantId(1), &prompt(8)).unwrap();
+    s.open(SessionId(2), TenantId(2), &prompt(8)).unwrap();
     let p = s.schedule(0);
     s.update(&p, &[]);
     assert_eq!(
@@ -394,39 +403,39 @@ fn one_tenants_burst_leaves_the_others_their_share() {
     let mut s = two_equal_tenants(8, 10_000);
     let mut opened = 0;
     for i in 0..20 {
-        if s.open(SessionId(i), TenantId(1), 4).is_ok() {
+        if s.open(SessionId(i), TenantId(1), &prompt(4)).is_ok() {
             opened += 1;
         }
     }
     assert_eq!(opened, 4, "the burst is held to its share");
     for i in 100..104 {
-        s.open(SessionId(i), TenantId(2), 4).unwrap();
+        s.open(SessionId(i), TenantId(2), &prompt(4)).unwrap();
     }
-    let e = s.open(SessionId(200), TenantId(2), 4).unwrap_err();
+    let e = s.open(SessionId(200), TenantId(2), &prompt(4)).unwrap_err();
     assert!(matches!(e, SchedError::Saturated { .. }), "{e}");
 
     // Waiting prompt tokens likewise: a tenant with its share of the queue waiting waits.
     let mut s = two_equal_tenants(100, 100);
     let mut queued = 0;
     for i in 0..20 {
-        if s.open(SessionId(i), TenantId(1), 10).is_ok() {
+        if s.open(SessionId(i), TenantId(1), &prompt(10)).is_ok() {
             queued += 10;
         }
     }
     assert_eq!(queued, 50, "half of the prefill queue");
     for i in 100..105 {
-        s.open(SessionId(i), TenantId(2), 10).unwrap();
+        s.open(SessionId(i), TenantId(2), &prompt(10)).unwrap();
     }
 }
 
 #[test]
 fn prompts_take_at_most_a_quarter_of_a_forward_while_sessions_decode() {
     let mut s = sched(64, 1024);
-    s.open(SessionId(1), TenantId(1), 8).unwrap();
+    s.open(SessionId(1), TenantId(1), &prompt(8)).unwrap();
     let p = s.schedule(0);
     s.update(&p, &[]);
     // A 400-token prompt arrives while session 1 verifies every iteration.
-    s.open(SessionId(2), TenantId(2), 400).unwrap();
+    s.open(SessionId(2), TenantId(2), &prompt(400)).unwrap();
     for _ in 0..5 {
         s.enqueue_verify(SessionId(1), 4).unwrap();
         let p = s.schedule(0);
@@ -460,7 +469,7 @@ fn while_two_tenants_are_open_forwards_keep_to_the_contended_budget() {
     let mut s = budgeted_tenants(32, 1000, Some(6));
     // One tenant's forty decoding sessions alone: the whole budget.
     for id in 0..40u64 {
-        s.open(SessionId(id), TenantId(1), 4).unwrap();
+        s.open(SessionId(id), TenantId(1), &prompt(4)).unwrap();
     }
     let decode_all = |s: &mut Scheduler| {
         for _ in 0..200 {
@@ -485,7 +494,7 @@ fn while_two_tenants_are_open_forwards_keep_to_the_contended_budget() {
     // Another tenant's one session opens: every forward from then on keeps to 6 tokens, the new
     // session's prompt and then its token are in each one, and a block larger than the
     // contended budget still goes alone.
-    s.open(SessionId(100), TenantId(2), 4).unwrap();
+    s.open(SessionId(100), TenantId(2), &prompt(4)).unwrap();
     assert_eq!(s.budget(), 6);
     // Its prompt gets its tenant's share of the forward (half), not a quarter.
     for id in 0..40u64 {
@@ -533,11 +542,11 @@ fn a_full_pool_makes_room_from_the_tenant_over_its_share() {
     let mut s = budgeted_tenants(32, 8, None);
     // Tenant 2's one session (a block) is computed first, then tenant 1's three (seven blocks):
     // the pool is full and tenant 2's session is the least recently active.
-    s.open(SessionId(20), TenantId(2), 4).unwrap();
+    s.open(SessionId(20), TenantId(2), &prompt(4)).unwrap();
     let p = s.schedule(0);
     s.update(&p, &[]);
     for (id, len) in [(10, 12), (11, 8), (12, 8)] {
-        s.open(SessionId(id), TenantId(1), len).unwrap();
+        s.open(SessionId(id), TenantId(1), &prompt(len)).unwrap();
     }
     let p = s.schedule(0);
     s.update(&p, &[]);
@@ -571,7 +580,7 @@ fn a_prompt_within_its_tenants_share_takes_room_from_a_busy_tenant_over_its_shar
     // holds three of them, the fourth waits for the next.)
     let mut s = budgeted_tenants(4, 8, None);
     for id in 10..14 {
-        s.open(SessionId(id), TenantId(1), 7).unwrap();
+        s.open(SessionId(id), TenantId(1), &prompt(7)).unwrap();
     }
     let step = |s: &mut Scheduler, now: u64| {
         for id in (10..14).map(SessionId) {
@@ -596,7 +605,7 @@ fn a_prompt_within_its_tenants_share_takes_room_from_a_busy_tenant_over_its_shar
     assert_eq!(s.tenant_blocks(TenantId(1)), 8);
     // Tenant 2's prompt waits for room: it evicts one of tenant 1's busy sessions (tenant 1 is
     // over its share of 4 blocks), and tenant 1, not tenant 2, owes the recompute.
-    s.open(SessionId(20), TenantId(2), 4).unwrap();
+    s.open(SessionId(20), TenantId(2), &prompt(4)).unwrap();
     let mut prefilled = false;
     for i in 40..44 {
         let p = step(&mut s, i);
@@ -611,5 +620,110 @@ fn a_prompt_within_its_tenants_share_takes_room_from_a_busy_tenant_over_its_shar
     }
     assert!(prefilled, "tenant 2's prompt was never prefilled");
     assert!(s.sessions.values().all(|st| st.evicted_by.is_none()));
+    assert!(s.pool().conserved());
+}
+
+/// A scheduler with the prefix cache: tenant 1 alone, tenants 2 and 3 sharing a salt.
+fn cached(budget: usize, blocks: usize) -> Scheduler {
+    let mut s = Scheduler::new(SchedConfig {
+        prefix_cache: true,
+        ..SchedConfig::new(budget, 4, blocks)
+    })
+    .unwrap();
+    s.set_tenant(TenantId(1), TenantConfig::weight(1.0))
+        .unwrap();
+    let public = TenantConfig {
+        cache_salt: Some(shared_salt("public")),
+        ..TenantConfig::weight(1.0)
+    };
+    s.set_tenant(TenantId(2), public).unwrap();
+    s.set_tenant(TenantId(3), public).unwrap();
+    s.set_tenant(TenantId(4), TenantConfig::weight(1.0))
+        .unwrap();
+    s
+}
+
+/// Prefill everything waiting and publish it.
+fn prefill_all(s: &mut Scheduler, prompts: &[(SessionId, &[u32])]) {
+    while s.has_work() {
+        let p = s.schedule(0);
+        s.update(&p, &[]);
+        for &(id, t) in prompts {
+            s.publish(id, t);
+        }
+    }
+}
+
+#[test]
+fn a_prompt_reuses_the_pages_of_its_tenants_earlier_prompt_and_never_another_tenants() {
+    let text: Vec<u32> = (0..30).collect();
+    let mut s = cached(64, 64);
+    assert_eq!(s.open(SessionId(1), TenantId(1), &text).unwrap(), 0);
+    prefill_all(&mut s, &[(SessionId(1), &text)]);
+    s.close(SessionId(1));
+    // Its own tenant: every full page but the one with the last token.
+    assert_eq!(s.open(SessionId(2), TenantId(1), &text).unwrap(), 28);
+    assert_eq!(s.session_kv(SessionId(2)), Some((30, 28)));
+    // A longer prompt with the same start hits the same pages, all seven.
+    let longer: Vec<u32> = (0..40).collect();
+    assert_eq!(s.open(SessionId(3), TenantId(1), &longer).unwrap(), 28);
+    // Another tenant, same tokens: nothing (its own salt).
+    assert_eq!(s.open(SessionId(4), TenantId(4), &text).unwrap(), 0);
+    // Tenants sharing a salt share pages.
+    assert_eq!(s.open(SessionId(5), TenantId(2), &text).unwrap(), 0);
+    prefill_all(&mut s, &[(SessionId(5), &text)]);
+    assert_eq!(s.open(SessionId(6), TenantId(3), &text).unwrap(), 28);
+    assert_eq!(s.open(SessionId(7), TenantId(1), &text).unwrap(), 28);
+    assert_eq!(s.stats().prefix_queries, 30 * 6 + 40);
+    assert_eq!(s.stats().prefix_hits, 28 * 4);
+    // A page held by two sessions is charged once, to the first.
+    assert_eq!(s.tenant_blocks(TenantId(2)), 8);
+    assert_eq!(s.tenant_blocks(TenantId(3)), 0);
+    assert!(s.pool().conserved());
+}
+
+#[test]
+fn cached_pages_make_room_before_any_session_is_preempted() {
+    // 16 pages of 4: one 30-token prompt cached (7 pages published, 9 empty), then two sessions
+    // that need all 16 pages between them.
+    let text: Vec<u32> = (0..30).collect();
+    let mut s = cached(64, 16);
+    s.open(SessionId(1), TenantId(1), &text).unwrap();
+    prefill_all(&mut s, &[(SessionId(1), &text)]);
+    s.close(SessionId(1));
+    assert_eq!(s.pool().num_cached_unheld(), 7);
+    let other: Vec<u32> = (100..132).collect();
+    s.open(SessionId(2), TenantId(1), &other).unwrap();
+    let third: Vec<u32> = (200..232).collect();
+    s.open(SessionId(3), TenantId(1), &third).unwrap();
+    prefill_all(&mut s, &[]);
+    assert_eq!(s.stats().preemptions, 0);
+    assert_eq!(s.pool().counts().evictions, 7);
+    assert_eq!(s.pool().num_cached_unheld(), 0);
+    assert!(s.pool().conserved());
+}
+
+#[test]
+fn a_preempted_session_recomputes_only_what_is_no_longer_cached() {
+    let text: Vec<u32> = (0..32).collect();
+    let mut s = cached(64, 10);
+    s.open(SessionId(1), TenantId(1), &text).unwrap();
+    prefill_all(&mut s, &[(SessionId(1), &text)]);
+    // A second session needs room a second later: session 1, idle, is preempted, its 8 pages
+    // cached; the two let go last (its last two) make room.
+    let other: Vec<u32> = (100..116).collect();
+    s.open(SessionId(2), TenantId(4), &other).unwrap();
+    let p = s.schedule(1_000_000);
+    assert_eq!((p.preempted.clone(), p.tokens()), (vec![SessionId(1)], 16));
+    s.update(&p, &[]);
+    assert_eq!(s.pool().counts().evictions, 2);
+    assert_eq!(s.session_kv(SessionId(1)), Some((32, 0)));
+    // Session 2 ends. Session 1's next block: it re-attaches its 6 pages still cached and
+    // recomputes the rest.
+    s.close(SessionId(2));
+    s.enqueue_verify(SessionId(1), 3).unwrap();
+    let p = s.schedule(0);
+    let c = p.chunks.iter().find(|c| c.session == SessionId(1)).unwrap();
+    assert_eq!((c.kind, c.start, c.len), (WorkKind::Prefill, 24, 8));
     assert!(s.pool().conserved());
 }

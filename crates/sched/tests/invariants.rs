@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
-use tandem_sched::{Batch, SchedConfig, Scheduler, SessionId, TenantConfig, TenantId, WorkKind};
+use tandem_sched::{
+    shared_salt, Batch, SchedConfig, Scheduler, SessionId, TenantConfig, TenantId, WorkKind,
+};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -93,7 +95,7 @@ proptest! {
         for o in ops {
             match o {
                 Op::Open { tenant, prompt } => {
-                    if s.open(SessionId(next_id), TenantId(tenant), prompt).is_ok() {
+                    if s.open(SessionId(next_id), TenantId(tenant), &vec![1; prompt]).is_ok() {
                         open.push(SessionId(next_id));
                         known.insert(SessionId(next_id), prompt);
                     }
@@ -170,7 +172,7 @@ proptest! {
             match o {
                 TimedOp::Advance { ms } => now += ms,
                 TimedOp::Op(Op::Open { tenant, prompt }) => {
-                    if s.open(SessionId(next_id), TenantId(tenant), prompt).is_ok() {
+                    if s.open(SessionId(next_id), TenantId(tenant), &vec![1; prompt]).is_ok() {
                         open.push(SessionId(next_id));
                         known.insert(SessionId(next_id), prompt);
                         tenant_of.insert(SessionId(next_id), tenant);
@@ -211,5 +213,173 @@ proptest! {
             s.close(id);
         }
         prop_assert_eq!(s.pool().num_free(), num_blocks);
+    }
+}
+
+#[derive(Debug, Clone)]
+enum CacheOp {
+    /// A prompt: the first `shared` tokens of family `family`'s text, then `own` tokens of its own.
+    Open {
+        tenant: u32,
+        family: u32,
+        shared: usize,
+        own: usize,
+    },
+    Op(Op),
+}
+
+fn cache_op() -> impl Strategy<Value = CacheOp> {
+    prop_oneof![
+        3 => (1u32..4, 0u32..2, 1usize..50, 0usize..12).prop_map(|(tenant, family, shared, own)| {
+            CacheOp::Open { tenant, family, shared, own }
+        }),
+        6 => op().prop_filter("opens are CacheOp::Open", |o| !matches!(o, Op::Open { .. }))
+            .prop_map(CacheOp::Op),
+    ]
+}
+
+/// What a model's KV slot holds after `seq`: a digest of the whole sequence up to each position
+/// (a real K and V depend on every token before theirs, not only their own).
+fn states(seq: &[u32]) -> Vec<u64> {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    seq.iter()
+        .map(|&t| {
+            h = (h ^ u64::from(t) ^ 0x100).wrapping_mul(0x0100_0000_01b3);
+            h
+        })
+        .collect()
+}
+
+/// A token of family `f`'s text at `i`; a session's own tokens and drafts are made by `mix`.
+fn mix(a: u64, b: u64, c: u64) -> u32 {
+    let mut x = a.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ b.wrapping_mul(0xC2B2_AE3D_27D4_EB4F) ^ c;
+    x ^= x >> 29;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    (x >> 40) as u32 % 7
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    /// The prefix cache never corrupts a session's KV. The test plays the engine: every chunk
+    /// writes its tokens into the slots of its page table, and after every iteration each
+    /// session's computed positions must hold its own tokens, whoever computed them. Prompts
+    /// share prefixes (tenants 2 and 3 share a salt), drafts are rejected anywhere, sessions are
+    /// preempted and closed; the pool stays conserved, and at the end every page is free or
+    /// cached.
+    #[test]
+    fn the_prefix_cache_never_corrupts_a_session(
+        budget in 8usize..40,
+        block_size in 1usize..9,
+        num_blocks in 4usize..40,
+        ops in proptest::collection::vec(cache_op(), 1..140),
+    ) {
+        let cfg = SchedConfig { prefix_cache: true, ..SchedConfig::new(budget, block_size, num_blocks) };
+        let mut s = Scheduler::new(cfg).unwrap();
+        s.set_tenant(TenantId(1), TenantConfig::weight(1.0)).unwrap();
+        let public = TenantConfig { cache_salt: Some(shared_salt("public")), ..TenantConfig::weight(2.0) };
+        s.set_tenant(TenantId(2), public).unwrap();
+        s.set_tenant(TenantId(3), public).unwrap();
+        // The KV memory: each page's slots, as the last chunk written to them left them.
+        let mut kv: Vec<Vec<Option<u64>>> = vec![vec![None; block_size]; num_blocks];
+        // Each open session's tokens (prompt, then what it committed).
+        let mut tokens: BTreeMap<SessionId, Vec<u32>> = BTreeMap::new();
+        let mut open: Vec<SessionId> = Vec::new();
+        let (mut next_id, mut it) = (0u64, 0u64);
+        let mut hits = 0usize;
+        // Sessions whose prompt's last token was computed (the first token is due), and the
+        // prompt length of the others.
+        let mut first: std::collections::BTreeSet<SessionId> = Default::default();
+        let mut prompt_len: BTreeMap<SessionId, usize> = BTreeMap::new();
+        for o in ops {
+            match o {
+                CacheOp::Open { tenant, family, shared, own } => {
+                    let id = SessionId(next_id);
+                    next_id += 1;
+                    let prompt: Vec<u32> = (0..shared)
+                        .map(|i| mix(u64::from(family), i as u64, 1))
+                        .chain((0..own).map(|i| mix(id.0, i as u64, 2) + 7))
+                        .collect();
+                    if let Ok(cached) = s.open(id, TenantId(tenant), &prompt) {
+                        prop_assert!(cached < prompt.len(), "the last prompt token is computed");
+                        prop_assert_eq!(s.session_kv(id), Some((prompt.len(), cached)));
+                        hits += cached;
+                        prompt_len.insert(id, prompt.len());
+                        open.push(id);
+                        tokens.insert(id, prompt);
+                    }
+                }
+                CacheOp::Op(Op::Verify { session, len }) => {
+                    if let Some(&id) = open.get(session) {
+                        let _ = s.enqueue_verify(id, len.min(budget));
+                    }
+                }
+                CacheOp::Op(Op::Close { session }) => {
+                    if session < open.len() {
+                        let id = open.remove(session);
+                        s.close(id);
+                        tokens.remove(&id);
+                    }
+                }
+                CacheOp::Op(Op::Open { .. }) => {}
+                CacheOp::Op(Op::Step { reject }) => {
+                    it += 1;
+                    let p = s.schedule(0);
+                    prop_assert!(s.pool().conserved());
+                    let mut verdicts = Vec::new();
+                    let mut decodes = 0;
+                    for c in &p.chunks {
+                        if c.kind == WorkKind::Prefill && c.start + c.len == prompt_len[&c.session] {
+                            first.insert(c.session);
+                        }
+                        let t = tokens.get_mut(&c.session).expect("planned sessions are open");
+                        let written: Vec<u32> = match c.kind {
+                            WorkKind::Prefill => t[c.start..c.start + c.len].to_vec(),
+                            WorkKind::Decode => (0..c.len)
+                                .map(|i| mix(c.session.0, (c.start + i) as u64, it))
+                                .collect(),
+                        };
+                        let mut seq = t[..c.start].to_vec();
+                        seq.extend_from_slice(&written);
+                        let st = states(&seq);
+                        for pos in c.start..c.start + c.len {
+                            kv[c.pages[pos / block_size] as usize][pos % block_size] = Some(st[pos]);
+                        }
+                        if c.kind == WorkKind::Decode {
+                            let r = reject.get(decodes).copied().unwrap_or(0).min(c.len - 1);
+                            decodes += 1;
+                            let keep = c.len - r;
+                            t.truncate(c.start);
+                            t.extend_from_slice(&written[..keep]);
+                            verdicts.push((c.session, c.start + keep));
+                        }
+                    }
+                    s.update(&p, &verdicts);
+                    for (&id, t) in &tokens {
+                        s.publish(id, t);
+                    }
+                    prop_assert!(s.pool().conserved());
+                    for (&id, t) in &tokens {
+                        let (known, computed) = s.session_kv(id).expect("open");
+                        prop_assert_eq!(known, t.len());
+                        let table = s.pool().table(id);
+                        for (pos, &st) in states(t).iter().enumerate().take(computed) {
+                            let slot = kv[table[pos / block_size] as usize][pos % block_size];
+                            prop_assert_eq!(slot, Some(st), "session {} position {}", id, pos);
+                        }
+                    }
+                }
+            }
+        }
+        prop_assert!(u64::try_from(hits).unwrap() == s.stats().prefix_hits);
+        // No prompt is lost: its last token was computed, or it still waits for it.
+        for &id in &open {
+            let (known, computed) = s.session_kv(id).expect("open");
+            prop_assert!(first.contains(&id) || computed < known, "session {} is stuck", id);
+        }
+        for id in open {
+            s.close(id);
+        }
+        prop_assert_eq!(s.pool().num_free(), num_blocks);
+        prop_assert!(s.pool().conserved());
     }
 }

@@ -406,7 +406,7 @@ impl Sim {
             return;
         };
         match msg {
-            ToEdge::Opened { first, grant } if s.edge.is_some() => {
+            ToEdge::Opened { first, grant, .. } if s.edge.is_some() => {
                 // An edge drafting since its Open: the first token commits its position.
                 s.opened = true;
                 let o = Opened {
@@ -416,7 +416,7 @@ impl Sim {
                 };
                 self.arrived(sid, Incoming::Opened(o));
             }
-            ToEdge::Opened { first, grant } => {
+            ToEdge::Opened { first, grant, .. } => {
                 s.opened = true;
                 let cfg = SessionConfig {
                     draft_len: self.cfg.gamma,

@@ -343,6 +343,11 @@ impl<T: Target, H> VerifierCore<T, H> {
             }
         }
         self.sched.update(plan, &kv_len);
+        for c in &plan.chunks {
+            if let Some(s) = self.sessions.get(&c.session) {
+                self.sched.publish(c.session, &s.history);
+            }
+        }
         for id in follow {
             self.proceed(id, events);
         }

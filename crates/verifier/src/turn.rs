@@ -60,10 +60,12 @@ pub enum Inbound<H> {
 /// A message to an edge.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ToEdge {
-    /// The prompt is prefilled: the target's first token, and the γ and depth granted now.
+    /// The prompt is prefilled: the target's first token, the γ and depth granted now, and how
+    /// many prompt tokens the prefix cache served.
     Opened {
         first: u32,
         grant: Shape,
+        cached: usize,
     },
     Verdict(Verdict),
     /// A token the verifier decoded itself for a speculation session it took over (`resume`: the
@@ -337,7 +339,11 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                     self.idle_check_us = self.idle_check_us.min(due);
                 }
                 obs.push(first_token(&mut s.meter, at));
-                ToEdge::Opened { first, grant }
+                ToEdge::Opened {
+                    first,
+                    grant,
+                    cached: s.counts.cached,
+                }
             }
             Event::Verdict {
                 mut verdict,

@@ -61,6 +61,9 @@ pub struct Usage {
     /// Speculation (the edge drafted) or a cloud-only generation.
     pub speculative: bool,
     pub prompt_tokens: usize,
+    /// Of its prompt tokens, those served from the prefix cache (OpenAI's
+    /// `prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: usize,
     /// New tokens committed (up to the first end-of-generation token).
     pub committed_tokens: usize,
     /// Drafted tokens fed to the target in a forward (past the committed ones: those after a
@@ -84,6 +87,8 @@ pub struct Usage {
 /// What the core counts of a session as its events go out (see `VerifierCore::turn`).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Counts {
+    /// Prompt tokens served from the prefix cache.
+    pub cached: usize,
     pub drafted: usize,
     pub accepted: usize,
     pub decoded: usize,
@@ -142,6 +147,7 @@ impl Usage {
             tenant: s.tenant,
             speculative,
             prompt_tokens: s.prompt_len,
+            cached_tokens: c.cached,
             committed_tokens: committed,
             drafted_tokens: c.drafted,
             accepted_draft_tokens: accepted,

@@ -56,6 +56,12 @@ pub struct VerifierConfig {
     /// nothing (its draft paused as almost always wrong) gets a token per wait.
     #[arg(long, default_value_t = DEFAULTS.await_drafts_ms)]
     pub await_drafts_ms: u64,
+    /// Compute every prompt in full: no prefix cache. By default a prompt starts from the KV
+    /// pages of the same tokens its tenant (or tenants sharing its salt) sent before, and each
+    /// session's pages of committed tokens are kept, while the pool has room, for the next
+    /// turn of a conversation.
+    #[arg(long)]
+    pub no_prefix_cache: bool,
     /// Grants, takeovers and the idle timeout (`cloud serve` builds it from its own flags and
     /// the measured forward cost). Default: every session keeps the shape it asks for.
     #[arg(skip)]
@@ -75,6 +81,7 @@ const DEFAULTS: VerifierConfig = VerifierConfig {
     max_waiting_tokens: 4096,
     tenant_slowdown_pct: 125,
     await_drafts_ms: 0,
+    no_prefix_cache: false,
     load: LoadConfig::FIXED,
 };
 
@@ -178,6 +185,7 @@ impl<T: Target, H> VerifierCore<T, H> {
         let sched = Scheduler::new(SchedConfig {
             max_sessions: cfg.max_sessions,
             max_waiting_tokens: cfg.max_waiting_tokens,
+            prefix_cache: !cfg.no_prefix_cache,
             ..SchedConfig::new(cfg.token_budget, page_size, num_pages)
         })?;
         let load = cfg.load.within_budget(cfg.token_budget);
@@ -406,7 +414,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                 "prompt: token id {t} is outside the vocabulary ({vocab})"
             )));
         }
-        self.sched.open(id, tenant, prompt.len())?;
+        let cached = self.sched.open(id, tenant, prompt)?;
         self.sessions.insert(
             id,
             Session {
@@ -421,7 +429,10 @@ impl<T: Target, H> VerifierCore<T, H> {
                     heard_us: now_us,
                     ..Meter::default()
                 },
-                counts: Default::default(),
+                counts: crate::usage::Counts {
+                    cached,
+                    ..Default::default()
+                },
                 handle,
             },
         );

@@ -48,7 +48,7 @@ fn open() -> (VerifierCore<common::OneHot, ()>, Vec<u32>) {
         },
     );
     let t = v.turn(0);
-    let Some(ToEdge::Opened { first, grant }) = t.out.first().map(|o| o.msg.clone()) else {
+    let Some(ToEdge::Opened { first, grant, .. }) = t.out.first().map(|o| o.msg.clone()) else {
         panic!("{:?}", t.out)
     };
     assert_eq!(grant.draft_len, 2);

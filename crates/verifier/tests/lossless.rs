@@ -15,11 +15,9 @@
 
 mod common;
 
-use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
-use std::rc::Rc;
 
-use common::{next, VOCAB};
+use common::{recurrent_after, VOCAB};
 use proptest::prelude::*;
 use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::{uniform, SamplingParams};
@@ -37,8 +35,7 @@ const EOG: u32 = 13;
 fn oracle(prompt: &[u32], n: usize, eog: &[u32]) -> Vec<u32> {
     let mut seq = prompt.to_vec();
     while seq.len() < prompt.len() + n {
-        let p = seq.len() - 1;
-        let t = next(p, seq[p]);
+        let t = recurrent_after(&seq);
         seq.push(t);
         if eog.contains(&t) {
             break;
@@ -50,7 +47,7 @@ fn oracle(prompt: &[u32], n: usize, eog: &[u32]) -> Vec<u32> {
 /// The draft's token after `seq`: the target's with probability `alpha`, else a wrong one.
 fn draft(seq: &[u32], seed: u64, alpha: f64, salt: u64) -> u32 {
     let p = seq.len() - 1;
-    let t = next(p, seq[p]);
+    let t = recurrent_after(seq);
     if uniform(seed, (p as u64) << 20 | salt, 3) < alpha {
         t
     } else {
@@ -62,7 +59,7 @@ fn draft(seq: &[u32], seed: u64, alpha: f64, salt: u64) -> u32 {
 /// the draft missed, else another wrong one; its confidence, a draw.
 fn hedge(seq: &[u32], token: u32, seed: u64, salt: u64) -> Option<Hedge> {
     let p = seq.len() - 1;
-    let t = next(p, seq[p]);
+    let t = recurrent_after(seq);
     let u = uniform(seed, (p as u64) << 20 | salt, 4);
     let alt = if t != token && u < 0.5 {
         t
@@ -112,7 +109,7 @@ enum ToCloud {
 }
 
 struct World {
-    v: VerifierCore<common::OneHot, u64>,
+    v: VerifierCore<common::Recurrent, u64>,
     now_us: u64,
     /// The speculation session's id on the verifier (a new one per connection).
     id: SessionId,
@@ -148,6 +145,10 @@ struct Seen {
     /// and turns in which such a block was a token tree.
     partial: usize,
     partial_trees: usize,
+    /// Sessions (reopened ones, cloud-only generations) whose prompt started from cached pages,
+    /// and cached pages taken back for new content.
+    cached: usize,
+    evictions: usize,
 }
 
 impl World {
@@ -239,8 +240,14 @@ impl World {
         self.told = history.len();
         for _ in 0..100 {
             self.turn()?;
-            if let Some(ToEdge::Opened { first, grant }) = self.down.pop_front() {
-                prop_assert_eq!(first, next(history.len() - 1, history[history.len() - 1]));
+            if let Some(ToEdge::Opened {
+                first,
+                grant,
+                cached,
+            }) = self.down.pop_front()
+            {
+                prop_assert_eq!(first, recurrent_after(history));
+                self.seen.cached += usize::from(cached > 0);
                 self.told = history.len() + 1;
                 return Ok((first, grant));
             }
@@ -328,9 +335,7 @@ fn run(c: Case, schedule: &[Step]) -> Result<Seen, TestCaseError> {
         max_new,
         tree,
     } = c;
-    let target = common::OneHot {
-        fail: Rc::new(Cell::new(false)),
-    };
+    let target = common::Recurrent::new();
     let cfg = VerifierConfig {
         load: LoadConfig {
             saturation_tokens: 4.0,
@@ -483,7 +488,7 @@ fn run(c: Case, schedule: &[Step]) -> Result<Seen, TestCaseError> {
                         session: id,
                         new: NewSession {
                             tenant: TenantId(0),
-                            prompt: vec![1, 2],
+                            prompt: (1..10).collect(),
                             params: SamplingParams::default(),
                             max_tokens: 60,
                             eog: vec![],
@@ -518,6 +523,7 @@ fn run(c: Case, schedule: &[Step]) -> Result<Seen, TestCaseError> {
     w.seen.reconnects = edge.measured().reconnects;
     w.seen.covered = edge.pipeline().stats().covered_blocks;
     w.seen.lane_hits = edge.pipeline().stats().lane_hits;
+    w.seen.evictions = w.v.scheduler().pool().counts().evictions as usize;
     Ok(w.seen)
 }
 
@@ -574,8 +580,8 @@ fn the_interleavings_reach_every_path() {
     use proptest::strategy::ValueTree;
     use proptest::test_runner::TestRunner;
     let mut runner = TestRunner::deterministic();
-    let cases = 200;
-    let mut with = [0usize; 10];
+    let cases = 800;
+    let mut with = [0usize; 12];
     for _ in 0..cases {
         let (c, schedule) = case().new_tree(&mut runner).unwrap().current();
         let s = run(c, &schedule).unwrap();
@@ -590,6 +596,8 @@ fn the_interleavings_reach_every_path() {
             s.lane_hits.saturating_sub(s.side_verdicts),
             s.partial,
             s.partial_trees,
+            s.cached,
+            s.evictions,
         ];
         for (n, t) in with.iter_mut().zip(took) {
             *n += usize::from(t > 0);
@@ -606,10 +614,12 @@ fn the_interleavings_reach_every_path() {
         "decodes diverted into a branch",
         "blocks trimmed to a smaller grant",
         "token trees trimmed to a smaller grant",
+        "prompts started from cached pages",
+        "cached pages evicted",
     ];
     // The tree paths need a tree, a miss and a second choice that hits: rarer by design; a
     // trimmed block needs the grant to shrink under blocks in flight that the draft got right.
-    let min = [5, 5, 5, 5, 5, 5, 10, 10, 50, 50].map(|d| cases / d);
+    let min = [5, 5, 5, 5, 5, 5, 16, 10, 50, 160, 5, 160].map(|d| cases / d);
     for ((name, n), min) in names.iter().zip(with).zip(min) {
         assert!(n >= min, "only {n} of {cases} cases had {name}: {with:?}");
     }

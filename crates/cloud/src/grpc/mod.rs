@@ -309,7 +309,7 @@ impl VerifierRpc for Service {
         let reply: Reply = Arc::new(move |msg: ToEdge| {
             let _held = &held;
             let m = match msg {
-                ToEdge::Opened { first, grant } => Ok(CloudMessage {
+                ToEdge::Opened { first, grant, .. } => Ok(CloudMessage {
                     kind: Some(cloud_message::Kind::Opened(Opened {
                         session_id: session.0,
                         model: None,

@@ -64,6 +64,109 @@ impl Target for OneHot {
     }
 }
 
+/// A target whose choice depends on the whole sequence, read through its KV pages as a real
+/// model's does: each slot holds the state after its token ([`recurrent_step`] of the state at
+/// its parent slot), and the greedy token after a slot is [`recurrent_next`] of its state. A
+/// page that held another sequence's state (a prefix cache that shared the wrong page, a write
+/// into a shared page) changes every token after it.
+pub struct Recurrent {
+    pub kv: Vec<u64>,
+    pub page_size: usize,
+}
+
+/// The state before the first token.
+pub const RECURRENT_SEED: u64 = 0x2545_F491_4F6C_DD1D;
+
+pub fn recurrent_step(state: u64, pos: usize, token: u32) -> u64 {
+    let mut x = state ^ (u64::from(token) << 32) ^ pos as u64;
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+pub fn recurrent_next(state: u64) -> u32 {
+    (state % (VOCAB as u64 - 1)) as u32 + 1
+}
+
+/// [`Recurrent`]'s greedy token after `seq`.
+pub fn recurrent_after(seq: &[u32]) -> u32 {
+    let s = seq
+        .iter()
+        .enumerate()
+        .fold(RECURRENT_SEED, |s, (p, &t)| recurrent_step(s, p, t));
+    recurrent_next(s)
+}
+
+impl Recurrent {
+    pub fn new() -> Self {
+        let (page_size, pages) = Self::GEOMETRY;
+        Self {
+            kv: vec![0; page_size * pages],
+            page_size,
+        }
+    }
+    /// Pages of 4 slots, 24 of them: sessions of a test share pages, and cached ones are taken
+    /// back.
+    pub const GEOMETRY: (usize, usize) = (4, 24);
+
+    fn slot(&self, table: &[u32], pos: usize) -> usize {
+        table[pos / self.page_size] as usize * self.page_size + pos % self.page_size
+    }
+}
+
+impl Default for Recurrent {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Target for Recurrent {
+    fn vocab(&self) -> usize {
+        VOCAB
+    }
+    fn context_len(&self) -> usize {
+        1024
+    }
+    fn kv_geometry(&self) -> (usize, usize) {
+        Self::GEOMETRY
+    }
+    fn forward_timed(
+        &mut self,
+        batch: &[SeqChunk],
+        tables: &[Vec<u32>],
+    ) -> (Result<Logits, EngineError>, u32) {
+        let mut next: Vec<Vec<u32>> = Vec::with_capacity(batch.len());
+        for (c, table) in batch.iter().zip(tables) {
+            let positions = c.positions();
+            let mut out = Vec::with_capacity(c.tokens.len());
+            for (i, &t) in c.tokens.iter().enumerate() {
+                let slot = c.start_pos + i;
+                let parent = match c.parents.get(i) {
+                    Some(tandem_engine::Parent::Slot(p)) => Some(*p),
+                    _ => slot.checked_sub(1),
+                };
+                let before = parent.map_or(RECURRENT_SEED, |p| self.kv[self.slot(table, p)]);
+                let state = recurrent_step(before, positions[i], t);
+                let at = self.slot(table, slot);
+                self.kv[at] = state;
+                out.push(recurrent_next(state));
+            }
+            next.push(out);
+        }
+        (
+            Ok(Logits::one_hot_at(batch, VOCAB, |k, i, _| next[k][i])),
+            10,
+        )
+    }
+    fn keep_path(&mut self, table: &[u32], len: usize, path: &[usize]) -> Result<(), EngineError> {
+        for (j, &from) in path.iter().enumerate() {
+            let (src, dst) = (self.slot(table, from), self.slot(table, len + j));
+            self.kv[dst] = self.kv[src];
+        }
+        Ok(())
+    }
+}
+
 /// A verifier core on a [`OneHot`] target, and the switch that makes its forwards fail.
 pub fn core() -> (VerifierCore<OneHot>, Rc<Cell<bool>>) {
     core_with(VerifierConfig::default())
