@@ -45,7 +45,9 @@ async fn opened(
         .unwrap()
         .into_inner();
     let first = s.message().await.unwrap().unwrap();
-    assert!(matches!(first.kind, Some(cloud_message::Kind::Opened(_))));
+    assert!(matches!(first.kind, Some(cloud_message::Kind::Admitted(_))));
+    let opened = s.message().await.unwrap().unwrap();
+    assert!(matches!(opened.kind, Some(cloud_message::Kind::Opened(_))));
     (tx, s)
 }
 

@@ -1,6 +1,8 @@
 //! `tandem serve` when the verifier is gone, against real processes: with no verifier the answer
-//! is a 503, or with `--fallback local` the draft's own, marked unverified, until a verifier is
-//! there again; a verifier killed mid-answer ends the answer with an error event, or the draft
+//! is a 503 once the reconnect window is spent, or with `--fallback local` the draft's own, marked
+//! unverified, until a verifier is there again; a request sent while the verifier restarts waits
+//! for it and is answered exactly; a prompt whose prefill takes longer than the connect timeout
+//! is answered (only the admission is bounded by it); a verifier killed mid-answer ends the answer with an error event, or the draft
 //! finishes it marked unverified; a verifier restarted ten seconds later resumes the answer token
 //! for token. (Failover across replicas behind nginx: `deploy_failover.rs`.) The model is pulled
 //! on first use.
@@ -20,9 +22,15 @@ fn with_no_verifier_the_answer_is_a_503_or_the_drafts_own_marked_unverified() {
     let cloud = format!("http://127.0.0.1:{port}");
     let q = "Name three colours.";
 
+    // (Tried again within the reconnect window, short here, before the answer is a 503.)
     let strict = edge(
         std::slice::from_ref(&cloud),
-        &["--connect-timeout-ms", "1000"],
+        &[
+            "--connect-timeout-ms",
+            "1000",
+            "--reconnect-window-ms",
+            "1500",
+        ],
     );
     let (s, r) = post(strict.port, "/v1/chat/completions", &chat(q, 8));
     assert_eq!(s, 503, "{r}");
@@ -220,4 +228,55 @@ fn a_verifier_restarted_ten_seconds_later_resumes_the_answer_token_for_token() {
     assert!(fin["tandem"]["reconnects"].as_u64().unwrap() >= 1, "{fin}");
     assert_eq!(fin["tandem"]["unverified_tokens"], 0);
     assert_eq!(seen[n - 1].1["usage"]["completion_tokens"], want.ids.len());
+}
+
+#[test]
+fn a_request_sent_while_the_verifier_is_down_is_answered_exactly_once_it_is_back() {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    // The default reconnect window (30 s) covers the first Open too.
+    let e = edge(&[format!("http://{listen}")], &[]);
+    let q = "Name three colours.";
+    let want = expected_chat(q, 24);
+    let edge_port = e.port;
+    let asked = std::time::Instant::now();
+    let answer = std::thread::spawn(move || post(edge_port, "/v1/chat/completions", &chat(q, 24)));
+    std::thread::sleep(Duration::from_secs(8));
+    assert!(!answer.is_finished(), "the request waits for the verifier");
+    let _v = verifier(&["--listen", &listen]);
+    let (s, r) = answer.join().unwrap();
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["choices"][0]["message"]["content"], want.text.as_str());
+    assert_eq!(r["tandem"]["unverified_tokens"], 0);
+    assert!(asked.elapsed() >= Duration::from_secs(8));
+}
+
+#[test]
+fn a_prompt_whose_prefill_outlasts_the_connect_timeout_is_answered() {
+    // A conversation's history of ~900 tokens: its prefill takes seconds on these CPUs, far
+    // past a 300 ms connect timeout, which bounds only the admission.
+    let v = verifier(&[]);
+    let e = edge(
+        &[format!("http://127.0.0.1:{}", v.port)],
+        &[
+            "--connect-timeout-ms",
+            "300",
+            "--reconnect-window-ms",
+            "1000",
+        ],
+    );
+    let mut history = String::new();
+    for i in 0..60 {
+        history.push_str(&format!(
+            "Note {i}: the dragon flew over the hills at dawn. "
+        ));
+    }
+    let q = format!("{history}\nWhat did the dragon do?");
+    let tok = &target().1;
+    let n = tok.encode_chat(&q).unwrap().len();
+    assert!(n > 600, "{n} prompt tokens");
+    let want = expected_chat(&q, 8);
+    let (s, r) = post(e.port, "/v1/chat/completions", &chat(&q, 8));
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["choices"][0]["message"]["content"], want.text.as_str());
 }

@@ -12,6 +12,7 @@ use serde::Serialize;
 use tandem_edge::{Link, SpecConfig};
 use tandem_engine::tokenizer::TextStream;
 use tandem_engine::{Engine, EngineConfig, LlamaModel, Tokenizer};
+use tandem_spec::edge::RECONNECT_WINDOW_MS;
 
 use crate::generate::GenOutput;
 use tandem_sim::stats::round2;
@@ -159,7 +160,7 @@ fn run_grpc(
     let (mut link, first) = if spec.session.tree.side_nodes == 0 {
         // Linear blocks: the draft prefills the prompt and drafts on while the Open is on its
         // way, and the first blocks follow the Open (`EdgeSession::opening`).
-        let link = tandem_edge::grpc::GrpcLink::start(&rt, url, req)
+        let link = tandem_edge::grpc::GrpcLink::start_within(&rt, url, req, RECONNECT_WINDOW_MS)
             .with_context(|| format!("opening a session on {url}"))?;
         tandem_edge::prefill_draft(&mut draft, prompt_ids).context("draft prefill")?;
         (link, None)
@@ -167,7 +168,9 @@ fn run_grpc(
         // Token trees wait for the grant that bounds their side nodes. The draft prefills the
         // prompt while the verifier prefills it too.
         let (connected, prefilled) = std::thread::scope(|s| {
-            let open = s.spawn(|| tandem_edge::grpc::GrpcLink::connect(&rt, url, req));
+            let open = s.spawn(|| {
+                tandem_edge::grpc::GrpcLink::connect_within(&rt, url, req, RECONNECT_WINDOW_MS)
+            });
             let prefilled = tandem_edge::prefill_draft(&mut draft, prompt_ids);
             (open.join(), prefilled)
         });

@@ -97,6 +97,12 @@ pub fn run_batcher(
                 }
             }
         }
+        // The sessions admitted hear so before the forward (which may be a long prompt's).
+        for o in core.admissions() {
+            if !(o.to)(o.msg) {
+                core.receive(now_us(), Inbound::Close { session: o.session });
+            }
+        }
         let t0 = Instant::now();
         let turn = core.turn(now_us());
         let step_s = t0.elapsed().as_secs_f64();

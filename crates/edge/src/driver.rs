@@ -240,7 +240,9 @@ impl<L: Link> Driver<L> {
             std::thread::sleep(std::time::Duration::from_millis(r.after_ms));
             match self.link.reopen(self.es.committed(), r.max_tokens) {
                 Ok(t) => break t,
-                Err(e @ (EdgeError::LinkClosed | EdgeError::Refused(_))) => {
+                Err(
+                    e @ (EdgeError::LinkClosed | EdgeError::Refused(_) | EdgeError::Unreachable(_)),
+                ) => {
                     retry_after_ms = None;
                     last = e;
                 }
@@ -276,7 +278,7 @@ impl<L: Link> Driver<L> {
 }
 
 /// A uniform draw in [0, 1) for the reconnect jitter (std's per-process random hasher keys).
-fn jitter() -> f64 {
+pub(crate) fn jitter() -> f64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(Instant::now().elapsed().as_nanos());

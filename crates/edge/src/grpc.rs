@@ -11,6 +11,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
+use tandem_spec::edge::Reconnecting;
 use tandem_spec::Incoming;
 
 use crate::{EdgeError, Link};
@@ -97,8 +98,20 @@ pub async fn client(
         .keep_alive_timeout(KEEPALIVE)
         .keep_alive_while_idle(true);
     let channel = ep.connect().await.map_err(|e| {
-        let e = refused(format!("connecting to {url}: {}", source_chain(&e)));
-        plaintext_hint(url, e)
+        let m = format!("connecting to {url}: {}", source_chain(&e));
+        // A certificate (or TLS) that does not check out is a refusal; anything else, a
+        // verifier that is not there (yet).
+        let tls = ["certificate", "tls", "TLS", "handshake"]
+            .iter()
+            .any(|w| m.contains(w));
+        plaintext_hint(
+            url,
+            if tls {
+                refused(m)
+            } else {
+                EdgeError::Unreachable(m)
+            },
+        )
     })?;
     Ok(VerifierClient::new(channel))
 }
@@ -133,9 +146,11 @@ pub fn authorized<T>(msg: T, api_key: Option<&str>) -> Result<tonic::Request<T>,
 /// down, or restarting), and the answer says so instead.
 fn plaintext_hint(url: &str, e: EdgeError) -> EdgeError {
     match e {
-        EdgeError::Refused(m) if m.contains("onnection refused") => EdgeError::Refused(format!(
-            "{m} (nothing accepts connections at {url}: is the verifier running?)"
-        )),
+        EdgeError::Refused(m) | EdgeError::Unreachable(m) if m.contains("onnection refused") => {
+            EdgeError::Unreachable(format!(
+                "{m} (nothing accepts connections at {url}: is the verifier running?)"
+            ))
+        }
         EdgeError::Refused(m)
             if url.starts_with("http://")
                 && (m.contains("h2 protocol error") || m.contains("transport error")) =>
@@ -162,8 +177,45 @@ fn status(s: tonic::Status) -> EdgeError {
             message,
             retry_after_ms,
         },
+        None if s.code() == tonic::Code::Unavailable => EdgeError::Unreachable(message),
         None => EdgeError::Refused(message),
     }
+}
+
+/// Try `attempt` until it succeeds, fails for good, or `window_ms` is spent, waiting between
+/// tries as a lost session's reconnect does ([`Reconnecting::wait_ms`]): only a verifier that
+/// is not there (yet), lost the connection, or is busy (after its `retry-after-ms`) is tried
+/// again; any other refusal ends it at once.
+pub async fn within_window<T, F, Fut>(window_ms: u64, mut attempt: F) -> Result<T, EdgeError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, EdgeError>>,
+{
+    let t0 = std::time::Instant::now();
+    for tries in 0u32.. {
+        let e = match attempt().await {
+            Ok(v) => return Ok(v),
+            Err(e) => e,
+        };
+        let retry_after_ms = match &e {
+            EdgeError::Unreachable(_) | EdgeError::LinkClosed => None,
+            EdgeError::Busy { retry_after_ms, .. } => Some(*retry_after_ms),
+            _ => return Err(e),
+        };
+        let r = Reconnecting {
+            attempt: tries,
+            elapsed_ms: t0.elapsed().as_millis() as u64,
+            window_ms,
+            retry_after_ms,
+            jitter: crate::driver::jitter(),
+        };
+        let Some(wait) = r.wait_ms() else {
+            return Err(e);
+        };
+        tracing::info!("{e}: trying again in {wait} ms");
+        tokio::time::sleep(std::time::Duration::from_millis(wait)).await;
+    }
+    unreachable!("a u32 of tries outlasts any window")
 }
 
 /// Called whenever a message for a session arrives (a loop that drives many sessions sleeps until
@@ -194,11 +246,102 @@ fn refused(e: impl std::fmt::Display) -> EdgeError {
     EdgeError::Refused(e.to_string())
 }
 
+/// The stream of a session's messages from the verifier.
+type Inbound = tonic::Streaming<tandem_proto::v1::CloudMessage>;
+
+/// How far an `Open` got: admitted (its prefill to come; protocol 5), or opened.
+enum Stage {
+    Admitted { cached_tokens: u64 },
+    Opened(Opened),
+}
+
+/// The next stage of an `Open` on its stream: `Admitted`, `Opened`, or the refusal.
+async fn next_stage(inbound: &mut Inbound, url: &str) -> Result<Stage, EdgeError> {
+    let m = inbound
+        .message()
+        .await
+        .map_err(|e| plaintext_hint(url, status(e)))?;
+    match m.and_then(|m| m.kind) {
+        Some(cloud_message::Kind::Admitted(a)) => Ok(Stage::Admitted {
+            cached_tokens: a.cached_tokens,
+        }),
+        Some(cloud_message::Kind::Opened(o)) => Ok(Stage::Opened(o)),
+        Some(cloud_message::Kind::Error(e)) => Err(refused(e.message)),
+        Some(_) => Err(refused("the verifier did not open the session")),
+        None => Err(EdgeError::LinkClosed),
+    }
+}
+
+/// Wait on `inbound` for `Opened`, past the admission if it has not come yet.
+async fn until_opened(inbound: &mut Inbound, stage: Stage, url: &str) -> Result<Opened, EdgeError> {
+    let mut stage = stage;
+    loop {
+        match stage {
+            Stage::Opened(o) => return Ok(o),
+            Stage::Admitted { .. } => stage = next_stage(inbound, url).await?,
+        }
+    }
+}
+
+/// A session the verifier admitted: `Opened` (its first token, once the prompt is prefilled) is
+/// still to come. Only the wait for the admission is bounded by an edge's connect timeout: a long
+/// prompt is prefill, not unreachability.
+pub struct Admission {
+    link: GrpcLink,
+    inbound: Inbound,
+    vtx: UnboundedSender<Result<Incoming, EdgeError>>,
+    stage: Stage,
+}
+
+impl Admission {
+    /// Prompt tokens the verifier's prefix cache serves.
+    pub fn cached_tokens(&self) -> u64 {
+        match &self.stage {
+            Stage::Admitted { cached_tokens } => *cached_tokens,
+            Stage::Opened(o) => o.cached_tokens,
+        }
+    }
+
+    /// Wait for `Opened`, however long the prefill takes (HTTP/2 pings find a verifier that
+    /// went away), and start the link's reader.
+    pub async fn opened(self) -> Result<(GrpcLink, Opened), EdgeError> {
+        let Self {
+            link,
+            mut inbound,
+            vtx,
+            stage,
+        } = self;
+        let opened = until_opened(&mut inbound, stage, &link.url).await?;
+        link.spawn_reader(vtx, async move { Some((inbound, None)) });
+        Ok((link, opened))
+    }
+}
+
 impl GrpcLink {
     /// Connect to `url`, open the session and wait for `Opened` (which carries the granted γ and
     /// depth and the target's first token).
     pub fn connect(rt: &Runtime, url: &str, req: OpenRequest) -> Result<(Self, Opened), EdgeError> {
-        Self::open(rt.handle().clone(), url, req, None)
+        Self::connect_within(rt, url, req, 0)
+    }
+
+    /// [`GrpcLink::connect`], trying again while no verifier is reachable (or it is busy) for
+    /// up to `window_ms`, as a session whose connection was lost: an edge started while its
+    /// verifier restarts waits for it.
+    pub fn connect_within(
+        rt: &Runtime,
+        url: &str,
+        req: OpenRequest,
+        window_ms: u64,
+    ) -> Result<(Self, Opened), EdgeError> {
+        let h = rt.handle().clone();
+        rt.block_on(async {
+            within_window(window_ms, || {
+                Self::admit_async(h.clone(), url, req.clone(), None)
+            })
+            .await?
+            .opened()
+            .await
+        })
     }
 
     fn open(
@@ -218,10 +361,25 @@ impl GrpcLink {
         req: OpenRequest,
         waker: Option<Waker>,
     ) -> Result<(Self, Opened), EdgeError> {
-        let (link, call, vtx) = Self::send_open(rt.clone(), url, req, waker).await?;
-        let (inbound, opened) = call.await?;
-        link.spawn_reader(vtx, async move { Some((inbound, None)) });
-        Ok((link, opened))
+        Self::admit_async(rt, url, req, waker).await?.opened().await
+    }
+
+    /// Connect to `url`, send the session's `Open` and wait until the verifier admits it (before
+    /// its prefill) or refuses it.
+    pub async fn admit_async(
+        rt: tokio::runtime::Handle,
+        url: &str,
+        req: OpenRequest,
+        waker: Option<Waker>,
+    ) -> Result<Admission, EdgeError> {
+        let (link, call, vtx) = Self::send_open(rt, url, req, waker).await?;
+        let (inbound, stage) = call.await?;
+        Ok(Admission {
+            link,
+            inbound,
+            vtx,
+            stage,
+        })
     }
 
     /// Connect to `url` and send the session's `Open` without waiting for `Opened`: blocks may
@@ -231,12 +389,33 @@ impl GrpcLink {
     /// refusal of the `Open` itself (a wrong key, another tokenizer, a full verifier) comes from
     /// [`Link::recv`] as [`EdgeError::NotOpened`]: it is not a connection to reopen.
     pub fn start(rt: &Runtime, url: &str, req: OpenRequest) -> Result<Self, EdgeError> {
+        Self::start_within(rt, url, req, 0)
+    }
+
+    /// [`GrpcLink::start`], trying to connect again while no verifier is reachable for up to
+    /// `window_ms` (see [`GrpcLink::connect_within`]).
+    pub fn start_within(
+        rt: &Runtime,
+        url: &str,
+        req: OpenRequest,
+        window_ms: u64,
+    ) -> Result<Self, EdgeError> {
         let h = rt.handle().clone();
+        let u = url.to_string();
         rt.block_on(async {
-            let (link, call, vtx) = Self::send_open(h, url, req, None).await?;
+            let (link, call, vtx) = within_window(window_ms, || {
+                Self::send_open(h.clone(), url, req.clone(), None)
+            })
+            .await?;
             let tx = vtx.clone();
             let opened = async move {
-                match call.await {
+                let got = match call.await {
+                    Ok((mut inbound, stage)) => until_opened(&mut inbound, stage, &u)
+                        .await
+                        .map(|o| (inbound, o)),
+                    Err(e) => Err(e),
+                };
+                match got {
                     Ok((inbound, o)) => Some((inbound, Some(Incoming::Opened(opened(&o))))),
                     Err(e) => {
                         let _ = tx.send(Err(EdgeError::NotOpened(e.to_string())));
@@ -250,8 +429,8 @@ impl GrpcLink {
     }
 
     /// Connect and send `Open`; returns the link (its reader not started), the call that ends
-    /// in `Opened`, and the sender of the link's messages (for the reader: the link sees the
-    /// stream end when the reader drops it).
+    /// in the first stage of the open (admitted, or opened), and the sender of the link's
+    /// messages (for the reader: the link sees the stream end when the reader drops it).
     async fn send_open(
         rt: tokio::runtime::Handle,
         url: &str,
@@ -260,13 +439,7 @@ impl GrpcLink {
     ) -> Result<
         (
             Self,
-            impl std::future::Future<
-                    Output = Result<
-                        (tonic::Streaming<tandem_proto::v1::CloudMessage>, Opened),
-                        EdgeError,
-                    >,
-                > + Send
-                + 'static,
+            impl std::future::Future<Output = Result<(Inbound, Stage), EdgeError>> + Send + 'static,
             UnboundedSender<Result<Incoming, EdgeError>>,
         ),
         EdgeError,
@@ -300,17 +473,13 @@ impl GrpcLink {
         stream.metadata_mut().insert(ROUTE_HEADER, route);
         let u = url.to_string();
         let call = async move {
-            let first = |e| plaintext_hint(&u, status(e));
-            let mut inbound = client.session(stream).await.map_err(first)?.into_inner();
-            let opened = match inbound.message().await.map_err(first)? {
-                Some(m) => match m.kind {
-                    Some(cloud_message::Kind::Opened(o)) => o,
-                    Some(cloud_message::Kind::Error(e)) => return Err(refused(e.message)),
-                    _ => return Err(refused("the verifier did not open the session")),
-                },
-                None => return Err(EdgeError::LinkClosed),
-            };
-            Ok((inbound, opened))
+            let mut inbound = client
+                .session(stream)
+                .await
+                .map_err(|e| plaintext_hint(&u, status(e)))?
+                .into_inner();
+            let stage = next_stage(&mut inbound, &u).await?;
+            Ok((inbound, stage))
         };
         let (vtx, verdicts) = unbounded_channel();
         let link = Self {
@@ -523,10 +692,10 @@ mod tests {
     #[test]
     fn a_closed_port_is_not_diagnosed_as_tls() {
         let refused = "Unavailable: error trying to connect: tcp connect error: Connection refused (os error 111)";
-        let EdgeError::Refused(m) =
+        let EdgeError::Unreachable(m) =
             plaintext_hint("http://127.0.0.1:9", EdgeError::Refused(refused.into()))
         else {
-            panic!("still a refusal");
+            panic!("a verifier that is not there");
         };
         assert!(
             m.contains("is the verifier running?") && !m.contains("https"),

@@ -30,6 +30,10 @@ pub enum EdgeError {
     LinkClosed,
     #[error("the verifier refused: {0}")]
     Refused(String),
+    /// No verifier answered: nothing accepts connections at the address, the connection
+    /// failed, or the verifier is restarting or draining (`UNAVAILABLE`). Worth trying again.
+    #[error("no verifier is reachable: {0}")]
+    Unreachable(String),
     /// The session's `Open` was refused or never answered (a link that drafts before `Opened`:
     /// [`grpc::GrpcLink::start`]): nothing to reopen.
     #[error("opening the session: {0}")]

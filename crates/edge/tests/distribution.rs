@@ -461,6 +461,9 @@ fn committed_counts(
         let t = verifier.turn(0);
         let (first, grant) = match t.out.as_slice() {
             [Outgoing {
+                msg: ToEdge::Admitted { .. },
+                ..
+            }, Outgoing {
                 msg: ToEdge::Opened { first, grant, .. },
                 ..
             }] => (*first, *grant),

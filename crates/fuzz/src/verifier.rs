@@ -278,7 +278,7 @@ impl World {
                     self.slots[slot] = None;
                     continue;
                 }
-                ToEdge::Error { .. } | ToEdge::Token { .. } => continue,
+                ToEdge::Error { .. } | ToEdge::Token { .. } | ToEdge::Admitted { .. } => continue,
             };
             let bytes = incoming.encode_to_vec();
             let m = v1::CloudMessage::decode(bytes.as_slice()).expect("what we encoded decodes");

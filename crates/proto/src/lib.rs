@@ -6,7 +6,7 @@ pub mod v1 {
 }
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// The most entries one drafted position's distribution `q` may hold (and never more than the
 /// vocabulary): the edge sends its top-k (32 by default), and the verifier's work on a `q` is

@@ -393,9 +393,13 @@ impl Sim {
         self.at(self.now + f.us.max(1), Ev::Done { r });
     }
 
-    /// Send a replica's messages to their edges.
+    /// Send a replica's messages to their edges (an edge waits for `Opened`, not for the
+    /// admission before it: the simulator's edges have no connect timeout).
     fn emit(&mut self, out: Vec<Outgoing<()>>) {
         for o in out {
+            if matches!(o.msg, ToEdge::Admitted { .. }) {
+                continue;
+            }
             let sid = o.session.0;
             self.send(sid, false, Ev::ToEdge { sid, msg: o.msg });
         }
@@ -438,6 +442,7 @@ impl Sim {
                 self.outputs(sid, outs);
                 self.drive(sid);
             }
+            ToEdge::Admitted { .. } => {}
             ToEdge::Verdict(v) => self.arrived(sid, Incoming::Verdict(v)),
             ToEdge::Decoded(d) => self.arrived(sid, Incoming::Decoded(d)),
             ToEdge::Token { token, done } => {

@@ -147,6 +147,25 @@ pub struct Reconnecting {
     pub jitter: f64,
 }
 
+impl Reconnecting {
+    /// How long to wait before the next try: None once the window is spent. The wait doubles
+    /// from [`REOPEN_FIRST_WAIT_MS`] to [`REOPEN_MAX_WAIT_MS`], jittered down to half, never
+    /// shorter than the verifier asked, never past the window. The same for a session whose
+    /// connection was lost and for a first `Open` that found no verifier.
+    pub fn wait_ms(&self) -> Option<u64> {
+        if self.elapsed_ms >= self.window_ms {
+            return None;
+        }
+        let base = (REOPEN_FIRST_WAIT_MS << self.attempt.min(16)).min(REOPEN_MAX_WAIT_MS);
+        let jittered = base / 2 + (base as f64 / 2.0 * self.jitter.clamp(0.0, 1.0)) as u64;
+        Some(
+            jittered
+                .max(self.retry_after_ms.unwrap_or(0))
+                .min(self.window_ms - self.elapsed_ms),
+        )
+    }
+}
+
 /// When and how to reopen a session after a lost connection.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Reopen {
@@ -595,16 +614,8 @@ impl EdgeSession {
     /// [`REOPEN_FIRST_WAIT_MS`] to [`REOPEN_MAX_WAIT_MS`], jittered down to half, never shorter
     /// than the verifier asked, never past the window.
     pub fn reopen(&self, r: Reconnecting) -> Option<Reopen> {
-        if r.elapsed_ms >= r.window_ms {
-            return None;
-        }
-        let base = (REOPEN_FIRST_WAIT_MS << r.attempt.min(16)).min(REOPEN_MAX_WAIT_MS);
-        let jittered = base / 2 + (base as f64 / 2.0 * r.jitter.clamp(0.0, 1.0)) as u64;
-        let after_ms = jittered
-            .max(r.retry_after_ms.unwrap_or(0))
-            .min(r.window_ms - r.elapsed_ms);
         Some(Reopen {
-            after_ms,
+            after_ms: r.wait_ms()?,
             max_tokens: self.cfg.max_new_tokens - self.p.output().len(),
         })
     }

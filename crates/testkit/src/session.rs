@@ -61,7 +61,12 @@ pub async fn open_raw(url: &str, key: Option<&str>, prompt: &[u32]) -> Result<Ra
         .unwrap();
     let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
     let mut inbound = c.session(authorized(stream, key)).await?.into_inner();
-    match inbound.message().await?.and_then(|m| m.kind) {
+    // Admitted (before the prefill), then Opened.
+    let mut first = inbound.message().await?.and_then(|m| m.kind);
+    if let Some(cloud_message::Kind::Admitted(_)) = first {
+        first = inbound.message().await?.and_then(|m| m.kind);
+    }
+    match first {
         Some(cloud_message::Kind::Opened(o)) => Ok(Raw {
             out,
             inbound,

@@ -13,6 +13,8 @@ use crate::VerifierError;
 /// edge's message by the turn that sends it.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Event {
+    /// A speculation session was admitted (its prefill is to come).
+    Admitted { session: SessionId },
     /// A speculation session's prompt is prefilled; `first` is the target's first token.
     Opened { session: SessionId, first: u32 },
     /// A block's verdict: `drafted` tokens past the committed ones were judged and `accepted` of
@@ -53,7 +55,8 @@ pub(crate) enum Event {
 impl Event {
     pub fn session(&self) -> SessionId {
         match self {
-            Event::Opened { session, .. }
+            Event::Admitted { session }
+            | Event::Opened { session, .. }
             | Event::Verdict { session, .. }
             | Event::Token { session, .. }
             | Event::Error { session, .. }

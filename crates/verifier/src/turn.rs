@@ -60,6 +60,11 @@ pub enum Inbound<H> {
 /// A message to an edge.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ToEdge {
+    /// A speculation session is admitted: its prompt is to be prefilled, `cached` of its tokens
+    /// from the prefix cache. `Opened` follows once the prefill is done.
+    Admitted {
+        cached: usize,
+    },
     /// The prompt is prefilled: the target's first token, the γ and depth granted now, and how
     /// many prompt tokens the prefix cache served.
     Opened {
@@ -164,6 +169,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 new,
                 handle,
             } => {
+                let spec = matches!(new.mode, Mode::Speculate { .. });
                 let (work, want) = match new.mode {
                     Mode::Speculate { rule, want } => (
                         Self::spec_work(rule, new.prompt.len(), new.max_tokens, new.eog),
@@ -181,8 +187,10 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                     now_us,
                     handle.clone(),
                 );
-                if let Err(e) = r {
-                    self.dismissed.push((session, handle, e));
+                match r {
+                    Err(e) => self.dismissed.push((session, handle, e)),
+                    Ok(()) if spec => self.held.push(Event::Admitted { session }),
+                    Ok(()) => {}
                 }
             }
             Inbound::Draft { session, block } => {
@@ -319,6 +327,31 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
         turn
     }
 
+    /// The admissions of the speculation sessions opened since the last turn (`Admitted`), to
+    /// send now: a driver calls this before a turn whose forward (the first chunk of their
+    /// prefill, other sessions' work) would hold them back, so that an edge's connect timeout
+    /// never counts a forward. A turn sends those left, first.
+    pub fn admissions(&mut self) -> Vec<Outgoing<H>> {
+        let mut out = Vec::new();
+        let sessions = &self.sessions;
+        self.held.retain(|e| match e {
+            Event::Admitted { session } => {
+                if let Some(s) = sessions.get(session) {
+                    out.push(Outgoing {
+                        session: *session,
+                        to: s.handle.clone(),
+                        msg: ToEdge::Admitted {
+                            cached: s.counts.cached,
+                        },
+                    });
+                }
+                false
+            }
+            _ => true,
+        });
+        out
+    }
+
     /// Turn an event into its edge's message as of the turn's end: grants, the session's pace
     /// and the α the grant plans with, and the observations of its timing.
     fn stamp(&mut self, e: Event, turn: &mut Turn<H>) {
@@ -329,6 +362,9 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
         };
         let obs = &mut turn.observations;
         let msg = match e {
+            Event::Admitted { .. } => ToEdge::Admitted {
+                cached: s.counts.cached,
+            },
             Event::Opened { first, .. } => {
                 let grant = self.control.on_opened(&mut s.ctl);
                 s.counts.first_token_us = Some(at);

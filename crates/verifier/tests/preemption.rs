@@ -165,6 +165,7 @@ fn preempted_speculation_sessions_resume_identically() {
                     );
                     Ok(Vec::new())
                 }
+                ToEdge::Admitted { .. } => Ok(Vec::new()),
                 ToEdge::Verdict(verdict) => {
                     verdicts += 1;
                     edges[i].as_mut().unwrap().on_verdict(verdict)

@@ -232,6 +232,7 @@ fn a_session_rolled_back_after_a_shared_prefix_leaves_the_other_holders_output_u
                     edges.insert(i, p.0);
                     Ok(Vec::new())
                 }
+                ToEdge::Admitted { .. } => Ok(Vec::new()),
                 ToEdge::Verdict(v) => edges.get_mut(&i).unwrap().on_verdict(v),
                 ToEdge::Decoded(dec) => edges.get_mut(&i).unwrap().on_decoded(dec),
                 other => panic!("unexpected {other:?}"),

@@ -70,7 +70,8 @@ fn a_speculation_session_counts_each_token_once() {
     let mut t1 = t + 1000;
     let opened = v.turn(t1);
     t = t1;
-    assert!(matches!(opened.out[0].msg, ToEdge::Opened { .. }));
+    assert!(matches!(opened.out[0].msg, ToEdge::Admitted { .. }));
+    assert!(matches!(opened.out[1].msg, ToEdge::Opened { .. }));
     // Four right drafts (the bonus follows), then one right and one wrong (the correction).
     let p = PROMPT.len();
     v.receive(

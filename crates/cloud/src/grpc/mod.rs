@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use tandem_proto::v1::verifier_server::{Verifier as VerifierRpc, VerifierServer};
 use tandem_proto::v1::{
-    cloud_message, edge_message, Cancelled, CloudMessage, EdgeMessage, GenerateRequest,
+    cloud_message, edge_message, Admitted, Cancelled, CloudMessage, EdgeMessage, GenerateRequest,
     GenerateResponse, InfoRequest, InfoResponse, Load, ModelInfo, Opened, SessionRef, SessionState,
 };
 use tandem_proto::PROTOCOL_VERSION;
@@ -309,7 +309,17 @@ impl VerifierRpc for Service {
         let reply: Reply = Arc::new(move |msg: ToEdge| {
             let _held = &held;
             let m = match msg {
-                ToEdge::Opened { first, grant, .. } => Ok(CloudMessage {
+                ToEdge::Admitted { cached } => Ok(CloudMessage {
+                    kind: Some(cloud_message::Kind::Admitted(Admitted {
+                        session_id: session.0,
+                        cached_tokens: cached as u64,
+                    })),
+                }),
+                ToEdge::Opened {
+                    first,
+                    grant,
+                    cached,
+                } => Ok(CloudMessage {
                     kind: Some(cloud_message::Kind::Opened(Opened {
                         session_id: session.0,
                         model: None,
@@ -317,6 +327,7 @@ impl VerifierRpc for Service {
                         depth: grant.depth,
                         first_token: first,
                         side_nodes,
+                        cached_tokens: cached as u64,
                     })),
                 }),
                 ToEdge::Verdict(v) => Ok(CloudMessage {

@@ -32,7 +32,7 @@ use tandem_engine::{Engine, Tokenizer};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::grpc::{GrpcLink, OpenRequest};
-use crate::SpecConfig;
+use crate::{EdgeError, SpecConfig};
 use api::{ApiError, Kind, Request, Served};
 use metrics::EdgeMetrics;
 use sessions::{Event, Finished, Job, Linked, Msg, Sessions};
@@ -311,8 +311,7 @@ async fn complete(
             let _ = link_tx.send(Linked::Failed);
             let _ = s.tx.send(Msg::Wake);
             return error(unavailable(format!(
-                "no verifier is reachable ({why}); start the server with --fallback local to \
-                 answer with the draft alone"
+                "{why}; start the server with --fallback local to answer with the draft alone"
             )));
         }
     }
@@ -399,23 +398,64 @@ async fn connect(
     let waker: crate::grpc::Waker = Arc::new(move || {
         let _ = tx.send(Msg::Wake);
     });
-    let mut why = Vec::new();
-    for url in &s.cfg.clouds {
-        let opened = tokio::time::timeout(
-            s.cfg.connect_timeout,
-            GrpcLink::open_async(s.rt.clone(), url, open.clone(), Some(waker.clone())),
-        )
-        .await;
-        match opened {
-            Ok(Ok(l)) => return Ok(l),
-            Ok(Err(e)) => why.push(format!("{url}: {e}")),
-            Err(_) => why.push(format!(
-                "{url}: no answer within {} ms",
-                s.cfg.connect_timeout.as_millis()
-            )),
+    // Admitted by the first verifier that answers; while none is reachable, tried again within
+    // the reconnect window, as a session whose connection was lost (with the draft to fall back
+    // on, at once). Only the admission is bounded by the connect timeout: the prefill of a long
+    // prompt (a conversation's history) is not unreachability.
+    let window = if s.cfg.fallback_local {
+        0
+    } else {
+        s.cfg.reconnect_window.as_millis() as u64
+    };
+    let timeout = s.cfg.connect_timeout;
+    let admission = crate::grpc::within_window(window, || async {
+        let mut why = Vec::new();
+        let mut retry = true;
+        let mut busy = None;
+        for url in &s.cfg.clouds {
+            let admitted = tokio::time::timeout(
+                timeout,
+                GrpcLink::admit_async(s.rt.clone(), url, open.clone(), Some(waker.clone())),
+            )
+            .await;
+            match admitted {
+                Ok(Ok(a)) => return Ok((url.clone(), a)),
+                Ok(Err(e)) => {
+                    match &e {
+                        EdgeError::Unreachable(_) | EdgeError::LinkClosed => {}
+                        EdgeError::Busy { retry_after_ms, .. } => {
+                            busy =
+                                Some(busy.map_or(*retry_after_ms, |b: u64| b.min(*retry_after_ms)));
+                        }
+                        _ => retry = false,
+                    }
+                    why.push(format!("{url}: {e}"));
+                }
+                Err(_) => why.push(format!(
+                    "{url}: not admitted within {} ms",
+                    timeout.as_millis()
+                )),
+            }
         }
-    }
-    Err(why.join("; "))
+        let message = why.join("; ");
+        Err(match (retry, busy) {
+            (false, _) => EdgeError::Refused(message),
+            (true, Some(retry_after_ms)) => EdgeError::Busy {
+                message,
+                retry_after_ms,
+            },
+            (true, None) => EdgeError::Unreachable(message),
+        })
+    })
+    .await;
+    let (url, admission) = admission.map_err(|e| match e {
+        EdgeError::Refused(m) => format!("the verifiers refused the session ({m})"),
+        e => e.to_string(),
+    })?;
+    admission
+        .opened()
+        .await
+        .map_err(|e| format!("{url} admitted the session but did not open it ({e})"))
 }
 
 /// What every response and chunk of one request shares.

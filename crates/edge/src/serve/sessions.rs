@@ -312,8 +312,9 @@ struct Active {
     seq: DraftSeq,
     phase: Phase,
     out: Out,
-    /// The draft has the prompt in its KV.
+    /// The draft has the prompt in its KV; before, the prompt tokens it has.
     prefilled: bool,
+    prefill_at: usize,
     queued_s: f64,
     reconnects: usize,
     /// What the spec sessions did before the last reconnect that fell back (their stats).
@@ -321,9 +322,14 @@ struct Active {
     _permit: OwnedSemaphorePermit,
 }
 
+/// Prompt tokens one round's forward prefills for a session at most: a long prompt takes several
+/// rounds, so that it never stalls the other sessions' drafting for its whole length.
+pub const PREFILL_CHUNK: usize = 64;
+
 /// The step a session takes in this round's forward.
 enum RoundWork {
-    Prefill,
+    /// Prefill the prompt up to this token.
+    Prefill(usize),
     /// The frontier the session's driver asked to grow (from this round's poll).
     Draft(tandem_spec::Frontier),
     Local,
@@ -420,6 +426,7 @@ impl Sessions {
             seq,
             phase: Phase::Connecting(link),
             prefilled: false,
+            prefill_at: 0,
             queued_s,
             reconnects: 0,
             report: None,
@@ -471,7 +478,9 @@ impl Sessions {
             return Err(End::Done);
         }
         match &mut a.phase {
-            Phase::Connecting(_) => Ok((!a.prefilled).then_some(RoundWork::Prefill)),
+            Phase::Connecting(_) => Ok((!a.prefilled).then(|| {
+                RoundWork::Prefill((a.prefill_at + PREFILL_CHUNK).min(a.req.prompt_ids.len()))
+            })),
             Phase::Spec(d) => {
                 let out = &mut a.out;
                 match d.poll(false, &mut |u| out.on_update(u)) {
@@ -564,8 +573,9 @@ impl Sessions {
         for (i, p) in plans {
             let a = &mut actives[i];
             let planned = match (&p, &a.phase) {
-                (RoundWork::Prefill, _) => {
-                    a.seq.grow_step(engine, &a.req.prompt_ids, &[Vec::new()])
+                (RoundWork::Prefill(end), _) => {
+                    a.seq
+                        .grow_step(engine, &a.req.prompt_ids[..*end], &[Vec::new()])
                 }
                 (RoundWork::Draft(f), Phase::Spec(d)) => a.seq.grow_step(
                     engine,
@@ -614,8 +624,9 @@ impl Sessions {
                 }
             };
             let r = match (&p, &mut a.phase) {
-                (RoundWork::Prefill, _) => {
-                    a.prefilled = true;
+                (RoundWork::Prefill(end), _) => {
+                    a.prefill_at = *end;
+                    a.prefilled = *end == a.req.prompt_ids.len();
                     Ok(())
                 }
                 (RoundWork::Draft(_), Phase::Spec(d)) => {

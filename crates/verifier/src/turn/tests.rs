@@ -184,7 +184,8 @@ fn a_verifier_that_awaits_drafts_verifies_the_blocks_and_decodes_alone_only_afte
         let mut v: VerifierCore<Flat, u64> = VerifierCore::new(FLAT, cfg, 0).unwrap();
         v.receive(0, open(1, SPEC));
         let t = v.turn(0);
-        assert!(matches!(t.out[0].msg, ToEdge::Opened { first: 4, .. }));
+        assert!(matches!(t.out[0].msg, ToEdge::Admitted { cached: 0 }));
+        assert!(matches!(t.out[1].msg, ToEdge::Opened { first: 4, .. }));
         let mut decoded = 0;
         for now in 1..6 {
             let t = v.turn(now * 1000);
@@ -284,9 +285,10 @@ fn blocks_sent_behind_the_open_wait_for_the_prefill_and_the_first_forward_verifi
     v.receive(0, block(1, 2, vec![3]));
     v.receive(0, block(2, 7, vec![8, 9, 10, 11]));
     let t = v.turn(0);
-    assert!(matches!(t.out[0].msg, ToEdge::Opened { first: 4, .. }));
+    assert!(matches!(t.out[0].msg, ToEdge::Admitted { .. }));
+    assert!(matches!(t.out[1].msg, ToEdge::Opened { first: 4, .. }));
     assert!(
-        matches!(&t.out[1].msg, ToEdge::Error { error, .. } if error.to_string().contains("inside the prompt")),
+        matches!(&t.out[2].msg, ToEdge::Error { error, .. } if error.to_string().contains("inside the prompt")),
         "{:?}",
         t.out
     );
@@ -343,12 +345,17 @@ fn a_turn_answers_in_order_stamps_its_end_and_closes_what_ended() {
         ),
         "{msgs:?}"
     );
+    // Admitted before its prefill, then opened by it (one turn here: a short prompt).
     assert!(
-        matches!(msgs[1], (SessionId(1), ToEdge::Opened { grant, .. }) if *grant == (4, 2)),
+        matches!(msgs[1], (SessionId(1), ToEdge::Admitted { cached: 0 })),
         "{msgs:?}"
     );
     assert!(
-        matches!(msgs[2], (SessionId(2), ToEdge::Token { done: false, .. })),
+        matches!(msgs[2], (SessionId(1), ToEdge::Opened { grant, .. }) if *grant == (4, 2)),
+        "{msgs:?}"
+    );
+    assert!(
+        matches!(msgs[3], (SessionId(2), ToEdge::Token { done: false, .. })),
         "{msgs:?}"
     );
     // Both first tokens came 1 ms after their sessions opened (at 0): the turn's end.
@@ -408,7 +415,8 @@ fn cancel_drain_and_shut_down_free_their_sessions_and_say_why() {
     v.receive(0, open(2, Mode::Generate));
     v.receive(0, open(3, SPEC));
     let t = v.turn(0);
-    assert_eq!(t.out.len(), 3);
+    // Two speculation sessions admitted and opened, a generation's first token.
+    assert_eq!(t.out.len(), 5);
     let free = v.scheduler().pool().num_free();
     // Another tenant's cancel finds nothing and changes nothing; the owner's ends it, frees
     // its KV and tells its edge with the next turn.
@@ -541,4 +549,30 @@ fn a_speculation_session_whose_edge_goes_quiet_is_closed_at_its_idle_timeout() {
     assert_eq!(quiet.len(), 1);
     assert_eq!(quiet[0].finish, crate::Finish::Abort);
     assert!(v.session(SessionId(1)).is_none());
+}
+
+#[test]
+fn an_admission_goes_out_before_the_forward_that_prefills_the_prompt() {
+    let mut v = core();
+    v.receive(0, open(1, SPEC));
+    v.receive(0, open(2, Mode::Generate));
+    // Only the speculation session has an admission to hear of; a driver sends it before the
+    // turn, whose forward is the prefill.
+    let a = v.admissions();
+    assert_eq!(a.len(), 1);
+    assert!(matches!(
+        (a[0].session, &a[0].msg),
+        (SessionId(1), ToEdge::Admitted { cached: 0 })
+    ));
+    assert!(v.admissions().is_empty(), "each once");
+    let t = v.turn(0);
+    assert!(t.forward.is_some());
+    assert!(t
+        .out
+        .iter()
+        .all(|o| !matches!(o.msg, ToEdge::Admitted { .. })));
+    assert!(t
+        .out
+        .iter()
+        .any(|o| o.session == SessionId(1) && matches!(o.msg, ToEdge::Opened { .. })));
 }
