@@ -59,11 +59,24 @@ fn check_whole(r: &Value, want: &Expect, prompt_tokens: usize, tally: &mut Tally
         .unwrap();
     assert_eq!(text, want.text, "the answer is the target's greedy output");
     assert_eq!(choice["finish_reason"], want.finish);
+    let u = &r["usage"];
     assert_eq!(
-        r["usage"],
-        json!({"prompt_tokens": prompt_tokens, "completion_tokens": want.ids.len(),
-               "total_tokens": prompt_tokens + want.ids.len()})
+        [
+            &u["prompt_tokens"],
+            &u["completion_tokens"],
+            &u["total_tokens"]
+        ],
+        [
+            &json!(prompt_tokens),
+            &json!(want.ids.len()),
+            &json!(prompt_tokens + want.ids.len())
+        ]
     );
+    // What the verifier's prefix cache served of the prompt (a prompt asked before: its pages).
+    let cached = u["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached < prompt_tokens as u64, "{u}");
     tally.add(&r["usage"], want.finish, &r["tandem"]);
 }
 

@@ -104,6 +104,103 @@ fn the_unmodified_openai_client_gets_the_targets_answers_in_plaintext_and_over_t
 }
 
 #[test]
+fn a_twelve_turn_conversation_through_the_openai_client_is_the_targets_and_reuses_each_turn() {
+    let (python, _) = test_deps();
+    let (m, tok) = target();
+    let v = verifier(&["--metrics-listen", "127.0.0.1:0"]);
+    let e = edge(&[format!("http://127.0.0.1:{}", v.port)], &[]);
+    let questions = [
+        "What is a bicycle?",
+        "How many wheels does it have?",
+        "What are the pedals for?",
+        "Why do bicycles have gears?",
+        "What is the chain made of?",
+        "How do brakes stop a bicycle?",
+        "What is a tandem bicycle?",
+        "Who rides at the front of one?",
+        "Is it faster than a normal bicycle?",
+        "What should a rider wear?",
+        "How often should tyres be pumped?",
+        "Summarise our conversation in one sentence.",
+    ];
+    let n = 24;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/clients/chat_client.py");
+    let stdout = stdout_of(
+        "the openai client's conversation",
+        std::process::Command::new(&python)
+            .args([script, &format!("http://127.0.0.1:{}/v1", e.port), MODEL])
+            .arg(n.to_string())
+            .args(questions),
+    );
+    let r: Value = serde_json::from_slice(&stdout).unwrap();
+    let turns = r["turns"].as_array().unwrap();
+    assert_eq!(turns.len(), questions.len());
+    // Each turn's answer is the target's greedy continuation of the whole history, computed here
+    // without a cache; and each turn starts from the pages of the one before.
+    let mut history = vec![tandem_engine::tokenizer::ChatMessage {
+        role: "system".into(),
+        content: r["system"].as_str().unwrap().into(),
+    }];
+    let mut last_prompt = 0;
+    for (k, (t, q)) in turns.iter().zip(questions).enumerate() {
+        history.push(tandem_engine::tokenizer::ChatMessage {
+            role: "user".into(),
+            content: q.into(),
+        });
+        let ids = tok.encode(&tok.render_chat(&history).unwrap()).unwrap();
+        let want = greedy_with(m, &ids, n);
+        assert_eq!(t["text"], want.text.as_str(), "turn {k}: {r}");
+        assert_eq!(t["finish_reason"], want.finish, "turn {k}");
+        assert_eq!(t["prompt_tokens"], ids.len(), "turn {k}");
+        let cached = t["cached_tokens"].as_u64().unwrap() as usize;
+        assert!(
+            cached < ids.len(),
+            "turn {k}: the last prompt token is computed"
+        );
+        if k > 0 {
+            // The last turn's prompt (its full pages of 16), and more: its answer's pages.
+            assert!(
+                cached + 16 > last_prompt,
+                "turn {k}: {cached} of {} prompt tokens cached, the last turn's prompt was {last_prompt}",
+                ids.len()
+            );
+        }
+        eprintln!(
+            "turn {k}: {} prompt tokens, {cached} cached, answered in {:.2} s",
+            ids.len(),
+            t["seconds"].as_f64().unwrap()
+        );
+        last_prompt = ids.len();
+        history.push(tandem_engine::tokenizer::ChatMessage {
+            role: "assistant".into(),
+            content: want.text.clone(),
+        });
+    }
+    // Both sides count what the cache served.
+    let cached: u64 = turns
+        .iter()
+        .map(|t| t["cached_tokens"].as_u64().unwrap())
+        .sum();
+    let prompts: u64 = turns
+        .iter()
+        .map(|t| t["prompt_tokens"].as_u64().unwrap())
+        .sum();
+    let counted = |port: u16| {
+        let m = get(port, "/metrics").1;
+        (
+            sample(&m, "tandem:prefix_cache_hits_total") as u64,
+            sample(&m, "tandem:prefix_cache_queries_total") as u64,
+        )
+    };
+    assert_eq!(counted(e.port), (cached, prompts));
+    // The verifier counts a session when it closes, just after its answer.
+    let cloud = v.also_port.unwrap();
+    wait_until("the verifier counts every turn", || {
+        counted(cloud) == (cached, prompts)
+    });
+}
+
+#[test]
 fn the_live_view_in_a_real_browser_shows_the_targets_answer() {
     let (_, node_path) = test_deps();
     // Every block judged, so that tentative drafts show however slow the draft.

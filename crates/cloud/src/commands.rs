@@ -83,14 +83,15 @@ pub fn cmd_usage(home: &std::path::Path, a: UsageArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&rows)?);
         return Ok(());
     }
-    println!("| tenant | sessions | prompt tokens | committed tokens | accepted draft tokens | verifier's tokens | of them decoded | verified positions |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| tenant | sessions | prompt tokens | of them cached | committed tokens | accepted draft tokens | verifier's tokens | of them decoded | verified positions |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             r.tenant,
             r.sessions,
             r.prompt_tokens,
+            r.cached_prompt_tokens,
             r.committed_tokens,
             r.accepted_draft_tokens,
             r.cloud_tokens,

@@ -1,5 +1,5 @@
 //! The usage ledger: one row per ended session — its tenant, when it opened and closed, and its
-//! counts (prompt tokens, committed tokens, verified positions, accepted draft tokens, the
+//! counts (prompt tokens and, of them, those the prefix cache served, committed tokens, verified positions, accepted draft tokens, the
 //! verifier's own tokens and, of them, decoded ones, the reason it ended) — in SQLite (embedded,
 //! bundled). Counts, never content: no token, no text.
 //!
@@ -34,6 +34,8 @@ pub struct Row {
     pub opened_ms: i64,
     pub closed_ms: i64,
     pub prompt_tokens: u64,
+    /// Of its prompt tokens, those the prefix cache served (not computed).
+    pub cached_prompt_tokens: u64,
     pub committed_tokens: u64,
     pub verified_positions: u64,
     pub accepted_draft_tokens: u64,
@@ -56,6 +58,7 @@ impl Row {
             opened_ms: ms(u.opened_us),
             closed_ms: ms(u.closed_us),
             prompt_tokens: u.prompt_tokens as u64,
+            cached_prompt_tokens: u.cached_tokens as u64,
             committed_tokens: u.committed_tokens as u64,
             verified_positions: u.verified_positions,
             accepted_draft_tokens: u.accepted_draft_tokens as u64,
@@ -73,6 +76,7 @@ impl Row {
         self.opened_ms = self.opened_ms.min(r.opened_ms);
         self.closed_ms = self.closed_ms.max(r.closed_ms);
         self.prompt_tokens += r.prompt_tokens;
+        self.cached_prompt_tokens += r.cached_prompt_tokens;
         self.committed_tokens += r.committed_tokens;
         self.verified_positions += r.verified_positions;
         self.accepted_draft_tokens += r.accepted_draft_tokens;
@@ -109,10 +113,15 @@ CREATE TABLE IF NOT EXISTS sessions (
     accepted_draft_tokens INTEGER NOT NULL,
     cloud_tokens INTEGER NOT NULL,
     decoded_tokens INTEGER NOT NULL,
-    finish_reason TEXT NOT NULL
+    finish_reason TEXT NOT NULL,
+    cached_prompt_tokens INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS sessions_by_tenant ON sessions (tenant, closed_ms);
 ";
+
+/// Columns added since the first schema, each with its default for the rows written before it:
+/// a ledger from an older verifier gains them when opened, its rows kept.
+const ADDED_COLUMNS: [(&str, &str); 1] = [("cached_prompt_tokens", "INTEGER NOT NULL DEFAULT 0")];
 
 /// Open (creating it if need be) the ledger at `path`.
 pub fn open(path: &Path) -> Result<Connection, LedgerError> {
@@ -128,6 +137,16 @@ pub fn open(path: &Path) -> Result<Connection, LedgerError> {
     c.pragma_update(None, "synchronous", "NORMAL")
         .map_err(err)?;
     c.execute_batch(SCHEMA).map_err(err)?;
+    let have: Vec<String> = c
+        .prepare("SELECT name FROM pragma_table_info('sessions')")
+        .and_then(|mut q| q.query_map([], |r| r.get(0))?.collect())
+        .map_err(err)?;
+    for (name, kind) in ADDED_COLUMNS {
+        if !have.iter().any(|h| h == name) {
+            c.execute_batch(&format!("ALTER TABLE sessions ADD COLUMN {name} {kind}"))
+                .map_err(err)?;
+        }
+    }
     Ok(c)
 }
 
@@ -138,8 +157,8 @@ pub fn write(c: &mut Connection, rows: &[Row]) -> Result<(), LedgerError> {
         let mut ins = tx.prepare_cached(
             "INSERT INTO sessions (tenant, session, sessions, speculative, opened_ms, closed_ms,
              prompt_tokens, committed_tokens, verified_positions, accepted_draft_tokens,
-             cloud_tokens, decoded_tokens, finish_reason)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+             cloud_tokens, decoded_tokens, finish_reason, cached_prompt_tokens)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
         )?;
         for r in rows {
             ins.execute(params![
@@ -156,6 +175,7 @@ pub fn write(c: &mut Connection, rows: &[Row]) -> Result<(), LedgerError> {
                 r.cloud_tokens as i64,
                 r.decoded_tokens as i64,
                 r.finish_reason,
+                r.cached_prompt_tokens as i64,
             ])?;
         }
     }
@@ -169,6 +189,7 @@ pub struct Totals {
     pub tenant: String,
     pub sessions: u64,
     pub prompt_tokens: u64,
+    pub cached_prompt_tokens: u64,
     pub committed_tokens: u64,
     pub verified_positions: u64,
     pub accepted_draft_tokens: u64,
@@ -186,7 +207,7 @@ pub fn totals(
     let mut q = c.prepare(
         "SELECT tenant, SUM(sessions), SUM(prompt_tokens), SUM(committed_tokens),
          SUM(verified_positions), SUM(accepted_draft_tokens), SUM(cloud_tokens),
-         SUM(decoded_tokens)
+         SUM(decoded_tokens), SUM(cached_prompt_tokens)
          FROM sessions WHERE closed_ms >= ?1 AND (?2 IS NULL OR tenant = ?2)
          GROUP BY tenant ORDER BY tenant",
     )?;
@@ -201,6 +222,7 @@ pub fn totals(
             accepted_draft_tokens: n(5)?,
             cloud_tokens: n(6)?,
             decoded_tokens: n(7)?,
+            cached_prompt_tokens: n(8)?,
         })
     })?;
     Ok(rows.collect::<Result<_, _>>()?)
@@ -354,6 +376,7 @@ mod tests {
             opened_ms: 1_000 + session as i64,
             closed_ms: 2_000 + session as i64,
             prompt_tokens: 10,
+            cached_prompt_tokens: 4,
             committed_tokens: committed,
             verified_positions: 7,
             accepted_draft_tokens: committed / 2,
@@ -399,6 +422,46 @@ mod tests {
         }
         let c = open(&p).unwrap();
         assert_eq!(totals(&c, Some("b"), 0).unwrap()[0].committed_tokens, 11);
+        assert_eq!(totals(&c, Some("a"), 0).unwrap()[0].cached_prompt_tokens, 8);
+        let _ = std::fs::remove_file(&p);
+    }
+
+    #[test]
+    fn a_ledger_of_an_older_verifier_gains_the_cached_column_and_keeps_its_rows() {
+        let p = temp("older");
+        {
+            // The schema before the prefix cache, with one row.
+            let c = Connection::open(&p).unwrap();
+            c.execute_batch(
+                &SCHEMA.replace(",\n    cached_prompt_tokens INTEGER NOT NULL DEFAULT 0", ""),
+            )
+            .unwrap();
+            c.execute_batch(
+                "INSERT INTO sessions (tenant, session, sessions, speculative, opened_ms,
+                 closed_ms, prompt_tokens, committed_tokens, verified_positions,
+                 accepted_draft_tokens, cloud_tokens, decoded_tokens, finish_reason)
+                 VALUES ('a', 1, 1, 1, 0, 1, 10, 5, 5, 3, 2, 0, 'stop')",
+            )
+            .unwrap();
+            let cols: i64 = c
+                .query_row(
+                    "SELECT COUNT(*) FROM pragma_table_info('sessions')",
+                    [],
+                    |r| r.get(0),
+                )
+                .unwrap();
+            assert_eq!(cols, 14, "the old schema has no cached column");
+        }
+        {
+            let mut l = Ledger::start(&p).unwrap();
+            l.record(row("a", 2, 20));
+        }
+        let c = open(&p).unwrap();
+        let t = &totals(&c, Some("a"), 0).unwrap()[0];
+        assert_eq!(
+            (t.sessions, t.prompt_tokens, t.cached_prompt_tokens),
+            (2, 20, 4)
+        );
         let _ = std::fs::remove_file(&p);
     }
 
@@ -423,6 +486,7 @@ mod tests {
         assert_eq!(sum(|t| t.sessions), 50);
         assert_eq!(sum(|t| t.committed_tokens), 100);
         assert_eq!(sum(|t| t.prompt_tokens), 500);
+        assert_eq!(sum(|t| t.cached_prompt_tokens), 200);
         let rows: i64 = c
             .query_row("SELECT COUNT(*) FROM sessions", [], |r| r.get(0))
             .unwrap();

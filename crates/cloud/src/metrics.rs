@@ -4,6 +4,7 @@
 //! `request_time_per_output_token_seconds`, `e2e_request_latency_seconds`,
 //! `request_queue_time_seconds`, `num_requests_running`, `num_requests_waiting`,
 //! `kv_cache_usage_perc`, `num_preemptions_total`, `prompt_tokens_total`,
+//! `prefix_cache_queries_total`, `prefix_cache_hits_total` (tokens),
 //! `generation_tokens_total`, `request_success_total{finished_reason}`, `iteration_tokens_total`,
 //! and speculative decoding's `spec_decode_num_drafts_total`, `spec_decode_num_draft_tokens_total`,
 //! `spec_decode_num_accepted_tokens_total`, `spec_decode_num_accepted_tokens_per_pos_total`.
@@ -43,6 +44,10 @@ pub struct Metrics {
     pub tokens_per_forward: Histogram,
     pub forward_time: Histogram,
     pub prompt_tokens: IntCounter,
+    /// Prompt tokens looked up in the prefix cache, and those it served (vLLM's
+    /// `prefix_cache_queries` and `prefix_cache_hits`, in tokens).
+    pub prefix_queries: IntCounter,
+    pub prefix_hits: IntCounter,
     pub generation_tokens: IntCounter,
     pub cloud_tokens: IntCounter,
     pub cloud_decoded: IntCounter,
@@ -203,6 +208,16 @@ impl Default for Metrics {
                 "Prompt tokens of the requests that ended.",
             )
             .expect("valid"),
+            prefix_queries: IntCounter::new(
+                "tandem:prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache (of the requests that ended).",
+            )
+            .expect("valid"),
+            prefix_hits: IntCounter::new(
+                "tandem:prefix_cache_hits_total",
+                "Prompt tokens the prefix cache served: their KV was not computed again.",
+            )
+            .expect("valid"),
             generation_tokens: IntCounter::new(
                 "tandem:generation_tokens_total",
                 "Tokens the requests that ended committed (accepted draft tokens and the verifier's own).",
@@ -269,6 +284,8 @@ impl Default for Metrics {
             Box::new(m.e2e.clone()),
             Box::new(m.request_queue.clone()),
             Box::new(m.prompt_tokens.clone()),
+            Box::new(m.prefix_queries.clone()),
+            Box::new(m.prefix_hits.clone()),
             Box::new(m.generation_tokens.clone()),
             Box::new(m.cloud_tokens.clone()),
             Box::new(m.cloud_decoded.clone()),
@@ -380,6 +397,8 @@ impl Metrics {
     fn requests(&self, u: &tandem_verifier::Usage) {
         let s = |us: u64| us as f64 / 1e6;
         self.prompt_tokens.inc_by(u.prompt_tokens as u64);
+        self.prefix_queries.inc_by(u.prompt_tokens as u64);
+        self.prefix_hits.inc_by(u.cached_tokens as u64);
         self.generation_tokens.inc_by(u.committed_tokens as u64);
         self.cloud_tokens.inc_by(u.cloud_tokens as u64);
         self.cloud_decoded.inc_by(u.decoded_tokens as u64);

@@ -414,11 +414,13 @@ pub struct Stats {
     pub reconnects: usize,
 }
 
-/// The usage object of a response.
-pub fn usage(prompt: usize, completion: usize) -> Value {
+/// The usage object of a response: OpenAI's, with `prompt_tokens_details.cached_tokens`, the
+/// prompt tokens the verifier's prefix cache served.
+pub fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
     json!({
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     })
 }

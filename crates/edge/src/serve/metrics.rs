@@ -3,7 +3,9 @@
 //! label tells the two apart): time to first token, inter-token latency, time per output token
 //! and end-to-end latency as the API's clients see them (from the HTTP request), the queue time
 //! for room in the draft's KV cache, requests running and waiting, the draft's KV usage, prompt
-//! and generation tokens, `request_success_total{finished_reason}` (stop, length, abort: the
+//! and generation tokens, `prefix_cache_queries_total` and `prefix_cache_hits_total` (prompt
+//! tokens, and those the verifier's prefix cache served, as its `Opened` said),
+//! `request_success_total{finished_reason}` (stop, length, abort: the
 //! client went away, error), the tokens of each draft forward (`iteration_tokens_total`) and
 //! speculation's counters (`spec_decode_num_drafts_total`: blocks the verifier judged,
 //! `…_num_draft_tokens_total`: tokens the draft proposed, `…_num_accepted_tokens_total` and
@@ -30,6 +32,8 @@ pub struct EdgeMetrics {
     queue: Histogram,
     pub iteration_tokens: Histogram,
     prompt_tokens: IntCounter,
+    prefix_queries: IntCounter,
+    prefix_hits: IntCounter,
     generation_tokens: IntCounter,
     success: IntCounterVec,
     running: IntGauge,
@@ -95,6 +99,14 @@ impl Default for EdgeMetrics {
                 &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0],
             ),
             prompt_tokens: counter("tandem:prompt_tokens_total", "Prompt tokens of the requests that ended."),
+            prefix_queries: counter(
+                "tandem:prefix_cache_queries_total",
+                "Prompt tokens of the requests that ended whose session reached a verifier.",
+            ),
+            prefix_hits: counter(
+                "tandem:prefix_cache_hits_total",
+                "Of those, the ones the verifier's prefix cache served (its Opened said).",
+            ),
             generation_tokens: counter(
                 "tandem:generation_tokens_total",
                 "Completion tokens of the requests that ended (verified, and unverified ones after a fallback).",
@@ -173,6 +185,8 @@ impl Default for EdgeMetrics {
             Box::new(m.queue.clone()),
             Box::new(m.iteration_tokens.clone()),
             Box::new(m.prompt_tokens.clone()),
+            Box::new(m.prefix_queries.clone()),
+            Box::new(m.prefix_hits.clone()),
             Box::new(m.generation_tokens.clone()),
             Box::new(m.success.clone()),
             Box::new(m.running.clone()),
@@ -220,6 +234,10 @@ impl EdgeMetrics {
         self.finished(f.finish_reason);
         self.queue.observe(queued_s);
         self.prompt_tokens.inc_by(f.prompt_tokens as u64);
+        if report.is_some() {
+            self.prefix_queries.inc_by(f.prompt_tokens as u64);
+            self.prefix_hits.inc_by(f.cached_tokens as u64);
+        }
         self.generation_tokens.inc_by(f.completion_tokens as u64);
         self.unverified.inc_by(f.unverified_tokens as u64);
         self.e2e.observe(f.e2e_ms / 1e3);

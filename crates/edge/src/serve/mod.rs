@@ -510,7 +510,7 @@ impl Envelope {
             "created": self.created,
             "model": self.model,
             "choices": [choice],
-            "usage": api::usage(f.prompt_tokens, f.completion_tokens),
+            "usage": api::usage(f.prompt_tokens, f.completion_tokens, f.cached_tokens),
             "tandem": ext,
         })
     }
@@ -578,7 +578,7 @@ impl Envelope {
                 if include_usage {
                     let mut u = self.chunk(None, None, false);
                     u["choices"] = json!([]);
-                    u["usage"] = api::usage(f.prompt_tokens, f.completion_tokens);
+                    u["usage"] = api::usage(f.prompt_tokens, f.completion_tokens, f.cached_tokens);
                     out.push(data(u));
                 }
                 out

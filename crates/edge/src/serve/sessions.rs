@@ -98,6 +98,8 @@ pub struct Finished {
     /// OpenAI's: `stop` (end of generation or a stop sequence) or `length`.
     pub finish_reason: &'static str,
     pub prompt_tokens: usize,
+    /// Of them, those the verifier's prefix cache served (its first `Opened` said).
+    pub cached_tokens: usize,
     pub completion_tokens: usize,
     pub stats: Stats,
     /// Completion tokens the draft produced alone, unverified (the last ones of the answer).
@@ -312,6 +314,8 @@ struct Active {
     seq: DraftSeq,
     phase: Phase,
     out: Out,
+    /// Prompt tokens the verifier's prefix cache served.
+    cached_tokens: usize,
     /// The draft has the prompt in its KV; before, the prompt tokens it has.
     prefilled: bool,
     prefill_at: usize,
@@ -427,6 +431,7 @@ impl Sessions {
             phase: Phase::Connecting(link),
             prefilled: false,
             prefill_at: 0,
+            cached_tokens: 0,
             queued_s,
             reconnects: 0,
             report: None,
@@ -440,6 +445,7 @@ impl Sessions {
         if let Phase::Connecting(rx) = &mut a.phase {
             match rx.try_recv() {
                 Ok(Linked::Open(link, opened)) => {
+                    a.cached_tokens = opened.cached_tokens as usize;
                     let out = &mut a.out;
                     let d = Driver::new(
                         &a.req.prompt_ids,
@@ -720,6 +726,7 @@ impl Sessions {
         let f = Finished {
             finish_reason: a.out.finish_reason(),
             prompt_tokens: a.req.prompt_ids.len(),
+            cached_tokens: a.cached_tokens,
             completion_tokens: a.out.ids.len(),
             stats,
             unverified_tokens: a.out.unverified,
