@@ -645,7 +645,8 @@ impl<'a> Remote<'a> {
 }
 
 /// Cloud-only generation (the baseline): the verifier decodes every token itself and streams them.
-/// Calls `on_token` with each token as it arrives.
+/// Calls `on_token` with each token as it arrives; returns the prompt tokens the verifier's prefix
+/// cache served.
 pub fn generate_remote(
     rt: &Runtime,
     remote: Remote<'_>,
@@ -654,7 +655,7 @@ pub fn generate_remote(
     params: SamplingParams,
     max_tokens: u32,
     mut on_token: impl FnMut(u32),
-) -> Result<(), EdgeError> {
+) -> Result<u64, EdgeError> {
     let Remote {
         url,
         api_key,
@@ -673,7 +674,9 @@ pub fn generate_remote(
             .await
             .map_err(|e| plaintext_hint(url, status(e)))?
             .into_inner();
+        let mut cached = 0;
         while let Some(r) = stream.message().await.map_err(status)? {
+            cached = cached.max(r.cached_tokens);
             for t in r.tokens {
                 on_token(t);
             }
@@ -681,7 +684,7 @@ pub fn generate_remote(
                 break;
             }
         }
-        Ok(())
+        Ok(cached)
     })
 }
 

@@ -13,7 +13,7 @@ use crate::VerifierError;
 /// edge's message by the turn that sends it.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Event {
-    /// A speculation session was admitted (its prefill is to come).
+    /// A session was admitted (its prefill is to come).
     Admitted { session: SessionId },
     /// A speculation session's prompt is prefilled; `first` is the target's first token.
     Opened { session: SessionId, first: u32 },

@@ -60,8 +60,9 @@ pub enum Inbound<H> {
 /// A message to an edge.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ToEdge {
-    /// A speculation session is admitted: its prompt is to be prefilled, `cached` of its tokens
-    /// from the prefix cache. `Opened` follows once the prefill is done.
+    /// A session is admitted: its prompt is to be prefilled, `cached` of its tokens from the
+    /// prefix cache. `Opened` (a speculation session) or its first token (a generation) follows
+    /// once the prefill is done.
     Admitted {
         cached: usize,
     },
@@ -169,7 +170,6 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 new,
                 handle,
             } => {
-                let spec = matches!(new.mode, Mode::Speculate { .. });
                 let (work, want) = match new.mode {
                     Mode::Speculate { rule, want } => (
                         Self::spec_work(rule, new.prompt.len(), new.max_tokens, new.eog),
@@ -189,8 +189,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 );
                 match r {
                     Err(e) => self.dismissed.push((session, handle, e)),
-                    Ok(()) if spec => self.held.push(Event::Admitted { session }),
-                    Ok(()) => {}
+                    Ok(()) => self.held.push(Event::Admitted { session }),
                 }
             }
             Inbound::Draft { session, block } => {
@@ -327,7 +326,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
         turn
     }
 
-    /// The admissions of the speculation sessions opened since the last turn (`Admitted`), to
+    /// The admissions of the sessions opened since the last turn (`Admitted`), to
     /// send now: a driver calls this before a turn whose forward (the first chunk of their
     /// prefill, other sessions' work) would hold them back, so that an edge's connect timeout
     /// never counts a forward. A turn sends those left, first.

@@ -140,7 +140,10 @@ fn a_failed_generation_ends_with_the_error_and_frees_its_kv() {
     d.open_generation(SessionId(2), &PROMPT, SamplingParams::default(), 10);
     assert!(matches!(
         d.turn().as_slice(),
-        [(_, ToEdge::Token { done: false, .. })]
+        [
+            (_, ToEdge::Admitted { .. }),
+            (_, ToEdge::Token { done: false, .. })
+        ]
     ));
     fail.set(true);
     let sent = d.turn();

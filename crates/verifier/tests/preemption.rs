@@ -58,6 +58,7 @@ fn generate(d: &mut Driver<Engine>, k: u64, n: usize) -> HashMap<u64, Vec<u32>> 
     for (session, m) in d.run_until_idle() {
         match m {
             ToEdge::Token { token, .. } => out.entry(session.0).or_default().push(token),
+            ToEdge::Admitted { .. } => {}
             other => panic!("unexpected {other:?}"),
         }
     }

@@ -78,6 +78,7 @@ fn generate(
         for o in t.out {
             match o.msg {
                 ToEdge::Token { token, .. } => out.push(token),
+                ToEdge::Admitted { .. } => {}
                 m => panic!("unexpected {m:?}"),
             }
         }

@@ -476,6 +476,12 @@ impl VerifierRpc for Service {
                 ToEdge::Token { token, done } => Ok(GenerateResponse {
                     tokens: vec![token],
                     done,
+                    cached_tokens: 0,
+                }),
+                ToEdge::Admitted { cached } => Ok(GenerateResponse {
+                    tokens: Vec::new(),
+                    done: false,
+                    cached_tokens: cached as u64,
                 }),
                 ToEdge::Error {
                     error,

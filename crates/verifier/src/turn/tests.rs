@@ -351,11 +351,15 @@ fn a_turn_answers_in_order_stamps_its_end_and_closes_what_ended() {
         "{msgs:?}"
     );
     assert!(
-        matches!(msgs[2], (SessionId(1), ToEdge::Opened { grant, .. }) if *grant == (4, 2)),
+        matches!(msgs[2], (SessionId(2), ToEdge::Admitted { cached: 0 })),
         "{msgs:?}"
     );
     assert!(
-        matches!(msgs[3], (SessionId(2), ToEdge::Token { done: false, .. })),
+        matches!(msgs[3], (SessionId(1), ToEdge::Opened { grant, .. }) if *grant == (4, 2)),
+        "{msgs:?}"
+    );
+    assert!(
+        matches!(msgs[4], (SessionId(2), ToEdge::Token { done: false, .. })),
         "{msgs:?}"
     );
     // Both first tokens came 1 ms after their sessions opened (at 0): the turn's end.
@@ -415,8 +419,8 @@ fn cancel_drain_and_shut_down_free_their_sessions_and_say_why() {
     v.receive(0, open(2, Mode::Generate));
     v.receive(0, open(3, SPEC));
     let t = v.turn(0);
-    // Two speculation sessions admitted and opened, a generation's first token.
-    assert_eq!(t.out.len(), 5);
+    // Two speculation sessions admitted and opened, a generation admitted and its first token.
+    assert_eq!(t.out.len(), 6);
     let free = v.scheduler().pool().num_free();
     // Another tenant's cancel finds nothing and changes nothing; the owner's ends it, frees
     // its KV and tells its edge with the next turn.
@@ -556,13 +560,16 @@ fn an_admission_goes_out_before_the_forward_that_prefills_the_prompt() {
     let mut v = core();
     v.receive(0, open(1, SPEC));
     v.receive(0, open(2, Mode::Generate));
-    // Only the speculation session has an admission to hear of; a driver sends it before the
-    // turn, whose forward is the prefill.
+    // Both hear of their admission before the turn, whose forward is their prefill.
     let a = v.admissions();
-    assert_eq!(a.len(), 1);
+    assert_eq!(a.len(), 2);
     assert!(matches!(
         (a[0].session, &a[0].msg),
         (SessionId(1), ToEdge::Admitted { cached: 0 })
+    ));
+    assert!(matches!(
+        (a[1].session, &a[1].msg),
+        (SessionId(2), ToEdge::Admitted { cached: 0 })
     ));
     assert!(v.admissions().is_empty(), "each once");
     let t = v.turn(0);
