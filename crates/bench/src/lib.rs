@@ -14,6 +14,7 @@
 //!   link between network namespaces), [`plots`]; the client's emulated link
 //!   (`tandem_client::netem`) and the edge's synthetic drafts (`tandem_edge::synthetic`).
 
+pub mod chat_bench;
 pub mod cloudproc;
 pub mod commands;
 pub mod engine_bench;

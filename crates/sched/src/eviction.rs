@@ -143,6 +143,35 @@ impl Scheduler {
         Some(victim)
     }
 
+    /// Drop the KV of the youngest session (arrived after `id`) whose prompt, or recompute, is
+    /// only partly computed, of `tenant` only when given, for `id`'s prompt: when every page is
+    /// held by prompts half prefilled, none could finish without this. The oldest prompt always
+    /// can (admission refuses one that could never fit), so every prompt is computed in turn;
+    /// the victim's computed pages stay in the prefix cache while the pool has room.
+    pub(crate) fn preempt_younger_prompt(
+        &mut self,
+        keep: &[SessionId],
+        id: SessionId,
+        tenant: Option<TenantId>,
+    ) -> Option<SessionId> {
+        let (arrival, by) = self.sessions.get(&id).map(|s| (s.arrival, s.tenant))?;
+        let over = self.tenants_over_kv_share();
+        let victim = self
+            .sessions
+            .iter()
+            .filter(|(v, s)| {
+                !keep.contains(v)
+                    && (s.arrival, **v) > (arrival, id)
+                    && s.computed > 0
+                    && s.needs_compute()
+                    && tenant.is_none_or(|t| s.tenant == t)
+            })
+            .max_by_key(|(v, s)| (s.arrival, **v))
+            .map(|(v, _)| *v)?;
+        self.evict(victim, by, &over);
+        Some(victim)
+    }
+
     /// Drop the KV of the session idle the longest (no queued verify, nothing to compute), if it
     /// has been idle since before iteration `since` or for `idle_evict_ms`; of `tenant` only,
     /// when given, else of the tenants over their share of the pool first.

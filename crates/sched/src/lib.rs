@@ -811,6 +811,8 @@ impl Scheduler {
                 let own = self.tenant_room(tenant) < self.pool.num_free();
                 let mut keep = taken.clone();
                 keep.push(id);
+                let mut planned: Vec<SessionId> = batch.chunks.iter().map(|c| c.session).collect();
+                planned.push(id);
                 let v = self
                     .preempt_idle(&keep, since, own.then_some(tenant), tenant)
                     .or_else(|| {
@@ -818,11 +820,11 @@ impl Scheduler {
                             return None;
                         }
                         // (Sessions passed over this iteration hold nothing it needs.)
-                        let mut planned: Vec<SessionId> =
-                            batch.chunks.iter().map(|c| c.session).collect();
-                        planned.push(id);
                         self.preempt_over_share(&planned, tenant)
-                    });
+                    })
+                    // A pool full of prompts half prefilled would wait forever: the oldest
+                    // prompt takes the pages of a younger one.
+                    .or_else(|| self.preempt_younger_prompt(&planned, id, own.then_some(tenant)));
                 match v {
                     Some(v) => batch.preempted.push(v),
                     None => break,

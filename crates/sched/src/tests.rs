@@ -727,3 +727,75 @@ fn a_preempted_session_recomputes_only_what_is_no_longer_cached() {
     assert_eq!((c.kind, c.start, c.len), (WorkKind::Prefill, 24, 8));
     assert!(s.pool().conserved());
 }
+
+/// Conversations under KV pressure: 16 sessions at once, each turn's prompt the last turn's plus
+/// its answer and a new question, decoded a token per iteration, in a pool that holds a fraction
+/// of them. Every turn of every conversation ends: nothing waits forever. (Without the cache too:
+/// before the oldest prompt could take a younger one's pages, a pool full of half-prefilled
+/// prompts waited for ever, with the cache or without.)
+#[test]
+fn conversations_under_kv_pressure_all_finish() {
+    for cache in [false, true] {
+        let mut s = Scheduler::new(SchedConfig {
+            prefix_cache: cache,
+            max_waiting_tokens: 1 << 20,
+            ..SchedConfig::new(64, 16, 120)
+        })
+        .unwrap();
+        s.set_tenant(TenantId(0), TenantConfig::default()).unwrap();
+        let users = 16u64;
+        // Each user's history, and its open session (id, tokens still to decode).
+        let mut history: Vec<Vec<u32>> = (0..users)
+            .map(|u| (0..30).map(|i| (u * 1000 + i) as u32).collect())
+            .collect();
+        let mut open: Vec<Option<(SessionId, usize)>> = vec![None; users as usize];
+        let mut turns = vec![0usize; users as usize];
+        let mut next = 0u64;
+        let mut now = 0u64;
+        for it in 0..200_000 {
+            if turns.iter().all(|&t| t >= 6) {
+                break;
+            }
+            assert!(it < 199_999, "stuck at turns {turns:?} (cache {cache})");
+            for u in 0..users as usize {
+                if open[u].is_none() && turns[u] < 6 {
+                    let id = SessionId(next);
+                    next += 1;
+                    if s.open(id, TenantId(0), &history[u]).is_ok() {
+                        open[u] = Some((id, 40));
+                    }
+                }
+            }
+            now += 10_000;
+            let p = s.schedule(now);
+            let mut kv = Vec::new();
+            for c in p.chunks.iter().filter(|c| c.kind == WorkKind::Decode) {
+                kv.push((c.session, c.start + c.len));
+            }
+            s.update(&p, &kv);
+            for u in 0..users as usize {
+                let Some((id, left)) = open[u] else { continue };
+                s.publish(id, &history[u]);
+                let (known, computed) = s.session_kv(id).unwrap();
+                let prefilled_now = p.chunks.iter().any(|c| {
+                    c.session == id && (c.kind == WorkKind::Decode || c.start + c.len == known)
+                });
+                if !prefilled_now || computed < known {
+                    continue;
+                }
+                // A token committed: it joins the history; the next is queued.
+                if left == 0 {
+                    s.close(id);
+                    open[u] = None;
+                    turns[u] += 1;
+                    history[u].extend((0..12).map(|i| (u as u32 * 7 + i) % 5000));
+                    continue;
+                }
+                history[u].push((u as u32 * 31 + known as u32) % 5000);
+                let _ = s.enqueue_verify(id, 1);
+                open[u] = Some((id, left - 1));
+            }
+        }
+        assert!(s.pool().conserved());
+    }
+}

@@ -35,6 +35,7 @@ pub fn run(home: &std::path::Path, b: BenchTop) -> Result<()> {
         BenchCmd::Paper(a) => cmd_paper(home, a),
         BenchCmd::Quant(a) => cmd_quant(home, a),
         BenchCmd::Serve(a) => cmd_serve_bench(home, a),
+        BenchCmd::Chat(a) => cmd_chat_bench(home, a),
         BenchCmd::Hostile(a) => cmd_hostile_bench(home, a),
         BenchCmd::Soak(a) => cmd_soak_bench(home, a),
     }
@@ -91,6 +92,10 @@ pub enum BenchCmd {
     /// TTFT, ITL), beside one session driven in-process without HTTP and cloud-only streaming,
     /// on the same link and cores.
     Serve(ServeBenchCliArgs),
+    /// Conversations: N users each hold a multi-turn chat (the whole history sent each turn),
+    /// through tandem serve and cloud-only, with the verifier's prefix cache on and off; time to
+    /// first token, ITL and the cloud's prefill per turn.
+    Chat(ChatBenchCliArgs),
     /// What hostile clients do to another tenant: a victim streams cloud-only answers while an
     /// attacker runs each attack in turn (oversized q, a flood of bad drafts, 1,100 idle
     /// sessions, 300 streams without Open, one-byte-a-second readers, frozen peers); the victim's

@@ -142,3 +142,57 @@ pub fn cmd_serve_bench(home: &std::path::Path, a: ServeBenchCliArgs) -> Result<(
         crate::serve_bench::table,
     )
 }
+
+#[derive(Args)]
+pub struct ChatBenchCliArgs {
+    /// Concurrent conversations, one level each.
+    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    users: Vec<usize>,
+    /// Turns of each conversation (12: about 1,500 tokens of history by the last).
+    #[arg(long, default_value_t = 12)]
+    turns: usize,
+    /// Tokens per answer at most.
+    #[arg(long, default_value_t = 96)]
+    max_tokens: usize,
+    /// Emulated round trip to the verifier, ms.
+    #[arg(long, default_value_t = 50.0)]
+    rtt_ms: f64,
+    /// The verifier's prefix cache: on, off, or on,off (a verifier process each).
+    #[arg(long, value_delimiter = ',', default_value = "on,off")]
+    cache: Vec<OnOff>,
+    #[arg(long, default_value_t = 2)]
+    gamma: usize,
+    #[arg(long, default_value_t = 3)]
+    depth: usize,
+    #[command(flatten)]
+    cores: Cores,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+/// A switch given as `on` or `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnOff {
+    On,
+    Off,
+}
+
+pub fn cmd_chat_bench(home: &std::path::Path, a: ChatBenchCliArgs) -> Result<()> {
+    let (edge_cpus, cloud_cpus) = a.cores.split();
+    let args = crate::chat_bench::ChatBenchArgs {
+        home: home.to_path_buf(),
+        users: a.users,
+        turns: a.turns,
+        max_tokens: a.max_tokens,
+        rtt_ms: a.rtt_ms,
+        cache: a.cache.iter().map(|c| *c == OnOff::On).collect(),
+        gamma: a.gamma,
+        depth: a.depth,
+        edge_cpus,
+        cloud_cpus,
+    };
+    a.report.run(
+        |progress| crate::chat_bench::run(&args, progress),
+        crate::chat_bench::table,
+    )
+}
