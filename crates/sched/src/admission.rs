@@ -12,26 +12,50 @@ impl Scheduler {
             .map_or(0.0, |t| t.cfg.weight / total.max(f64::MIN_POSITIVE))
     }
 
+    /// Tokens `s` still has to compute: those it has not, less those the prefix cache would give
+    /// back to a preempted session when it recomputes.
+    fn to_compute(&self, id: SessionId, s: &Session) -> usize {
+        let cached = if self.cfg.prefix_cache && s.computed == 0 && self.pool.held(id) == 0 {
+            let n = (s.known / self.pool.page_size()).min(s.hashes.len());
+            self.pool.lookup(&s.hashes[..n]).len() * self.pool.page_size()
+        } else {
+            0
+        };
+        s.known - s.computed.max(cached)
+    }
+
     /// `tenant`'s prompt (and recompute) tokens not yet computed.
     pub(crate) fn tenant_waiting_tokens(&self, tenant: TenantId) -> usize {
         self.sessions
-            .values()
-            .filter(|s| s.tenant == tenant && s.needs_compute())
-            .map(|s| s.known - s.computed)
+            .iter()
+            .filter(|(_, s)| s.tenant == tenant && s.needs_compute())
+            .map(|(id, s)| self.to_compute(*id, s))
             .sum()
     }
 
-    /// Prompt (and recompute) tokens not yet computed.
+    /// Prompt (and recompute) tokens not yet computed (what the prefix cache holds of them
+    /// not counted).
     pub fn waiting_tokens(&self) -> usize {
         self.sessions
-            .values()
-            .filter(|s| s.needs_compute())
-            .map(|s| s.known - s.computed)
+            .iter()
+            .filter(|(_, s)| s.needs_compute())
+            .map(|(id, s)| self.to_compute(*id, s))
             .sum()
     }
 
     /// Whether a session of `tenant` with a `prompt_len`-token prompt would be admitted now.
     pub fn admit(&self, tenant: TenantId, prompt_len: usize) -> Result<(), SchedError> {
+        self.admit_new(tenant, prompt_len, prompt_len)
+    }
+
+    /// [`Scheduler::admit`] for a prompt of which `new` tokens are to be computed (the rest the
+    /// prefix cache serves): only those wait for prefill.
+    pub(crate) fn admit_new(
+        &self,
+        tenant: TenantId,
+        prompt_len: usize,
+        new: usize,
+    ) -> Result<(), SchedError> {
         let t = self
             .tenants
             .get(&tenant)
@@ -67,11 +91,10 @@ impl Scheduler {
                 retry_iterations: 1 + waiting as u64 / budget,
             });
         }
-        if waiting > 0 && waiting + prompt_len > self.cfg.max_waiting_tokens {
+        if waiting > 0 && waiting + new > self.cfg.max_waiting_tokens {
             return Err(SchedError::Saturated {
                 reason: format!("{waiting} prompt tokens wait for prefill"),
-                retry_iterations: 1
-                    + (waiting + prompt_len - self.cfg.max_waiting_tokens) as u64 / budget,
+                retry_iterations: 1 + (waiting + new - self.cfg.max_waiting_tokens) as u64 / budget,
             });
         }
         // Fair admission: past half of a global limit, a tenant holding its weighted share of it
@@ -94,7 +117,7 @@ impl Scheduler {
             // (One prompt of a tenant may always wait, however small its share.)
             if waiting * 2 >= self.cfg.max_waiting_tokens
                 && mine_waiting > 0
-                && mine_waiting + prompt_len > fair
+                && mine_waiting + new > fair
             {
                 return Err(SchedError::Saturated {
                     reason: format!(

@@ -425,7 +425,16 @@ impl Scheduler {
         if self.sessions.contains_key(&id) {
             return Err(SchedError::DuplicateSession(id));
         }
-        if let Err(e) = self.admit(tenant, prompt_len) {
+        // With the prefix cache, only the tokens it does not hold wait for prefill.
+        let mut hashes = Vec::new();
+        let mut new = prompt_len;
+        if self.cfg.prefix_cache {
+            let ps = self.pool.page_size();
+            PageHash::extend_chain(&mut hashes, self.salt(tenant), ps, prompt);
+            let n = (prompt_len.saturating_sub(1) / ps).min(hashes.len());
+            new -= self.pool.lookup(&hashes[..n]).len() * ps;
+        }
+        if let Err(e) = self.admit_new(tenant, prompt_len, new) {
             if matches!(
                 e,
                 SchedError::Saturated { .. } | SchedError::QuotaExceeded { .. }
@@ -451,16 +460,12 @@ impl Scheduler {
                 prefilled: false,
                 arrival: self.iteration,
                 evicted_by: None,
-                hashes: Vec::new(),
+                hashes,
                 published: 0,
             },
         );
         if !self.cfg.prefix_cache {
             return Ok(0);
-        }
-        let (salt, ps) = (self.salt(tenant), self.pool.page_size());
-        if let Some(s) = self.sessions.get_mut(&id) {
-            PageHash::extend_chain(&mut s.hashes, salt, ps, prompt);
         }
         let cached = self.attach_cached(id, prompt_len - 1);
         self.stats.prefix_queries += prompt_len as u64;

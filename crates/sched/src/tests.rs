@@ -799,3 +799,30 @@ fn conversations_under_kv_pressure_all_finish() {
         assert!(s.pool().conserved());
     }
 }
+
+#[test]
+fn admission_counts_only_the_prompt_tokens_the_cache_does_not_hold() {
+    let mut s = Scheduler::new(SchedConfig {
+        prefix_cache: true,
+        max_waiting_tokens: 100,
+        ..SchedConfig::new(64, 4, 200)
+    })
+    .unwrap();
+    s.set_tenant(TenantId(1), TenantConfig::default()).unwrap();
+    let first: Vec<u32> = (0..90).collect();
+    s.open(SessionId(1), TenantId(1), &first).unwrap();
+    prefill_all(&mut s, &[(SessionId(1), &first)]);
+    s.close(SessionId(1));
+    // Another prompt waits: 60 tokens.
+    s.open(SessionId(2), TenantId(1), &(500..560).collect::<Vec<u32>>())
+        .unwrap();
+    // The next turn of the first conversation: 100 tokens, 88 of them cached. 60 + 12 wait.
+    let next: Vec<u32> = (0..100).collect();
+    assert_eq!(s.open(SessionId(3), TenantId(1), &next).unwrap(), 88);
+    assert_eq!(s.waiting_tokens(), 60 + 12);
+    // A prompt the cache does not hold is refused: 72 + 40 > 100.
+    assert!(matches!(
+        s.open(SessionId(4), TenantId(1), &(900..940).collect::<Vec<u32>>()),
+        Err(SchedError::Saturated { .. })
+    ));
+}
