@@ -9,12 +9,11 @@
 //! prompt names the user, the mode and the level, so that no conversation hits another's pages:
 //! what is measured is one conversation's reuse of its own history.
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use tandem_engine::tokenizer::ChatMessage;
 use tandem_engine::{CpuSet, Engine, EngineConfig, Tokenizer};
@@ -129,22 +128,10 @@ fn http_turn(
     messages: &[ChatMessage],
     max_tokens: usize,
 ) -> Result<Answered> {
-    let t0 = Instant::now();
     let msgs: Vec<serde_json::Value> = messages
         .iter()
         .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
         .collect();
-    let body = serde_json::json!({
-        "messages": msgs,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    });
-    let resp = agent
-        .post(url)
-        .send_json(body)
-        .map_err(|e| anyhow!("POST {url}: {e}"))?;
     let mut a = Answered {
         text: String::new(),
         answer_tokens: 0,
@@ -152,24 +139,11 @@ fn http_turn(
         cached_tokens: 0,
         token_ms: Vec::new(),
     };
-    for line in BufReader::new(resp.into_reader()).lines() {
-        let line = line?;
-        let Some(data) = line.strip_prefix("data: ") else {
-            if line.starts_with("event: error") {
-                bail!("the server sent an error event");
-            }
-            continue;
-        };
-        if data == "[DONE]" {
-            break;
-        }
-        let now = t0.elapsed().as_secs_f64() * 1e3;
-        let c: serde_json::Value = serde_json::from_str(data)?;
-        if let Some(text) = c["choices"][0]["delta"]["content"].as_str() {
-            if !text.is_empty() {
-                a.token_ms.push(now);
-                a.text.push_str(text);
-            }
+    let chunks = crate::serve_bench::chat_stream(agent, url, msgs.into(), max_tokens)?;
+    for (now, c) in chunks {
+        if let Some(text) = crate::serve_bench::chunk_text(&c) {
+            a.token_ms.push(now);
+            a.text.push_str(text);
         }
         let u = &c["usage"];
         if let Some(n) = u["completion_tokens"].as_u64() {

@@ -156,12 +156,17 @@ fn concurrently(
     Ok((timed, wall))
 }
 
-/// One streamed chat completion over HTTP, timed token by token (each content chunk is one
-/// committed token's text).
-fn http_request(agent: &ureq::Agent, url: &str, prompt: &str, max_tokens: usize) -> Result<Timed> {
+/// A streamed chat completion of `messages` (with usage) over HTTP: each chunk as it arrived,
+/// with its time from the request (ms). An error event is an error.
+pub(crate) fn chat_stream(
+    agent: &ureq::Agent,
+    url: &str,
+    messages: serde_json::Value,
+    max_tokens: usize,
+) -> Result<Vec<(f64, serde_json::Value)>> {
     let t0 = Instant::now();
     let body = serde_json::json!({
-        "messages": [{"role": "user", "content": prompt}],
+        "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": true,
@@ -171,12 +176,7 @@ fn http_request(agent: &ureq::Agent, url: &str, prompt: &str, max_tokens: usize)
         .post(url)
         .send_json(body)
         .map_err(|e| anyhow!("POST {url}: {e}"))?;
-    let mut t = Timed {
-        token_ms: Vec::new(),
-        tokens: 0,
-        accepted: 0,
-        judged: 0,
-    };
+    let mut chunks = Vec::new();
     for line in BufReader::new(resp.into_reader()).lines() {
         let line = line?;
         let Some(data) = line.strip_prefix("data: ") else {
@@ -189,11 +189,30 @@ fn http_request(agent: &ureq::Agent, url: &str, prompt: &str, max_tokens: usize)
             break;
         }
         let now = t0.elapsed().as_secs_f64() * 1e3;
-        let c: serde_json::Value = serde_json::from_str(data)?;
-        if let Some(text) = c["choices"][0]["delta"]["content"].as_str() {
-            if !text.is_empty() {
-                t.token_ms.push(now);
-            }
+        chunks.push((now, serde_json::from_str(data)?));
+    }
+    Ok(chunks)
+}
+
+/// A chunk's text, when it carries some (each content chunk is one committed token's text).
+pub(crate) fn chunk_text(c: &serde_json::Value) -> Option<&str> {
+    c["choices"][0]["delta"]["content"]
+        .as_str()
+        .filter(|t| !t.is_empty())
+}
+
+/// One streamed chat completion over HTTP, timed token by token.
+fn http_request(agent: &ureq::Agent, url: &str, prompt: &str, max_tokens: usize) -> Result<Timed> {
+    let messages = serde_json::json!([{"role": "user", "content": prompt}]);
+    let mut t = Timed {
+        token_ms: Vec::new(),
+        tokens: 0,
+        accepted: 0,
+        judged: 0,
+    };
+    for (now, c) in chat_stream(agent, url, messages, max_tokens)? {
+        if chunk_text(&c).is_some() {
+            t.token_ms.push(now);
         }
         if let Some(n) = c["usage"]["completion_tokens"].as_u64() {
             t.tokens = n as usize;

@@ -239,7 +239,6 @@ fn a_request_sent_while_the_verifier_is_down_is_answered_exactly_once_it_is_back
     let q = "Name three colours.";
     let want = expected_chat(q, 24);
     let edge_port = e.port;
-    let asked = std::time::Instant::now();
     let answer = std::thread::spawn(move || post(edge_port, "/v1/chat/completions", &chat(q, 24)));
     std::thread::sleep(Duration::from_secs(8));
     assert!(!answer.is_finished(), "the request waits for the verifier");
@@ -248,7 +247,6 @@ fn a_request_sent_while_the_verifier_is_down_is_answered_exactly_once_it_is_back
     assert_eq!(s, 200, "{r}");
     assert_eq!(r["choices"][0]["message"]["content"], want.text.as_str());
     assert_eq!(r["tandem"]["unverified_tokens"], 0);
-    assert!(asked.elapsed() >= Duration::from_secs(8));
 }
 
 #[test]

@@ -251,7 +251,7 @@ type Inbound = tonic::Streaming<tandem_proto::v1::CloudMessage>;
 
 /// How far an `Open` got: admitted (its prefill to come; protocol 5), or opened.
 enum Stage {
-    Admitted { cached_tokens: u64 },
+    Admitted,
     Opened(Opened),
 }
 
@@ -262,9 +262,7 @@ async fn next_stage(inbound: &mut Inbound, url: &str) -> Result<Stage, EdgeError
         .await
         .map_err(|e| plaintext_hint(url, status(e)))?;
     match m.and_then(|m| m.kind) {
-        Some(cloud_message::Kind::Admitted(a)) => Ok(Stage::Admitted {
-            cached_tokens: a.cached_tokens,
-        }),
+        Some(cloud_message::Kind::Admitted(_)) => Ok(Stage::Admitted),
         Some(cloud_message::Kind::Opened(o)) => Ok(Stage::Opened(o)),
         Some(cloud_message::Kind::Error(e)) => Err(refused(e.message)),
         Some(_) => Err(refused("the verifier did not open the session")),
@@ -278,7 +276,7 @@ async fn until_opened(inbound: &mut Inbound, stage: Stage, url: &str) -> Result<
     loop {
         match stage {
             Stage::Opened(o) => return Ok(o),
-            Stage::Admitted { .. } => stage = next_stage(inbound, url).await?,
+            Stage::Admitted => stage = next_stage(inbound, url).await?,
         }
     }
 }
@@ -294,14 +292,6 @@ pub struct Admission {
 }
 
 impl Admission {
-    /// Prompt tokens the verifier's prefix cache serves.
-    pub fn cached_tokens(&self) -> u64 {
-        match &self.stage {
-            Stage::Admitted { cached_tokens } => *cached_tokens,
-            Stage::Opened(o) => o.cached_tokens,
-        }
-    }
-
     /// Wait for `Opened`, however long the prefill takes (HTTP/2 pings find a verifier that
     /// went away), and start the link's reader.
     pub async fn opened(self) -> Result<(GrpcLink, Opened), EdgeError> {

@@ -126,10 +126,6 @@ impl<K: Copy + Eq + Hash> PagePool<K> {
     pub fn num_cached_unheld(&self) -> usize {
         self.unheld.len()
     }
-    /// Published pages, held or not.
-    pub fn num_published(&self) -> usize {
-        self.index.len()
-    }
     pub fn counts(&self) -> CacheCounts {
         self.counts
     }
@@ -151,11 +147,6 @@ impl<K: Copy + Eq + Hash> PagePool<K> {
             .filter(|&&p| self.holders[p as usize].first() == Some(&s))
             .count()
     }
-    /// Owners holding page `p`.
-    pub fn holders(&self, p: u32) -> usize {
-        self.holders[p as usize].len()
-    }
-
     /// Extra pages `s` needs to hold `tokens` slots.
     pub fn shortfall(&self, s: K, tokens: usize) -> usize {
         self.pages_for(tokens).saturating_sub(self.held(s))
