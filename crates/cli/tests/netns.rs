@@ -52,30 +52,35 @@ fn speculation_between_two_network_namespaces_with_rate_limit_and_loss_is_lossle
         .position(|&t| tok.is_eog(t))
         .map_or(want.len(), |i| i + 1);
     // The edge in its namespace: speculation, then cloud-only, through the kernel's rate limit
-    // and loss and the proxy's 40 ms.
-    for mode in ["async", "cloud-only"] {
-        let mut edge = net.command(Side::Edge, env!("CARGO_BIN_EXE_tandem"));
-        edge.args(["generate", "--model", "draft", "--mode", mode])
-            .args(["--cloud", &url])
-            .args(["--prompt", prompt, "--json"])
-            .args(["--max-tokens", &N.to_string()]);
-        let out: Value = serde_json::from_slice(&stdout_of(mode, &mut edge)).unwrap();
-        assert_eq!(
-            ids(&out["output_ids"]),
-            want[..cut],
-            "{mode} between two namespaces"
-        );
+    // and loss and the proxy's 40 ms. The loss is a random draw over the packets sent: one round
+    // of the two modes sends about a hundred, so at 3% a round drops none about one time in
+    // twenty (a CI run saw (0, 0)). The rounds go on, each checked, until the kernel has dropped
+    // a packet, at most eight of them (all eight dropping none: about one time in 10^10).
+    let mut dropped = (None, None);
+    for round in 0..8 {
+        for mode in ["async", "cloud-only"] {
+            let mut edge = net.command(Side::Edge, env!("CARGO_BIN_EXE_tandem"));
+            edge.args(["generate", "--model", "draft", "--mode", mode])
+                .args(["--cloud", &url])
+                .args(["--prompt", prompt, "--json"])
+                .args(["--max-tokens", &N.to_string()]);
+            let out: Value = serde_json::from_slice(&stdout_of(mode, &mut edge)).unwrap();
+            assert_eq!(
+                ids(&out["output_ids"]),
+                want[..cut],
+                "{mode} between two namespaces, round {round}"
+            );
+        }
+        dropped = (net.dropped(Side::Edge), net.dropped(Side::Cloud));
+        eprintln!("round {round}: packets dropped (edge, cloud): {dropped:?}");
+        assert!(dropped.0.is_some() && dropped.1.is_some(), "{dropped:?}");
+        if dropped.0.unwrap_or(0) + dropped.1.unwrap_or(0) > 0 {
+            break;
+        }
     }
-    // The kernel dropped packets, and TCP carried the answers through. (Each side's count is a
-    // random draw over the packets it sent: one CI run saw 0 on the edge's side and 4 on the
-    // cloud's, so the check is on the two together.)
-    let dropped = (net.dropped(Side::Edge), net.dropped(Side::Cloud));
-    eprintln!("packets dropped (edge, cloud): {dropped:?}");
+    // The kernel dropped packets, and TCP carried the answers through.
     let total = dropped.0.unwrap_or(0) + dropped.1.unwrap_or(0);
-    assert!(
-        dropped.0.is_some() && dropped.1.is_some() && total > 0,
-        "{dropped:?}"
-    );
+    assert!(total > 0, "no packet dropped in eight rounds: {dropped:?}");
     // Nothing reaches the cloud from outside the two namespaces: the root one has no route.
     let addr = std::net::SocketAddr::from((net.cloud_ip, proxy.port));
     assert!(
