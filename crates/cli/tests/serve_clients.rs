@@ -142,6 +142,8 @@ fn a_twelve_turn_conversation_through_the_openai_client_is_the_targets_and_reuse
         content: r["system"].as_str().unwrap().into(),
     }];
     let mut last_prompt = 0;
+    // The whole pages of each turn's prompt, which the next turn finds in the draft's own cache.
+    let mut draft_reuse = 0;
     for (k, (t, q)) in turns.iter().zip(questions).enumerate() {
         history.push(tandem_engine::tokenizer::ChatMessage {
             role: "user".into(),
@@ -171,6 +173,9 @@ fn a_twelve_turn_conversation_through_the_openai_client_is_the_targets_and_reuse
             t["seconds"].as_f64().unwrap()
         );
         last_prompt = ids.len();
+        if k + 1 < turns.len() {
+            draft_reuse += ids.len() / 16 * 16;
+        }
         history.push(tandem_engine::tokenizer::ChatMessage {
             role: "assistant".into(),
             content: want.text.clone(),
@@ -193,6 +198,16 @@ fn a_twelve_turn_conversation_through_the_openai_client_is_the_targets_and_reuse
         )
     };
     assert_eq!(counted(e.port), (cached, prompts));
+    // The edge's draft kept each turn's KV too: every later turn attached at least the whole
+    // pages of the prompt before it, and prefilled only the rest.
+    let draft_hits = sample(
+        &get(e.port, "/metrics").1,
+        "tandem:draft_prefix_cache_hits_total",
+    );
+    assert!(
+        draft_hits as usize >= draft_reuse,
+        "the draft's cache served {draft_hits} prompt tokens, want at least {draft_reuse}"
+    );
     // The verifier counts a session when it closes, just after its answer.
     let cloud = v.also_port.unwrap();
     wait_until("the verifier counts every turn", || {

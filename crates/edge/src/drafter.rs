@@ -116,6 +116,30 @@ impl DraftSeq {
         self.seq
     }
 
+    /// Start the sequence, which holds nothing yet, with what the engine's prefix cache holds of
+    /// `prompt` (an earlier turn of the same conversation left it there: [`DraftSeq::publish`]);
+    /// answers the prompt tokens it did not have to feed.
+    pub fn attach_cached(
+        &mut self,
+        engine: &mut Engine,
+        prompt: &[u32],
+    ) -> Result<usize, EdgeError> {
+        if !self.linear.is_empty() || !self.tail.is_empty() {
+            return Ok(0);
+        }
+        let n = engine.attach_cached(self.seq, prompt)?;
+        self.linear = prompt[..n].to_vec();
+        Ok(n)
+    }
+
+    /// Offer the engine's prefix cache the sequence's linear slots as far as they hold `done`
+    /// (prompt and committed tokens: what a later turn's prompt starts with). Drafted tokens
+    /// past it are not offered: most are rejected, and would only push older turns out.
+    pub fn publish(&self, engine: &mut Engine, done: &[u32]) {
+        let n = common_prefix(&self.linear, done);
+        engine.publish(self.seq, &self.linear[..n]);
+    }
+
     /// The tail slot holding `token` as a child of slot `parent`.
     fn child(&self, parent: usize, token: u32) -> Option<usize> {
         let l = self.linear.len();
@@ -149,8 +173,10 @@ impl DraftSeq {
             .max()
             .unwrap_or(0);
         if lin < self.linear.len() {
-            engine.truncate(self.seq, lin)?;
-            self.linear.truncate(lin);
+            // Less is kept when slot `lin` falls in a page another sequence shares through the
+            // prefix cache: the slots from that page's start are fed again.
+            let kept = engine.truncate(self.seq, lin)?;
+            self.linear.truncate(kept);
             self.tail.clear();
         }
         let l = self.linear.len();

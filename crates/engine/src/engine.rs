@@ -107,19 +107,45 @@ impl Engine {
         self.kv.tables.seq_len(seq)
     }
 
-    /// Keep the first `len` tokens of `seq` (rejecting a draft rolls back this way).
-    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
+    /// Keep the first `len` tokens of `seq` (rejecting a draft rolls back this way), and answer
+    /// how many it keeps: fewer when token `len` falls in a block `seq` shares with another
+    /// sequence through the prefix cache (the caller computes the slots from there again).
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<usize> {
         let have = self.kv.tables.seq_len(seq);
-        self.kv.tables.truncate(seq, len)?;
+        let kept = self.kv.tables.truncate(seq, len)?;
         if let Some(tail) = self.tails.get_mut(&seq) {
             let base = have - tail.len();
-            if len <= base {
+            if kept <= base {
                 self.tails.remove(&seq);
             } else {
-                tail.truncate(len - base);
+                tail.truncate(kept - base);
             }
         }
-        Ok(())
+        Ok(kept)
+    }
+
+    /// Start `seq`, which holds nothing, with the prefix cache's pages for the longest run of
+    /// `tokens`' whole pages short of its last token, published before by any of this engine's
+    /// sequences ([`Engine::publish`]); answers the tokens attached. The logits that follow are
+    /// bitwise those of computing the tokens (a slot's K and V depend only on the tokens up to
+    /// it, whatever the batch).
+    pub fn attach_cached(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
+        if self.tails.contains_key(&seq) {
+            return Err(EngineError::InvalidBatch(format!(
+                "sequence {seq} holds tree nodes: cached pages can only start a sequence"
+            )));
+        }
+        self.kv.tables.attach_prefix(seq, tokens)
+    }
+
+    /// Offer to the prefix cache the whole blocks of `seq` that hold `tokens`, its first slots
+    /// (as far as they are linear: tree nodes are never published). A block once published is
+    /// never written again: a truncation into it takes it back or lets it go.
+    pub fn publish(&mut self, seq: SeqId, tokens: &[u32]) {
+        let linear = self.kv.tables.seq_len(seq) - self.tails.get(&seq).map_or(0, |t| t.len());
+        self.kv
+            .tables
+            .publish(seq, &tokens[..tokens.len().min(linear)]);
     }
 
     /// Drop `seq` and return its KV blocks to the pool.
@@ -201,6 +227,12 @@ impl Engine {
                 linear,
                 slots_in.split_off(linear),
             ));
+        }
+        if !self.kv.tables.writable(seq, len, len + slots.len()) {
+            return Err(bad(format!(
+                "slots {len}..{} fall in a block the prefix cache shares",
+                len + slots.len()
+            )));
         }
         let table = self.kv.tables.blocks(seq).to_vec();
         copy_slots(&mut self.kv, &table, len, slots);
@@ -285,6 +317,16 @@ impl Engine {
                     expected,
                     got: s.start_pos,
                 });
+            }
+            if !self
+                .kv
+                .tables
+                .writable(s.seq, s.start_pos, s.start_pos + s.tokens.len())
+            {
+                return Err(EngineError::InvalidBatch(format!(
+                    "sequence {}: slots from {} fall in a block the prefix cache shares",
+                    s.seq, s.start_pos
+                )));
             }
         }
         let plan: Vec<(SeqId, usize)> = batch

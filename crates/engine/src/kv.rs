@@ -5,12 +5,17 @@
 //! [`Sequences`] (lengths over a pool keyed by sequence). [`PagedKvCache`] adds the f32 storage
 //! the attention reads.
 //!
+//! An engine's own sequences share the pool's prefix cache ([`Sequences::publish`],
+//! [`Sequences::attach_prefix`]): the edge keeps the draft's KV of a conversation's earlier turns,
+//! so the next turn computes only its new tokens. One engine is one owner (one user's device):
+//! every sequence uses the same salt.
+//!
 //! Storage layout, per layer: `[num_blocks, block_size, n_kv_heads, head_dim]`.
 
 use std::collections::HashMap;
 use std::fmt;
 
-use tandem_sched::{PagePool, SchedError};
+use tandem_sched::{CacheCounts, PageHash, PagePool, SchedError};
 
 use crate::error::{EngineError, Result};
 
@@ -30,7 +35,13 @@ impl fmt::Display for SeqId {
 pub struct Sequences {
     pool: PagePool<SeqId>,
     lens: HashMap<SeqId, usize>,
+    /// The content addresses of each sequence's first whole pages, as far as it published them
+    /// (or attached them).
+    chains: HashMap<SeqId, Vec<PageHash>>,
 }
+
+/// The salt of an engine's own pages: its sequences are one owner's.
+const SALT: u64 = 0;
 
 impl Sequences {
     /// `num_blocks` blocks of `block_size` slots; both at least 1 ([`PagedKvCache::new`] checks).
@@ -43,6 +54,7 @@ impl Sequences {
                 }
             })?,
             lens: HashMap::new(),
+            chains: HashMap::new(),
         })
     }
 
@@ -68,6 +80,66 @@ impl Sequences {
     pub fn blocks(&self, seq: SeqId) -> &[u32] {
         self.pool.table(seq)
     }
+    /// What the prefix cache did, in pages.
+    pub fn cache_counts(&self) -> CacheCounts {
+        self.pool.counts()
+    }
+    /// Cached pages no sequence holds (counted in [`Sequences::num_free_blocks`]: a grow takes
+    /// them back when no empty block is left).
+    pub fn num_cached_blocks(&self) -> usize {
+        self.pool.num_cached_unheld()
+    }
+
+    /// Whether `seq` may write slots `start..end`: no page they fall in is shared or published.
+    pub fn writable(&self, seq: SeqId, start: usize, end: usize) -> bool {
+        self.pool.writable(seq, start, end)
+    }
+
+    /// Start `seq`, which holds nothing, with the cached pages that hold the longest run of
+    /// `tokens`' whole pages, short of the page holding its last token (that token is always
+    /// computed: its logits are what the caller wants). Answers the tokens attached.
+    pub fn attach_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
+        if self.seq_len(seq) > 0 {
+            return Err(EngineError::InvalidBatch(format!(
+                "sequence {seq} holds {} tokens: cached pages can only start a sequence",
+                self.seq_len(seq)
+            )));
+        }
+        let ps = self.pool.page_size();
+        let mut chain = Vec::new();
+        PageHash::extend_chain(
+            &mut chain,
+            SALT,
+            ps,
+            &tokens[..tokens.len().saturating_sub(1)],
+        );
+        let pages = self.pool.lookup(&chain);
+        if pages.is_empty() {
+            return Ok(0);
+        }
+        self.pool
+            .attach(seq, &pages)
+            .map_err(|e| EngineError::InvalidBatch(e.to_string()))?;
+        chain.truncate(pages.len());
+        self.chains.insert(seq, chain);
+        self.lens.insert(seq, pages.len() * ps);
+        Ok(pages.len() * ps)
+    }
+
+    /// Publish the whole pages of `seq` that hold `tokens`: its first slots, whose K and V are
+    /// those tokens' (a slot's K and V depend only on the tokens up to it, so any linear run
+    /// the engine computed is final content, drafted or not). Pages published before are
+    /// skipped; tokens past the sequence's length are ignored.
+    pub fn publish(&mut self, seq: SeqId, tokens: &[u32]) {
+        let tokens = &tokens[..tokens.len().min(self.seq_len(seq))];
+        let ps = self.pool.page_size();
+        let chain = self.chains.entry(seq).or_default();
+        let from = chain.len();
+        PageHash::extend_chain(chain, SALT, ps, tokens);
+        for (i, &h) in chain.iter().enumerate().skip(from) {
+            self.pool.publish(seq, i, h);
+        }
+    }
 
     /// Grow every `(seq, new_len)` to `new_len` tokens, all or nothing: when the pool cannot hold
     /// them all, nothing changes and `OutOfBlocks` says how many blocks were missing.
@@ -88,8 +160,11 @@ impl Sequences {
         Ok(())
     }
 
-    /// Keep the first `len` tokens of `seq`, returning whole blocks past them to the pool.
-    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
+    /// Keep the first `len` tokens of `seq`, returning whole blocks past them to the pool, and
+    /// answer how many it keeps: fewer than `len` when the block holding token `len` is shared
+    /// with another sequence (that block is let go too, and the caller computes its kept part
+    /// again: see [`PagePool::truncate`]).
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<usize> {
         let have = *self
             .lens
             .get(&seq)
@@ -99,19 +174,22 @@ impl Sequences {
                 "cannot truncate sequence {seq} to {len} tokens: it holds {have}"
             )));
         }
-        // It shares no page (only the scheduler's pool attaches cached pages), so keeps all.
         let kept = self.pool.truncate(seq, len);
         self.lens.insert(seq, kept);
-        Ok(())
+        if let Some(c) = self.chains.get_mut(&seq) {
+            c.truncate(kept / self.pool.page_size());
+        }
+        Ok(kept)
     }
 
     /// Drop `seq` and return all its blocks. Freeing an unknown sequence is a no-op.
     pub fn free(&mut self, seq: SeqId) {
         self.pool.free_all(seq);
         self.lens.remove(&seq);
+        self.chains.remove(&seq);
     }
 
-    /// Every block is free or held by exactly one sequence.
+    /// Every block is free, cached or held, exactly as the pool's records say.
     pub fn conserved(&self) -> bool {
         self.pool.conserved()
     }

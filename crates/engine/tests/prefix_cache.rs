@@ -136,3 +136,112 @@ fn a_cached_prefix_gives_the_next_logits_of_a_fresh_run_bit_for_bit() {
         assert!(pool.conserved());
     }
 }
+
+/// The next logits of `tokens`, computed in one chunk by a fresh engine.
+fn fresh_last(m: &Arc<LlamaModel>, tokens: &[u32]) -> Vec<u32> {
+    let mut e = engine(m);
+    let l = e
+        .forward(&[SeqChunk::new(SeqId(9), 0, tokens.to_vec(), Wanted::Last)])
+        .unwrap();
+    bits(l.last_for(SeqId(9)).unwrap())
+}
+
+/// An engine's own sequences (the edge's draft) share its prefix cache: a conversation's next
+/// turn attaches the pages its last turn published and computes only its new tokens, with the
+/// logits of a fresh run bit for bit. Rolling the new turn back into a shared page lets that
+/// page go instead of writing into it, so the turn that published it (still running) and a
+/// third turn attaching it again are unchanged.
+#[test]
+fn an_engines_own_sequences_share_its_prefix_cache_exactly() {
+    for (dtype, mode) in [
+        (GgmlDType::F32, WeightMode::F32),
+        (GgmlDType::Q4_0, WeightMode::Native),
+    ] {
+        let m = model(dtype, mode);
+        let mut e = engine(&m);
+        let first = text(1, 22);
+        let mut second = first.clone();
+        second.extend(text(2, 9));
+
+        // Turn one, in chunks, publishing as it goes.
+        for start in (0..first.len()).step_by(5) {
+            let end = (start + 5).min(first.len());
+            e.forward(&[SeqChunk::new(
+                SeqId(1),
+                start,
+                first[start..end].to_vec(),
+                Wanted::Last,
+            )])
+            .unwrap();
+            e.publish(SeqId(1), &first[..end]);
+        }
+        // Turn two attaches the 5 whole pages of the first 21 tokens (20 tokens).
+        let n = e.attach_cached(SeqId(2), &second).unwrap();
+        assert_eq!(n, 20);
+        assert_eq!(e.seq_len(SeqId(2)), 20);
+        let l = e
+            .forward(&[SeqChunk::new(
+                SeqId(2),
+                n,
+                second[n..].to_vec(),
+                Wanted::Last,
+            )])
+            .unwrap();
+        assert_eq!(bits(l.last_for(SeqId(2)).unwrap()), fresh_last(&m, &second));
+        assert!(e.kv().tables.cache_counts().hits >= 5);
+
+        // Turn two rolls back to 18 tokens, inside the fifth page, which turn one holds too: the
+        // page is let go (not written), 16 tokens are kept, and the caller feeds from there.
+        let kept = e.truncate(SeqId(2), 18).unwrap();
+        assert_eq!(kept, 16);
+        let other = text(5, 6);
+        let mut alt = second[..16].to_vec();
+        alt.extend(&other);
+        let l = e
+            .forward(&[SeqChunk::new(
+                SeqId(2),
+                16,
+                alt[16..].to_vec(),
+                Wanted::Last,
+            )])
+            .unwrap();
+        assert_eq!(bits(l.last_for(SeqId(2)).unwrap()), fresh_last(&m, &alt));
+        // Turn one goes on from its own pages, unchanged.
+        let mut more = first.clone();
+        more.extend(text(4, 3));
+        let l = e
+            .forward(&[SeqChunk::new(
+                SeqId(1),
+                22,
+                more[22..].to_vec(),
+                Wanted::Last,
+            )])
+            .unwrap();
+        assert_eq!(bits(l.last_for(SeqId(1)).unwrap()), fresh_last(&m, &more));
+        // Turn one ends; its pages stay cached, and a third turn still gets the first one's
+        // logits from them.
+        e.free(SeqId(1));
+        e.free(SeqId(2));
+        assert!(e.kv().tables.num_cached_blocks() >= 5);
+        let n = e.attach_cached(SeqId(3), &second).unwrap();
+        assert_eq!(n, 20);
+        let l = e
+            .forward(&[SeqChunk::new(
+                SeqId(3),
+                n,
+                second[n..].to_vec(),
+                Wanted::Last,
+            )])
+            .unwrap();
+        assert_eq!(bits(l.last_for(SeqId(3)).unwrap()), fresh_last(&m, &second));
+        assert!(e.kv().tables.conserved());
+        // A sequence that holds tokens cannot attach, and nothing writes into a shared page.
+        assert!(e.attach_cached(SeqId(3), &second).is_err());
+        let mut e2 = engine(&m);
+        e2.forward(&[SeqChunk::new(SeqId(1), 0, first.clone(), Wanted::Last)])
+            .unwrap();
+        e2.publish(SeqId(1), &first);
+        e2.attach_cached(SeqId(2), &second).unwrap();
+        assert!(e2.keep_tree(SeqId(2), 18, &[18]).is_err());
+    }
+}

@@ -34,6 +34,8 @@ pub struct EdgeMetrics {
     prompt_tokens: IntCounter,
     prefix_queries: IntCounter,
     prefix_hits: IntCounter,
+    /// Prompt tokens whose draft KV the edge's own prefix cache held.
+    pub draft_prefix_hits: IntCounter,
     generation_tokens: IntCounter,
     success: IntCounterVec,
     running: IntGauge,
@@ -106,6 +108,10 @@ impl Default for EdgeMetrics {
             prefix_hits: counter(
                 "tandem:prefix_cache_hits_total",
                 "Of those, the ones the verifier's prefix cache served (its Opened said).",
+            ),
+            draft_prefix_hits: counter(
+                "tandem:draft_prefix_cache_hits_total",
+                "Prompt tokens of the requests admitted whose draft KV the edge's own prefix cache held (an earlier turn's).",
             ),
             generation_tokens: counter(
                 "tandem:generation_tokens_total",
@@ -187,6 +193,7 @@ impl Default for EdgeMetrics {
             Box::new(m.prompt_tokens.clone()),
             Box::new(m.prefix_queries.clone()),
             Box::new(m.prefix_hits.clone()),
+            Box::new(m.draft_prefix_hits.clone()),
             Box::new(m.generation_tokens.clone()),
             Box::new(m.success.clone()),
             Box::new(m.running.clone()),

@@ -326,6 +326,19 @@ struct Active {
     _permit: OwnedSemaphorePermit,
 }
 
+impl Active {
+    /// Offer the draft's prefix cache the session's final tokens (prompt and committed ones)
+    /// that its draft sequence holds.
+    fn publish(&self, engine: &mut Engine) {
+        let done = match &self.phase {
+            Phase::Spec(d) => d.session().committed(),
+            Phase::Local(l) => &l.history,
+            _ => &self.req.prompt_ids[..self.prefill_at],
+        };
+        self.seq.publish(engine, done);
+    }
+}
+
 /// Prompt tokens one round's forward prefills for a session at most: a long prompt takes several
 /// rounds, so that it never stalls the other sessions' drafting for its whole length.
 pub const PREFILL_CHUNK: usize = 64;
@@ -407,7 +420,16 @@ impl Sessions {
             queued_s,
             permit,
         } = job;
-        let seq = DraftSeq::new(engine, SeqId(id), &[], &spec);
+        let mut seq = DraftSeq::new(engine, SeqId(id), &[], &spec);
+        // An earlier turn of the conversation left the draft's KV of its history in the cache:
+        // only the new tokens are prefilled.
+        let draft_cached = seq
+            .attach_cached(engine, &req.prompt_ids)
+            .unwrap_or_else(|e| {
+                tracing::warn!("request {id}: the draft's prefix cache was not used: {e}");
+                0
+            });
+        self.metrics.draft_prefix_hits.inc_by(draft_cached as u64);
         Active {
             id,
             out: Out {
@@ -430,7 +452,7 @@ impl Sessions {
             seq,
             phase: Phase::Connecting(link),
             prefilled: false,
-            prefill_at: 0,
+            prefill_at: draft_cached,
             cached_tokens: 0,
             queued_s,
             reconnects: 0,
@@ -633,6 +655,7 @@ impl Sessions {
                 (RoundWork::Prefill(end), _) => {
                     a.prefill_at = *end;
                     a.prefilled = *end == a.req.prompt_ids.len();
+                    a.seq.publish(engine, &a.req.prompt_ids[..*end]);
                     Ok(())
                 }
                 (RoundWork::Draft(_), Phase::Spec(d)) => {
@@ -648,6 +671,7 @@ impl Sessions {
                 }
                 _ => Ok(()),
             };
+            a.publish(engine);
             match r {
                 Ok(()) => {}
                 // Found at the next advance (the link says it again).
@@ -675,6 +699,8 @@ impl Sessions {
 
     /// The session is over: tell the client how, free the draft's KV and the link.
     fn end(&self, engine: &mut Engine, mut a: Active, end: End) {
+        // What the conversation's next turn will start with stays in the draft's prefix cache.
+        a.publish(engine);
         a.seq.free(engine);
         let report = match std::mem::replace(&mut a.phase, Phase::Recovering) {
             Phase::Spec(d) => {
