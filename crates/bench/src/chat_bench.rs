@@ -5,7 +5,8 @@
 //! rest is the prefill the cloud computed). In the same run, on the same link and cores:
 //! speculation through `tandem serve` over HTTP (OpenAI's streamed chat completions) and
 //! cloud-only streaming (the verifier's `Generate` RPC over the same rendered history), with the
-//! verifier's prefix cache on and off (`cloud serve --no-prefix-cache`). Every user's system
+//! prefix caches on and off (the verifier's, `cloud serve --no-prefix-cache`, and the edge's
+//! draft's, `tandem serve --no-prefix-cache`, together). Every user's system
 //! prompt names the user, the mode and the level, so that no conversation hits another's pages:
 //! what is measured is one conversation's reuse of its own history.
 
@@ -48,7 +49,8 @@ pub struct ChatBenchArgs {
     pub turns: usize,
     pub max_tokens: usize,
     pub rtt_ms: f64,
-    /// The verifier's prefix cache: on, off, or both (one verifier process each).
+    /// The prefix caches, the verifier's and the edge's together: on, off, or both (one verifier
+    /// process each).
     pub cache: Vec<bool>,
     pub gamma: usize,
     pub depth: usize,
@@ -377,6 +379,7 @@ pub fn run(a: &ChatBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ChatRepo
             fallback_local: false,
             connect_timeout: Duration::from_secs(3),
             reconnect_window: Duration::from_millis(tandem_spec::edge::RECONNECT_WINDOW_MS),
+            prefix_cache: cache,
         };
         let engine = Engine::new(draft.model.clone(), edge_cfg)?;
         let server = rt.spawn(tandem_edge::serve::serve(

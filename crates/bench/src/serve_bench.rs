@@ -324,6 +324,7 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
         fallback_local: false,
         connect_timeout: Duration::from_secs(10),
         reconnect_window: Duration::from_millis(tandem_spec::edge::RECONNECT_WINDOW_MS),
+        prefix_cache: true,
     };
     let engine = Engine::new(draft.model.clone(), edge_cfg)?;
     // The target's tokenizer is the draft's (the verifier checks the fingerprint).

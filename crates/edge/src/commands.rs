@@ -46,6 +46,10 @@ pub struct EdgeServeArgs {
     /// with --fallback local.
     #[arg(long, default_value_t = tandem_spec::edge::RECONNECT_WINDOW_MS)]
     pub reconnect_window_ms: u64,
+    /// Do not keep the draft's KV of finished requests for later ones that start the same way
+    /// (by default a conversation's next turn prefills only its new tokens into the draft).
+    #[arg(long)]
+    pub no_prefix_cache: bool,
     /// The model's name in the API (default: the draft file's name up to its first dot).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -119,6 +123,7 @@ pub fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result<()> {
         fallback_local: a.fallback == "local",
         connect_timeout: std::time::Duration::from_millis(a.connect_timeout_ms.max(1)),
         reconnect_window: std::time::Duration::from_millis(a.reconnect_window_ms),
+        prefix_cache: !a.no_prefix_cache,
     };
     let tok = std::sync::Arc::new(m.tokenizer);
     let rt = tandem_proto::runtime()?;

@@ -157,7 +157,8 @@ pub struct ChatBenchCliArgs {
     /// Emulated round trip to the verifier, ms.
     #[arg(long, default_value_t = 50.0)]
     rtt_ms: f64,
-    /// The verifier's prefix cache: on, off, or on,off (a verifier process each).
+    /// The prefix caches (the verifier's and the edge's together): on, off, or on,off (a
+    /// verifier process each).
     #[arg(long, value_delimiter = ',', default_value = "on,off")]
     cache: Vec<OnOff>,
     #[arg(long, default_value_t = 2)]

@@ -60,6 +60,9 @@ pub struct ServeConfig {
     pub connect_timeout: Duration,
     /// How long a session whose connection was lost keeps trying to reopen it.
     pub reconnect_window: Duration,
+    /// Keep the draft's KV of finished requests for later ones that start the same way (a
+    /// conversation's next turn); off, every request prefills its whole prompt.
+    pub prefix_cache: bool,
 }
 
 struct AppState {
@@ -93,6 +96,7 @@ pub async fn serve(
         tok: tok.clone(),
         fallback_local: cfg.fallback_local,
         reconnect_window_ms: cfg.reconnect_window.as_millis() as u64,
+        prefix_cache: cfg.prefix_cache,
         metrics: metrics.clone(),
         tx: tx.clone(),
     };

@@ -127,6 +127,8 @@ pub struct Sessions {
     pub fallback_local: bool,
     /// How long a lost connection may take to reopen.
     pub reconnect_window_ms: u64,
+    /// Sessions publish and attach the draft's KV pages.
+    pub prefix_cache: bool,
     pub metrics: Arc<EdgeMetrics>,
     /// Rings the engine thread (given to each link, and to recovery threads).
     pub tx: Sender<Msg>,
@@ -423,12 +425,15 @@ impl Sessions {
         let mut seq = DraftSeq::new(engine, SeqId(id), &[], &spec);
         // An earlier turn of the conversation left the draft's KV of its history in the cache:
         // only the new tokens are prefilled.
-        let draft_cached = seq
-            .attach_cached(engine, &req.prompt_ids)
-            .unwrap_or_else(|e| {
-                tracing::warn!("request {id}: the draft's prefix cache was not used: {e}");
-                0
-            });
+        let draft_cached = if self.prefix_cache {
+            seq.attach_cached(engine, &req.prompt_ids)
+                .unwrap_or_else(|e| {
+                    tracing::warn!("request {id}: the draft's prefix cache was not used: {e}");
+                    0
+                })
+        } else {
+            0
+        };
         self.metrics.draft_prefix_hits.inc_by(draft_cached as u64);
         Active {
             id,
@@ -655,7 +660,6 @@ impl Sessions {
                 (RoundWork::Prefill(end), _) => {
                     a.prefill_at = *end;
                     a.prefilled = *end == a.req.prompt_ids.len();
-                    a.seq.publish(engine, &a.req.prompt_ids[..*end]);
                     Ok(())
                 }
                 (RoundWork::Draft(_), Phase::Spec(d)) => {
@@ -671,7 +675,9 @@ impl Sessions {
                 }
                 _ => Ok(()),
             };
-            a.publish(engine);
+            if self.prefix_cache {
+                a.publish(engine);
+            }
             match r {
                 Ok(()) => {}
                 // Found at the next advance (the link says it again).
@@ -700,7 +706,9 @@ impl Sessions {
     /// The session is over: tell the client how, free the draft's KV and the link.
     fn end(&self, engine: &mut Engine, mut a: Active, end: End) {
         // What the conversation's next turn will start with stays in the draft's prefix cache.
-        a.publish(engine);
+        if self.prefix_cache {
+            a.publish(engine);
+        }
         a.seq.free(engine);
         let report = match std::mem::replace(&mut a.phase, Phase::Recovering) {
             Phase::Spec(d) => {
