@@ -32,6 +32,10 @@ pub struct BenchArgs {
     /// Repetitions per measurement (the best is kept).
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
+    /// Context lengths after which one token and a chunk of 32 are timed (a conversation's
+    /// later turns: attention over the history).
+    #[arg(long, value_delimiter = ',', default_value = "1000")]
+    pub contexts: Vec<usize>,
     #[arg(skip)]
     pub peer_python: Option<PathBuf>,
     #[arg(skip)]
@@ -63,6 +67,8 @@ pub struct ModelBench {
     pub chunk_ms: BTreeMap<usize, f64>,
     /// Sessions → committed-position throughput (tokens/s) of one ragged forward of 5 tokens each.
     pub batch_tok_s: BTreeMap<usize, f64>,
+    /// Context length → ms of a forward of one new token and of 32 after that many tokens.
+    pub context_ms: BTreeMap<usize, [f64; 2]>,
     pub bytes_per_token: usize,
     pub bandwidth_limit_tok_s: f64,
     /// GFLOP/s of the matmul kernels on a cache-resident block of this model's layer format,
@@ -246,6 +252,29 @@ fn bench_model(
     }
     e.free(s);
 
+    let mut context_ms = BTreeMap::new();
+    for &n in &a.contexts {
+        let long: Vec<u32> = ctx.iter().cycle().take(n).copied().collect();
+        e.free(s);
+        if n > 0 {
+            e.forward(&[SeqChunk::new(s, 0, long, Wanted::None)])?;
+        }
+        let mut ms = [0f64; 2];
+        for (m, k) in ms.iter_mut().zip([1usize, 32]) {
+            let toks: Vec<u32> = ctx.iter().cycle().take(k).copied().collect();
+            let mut best = f64::MAX;
+            for _ in 0..a.repeats {
+                let t = Instant::now();
+                e.forward(&[SeqChunk::new(s, n, toks.clone(), Wanted::Last)])?;
+                best = best.min(t.elapsed().as_secs_f64());
+                e.truncate(s, n)?;
+            }
+            *m = round2(best * 1e3);
+        }
+        context_ms.insert(n, ms);
+    }
+    e.free(s);
+
     let mut batch_tok_s = BTreeMap::new();
     for &n in a.batch_sizes.iter().filter(|_| batches) {
         let seqs: Vec<SeqId> = (1..=n as u64).map(SeqId).collect();
@@ -299,6 +328,7 @@ fn bench_model(
         decode_tok_s: round2(decode),
         chunk_ms,
         batch_tok_s,
+        context_ms,
         bytes_per_token: bytes,
         bandwidth_limit_tok_s: round2(bw * 1e9 / bytes as f64),
         kernel_gflops: round2(gflops),
@@ -459,6 +489,15 @@ pub fn table(b: &EngineBench) -> String {
                 s += &format!(" {v:.1} ({p}) |");
             }
             s += "\n";
+        }
+    }
+    s += "\nAfter a long context: a forward of 1 new token and of 32 (ms):\n\n";
+    s += "| threads | model | context | 1 token | 32 tokens |\n|---|---|---|---|---|\n";
+    for r in &b.runs {
+        for (name, m, _) in models_of(r) {
+            for (n, [one, chunk]) in &m.context_ms {
+                s += &format!("| {} | {name} | {n} | {one:.1} | {chunk:.1} |\n", r.threads);
+            }
         }
     }
     s += "\nRagged batch of n sequences × 5 new tokens, one forward (tokens/s):\n\n";

@@ -37,6 +37,8 @@ fn cli_bench_engine_json_contract() {
         "1,5",
         "--batch",
         "2",
+        "--contexts",
+        "100",
         "--no-peer",
         "--json",
     ]);
@@ -66,6 +68,10 @@ fn cli_bench_engine_json_contract() {
     }
     assert!(v["batch_throughput_tok_s"]["2"].as_f64().is_some(), "{v}");
     let run = &v["runs"][0];
+    assert!(
+        run["target"]["context_ms"]["100"][1].as_f64().is_some(),
+        "{v}"
+    );
     assert!(run["target"]["compute_limit_tok_s"]
         .as_f64()
         .is_some_and(|x| x > 0.0));

@@ -94,6 +94,63 @@ pub(super) unsafe fn dot16(a: &[f32], b: &[f32]) -> f32 {
     fold16(v)
 }
 
+/// [`dot16`] of `q` with each of four rows `k`: the same lanes, multiplies, adds and fold for
+/// each, so the same four bits; the fold of the four runs side by side in vectors (each level
+/// adds the same lane pairs as `fold16`), and `q` is loaded once for the four.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dots4(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
+    let n = q.len();
+    if !n.is_multiple_of(16) || k.iter().any(|k| k.len() != n) {
+        // SAFETY: as the caller's.
+        return k.map(|k| unsafe { dot16(q, k) });
+    }
+    let pq = q.as_ptr();
+    let pk = k.map(|k| k.as_ptr());
+    let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+    let mut i = 0;
+    while i < n {
+        // SAFETY: elements i..i + 16 are within `q` and every `k` (all n long).
+        unsafe {
+            let q0 = _mm256_loadu_ps(pq.add(i));
+            let q1 = _mm256_loadu_ps(pq.add(i + 8));
+            for (a, p) in acc.iter_mut().zip(&pk) {
+                a[0] = _mm256_add_ps(a[0], _mm256_mul_ps(q0, _mm256_loadu_ps(p.add(i))));
+                a[1] = _mm256_add_ps(a[1], _mm256_mul_ps(q1, _mm256_loadu_ps(p.add(i + 8))));
+            }
+        }
+        i += 16;
+    }
+    // Lanes i and i + 8, for each row.
+    let s = acc.map(|a| _mm256_add_ps(a[0], a[1]));
+    // Lanes i and i + 4: rows 0 and 1 in one vector, 2 and 3 in another.
+    let t01 = _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(s[0], s[1]),
+        _mm256_permute2f128_ps::<0x31>(s[0], s[1]),
+    );
+    let t23 = _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(s[2], s[3]),
+        _mm256_permute2f128_ps::<0x31>(s[2], s[3]),
+    );
+    // Lanes i and i + 2: [u0 u1 | u0 u1] of rows 0, 2 (low half) and 1, 3 (high half).
+    let u = _mm256_add_ps(
+        _mm256_shuffle_ps::<0x44>(t01, t23),
+        _mm256_shuffle_ps::<0xEE>(t01, t23),
+    );
+    // Lanes 0 and 1: rows 0, 2 in lanes 0, 1 and rows 1, 3 in lanes 4, 5.
+    let r = _mm256_add_ps(
+        _mm256_shuffle_ps::<0x88>(u, u),
+        _mm256_shuffle_ps::<0xDD>(u, u),
+    );
+    let mut out = [0f32; 8];
+    // SAFETY: `out` holds 8 floats.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), r) };
+    [out[0], out[4], out[1], out[5]]
+}
+
 /// A quantized block format, decoded in registers: its 32 weights as four vectors (elements
 /// 0..8, 8..16, 16..24, 24..32), each the portable dequantization's value.
 trait QBlock {

@@ -670,6 +670,18 @@ pub fn dot_on(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     dot_inline(a, b)
 }
 
+/// [`dot_on`] of `q` with each of four rows, bit for bit.
+#[inline(always)]
+pub fn dots4_on(isa: Isa, q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Portable {
+        // SAFETY: a SIMD path is selected (or asked for) only on a CPU with AVX2.
+        return unsafe { avx2::dots4(q, k) };
+    }
+    let _ = isa;
+    k.map(|k| dot_inline(q, k))
+}
+
 /// RMS norm of each row of `x: [n, dim]` times `weight`, written to `out`.
 #[inline(always)]
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {

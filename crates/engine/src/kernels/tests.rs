@@ -306,3 +306,24 @@ fn the_first_rows_of_a_repacked_matrix_multiply_as_the_repacking_of_the_first_ro
         }
     }
 }
+
+#[test]
+fn four_dots_at_once_are_four_dots_on_every_path() {
+    // Attention's scores: a query head against four K rows; widths a multiple of 16 (the
+    // vectors' case) and not (each row alone).
+    for n in [16usize, 64, 256, 40, 7] {
+        let q = rand(n as u64, n);
+        let k: Vec<Vec<f32>> = (0..4).map(|i| rand(100 + i + n as u64, n)).collect();
+        let rows = [&k[0][..], &k[1][..], &k[2][..], &k[3][..]];
+        let want: Vec<u32> = rows.iter().map(|r| dot(&q, r).to_bits()).collect();
+        for isa in Isa::available() {
+            let got: Vec<u32> = dots4_on(isa, &q, rows)
+                .iter()
+                .map(|x| x.to_bits())
+                .collect();
+            assert_eq!(got, want, "{isa:?} n={n}");
+            let one: Vec<u32> = rows.iter().map(|r| dot_on(isa, &q, r).to_bits()).collect();
+            assert_eq!(one, want, "{isa:?} n={n}: dot_on");
+        }
+    }
+}

@@ -579,6 +579,17 @@ impl LlamaModel {
             })
             .collect();
 
+        // Blocks of consecutive tokens of one sequence, whose attention runs together.
+        let mut blocks: Vec<(usize, usize)> = Vec::new();
+        for t in 0..n_tok {
+            match blocks.last_mut() {
+                Some((t0, t1)) if seq_of[*t0] == seq_of[t] && *t1 - *t0 < ops::TOKENS_PER_BLOCK => {
+                    *t1 = t + 1
+                }
+                _ => blocks.push((t, t + 1)),
+            }
+        }
+
         let fake = |x: &mut [f32], width: usize| {
             if let Some(b) = self.act_bits {
                 fake_quantize_rows(x, width, b);
@@ -609,13 +620,30 @@ impl LlamaModel {
             let (ks, vs) = (&kv.k[li], &kv.v[li]);
             let rep = c.n_head / c.n_kv_head;
             let scale = 1.0 / (hd as f32).sqrt();
-            // One task per (token, query head): [n_tok * n_head, head_dim].
-            att.par_chunks_mut(hd).enumerate().for_each(|(i, out)| {
-                let (t, head) = (i / c.n_head, i % c.n_head);
-                let kvh = head / rep;
-                let qv = &q[t * d + head * hd..t * d + (head + 1) * hd];
-                let (rows, off) = (&rows_at[t], kvh * hd);
-                attend_on(isa, qv, ks, vs, rows.len(), scale, |j| rows[j] + off, out)
+            // One task per block of a sequence's tokens and KV head: the query heads that read
+            // it, together.
+            let mut by_head: Vec<Vec<&mut [f32]>> = (0..c.n_kv_head)
+                .map(|_| Vec::with_capacity(n_tok))
+                .collect();
+            for row in att.chunks_mut(d) {
+                for (cell, h) in row.chunks_mut(rep * hd).zip(by_head.iter_mut()) {
+                    h.push(cell);
+                }
+            }
+            let mut by_head: Vec<_> = by_head.into_iter().map(|h| h.into_iter()).collect();
+            let mut tasks = Vec::with_capacity(blocks.len() * c.n_kv_head);
+            for &(t0, t1) in &blocks {
+                for (kvh, cells) in by_head.iter_mut().enumerate() {
+                    let outs: Vec<&mut [f32]> = cells.take(t1 - t0).collect();
+                    tasks.push((t0, t1, kvh, outs));
+                }
+            }
+            tasks.into_par_iter().for_each(|(t0, t1, kvh, mut outs)| {
+                let qs: Vec<&[f32]> = (t0..t1)
+                    .map(|t| &q[t * d + kvh * rep * hd..t * d + (kvh + 1) * rep * hd])
+                    .collect();
+                let rows: Vec<&[usize]> = (t0..t1).map(|t| rows_at[t].as_slice()).collect();
+                attend_on(isa, &qs, hd, ks, vs, &rows, kvh * hd, scale, &mut outs)
             });
             fake(&mut att, d);
             seen(li, Site::AttentionOutput, &att);

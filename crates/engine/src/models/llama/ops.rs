@@ -3,40 +3,174 @@
 
 use super::*;
 
-/// One query head's attention over its context, `softmax(q·Kᵀ·scale)·V`, with K and V read in
-/// place from the paged cache: position `j`'s head starts at `at(j)` in `ks` and `vs`.
+/// Positions whose V rows one pass of the query heads reads together (they stay in L1 while
+/// each head accumulates them).
+const TILE: usize = 64;
+/// Columns of an output row the value pass keeps in registers.
+const COLS: usize = 64;
+/// Tokens of one sequence whose attention runs together (sharing the reads of their common
+/// context).
+pub(super) const TOKENS_PER_BLOCK: usize = 8;
+
+/// Query heads attending over the paged cache, `softmax(q·Kᵀ·scale)·V` each: for each token `b`
+/// of a block, the `rep` heads `qs[b]` (`[rep, head_dim]`) that read one KV head, over the
+/// context `rows[b]` (position `j`'s head starts at `rows[b][j] + off` in `ks` and `vs`),
+/// written to `out[b]` (`[rep, head_dim]`).
+///
+/// Each head's result is bit for bit that of attending alone, on every path and whatever the
+/// block: the same operations in the same order for each (one dot per position, the softmax's
+/// max, exponentials and sum in position order, each weight divided by the sum, the values
+/// accumulated in position order). The heads only share reads: over the positions every token of
+/// the block has (a chunk's tokens share their sequence's history), a K row serves every head's
+/// dot at once, and a tile of V rows every head's accumulation, kept in registers a block of
+/// columns at a time.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attend(
     isa: kernels::Isa,
-    qv: &[f32],
+    qs: &[&[f32]],
+    head_dim: usize,
     ks: &[f32],
     vs: &[f32],
-    n_ctx: usize,
+    rows: &[&[usize]],
+    off: usize,
     scale: f32,
-    at: impl Fn(usize) -> usize,
-    out: &mut [f32],
+    out: &mut [&mut [f32]],
 ) {
-    let hd = qv.len();
-    let mut scores = vec![0f32; n_ctx];
-    for (j, s) in scores.iter_mut().enumerate() {
-        let a = at(j);
-        *s = kernels::dot_on(isa, qv, &ks[a..a + hd]) * scale;
+    let hd = head_dim;
+    let rep = qs.first().map_or(0, |q| q.len() / hd);
+    // The positions every token's context has, at the same place.
+    let shared = rows
+        .iter()
+        .skip(1)
+        .fold(rows.first().map_or(0, |r| r.len()), |n, r| {
+            n.min(r.iter().zip(rows[0]).take_while(|(a, b)| a == b).count())
+        });
+    // Each (token, head)'s scores, then its weights: row `b * rep + h`, `rows[b].len()` long.
+    let mut start = Vec::with_capacity(qs.len() * rep + 1);
+    start.push(0);
+    for r in rows {
+        for _ in 0..rep {
+            start.push(start.last().expect("invariant: started") + r.len());
+        }
     }
-    let mut max = f32::NEG_INFINITY;
-    for &s in &scores {
-        max = max.max(s);
+    let mut w = vec![0f32; *start.last().expect("invariant: started")];
+    // Four positions at a time (their K rows serve every head), then one at a time.
+    let k_row = |rb: &[usize], j: usize| {
+        let a = rb[j] + off;
+        &ks[a..a + hd]
+    };
+    let mut j = 0;
+    while j + 4 <= shared {
+        let k4 = [0, 1, 2, 3].map(|x| k_row(rows[0], j + x));
+        for (b, q) in qs.iter().enumerate() {
+            for (h, qh) in q.chunks_exact(hd).enumerate() {
+                let d = kernels::dots4_on(isa, qh, k4);
+                let at = start[b * rep + h] + j;
+                for (x, v) in w[at..at + 4].iter_mut().zip(d) {
+                    *x = v * scale;
+                }
+            }
+        }
+        j += 4;
     }
-    let mut sum = 0f32;
-    for s in scores.iter_mut() {
-        *s = kernels::exp(*s - max);
-        sum += *s;
+    for j in j..shared {
+        let k = k_row(rows[0], j);
+        for (b, q) in qs.iter().enumerate() {
+            for (h, qh) in q.chunks_exact(hd).enumerate() {
+                w[start[b * rep + h] + j] = kernels::dot_on(isa, qh, k) * scale;
+            }
+        }
     }
-    out.fill(0.0);
-    for (j, &p) in scores.iter().enumerate() {
-        let (w, a) = (p / sum, at(j));
-        for (o, &vv) in out.iter_mut().zip(&vs[a..a + hd]) {
-            *o += w * vv;
+    for (b, q) in qs.iter().enumerate() {
+        for j in shared..rows[b].len() {
+            let k = k_row(rows[b], j);
+            for (h, qh) in q.chunks_exact(hd).enumerate() {
+                w[start[b * rep + h] + j] = kernels::dot_on(isa, qh, k) * scale;
+            }
+        }
+    }
+    for i in 0..start.len() - 1 {
+        let s = &mut w[start[i]..start[i + 1]];
+        let mut max = f32::NEG_INFINITY;
+        for &x in s.iter() {
+            max = max.max(x);
+        }
+        for x in s.iter_mut() {
+            *x = kernels::exp(*x - max);
+        }
+        let mut sum = 0f32;
+        for &x in s.iter() {
+            sum += x;
+        }
+        for x in s.iter_mut() {
+            *x /= sum;
+        }
+    }
+    for o in out.iter_mut() {
+        o.fill(0.0);
+    }
+    for j0 in (0..shared).step_by(TILE) {
+        let j1 = (j0 + TILE).min(shared);
+        for (b, o) in out.iter_mut().enumerate() {
+            for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
+                let i = b * rep + h;
+                accumulate(oh, &w[start[i]..start[i + 1]], vs, rows[b], off, j0, j1);
+            }
+        }
+    }
+    for (b, o) in out.iter_mut().enumerate() {
+        for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
+            let i = b * rep + h;
+            accumulate(
+                oh,
+                &w[start[i]..start[i + 1]],
+                vs,
+                rows[b],
+                off,
+                shared,
+                rows[b].len(),
+            );
+        }
+    }
+}
+
+/// One head accumulates the values of positions `j0..j1` (weights `wr`, rows `rb` offset by
+/// `off`) into its output `o`, in position order. A function, not a closure: inlined, it is
+/// compiled for the caller's path.
+#[inline(always)]
+fn accumulate(
+    o: &mut [f32],
+    wr: &[f32],
+    vs: &[f32],
+    rb: &[usize],
+    off: usize,
+    j0: usize,
+    j1: usize,
+) {
+    let hd = o.len();
+    let mut c0 = 0;
+    while c0 + COLS <= hd {
+        let mut acc: [f32; COLS] = o[c0..c0 + COLS]
+            .try_into()
+            .expect("invariant: COLS columns");
+        for j in j0..j1 {
+            let (p, a) = (wr[j], rb[j] + off + c0);
+            let v: &[f32; COLS] = vs[a..a + COLS].try_into().expect("invariant: COLS columns");
+            for i in 0..COLS {
+                acc[i] += p * v[i];
+            }
+        }
+        o[c0..c0 + COLS].copy_from_slice(&acc);
+        c0 += COLS;
+    }
+    if c0 < hd {
+        let o = &mut o[c0..];
+        for j in j0..j1 {
+            let (p, a) = (wr[j], rb[j] + off + c0);
+            for (x, &vv) in o.iter_mut().zip(&vs[a..a + hd - c0]) {
+                *x += p * vv;
+            }
         }
     }
 }
@@ -47,50 +181,79 @@ pub(super) fn attend(
 #[inline(always)]
 pub(super) fn attend_on(
     isa: kernels::Isa,
-    qv: &[f32],
+    qs: &[&[f32]],
+    head_dim: usize,
     ks: &[f32],
     vs: &[f32],
-    n_ctx: usize,
+    rows: &[&[usize]],
+    off: usize,
     scale: f32,
-    at: impl Fn(usize) -> usize,
-    out: &mut [f32],
+    out: &mut [&mut [f32]],
 ) {
     #[cfg(target_arch = "x86_64")]
     {
+        #[allow(clippy::too_many_arguments)]
         #[target_feature(enable = "avx2,fma,f16c")]
         fn avx2(
-            qv: &[f32],
+            qs: &[&[f32]],
+            head_dim: usize,
             ks: &[f32],
             vs: &[f32],
-            n_ctx: usize,
+            rows: &[&[usize]],
+            off: usize,
             scale: f32,
-            at: impl Fn(usize) -> usize,
-            out: &mut [f32],
+            out: &mut [&mut [f32]],
         ) {
-            attend(kernels::Isa::Avx2, qv, ks, vs, n_ctx, scale, at, out)
+            attend(
+                kernels::Isa::Avx2,
+                qs,
+                head_dim,
+                ks,
+                vs,
+                rows,
+                off,
+                scale,
+                out,
+            )
         }
+        #[allow(clippy::too_many_arguments)]
         #[target_feature(enable = "avx512f,avx2,fma,f16c")]
         fn avx512(
-            qv: &[f32],
+            qs: &[&[f32]],
+            head_dim: usize,
             ks: &[f32],
             vs: &[f32],
-            n_ctx: usize,
+            rows: &[&[usize]],
+            off: usize,
             scale: f32,
-            at: impl Fn(usize) -> usize,
-            out: &mut [f32],
+            out: &mut [&mut [f32]],
         ) {
-            attend(kernels::Isa::Avx512, qv, ks, vs, n_ctx, scale, at, out)
+            attend(
+                kernels::Isa::Avx512,
+                qs,
+                head_dim,
+                ks,
+                vs,
+                rows,
+                off,
+                scale,
+                out,
+            )
         }
         match isa {
             // SAFETY: a path is selected only on a CPU that runs it.
-            kernels::Isa::Avx2 => return unsafe { avx2(qv, ks, vs, n_ctx, scale, at, out) },
+            kernels::Isa::Avx2 => {
+                return unsafe { avx2(qs, head_dim, ks, vs, rows, off, scale, out) }
+            }
             // SAFETY: as above.
-            kernels::Isa::Avx512 => return unsafe { avx512(qv, ks, vs, n_ctx, scale, at, out) },
+            kernels::Isa::Avx512 => {
+                return unsafe { avx512(qs, head_dim, ks, vs, rows, off, scale, out) }
+            }
             kernels::Isa::Portable => {}
         }
     }
     let _ = isa;
-    attend(isa, qv, ks, vs, n_ctx, scale, at, out)
+    attend(isa, qs, head_dim, ks, vs, rows, off, scale, out)
 }
 
 #[inline(always)]

@@ -32,31 +32,61 @@ fn reference(
 
 #[test]
 fn attention_matches_a_plain_reference() {
-    for hd in [64usize, 40] {
+    for hd in [64usize, 40, 160] {
         for n_ctx in [1usize, 7, 150] {
             let stride = 3 * hd; // other heads' slots between this head's positions
             let at = |j: usize| j * stride + hd;
             let ks = rand(1, n_ctx * stride + 2 * hd);
             let vs = rand(2, n_ctx * stride + 2 * hd);
-            let q: Vec<f32> = rand(3, hd).iter().map(|v| v * 4.0).collect();
+            // Two tokens of three query heads that read the same KV head, the second's context
+            // the first's and one more position: together and each head alone give the same
+            // bits, and each the reference's.
+            let qs: Vec<f32> = rand(3, 6 * hd).iter().map(|v| v * 4.0).collect();
             let scale = 1.0 / (hd as f32).sqrt();
-            let want = reference(&q, &ks, &vs, n_ctx, at);
-            let mut got = vec![0f32; hd];
-            attend(
-                kernels::Isa::Portable,
-                &q,
-                &ks,
-                &vs,
-                n_ctx,
-                scale,
-                at,
-                &mut got,
-            );
-            for (g, w) in got.iter().zip(&want) {
-                assert!(
-                    (*g as f64 - w).abs() < 1e-5,
-                    "hd {hd} n_ctx {n_ctx}: {g} vs {w}"
+            let rows: Vec<usize> = (0..n_ctx + 1).map(|j| j * stride).collect();
+            let ctx = [&rows[..n_ctx], &rows[..]];
+            let mut together = vec![0f32; 6 * hd];
+            {
+                let (a, b) = together.split_at_mut(3 * hd);
+                attend(
+                    kernels::Isa::Portable,
+                    &[&qs[..3 * hd], &qs[3 * hd..]],
+                    hd,
+                    &ks,
+                    &vs,
+                    &ctx,
+                    hd,
+                    scale,
+                    &mut [a, b],
                 );
+            }
+            for (i, q) in qs.chunks_exact(hd).enumerate() {
+                let n = ctx[i / 3].len();
+                let want = reference(q, &ks, &vs, n, at);
+                let mut alone = vec![0f32; hd];
+                attend(
+                    kernels::Isa::Portable,
+                    &[q],
+                    hd,
+                    &ks,
+                    &vs,
+                    &[ctx[i / 3]],
+                    hd,
+                    scale,
+                    &mut [&mut alone],
+                );
+                let got = &together[i * hd..(i + 1) * hd];
+                assert_eq!(
+                    got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "hd {hd} n_ctx {n}: head {i} together and alone differ"
+                );
+                for (g, w) in got.iter().zip(&want) {
+                    assert!(
+                        (*g as f64 - w).abs() < 1e-5,
+                        "hd {hd} n_ctx {n}: {g} vs {w}"
+                    );
+                }
             }
         }
     }
