@@ -71,6 +71,10 @@ pub struct Turn {
     /// cache served (None at the first turn).
     pub history_hit: Option<f64>,
     pub ttft_ms: f64,
+    /// The analytic model's time to first token for this turn (`capacity::operate_on`): the
+    /// verifier's measured forward cost, this turn's prompt and cached tokens (the hit rate as
+    /// an input), the users, the round trip and the token budget.
+    pub model_ttft_ms: Option<f64>,
     pub itl_ms: f64,
 }
 
@@ -298,6 +302,7 @@ fn row(
             ttft_ms: round2(mean(
                 done.iter().filter_map(|(a, _)| a.token_ms.first().copied()),
             )),
+            model_ttft_ms: None,
             itl_ms: round2(mean(done.iter().flat_map(|(a, _)| {
                 a.token_ms
                     .windows(2)
@@ -324,6 +329,35 @@ fn row(
         ttft_growth: growth,
         itl_mean_ms: round2(mean(gaps.into_iter())),
         wall_s: round2(wall_s),
+    }
+}
+
+/// Put the analytic model's time to first token beside each turn of `r`: the verifier's prefill
+/// of the prompt tokens its cache did not hold, after a round trip, at this many users decoding
+/// (at γ 0 in both modes: the first token is the verifier's prefill's in both, and α and the
+/// draft's speed do not enter it). The model has no term for attention over the history, so
+/// what grows with the history past the prefill is the engine's attention.
+fn predict(r: &mut Row, cost: Option<&tandem_spec::capacity::ForwardCost>, a: &ChatBenchArgs) {
+    let Some(cost) = cost else {
+        return;
+    };
+    let costs = tandem_spec::policy::Costs {
+        alpha: 0.0,
+        draft_ms: 0.0,
+        verify_ms: 0.0,
+        verify_ms_per_token: 0.0,
+        rtt_ms: a.rtt_ms,
+        verdict_ms: 0.0,
+    };
+    for t in &mut r.turns {
+        let w = tandem_spec::capacity::Workload {
+            prompt_tokens: t.prompt_tokens.round() as usize,
+            cached_tokens: t.cached_tokens.round() as usize,
+            new_tokens: a.max_tokens,
+            token_budget: tandem_verifier::VerifierConfig::default().token_budget,
+        };
+        let o = tandem_spec::capacity::operate_on(&costs, cost, r.users, 0, 1, &w);
+        t.model_ttft_ms = Some(round2(o.ttft_ms));
     }
 }
 
@@ -363,6 +397,7 @@ pub fn run(a: &ChatBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ChatRepo
             vec!["--no-prefix-cache".into()]
         };
         let cloud = CloudProcess::start(&a.home, &a.cloud_cpus, &extra)?;
+        let model = |r: &mut Row| predict(r, cloud.forward_cost.as_ref(), a);
         let mut link = Link::new()?;
         let front = link.set(&cloud.addr, a.rtt_ms, 0.0)?;
         let rt = tandem_client::runtime()?;
@@ -406,25 +441,29 @@ pub fn run(a: &ChatBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ChatRepo
             let users = conversations(n, a.turns, "speculation", &|m| {
                 http_turn(&agent, &url, m, a.max_tokens)
             });
-            rows.push(row(
+            let mut r = row(
                 "speculation",
                 cache,
                 &users,
                 a.turns,
                 t0.elapsed().as_secs_f64(),
-            ));
+            );
+            model(&mut r);
+            rows.push(r);
             progress(&format!("cloud-only (Generate), cache {on}, {n} users"));
             let t0 = Instant::now();
             let users = conversations(n, a.turns, "cloud-only", &|m| {
                 cloud_turn(&grpc, &front, &tok, m, a.max_tokens)
             });
-            rows.push(row(
+            let mut r = row(
                 "cloud-only",
                 cache,
                 &users,
                 a.turns,
                 t0.elapsed().as_secs_f64(),
-            ));
+            );
+            model(&mut r);
+            rows.push(r);
         }
         let _ = stop_tx.send(());
         rt.block_on(server)
@@ -476,20 +515,21 @@ pub fn table(r: &ChatReport) -> String {
     }
     for row in &r.rows {
         s.push_str(&format!(
-            "\n{}, cache {}, {} users:\n\n| turn | prompt tokens | cached | cloud prefill | history from cache | TTFT (ms) | ITL (ms) |\n|---|---|---|---|---|---|---|\n",
+            "\n{}, cache {}, {} users:\n\n| turn | prompt tokens | cached | cloud prefill | history from cache | TTFT (ms) | model TTFT (ms) | ITL (ms) |\n|---|---|---|---|---|---|---|---|\n",
             row.mode,
             if row.cache { "on" } else { "off" },
             row.users
         ));
         for t in &row.turns {
             s.push_str(&format!(
-                "| {} | {:.0} | {:.0} | {:.0} | {} | {:.0} | {:.1} |\n",
+                "| {} | {:.0} | {:.0} | {:.0} | {} | {:.0} | {} | {:.1} |\n",
                 t.turn,
                 t.prompt_tokens,
                 t.cached_tokens,
                 t.prefill_tokens,
                 t.history_hit.map_or("—".into(), pct),
                 t.ttft_ms,
+                t.model_ttft_ms.map_or("—".into(), |m| format!("{m:.0}")),
                 t.itl_ms
             ));
         }

@@ -16,8 +16,22 @@ pub struct CloudProcess {
     /// Its gRPC address, and its `/metrics` address when asked for.
     pub addr: String,
     pub metrics_addr: Option<String>,
+    /// The target's forward cost it measured at start-up (its `target forward:` line).
+    pub forward_cost: Option<tandem_spec::capacity::ForwardCost>,
     /// Under `bench --netns`: the proxy that forwards the veth to it.
     front: Option<Child>,
+}
+
+/// The forward cost in `cloud serve`'s line `target forward: A ms for one token, B ms per token
+/// past the ridge (…)`.
+fn parse_forward_cost(line: &str) -> Option<tandem_spec::capacity::ForwardCost> {
+    let rest = line.strip_prefix("target forward: ")?;
+    let (one, rest) = rest.split_once(" ms for one token, ")?;
+    let (per, _) = rest.split_once(" ms per token")?;
+    Some(tandem_spec::capacity::ForwardCost {
+        one_token_ms: one.trim().parse().ok()?,
+        ms_per_token: per.trim().parse().ok()?,
+    })
 }
 
 impl CloudProcess {
@@ -51,6 +65,7 @@ impl CloudProcess {
             cmd.args(["--cpus", &cpus.to_string()]);
         }
         let mut metrics_addr = None;
+        let mut forward_cost = None;
         let (child, addr, lines) = spawn_until(
             cmd,
             "the verifier process",
@@ -58,6 +73,9 @@ impl CloudProcess {
             |line| {
                 if let Some(a) = line.strip_prefix("metrics on http://") {
                     metrics_addr = a.strip_suffix("/metrics").map(str::to_string);
+                }
+                if let Some(c) = parse_forward_cost(line) {
+                    forward_cost = Some(c);
                 }
             },
         )?;
@@ -72,6 +90,7 @@ impl CloudProcess {
             child,
             addr,
             metrics_addr,
+            forward_cost,
             front: None,
         };
         if let Some(p) = netns {
@@ -197,5 +216,18 @@ impl Link {
             .map_err(|e| anyhow!("netem: {e}"))?;
         self.task = Some(task);
         Ok(url)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_verifiers_forward_cost_line_is_read() {
+        let c = super::parse_forward_cost(
+            "target forward: 31.5 ms for one token, 2.84 ms per token past the ridge (≈ 11.1 tokens)",
+        )
+        .unwrap();
+        assert_eq!((c.one_token_ms, c.ms_per_token), (31.5, 2.84));
+        assert!(super::parse_forward_cost("tandem verifier listening on 1.2.3.4:5").is_none());
     }
 }

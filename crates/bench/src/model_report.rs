@@ -193,6 +193,10 @@ pub struct PlanQuery {
     /// Each session's prompt, prefilled by the verifier (0: none).
     #[arg(long, default_value_t = 0)]
     pub prompt_tokens: usize,
+    /// The share of each prompt the verifier's prefix cache holds (a conversation's history, a
+    /// shared system prompt): the prefill computes only the rest.
+    #[arg(long, default_value_t = 0.0)]
+    pub prefix_hit: f64,
     /// New tokens per session (0: endless sessions, the decoding steady state).
     #[arg(long = "tokens", default_value_t = 0)]
     pub new_tokens: usize,
@@ -223,6 +227,9 @@ impl PlanQuery {
         if self.max_gamma == 0 || self.max_depth == 0 {
             bail!("--max-gamma and --max-depth must be at least 1");
         }
+        if !(0.0..1.0).contains(&self.prefix_hit) {
+            bail!("--prefix-hit must be in [0, 1), got {}", self.prefix_hit);
+        }
         let budget = self.workload().token_budget;
         if budget <= self.max_gamma {
             bail!(
@@ -238,6 +245,7 @@ impl PlanQuery {
         let unlimited = |n: usize| if n == 0 { usize::MAX } else { n };
         Workload {
             prompt_tokens: self.prompt_tokens,
+            cached_tokens: (self.prompt_tokens as f64 * self.prefix_hit) as usize,
             new_tokens: unlimited(self.new_tokens),
             token_budget: unlimited(self.token_budget),
         }

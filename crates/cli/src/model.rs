@@ -83,7 +83,7 @@ pub(crate) fn cmd_simulate(a: SimulateArgs) -> Result<()> {
     }
     let c = &a.sim;
     let preface = format!(
-        "target forward max({:.1} ms, {:.2} ms × tokens); α {}, draft {} ms/token, RTT {} ms (± {}% per session, ± {}% per message), {} prompt + {} new tokens per session, token budget {}, {} s measured after {} s\n\n",
+        "target forward max({:.1} ms, {:.2} ms × tokens); α {}, draft {} ms/token, RTT {} ms (± {}% per session, ± {}% per message), {} prompt ({:.0}% of it the user's history: measured prefix-cache hit {}) + {} new tokens per session, token budget {}, {} s measured after {} s\n\n",
         cost.one_token_ms,
         cost.ms_per_token,
         c.alpha,
@@ -92,6 +92,11 @@ pub(crate) fn cmd_simulate(a: SimulateArgs) -> Result<()> {
         c.rtt_spread_pct,
         c.jitter_pct,
         c.prompt_tokens,
+        100.0 * c.prefix_hit,
+        rows.iter()
+            .map(|r| format!("{:.0}%", 100.0 * r.prefix_hit))
+            .collect::<Vec<_>>()
+            .join(", "),
         c.new_tokens,
         c.token_budget,
         c.duration_s,

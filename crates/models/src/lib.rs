@@ -59,8 +59,11 @@ pub struct EngineArgs {
     /// Worker threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// KV cache budget in MiB.
-    #[arg(long, default_value_t = 256)]
+    /// KV cache budget in MiB: what the sessions hold, and the verifier's prefix cache keeps of
+    /// conversations between their turns (about 22,000 tokens of SmolLM2-135M's KV at 1024:
+    /// sixteen conversations of ~1,000 tokens with room to decode). Pages are touched only as
+    /// they fill.
+    #[arg(long, default_value_t = 1024)]
     pub kv_budget_mb: usize,
     /// Tokens per KV cache block.
     #[arg(long, default_value_t = 16)]

@@ -100,6 +100,10 @@ pub struct SimConfig {
     pub adaptive: bool,
     #[arg(long, default_value_t = 40)]
     pub prompt_tokens: usize,
+    /// The share of each prompt a user's sessions have in common (a conversation's history):
+    /// after the user's first session, the replica's prefix cache holds it.
+    #[arg(long, default_value_t = 0.0)]
+    pub prefix_hit: f64,
     /// New tokens per session.
     #[arg(long = "tokens", default_value_t = 48)]
     pub new_tokens: usize,
@@ -146,6 +150,9 @@ pub struct SimRow {
     pub cloud_decoded_share: f64,
     pub takeovers: usize,
     pub acceptance: f64,
+    /// Share of the prompt tokens the replicas' prefix caches served (the model is given
+    /// `--prefix-hit`).
+    pub prefix_hit: f64,
     /// Share of the main path's misses a lane of the draft tree covered (token trees).
     pub lane_cover: f64,
     pub predicted_itl_ms: f64,
@@ -186,6 +193,12 @@ impl SimConfig {
         }
         if self.new_tokens == 0 || self.prompt_tokens == 0 {
             return Err(bad("--tokens and --prompt-tokens must be at least 1".into()));
+        }
+        if !(0.0..1.0).contains(&self.prefix_hit) {
+            return Err(bad(format!(
+                "--prefix-hit must be within 0..1, got {}",
+                self.prefix_hit
+            )));
         }
         Ok(())
     }

@@ -113,6 +113,7 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow, SimError> {
     let per = cfg.users.div_ceil(cfg.replicas);
     let work = Workload {
         prompt_tokens: cfg.prompt_tokens,
+        cached_tokens: (cfg.prompt_tokens as f64 * cfg.prefix_hit) as usize,
         new_tokens: cfg.new_tokens,
         token_budget: cfg.token_budget,
     };
@@ -151,6 +152,13 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow, SimError> {
         },
         takeovers,
         acceptance: r2(sim.accepted as f64 / sim.judged.max(1) as f64),
+        prefix_hit: {
+            let (hits, queries) = sim.replicas.iter().fold((0, 0), |(h, q), r| {
+                let s = r.core.scheduler().stats();
+                (h + s.prefix_hits, q + s.prefix_queries)
+            });
+            r2(hits as f64 / queries.max(1) as f64)
+        },
         lane_cover: r2(sim.lane_hits as f64 / (sim.judged - sim.accepted).max(1) as f64),
         predicted_itl_ms: r2(pred.itl_ms),
         predicted_tokens_per_s: r2(pred.tokens_per_s * (cfg.users as f64 / per as f64)),

@@ -219,8 +219,14 @@ impl Sim {
                 let spread = (uniform(self.cfg.seed ^ 0x55, sid, 2) * 2.0 - 1.0)
                     * self.cfg.rtt_spread_pct
                     / 100.0;
+                // The user's history first (the same in each of its sessions), then this
+                // session's own tokens.
+                let shared = (self.cfg.prompt_tokens as f64 * self.cfg.prefix_hit) as usize;
                 let prompt: Vec<u32> = (0..self.cfg.prompt_tokens)
-                    .map(|i| target_token(self.cfg.seed ^ 0x9, sid, i, 0))
+                    .map(|i| match i < shared {
+                        true => target_token(self.cfg.seed ^ 0x51, user as u64, i, 0),
+                        false => target_token(self.cfg.seed ^ 0x9, sid, i, 0),
+                    })
                     .collect();
                 let last = *prompt
                     .last()

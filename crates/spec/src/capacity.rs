@@ -163,6 +163,9 @@ pub struct Operating {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Workload {
     pub prompt_tokens: usize,
+    /// Of them, those the verifier's prefix cache holds (a conversation's history): the prefill
+    /// computes only the rest.
+    pub cached_tokens: usize,
     /// New tokens per session.
     pub new_tokens: usize,
     pub token_budget: usize,
@@ -172,6 +175,7 @@ impl Workload {
     /// Endless sessions with no prompt and no budget: the steady state of decoding alone.
     pub const DECODE: Workload = Workload {
         prompt_tokens: 0,
+        cached_tokens: 0,
         new_tokens: usize::MAX,
         token_budget: usize::MAX,
     };
@@ -205,8 +209,9 @@ pub fn operate_on(
 ) -> Operating {
     let n = sessions.max(1) as f64;
     let budget = (w.token_budget.max(1) as f64).min(1e12);
+    // The prefill computes what the prefix cache does not hold.
     let (prompt, m) = (
-        w.prompt_tokens as f64,
+        w.prompt_tokens.saturating_sub(w.cached_tokens) as f64,
         (w.new_tokens.max(1) as f64).min(1e12),
     );
     let depth = if gamma == 0 { 1 } else { depth.max(1) };
@@ -532,9 +537,55 @@ mod tests {
     }
 
     #[test]
+    fn a_cached_history_is_not_prefilled_again() {
+        // A conversation's late turn: 1,000 prompt tokens, 960 of them the prefix cache's.
+        let c = costs(0.8, 11.0, 50.0);
+        let turn = |cached| Workload {
+            prompt_tokens: 1000,
+            cached_tokens: cached,
+            new_tokens: 96,
+            token_budget: 256,
+        };
+        let (cold, warm) = (
+            operate_on(&c, &FWD, 1, 0, 1, &turn(0)),
+            operate_on(&c, &FWD, 1, 0, 1, &turn(960)),
+        );
+        // Cold, the prompt takes four forwards of the budget; warm, its 40 new tokens ride one.
+        assert!(cold.ttft_ms > 50.0 + 3.0 * FWD.ms(200.0), "{cold:?}");
+        assert!(warm.ttft_ms < 50.0 + 1.5 * FWD.ms(64.0), "{warm:?}");
+        // Warm, the turn is a 40-token prompt's.
+        let short = operate_on(
+            &c,
+            &FWD,
+            1,
+            0,
+            1,
+            &Workload {
+                prompt_tokens: 40,
+                cached_tokens: 0,
+                ..turn(0)
+            },
+        );
+        assert!(
+            (warm.ttft_ms - short.ttft_ms).abs() < 1e-9,
+            "{warm:?} {short:?}"
+        );
+        // A crowd's throughput cap counts only the prefill computed.
+        let (cold, warm) = (
+            operate_on(&c, &FWD, 256, 0, 1, &turn(0)),
+            operate_on(&c, &FWD, 256, 0, 1, &turn(960)),
+        );
+        assert!(
+            warm.tokens_per_s > 3.0 * cold.tokens_per_s,
+            "{cold:?} {warm:?}"
+        );
+    }
+
+    #[test]
     fn prompts_load_the_verifier_and_saturation_moves_into_the_time_to_first_token() {
         let c = costs(0.8, 11.0, 50.0);
         let w = Workload {
+            cached_tokens: 0,
             prompt_tokens: 40,
             new_tokens: 48,
             token_budget: 64,
@@ -570,6 +621,7 @@ mod tests {
         // Finite sessions without prompts still wait a round trip and a forward for their first
         // token, and every result stays finite at the edges of the inputs.
         let short = Workload {
+            cached_tokens: 0,
             prompt_tokens: 0,
             new_tokens: 1,
             token_budget: usize::MAX,

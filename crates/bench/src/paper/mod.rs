@@ -348,6 +348,7 @@ pub fn run(
                         depth,
                         adaptive: true,
                         prompt_tokens,
+                        prefix_hit: 0.0,
                         new_tokens: load_args.max_new,
                         token_budget: load_args.token_budget,
                         kv_blocks: 65536,
