@@ -372,7 +372,8 @@ pub fn run(a: &ChatBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ChatRepo
     let target = models::load(&a.home, &ModelSpec::Target, None, true)?;
     let edge_cfg = EngineConfig {
         threads: 1,
-        kv_budget_bytes: 512 << 20,
+        // As `tandem serve` has it by default.
+        kv_budget_bytes: tandem_edge::commands::DEFAULT_KV_MB << 20,
         kv_block_size: 16,
         cpus: a.edge_cpus,
     };

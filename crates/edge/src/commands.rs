@@ -69,12 +69,15 @@ pub struct EdgeServeArgs {
     pub threads: Option<usize>,
     /// The draft's KV cache in MiB: what the requests in progress may hold together (each
     /// reserves its prompt and max_tokens; others wait).
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = DEFAULT_KV_MB)]
     pub kv_mb: usize,
     /// Pin the draft engine's threads to these cores.
     #[arg(long)]
     pub cpus: Option<CpuSet>,
 }
+
+/// `tandem serve --kv-mb`'s default: the draft's KV of sixteen conversations of ~1,000 tokens.
+pub const DEFAULT_KV_MB: usize = 1024;
 
 pub fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result<()> {
     for url in &a.cloud {
