@@ -139,11 +139,15 @@ fn a_cached_prefix_gives_the_next_logits_of_a_fresh_run_bit_for_bit() {
 
 /// The next logits of `tokens`, computed in one chunk by a fresh engine.
 fn fresh_last(m: &Arc<LlamaModel>, tokens: &[u32]) -> Vec<u32> {
-    let mut e = engine(m);
+    feed(&mut engine(m), SeqId(9), tokens, 0)
+}
+
+/// Feed `seq` the tokens of `all` from `from` on; the next logits.
+fn feed(e: &mut Engine, seq: SeqId, all: &[u32], from: usize) -> Vec<u32> {
     let l = e
-        .forward(&[SeqChunk::new(SeqId(9), 0, tokens.to_vec(), Wanted::Last)])
+        .forward(&[SeqChunk::new(seq, from, all[from..].to_vec(), Wanted::Last)])
         .unwrap();
-    bits(l.last_for(SeqId(9)).unwrap())
+    bits(l.last_for(seq).unwrap())
 }
 
 /// An engine's own sequences (the edge's draft) share its prefix cache: a conversation's next
@@ -179,15 +183,7 @@ fn an_engines_own_sequences_share_its_prefix_cache_exactly() {
         let n = e.attach_cached(SeqId(2), &second).unwrap();
         assert_eq!(n, 20);
         assert_eq!(e.seq_len(SeqId(2)), 20);
-        let l = e
-            .forward(&[SeqChunk::new(
-                SeqId(2),
-                n,
-                second[n..].to_vec(),
-                Wanted::Last,
-            )])
-            .unwrap();
-        assert_eq!(bits(l.last_for(SeqId(2)).unwrap()), fresh_last(&m, &second));
+        assert_eq!(feed(&mut e, SeqId(2), &second, n), fresh_last(&m, &second));
         assert!(e.kv().tables.cache_counts().hits >= 5);
 
         // Turn two rolls back to 18 tokens, inside the fifth page, which turn one holds too: the
@@ -197,27 +193,11 @@ fn an_engines_own_sequences_share_its_prefix_cache_exactly() {
         let other = text(5, 6);
         let mut alt = second[..16].to_vec();
         alt.extend(&other);
-        let l = e
-            .forward(&[SeqChunk::new(
-                SeqId(2),
-                16,
-                alt[16..].to_vec(),
-                Wanted::Last,
-            )])
-            .unwrap();
-        assert_eq!(bits(l.last_for(SeqId(2)).unwrap()), fresh_last(&m, &alt));
+        assert_eq!(feed(&mut e, SeqId(2), &alt, 16), fresh_last(&m, &alt));
         // Turn one goes on from its own pages, unchanged.
         let mut more = first.clone();
         more.extend(text(4, 3));
-        let l = e
-            .forward(&[SeqChunk::new(
-                SeqId(1),
-                22,
-                more[22..].to_vec(),
-                Wanted::Last,
-            )])
-            .unwrap();
-        assert_eq!(bits(l.last_for(SeqId(1)).unwrap()), fresh_last(&m, &more));
+        assert_eq!(feed(&mut e, SeqId(1), &more, 22), fresh_last(&m, &more));
         // Turn one ends; its pages stay cached, and a third turn still gets the first one's
         // logits from them.
         e.free(SeqId(1));
@@ -225,15 +205,7 @@ fn an_engines_own_sequences_share_its_prefix_cache_exactly() {
         assert!(e.kv().tables.num_cached_blocks() >= 5);
         let n = e.attach_cached(SeqId(3), &second).unwrap();
         assert_eq!(n, 20);
-        let l = e
-            .forward(&[SeqChunk::new(
-                SeqId(3),
-                n,
-                second[n..].to_vec(),
-                Wanted::Last,
-            )])
-            .unwrap();
-        assert_eq!(bits(l.last_for(SeqId(3)).unwrap()), fresh_last(&m, &second));
+        assert_eq!(feed(&mut e, SeqId(3), &second, n), fresh_last(&m, &second));
         assert!(e.kv().tables.conserved());
         // A sequence that holds tokens cannot attach, and nothing writes into a shared page.
         assert!(e.attach_cached(SeqId(3), &second).is_err());

@@ -30,7 +30,7 @@ pub struct QuantBenchArgs {
     /// Round trip of the end-to-end run, ms.
     #[arg(long, default_value_t = 50.0)]
     rtt_ms: f64,
-    /// Tokens per prompt of the end-to-end run (default 32; quick 8).
+    /// Tokens per prompt of the end-to-end run (default 32; quick 16).
     #[arg(long)]
     e2e_tokens: Option<usize>,
     /// Skip the end-to-end run (no verifier process).
@@ -262,7 +262,9 @@ pub fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
         home: home.to_path_buf(),
         rtts: vec![a.rtt_ms],
         jitter_frac: 0.1,
-        tokens: a.e2e_tokens.unwrap_or(if q { 8 } else { 32 }),
+        // Quick: 16, not fewer: the verifier, its prompt cached, would decode a shorter answer
+        // whole while the draft still prefills, and no speculation would be measured.
+        tokens: a.e2e_tokens.unwrap_or(if q { 16 } else { 32 }),
         prompts: e2e_prompts,
         sync_gammas: if q { vec![2] } else { vec![1, 2, 3] },
         max_gamma: 8,
