@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use serde::Serialize;
 use tandem_engine::tokenizer::ChatMessage;
 use tandem_engine::{CpuSet, Engine, EngineConfig, Tokenizer};
@@ -401,33 +401,15 @@ pub fn run(a: &ChatBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ChatRepo
         let model = |r: &mut Row| predict(r, cloud.forward_cost.as_ref(), a);
         let mut link = Link::new()?;
         let front = link.set(&cloud.addr, a.rtt_ms, 0.0)?;
-        let rt = tandem_client::runtime()?;
-        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
-        let addr = listener.local_addr()?;
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let cfg = tandem_edge::serve::ServeConfig {
-            clouds: vec![front.clone()],
-            api_key: None,
-            tls_ca: None,
-            client_keys: Vec::new(),
-            model_name: "bench".into(),
-            spec,
-            fallback_local: false,
-            connect_timeout: Duration::from_secs(3),
-            reconnect_window: Duration::from_millis(tandem_spec::edge::RECONNECT_WINDOW_MS),
-            prefix_cache: cache,
-        };
-        let engine = Engine::new(draft.model.clone(), edge_cfg)?;
-        let server = rt.spawn(tandem_edge::serve::serve(
-            listener,
-            engine,
+        let serve = crate::serve_bench::InProcessServe::start(
+            &front,
+            Engine::new(draft.model.clone(), edge_cfg)?,
             tok.clone(),
-            cfg,
-            async move {
-                let _ = stop_rx.await;
-            },
-        ));
-        let url = format!("http://{addr}/v1/chat/completions");
+            spec,
+            Duration::from_secs(3),
+            cache,
+        )?;
+        let url = serve.url.clone();
         let agent = ureq::AgentBuilder::new()
             .timeout(Duration::from_secs(600))
             .max_idle_connections_per_host(64)
@@ -466,11 +448,7 @@ pub fn run(a: &ChatBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ChatRepo
             model(&mut r);
             rows.push(r);
         }
-        let _ = stop_tx.send(());
-        rt.block_on(server)
-            .context("the server task")?
-            .context("serving")?;
-        drop(rt);
+        serve.stop()?;
         drop(grpc);
         drop(link);
         drop(cloud);

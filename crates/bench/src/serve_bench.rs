@@ -310,35 +310,16 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
     rows.push(row("in-process", 1, &timed, t0.elapsed().as_secs_f64()));
 
     // tandem serve in this process, N clients over HTTP.
-    let rt = tandem_client::runtime()?;
-    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
-    let addr = listener.local_addr()?;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let cfg = tandem_edge::serve::ServeConfig {
-        clouds: vec![front.clone()],
-        api_key: None,
-        tls_ca: None,
-        client_keys: Vec::new(),
-        model_name: "bench".into(),
-        spec,
-        fallback_local: false,
-        connect_timeout: Duration::from_secs(10),
-        reconnect_window: Duration::from_millis(tandem_spec::edge::RECONNECT_WINDOW_MS),
-        prefix_cache: true,
-    };
-    let engine = Engine::new(draft.model.clone(), edge_cfg)?;
     // The target's tokenizer is the draft's (the verifier checks the fingerprint).
-    let tok = Arc::new(target.tokenizer);
-    let server = rt.spawn(tandem_edge::serve::serve(
-        listener,
-        engine,
-        tok,
-        cfg,
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
-    let url = format!("http://{addr}/v1/chat/completions");
+    let serve = InProcessServe::start(
+        &front,
+        Engine::new(draft.model.clone(), edge_cfg)?,
+        Arc::new(target.tokenizer),
+        spec,
+        Duration::from_secs(10),
+        true,
+    )?;
+    let url = serve.url.clone();
     let agent = ureq::AgentBuilder::new()
         .timeout(Duration::from_secs(600))
         .max_idle_connections_per_host(64)
@@ -376,12 +357,8 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
         })?;
         rows.push(row("http", n, &timed, wall));
     }
-    let _ = stop_tx.send(());
-    rt.block_on(server)
-        .context("the server task")?
-        .context("serving")?;
     // The daemon's session readers go with their runtime, before the proxy under their streams.
-    drop(rt);
+    serve.stop()?;
     drop(link);
     let mean = |mode: &str| {
         rows.iter()
@@ -451,4 +428,69 @@ pub fn table(r: &ServeReport) -> String {
         ));
     }
     s
+}
+
+/// `tandem serve` in this process on a loopback port, in front of the verifier at `cloud`: the
+/// benchmarks' edge daemon (`bench serve`, `bench chat`), the shipped configuration but for the
+/// session shape, the connect timeout and the prefix cache.
+pub struct InProcessServe {
+    rt: tokio::runtime::Runtime,
+    /// Its chat completions endpoint.
+    pub url: String,
+    stop: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl InProcessServe {
+    pub fn start(
+        cloud: &str,
+        engine: Engine,
+        tok: Arc<tandem_engine::Tokenizer>,
+        spec: tandem_edge::SpecConfig,
+        connect_timeout: Duration,
+        prefix_cache: bool,
+    ) -> Result<Self> {
+        let rt = tandem_client::runtime()?;
+        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+        let addr = listener.local_addr()?;
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let cfg = tandem_edge::serve::ServeConfig {
+            clouds: vec![cloud.to_string()],
+            api_key: None,
+            tls_ca: None,
+            client_keys: Vec::new(),
+            model_name: "bench".into(),
+            spec,
+            fallback_local: false,
+            connect_timeout,
+            reconnect_window: Duration::from_millis(tandem_spec::edge::RECONNECT_WINDOW_MS),
+            prefix_cache,
+        };
+        let server = rt.spawn(tandem_edge::serve::serve(
+            listener,
+            engine,
+            tok,
+            cfg,
+            async move {
+                let _ = stop_rx.await;
+            },
+        ));
+        Ok(Self {
+            rt,
+            url: format!("http://{addr}/v1/chat/completions"),
+            stop,
+            server,
+        })
+    }
+
+    /// Stop serving and wait for the daemon's end; its runtime (and the session readers on it)
+    /// goes with it.
+    pub fn stop(self) -> Result<()> {
+        let _ = self.stop.send(());
+        self.rt
+            .block_on(self.server)
+            .context("the server task")?
+            .context("serving")?;
+        Ok(())
+    }
 }
