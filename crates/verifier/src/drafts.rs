@@ -33,10 +33,22 @@ impl<T: Target, H> VerifierCore<T, H> {
                 "session {id} is a cloud-only generation: it takes no drafts"
             )));
         };
-        if queue.len() >= MAX_QUEUED_BLOCKS {
+        // The edge keeps at most MAX_QUEUED_BLOCKS blocks in flight, and stops counting a block
+        // when a correction makes it stale or a decoded token covers it; here such a block
+        // waits until the next plan drops it unanswered. So the bound counts the blocks still
+        // ahead of what is committed, and the queue as a whole is held to twice it.
+        let ahead = match vs.as_ref() {
+            Some(vs) => queue
+                .iter()
+                .filter(|b| {
+                    b.epoch >= vs.epoch() && b.start_pos + b.tokens.len() > vs.committed_len()
+                })
+                .count(),
+            None => queue.len(),
+        };
+        if ahead >= MAX_QUEUED_BLOCKS || queue.len() >= 2 * MAX_QUEUED_BLOCKS {
             return refuse(VerifierError::Invalid(format!(
-                "draft.block: {} blocks already wait for verification (at most {MAX_QUEUED_BLOCKS})",
-                queue.len()
+                "draft.block: {ahead} blocks already wait for verification (at most {MAX_QUEUED_BLOCKS})",
             )));
         }
         match vs.as_mut() {
