@@ -18,9 +18,9 @@ use crate::kv::PagedKvCache;
 use crate::tree::NodeCtx;
 
 mod ops;
-#[cfg(test)]
-use ops::attend;
 use ops::{add, attend_on, RopeTable};
+#[cfg(test)]
+use ops::{attend, shared_context};
 
 /// How weights are held in memory and multiplied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -580,15 +580,23 @@ impl LlamaModel {
             .collect();
 
         // Blocks of consecutive tokens of one sequence, whose attention runs together.
-        let mut blocks: Vec<(usize, usize)> = Vec::new();
+        let mut spans: Vec<(usize, usize)> = Vec::new();
         for t in 0..n_tok {
-            match blocks.last_mut() {
+            match spans.last_mut() {
                 Some((t0, t1)) if seq_of[*t0] == seq_of[t] && *t1 - *t0 < ops::TOKENS_PER_BLOCK => {
                     *t1 = t + 1
                 }
-                _ => blocks.push((t, t + 1)),
+                _ => spans.push((t, t + 1)),
             }
         }
+        // Each block with the positions its tokens' contexts share.
+        let blocks: Vec<(usize, usize, usize)> = spans
+            .into_iter()
+            .map(|(t0, t1)| {
+                let rows: Vec<&[usize]> = rows_at[t0..t1].iter().map(Vec::as_slice).collect();
+                (t0, t1, ops::shared_context(&rows))
+            })
+            .collect();
 
         let fake = |x: &mut [f32], width: usize| {
             if let Some(b) = self.act_bits {
@@ -632,19 +640,32 @@ impl LlamaModel {
             }
             let mut by_head: Vec<_> = by_head.into_iter().map(|h| h.into_iter()).collect();
             let mut tasks = Vec::with_capacity(blocks.len() * c.n_kv_head);
-            for &(t0, t1) in &blocks {
+            for &(t0, t1, shared) in &blocks {
                 for (kvh, cells) in by_head.iter_mut().enumerate() {
                     let outs: Vec<&mut [f32]> = cells.take(t1 - t0).collect();
-                    tasks.push((t0, t1, kvh, outs));
+                    tasks.push((t0, t1, shared, kvh, outs));
                 }
             }
-            tasks.into_par_iter().for_each(|(t0, t1, kvh, mut outs)| {
-                let qs: Vec<&[f32]> = (t0..t1)
-                    .map(|t| &q[t * d + kvh * rep * hd..t * d + (kvh + 1) * rep * hd])
-                    .collect();
-                let rows: Vec<&[usize]> = (t0..t1).map(|t| rows_at[t].as_slice()).collect();
-                attend_on(isa, &qs, hd, ks, vs, &rows, kvh * hd, scale, &mut outs)
-            });
+            tasks
+                .into_par_iter()
+                .for_each(|(t0, t1, shared, kvh, mut outs)| {
+                    let qs: Vec<&[f32]> = (t0..t1)
+                        .map(|t| &q[t * d + kvh * rep * hd..t * d + (kvh + 1) * rep * hd])
+                        .collect();
+                    let rows: Vec<&[usize]> = (t0..t1).map(|t| rows_at[t].as_slice()).collect();
+                    attend_on(
+                        isa,
+                        &qs,
+                        hd,
+                        ks,
+                        vs,
+                        &rows,
+                        shared,
+                        kvh * hd,
+                        scale,
+                        &mut outs,
+                    )
+                });
             fake(&mut att, d);
             seen(li, Site::AttentionOutput, &att);
             l.wo.forward(&att, n_tok, &mut o)?;

@@ -12,9 +12,20 @@ const COLS: usize = 64;
 /// context).
 pub(super) const TOKENS_PER_BLOCK: usize = 8;
 
+/// How many leading positions every context of `rows` has, at the same place: what a block's
+/// [`attend`] shares the reads of. The same for every layer and KV head, so found once a forward.
+pub(super) fn shared_context(rows: &[&[usize]]) -> usize {
+    rows.iter()
+        .skip(1)
+        .fold(rows.first().map_or(0, |r| r.len()), |n, r| {
+            n.min(r.iter().zip(rows[0]).take_while(|(a, b)| a == b).count())
+        })
+}
+
 /// Query heads attending over the paged cache, `softmax(q·Kᵀ·scale)·V` each: for each token `b`
 /// of a block, the `rep` heads `qs[b]` (`[rep, head_dim]`) that read one KV head, over the
-/// context `rows[b]` (position `j`'s head starts at `rows[b][j] + off` in `ks` and `vs`),
+/// context `rows[b]` (position `j`'s head starts at `rows[b][j] + off` in `ks` and `vs`; its first
+/// `shared` positions are every token's, [`shared_context`]),
 /// written to `out[b]` (`[rep, head_dim]`).
 ///
 /// Each head's result is bit for bit that of attending alone, on every path and whatever the
@@ -33,19 +44,13 @@ pub(super) fn attend(
     ks: &[f32],
     vs: &[f32],
     rows: &[&[usize]],
+    shared: usize,
     off: usize,
     scale: f32,
     out: &mut [&mut [f32]],
 ) {
     let hd = head_dim;
     let rep = qs.first().map_or(0, |q| q.len() / hd);
-    // The positions every token's context has, at the same place.
-    let shared = rows
-        .iter()
-        .skip(1)
-        .fold(rows.first().map_or(0, |r| r.len()), |n, r| {
-            n.min(r.iter().zip(rows[0]).take_while(|(a, b)| a == b).count())
-        });
     // Each (token, head)'s scores, then its weights: row `b * rep + h`, `rows[b].len()` long.
     let mut start = Vec::with_capacity(qs.len() * rep + 1);
     start.push(0);
@@ -186,6 +191,7 @@ pub(super) fn attend_on(
     ks: &[f32],
     vs: &[f32],
     rows: &[&[usize]],
+    shared: usize,
     off: usize,
     scale: f32,
     out: &mut [&mut [f32]],
@@ -200,6 +206,7 @@ pub(super) fn attend_on(
             ks: &[f32],
             vs: &[f32],
             rows: &[&[usize]],
+            shared: usize,
             off: usize,
             scale: f32,
             out: &mut [&mut [f32]],
@@ -211,6 +218,7 @@ pub(super) fn attend_on(
                 ks,
                 vs,
                 rows,
+                shared,
                 off,
                 scale,
                 out,
@@ -224,6 +232,7 @@ pub(super) fn attend_on(
             ks: &[f32],
             vs: &[f32],
             rows: &[&[usize]],
+            shared: usize,
             off: usize,
             scale: f32,
             out: &mut [&mut [f32]],
@@ -235,6 +244,7 @@ pub(super) fn attend_on(
                 ks,
                 vs,
                 rows,
+                shared,
                 off,
                 scale,
                 out,
@@ -243,17 +253,17 @@ pub(super) fn attend_on(
         match isa {
             // SAFETY: a path is selected only on a CPU that runs it.
             kernels::Isa::Avx2 => {
-                return unsafe { avx2(qs, head_dim, ks, vs, rows, off, scale, out) }
+                return unsafe { avx2(qs, head_dim, ks, vs, rows, shared, off, scale, out) }
             }
             // SAFETY: as above.
             kernels::Isa::Avx512 => {
-                return unsafe { avx512(qs, head_dim, ks, vs, rows, off, scale, out) }
+                return unsafe { avx512(qs, head_dim, ks, vs, rows, shared, off, scale, out) }
             }
             kernels::Isa::Portable => {}
         }
     }
     let _ = isa;
-    attend(isa, qs, head_dim, ks, vs, rows, off, scale, out)
+    attend(isa, qs, head_dim, ks, vs, rows, shared, off, scale, out)
 }
 
 #[inline(always)]
