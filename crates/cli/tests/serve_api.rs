@@ -419,6 +419,81 @@ fn bad_requests_are_refused_naming_the_field() {
         let m = r["error"]["message"].as_str().unwrap();
         assert!(!m.is_empty() && r["error"]["type"].is_string(), "{r}");
     }
+    // Every field that would change the answer and is not honoured is refused by name, on both
+    // endpoints, never answered as if it had not been sent.
+    let refused: Vec<(&str, Value)> = vec![
+        ("logit_bias", json!({"42": 10})),
+        ("presence_penalty", json!(0.5)),
+        ("frequency_penalty", json!(-0.2)),
+        ("repetition_penalty", json!(1.1)),
+        ("min_p", json!(0.1)),
+        ("min_tokens", json!(4)),
+        ("logprobs", json!(true)),
+        ("top_logprobs", json!(3)),
+        ("echo", json!(true)),
+        ("best_of", json!(2)),
+        ("suffix", json!("end")),
+        ("ignore_eos", json!(true)),
+        ("stop_token_ids", json!([2])),
+        ("response_format", json!({"type": "yaml"})),
+        (
+            "tools",
+            json!([{"type": "function", "function": {"name": "f"}}]),
+        ),
+        ("tool_choice", json!("required")),
+        ("functions", json!([{"name": "f"}])),
+        ("function_call", json!("auto")),
+        ("guided_json", json!({"type": "object"})),
+        ("guided_regex", json!("[0-9]+")),
+        ("guided_choice", json!(["a", "b"])),
+        ("guided_grammar", json!("root ::= \"a\"")),
+        ("grammar", json!("root ::= \"a\"")),
+        ("json_schema", json!({"type": "object"})),
+        ("reasoning_effort", json!("high")),
+        ("audio", json!({"voice": "alloy"})),
+        ("modalities", json!(["text", "audio"])),
+    ];
+    for (field, value) in &refused {
+        for (path, mut body) in [
+            (
+                "/v1/chat/completions",
+                json!({"messages": msgs, "max_tokens": 2}),
+            ),
+            ("/v1/completions", json!({"prompt": "hi", "max_tokens": 2})),
+        ] {
+            body[*field] = value.clone();
+            let (s, r) = post(e.port, path, &body);
+            assert_eq!(
+                (s, r["error"]["param"].as_str()),
+                (400, Some(*field)),
+                "{path} {body}: {r}"
+            );
+            let m = r["error"]["message"].as_str().unwrap();
+            assert!(m.contains(field) && m.contains("refused"), "{m}");
+        }
+    }
+    // Their no-op values, and fields that never change the answer, are accepted.
+    let (s, r) = post(
+        e.port,
+        "/v1/chat/completions",
+        &json!({"messages": msgs, "max_tokens": 2, "temperature": 0,
+                "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0,
+                "logprobs": false, "top_logprobs": null, "tools": [], "tool_choice": "none",
+                "response_format": {"type": "text"}, "modalities": ["text"],
+                "user": "u-1", "metadata": {"k": "v"}, "store": false,
+                "parallel_tool_calls": true, "service_tier": "auto", "top_k": -1}),
+    );
+    assert_eq!(s, 200, "{r}");
+    let (s, r) = post(
+        e.port,
+        "/v1/chat/completions",
+        &json!({"messages": msgs, "max_tokens": 2, "top_k": -5}),
+    );
+    assert_eq!(
+        (s, r["error"]["param"].as_str()),
+        (400, Some("top_k")),
+        "{r}"
+    );
     // The KV refusal says what to do.
     let (_, r) = post(
         e.port,

@@ -1,7 +1,8 @@
 //! OpenAI's HTTP API as `tandem serve` speaks it: the requests of `POST /v1/chat/completions` and
 //! `POST /v1/completions`, each checked into a [`Request`] or refused with OpenAI's error object
-//! naming the field; the responses and the streamed chunks. Fields a client sends that Tandem
-//! does not use are ignored, as OpenAI-compatible servers do; `n` other than 1 is refused.
+//! naming the field; the responses and the streamed chunks. A field that would change the answer
+//! and that Tandem does not honour yet is refused by name ([`UNHONOURED`]), never ignored; fields
+//! that do not change it (`user`, `metadata`, `store`, …) are accepted and ignored.
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -95,6 +96,9 @@ pub struct Body {
     pub temperature: Option<f32>,
     #[serde(default)]
     pub top_p: Option<f32>,
+    /// vLLM's and llama.cpp server's extension: keep the `top_k` likeliest tokens (0 or -1: all).
+    #[serde(default)]
+    pub top_k: Option<i64>,
     #[serde(default)]
     pub max_tokens: Option<u64>,
     #[serde(default)]
@@ -111,6 +115,107 @@ pub struct Body {
     pub n: Option<u64>,
     #[serde(default)]
     pub tandem: Option<Extension>,
+    /// Fields that would change the answer, read only to refuse them unless they are no-ops.
+    #[serde(flatten)]
+    pub rest: serde_json::Map<String, Value>,
+}
+
+/// A field of OpenAI's (or vLLM's, or llama.cpp server's) requests that changes the answer and
+/// that Tandem does not honour (yet): when its value is a no-op, accepted (`null` always is), and
+/// how to say so. A request that sets one otherwise is refused with a 400 naming it, never answered
+/// as if it had not been sent.
+pub struct Unhonoured {
+    pub field: &'static str,
+    pub noop: fn(&Value) -> bool,
+    pub noop_is: &'static str,
+}
+
+const fn unhonoured_field(
+    field: &'static str,
+    noop: fn(&Value) -> bool,
+    noop_is: &'static str,
+) -> Unhonoured {
+    Unhonoured {
+        field,
+        noop,
+        noop_is,
+    }
+}
+
+fn never(_: &Value) -> bool {
+    false
+}
+fn is_zero(v: &Value) -> bool {
+    v.as_f64() == Some(0.0)
+}
+fn is_false(v: &Value) -> bool {
+    v == &Value::Bool(false)
+}
+fn is_empty_array(v: &Value) -> bool {
+    v.as_array().is_some_and(|a| a.is_empty())
+}
+
+/// Every field Tandem refuses by name unless it is a no-op.
+pub const UNHONOURED: &[Unhonoured] = &[
+    unhonoured_field(
+        "logit_bias",
+        |v| v.as_object().is_some_and(|m| m.is_empty()),
+        "an empty object",
+    ),
+    unhonoured_field("presence_penalty", is_zero, "0"),
+    unhonoured_field("frequency_penalty", is_zero, "0"),
+    unhonoured_field("repetition_penalty", |v| v.as_f64() == Some(1.0), "1"),
+    unhonoured_field("min_p", is_zero, "0"),
+    unhonoured_field("min_tokens", is_zero, "0"),
+    unhonoured_field("logprobs", is_false, "false"),
+    unhonoured_field("top_logprobs", is_zero, "0"),
+    unhonoured_field("echo", is_false, "false"),
+    unhonoured_field("best_of", |v| v.as_u64() == Some(1), "1"),
+    unhonoured_field("suffix", |v| v.as_str() == Some(""), "\"\""),
+    unhonoured_field("ignore_eos", is_false, "false"),
+    unhonoured_field("stop_token_ids", is_empty_array, "[]"),
+    unhonoured_field(
+        "response_format",
+        |v| v.get("type").and_then(Value::as_str) == Some("text"),
+        "{\"type\": \"text\"}",
+    ),
+    unhonoured_field("tools", is_empty_array, "[]"),
+    unhonoured_field("tool_choice", |v| v.as_str() == Some("none"), "\"none\""),
+    unhonoured_field("functions", is_empty_array, "[]"),
+    unhonoured_field("function_call", |v| v.as_str() == Some("none"), "\"none\""),
+    unhonoured_field("guided_json", never, "absent"),
+    unhonoured_field("guided_regex", never, "absent"),
+    unhonoured_field("guided_choice", never, "absent"),
+    unhonoured_field("guided_grammar", never, "absent"),
+    unhonoured_field("grammar", never, "absent"),
+    unhonoured_field("json_schema", never, "absent"),
+    unhonoured_field(
+        "reasoning_effort",
+        never,
+        "absent (this model does not reason)",
+    ),
+    unhonoured_field("audio", never, "absent (this model answers in text)"),
+    unhonoured_field(
+        "modalities",
+        |v| v.as_array().is_some_and(|a| a.iter().all(|m| m == "text")),
+        "[\"text\"]",
+    ),
+];
+
+/// The first field of `rest` that [`UNHONOURED`] names with a value that is not its no-op
+/// (`null` is always one), as the refusal to send.
+fn unhonoured(rest: &serde_json::Map<String, Value>) -> Option<ApiError> {
+    UNHONOURED.iter().find_map(|u| {
+        let (field, what) = (u.field, u.noop_is);
+        let v = rest.get(field).filter(|v| !v.is_null() && !(u.noop)(v))?;
+        Some(ApiError::invalid(
+            field,
+            format!(
+                "`{field}` is not supported by this server yet (it would change the answer, so it is \
+                 refused rather than ignored): leave it out, or set it to {what}; got {v}"
+            ),
+        ))
+    })
 }
 
 /// Which endpoint a request came to.
@@ -172,6 +277,9 @@ pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiErr
             param: Some("model"),
         });
     }
+    if let Some(e) = unhonoured(&b.rest) {
+        return Err(e);
+    }
     if let Some(n) = b.n.filter(|&n| n != 1) {
         return Err(ApiError::invalid(
             "n",
@@ -192,6 +300,16 @@ pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiErr
             format!("top_p must be within (0, 1], got {top_p}"),
         ));
     }
+    let top_k = match b.top_k.unwrap_or(0) {
+        -1 | 0 => 0,
+        k if k > 0 => k as usize,
+        k => {
+            return Err(ApiError::invalid(
+                "top_k",
+                format!("top_k must be at least 1 (or 0 or -1: no cut), got {k}"),
+            ))
+        }
+    };
     let stops = match b.stop.clone() {
         None => Vec::new(),
         Some(Stop::One(s)) => vec![s],
@@ -261,7 +379,7 @@ pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiErr
         prompt_ids,
         params: SamplingParams {
             temperature,
-            top_k: 0,
+            top_k,
             top_p,
             seed: b.seed.unwrap_or(served.seed),
         },
@@ -276,12 +394,13 @@ pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiErr
 /// The request field a serde path (`messages[0].role`) or error message (`missing field
 /// `messages``) names.
 fn field_of(s: &str) -> Option<&'static str> {
-    const FIELDS: [&str; 14] = [
+    const FIELDS: [&str; 15] = [
         "messages",
         "prompt",
         "model",
         "temperature",
         "top_p",
+        "top_k",
         "max_tokens",
         "max_completion_tokens",
         "seed",
