@@ -159,6 +159,7 @@ impl Tenant {
             prompt_ids: self.prompt.clone(),
             params: None,
             max_tokens,
+            grammar: None,
         }
     }
 

@@ -231,6 +231,7 @@ fn a_drain_ends_even_when_streams_never_open_or_a_client_stops_reading() {
                 prompt_ids: tok.encode("Once upon a time").unwrap(),
                 params: None,
                 max_tokens: 4000,
+                grammar: None,
             })
             .await
             .unwrap()

@@ -155,6 +155,8 @@ fn run_grpc(
         api_key: r.api_key.clone(),
         tls_ca: r.tls_ca.clone(),
         route: None,
+        grammar: None,
+        output_from: None,
     };
     let spec = r.spec;
     let (mut link, first) = if spec.session.tree.side_nodes == 0 {

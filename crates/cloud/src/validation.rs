@@ -4,10 +4,12 @@
 //! refused the same way, without touching any other session.
 
 use tandem_proto::v1::{self, edge_message, ModelInfo};
-use tandem_proto::{block_from_proto, params_from_proto, rule_from_proto, PROTOCOL_VERSION};
+use tandem_proto::{
+    block_from_proto, grammar_from_proto, params_from_proto, rule_from_proto, PROTOCOL_VERSION,
+};
 use tandem_sched::SessionId;
 use tandem_spec::sampling::SamplingParams;
-use tandem_spec::{Block, VerifyRule};
+use tandem_spec::{Block, Grammar, GrammarSource, GrammarVocab, VerifyRule};
 use tandem_verifier::Inbound;
 use tonic::Status;
 
@@ -71,6 +73,46 @@ pub struct ValidOpen {
     pub want_draft_len: u32,
     pub want_depth: u32,
     pub want_side_nodes: u32,
+    /// Structured output: the grammar as it came ([`compile`] makes it a session's), and how
+    /// many of the prompt's last tokens are its output already.
+    pub grammar: Option<(GrammarSource, usize)>,
+}
+
+/// Compile a structured output's `source` (the request's field `field`) over the served model's
+/// vocabulary, off the runtime's thread (a schema may take milliseconds): a source llguidance
+/// refuses, or one over the limits, is `INVALID_ARGUMENT` naming the field; a verifier without
+/// a grammar vocabulary refuses every grammar by name.
+pub async fn compile(
+    field: &str,
+    source: Option<(GrammarSource, usize)>,
+    prompt: &[u32],
+    vocab: Option<&GrammarVocab>,
+) -> Result<Option<Grammar>, Status> {
+    let Some((source, resumed)) = source else {
+        return Ok(None);
+    };
+    let Some(vocab) = vocab.cloned() else {
+        return Err(invalid(
+            field,
+            "this verifier has no grammar support for its model",
+        ));
+    };
+    if resumed > prompt.len() {
+        return Err(invalid(
+            &format!("{field}.resumed"),
+            format!("{resumed} tokens of output in a prompt of {}", prompt.len()),
+        ));
+    }
+    let output = prompt[prompt.len() - resumed..].to_vec();
+    let mut g = tokio::task::spawn_blocking(move || vocab.compile(&source))
+        .await
+        .map_err(|e| Status::internal(format!("{field}: compiling: {e}")))?
+        .map_err(|e| invalid(field, e))?;
+    for &t in &output {
+        g.advance(t)
+            .map_err(|e| invalid(&format!("{field}.resumed"), e))?;
+    }
+    Ok(Some(g))
 }
 
 pub fn open(o: v1::Open, m: &ModelInfo) -> Result<ValidOpen, Status> {
@@ -93,6 +135,8 @@ pub fn open(o: v1::Open, m: &ModelInfo) -> Result<ValidOpen, Status> {
         want_draft_len: o.want_draft_len,
         want_depth: o.want_depth,
         want_side_nodes: o.want_side_nodes,
+        grammar: grammar_from_proto(o.grammar)
+            .map_err(|e| invalid(&format!("open.{}", e.field), e.message))?,
     })
 }
 
@@ -101,6 +145,7 @@ pub struct ValidGenerate {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
     pub max_tokens: usize,
+    pub grammar: Option<(GrammarSource, usize)>,
 }
 
 pub fn generate(r: v1::GenerateRequest, m: &ModelInfo) -> Result<ValidGenerate, Status> {
@@ -110,6 +155,8 @@ pub fn generate(r: v1::GenerateRequest, m: &ModelInfo) -> Result<ValidGenerate, 
         prompt,
         params: params_from_proto(r.params).map_err(|e| invalid("generate.params", e.message))?,
         max_tokens: r.max_tokens as usize,
+        grammar: grammar_from_proto(r.grammar)
+            .map_err(|e| invalid(&format!("generate.{}", e.field), e.message))?,
     })
 }
 
@@ -215,6 +262,7 @@ mod tests {
             want_draft_len: 4,
             want_depth: 2,
             want_side_nodes: 0,
+            grammar: None,
         }
     }
 

@@ -70,6 +70,7 @@ fn grpc_health_and_hung_up_clients_are_freed() {
                 prompt_ids: p.clone(),
                 params: None,
                 max_tokens: 500,
+                grammar: None,
             })
             .await
             .unwrap()

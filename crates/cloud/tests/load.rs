@@ -51,6 +51,7 @@ fn grants_shrink_under_load_and_grow_back() {
             prompt_ids: p.clone(),
             params: None,
             max_tokens: 400,
+            grammar: None,
         }))
         .unwrap()
         .into_inner();

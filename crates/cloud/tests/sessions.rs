@@ -136,6 +136,7 @@ fn grpc_generate_is_the_targets_greedy_output() {
             prompt_ids: p.clone(),
             params: None,
             max_tokens: 12,
+            grammar: None,
         };
         let mut s = c.generate(req.clone()).await.unwrap().into_inner();
         let mut out = Vec::new();

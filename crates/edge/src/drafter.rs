@@ -4,7 +4,7 @@
 use tandem_engine::{Engine, Logits, Parent, SeqChunk, SeqId, Wanted};
 use tandem_spec::sampling::{sample, second_choice, SamplingParams};
 use tandem_spec::verify::{draft_sample, draft_sibling, VerifyRule};
-use tandem_spec::Hedge;
+use tandem_spec::{Grammar, Hedge};
 
 use crate::{EdgeError, SpecConfig};
 
@@ -77,6 +77,9 @@ pub struct DraftSeq {
     linear: Vec<u32>,
     /// Its tree nodes after them (slot `linear.len() + i`): token and parent slot.
     tail: Vec<(u32, usize)>,
+    /// A structured output: the grammar every drafted token follows (its state moved to each
+    /// path drafted on), and the prompt's length (where the output starts).
+    grammar: Option<(Grammar, usize)>,
 }
 
 /// A planned draft step of one sequence: its chunk, then what [`DraftSeq::finish`] needs.
@@ -87,6 +90,8 @@ pub struct DraftStep {
     rows: Vec<usize>,
     /// The position each leaf's next token will have.
     positions: Vec<u64>,
+    /// Each leaf's whole path (a constrained session's grammar follows it).
+    paths: Vec<Vec<u32>>,
     parents: Vec<Option<usize>>,
     prefill: bool,
 }
@@ -109,7 +114,65 @@ impl DraftSeq {
             hedges: cfg.session.tree.is_tree(),
             linear,
             tail: Vec::new(),
+            grammar: None,
         }
+    }
+
+    /// Constrain what the sequence drafts to `grammar` (a structured output), whose output starts
+    /// after the `prompt_len` prompt tokens: each draw is from the draft's row masked by the
+    /// grammar's state on its path.
+    pub fn constrain(&mut self, grammar: Grammar, prompt_len: usize) {
+        self.grammar = Some((grammar, prompt_len));
+    }
+
+    /// Move the grammar to the state after `path` (prompt and output), if constrained. A path
+    /// the grammar does not allow (a token tree's side guess, or tokens past the output's end)
+    /// can never be committed: `Ok(None)` then too, and it is drafted on unmasked.
+    fn seek(&mut self, path: &[u32]) -> Result<Option<&mut Grammar>, EdgeError> {
+        let Some((g, prompt_len)) = &mut self.grammar else {
+            return Ok(None);
+        };
+        match g.seek(path.get(*prompt_len..).unwrap_or(&[])) {
+            Ok(()) => Ok(Some(g)),
+            Err(tandem_spec::GrammarError::Rejected { .. }) => Ok(None),
+            Err(e) => Err(EdgeError::Spec(tandem_spec::SpecError::Grammar(
+                e.to_string(),
+            ))),
+        }
+    }
+
+    /// A constrained session whose grammar allows exactly one token at every leaf (`base`
+    /// followed by `leaves[i]`): those tokens, drafted without a forward of the draft model
+    /// (their KV is fed with the next step that needs it). None when some leaf has a choice, or
+    /// the session is not constrained.
+    pub fn forced(
+        &mut self,
+        base: &[u32],
+        leaves: &[Vec<u32>],
+    ) -> Result<Option<Vec<Proposal>>, EdgeError> {
+        if self.grammar.is_none() || base.is_empty() {
+            return Ok(None);
+        }
+        let mut out = Vec::with_capacity(leaves.len());
+        for l in leaves {
+            let path = [base, &l[..]].concat();
+            let Some(g) = self.seek(&path)? else {
+                return Ok(None);
+            };
+            let Some(t) = g
+                .forced()
+                .map_err(|e| EdgeError::Spec(tandem_spec::SpecError::Grammar(e.to_string())))?
+            else {
+                return Ok(None);
+            };
+            out.push(Proposal {
+                token: t,
+                q: (self.rule == VerifyRule::Rejection).then(|| vec![(t, 1.0)]),
+                prefill: false,
+                hedge: None,
+            });
+        }
+        Ok(Some(out))
     }
 
     pub fn seq(&self) -> SeqId {
@@ -283,6 +346,7 @@ impl DraftSeq {
             wanted,
             rows,
             positions: paths.iter().map(|p| p.len() as u64).collect(),
+            paths,
             parents,
             prefill,
         })
@@ -302,21 +366,31 @@ impl DraftSeq {
         for (&t, &p) in step.chunk.tokens.iter().zip(&step.parents) {
             self.push_slot(t, p);
         }
-        Ok(step
-            .wanted
-            .iter()
-            .zip(&step.positions)
-            .map(|(w, &pos)| {
-                let row = step
-                    .rows
-                    .binary_search(w)
-                    .expect("invariant: each leaf's row was asked for");
-                Proposal {
-                    prefill: step.prefill,
-                    ..self.choose(mine[row], pos)
+        let mut out = Vec::with_capacity(step.wanted.len());
+        for ((w, &pos), path) in step.wanted.iter().zip(&step.positions).zip(&step.paths) {
+            let row = step
+                .rows
+                .binary_search(w)
+                .expect("invariant: each leaf's row was asked for");
+            let masked = match self.seek(path)? {
+                Some(g) => Some(g.mask(mine[row]).map_err(|e| {
+                    EdgeError::Spec(tandem_spec::SpecError::Grammar(e.to_string()))
+                })?),
+                None => None,
+            };
+            let mut p = self.choose(masked.as_deref().unwrap_or(mine[row]), pos);
+            // A second guess the grammar does not allow is no guess.
+            if let (Some(m), Some(h)) = (&masked, &p.hedge) {
+                if !m.get(h.alt as usize).is_some_and(|l| l.is_finite()) {
+                    p.hedge = None;
                 }
-            })
-            .collect())
+            }
+            out.push(Proposal {
+                prefill: step.prefill,
+                ..p
+            });
+        }
+        Ok(out)
     }
 
     /// The sequence is over: free its KV.
@@ -389,6 +463,9 @@ impl<'a> EngineDrafter<'a> {
 
 impl Drafter for EngineDrafter<'_> {
     fn grow(&mut self, base: &[u32], leaves: &[Vec<u32>]) -> Result<Vec<Proposal>, EdgeError> {
+        if let Some(p) = self.seq.forced(base, leaves)? {
+            return Ok(p);
+        }
         let step = self.seq.grow_step(self.engine, base, leaves)?;
         let logits = self.engine.forward(std::slice::from_ref(&step.chunk))?;
         self.seq.finish(step, &logits)

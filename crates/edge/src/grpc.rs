@@ -38,6 +38,11 @@ pub struct OpenRequest {
     /// so that a balancer hashing on it keeps the session on one replica while that replica
     /// lives (None: the link draws one at the first open and keeps it).
     pub route: Option<String>,
+    /// Structured output: the grammar the output follows (protocol 6; None: free text).
+    pub grammar: Option<tandem_spec::GrammarSource>,
+    /// Where in `prompt_ids` the grammar's output starts (None: after them): a reopen sends the
+    /// committed output as part of the prompt.
+    pub output_from: Option<usize>,
 }
 
 /// The header that carries a session's routing key (see `docs/protocol.md`, "Replicas").
@@ -439,6 +444,9 @@ impl GrpcLink {
         let keep = req.clone();
         let mut client = client(url, req.tls_ca.as_deref()).await?;
         let (out, rx) = unbounded_channel::<EdgeMessage>();
+        let resumed = req
+            .output_from
+            .map_or(0, |f| req.prompt_ids.len().saturating_sub(f)) as u32;
         let open = Open {
             protocol_version: PROTOCOL_VERSION,
             tokenizer_fingerprint: req.tokenizer_fingerprint,
@@ -449,6 +457,10 @@ impl GrpcLink {
             want_draft_len: req.want_draft_len,
             want_depth: req.want_depth,
             want_side_nodes: req.want_side_nodes,
+            grammar: req.grammar.as_ref().map(|g| tandem_proto::v1::Grammar {
+                resumed,
+                ..g.into()
+            }),
         };
         out.send(EdgeMessage {
             kind: Some(edge_message::Kind::Open(open)),
@@ -574,6 +586,7 @@ impl Link for GrpcLink {
         let req = OpenRequest {
             prompt_ids: history.to_vec(),
             max_tokens: max_tokens as u32,
+            output_from: Some(self.req.output_from.unwrap_or(self.req.prompt_ids.len())),
             ..self.req.clone()
         };
         let w = self.waker.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -644,6 +657,30 @@ pub fn generate_remote(
     prompt_ids: &[u32],
     params: SamplingParams,
     max_tokens: u32,
+    on_token: impl FnMut(u32),
+) -> Result<u64, EdgeError> {
+    generate_remote_constrained(
+        rt,
+        remote,
+        tokenizer_fingerprint,
+        prompt_ids,
+        params,
+        max_tokens,
+        None,
+        on_token,
+    )
+}
+
+/// [`generate_remote`] with the output constrained to `grammar` (structured outputs).
+#[allow(clippy::too_many_arguments)]
+pub fn generate_remote_constrained(
+    rt: &Runtime,
+    remote: Remote<'_>,
+    tokenizer_fingerprint: &str,
+    prompt_ids: &[u32],
+    params: SamplingParams,
+    max_tokens: u32,
+    grammar: Option<&tandem_spec::GrammarSource>,
     mut on_token: impl FnMut(u32),
 ) -> Result<u64, EdgeError> {
     let Remote {
@@ -658,6 +695,7 @@ pub fn generate_remote(
             prompt_ids: prompt_ids.to_vec(),
             params: Some(params.into()),
             max_tokens,
+            grammar: grammar.map(Into::into),
         };
         let mut stream = client
             .generate(authorized(req, api_key)?)

@@ -447,6 +447,7 @@ fn committed_counts(
                 rule,
                 want: tandem_spec::Shape::UNLIMITED,
             },
+            grammar: None,
         };
         let session = SessionId(run);
         verifier.receive(

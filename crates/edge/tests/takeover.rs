@@ -58,6 +58,7 @@ fn new_session(prompt: &[u32], max_tokens: usize, mode: Mode) -> NewSession {
         max_tokens,
         eog: vec![],
         mode,
+        grammar: None,
     }
 }
 

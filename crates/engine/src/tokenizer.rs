@@ -40,6 +40,26 @@ pub struct Tokenizer {
     bos_text: String,
     eos_text: String,
     fingerprint: String,
+    /// Each token's text as the vocabulary spells it (byte-level: GPT-2's byte alphabet), and
+    /// whether it is a control token (for grammars: [`Tokenizer::grammar_vocab`]).
+    texts: Vec<String>,
+    special: Vec<bool>,
+}
+
+/// GPT-2's byte-level alphabet backwards: the byte a vocabulary character stands for. Printable
+/// bytes stand for themselves; the others (0–32, 127–160, 173) are spelled, in order, by the
+/// characters from U+0100 on.
+fn byte_of(c: char) -> Option<u8> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let c = c as u32;
+    if c < 256 {
+        return printable(c).then_some(c as u8);
+    }
+    (0u32..256)
+        .filter(|&b| !printable(b))
+        .nth((c - 256) as usize)
+        .map(|b| b as u8)
 }
 
 fn tok_err(e: impl std::fmt::Display) -> EngineError {
@@ -175,13 +195,20 @@ impl Tokenizer {
         let digest = h.finalize();
         let fingerprint = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
 
+        let mut is_special = vec![false; tokens.len()];
+        for &i in &special {
+            is_special[i as usize] = true;
+        }
+        let (bos_text, eos_text) = (text_of(bos), text_of(eos));
         Ok(Self {
+            texts: tokens,
+            special: is_special,
             inner,
             chat_template: g.string("tokenizer.chat_template").ok().map(str::to_string),
             eog,
             add_bos,
-            bos_text: text_of(bos),
-            eos_text: text_of(eos),
+            bos_text,
+            eos_text,
             fingerprint,
         })
     }
@@ -212,6 +239,32 @@ impl Tokenizer {
         let mut v: Vec<u32> = self.eog.iter().copied().collect();
         v.sort_unstable();
         v
+    }
+
+    /// The vocabulary as grammars see it (structured outputs): each token's bytes, built once
+    /// per model; `logits` is the width of the model's logits rows.
+    pub fn grammar_vocab(&self, logits: usize) -> Result<tandem_spec::GrammarVocab> {
+        let bytes: Vec<Vec<u8>> = self
+            .texts
+            .iter()
+            .zip(&self.special)
+            .map(|(t, &special)| {
+                if special {
+                    t.as_bytes().to_vec()
+                } else {
+                    // A character outside the alphabet (none in a byte-level vocabulary) keeps
+                    // its UTF-8 bytes.
+                    t.chars()
+                        .flat_map(|c| match byte_of(c) {
+                            Some(b) => vec![b],
+                            None => c.to_string().into_bytes(),
+                        })
+                        .collect()
+                }
+            })
+            .collect();
+        tandem_spec::GrammarVocab::new(&bytes, &self.special, &self.eog_ids(), logits)
+            .map_err(|e| EngineError::Tokenizer(format!("the grammar vocabulary: {e}")))
     }
 
     /// Is `id` an end-of-generation token?

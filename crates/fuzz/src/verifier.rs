@@ -139,6 +139,7 @@ impl World {
                         rule: o.rule,
                         want: Shape::new(gamma, depth),
                     },
+                    grammar: None,
                 },
                 handle: slot as u8,
             },
@@ -402,6 +403,7 @@ fn honest_open(input: &mut Input) -> v1::Open {
         want_draft_len: 1 + u32::from(input.byte()) % 8,
         want_depth: 1 + u32::from(input.byte()) % 4,
         want_side_nodes: 0,
+        grammar: None,
     }
 }
 

@@ -6,7 +6,7 @@ pub mod v1 {
 }
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// The most entries one drafted position's distribution `q` may hold (and never more than the
 /// vocabulary): the edge sends its top-k (32 by default), and the verifier's work on a `q` is
@@ -17,7 +17,7 @@ pub const MAX_Q_ENTRIES: usize = 256;
 pub const Q_MASS_SLACK: f64 = 1e-3;
 
 use tandem_spec::sampling::SamplingParams;
-use tandem_spec::{Block, BlockId, Decoded, Shape, SideNode, Verdict, VerifyRule};
+use tandem_spec::{Block, BlockId, Decoded, GrammarSource, Shape, SideNode, Verdict, VerifyRule};
 
 /// A field-named reason why a message is not valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -43,6 +43,48 @@ impl From<SamplingParams> for v1::SamplingParams {
             seed: p.seed,
         }
     }
+}
+
+impl From<&GrammarSource> for v1::Grammar {
+    fn from(g: &GrammarSource) -> Self {
+        let (kind, source) = match g {
+            GrammarSource::JsonSchema(s) => (v1::GrammarKind::JsonSchema, s.clone()),
+            GrammarSource::JsonObject => (v1::GrammarKind::JsonObject, String::new()),
+            GrammarSource::Lark(s) => (v1::GrammarKind::Lark, s.clone()),
+        };
+        Self {
+            kind: kind as i32,
+            source,
+            resumed: 0,
+        }
+    }
+}
+
+/// A structured output's grammar, as it came (`grammar` names the field; not yet compiled), and
+/// how many of the prompt's last tokens are its output already (`Grammar.resumed`).
+pub fn grammar_from_proto(
+    g: Option<v1::Grammar>,
+) -> Result<Option<(GrammarSource, usize)>, FieldError> {
+    let Some(g) = g else {
+        return Ok(None);
+    };
+    let resumed = g.resumed as usize;
+    let source = match v1::GrammarKind::try_from(g.kind) {
+        Ok(v1::GrammarKind::JsonSchema) => Ok(GrammarSource::JsonSchema(g.source)),
+        Ok(v1::GrammarKind::JsonObject) if g.source.is_empty() => Ok(GrammarSource::JsonObject),
+        Ok(v1::GrammarKind::JsonObject) => {
+            Err(bad("grammar.source", "a JSON object grammar has no source"))
+        }
+        Ok(v1::GrammarKind::Lark) => Ok(GrammarSource::Lark(g.source)),
+        _ => Err(bad(
+            "grammar.kind",
+            format!(
+                "{} is not a grammar kind (JSON_SCHEMA, JSON_OBJECT, LARK)",
+                g.kind
+            ),
+        )),
+    }?;
+    Ok(Some((source, resumed)))
 }
 
 /// Sampling parameters checked for range (`params` names the field).
@@ -316,6 +358,7 @@ pub fn open_message(
             want_draft_len: want.0,
             want_depth: want.1,
             want_side_nodes: 0,
+            grammar: None,
         })),
     }
 }

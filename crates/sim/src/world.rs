@@ -332,6 +332,7 @@ impl Sim {
                         max_tokens: self.cfg.new_tokens,
                         eog: Vec::new(),
                         mode,
+                        grammar: None,
                     },
                     handle: (),
                 }

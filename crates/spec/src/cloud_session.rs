@@ -29,6 +29,9 @@ pub const FLOW_WINDOW: usize = 64;
 /// The edge acks every this many committed tokens, well inside [`FLOW_WINDOW`].
 pub const ACK_EVERY: usize = 16;
 
+use std::borrow::Cow;
+
+use crate::grammar::Grammar;
 use crate::pipeline::{Block, BlockId, Decoded, Verdict};
 use crate::sampling::SamplingParams;
 use crate::tree::{Node, Step};
@@ -112,6 +115,10 @@ pub struct CloudSession {
     acked: usize,
     /// Target positions verified (drafted tokens judged in a forward).
     pub verified_positions: u64,
+    /// A constrained session's grammar, at its state after the committed output: every row the
+    /// session judges or decodes with is masked by it first.
+    #[serde(skip)]
+    grammar: Option<Grammar>,
 }
 
 impl CloudSession {
@@ -139,6 +146,41 @@ impl CloudSession {
             kv_len: prompt.len(),
             max_len,
             verified_positions: 0,
+            grammar: None,
+        }
+    }
+
+    /// Constrain the session's output to `grammar`, at its state after the output committed so
+    /// far: the first token (which the caller drew from a row masked by it: [`Grammar::mask`]),
+    /// and, for a session reopened over its output, the prompt's tokens that were output.
+    pub fn constrain(mut self, grammar: Grammar) -> Self {
+        self.grammar = Some(grammar);
+        self
+    }
+
+    /// The session's grammar, if it is constrained.
+    pub fn grammar(&self) -> Option<&Grammar> {
+        self.grammar.as_ref()
+    }
+
+    /// `row` as the rules see it: masked by the grammar's state now, if constrained.
+    fn row<'a>(&mut self, row: &'a [f32]) -> Result<Cow<'a, [f32]>, SpecError> {
+        match &mut self.grammar {
+            None => Ok(Cow::Borrowed(row)),
+            Some(g) => g
+                .mask(row)
+                .map(Cow::Owned)
+                .map_err(|e| SpecError::Grammar(format!("the mask: {e}"))),
+        }
+    }
+
+    /// The grammar follows a committed token.
+    fn follow(&mut self, token: u32) -> Result<(), SpecError> {
+        match &mut self.grammar {
+            None => Ok(()),
+            Some(g) => g
+                .advance(token)
+                .map_err(|e| SpecError::Grammar(format!("a committed token: {e}"))),
         }
     }
 
@@ -386,17 +428,18 @@ impl CloudSession {
 
     /// The target's logits after [`decode_feed`](Self::decode_feed): the next token, committed.
     /// It does not move the epoch: blocks in flight are rebased against it.
-    pub fn finish_decode(&mut self, row: &[f32]) -> Decoded {
-        self.kv_len += 1;
+    pub fn finish_decode(&mut self, row: &[f32]) -> Result<Decoded, SpecError> {
         let pos = self.committed.len();
-        let token = target_token(row, &self.params, pos as u64);
+        let token = target_token(&self.row(row)?, &self.params, pos as u64);
+        self.follow(token)?;
+        self.kv_len += 1;
         self.committed.push(token);
-        Decoded {
+        Ok(Decoded {
             epoch: self.epoch,
             pos,
             token,
             grant: None,
-        }
+        })
     }
 
     /// Fold the target's logits for `b` (rows in the order of the plan's `logits_at`, as planned
@@ -433,15 +476,13 @@ impl CloudSession {
         let mut correction = None;
         for (i, row) in rows[..m].iter().enumerate() {
             let pos = (c + i) as u64;
-            match judge(
-                self.rule,
-                row,
-                &self.params,
-                pos,
-                b.tokens[known + i],
-                b.q.get(known + i),
-            ) {
-                Ok(()) => accepted += 1,
+            let row = self.row(row)?;
+            let d = b.tokens[known + i];
+            match judge(self.rule, &row, &self.params, pos, d, b.q.get(known + i)) {
+                Ok(()) => {
+                    self.follow(d)?;
+                    accepted += 1
+                }
                 Err(t) => {
                     correction = Some(t);
                     break;
@@ -457,7 +498,7 @@ impl CloudSession {
                 (t, false)
             }
             None => {
-                let t = target_token(rows[m], &self.params, (c + m) as u64);
+                let t = target_token(&self.row(rows[m])?, &self.params, (c + m) as u64);
                 // A trimmed block: the target's next token is its draft's next token, accepted
                 // (committed as the target's own), or a correction of it.
                 match b.tokens.get(known + m) {
@@ -470,6 +511,7 @@ impl CloudSession {
                 }
             }
         };
+        self.follow(token)?;
         self.committed.push(token);
         self.kv_len = self.committed.len() - 1;
         Ok(Finished {
@@ -520,8 +562,9 @@ impl CloudSession {
             let at = feed.nodes[i];
             let pos = (b.start_pos + b.path_len(at)) as u64;
             let kids = b.children(at);
+            let row = self.row(rows[i])?;
             if kids.is_empty() {
-                let t = target_token(rows[i], &self.params, pos);
+                let t = target_token(&row, &self.params, pos);
                 if !b.at_end(at) {
                     self.epoch += 1; // a lane that ended inside the block: off the tree
                 }
@@ -530,7 +573,7 @@ impl CloudSession {
             if feed.parents.get(i + 1) != Some(&i) {
                 // Trimmed below this node: the target's own token, which the block goes on from
                 // when it guessed it (the edge walks it there too), or its correction.
-                let t = target_token(rows[i], &self.params, pos);
+                let t = target_token(&row, &self.params, pos);
                 if kids.iter().any(|&k| b.token(k) == Some(t)) {
                     partial = true;
                 } else {
@@ -557,7 +600,7 @@ impl CloudSession {
                     }
                 })
                 .collect();
-            let next = match judge_guesses(self.rule, rows[i], &self.params, pos, &guesses) {
+            let next = match judge_guesses(self.rule, &row, &self.params, pos, &guesses) {
                 Ok(k) => kids[k],
                 Err(t) => {
                     self.epoch += 1;
@@ -568,12 +611,14 @@ impl CloudSession {
                 .find(|&j| feed.parents[j] == i && feed.nodes[j] == next)
                 .expect("invariant: the feed holds the subtree below its first node");
             keep.push(j);
+            self.follow(feed.tokens[j])?;
             self.committed.push(feed.tokens[j]);
             i = j;
         };
         let last = feed.nodes[i];
         let judged = feed.tokens.len() - 1;
         self.verified_positions += judged as u64;
+        self.follow(token)?;
         self.committed.push(token);
         self.kv_len = self.committed.len() - 1;
         let accepted = self.committed.len() - 1 - c;

@@ -10,6 +10,8 @@
 //!   verdict).
 //! - [`verify`]: the rules that judge a draft token against the target's logits (greedy,
 //!   sample-and-match, rejection sampling).
+//! - [`grammar`]: structured outputs: a JSON schema or grammar compiled with llguidance, which
+//!   masks the target's logits on the cloud and the draft's on the edge.
 //! - [`sampling`]: temperature / top-k / top-p with draws keyed by (seed, position).
 //! - [`policy`]: the analytic model of one session's speculation and the γ / depth it recommends.
 //! - [`never_idle`]: the model of protocol 2 (the verifier decodes a session whenever it has no
@@ -23,6 +25,7 @@
 pub mod capacity;
 pub mod cloud_session;
 pub mod edge;
+pub mod grammar;
 pub mod messages;
 pub mod never_idle;
 pub mod pipeline;
@@ -33,6 +36,7 @@ pub mod verify;
 
 pub use cloud_session::{BlockAction, CloudSession, Feed, Finished, ACK_EVERY, FLOW_WINDOW};
 pub use edge::{EdgeSession, Incoming, Measured, Opened, Reaction, SessionConfig};
+pub use grammar::{Grammar, GrammarError, GrammarSource, GrammarVocab};
 pub use pipeline::{
     Block, BlockId, Decoded, Estimates, Frontier, Grown, Hedge, Next, Output, Pipeline,
     PipelineConfig, PipelineStats, Shape, SparseDist, TreeConfig, Verdict, ACCEPT_POSITIONS,
@@ -51,4 +55,8 @@ pub enum SpecError {
     InvalidBlock(String),
     #[error("protocol violation: {0}")]
     Protocol(String),
+    /// A constrained session's grammar cannot go on (its mask is over the limits, or a committed
+    /// token is not allowed): the session ends.
+    #[error("grammar: {0}")]
+    Grammar(String),
 }

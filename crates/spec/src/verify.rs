@@ -380,6 +380,73 @@ mod tests {
         assert!(x > 1000.0, "chi2 of the draft itself {x}");
     }
 
+    /// Under a grammar's mask (structured outputs) both models' rows lose the tokens it forbids
+    /// (−∞: what `Grammar::mask` writes); the rules, run on the masked rows, commit the target's
+    /// masked distribution. Here the mask forbids the draft's favourite (1) and one more (4).
+    #[test]
+    fn the_rules_commit_the_targets_distribution_under_a_mask() {
+        let mask = |l: &[f32; 6]| {
+            let mut m = *l;
+            m[1] = f32::NEG_INFINITY;
+            m[4] = f32::NEG_INFINITY;
+            m
+        };
+        let (target, draft) = (mask(&TARGET), mask(&DRAFT));
+        for params in [
+            SamplingParams {
+                temperature: 1.0,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                temperature: 0.7,
+                top_k: 3,
+                top_p: 0.95,
+                seed: 0,
+            },
+        ] {
+            let d = distribution(&target, &params);
+            let want: Vec<f64> = (0..6).map(|t| prob(&d, t)).collect();
+            assert_eq!((want[1], want[4]), (0.0, 0.0));
+            for rule in [VerifyRule::SampleMatch, VerifyRule::Rejection] {
+                let mut counts = vec![0usize; 6];
+                for seed in 0..40_000u64 {
+                    let p = SamplingParams { seed, ..params };
+                    let (d, q) = draft_sample(&draft, &p, 17, 6);
+                    let t = match judge(rule, &target, &p, 17, d, Some(&q)) {
+                        Ok(()) => d,
+                        Err(c) => c,
+                    };
+                    counts[t as usize] += 1;
+                }
+                let (x, outside) = chi2_on_support(&counts, &want);
+                assert_eq!(
+                    outside, 0,
+                    "{rule:?}: a token the mask forbids was committed"
+                );
+                // 3 degrees of freedom at most: 16.3 is the 0.999 quantile.
+                assert!(
+                    x < 16.3,
+                    "{rule:?} {params:?}: chi2 {x}, {counts:?}, {want:?}"
+                );
+            }
+        }
+        // The test can fail: judging against the unmasked target commits forbidden tokens.
+        let p = SamplingParams {
+            temperature: 1.0,
+            ..SamplingParams::default()
+        };
+        let forbidden = (0..4_000u64)
+            .filter(|&seed| {
+                let p = SamplingParams { seed, ..p };
+                let (d, q) = draft_sample(&draft, &p, 17, 6);
+                let t = judge(VerifyRule::Rejection, &TARGET, &p, 17, d, Some(&q))
+                    .map_or_else(|c| c, |()| d);
+                t == 1 || t == 4
+            })
+            .count();
+        assert!(forbidden > 500, "{forbidden}");
+    }
+
     #[test]
     fn rejection_sampling_accepts_more_than_matching() {
         let params = SamplingParams {

@@ -12,8 +12,8 @@ use std::collections::VecDeque;
 use proptest::prelude::*;
 use tandem_spec::sampling::{uniform, SamplingParams};
 use tandem_spec::{
-    Block, BlockAction, CloudSession, Decoded, Feed, Grown, Hedge, Next, Output, Pipeline,
-    PipelineConfig, Shape, TreeConfig, Verdict, VerifyRule,
+    Block, BlockAction, CloudSession, Decoded, Feed, Grammar, GrammarSource, GrammarVocab, Grown,
+    Hedge, Next, Output, Pipeline, PipelineConfig, Shape, TreeConfig, Verdict, VerifyRule,
 };
 
 const VOCAB: usize = 8;
@@ -34,6 +34,66 @@ fn logits_for(t: u32) -> Vec<f32> {
     let mut l = vec![0f32; VOCAB];
     l[t as usize] = 4.0;
     l
+}
+
+/// A structured output over the toy vocabulary (tokens 0–6 are the bytes `a`–`g`, 7 the end):
+/// `a` or `b` must be followed by `c`, `d` by `e` (forced tokens), `f` and `g` stand alone, and
+/// the end may come only between groups. The fake target's favourite is often not allowed.
+fn toy_grammar() -> Grammar {
+    thread_local! {
+        static COMPILED: Grammar = compile_toy_grammar();
+    }
+    COMPILED.with(Grammar::clone)
+}
+
+fn compile_toy_grammar() -> Grammar {
+    let tokens: Vec<Vec<u8>> = (b'a'..=b'g')
+        .map(|b| vec![b])
+        .chain([b"<|end|>".to_vec()])
+        .collect();
+    let mut special = vec![false; VOCAB];
+    special[EOG as usize] = true;
+    GrammarVocab::new(&tokens, &special, &[EOG], VOCAB)
+        .unwrap()
+        .compile(&GrammarSource::Lark(
+            r#"start: (("a" | "b") "c" | "d" "e" | "f" | "g")*"#.into(),
+        ))
+        .unwrap()
+}
+
+/// The target's token at `pos` after `last` under `grammar` (at its state there): its favourite
+/// when allowed, else the first allowed token (the masked row's argmax: the others tie at 0).
+fn masked_target(grammar: Option<&mut Grammar>, last: u32, pos: usize, seed: u64) -> u32 {
+    let t = target(last, pos, seed);
+    let Some(g) = grammar else {
+        return t;
+    };
+    if g.allows(t).unwrap() {
+        t
+    } else {
+        (0..VOCAB as u32).find(|&x| g.allows(x).unwrap()).unwrap()
+    }
+}
+
+/// The grammar at its state after `output`, or None where the grammar does not allow it (a draft
+/// gone astray).
+fn grammar_after(output: &[u32]) -> Option<Grammar> {
+    let mut g = toy_grammar();
+    g.seek(output).ok().map(|()| g)
+}
+
+/// The draft guesses the target's token with probability alpha, else a wrong one; a constrained
+/// session's draft guesses the target's token under the grammar (after the output from
+/// `output_from` on).
+fn draft_for(seq: &[u32], seed: u64, alpha: f64, salt: u64, output_from: Option<usize>) -> u32 {
+    let pos = seq.len();
+    let mut g = output_from.and_then(|f| grammar_after(&seq[f..]));
+    let t = masked_target(g.as_mut(), *seq.last().unwrap(), pos, seed);
+    if uniform(seed ^ 0xd4af, (pos as u64) << 16 | salt, 4) < alpha {
+        t
+    } else {
+        (t + 1 + (salt % 3) as u32) % VOCAB as u32
+    }
 }
 
 /// The draft guesses the target's token with probability alpha, else a wrong one.
@@ -63,11 +123,15 @@ fn hedge(seq: &[u32], token: u32, seed: u64, salt: u64) -> Option<Hedge> {
     })
 }
 
-fn oracle(prompt: &[u32], max_new: usize, seed: u64) -> Vec<u32> {
+fn oracle(prompt: &[u32], max_new: usize, seed: u64, constrained: bool) -> Vec<u32> {
     let mut seq = prompt.to_vec();
     let mut out = Vec::new();
+    let mut g = constrained.then(toy_grammar);
     while out.len() < max_new {
-        let t = target(*seq.last().unwrap(), seq.len(), seed);
+        let t = masked_target(g.as_mut(), *seq.last().unwrap(), seq.len(), seed);
+        if let Some(g) = &mut g {
+            g.advance(t).unwrap();
+        }
         seq.push(t);
         out.push(t);
         if t == EOG {
@@ -104,15 +168,26 @@ enum ToEdge {
 impl Cloud {
     /// Open (or re-open) a session from the edge's committed history: the first token is
     /// committed and told at once.
-    fn open(history: &[u32], seed: u64, limit: usize) -> (Self, u32) {
-        let first = target(*history.last().unwrap(), history.len(), seed);
-        let session = CloudSession::new(
+    /// A constrained session's `grammar` is at its state after the output in `history` (a
+    /// reopen sends it as part of the prompt).
+    fn open(history: &[u32], seed: u64, limit: usize, mut grammar: Option<Grammar>) -> (Self, u32) {
+        let first = masked_target(
+            grammar.as_mut(),
+            *history.last().unwrap(),
+            history.len(),
+            seed,
+        );
+        let mut session = CloudSession::new(
             VerifyRule::Greedy,
             SamplingParams::default(),
             history,
             first,
             10_000,
         );
+        if let Some(mut g) = grammar {
+            g.advance(first).unwrap();
+            session = session.constrain(g);
+        }
         let c = Self {
             session,
             kv: history.to_vec(),
@@ -211,7 +286,7 @@ impl Cloud {
         }
         let plan = self.session.decode_feed().expect("below the context limit");
         let rows = self.forward(&plan);
-        let mut d = self.session.finish_decode(&rows[0]);
+        let mut d = self.session.finish_decode(&rows[0]).unwrap();
         self.keep(&plan, &[], self.session.kv_len())?;
         prop_assert_eq!(d.pos, self.told, "each position is told once, in order");
         self.told += 1;
@@ -261,16 +336,18 @@ fn run(
     max_new: usize,
     tree: TreeConfig,
     schedule: &[Step],
+    constrained: bool,
 ) -> Result<(), TestCaseError> {
     let prompt: Vec<u32> = (0..3).map(|i| (seed as u32 + i) % 7).collect();
-    let want = oracle(&prompt, max_new, seed);
+    let want = oracle(&prompt, max_new, seed, constrained);
     let cfg = PipelineConfig {
         draft_len: gamma,
         depth,
         max_new_tokens: max_new,
     };
     let limit = prompt.len() + max_new;
-    let (mut cloud, first) = Cloud::open(&prompt, seed, limit);
+    let output_from = constrained.then_some(prompt.len());
+    let (mut cloud, first) = Cloud::open(&prompt, seed, limit, constrained.then(toy_grammar));
     let (mut edge, outs) = Pipeline::with_first(prompt.clone(), first, cfg, vec![EOG]).unwrap();
     edge.set_tree(tree);
     let (mut to_cloud, mut to_edge) = (VecDeque::<Block>::new(), VecDeque::<ToEdge>::new());
@@ -338,7 +415,7 @@ fn run(
                     salt += 1;
                     let mut seq = edge.tokens()[..f.base].to_vec();
                     seq.extend(leaf);
-                    let t = draft(&seq, seed, alpha, salt);
+                    let t = draft_for(&seq, seed, alpha, salt, output_from);
                     let h = hedge(&seq, t, seed, salt);
                     grown.push(Grown {
                         token: t,
@@ -390,7 +467,10 @@ fn run(
                 let outs = edge.on_connection_lost();
                 handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
                 let history = edge.tokens()[..edge.committed_len()].to_vec();
-                let (c, first) = Cloud::open(&history, seed, limit);
+                let grammar = constrained.then(|| {
+                    grammar_after(&history[prompt.len()..]).expect("committed tokens are allowed")
+                });
+                let (c, first) = Cloud::open(&history, seed, limit, grammar);
                 cloud = c;
                 let outs = edge.on_reopened(first);
                 handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
@@ -447,7 +527,34 @@ proptest! {
         ],
         schedule in proptest::collection::vec(step(), 0..300),
     ) {
-        run(seed, alpha, gamma, depth, max_new, tree, &schedule)?;
+        run(seed, alpha, gamma, depth, max_new, tree, &schedule, false)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 3000, ..ProptestConfig::default() })]
+
+    /// The same under a grammar (a structured output): the committed sequence is the target's
+    /// greedy continuation under the grammar's mask, whatever the draft proposes (tokens the
+    /// grammar forbids, the target's unmasked favourite among them, included).
+    #[test]
+    fn a_constrained_sessions_committed_sequence_is_the_targets_under_its_grammar(
+        seed in 0u64..10_000,
+        alpha in prop_oneof![Just(0.0), Just(0.8), Just(1.0), 0.0f64..1.0],
+        gamma in 1usize..8,
+        depth in 1usize..5,
+        max_new in 1usize..40,
+        tree in prop_oneof![
+            1 => Just(TreeConfig::LINEAR),
+            1 => (1usize..12, 1usize..4, 0.4f32..1.0).prop_map(
+                |(side_nodes, lanes, below)| {
+                    TreeConfig { side_nodes, lanes, below, min_chance: 0.0 }
+                }
+            ),
+        ],
+        schedule in proptest::collection::vec(step(), 0..300),
+    ) {
+        run(seed, alpha, gamma, depth, max_new, tree, &schedule, true)?;
     }
 }
 
@@ -485,7 +592,7 @@ fn depth_one_is_synchronous() {
         depth: 1,
         max_new_tokens: 64,
     };
-    let (mut cloud, first) = Cloud::open(&prompt, 5, 67);
+    let (mut cloud, first) = Cloud::open(&prompt, 5, 67, None);
     let (mut edge, _) = Pipeline::with_first(prompt.clone(), first, cfg, vec![EOG]).unwrap();
     let mut block = None;
     while edge.next() == Next::Draft {
@@ -529,7 +636,7 @@ fn a_block_that_lands_behind_the_verifier_is_matched_then_verified() {
         depth: 1,
         max_new_tokens: 64,
     };
-    let (mut cloud, first) = Cloud::open(&prompt, 9, 67);
+    let (mut cloud, first) = Cloud::open(&prompt, 9, 67, None);
     let (mut edge, _) = Pipeline::with_first(prompt, first, cfg, vec![EOG]).unwrap();
     let mut block = None;
     while edge.next() == Next::Draft {

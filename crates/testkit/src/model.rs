@@ -78,6 +78,52 @@ pub fn greedy(e: &mut Engine, seq: SeqId, prompt: &[u32], n: usize) -> Vec<u32> 
     out
 }
 
+/// `n` tokens after `prompt` decoded in-process by the target alone, each drawn by `params` (greedy
+/// or sampled by position) from the logits masked by `grammar` (structured outputs), cut after
+/// the first end-of-generation token: what a constrained session over `prompt` commits.
+pub fn constrained(
+    prompt: &[u32],
+    n: usize,
+    grammar: &tandem_spec::GrammarSource,
+    params: &tandem_spec::sampling::SamplingParams,
+) -> Vec<u32> {
+    let (m, tok) = target();
+    let mut e = Engine::new(
+        m.clone(),
+        EngineConfig {
+            threads: 1,
+            kv_budget_bytes: 64 << 20,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    let mut g = tok
+        .grammar_vocab(m.cfg.vocab)
+        .unwrap()
+        .compile(grammar)
+        .unwrap();
+    let seq = SeqId(0);
+    let mut out = Vec::new();
+    let mut chunk = SeqChunk::new(seq, 0, prompt.to_vec(), Wanted::Last);
+    for i in 0..n {
+        let l = e.forward(std::slice::from_ref(&chunk)).unwrap();
+        let masked = g.mask(l.row(0)).unwrap();
+        let next = tandem_spec::sampling::sample(&masked, params, (prompt.len() + i) as u64);
+        g.advance(next).unwrap();
+        out.push(next);
+        if tok.is_eog(next) {
+            break;
+        }
+        chunk = SeqChunk::new(
+            seq,
+            chunk.start_pos + chunk.tokens.len(),
+            vec![next],
+            Wanted::Last,
+        );
+    }
+    out
+}
+
 /// The target's greedy continuation of `prompt` (at most `n` tokens, decoded as sequence `seq` on
 /// an engine of its own: one thread, a 32 MiB KV cache), cut after its first end-of-generation
 /// token: what a greedy session over `prompt` commits.

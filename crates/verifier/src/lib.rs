@@ -54,6 +54,9 @@ pub enum VerifierError {
     Sched(#[from] SchedError),
     #[error("{0}")]
     Engine(String),
+    /// A constrained session's grammar could not go on (a mask over its limits): it ends.
+    #[error("grammar: {0}")]
+    Grammar(String),
     /// Its tenant cancelled the session.
     #[error("session {0} was cancelled by its tenant")]
     Cancelled(SessionId),
@@ -107,6 +110,7 @@ impl VerifierError {
             VerifierError::Cancelled(_) => ErrorKind::Cancelled,
             VerifierError::Draining => ErrorKind::Unavailable,
             VerifierError::Idle { .. } => ErrorKind::DeadlineExceeded,
+            VerifierError::Grammar(_) => ErrorKind::InvalidArgument,
             VerifierError::Sched(_) | VerifierError::Engine(_) => ErrorKind::Internal,
         }
     }

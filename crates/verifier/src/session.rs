@@ -215,6 +215,9 @@ pub(crate) struct Meter {
 pub(crate) struct Session<H> {
     pub tenant: TenantId,
     pub params: SamplingParams,
+    /// A constrained session's grammar until its prompt is prefilled (a speculation session's
+    /// then moves into its `CloudSession`); a generation's, at its state after its output.
+    pub grammar: Option<Box<tandem_spec::Grammar>>,
     pub prompt_len: usize,
     /// The tokens the session's target KV holds (or will hold once recomputed).
     pub history: Vec<u32>,

@@ -160,7 +160,24 @@ impl<T: Target, H> VerifierCore<T, H> {
                     let Some(row) = logits.last_for(seq) else {
                         continue; // a chunk of a longer prompt, or a recompute
                     };
-                    let first = sample(row, &s.params, s.prompt_len as u64);
+                    // A constrained session draws its first token from the masked row.
+                    let first = match constrained_sample(
+                        &mut s.grammar,
+                        row,
+                        &s.params,
+                        s.prompt_len as u64,
+                    ) {
+                        Ok(t) => t,
+                        Err(e) => {
+                            events.push(Event::Error {
+                                session: id,
+                                error: e,
+                                fatal: true,
+                            });
+                            self.ended.push(id);
+                            continue;
+                        }
+                    };
                     match work {
                         Work::Spec {
                             rule, vs, queue, ..
@@ -178,6 +195,10 @@ impl<T: Target, H> VerifierCore<T, H> {
                                 first,
                                 max_len,
                             );
+                            if let Some(g) = s.grammar.take() {
+                                // Its state is already past `first`.
+                                cs = cs.constrain(*g);
+                            }
                             events.push(Event::Opened { session: id, first });
                             // Blocks that came while the prompt was prefilled: checked now, in
                             // the order they came, each refused by name as on arrival.
@@ -231,7 +252,19 @@ impl<T: Target, H> VerifierCore<T, H> {
                     match planned.take().expect("invariant: planned") {
                         Scheduled::Decode { feed } => {
                             let row = logits.last_for(seq).expect("invariant: asked for");
-                            let decoded = vs.finish_decode(row);
+                            let decoded = match vs.finish_decode(row) {
+                                Ok(d) => d,
+                                Err(e) => {
+                                    // Only a grammar that cannot go on fails a decode.
+                                    events.push(Event::Error {
+                                        session: id,
+                                        error: e.into(),
+                                        fatal: true,
+                                    });
+                                    self.ended.push(id);
+                                    continue;
+                                }
+                            };
                             s.history.truncate(feed.start_pos);
                             s.history.extend_from_slice(&feed.tokens);
                             kv_len.push((id, feed.start_pos + feed.tokens.len()));
@@ -299,13 +332,18 @@ impl<T: Target, H> VerifierCore<T, H> {
                                         positions: p.tokens.len(),
                                     });
                                 }
-                                // Refused before it changed anything.
+                                // Refused before it changed anything, or a grammar that cannot
+                                // go on (the session ends).
                                 Err(e) => {
                                     kv_len.push((id, c.start));
+                                    let fatal = matches!(e, tandem_spec::SpecError::Grammar(_));
+                                    if fatal {
+                                        self.ended.push(id);
+                                    }
                                     events.push(Event::Error {
                                         session: id,
                                         error: e.into(),
-                                        fatal: false,
+                                        fatal,
                                     });
                                 }
                             }
@@ -325,7 +363,19 @@ impl<T: Target, H> VerifierCore<T, H> {
                     let fed = next.expect("invariant: planned after the prefill");
                     s.history.push(fed);
                     let row = logits.last_for(seq).expect("invariant: asked for");
-                    let token = sample(row, &s.params, s.history.len() as u64);
+                    let pos = s.history.len() as u64;
+                    let token = match constrained_sample(&mut s.grammar, row, &s.params, pos) {
+                        Ok(t) => t,
+                        Err(e) => {
+                            events.push(Event::Error {
+                                session: id,
+                                error: e,
+                                fatal: true,
+                            });
+                            self.ended.push(id);
+                            continue;
+                        }
+                    };
                     *produced += 1;
                     *next = Some(token);
                     let done = *produced >= *max_tokens || eog.contains(&token);
@@ -404,4 +454,21 @@ impl<T: Target, H> VerifierCore<T, H> {
             self.proceed(id, events);
         }
     }
+}
+
+/// The target's token at `pos` from `row`, masked by `grammar` when the session is constrained
+/// (which then follows the token).
+fn constrained_sample(
+    grammar: &mut Option<Box<tandem_spec::Grammar>>,
+    row: &[f32],
+    params: &tandem_spec::sampling::SamplingParams,
+    pos: u64,
+) -> Result<u32, VerifierError> {
+    let Some(g) = grammar else {
+        return Ok(sample(row, params, pos));
+    };
+    let grammar_error = |e: tandem_spec::GrammarError| VerifierError::Grammar(e.to_string());
+    let t = sample(&g.mask(row).map_err(grammar_error)?, params, pos);
+    g.advance(t).map_err(grammar_error)?;
+    Ok(t)
 }

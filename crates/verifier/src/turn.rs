@@ -4,7 +4,7 @@
 
 use tandem_sched::{SchedError, SessionId, TenantId};
 use tandem_spec::sampling::SamplingParams;
-use tandem_spec::{Block, Decoded, Shape, Verdict, VerifyRule};
+use tandem_spec::{Block, Decoded, Grammar, Shape, Verdict, VerifyRule};
 
 use crate::control::Load;
 use crate::session::{Event, Meter, Work};
@@ -31,6 +31,8 @@ pub struct NewSession {
     pub max_tokens: usize,
     pub eog: Vec<u32>,
     pub mode: Mode,
+    /// Structured output: the grammar the output follows (compiled by the caller, at its start).
+    pub grammar: Option<Box<Grammar>>,
 }
 
 /// A message from an edge (or its transport).
@@ -182,6 +184,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                     new.tenant,
                     &new.prompt,
                     new.params,
+                    new.grammar,
                     work,
                     want,
                     now_us,

@@ -397,6 +397,7 @@ impl<T: Target, H> VerifierCore<T, H> {
         tenant: TenantId,
         prompt: &[u32],
         params: SamplingParams,
+        grammar: Option<Box<tandem_spec::Grammar>>,
         work: Work,
         want: Option<tandem_spec::Shape>,
         now_us: u64,
@@ -414,12 +415,19 @@ impl<T: Target, H> VerifierCore<T, H> {
                 "prompt: token id {t} is outside the vocabulary ({vocab})"
             )));
         }
+        if let Some(g) = grammar.as_ref().filter(|g| g.vocab_size() < vocab) {
+            return Err(VerifierError::Invalid(format!(
+                "grammar: compiled for a vocabulary of {} tokens, the model's is {vocab}",
+                g.vocab_size()
+            )));
+        }
         let cached = self.sched.open(id, tenant, prompt)?;
         self.sessions.insert(
             id,
             Session {
                 tenant,
                 params,
+                grammar,
                 prompt_len: prompt.len(),
                 history: prompt.to_vec(),
                 work,

@@ -43,6 +43,7 @@ fn open() -> (VerifierCore<common::OneHot, ()>, Vec<u32>) {
                     rule: VerifyRule::Greedy,
                     want: Shape::new(8, 2),
                 },
+                grammar: None,
             },
             handle: (),
         },

@@ -25,6 +25,7 @@ fn open(v: &mut VerifierCore<OneHot>, id: u64, mode: Mode, max_tokens: usize, eo
                 max_tokens,
                 eog,
                 mode,
+                grammar: None,
             },
             handle: (),
         },

@@ -124,6 +124,8 @@ pub fn synthetic_session(
         api_key: None,
         tls_ca: None,
         route: None,
+        grammar: None,
+        output_from: None,
     };
     let (mut link, opened) = GrpcLink::connect(rt, url, req)?;
     let cfg = SpecConfig {

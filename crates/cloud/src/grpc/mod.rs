@@ -37,6 +37,8 @@ pub struct ServiceInfo {
     /// How long a session stream may take to send its `Open`: past it the stream is cut
     /// (DEADLINE_EXCEEDED), so that streams that never open hold nothing.
     pub open_deadline: Duration,
+    /// The served model's vocabulary for structured outputs (None: grammars are refused).
+    pub grammar: Option<tandem_spec::GrammarVocab>,
 }
 
 /// The largest message either side may send: a block (γ ≤ 8 tokens, each with a q of at most
@@ -84,6 +86,13 @@ impl ServiceInfo {
             },
             eog: tokenizer.eog_ids(),
             open_deadline: OPEN_DEADLINE,
+            grammar: match tokenizer.grammar_vocab(model.cfg.vocab) {
+                Ok(v) => Some(v),
+                Err(e) => {
+                    tracing::warn!("structured outputs are refused: {e}");
+                    None
+                }
+            },
         }
     }
 }
@@ -291,7 +300,14 @@ impl VerifierRpc for Service {
                 "kind: the first message of a session must be Open",
             ));
         };
-        let o = validation::open(open, &self.info.model)?;
+        let mut o = validation::open(open, &self.info.model)?;
+        let grammar = validation::compile(
+            "open.grammar",
+            o.grammar.take(),
+            &o.prompt,
+            self.info.grammar.as_ref(),
+        )
+        .await?;
         // The batcher grants within what the edge asks for, as its load allows.
         // Token trees: the side nodes a block may carry (their positions count in the forward's
         // token budget like any other).
@@ -365,6 +381,7 @@ impl VerifierRpc for Service {
                     rule: o.rule,
                     want: tandem_spec::Shape::new(gamma, depth),
                 },
+                grammar: grammar.map(Box::new),
             },
             handle: reply,
         }))?;
@@ -468,7 +485,14 @@ impl VerifierRpc for Service {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let tenant = self.tenant(&req)?;
         self.admitting()?;
-        let g = validation::generate(req.into_inner(), &self.info.model)?;
+        let mut g = validation::generate(req.into_inner(), &self.info.model)?;
+        let grammar = validation::compile(
+            "generate.grammar",
+            g.grammar.take(),
+            &g.prompt,
+            self.info.grammar.as_ref(),
+        )
+        .await?;
         let (tx, rx) = channel(OUTBOX);
         let session = SessionId(self.ids.next());
         let reply: Reply = Arc::new(move |msg: ToEdge| {
@@ -502,6 +526,7 @@ impl VerifierRpc for Service {
                 max_tokens: g.max_tokens,
                 eog: self.info.eog.clone(),
                 mode: Mode::Generate,
+                grammar: grammar.map(Box::new),
             },
             handle: reply,
         }))?;

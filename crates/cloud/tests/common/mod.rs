@@ -27,6 +27,8 @@ pub fn greedy_open(fingerprint: &str, prompt: &[u32]) -> tandem_edge::grpc::Open
         api_key: None,
         tls_ca: None,
         route: None,
+        grammar: None,
+        output_from: None,
     }
 }
 

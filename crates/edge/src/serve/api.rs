@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 use tandem_engine::tokenizer::ChatMessage;
 use tandem_engine::Tokenizer;
 use tandem_spec::sampling::SamplingParams;
+use tandem_spec::GrammarSource;
 
 /// An error as OpenAI sends it: an HTTP status and `{"error": {message, type, param, code}}`.
 #[derive(Debug, Clone, PartialEq)]
@@ -115,6 +116,9 @@ pub struct Body {
     pub n: Option<u64>,
     #[serde(default)]
     pub tandem: Option<Extension>,
+    /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": …}}`.
+    #[serde(default)]
+    pub response_format: Option<Value>,
     /// Fields that would change the answer, read only to refuse them unless they are no-ops.
     #[serde(flatten)]
     pub rest: serde_json::Map<String, Value>,
@@ -174,11 +178,6 @@ pub const UNHONOURED: &[Unhonoured] = &[
     unhonoured_field("suffix", |v| v.as_str() == Some(""), "\"\""),
     unhonoured_field("ignore_eos", is_false, "false"),
     unhonoured_field("stop_token_ids", is_empty_array, "[]"),
-    unhonoured_field(
-        "response_format",
-        |v| v.get("type").and_then(Value::as_str) == Some("text"),
-        "{\"type\": \"text\"}",
-    ),
     unhonoured_field("tools", is_empty_array, "[]"),
     unhonoured_field("tool_choice", |v| v.as_str() == Some("none"), "\"none\""),
     unhonoured_field("functions", is_empty_array, "[]"),
@@ -237,6 +236,8 @@ pub struct Request {
     pub stream: bool,
     pub include_usage: bool,
     pub tentative: bool,
+    /// Structured output (`response_format` `json_schema` or `json_object`).
+    pub grammar: Option<tandem_spec::GrammarSource>,
 }
 
 /// What the server serves, for the checks.
@@ -366,6 +367,7 @@ pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiErr
         None if kind == Kind::Completion => 16.min(room),
         None => room,
     };
+    let grammar = response_format(b.response_format.as_ref())?;
     let stream = b.stream.unwrap_or(false);
     if b.stream_options.is_some() && !stream {
         return Err(ApiError::invalid(
@@ -388,13 +390,52 @@ pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiErr
         stream,
         include_usage: b.stream_options.is_some_and(|o| o.include_usage),
         tentative: b.tandem.is_some_and(|t| t.tentative),
+        grammar,
     })
+}
+
+/// OpenAI's `response_format` as a grammar: `text` (or none) is free text; `json_object` any JSON
+/// object; `json_schema` its `json_schema.schema` (with `strict` or without: the schema is always
+/// enforced). Anything else is refused naming the field.
+fn response_format(v: Option<&Value>) -> Result<Option<GrammarSource>, ApiError> {
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let bad = |m: String| ApiError::invalid("response_format", m);
+    match v.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(GrammarSource::JsonObject)),
+        Some("json_schema") => {
+            let js = v.get("json_schema").ok_or_else(|| {
+                bad("a json_schema response_format needs `json_schema: {\"name\": …, \"schema\": {…}}`".into())
+            })?;
+            if let Some(s) = js.get("strict").filter(|s| !s.is_null() && !s.is_boolean()) {
+                return Err(bad(format!(
+                    "json_schema.strict must be a boolean, got {s}"
+                )));
+            }
+            match js.get("schema") {
+                Some(schema) if schema.is_object() || schema.is_boolean() => {
+                    Ok(Some(GrammarSource::JsonSchema(schema.to_string())))
+                }
+                Some(other) => Err(bad(format!(
+                    "json_schema.schema must be a JSON schema (an object), got {other}"
+                ))),
+                None => Err(bad("json_schema.schema is missing".into())),
+            }
+        }
+        Some(t) => Err(bad(format!(
+            "type `{t}` is not supported (text, json_object, json_schema)"
+        ))),
+        None => Err(bad(format!("`type` is missing in {v}"))),
+    }
 }
 
 /// The request field a serde path (`messages[0].role`) or error message (`missing field
 /// `messages``) names.
 fn field_of(s: &str) -> Option<&'static str> {
-    const FIELDS: [&str; 15] = [
+    const FIELDS: [&str; 16] = [
+        "response_format",
         "messages",
         "prompt",
         "model",

@@ -77,6 +77,9 @@ struct AppState {
     metrics: Arc<EdgeMetrics>,
     rt: tokio::runtime::Handle,
     requests: AtomicU64,
+    /// The draft's vocabulary for structured outputs (None: `response_format` other than text
+    /// is refused).
+    grammar: Option<tandem_spec::GrammarVocab>,
 }
 
 /// Start the engine thread over `draft` and serve the API on `listener` until `shutdown`.
@@ -92,6 +95,13 @@ pub async fn serve(
     let tables = &draft.kv().tables;
     let (kv_blocks, block_size) = (tables.num_pages(), tables.page_size());
     let context_len = draft.model().cfg.context_len;
+    let grammar = match tok.grammar_vocab(draft.model().cfg.vocab) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            tracing::warn!("structured outputs are refused: {e}");
+            None
+        }
+    };
     let sessions = Sessions {
         tok: tok.clone(),
         fallback_local: cfg.fallback_local,
@@ -115,6 +125,7 @@ pub async fn serve(
         metrics,
         rt: tokio::runtime::Handle::current(),
         requests: AtomicU64::new(0),
+        grammar,
     });
     let served = axum::serve(listener, app(state))
         .with_graceful_shutdown(shutdown)
@@ -264,6 +275,30 @@ async fn complete(
         Ok(r) => r,
         Err(e) => return error(e),
     };
+    // A structured output's grammar, compiled off the runtime's threads (a schema may take
+    // milliseconds); one llguidance refuses is a 400 naming the field.
+    let grammar = match (&req.grammar, &s.grammar) {
+        (None, _) => None,
+        (Some(_), None) => {
+            return error(ApiError::invalid(
+                "response_format",
+                "this server has no grammar support for its model: leave response_format out",
+            ))
+        }
+        (Some(src), Some(vocab)) => {
+            let (src, vocab) = (src.clone(), vocab.clone());
+            match tokio::task::spawn_blocking(move || vocab.compile(&src)).await {
+                Ok(Ok(g)) => Some(g),
+                Ok(Err(e)) => {
+                    return error(ApiError::invalid(
+                        "response_format",
+                        format!("the schema cannot be used: {e}"),
+                    ))
+                }
+                Err(e) => return error(unavailable(format!("compiling the schema: {e}"))),
+            }
+        }
+    };
     let blocks = reservation(&s, &req);
     if blocks > s.kv_blocks {
         return error(ApiError::invalid(
@@ -293,6 +328,7 @@ async fn complete(
     let (link_tx, link_rx) = oneshot::channel();
     let job = Job {
         req: req.clone(),
+        grammar,
         spec,
         events: events_tx,
         link: link_rx,
@@ -394,9 +430,11 @@ async fn connect(
         want_draft_len: sess.auto.map_or(sess.draft_len, |a| a.max_draft_len) as u32,
         want_depth: sess.auto.map_or(sess.depth, |a| a.max_depth) as u32,
         want_side_nodes: sess.tree.side_nodes as u32,
+        grammar: req.grammar.clone(),
         api_key: s.cfg.api_key.clone(),
         tls_ca: s.cfg.tls_ca.clone(),
         route: None,
+        output_from: None,
     };
     let tx = s.tx.clone();
     let waker: crate::grpc::Waker = Arc::new(move || {

@@ -40,6 +40,8 @@ pub enum Msg {
 /// A request for the engine thread.
 pub struct Job {
     pub req: Request,
+    /// A structured output's grammar, compiled (its draft proposes only what it allows).
+    pub grammar: Option<tandem_spec::Grammar>,
     /// The session's shape and rule for this request.
     pub spec: SpecConfig,
     pub events: UnboundedSender<Event>,
@@ -415,6 +417,7 @@ impl Sessions {
     fn admit(&self, engine: &mut Engine, id: u64, job: Job) -> Active {
         let Job {
             req,
+            grammar,
             spec,
             events,
             link,
@@ -423,6 +426,9 @@ impl Sessions {
             permit,
         } = job;
         let mut seq = DraftSeq::new(engine, SeqId(id), &[], &spec);
+        if let Some(g) = grammar {
+            seq.constrain(g, req.prompt_ids.len());
+        }
         // An earlier turn of the conversation left the draft's KV of its history in the cache:
         // only the new tokens are prefilled.
         let draft_cached = if self.prefix_cache {
@@ -605,6 +611,26 @@ impl Sessions {
         let mut failed: Vec<(usize, EdgeError)> = Vec::new();
         for (i, p) in plans {
             let a = &mut actives[i];
+            // A structured output's tokens that its grammar forces are drafted without the
+            // draft model (the next step that needs their KV feeds them).
+            if let (RoundWork::Draft(f), Phase::Spec(d)) = (&p, &mut a.phase) {
+                let base = &d.session().pipeline().tokens()[..f.base];
+                match a.seq.forced(base, &f.leaves) {
+                    Ok(Some(props)) => {
+                        let out = &mut a.out;
+                        match d.grown(props, 0.0, &mut |u| out.on_update(u)) {
+                            Ok(()) | Err(EdgeError::LinkClosed) => {}
+                            Err(e) => failed.push((i, e)),
+                        }
+                        continue;
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        failed.push((i, e));
+                        continue;
+                    }
+                }
+            }
             let planned = match (&p, &a.phase) {
                 (RoundWork::Prefill(end), _) => {
                     a.seq
@@ -626,6 +652,10 @@ impl Sessions {
             }
         }
         let chunks: Vec<_> = steps.iter().map(|s| s.2.chunk.clone()).collect();
+        if chunks.is_empty() {
+            self.fail_all(engine, actives, failed);
+            return;
+        }
         let tokens: usize = chunks.iter().map(|c| c.tokens.len()).sum();
         let t0 = Instant::now();
         let logits = match engine.forward(&chunks) {

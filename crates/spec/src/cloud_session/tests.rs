@@ -112,7 +112,7 @@ fn a_block_behind_the_decoded_tokens_is_rebased_not_replayed() {
     for t in [8, 9] {
         let f = s.decode_feed().unwrap();
         assert_eq!(f.tokens.len(), 1);
-        let d = s.finish_decode(&rows(&[t])[0]);
+        let d = s.finish_decode(&rows(&[t])[0]).unwrap();
         assert_eq!((d.epoch, d.token), (0, t), "a decode keeps the epoch");
     }
     assert_eq!((s.committed_len(), s.kv_len()), (6, 5));
@@ -324,7 +324,7 @@ fn decodes_that_divert_a_tree_move_nothing_and_decodes_off_it_move_the_epoch() {
     let mut s = session();
     for t in [8, 20] {
         s.decode_feed().unwrap();
-        s.finish_decode(&rows(&[t])[0]);
+        s.finish_decode(&rows(&[t])[0]).unwrap();
     }
     let BlockAction::Forward(f) = s.block_action(&b).unwrap() else {
         panic!()
@@ -349,14 +349,14 @@ fn decodes_that_divert_a_tree_move_nothing_and_decodes_off_it_move_the_epoch() {
     let mut s = session();
     for t in [8, 20, 21] {
         s.decode_feed().unwrap();
-        s.finish_decode(&rows(&[t])[0]);
+        s.finish_decode(&rows(&[t])[0]).unwrap();
     }
     assert_eq!(s.block_action(&b).unwrap(), BlockAction::Covered);
     assert_eq!(s.epoch(), 0);
     let mut s = session();
     for t in [8, 20, 3] {
         s.decode_feed().unwrap();
-        s.finish_decode(&rows(&[t])[0]);
+        s.finish_decode(&rows(&[t])[0]).unwrap();
     }
     assert_eq!(
         s.block_action(&b).unwrap(),
@@ -372,7 +372,7 @@ fn a_lane_that_ends_inside_the_block_is_a_correction_after_its_end() {
     let b = tree_block();
     let mut s = session();
     s.decode_feed().unwrap();
-    s.finish_decode(&rows(&[30])[0]);
+    s.finish_decode(&rows(&[30])[0]).unwrap();
     let BlockAction::Forward(f) = s.block_action(&b).unwrap() else {
         panic!()
     };

@@ -71,6 +71,7 @@ fn the_contended_budget_follows_the_time_forwards_take() {
             max_tokens: 1000,
             eog: vec![],
             mode: Mode::Generate,
+            grammar: None,
         },
         handle: id,
     };
@@ -124,6 +125,7 @@ fn open(id: u64, mode: Mode) -> Inbound<u64> {
             max_tokens: 40,
             eog: vec![],
             mode,
+            grammar: None,
         },
         handle: 100 + id,
     }

@@ -250,6 +250,7 @@ impl<T: Target> Driver<T> {
             max_tokens,
             eog: vec![],
             mode,
+            grammar: None,
         };
         self.receive(Inbound::Open {
             session,
