@@ -248,3 +248,180 @@ fn schemas_that_cannot_be_used_are_refused_by_name_on_both_sides() {
     );
     assert_eq!(s, 200, "{r}");
 }
+
+fn weather_tools() -> Value {
+    json!([
+        {"type": "function", "function": {
+            "name": "get_weather",
+            "description": "The weather in a city now.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": false
+            }
+        }},
+        {"type": "function", "function": {
+            "name": "book_table",
+            "parameters": {
+                "type": "object",
+                "properties": {"restaurant": {"type": "string"}, "people": {"type": "integer"}},
+                "required": ["restaurant", "people"],
+                "additionalProperties": false
+            }
+        }}
+    ])
+}
+
+fn tool_request(choice: Value) -> Value {
+    json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What is the weather in Paris, in celsius?"}],
+        "max_tokens": 64,
+        "temperature": 0,
+        "tools": weather_tools(),
+        "tool_choice": choice,
+    })
+}
+
+/// A call's arguments checked against the tool's schema by hand.
+fn check_call(call: &Value) {
+    assert_eq!(call["type"], "function", "{call}");
+    assert!(call["id"].as_str().unwrap().starts_with("call_"), "{call}");
+    let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap())
+        .unwrap_or_else(|e| panic!("arguments are not JSON ({e}): {call}"));
+    match call["function"]["name"].as_str().unwrap() {
+        "get_weather" => {
+            assert!(args["city"].is_string(), "{args}");
+            assert!(["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap()));
+            assert_eq!(args.as_object().unwrap().len(), 2, "{args}");
+        }
+        "book_table" => {
+            assert!(
+                args["restaurant"].is_string() && args["people"].is_i64(),
+                "{args}"
+            )
+        }
+        other => panic!("a call of {other}"),
+    }
+}
+
+#[test]
+fn forced_tool_calls_come_back_as_openais_tool_calls_and_auto_is_refused_by_name() {
+    let v = verifier(&[]);
+    let e = edge(&[format!("http://127.0.0.1:{}", v.port)], &[]);
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+
+    // A named function, whole and streamed.
+    let (s, r) = post(e.port, "/v1/chat/completions", &tool_request(named.clone()));
+    assert_eq!(s, 200, "{r}");
+    let choice = &r["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{r}");
+    assert_eq!(choice["message"]["content"], Value::Null);
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "get_weather");
+    check_call(call);
+    let mut body = tool_request(named.clone());
+    body["stream"] = json!(true);
+    let chunks = stream(e.port, "/v1/chat/completions", &body);
+    let calls: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|(_, c)| c["choices"][0]["delta"].get("tool_calls"))
+        .collect();
+    assert_eq!(calls.len(), 1, "{chunks:?}");
+    assert_eq!(
+        calls[0][0]["function"], call["function"],
+        "streamed as whole"
+    );
+    let fin = chunks
+        .iter()
+        .rev()
+        .find_map(|(_, c)| c["choices"][0]["finish_reason"].as_str())
+        .unwrap();
+    assert_eq!(fin, "tool_calls");
+
+    // `required`: one of the tools, by the model's choice.
+    let (s, r) = post(
+        e.port,
+        "/v1/chat/completions",
+        &tool_request(json!("required")),
+    );
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["choices"][0]["finish_reason"], "tool_calls", "{r}");
+    check_call(&r["choices"][0]["message"]["tool_calls"][0]);
+
+    // `none`: a plain answer.
+    let (s, r) = post(e.port, "/v1/chat/completions", &tool_request(json!("none")));
+    assert_eq!(s, 200, "{r}");
+    assert!(r["choices"][0]["message"]["content"].is_string(), "{r}");
+
+    // `auto`, said or by default: this model's template has no tool format.
+    for body in [tool_request(json!("auto")), {
+        let mut b = tool_request(Value::Null);
+        b.as_object_mut().unwrap().remove("tool_choice");
+        b
+    }] {
+        let (s, r) = post(e.port, "/v1/chat/completions", &body);
+        assert_eq!(
+            (s, r["error"]["param"].as_str()),
+            (400, Some("tool_choice")),
+            "{r}"
+        );
+        assert!(r["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("tool format"));
+    }
+    // Bad tools and choices are named.
+    for (body, param) in [
+        (
+            tool_request(json!({"type": "function", "function": {"name": "fly"}})),
+            "tool_choice",
+        ),
+        (tool_request(json!("sometimes")), "tool_choice"),
+        (
+            {
+                let mut b = tool_request(named.clone());
+                b["tools"] = json!([{"type": "function", "function": {"name": "bad name!"}}]);
+                b
+            },
+            "tools",
+        ),
+        (
+            {
+                let mut b = tool_request(named.clone());
+                b["response_format"] = json!({"type": "json_object"});
+                b
+            },
+            "response_format",
+        ),
+    ] {
+        let (s, r) = post(e.port, "/v1/chat/completions", &body);
+        assert_eq!(
+            (s, r["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{body}: {r}"
+        );
+    }
+
+    // The call's result in the history, rendered through the template: the conversation goes on.
+    let (s, r) = post(
+        e.port,
+        "/v1/chat/completions",
+        &json!({
+            "model": MODEL,
+            "max_tokens": 16,
+            "temperature": 0,
+            "messages": [
+                {"role": "user", "content": "What is the weather in Paris, in celsius?"},
+                {"role": "assistant", "content": null, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call["id"], "content": "{\"temperature\": 18}"},
+            ],
+        }),
+    );
+    assert_eq!(s, 200, "{r}");
+    assert!(r["choices"][0]["message"]["content"].is_string(), "{r}");
+}

@@ -60,6 +60,11 @@ pub struct Message {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
+    /// An assistant's earlier tool calls (rendered as their JSON), a tool result's call id.
+    #[serde(default)]
+    pub tool_calls: Option<Value>,
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
 }
 
 /// `stop`: one string or up to four.
@@ -119,6 +124,12 @@ pub struct Body {
     /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": …}}`.
     #[serde(default)]
     pub response_format: Option<Value>,
+    /// Functions the model may call, and whether and which it must (`none`, `required`, a named
+    /// function; `auto` needs a chat template with a tool format).
+    #[serde(default)]
+    pub tools: Option<Value>,
+    #[serde(default)]
+    pub tool_choice: Option<Value>,
     /// Fields that would change the answer, read only to refuse them unless they are no-ops.
     #[serde(flatten)]
     pub rest: serde_json::Map<String, Value>,
@@ -178,8 +189,6 @@ pub const UNHONOURED: &[Unhonoured] = &[
     unhonoured_field("suffix", |v| v.as_str() == Some(""), "\"\""),
     unhonoured_field("ignore_eos", is_false, "false"),
     unhonoured_field("stop_token_ids", is_empty_array, "[]"),
-    unhonoured_field("tools", is_empty_array, "[]"),
-    unhonoured_field("tool_choice", |v| v.as_str() == Some("none"), "\"none\""),
     unhonoured_field("functions", is_empty_array, "[]"),
     unhonoured_field("function_call", |v| v.as_str() == Some("none"), "\"none\""),
     unhonoured_field("guided_json", never, "absent"),
@@ -236,8 +245,161 @@ pub struct Request {
     pub stream: bool,
     pub include_usage: bool,
     pub tentative: bool,
-    /// Structured output (`response_format` `json_schema` or `json_object`).
+    /// Structured output (`response_format` `json_schema` or `json_object`, or a forced tool
+    /// call's arguments).
     pub grammar: Option<tandem_spec::GrammarSource>,
+    /// The answer is a tool call (its output, the grammar's JSON, becomes `tool_calls`).
+    pub tool_call: Option<ToolCall>,
+}
+
+/// A request's functions (name, parameters' schema), the call it forces, and that call's grammar.
+type Tools = (
+    Vec<(String, Value)>,
+    Option<ToolCall>,
+    Option<GrammarSource>,
+);
+
+/// A tool call the request forces.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolCall {
+    /// This function: the output is its arguments.
+    Named(String),
+    /// One of the tools: the output is `{"name": …, "arguments": {…}}`.
+    Required,
+}
+
+/// The request's tools checked: each `{"type": "function", "function": {"name", "description"?,
+/// "parameters"?}}` with a unique name; and the call `tool_choice` forces, with its grammar.
+/// `auto` (the default when tools are given) is refused: this model's chat template defines no
+/// tool format, so the server could not tell a call from an answer.
+fn tools(b: &Body, kind: Kind) -> Result<Tools, ApiError> {
+    let list = match &b.tools {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) => a.clone(),
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "tools",
+                format!("tools must be a list of functions, got {other}"),
+            ))
+        }
+    };
+    if !list.is_empty() && kind == Kind::Completion {
+        return Err(ApiError::invalid(
+            "tools",
+            "tools are served on /v1/chat/completions only",
+        ));
+    }
+    let mut fns: Vec<(String, Value)> = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        let bad = |m: String| ApiError::invalid("tools", format!("tools[{i}]: {m}"));
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(bad("only `type: function` tools are served".into()));
+        }
+        let f = t
+            .get("function")
+            .ok_or_else(|| bad("`function` is missing".into()))?;
+        let name = f
+            .get("name")
+            .and_then(Value::as_str)
+            .filter(|n| {
+                !n.is_empty()
+                    && n.len() <= 64
+                    && n.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            })
+            .ok_or_else(|| bad("function.name must be 1–64 of a-z, A-Z, 0-9, _ and -".into()))?;
+        if fns.iter().any(|(n, _)| n == name) {
+            return Err(bad(format!("a second function named `{name}`")));
+        }
+        let params = match f.get("parameters") {
+            None | Some(Value::Null) => json!({"type": "object"}),
+            Some(p) if p.is_object() => p.clone(),
+            Some(p) => {
+                return Err(bad(format!(
+                    "function.parameters must be a JSON schema, got {p}"
+                )))
+            }
+        };
+        fns.push((name.to_string(), params));
+    }
+    let choice = match &b.tool_choice {
+        None | Some(Value::Null) if fns.is_empty() => return Ok((fns, None, None)),
+        None | Some(Value::Null) => "auto".to_string(),
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Object(o)) => {
+            let name = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .filter(|_| o.get("type").and_then(Value::as_str) == Some("function"))
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "tool_choice",
+                        "a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": …}}",
+                    )
+                })?;
+            let Some((_, params)) = fns.iter().find(|(n, _)| n == name) else {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!("no tool is named `{name}`"),
+                ));
+            };
+            let g = GrammarSource::JsonSchema(params.to_string());
+            return Ok((
+                fns.clone(),
+                Some(ToolCall::Named(name.to_string())),
+                Some(g),
+            ));
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!(
+                    "tool_choice must be none, auto, required or a named function, got {other}"
+                ),
+            ))
+        }
+    };
+    match choice.as_str() {
+        "none" => Ok((Vec::new(), None, None)),
+        "required" if fns.is_empty() => Err(ApiError::invalid(
+            "tool_choice",
+            "tool_choice `required` needs tools",
+        )),
+        "required" => {
+            let any: Vec<Value> = fns
+                .iter()
+                .map(|(n, p)| {
+                    json!({
+                        "type": "object",
+                        "properties": {"name": {"const": n}, "arguments": p},
+                        "required": ["name", "arguments"],
+                        "additionalProperties": false,
+                    })
+                })
+                .collect();
+            let schema = if any.len() == 1 {
+                any[0].clone()
+            } else {
+                json!({"anyOf": any})
+            };
+            Ok((
+                fns,
+                Some(ToolCall::Required),
+                Some(GrammarSource::JsonSchema(schema.to_string())),
+            ))
+        }
+        "auto" => Err(ApiError::invalid(
+            "tool_choice",
+            "tool_choice `auto` (the default with tools) needs a chat template that defines a tool \
+             format, and this model's has none: name a function in tool_choice, or ask for \
+             `required` (or `none`)",
+        )),
+        other => Err(ApiError::invalid(
+            "tool_choice",
+            format!("tool_choice must be none, auto, required or a named function, got `{other}`"),
+        )),
+    }
 }
 
 /// What the server serves, for the checks.
@@ -367,7 +529,18 @@ pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiErr
         None if kind == Kind::Completion => 16.min(room),
         None => room,
     };
-    let grammar = response_format(b.response_format.as_ref())?;
+    let format = response_format(b.response_format.as_ref())?;
+    let (_, tool_call, tool_grammar) = tools(&b, kind)?;
+    let grammar = match (format, tool_grammar) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "response_format",
+                "a forced tool call's arguments follow the function's schema: leave \
+                 response_format out (or text)",
+            ))
+        }
+        (f, t) => f.or(t),
+    };
     let stream = b.stream.unwrap_or(false);
     if b.stream_options.is_some() && !stream {
         return Err(ApiError::invalid(
@@ -391,6 +564,7 @@ pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiErr
         include_usage: b.stream_options.is_some_and(|o| o.include_usage),
         tentative: b.tandem.is_some_and(|t| t.tentative),
         grammar,
+        tool_call,
     })
 }
 
@@ -434,8 +608,10 @@ fn response_format(v: Option<&Value>) -> Result<Option<GrammarSource>, ApiError>
 /// The request field a serde path (`messages[0].role`) or error message (`missing field
 /// `messages``) names.
 fn field_of(s: &str) -> Option<&'static str> {
-    const FIELDS: [&str; 16] = [
+    const FIELDS: [&str; 18] = [
         "response_format",
+        "tools",
+        "tool_choice",
         "messages",
         "prompt",
         "model",
@@ -466,15 +642,21 @@ fn chat_prompt(b: &Body, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "messages must not be empty"));
     }
-    let mut chat = Vec::with_capacity(messages.len());
+    let mut chat = Vec::with_capacity(messages.len() + 1);
     for (i, m) in messages.iter().enumerate() {
-        if !["system", "developer", "user", "assistant"].contains(&m.role.as_str()) {
+        if !["system", "developer", "user", "assistant", "tool"].contains(&m.role.as_str()) {
             return Err(ApiError::invalid(
                 "messages",
                 format!(
-                    "messages[{i}].role must be system, developer, user or assistant, got `{}`",
+                    "messages[{i}].role must be system, developer, user, assistant or tool, got `{}`",
                     m.role
                 ),
+            ));
+        }
+        if m.role == "tool" && m.tool_call_id.is_none() {
+            return Err(ApiError::invalid(
+                "messages",
+                format!("messages[{i}]: a tool result needs the tool_call_id it answers"),
             ));
         }
         let content = match &m.content {
@@ -496,7 +678,11 @@ fn chat_prompt(b: &Body, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {
                 }
                 t
             }
-            None => String::new(),
+            // An assistant's turn that called tools: the calls, as the model would write them.
+            None => match &m.tool_calls {
+                Some(calls) if m.role == "assistant" => calls.to_string(),
+                _ => String::new(),
+            },
         };
         let role = if m.role == "developer" {
             "system".to_string()
@@ -504,6 +690,37 @@ fn chat_prompt(b: &Body, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {
             m.role.clone()
         };
         chat.push(ChatMessage { role, content });
+    }
+    // Functions a forced call may use are told in the system message (the template has no tool
+    // format of its own).
+    let (fns, call, _) = tools(b, Kind::Chat)?;
+    if call.is_some() && !fns.is_empty() {
+        let listed: Vec<Value> = b
+            .tools
+            .as_ref()
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(|t| t.get("function").cloned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let told = format!(
+            "You can call these functions; answer with a call as JSON.\n{}",
+            Value::Array(listed)
+        );
+        match chat.first_mut() {
+            Some(first) if first.role == "system" => {
+                first.content = format!("{}\n\n{told}", first.content)
+            }
+            _ => chat.insert(
+                0,
+                ChatMessage {
+                    role: "system".into(),
+                    content: told,
+                },
+            ),
+        }
     }
     let text = tok
         .render_chat(&chat)

@@ -373,6 +373,7 @@ async fn complete(
         created,
         model: req.model.clone(),
         kind,
+        tool_call: req.tool_call.clone(),
     };
     if req.stream {
         return stream(envelope, req, events);
@@ -506,6 +507,8 @@ struct Envelope {
     created: u64,
     model: String,
     kind: Kind,
+    /// The answer is a forced tool call: its text becomes `tool_calls`.
+    tool_call: Option<api::ToolCall>,
 }
 
 impl Envelope {
@@ -525,9 +528,42 @@ impl Envelope {
         v
     }
 
+    /// A forced tool call's answer as OpenAI's `tool_calls` (the output is the function's
+    /// arguments, or `{"name", "arguments"}` under `required`), and its finish reason; None when
+    /// the answer is not a call, or its JSON was cut short (then it goes out as text).
+    fn tool_calls(&self, text: &str, f: &Finished) -> Option<(Value, &'static str)> {
+        let call = self.tool_call.as_ref()?;
+        let (name, arguments) = match call {
+            api::ToolCall::Named(n) if f.finish_reason == "stop" => (n.clone(), text.to_string()),
+            api::ToolCall::Named(_) => return None,
+            api::ToolCall::Required => {
+                let v: Value = serde_json::from_str(text).ok()?;
+                (
+                    v["name"].as_str()?.to_string(),
+                    v.get("arguments")?.to_string(),
+                )
+            }
+        };
+        let id = format!("call_{}", self.id.rsplit('-').next().unwrap_or_default());
+        Some((
+            json!([{"index": 0, "id": id, "type": "function",
+                    "function": {"name": name, "arguments": arguments}}]),
+            "tool_calls",
+        ))
+    }
+
     /// The whole answer (not streamed).
     fn whole(&self, text: &str, f: &Finished, unverified_from: Option<usize>) -> Value {
         let choice = match self.kind {
+            Kind::Chat if self.tool_calls(text, f).is_some() => {
+                let (calls, finish) = self.tool_calls(text, f).expect("just checked");
+                json!({
+                    "index": 0,
+                    "message": {"role": "assistant", "content": null, "tool_calls": calls},
+                    "logprobs": null,
+                    "finish_reason": finish,
+                })
+            }
             Kind::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
@@ -651,6 +687,8 @@ fn stream(
                 return;
             }
         }
+        // A forced tool call goes out whole, as one delta, once its JSON is complete.
+        let mut call_text = envelope.tool_call.as_ref().map(|_| String::new());
         loop {
             let e = tokio::select! {
                 e = events.recv() => e,
@@ -658,6 +696,29 @@ fn stream(
                 _ = tx.closed() => return,
             };
             let Some(e) = e else { break };
+            let e = match (&mut call_text, e) {
+                (Some(t), Event::Text { text, .. }) => {
+                    t.push_str(&text);
+                    continue;
+                }
+                (Some(_), Event::Live { .. }) => continue,
+                (Some(t), Event::Done(mut f)) => {
+                    let mut c = envelope.chunk(None, None, false);
+                    match envelope.tool_calls(t, &f) {
+                        Some((calls, finish)) => {
+                            c["choices"][0]["delta"]["tool_calls"] = calls;
+                            f.finish_reason = finish;
+                        }
+                        None => c["choices"][0]["delta"]["content"] = json!(t),
+                    }
+                    let data = SseEvent::default().data(c.to_string());
+                    if tx.send(Ok(data)).await.is_err() {
+                        return;
+                    }
+                    Event::Done(f)
+                }
+                (_, e) => e,
+            };
             let last = matches!(e, Event::Done(_) | Event::Error(_));
             for ev in envelope.events(e, req.include_usage) {
                 if tx.send(Ok(ev)).await.is_err() {
