@@ -10,23 +10,6 @@ use common::serve::*;
 use common::*;
 use serde_json::{json, Value};
 
-/// The paths `scripts/test-deps` set up (the openai client's Python, playwright-core).
-fn test_deps() -> (String, String) {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/test-deps");
-    let stdout = stdout_of(
-        "scripts/test-deps",
-        std::process::Command::new("bash").arg(script),
-    );
-    let text = String::from_utf8(stdout).unwrap();
-    let get = |k: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(k))
-            .unwrap()
-            .to_string()
-    };
-    (get("OPENAI_PYTHON="), get("NODE_PATH="))
-}
-
 /// The openai client's run against the edge at `base`, checked against the target.
 fn openai_client(python: &str, port: u16) {
     let tok = &target().1;

@@ -425,3 +425,47 @@ fn forced_tool_calls_come_back_as_openais_tool_calls_and_auto_is_refused_by_name
     assert_eq!(s, 200, "{r}");
     assert!(r["choices"][0]["message"]["content"].is_string(), "{r}");
 }
+
+#[test]
+fn the_unmodified_openai_client_gets_valid_json_tool_calls_and_refusals_by_name() {
+    let tok = &target().1;
+    let (python, _) = test_deps();
+    let v = verifier(&[]);
+    let e = edge(&[format!("http://127.0.0.1:{}", v.port)], &[]);
+    let n = 96;
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/clients/structured_client.py"
+    );
+    let stdout = stdout_of(
+        "the openai client (structured outputs)",
+        std::process::Command::new(&python)
+            .args([script, &format!("http://127.0.0.1:{}/v1", e.port), MODEL])
+            .arg(schema().to_string())
+            .arg(QUESTION)
+            .arg(n.to_string()),
+    );
+    let r: Value = serde_json::from_slice(&stdout).unwrap();
+    // The client validated each answer with jsonschema; here: they are the target's own.
+    let want = testkit_constrained(
+        &tok.encode_chat(QUESTION).unwrap(),
+        n,
+        &GrammarSource::JsonSchema(schema().to_string()),
+        &SamplingParams::default(),
+    );
+    assert_eq!(r["whole"]["text"], text(&want).as_str(), "{r}");
+    assert_eq!(r["whole"]["finish_reason"], "stop");
+    assert_eq!(r["stream"], text(&want).as_str());
+    assert_eq!(r["calls"][0]["name"], "get_weather", "{r}");
+    for c in r["calls"].as_array().unwrap() {
+        assert_eq!(c["finish_reason"], "tool_calls", "{r}");
+    }
+    assert_eq!(
+        r["refused"]["auto"],
+        json!({"status": 400, "param": "tool_choice"})
+    );
+    assert_eq!(
+        r["refused"]["bad_schema"],
+        json!({"status": 400, "param": "response_format"})
+    );
+}

@@ -252,3 +252,20 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// The paths `scripts/test-deps` set up (the openai client's Python, playwright-core).
+pub fn test_deps() -> (String, String) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/test-deps");
+    let stdout = stdout_of(
+        "scripts/test-deps",
+        std::process::Command::new("bash").arg(script),
+    );
+    let text = String::from_utf8(stdout).unwrap();
+    let get = |k: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(k))
+            .unwrap()
+            .to_string()
+    };
+    (get("OPENAI_PYTHON="), get("NODE_PATH="))
+}
