@@ -469,3 +469,133 @@ fn the_unmodified_openai_client_gets_valid_json_tool_calls_and_refusals_by_name(
         json!({"status": 400, "param": "response_format"})
     );
 }
+
+#[test]
+fn logprobs_are_the_targets_own_on_both_endpoints() {
+    let tok = &target().1;
+    let v = verifier(&[]);
+    let e = edge(&[format!("http://127.0.0.1:{}", v.port)], &[]);
+    let q = "Name three colours.";
+    let n = 24;
+    let check = |prompt: &[u32], ids: &[u32], lps: &[f32], tops: &[Vec<(u32, f32)>], k: usize| {
+        let rows = tandem_testkit::model::rows_of(prompt, ids);
+        assert_eq!(lps.len(), ids.len());
+        for (i, row) in rows.iter().enumerate() {
+            let want = tandem_spec::sampling::token_logprob(row, ids[i], 0, k);
+            assert!(
+                (want.logprob - lps[i]).abs() < 1e-5,
+                "token {i}: {} against the target's {}",
+                lps[i],
+                want.logprob
+            );
+            assert_eq!(tops[i].len(), k);
+            for (a, b) in tops[i].iter().zip(&want.top) {
+                assert_eq!(a.0, b.0);
+                assert!((a.1 - b.1).abs() < 1e-5);
+            }
+        }
+    };
+    let bytes_id = |v: &Value| {
+        let b: Vec<u8> = v["bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u8)
+            .collect();
+        (0..tok.vocab_size() as u32)
+            .find(|&t| tok.token_bytes(t) == b)
+            .unwrap()
+    };
+    // Chat, whole and streamed: `content` entries with their bytes and three alternatives.
+    let mut body = chat(q, n);
+    body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(3);
+    let (s, r) = post(e.port, "/v1/chat/completions", &body);
+    assert_eq!(s, 200, "{r}");
+    let want = expected_chat(q, n);
+    let content = r["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    let lps: Vec<f32> = content
+        .iter()
+        .map(|c| c["logprob"].as_f64().unwrap() as f32)
+        .collect();
+    let tops: Vec<Vec<(u32, f32)>> = content
+        .iter()
+        .map(|c| {
+            c["top_logprobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| (bytes_id(t), t["logprob"].as_f64().unwrap() as f32))
+                .collect()
+        })
+        .collect();
+    let ids: Vec<u32> = content.iter().map(bytes_id).collect();
+    assert_eq!(ids, want.ids, "the entries are the answer's tokens");
+    check(&tok.encode_chat(q).unwrap(), &ids, &lps, &tops, 3);
+    body["stream"] = json!(true);
+    let chunks = stream(e.port, "/v1/chat/completions", &body);
+    let streamed: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|(_, c)| c["choices"][0]["logprobs"]["content"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(streamed.len(), content.len());
+    for (a, b) in streamed.iter().zip(content) {
+        assert_eq!(a["logprob"], b["logprob"]);
+    }
+
+    // Completions: `logprobs: 2`, OpenAI's legacy layout.
+    let p = "The capital of France is";
+    let (s, r) = post(
+        e.port,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0, "logprobs": 2}),
+    );
+    assert_eq!(s, 200, "{r}");
+    let want = expected_completion(p, 8);
+    let l = &r["choices"][0]["logprobs"];
+    let lps: Vec<f32> = l["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect();
+    let tops: Vec<Vec<(u32, f32)>> = l["top_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let mut v: Vec<(u32, f32)> = m
+                .as_object()
+                .unwrap()
+                .iter()
+                .map(|(t, lp)| (tok.encode(t).unwrap()[0], lp.as_f64().unwrap() as f32))
+                .collect();
+            v.sort_by(|a, b| b.1.total_cmp(&a.1));
+            v
+        })
+        .collect();
+    assert_eq!(lps.len(), want.ids.len());
+    check(&tok.encode(p).unwrap(), &want.ids, &lps, &tops, 2);
+    // Bad values are named.
+    for (path, body, param) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": q}], "logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": q}], "top_logprobs": 2}),
+            "top_logprobs",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": p, "logprobs": 6}),
+            "logprobs",
+        ),
+    ] {
+        let (s, r) = post(e.port, path, &body);
+        assert_eq!((s, r["error"]["param"].as_str()), (400, Some(param)), "{r}");
+    }
+}

@@ -157,6 +157,7 @@ fn run_grpc(
         route: None,
         grammar: None,
         output_from: None,
+        logprobs: None,
     };
     let spec = r.spec;
     let (mut link, first) = if spec.session.tree.side_nodes == 0 {

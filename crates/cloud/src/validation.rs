@@ -76,6 +76,8 @@ pub struct ValidOpen {
     /// Structured output: the grammar as it came ([`compile`] makes it a session's), and how
     /// many of the prompt's last tokens are its output already.
     pub grammar: Option<(GrammarSource, usize)>,
+    /// The target's log-probabilities asked for, with this many alternatives each.
+    pub logprobs: Option<usize>,
 }
 
 /// Compile a structured output's `source` (the request's field `field`) over the served model's
@@ -137,6 +139,25 @@ pub fn open(o: v1::Open, m: &ModelInfo) -> Result<ValidOpen, Status> {
         want_side_nodes: o.want_side_nodes,
         grammar: grammar_from_proto(o.grammar)
             .map_err(|e| invalid(&format!("open.{}", e.field), e.message))?,
+        logprobs: match (o.logprobs, o.top_logprobs as usize) {
+            (false, 0) => None,
+            (false, _) => {
+                return Err(invalid(
+                    "open.top_logprobs",
+                    "alternatives are sent with logprobs only",
+                ))
+            }
+            (true, k) if k > tandem_spec::sampling::MAX_TOP_LOGPROBS => {
+                return Err(invalid(
+                    "open.top_logprobs",
+                    format!(
+                        "{k} alternatives, at most {}",
+                        tandem_spec::sampling::MAX_TOP_LOGPROBS
+                    ),
+                ))
+            }
+            (true, k) => Some(k),
+        },
     })
 }
 
@@ -263,6 +284,8 @@ mod tests {
             want_depth: 2,
             want_side_nodes: 0,
             grammar: None,
+            logprobs: false,
+            top_logprobs: 0,
         }
     }
 

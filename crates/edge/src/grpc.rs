@@ -16,6 +16,43 @@ use tandem_spec::Incoming;
 
 use crate::{EdgeError, Link};
 
+/// Where a session's link puts the target's log-probabilities of its committed tokens, by
+/// position (kept across reconnects: every reopen of the session shares it), and how many
+/// alternatives each is asked with.
+#[derive(Debug, Clone, Default)]
+pub struct LogprobSink {
+    pub top: usize,
+    pub got: std::sync::Arc<
+        std::sync::Mutex<std::collections::BTreeMap<usize, tandem_spec::sampling::TokenLogprob>>,
+    >,
+}
+
+impl LogprobSink {
+    pub fn new(top: usize) -> Self {
+        Self {
+            top,
+            got: Default::default(),
+        }
+    }
+
+    fn put(&self, l: tandem_spec::sampling::TokenLogprob) {
+        self.got
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(l.pos, l);
+    }
+
+    /// The log-probabilities of positions `from..to`, in order (those that came).
+    pub fn range(&self, from: usize, to: usize) -> Vec<tandem_spec::sampling::TokenLogprob> {
+        self.got
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .range(from..to)
+            .map(|(_, l)| l.clone())
+            .collect()
+    }
+}
+
 /// What the edge asks for when it opens a session.
 #[derive(Debug, Clone)]
 pub struct OpenRequest {
@@ -43,6 +80,8 @@ pub struct OpenRequest {
     /// Where in `prompt_ids` the grammar's output starts (None: after them): a reopen sends the
     /// committed output as part of the prompt.
     pub output_from: Option<usize>,
+    /// The target's log-probabilities of the committed tokens, asked for and kept here.
+    pub logprobs: Option<LogprobSink>,
 }
 
 /// The header that carries a session's routing key (see `docs/protocol.md`, "Replicas").
@@ -307,6 +346,9 @@ impl Admission {
             stage,
         } = self;
         let opened = until_opened(&mut inbound, stage, &link.url).await?;
+        if let (Some(sink), Some(l)) = (&link.req.logprobs, &opened.first_logprob) {
+            sink.put(l.clone().into());
+        }
         link.spawn_reader(vtx, async move { Some((inbound, None)) });
         Ok((link, opened))
     }
@@ -461,6 +503,8 @@ impl GrpcLink {
                 resumed,
                 ..g.into()
             }),
+            logprobs: req.logprobs.is_some(),
+            top_logprobs: req.logprobs.as_ref().map_or(0, |l| l.top as u32),
         };
         out.send(EdgeMessage {
             kind: Some(edge_message::Kind::Open(open)),
@@ -509,6 +553,7 @@ impl GrpcLink {
             + 'static,
     ) {
         let ring = self.waker.clone();
+        let sink = self.req.logprobs.clone();
         let wake = move || {
             if let Some(w) = ring.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
                 w();
@@ -537,6 +582,14 @@ impl GrpcLink {
                         break;
                     }
                 };
+                if let Some(cloud_message::Kind::Logprobs(l)) = &m.kind {
+                    if let Some(sink) = &sink {
+                        for e in &l.entries {
+                            sink.put(e.clone().into());
+                        }
+                    }
+                    continue;
+                }
                 let item = match tandem_proto::from_cloud(m) {
                     FromCloud::Message(m) => Ok(m),
                     FromCloud::Refused(message) => Err(refused(message)),

@@ -448,6 +448,7 @@ fn committed_counts(
                 want: tandem_spec::Shape::UNLIMITED,
             },
             grammar: None,
+            logprobs: None,
         };
         let session = SessionId(run);
         verifier.receive(

@@ -59,6 +59,7 @@ fn new_session(prompt: &[u32], max_tokens: usize, mode: Mode) -> NewSession {
         eog: vec![],
         mode,
         grammar: None,
+        logprobs: None,
     }
 }
 

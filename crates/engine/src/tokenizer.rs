@@ -244,27 +244,28 @@ impl Tokenizer {
     /// The vocabulary as grammars see it (structured outputs): each token's bytes, built once
     /// per model; `logits` is the width of the model's logits rows.
     pub fn grammar_vocab(&self, logits: usize) -> Result<tandem_spec::GrammarVocab> {
-        let bytes: Vec<Vec<u8>> = self
-            .texts
-            .iter()
-            .zip(&self.special)
-            .map(|(t, &special)| {
-                if special {
-                    t.as_bytes().to_vec()
-                } else {
-                    // A character outside the alphabet (none in a byte-level vocabulary) keeps
-                    // its UTF-8 bytes.
-                    t.chars()
-                        .flat_map(|c| match byte_of(c) {
-                            Some(b) => vec![b],
-                            None => c.to_string().into_bytes(),
-                        })
-                        .collect()
-                }
-            })
+        let bytes: Vec<Vec<u8>> = (0..self.texts.len() as u32)
+            .map(|i| self.token_bytes(i))
             .collect();
         tandem_spec::GrammarVocab::new(&bytes, &self.special, &self.eog_ids(), logits)
             .map_err(|e| EngineError::Tokenizer(format!("the grammar vocabulary: {e}")))
+    }
+
+    /// The bytes token `id` stands for (a control token: its text; none outside the vocabulary).
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let Some(t) = self.texts.get(id as usize) else {
+            return Vec::new();
+        };
+        if self.special[id as usize] {
+            return t.as_bytes().to_vec();
+        }
+        // A character outside the alphabet (none in a byte-level vocabulary) keeps its UTF-8.
+        t.chars()
+            .flat_map(|c| match byte_of(c) {
+                Some(b) => vec![b],
+                None => c.to_string().into_bytes(),
+            })
+            .collect()
     }
 
     /// Is `id` an end-of-generation token?

@@ -140,6 +140,7 @@ impl World {
                         want: Shape::new(gamma, depth),
                     },
                     grammar: None,
+                    logprobs: None,
                 },
                 handle: slot as u8,
             },
@@ -271,6 +272,7 @@ impl World {
                 ToEdge::Verdict(v) => v1::CloudMessage {
                     kind: Some(v1::cloud_message::Kind::Verdict(v.into())),
                 },
+                ToEdge::Logprobs(_) => continue,
                 ToEdge::Decoded(d) => v1::CloudMessage {
                     kind: Some(v1::cloud_message::Kind::Decoded(d.into())),
                 },
@@ -404,6 +406,8 @@ fn honest_open(input: &mut Input) -> v1::Open {
         want_depth: 1 + u32::from(input.byte()) % 4,
         want_side_nodes: 0,
         grammar: None,
+        logprobs: false,
+        top_logprobs: 0,
     }
 }
 

@@ -87,6 +87,32 @@ pub fn grammar_from_proto(
     Ok(Some((source, resumed)))
 }
 
+impl From<&tandem_spec::sampling::TokenLogprob> for v1::TokenLogprob {
+    fn from(l: &tandem_spec::sampling::TokenLogprob) -> Self {
+        Self {
+            position: l.pos as u64,
+            token: l.token,
+            logprob: l.logprob,
+            top: l
+                .top
+                .iter()
+                .map(|&(token, logprob)| v1::TopLogprob { token, logprob })
+                .collect(),
+        }
+    }
+}
+
+impl From<v1::TokenLogprob> for tandem_spec::sampling::TokenLogprob {
+    fn from(l: v1::TokenLogprob) -> Self {
+        Self {
+            pos: l.position as usize,
+            token: l.token,
+            logprob: l.logprob,
+            top: l.top.into_iter().map(|t| (t.token, t.logprob)).collect(),
+        }
+    }
+}
+
 /// Sampling parameters checked for range (`params` names the field).
 pub fn params_from_proto(p: Option<v1::SamplingParams>) -> Result<SamplingParams, FieldError> {
     {
@@ -359,6 +385,8 @@ pub fn open_message(
             want_depth: want.1,
             want_side_nodes: 0,
             grammar: None,
+            logprobs: false,
+            top_logprobs: 0,
         })),
     }
 }

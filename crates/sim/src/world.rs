@@ -333,6 +333,7 @@ impl Sim {
                         eog: Vec::new(),
                         mode,
                         grammar: None,
+                        logprobs: None,
                     },
                     handle: (),
                 }
@@ -449,7 +450,7 @@ impl Sim {
                 self.outputs(sid, outs);
                 self.drive(sid);
             }
-            ToEdge::Admitted { .. } => {}
+            ToEdge::Admitted { .. } | ToEdge::Logprobs(_) => {}
             ToEdge::Verdict(v) => self.arrived(sid, Incoming::Verdict(v)),
             ToEdge::Decoded(d) => self.arrived(sid, Incoming::Decoded(d)),
             ToEdge::Token { token, done } => {

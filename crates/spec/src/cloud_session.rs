@@ -33,7 +33,7 @@ use std::borrow::Cow;
 
 use crate::grammar::Grammar;
 use crate::pipeline::{Block, BlockId, Decoded, Verdict};
-use crate::sampling::SamplingParams;
+use crate::sampling::{token_logprob, SamplingParams, TokenLogprob};
 use crate::tree::{Node, Step};
 use crate::verify::{judge, judge_guesses, target_token, Guess, VerifyRule};
 use crate::SpecError;
@@ -119,6 +119,10 @@ pub struct CloudSession {
     /// session judges or decodes with is masked by it first.
     #[serde(skip)]
     grammar: Option<Grammar>,
+    /// The edge asked for the target's log-probabilities of the committed tokens, with this many
+    /// alternatives each: those of each forward, until the driver takes them.
+    logprobs: Option<usize>,
+    pending_logprobs: Vec<TokenLogprob>,
 }
 
 impl CloudSession {
@@ -147,7 +151,30 @@ impl CloudSession {
             max_len,
             verified_positions: 0,
             grammar: None,
+            logprobs: None,
+            pending_logprobs: Vec::new(),
         }
+    }
+
+    /// Keep the target's log-probability of each committed token, with `top` alternatives
+    /// ([`CloudSession::take_logprobs`]); the first token's is noted by the caller, which has its
+    /// row ([`CloudSession::note_logprob`]).
+    pub fn with_logprobs(mut self, top: usize) -> Self {
+        self.logprobs = Some(top);
+        self
+    }
+
+    /// Note the log-probability of `token`, committed at `pos` from the raw row `row`.
+    pub fn note_logprob(&mut self, row: &[f32], token: u32, pos: usize) {
+        if let Some(top) = self.logprobs {
+            self.pending_logprobs
+                .push(token_logprob(row, token, pos, top));
+        }
+    }
+
+    /// The log-probabilities noted since the last call, in position order.
+    pub fn take_logprobs(&mut self) -> Vec<TokenLogprob> {
+        std::mem::take(&mut self.pending_logprobs)
     }
 
     /// Constrain the session's output to `grammar`, at its state after the output committed so
@@ -432,6 +459,7 @@ impl CloudSession {
         let pos = self.committed.len();
         let token = target_token(&self.row(row)?, &self.params, pos as u64);
         self.follow(token)?;
+        self.note_logprob(row, token, pos);
         self.kv_len += 1;
         self.committed.push(token);
         Ok(Decoded {
@@ -481,6 +509,7 @@ impl CloudSession {
             match judge(self.rule, &row, &self.params, pos, d, b.q.get(known + i)) {
                 Ok(()) => {
                     self.follow(d)?;
+                    self.note_logprob(rows[i], d, pos as usize);
                     accepted += 1
                 }
                 Err(t) => {
@@ -512,6 +541,8 @@ impl CloudSession {
             }
         };
         self.follow(token)?;
+        // The correction's row is the rejected position's; the bonus's, the last.
+        self.note_logprob(rows[accepted.min(m)], token, c + accepted);
         self.committed.push(token);
         self.kv_len = self.committed.len() - 1;
         Ok(Finished {
@@ -612,6 +643,7 @@ impl CloudSession {
                 .expect("invariant: the feed holds the subtree below its first node");
             keep.push(j);
             self.follow(feed.tokens[j])?;
+            self.note_logprob(rows[i], feed.tokens[j], pos as usize);
             self.committed.push(feed.tokens[j]);
             i = j;
         };
@@ -619,6 +651,7 @@ impl CloudSession {
         let judged = feed.tokens.len() - 1;
         self.verified_positions += judged as u64;
         self.follow(token)?;
+        self.note_logprob(rows[i], token, self.committed.len());
         self.committed.push(token);
         self.kv_len = self.committed.len() - 1;
         let accepted = self.committed.len() - 1 - c;

@@ -148,6 +148,51 @@ pub fn sample(logits: &[f32], p: &SamplingParams, position: u64) -> u32 {
     draw(&distribution(logits, p), uniform(p.seed, position, 0))
 }
 
+/// The most alternatives a token's log-probability may come with (OpenAI's `top_logprobs`).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// The target's log-probability of the token committed at `pos`, and of its `top` likeliest
+/// tokens there: the log-softmax of the model's own row (before temperature, truncation or a
+/// grammar's mask), as OpenAI and vLLM report it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    pub pos: usize,
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// [`TokenLogprob`] of `token` at `pos` from the logits `row`, with its `top` alternatives (at
+/// most [`MAX_TOP_LOGPROBS`]).
+pub fn token_logprob(row: &[f32], token: u32, pos: usize, top: usize) -> TokenLogprob {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max
+        + row
+            .iter()
+            .map(|&l| (l as f64 - max).exp())
+            .sum::<f64>()
+            .ln();
+    let lp = |t: u32| (row.get(t as usize).map_or(f64::NEG_INFINITY, |&l| l as f64) - lse) as f32;
+    let mut best: Vec<u32> = Vec::new();
+    let top = top.min(MAX_TOP_LOGPROBS);
+    if top > 0 {
+        let mut idx: Vec<u32> = (0..row.len() as u32).collect();
+        let k = top.min(idx.len());
+        idx.select_nth_unstable_by(k - 1, |&a, &b| {
+            row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b))
+        });
+        idx.truncate(k);
+        idx.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+        best = idx;
+    }
+    TokenLogprob {
+        pos,
+        token,
+        logprob: lp(token),
+        top: best.into_iter().map(|t| (t, lp(t))).collect(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -124,6 +124,19 @@ pub fn constrained(
     out
 }
 
+/// The target's own logits rows at each token of `output` after `prompt`: row `i` is the one the
+/// token `output[i]` was chosen from (one forward over the whole sequence).
+pub fn rows_of(prompt: &[u32], output: &[u32]) -> Vec<Vec<f32>> {
+    let (m, _) = target();
+    let mut e = engine(m);
+    let all: Vec<u32> = prompt.iter().chain(output).copied().collect();
+    let at: Vec<usize> = (prompt.len() - 1..all.len() - 1).collect();
+    let l = e
+        .forward(&[SeqChunk::new(SeqId(0), 0, all, Wanted::At(at.clone()))])
+        .unwrap();
+    (0..at.len()).map(|i| l.row(i).to_vec()).collect()
+}
+
 /// The target's greedy continuation of `prompt` (at most `n` tokens, decoded as sequence `seq` on
 /// an engine of its own: one thread, a 32 MiB KV cache), cut after its first end-of-generation
 /// token: what a greedy session over `prompt` commits.

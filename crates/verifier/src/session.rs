@@ -15,8 +15,19 @@ use crate::VerifierError;
 pub(crate) enum Event {
     /// A session was admitted (its prefill is to come).
     Admitted { session: SessionId },
+    /// The target's log-probabilities of tokens committed in this forward (before the event that
+    /// commits them).
+    Logprobs {
+        session: SessionId,
+        entries: Vec<tandem_spec::sampling::TokenLogprob>,
+    },
     /// A speculation session's prompt is prefilled; `first` is the target's first token.
-    Opened { session: SessionId, first: u32 },
+    Opened {
+        session: SessionId,
+        first: u32,
+        /// Its log-probability, when the session asked for them.
+        first_logprob: Option<tandem_spec::sampling::TokenLogprob>,
+    },
     /// A block's verdict: `drafted` tokens past the committed ones were judged and `accepted` of
     /// them accepted, in a forward over `positions` positions (the last committed token in
     /// front).
@@ -56,6 +67,7 @@ impl Event {
     pub fn session(&self) -> SessionId {
         match self {
             Event::Admitted { session }
+            | Event::Logprobs { session, .. }
             | Event::Opened { session, .. }
             | Event::Verdict { session, .. }
             | Event::Token { session, .. }
@@ -218,6 +230,8 @@ pub(crate) struct Session<H> {
     /// A constrained session's grammar until its prompt is prefilled (a speculation session's
     /// then moves into its `CloudSession`); a generation's, at its state after its output.
     pub grammar: Option<Box<tandem_spec::Grammar>>,
+    /// The target's log-probabilities asked for (alternatives each): a speculation session's.
+    pub logprobs: Option<usize>,
     pub prompt_len: usize,
     /// The tokens the session's target KV holds (or will hold once recomputed).
     pub history: Vec<u32>,

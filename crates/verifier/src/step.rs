@@ -3,7 +3,7 @@
 
 use tandem_engine::{EngineError, Logits, Parent, SeqChunk, SeqId, Wanted};
 use tandem_sched::{Batch, SessionId, WorkKind};
-use tandem_spec::sampling::sample;
+use tandem_spec::sampling::{sample, token_logprob};
 use tandem_spec::{CloudSession, Decoded, Verdict};
 
 use crate::session::{Event, Scheduled, Work};
@@ -199,7 +199,17 @@ impl<T: Target, H> VerifierCore<T, H> {
                                 // Its state is already past `first`.
                                 cs = cs.constrain(*g);
                             }
-                            events.push(Event::Opened { session: id, first });
+
+                            let mut first_logprob = None;
+                            if let Some(top) = s.logprobs {
+                                cs = cs.with_logprobs(top);
+                                first_logprob = Some(token_logprob(row, first, s.prompt_len, top));
+                            }
+                            events.push(Event::Opened {
+                                session: id,
+                                first,
+                                first_logprob,
+                            });
                             // Blocks that came while the prompt was prefilled: checked now, in
                             // the order they came, each refused by name as on arrival.
                             queue.retain(|b| match cs.check(b).and_then(|()| cs.accept_index(b)) {
@@ -253,7 +263,10 @@ impl<T: Target, H> VerifierCore<T, H> {
                         Scheduled::Decode { feed } => {
                             let row = logits.last_for(seq).expect("invariant: asked for");
                             let decoded = match vs.finish_decode(row) {
-                                Ok(d) => d,
+                                Ok(d) => {
+                                    logprobs_of(vs, id, events);
+                                    d
+                                }
                                 Err(e) => {
                                     // Only a grammar that cannot go on fails a decode.
                                     events.push(Event::Error {
@@ -280,6 +293,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                             self.stats.blocks_verified += 1;
                             match vs.finish(&b, &p, &rows) {
                                 Ok(f) => {
+                                    logprobs_of(vs, id, events);
                                     s.history.truncate(p.start_pos);
                                     s.history.push(p.tokens[0]);
                                     if p.is_tree() {
@@ -471,4 +485,13 @@ fn constrained_sample(
     let t = sample(&g.mask(row).map_err(grammar_error)?, params, pos);
     g.advance(t).map_err(grammar_error)?;
     Ok(t)
+}
+
+/// The target's log-probabilities `vs` noted in this forward, as an event before the one that
+/// commits their tokens.
+fn logprobs_of(vs: &mut CloudSession, session: SessionId, events: &mut Vec<Event>) {
+    let entries = vs.take_logprobs();
+    if !entries.is_empty() {
+        events.push(Event::Logprobs { session, entries });
+    }
 }

@@ -33,6 +33,9 @@ pub struct NewSession {
     pub mode: Mode,
     /// Structured output: the grammar the output follows (compiled by the caller, at its start).
     pub grammar: Option<Box<Grammar>>,
+    /// Send the target's log-probability of each committed token (a speculation session), with
+    /// this many alternatives.
+    pub logprobs: Option<usize>,
 }
 
 /// A message from an edge (or its transport).
@@ -74,6 +77,8 @@ pub enum ToEdge {
         first: u32,
         grant: Shape,
         cached: usize,
+        /// The first token's log-probability, when the session asked for them.
+        first_logprob: Option<tandem_spec::sampling::TokenLogprob>,
     },
     Verdict(Verdict),
     /// A token the verifier decoded itself for a speculation session it took over (`resume`: the
@@ -84,6 +89,9 @@ pub enum ToEdge {
         token: u32,
         done: bool,
     },
+    /// The target's log-probabilities of committed tokens, sent before the message that commits
+    /// them.
+    Logprobs(Vec<tandem_spec::sampling::TokenLogprob>),
     Error {
         error: VerifierError,
         /// When refused for load: try again after about this long.
@@ -185,6 +193,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                     &new.prompt,
                     new.params,
                     new.grammar,
+                    new.logprobs,
                     work,
                     want,
                     now_us,
@@ -367,7 +376,11 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
             Event::Admitted { .. } => ToEdge::Admitted {
                 cached: s.counts.cached,
             },
-            Event::Opened { first, .. } => {
+            Event::Opened {
+                first,
+                first_logprob,
+                ..
+            } => {
                 let grant = self.control.on_opened(&mut s.ctl);
                 s.counts.first_token_us = Some(at);
                 // Its edge may have waited for this answer: its idle time starts now.
@@ -381,6 +394,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                     first,
                     grant,
                     cached: s.counts.cached,
+                    first_logprob,
                 }
             }
             Event::Verdict {
@@ -453,6 +467,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 turn.preemptions += 1;
                 return;
             }
+            Event::Logprobs { entries, .. } => ToEdge::Logprobs(entries),
         };
         turn.out.push(Outgoing {
             session: id,

@@ -44,6 +44,7 @@ fn open() -> (VerifierCore<common::OneHot, ()>, Vec<u32>) {
                     want: Shape::new(8, 2),
                 },
                 grammar: None,
+                logprobs: None,
             },
             handle: (),
         },

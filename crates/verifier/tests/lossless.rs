@@ -236,6 +236,7 @@ impl World {
                         want,
                     },
                     grammar: None,
+                    logprobs: None,
                 },
                 handle: self.id.0,
             },
@@ -247,6 +248,7 @@ impl World {
                 first,
                 grant,
                 cached,
+                ..
             }) = self.down.pop_front()
             {
                 prop_assert_eq!(first, recurrent_after(history));
@@ -497,6 +499,7 @@ fn run(c: Case, schedule: &[Step]) -> Result<Seen, TestCaseError> {
                             eog: vec![],
                             mode: Mode::Generate,
                             grammar: None,
+                            logprobs: None,
                         },
                         handle: id.0,
                     },

@@ -26,6 +26,7 @@ fn open(v: &mut VerifierCore<OneHot>, id: u64, mode: Mode, max_tokens: usize, eo
                 eog,
                 mode,
                 grammar: None,
+                logprobs: None,
             },
             handle: (),
         },

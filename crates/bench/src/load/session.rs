@@ -126,6 +126,7 @@ pub fn synthetic_session(
         route: None,
         grammar: None,
         output_from: None,
+        logprobs: None,
     };
     let (mut link, opened) = GrpcLink::connect(rt, url, req)?;
     let cfg = SpecConfig {

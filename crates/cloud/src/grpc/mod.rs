@@ -335,8 +335,10 @@ impl VerifierRpc for Service {
                     first,
                     grant,
                     cached,
+                    first_logprob,
                 } => Ok(CloudMessage {
                     kind: Some(cloud_message::Kind::Opened(Opened {
+                        first_logprob: first_logprob.as_ref().map(Into::into),
                         session_id: session.0,
                         model: None,
                         draft_len: grant.draft_len,
@@ -351,6 +353,11 @@ impl VerifierRpc for Service {
                 }),
                 ToEdge::Decoded(d) => Ok(CloudMessage {
                     kind: Some(cloud_message::Kind::Decoded(d.into())),
+                }),
+                ToEdge::Logprobs(entries) => Ok(CloudMessage {
+                    kind: Some(cloud_message::Kind::Logprobs(tandem_proto::v1::Logprobs {
+                        entries: entries.iter().map(Into::into).collect(),
+                    })),
                 }),
                 ToEdge::Error {
                     error,
@@ -382,6 +389,7 @@ impl VerifierRpc for Service {
                     want: tandem_spec::Shape::new(gamma, depth),
                 },
                 grammar: grammar.map(Box::new),
+                logprobs: o.logprobs,
             },
             handle: reply,
         }))?;
@@ -527,6 +535,7 @@ impl VerifierRpc for Service {
                 eog: self.info.eog.clone(),
                 mode: Mode::Generate,
                 grammar: grammar.map(Box::new),
+                logprobs: None,
             },
             handle: reply,
         }))?;

@@ -29,6 +29,7 @@ pub fn greedy_open(fingerprint: &str, prompt: &[u32]) -> tandem_edge::grpc::Open
         route: None,
         grammar: None,
         output_from: None,
+        logprobs: None,
     }
 }
 

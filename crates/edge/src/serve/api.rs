@@ -128,6 +128,11 @@ pub struct Body {
     /// function; `auto` needs a chat template with a tool format).
     #[serde(default)]
     pub tools: Option<Value>,
+    /// Chat: `true` and `top_logprobs` 0–20; completions: the number of alternatives, 0–5.
+    #[serde(default)]
+    pub logprobs: Option<Value>,
+    #[serde(default)]
+    pub top_logprobs: Option<Value>,
     #[serde(default)]
     pub tool_choice: Option<Value>,
     /// Fields that would change the answer, read only to refuse them unless they are no-ops.
@@ -182,8 +187,6 @@ pub const UNHONOURED: &[Unhonoured] = &[
     unhonoured_field("repetition_penalty", |v| v.as_f64() == Some(1.0), "1"),
     unhonoured_field("min_p", is_zero, "0"),
     unhonoured_field("min_tokens", is_zero, "0"),
-    unhonoured_field("logprobs", is_false, "false"),
-    unhonoured_field("top_logprobs", is_zero, "0"),
     unhonoured_field("echo", is_false, "false"),
     unhonoured_field("best_of", |v| v.as_u64() == Some(1), "1"),
     unhonoured_field("suffix", |v| v.as_str() == Some(""), "\"\""),
@@ -250,6 +253,8 @@ pub struct Request {
     pub grammar: Option<tandem_spec::GrammarSource>,
     /// The answer is a tool call (its output, the grammar's JSON, becomes `tool_calls`).
     pub tool_call: Option<ToolCall>,
+    /// The target's log-probabilities of the answer's tokens, with this many alternatives each.
+    pub logprobs: Option<usize>,
 }
 
 /// A request's functions (name, parameters' schema), the call it forces, and that call's grammar.
@@ -529,6 +534,7 @@ pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiErr
         None if kind == Kind::Completion => 16.min(room),
         None => room,
     };
+    let logprobs = logprobs(&b, kind)?;
     let format = response_format(b.response_format.as_ref())?;
     let (_, tool_call, tool_grammar) = tools(&b, kind)?;
     let grammar = match (format, tool_grammar) {
@@ -565,7 +571,55 @@ pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiErr
         tentative: b.tandem.is_some_and(|t| t.tentative),
         grammar,
         tool_call,
+        logprobs,
     })
+}
+
+/// The log-probabilities a request asks for (alternatives each), as each endpoint spells it: chat
+/// `logprobs: true` with `top_logprobs` 0–20, completions `logprobs` 0–5.
+fn logprobs(b: &Body, kind: Kind) -> Result<Option<usize>, ApiError> {
+    let top = |v: Option<&Value>, field: &'static str, most: u64| match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(k) if k <= most => Ok(Some(k as usize)),
+            _ => Err(ApiError::invalid(
+                field,
+                format!("{field} must be an integer from 0 to {most}, got {v}"),
+            )),
+        },
+    };
+    match kind {
+        Kind::Chat => {
+            let on = match &b.logprobs {
+                None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+                Some(Value::Bool(true)) => true,
+                Some(v) => {
+                    return Err(ApiError::invalid(
+                        "logprobs",
+                        format!("logprobs must be true or false, got {v}"),
+                    ))
+                }
+            };
+            let k = top(b.top_logprobs.as_ref(), "top_logprobs", 20)?;
+            match (on, k) {
+                (false, Some(k)) if k > 0 => Err(ApiError::invalid(
+                    "top_logprobs",
+                    "top_logprobs needs logprobs: true",
+                )),
+                (false, _) => Ok(None),
+                (true, k) => Ok(Some(k.unwrap_or(0))),
+            }
+        }
+        Kind::Completion => {
+            if b.top_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    "completions take the number of alternatives in logprobs",
+                ));
+            }
+            top(b.logprobs.as_ref(), "logprobs", 5)
+        }
+    }
 }
 
 /// OpenAI's `response_format` as a grammar: `text` (or none) is free text; `json_object` any JSON
@@ -608,7 +662,9 @@ fn response_format(v: Option<&Value>) -> Result<Option<GrammarSource>, ApiError>
 /// The request field a serde path (`messages[0].role`) or error message (`missing field
 /// `messages``) names.
 fn field_of(s: &str) -> Option<&'static str> {
-    const FIELDS: [&str; 18] = [
+    const FIELDS: [&str; 20] = [
+        "logprobs",
+        "top_logprobs",
         "response_format",
         "tools",
         "tool_choice",

@@ -326,8 +326,10 @@ async fn complete(
     spec.params = req.params;
     let (events_tx, mut events) = mpsc::unbounded_channel();
     let (link_tx, link_rx) = oneshot::channel();
+    let logprobs = req.logprobs.map(crate::grpc::LogprobSink::new);
     let job = Job {
         req: req.clone(),
+        logprobs: logprobs.clone(),
         grammar,
         spec,
         events: events_tx,
@@ -340,7 +342,7 @@ async fn complete(
     if s.tx.send(Msg::Job(Box::new(job))).is_err() {
         return error(unavailable("the draft engine has stopped".into()));
     }
-    match connect(&s, &req, &spec).await {
+    match connect(&s, &req, &spec, logprobs).await {
         Ok((link, opened)) => {
             let _ = link_tx.send(Linked::Open(Box::new(link), opened));
         }
@@ -420,6 +422,7 @@ async fn connect(
     s: &AppState,
     req: &Request,
     spec: &SpecConfig,
+    logprobs: Option<crate::grpc::LogprobSink>,
 ) -> Result<(GrpcLink, tandem_proto::v1::Opened), String> {
     let sess = &spec.session;
     let open = OpenRequest {
@@ -436,6 +439,7 @@ async fn connect(
         tls_ca: s.cfg.tls_ca.clone(),
         route: None,
         output_from: None,
+        logprobs,
     };
     let tx = s.tx.clone();
     let waker: crate::grpc::Waker = Arc::new(move || {
@@ -552,6 +556,40 @@ impl Envelope {
         ))
     }
 
+    /// The target's log-probabilities of the answer (null when not asked for): the chat's
+    /// `{"content": [...]}`, or the completions' `tokens` / `token_logprobs` / `top_logprobs` /
+    /// `text_offset`.
+    fn logprobs(&self, f: &Finished) -> Value {
+        let Some(entries) = &f.logprobs else {
+            return Value::Null;
+        };
+        match self.kind {
+            Kind::Chat => json!({"content": entries}),
+            Kind::Completion => {
+                let mut offset = 0;
+                let mut offsets = Vec::with_capacity(entries.len());
+                for e in entries {
+                    offsets.push(offset);
+                    offset += e["token"].as_str().map_or(0, str::len);
+                }
+                json!({
+                    "tokens": entries.iter().map(|e| e["token"].clone()).collect::<Vec<_>>(),
+                    "token_logprobs": entries.iter().map(|e| e["logprob"].clone()).collect::<Vec<_>>(),
+                    "top_logprobs": entries.iter().map(|e| {
+                        let m: serde_json::Map<String, Value> = e["top_logprobs"]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .map(|t| (t["token"].as_str().unwrap_or_default().to_string(), t["logprob"].clone()))
+                            .collect();
+                        Value::Object(m)
+                    }).collect::<Vec<_>>(),
+                    "text_offset": offsets,
+                })
+            }
+        }
+    }
+
     /// The whole answer (not streamed).
     fn whole(&self, text: &str, f: &Finished, unverified_from: Option<usize>) -> Value {
         let choice = match self.kind {
@@ -560,20 +598,20 @@ impl Envelope {
                 json!({
                     "index": 0,
                     "message": {"role": "assistant", "content": null, "tool_calls": calls},
-                    "logprobs": null,
+                    "logprobs": self.logprobs(f),
                     "finish_reason": finish,
                 })
             }
             Kind::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": null,
+                "logprobs": self.logprobs(f),
                 "finish_reason": f.finish_reason,
             }),
             Kind::Completion => json!({
                 "index": 0,
                 "text": text,
-                "logprobs": null,
+                "logprobs": self.logprobs(f),
                 "finish_reason": f.finish_reason,
             }),
         };
@@ -651,6 +689,8 @@ impl Envelope {
             }
             Event::Done(f) => {
                 let mut c = self.chunk(None, Some(f.finish_reason), false);
+                // The answer's log-probabilities come with its last chunk.
+                c["choices"][0]["logprobs"] = self.logprobs(&f);
                 c["tandem"] = Self::extension(&f);
                 let mut out = vec![data(c)];
                 if include_usage {

@@ -40,6 +40,8 @@ pub enum Msg {
 /// A request for the engine thread.
 pub struct Job {
     pub req: Request,
+    /// Where the link puts the target's log-probabilities, when the request asked for them.
+    pub logprobs: Option<crate::grpc::LogprobSink>,
     /// A structured output's grammar, compiled (its draft proposes only what it allows).
     pub grammar: Option<tandem_spec::Grammar>,
     /// The session's shape and rule for this request.
@@ -109,6 +111,9 @@ pub struct Finished {
     /// Milliseconds from the request to its first and to each later token, and to its end.
     pub token_ms: Vec<f64>,
     pub e2e_ms: f64,
+    /// The target's log-probabilities of the completion tokens, when asked for: OpenAI's chat
+    /// entries (`token`, `logprob`, `bytes`, `top_logprobs`).
+    pub logprobs: Option<Vec<serde_json::Value>>,
 }
 
 /// Tokens committed while reconnecting, and the correction among them.
@@ -314,6 +319,7 @@ enum Phase {
 struct Active {
     id: u64,
     req: Request,
+    logprobs: Option<crate::grpc::LogprobSink>,
     spec: SpecConfig,
     seq: DraftSeq,
     phase: Phase,
@@ -417,6 +423,7 @@ impl Sessions {
     fn admit(&self, engine: &mut Engine, id: u64, job: Job) -> Active {
         let Job {
             req,
+            logprobs,
             grammar,
             spec,
             events,
@@ -459,6 +466,7 @@ impl Sessions {
                 token_ms: Vec::new(),
             },
             req,
+            logprobs,
             spec,
             seq,
             phase: Phase::Connecting(link),
@@ -796,6 +804,26 @@ impl Sessions {
             unverified_tokens: a.out.unverified,
             token_ms: std::mem::take(&mut a.out.token_ms),
             e2e_ms: a.out.start.elapsed().as_secs_f64() * 1e3,
+            logprobs: a.logprobs.as_ref().map(|sink| {
+                let from = a.req.prompt_ids.len();
+                let tok = &self.tok;
+                let entry = |t: u32, lp: f32| {
+                    let bytes = tok.token_bytes(t);
+                    serde_json::json!({
+                        "token": String::from_utf8_lossy(&bytes),
+                        "logprob": lp,
+                        "bytes": bytes,
+                    })
+                };
+                sink.range(from, from + a.out.ids.len())
+                    .iter()
+                    .map(|l| {
+                        let mut e = entry(l.token, l.logprob);
+                        e["top_logprobs"] = l.top.iter().map(|&(t, lp)| entry(t, lp)).collect();
+                        e
+                    })
+                    .collect()
+            }),
         };
         self.metrics.record(&f, report.as_ref(), a.queued_s);
         a.out.send(Event::Done(Box::new(f)));

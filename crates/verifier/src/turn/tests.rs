@@ -72,6 +72,7 @@ fn the_contended_budget_follows_the_time_forwards_take() {
             eog: vec![],
             mode: Mode::Generate,
             grammar: None,
+            logprobs: None,
         },
         handle: id,
     };
@@ -126,6 +127,7 @@ fn open(id: u64, mode: Mode) -> Inbound<u64> {
             eog: vec![],
             mode,
             grammar: None,
+            logprobs: None,
         },
         handle: 100 + id,
     }

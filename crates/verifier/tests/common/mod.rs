@@ -251,6 +251,7 @@ impl<T: Target> Driver<T> {
             eog: vec![],
             mode,
             grammar: None,
+            logprobs: None,
         };
         self.receive(Inbound::Open {
             session,
