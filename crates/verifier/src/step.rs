@@ -169,12 +169,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                     ) {
                         Ok(t) => t,
                         Err(e) => {
-                            events.push(Event::Error {
-                                session: id,
-                                error: e,
-                                fatal: true,
-                            });
-                            self.ended.push(id);
+                            end_with(events, &mut self.ended, id, e);
                             continue;
                         }
                     };
@@ -269,12 +264,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                                 }
                                 Err(e) => {
                                     // Only a grammar that cannot go on fails a decode.
-                                    events.push(Event::Error {
-                                        session: id,
-                                        error: e.into(),
-                                        fatal: true,
-                                    });
-                                    self.ended.push(id);
+                                    end_with(events, &mut self.ended, id, e.into());
                                     continue;
                                 }
                             };
@@ -381,12 +371,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                     let token = match constrained_sample(&mut s.grammar, row, &s.params, pos) {
                         Ok(t) => t,
                         Err(e) => {
-                            events.push(Event::Error {
-                                session: id,
-                                error: e,
-                                fatal: true,
-                            });
-                            self.ended.push(id);
+                            end_with(events, &mut self.ended, id, e);
                             continue;
                         }
                     };
@@ -494,4 +479,19 @@ fn logprobs_of(vs: &mut CloudSession, session: SessionId, events: &mut Vec<Event
     if !entries.is_empty() {
         events.push(Event::Logprobs { session, entries });
     }
+}
+
+/// The session ends with `error` (its edge is told; it is closed after the iteration).
+fn end_with(
+    events: &mut Vec<Event>,
+    ended: &mut Vec<SessionId>,
+    session: SessionId,
+    error: VerifierError,
+) {
+    events.push(Event::Error {
+        session,
+        error,
+        fatal: true,
+    });
+    ended.push(session);
 }
