@@ -429,8 +429,6 @@ fn bad_requests_are_refused_naming_the_field() {
         ("repetition_penalty", json!(1.1)),
         ("min_p", json!(0.1)),
         ("min_tokens", json!(4)),
-        ("logprobs", json!(true)),
-        ("top_logprobs", json!(3)),
         ("echo", json!(true)),
         ("best_of", json!(2)),
         ("suffix", json!("end")),
