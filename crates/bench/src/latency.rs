@@ -80,6 +80,11 @@ pub struct LatencyArgs {
     /// The target as an f32 GGUF for llama.cpp (it cannot read the pulled file's dequantized form).
     #[arg(skip)]
     pub peer_target: Option<PathBuf>,
+    /// A structured-output workload instead of the sweep: a JSON list of `{"prompt", "schema"}`
+    /// (e.g. data/structured/extraction.json). At each RTT: cloud-only and async speculation (the
+    /// edge's default adaptive shape) with each prompt's schema, and the same prompts free.
+    #[arg(long)]
+    pub structured: Option<PathBuf>,
 }
 
 impl LatencyArgs {
@@ -154,6 +159,10 @@ pub struct Row {
     pub model_error: Option<f64>,
     /// Every prompt's output equals the cloud-only (target) output.
     pub same_as_target: Option<bool>,
+    /// Under each prompt's JSON schema (a structured-output row), and the drafted tokens its
+    /// grammar forced (drafted without a draft forward).
+    pub schema: bool,
+    pub forced_tokens: usize,
 }
 
 /// Per draft and RTT: async against the best sync.
@@ -336,7 +345,147 @@ fn fold(draft: &str, rtt: f64, mode: Mode, outs: &[GenOutput], want: &[Vec<u32>]
         model_error: None,
         same_as_target: (!want.is_empty())
             .then(|| outs.iter().zip(want).all(|(o, w)| &o.output_ids == w)),
+        schema: false,
+        forced_tokens: outs
+            .iter()
+            .filter_map(|o| o.spec.as_ref().map(|s| s.forced_tokens))
+            .sum(),
     }
+}
+
+/// One prompt of a structured-output workload.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct StructuredPrompt {
+    pub prompt: String,
+    pub schema: Value,
+}
+
+/// The structured-output workload (`--structured`): at each RTT, cloud-only and async
+/// speculation with the edge's default adaptive shape, each prompt under its schema and free.
+fn structured(
+    a: &LatencyArgs,
+    path: &Path,
+    target: &Arc<LlamaModel>,
+    tok: &Tokenizer,
+    drafts: &[Draft],
+    mut progress: impl FnMut(&Row),
+) -> Result<LatencyReport> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--structured {}", path.display()))?;
+    let work: Vec<StructuredPrompt> = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "--structured {}: a list of {{prompt, schema}}",
+            path.display()
+        )
+    })?;
+    if work.is_empty() {
+        bail!("--structured {}: no prompts", path.display());
+    }
+    let prompts: Vec<Vec<u32>> = work
+        .iter()
+        .map(|w| tok.encode_chat(&w.prompt))
+        .collect::<Result<_, _>>()?;
+    let schemas: Vec<tandem_spec::GrammarSource> = work
+        .iter()
+        .map(|w| tandem_spec::GrammarSource::JsonSchema(w.schema.to_string()))
+        .collect();
+    // The verifier as shipped: adaptive grants, its own takeovers.
+    let cloud = CloudProcess::start(&a.home, &a.cloud_cpus, &[])?;
+    let mut link = Link::new()?;
+    let mut rows: Vec<Row> = Vec::new();
+    let mut want_all: Vec<Vec<u32>> = Vec::new();
+    let edge = EngineConfig {
+        threads: a.edge_cpus.len().max(1),
+        cpus: a.edge_cpus,
+        ..EngineConfig::default()
+    };
+    for &rtt in &a.rtts {
+        let url = link.set(&cloud.addr, rtt, rtt * a.jitter_frac)?;
+        for schema in [false, true] {
+            let grammar = |i: usize| schema.then(|| &schemas[i]);
+            let outs = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    tandem_client::generate::generate_remote_constrained(
+                        tandem_edge::grpc::Remote::plain(&url),
+                        tok,
+                        p,
+                        a.tokens,
+                        &SamplingParams::default(),
+                        grammar(i),
+                        |_| {},
+                    )
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let want: Vec<Vec<u32>> = outs.iter().map(|o| o.output_ids.clone()).collect();
+            let mut r = fold("-", rtt, Mode::CloudOnly, &outs, &want);
+            r.schema = schema;
+            progress(&r);
+            rows.push(r);
+            for d in drafts {
+                let auto = AutoShape {
+                    max_draft_len: a.max_gamma,
+                    max_depth: a.max_depth,
+                    prior: tandem_spec::edge::default_prior(rtt),
+                };
+                let outs = prompts
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| {
+                        let run = SpecRun {
+                            target: target.clone(),
+                            draft: d.model.clone(),
+                            tokenizer: tok,
+                            cloud: edge,
+                            edge,
+                            spec: SpecConfig {
+                                session: tandem_spec::edge::SessionConfig {
+                                    draft_len: 4,
+                                    depth: 2,
+                                    max_new_tokens: a.tokens,
+                                    auto: Some(auto),
+                                    tree: LINEAR,
+                                },
+                                rule: VerifyRule::Greedy,
+                                params: SamplingParams::default(),
+                                q_top_k: 32,
+                            },
+                            rtt_ms: 0.0,
+                            jitter_ms: 0.0,
+                            cloud_url: Some(url.clone()),
+                            api_key: None,
+                            tls_ca: None,
+                            grammar: grammar(i).cloned(),
+                        };
+                        tandem_client::speculate::run(&run, p, |_| {})
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let mut r = fold(&d.name, rtt, Mode::AsyncAuto, &outs, &want);
+                r.schema = schema;
+                progress(&r);
+                rows.push(r);
+            }
+            if schema && want_all.is_empty() {
+                want_all = want;
+            }
+        }
+    }
+    drop(link);
+    drop(cloud);
+    Ok(LatencyReport {
+        peer_model: Vec::new(),
+        tokens: a.tokens,
+        prompts: prompts.len(),
+        jitter_frac: a.jitter_frac,
+        edge_cpus: a.edge_cpus.to_string(),
+        cloud_cpus: a.cloud_cpus.to_string(),
+        calibration: Vec::new(),
+        rows,
+        target_outputs: want_all,
+        summary: Vec::new(),
+        peer: None,
+    })
 }
 
 /// The model's ITL for `r`, over sessions as long as the row's (`prompts` outputs of `r.tokens`
@@ -463,6 +612,7 @@ fn sampled_runs(
         cloud_url: Some(url.to_string()),
         api_key: None,
         tls_ca: None,
+        grammar: None,
     };
     prompts
         .iter()
@@ -479,6 +629,9 @@ pub fn run(
     mut progress: impl FnMut(&Row),
 ) -> Result<LatencyReport> {
     a.validate()?;
+    if let Some(path) = &a.structured {
+        return structured(a, path, target, tok, drafts, progress);
+    }
     let prompts: Vec<Vec<u32>> = a
         .prompts
         .iter()

@@ -286,6 +286,7 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
         cloud_url: Some(format!("http://{}", cloud.addr)),
         api_key: None,
         tls_ca: None,
+        grammar: None,
     };
     let t0 = Instant::now();
     let mut timed = Vec::new();

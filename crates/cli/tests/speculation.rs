@@ -105,6 +105,7 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
             cloud_url: Some(awaiting_server().clone()),
             api_key: None,
             tls_ca: None,
+            grammar: None,
         };
         let out = tandem_client::speculate::run(&run, &p, |_| {}).unwrap();
         assert_eq!(out.output_ids, want, "depth {depth}");

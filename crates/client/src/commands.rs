@@ -160,6 +160,7 @@ pub fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
             cloud_url: a.cloud.clone(),
             api_key: a.api_key.clone(),
             tls_ca: tls_ca.clone(),
+            grammar: None,
         };
         crate::speculate::run(&run, &ids, &mut print)?
     } else if let (Mode::CloudOnly, Some(url)) = (a.mode, &a.cloud) {
@@ -279,6 +280,7 @@ pub fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
             cloud_url: None,
             api_key: None,
             tls_ca: None,
+            grammar: None,
         };
         let label = format!("assistant ({mode}, {} ms round trip): ", a.rtt_ms);
         print!("{label}");

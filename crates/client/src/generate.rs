@@ -129,6 +129,19 @@ pub fn generate_remote(
     prompt_ids: &[u32],
     max_tokens: usize,
     params: &SamplingParams,
+    on_text: impl FnMut(&str),
+) -> Result<GenOutput> {
+    generate_remote_constrained(remote, tok, prompt_ids, max_tokens, params, None, on_text)
+}
+
+/// [`generate_remote`] under a structured output's grammar (the verifier masks the target).
+pub fn generate_remote_constrained(
+    remote: tandem_edge::grpc::Remote<'_>,
+    tok: &Tokenizer,
+    prompt_ids: &[u32],
+    max_tokens: usize,
+    params: &SamplingParams,
+    grammar: Option<&tandem_spec::GrammarSource>,
     mut on_text: impl FnMut(&str),
 ) -> Result<GenOutput> {
     let rt = crate::runtime()?;
@@ -136,13 +149,14 @@ pub fn generate_remote(
     let (mut out, mut times) = (Vec::new(), Vec::new());
     let mut stream = TextStream::default();
     let mut text = String::new();
-    tandem_edge::grpc::generate_remote(
+    tandem_edge::grpc::generate_remote_constrained(
         &rt,
         remote,
         tok.fingerprint(),
         prompt_ids,
         *params,
         max_tokens as u32,
+        grammar,
         |t| {
             times.push(start.elapsed().as_secs_f64() * 1e3);
             out.push(t);

@@ -47,6 +47,8 @@ pub struct SpecFields {
     pub auto: bool,
     /// Draft, verify and round-trip times the edge measured.
     pub measured: tandem_spec::Measured,
+    /// Drafted tokens a structured output's grammar forced (drafted without a draft forward).
+    pub forced_tokens: usize,
 }
 
 /// Everything a speculative run needs.
@@ -67,6 +69,8 @@ pub struct SpecRun<'a> {
     pub api_key: Option<String>,
     /// The CA (PEM) that signed an `https://` `cloud_url`'s certificate (None: the web PKI's).
     pub tls_ca: Option<String>,
+    /// Structured output: the grammar the answer follows (both sides mask with it).
+    pub grammar: Option<tandem_spec::GrammarSource>,
 }
 
 /// What a speculative run shows as it goes.
@@ -133,6 +137,17 @@ fn run_grpc(
 ) -> Result<GenOutput> {
     let rt = crate::runtime().context("starting the gRPC client runtime")?;
     let mut draft = Engine::new(r.draft.clone(), r.edge).context("draft engine")?;
+    // The draft's grammar is compiled before the clock starts (the verifier compiles its own
+    // at Open: that is in the time to the first token).
+    let grammar = match &r.grammar {
+        Some(src) => Some(
+            r.tokenizer
+                .grammar_vocab(r.draft.cfg.vocab)?
+                .compile(src)
+                .map_err(|e| anyhow!("the grammar: {e}"))?,
+        ),
+        None => None,
+    };
     let start = Instant::now();
     let req = tandem_edge::grpc::OpenRequest {
         tokenizer_fingerprint: r.tokenizer.fingerprint().to_string(),
@@ -155,7 +170,7 @@ fn run_grpc(
         api_key: r.api_key.clone(),
         tls_ca: r.tls_ca.clone(),
         route: None,
-        grammar: None,
+        grammar: r.grammar.clone(),
         output_from: None,
         logprobs: None,
     };
@@ -183,14 +198,18 @@ fn run_grpc(
         prefilled.context("draft prefill")?;
         (link, Some(tandem_edge::grpc::opened(&opened)))
     };
-    let (report, text) = drive(
-        r, &spec, &mut draft, &mut link, prompt_ids, first, start, tentative, on_show,
+    let (report, text, forced) = drive(
+        r, &spec, &mut draft, grammar, &mut link, prompt_ids, first, start, tentative, on_show,
     )
     .with_context(|| format!("speculating against {url}"))?;
     link.close();
     drop(link);
     rt.shutdown_timeout(Duration::from_millis(200));
-    finish(r, &spec, prompt_ids, report, text, on_show)
+    let mut out = finish(r, &spec, prompt_ids, report, text, on_show)?;
+    if let Some(s) = out.spec.as_mut() {
+        s.forced_tokens = forced;
+    }
+    Ok(out)
 }
 
 /// Run the edge pipeline on `link`, streaming committed text; returns the report and the text shown.
@@ -199,18 +218,23 @@ fn drive(
     r: &SpecRun,
     spec: &SpecConfig,
     draft: &mut Engine,
+    grammar: Option<tandem_spec::Grammar>,
     link: &mut dyn Link,
     prompt_ids: &[u32],
     opened: Option<tandem_spec::Opened>,
     start: Instant,
     tentative: bool,
     on_show: &mut dyn FnMut(Shown<'_>),
-) -> Result<(tandem_edge::SpecReport, String)> {
+) -> Result<(tandem_edge::SpecReport, String, usize)> {
     let tok = r.tokenizer;
     let mut stream = TextStream::default();
     let mut text = String::new();
-    let report = tandem_edge::run(
-        draft,
+    let mut drafter = tandem_edge::EngineDrafter::new(draft, prompt_ids, spec);
+    if let Some(g) = grammar {
+        drafter.constrain(g, prompt_ids.len());
+    }
+    let report = tandem_edge::run_with(
+        &mut drafter,
         tok.eog_ids(),
         prompt_ids,
         opened,
@@ -253,7 +277,7 @@ fn drive(
             }
         },
     )?;
-    Ok((report, text))
+    Ok((report, text, drafter.forced_tokens()))
 }
 
 /// The emulated link `r` asks for.
@@ -391,6 +415,7 @@ fn finish(
         verify_rule: format!("{:?}", spec.rule.effective(&spec.params)).to_lowercase(),
         auto: spec.session.auto.is_some(),
         measured: report.measured,
+        forced_tokens: 0,
     });
     Ok(o)
 }

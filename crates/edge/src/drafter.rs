@@ -80,6 +80,8 @@ pub struct DraftSeq {
     /// A structured output: the grammar every drafted token follows (its state moved to each
     /// path drafted on), and the prompt's length (where the output starts).
     grammar: Option<(Grammar, usize)>,
+    /// Tokens drafted without a forward because the grammar forced them.
+    forced_tokens: usize,
 }
 
 /// A planned draft step of one sequence: its chunk, then what [`DraftSeq::finish`] needs.
@@ -115,7 +117,13 @@ impl DraftSeq {
             linear,
             tail: Vec::new(),
             grammar: None,
+            forced_tokens: 0,
         }
+    }
+
+    /// Tokens drafted so far without a forward, forced by the grammar.
+    pub fn forced_tokens(&self) -> usize {
+        self.forced_tokens
     }
 
     /// Constrain what the sequence drafts to `grammar` (a structured output), whose output starts
@@ -172,6 +180,7 @@ impl DraftSeq {
                 hedge: None,
             });
         }
+        self.forced_tokens += out.len();
         Ok(Some(out))
     }
 
@@ -458,6 +467,16 @@ impl<'a> EngineDrafter<'a> {
     pub fn new(engine: &'a mut Engine, prompt: &[u32], cfg: &SpecConfig) -> Self {
         let seq = DraftSeq::new(engine, SEQ, prompt, cfg);
         Self { engine, seq }
+    }
+
+    /// Draft under `grammar` (a structured output) after the `prompt_len` prompt tokens.
+    pub fn constrain(&mut self, grammar: Grammar, prompt_len: usize) {
+        self.seq.constrain(grammar, prompt_len);
+    }
+
+    /// Tokens drafted without a forward, forced by the grammar.
+    pub fn forced_tokens(&self) -> usize {
+        self.seq.forced_tokens()
     }
 }
 

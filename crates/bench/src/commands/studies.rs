@@ -276,6 +276,7 @@ pub fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
         cloud_cpus,
         peer: None,
         peer_target: None,
+        structured: None,
     });
     let args = QuantStudyArgs {
         home: home.to_path_buf(),
@@ -348,6 +349,7 @@ pub fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
         cloud_cpus,
         peer,
         peer_target,
+        structured: None,
     };
     let ld = load::LoadArgs {
         home: home.to_path_buf(),

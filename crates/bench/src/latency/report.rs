@@ -55,8 +55,8 @@ pub fn table(r: &LatencyReport) -> String {
         if r.edge_cpus.is_empty() { "any" } else { &r.edge_cpus },
         if r.cloud_cpus.is_empty() { "any" } else { &r.cloud_cpus },
     );
-    s += "| draft | RTT ms | mode | T | rule | γ | depth | TTFT ms | ITL mean | p50 | p99 | α | α with lanes | E[A] | side nodes | lane hits | wasted drafts | draft ms | edge ms/verdict | model ITL | model err | = target |\n";
-    s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    s += "| draft | RTT ms | mode | schema | T | rule | γ | depth | TTFT ms | ITL mean | p50 | p99 | α | α with lanes | E[A] | side nodes | lane hits | wasted drafts | forced | draft ms | edge ms/verdict | model ITL | model err | = target |\n";
+    s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for x in &r.rows {
         let spec = x.mode != Mode::EdgeOnly && x.mode != Mode::CloudOnly;
         let opt = |v: Option<f64>, pct: bool| match v {
@@ -65,10 +65,11 @@ pub fn table(r: &LatencyReport) -> String {
             None => "-".into(),
         };
         s += &format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             x.draft,
             if x.mode == Mode::EdgeOnly { "-".into() } else { format!("{:.0}", x.rtt_ms) },
             x.mode,
+            if x.schema { "json" } else { "-" },
             x.temperature,
             if spec { x.rule.as_str() } else { "-" },
             if spec { x.gamma.to_string() } else { "-".into() },
@@ -83,6 +84,7 @@ pub fn table(r: &LatencyReport) -> String {
             if spec { x.side_nodes.to_string() } else { "-".into() },
             if spec { x.lane_hits.to_string() } else { "-".into() },
             if spec { format!("{}/{}", x.wasted_draft_tokens, x.drafted) } else { "-".into() },
+            if spec { x.forced_tokens.to_string() } else { "-".into() },
             if spec { format!("{:.1}", x.draft_ms) } else { "-".into() },
             if spec { format!("{:.1}", x.verdict_ms) } else { "-".into() },
             opt(x.predicted_itl_ms, false),

@@ -32,3 +32,31 @@ fn chunk_times_fit_a_line_and_pipelined_plans_have_depth() {
         "{m:?}"
     );
 }
+
+#[test]
+fn the_structured_workload_parses_and_every_schema_compiles() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../data/structured/extraction.json"
+    );
+    let work: Vec<StructuredPrompt> =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert!(work.len() >= 5);
+    // Printable ASCII and an end token: enough for llguidance to compile each schema.
+    let tokens: Vec<Vec<u8>> = (0x20u8..0x7f)
+        .map(|b| vec![b])
+        .chain([b"<end>".to_vec()])
+        .collect();
+    let mut special = vec![false; tokens.len()];
+    special[tokens.len() - 1] = true;
+    let end = (tokens.len() - 1) as u32;
+    let vocab = tandem_spec::GrammarVocab::new(&tokens, &special, &[end], tokens.len()).unwrap();
+    for w in &work {
+        assert!(!w.prompt.is_empty());
+        vocab
+            .compile(&tandem_spec::GrammarSource::JsonSchema(
+                w.schema.to_string(),
+            ))
+            .unwrap_or_else(|e| panic!("{}: {e}", w.prompt));
+    }
+}

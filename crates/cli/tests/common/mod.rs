@@ -95,6 +95,7 @@ pub fn spec_out_as(
         cloud_url,
         api_key,
         tls_ca: None,
+        grammar: None,
     };
     let out = tandem_client::speculate::run(&run, prompt, |_| {}).unwrap();
     let s = out.spec.as_ref().unwrap();
