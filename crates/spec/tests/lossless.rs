@@ -2,7 +2,8 @@
 //! arbitrary interleavings of drafting, block delivery, the verifier's own decode steps (blocks
 //! land before, during and after them: stale, partly and wholly agreeing), verdict delivery,
 //! dropped connections, reshapes, lead changes and grants of γ 0 and back: the committed sequence
-//! is exactly the target's greedy continuation, no unverified token is ever committed, no
+//! is exactly the target's greedy continuation (or, sampled, its draw by position under
+//! sample-and-match; under a structured output's grammar, from its masked rows), no unverified token is ever committed, no
 //! position is told or committed twice, the two sides' epochs never drift, and the target's KV
 //! holds exactly the committed tokens after each forward. Blocks may be token trees (second
 //! choices and branches beside the main path).
@@ -10,7 +11,9 @@
 use std::collections::VecDeque;
 
 use proptest::prelude::*;
-use tandem_spec::sampling::{uniform, SamplingParams};
+use std::cell::Cell;
+
+use tandem_spec::sampling::{sample, uniform, SamplingParams};
 use tandem_spec::{
     Block, BlockAction, CloudSession, Decoded, Feed, Grammar, GrammarSource, GrammarVocab, Grown,
     Hedge, Next, Output, Pipeline, PipelineConfig, Shape, TreeConfig, Verdict, VerifyRule,
@@ -61,10 +64,25 @@ fn compile_toy_grammar() -> Grammar {
         .unwrap()
 }
 
-/// The target's token at `pos` after `last` under `grammar` (at its state there): its favourite
-/// when allowed, else the first allowed token (the masked row's argmax: the others tie at 0).
+thread_local! {
+    /// How the target draws in this case (greedy unless a sampled case sets it; the verify rule
+    /// is then sample-and-match): proptest runs a test's cases one after another on one thread.
+    static PARAMS: Cell<SamplingParams> = Cell::new(SamplingParams::default());
+}
+
+/// The target's token at `pos` after `last` under `grammar` (at its state there). Greedy: its
+/// favourite when allowed, else the first allowed token (the masked row's argmax: the others tie
+/// at 0). Sampled: the draw by position from its row, masked.
 fn masked_target(grammar: Option<&mut Grammar>, last: u32, pos: usize, seed: u64) -> u32 {
     let t = target(last, pos, seed);
+    let params = PARAMS.with(Cell::get);
+    if !params.is_greedy() {
+        let mut row = logits_for(t);
+        if let Some(g) = grammar {
+            row = g.mask(&row).unwrap();
+        }
+        return sample(&row, &params, pos as u64);
+    }
     let Some(g) = grammar else {
         return t;
     };
@@ -177,9 +195,10 @@ impl Cloud {
             history.len(),
             seed,
         );
+        // Greedy, or sample-and-match under sampled parameters (`VerifyRule::effective`).
         let mut session = CloudSession::new(
             VerifyRule::Greedy,
-            SamplingParams::default(),
+            PARAMS.with(Cell::get),
             history,
             first,
             10_000,
@@ -555,6 +574,25 @@ proptest! {
         schedule in proptest::collection::vec(step(), 0..300),
     ) {
         run(seed, alpha, gamma, depth, max_new, tree, &schedule, true)?;
+    }
+
+    /// Sampled (sample-and-match): the committed sequence is the target's own draw by position
+    /// from its masked rows, free and under the grammar.
+    #[test]
+    fn a_sampled_sessions_committed_sequence_is_the_targets_draw_free_and_constrained(
+        seed in 0u64..10_000,
+        temperature in prop_oneof![Just(0.7f32), Just(1.0f32), 0.3f32..1.5],
+        alpha in prop_oneof![Just(0.0), Just(0.8), Just(1.0), 0.0f64..1.0],
+        gamma in 1usize..8,
+        depth in 1usize..5,
+        max_new in 1usize..40,
+        constrained in any::<bool>(),
+        schedule in proptest::collection::vec(step(), 0..300),
+    ) {
+        PARAMS.with(|p| p.set(SamplingParams { temperature, top_k: 0, top_p: 1.0, seed }));
+        let r = run(seed, alpha, gamma, depth, max_new, TreeConfig::LINEAR, &schedule, constrained);
+        PARAMS.with(|p| p.set(SamplingParams::default()));
+        r?;
     }
 }
 
