@@ -540,6 +540,11 @@ fn logprobs_are_the_targets_own_on_both_endpoints() {
         .flatten()
         .collect();
     assert_eq!(streamed.len(), content.len());
+    let carrying = chunks
+        .iter()
+        .filter(|(_, c)| c["choices"][0]["logprobs"]["content"].is_array())
+        .count();
+    assert!(carrying > 1, "each chunk carries its own tokens' logprobs");
     for (a, b) in streamed.iter().zip(content) {
         assert_eq!(a["logprob"], b["logprob"]);
     }

@@ -387,6 +387,7 @@ async fn complete(
             Event::Text {
                 text: t,
                 unverified,
+                ..
             } => {
                 if unverified && unverified_from.is_none() {
                     unverified_from = Some(text.len());
@@ -560,9 +561,14 @@ impl Envelope {
     /// `{"content": [...]}`, or the completions' `tokens` / `token_logprobs` / `top_logprobs` /
     /// `text_offset`.
     fn logprobs(&self, f: &Finished) -> Value {
-        let Some(entries) = &f.logprobs else {
-            return Value::Null;
-        };
+        match &f.logprobs {
+            Some(entries) => self.logprobs_of(entries),
+            None => Value::Null,
+        }
+    }
+
+    /// [`Envelope::logprobs`] of some of the answer's tokens (a streamed chunk's).
+    fn logprobs_of(&self, entries: &[Value]) -> Value {
         match self.kind {
             Kind::Chat => json!({"content": entries}),
             Kind::Completion => {
@@ -664,8 +670,15 @@ impl Envelope {
     fn events(&self, e: Event, include_usage: bool) -> Vec<SseEvent> {
         let data = |v: Value| SseEvent::default().data(v.to_string());
         match e {
-            Event::Text { text, unverified } => {
+            Event::Text {
+                text,
+                unverified,
+                logprobs,
+            } => {
                 let mut c = self.chunk(Some(&text), None, false);
+                if !logprobs.is_empty() {
+                    c["choices"][0]["logprobs"] = self.logprobs_of(&logprobs);
+                }
                 if unverified {
                     c["tandem"] = json!({"unverified": true});
                 }
@@ -689,8 +702,11 @@ impl Envelope {
             }
             Event::Done(f) => {
                 let mut c = self.chunk(None, Some(f.finish_reason), false);
-                // The answer's log-probabilities come with its last chunk.
-                c["choices"][0]["logprobs"] = self.logprobs(&f);
+                // The answer's log-probabilities not streamed with its text yet.
+                c["choices"][0]["logprobs"] = match &f.logprobs {
+                    Some(all) => self.logprobs_of(&all[f.logprobs_streamed.min(all.len())..]),
+                    None => Value::Null,
+                };
                 c["tandem"] = Self::extension(&f);
                 let mut out = vec![data(c)];
                 if include_usage {

@@ -73,6 +73,9 @@ pub enum Event {
     Text {
         text: String,
         unverified: bool,
+        /// The target's log-probabilities of the tokens committed since the last text, when
+        /// asked for (OpenAI's chat entries: [`logprob_entries`]).
+        logprobs: Vec<serde_json::Value>,
     },
     /// The live view's extension: the target's correction of a drafted token (draft's,
     /// target's; sent before the text it commits), or the draft's unverified tail as it stands
@@ -114,6 +117,31 @@ pub struct Finished {
     /// The target's log-probabilities of the completion tokens, when asked for: OpenAI's chat
     /// entries (`token`, `logprob`, `bytes`, `top_logprobs`).
     pub logprobs: Option<Vec<serde_json::Value>>,
+    /// Of them, the first ones already streamed with the text.
+    pub logprobs_streamed: usize,
+}
+
+/// OpenAI's chat entries (`token`, `logprob`, `bytes`, `top_logprobs`) of the target's
+/// log-probabilities `l`.
+pub fn logprob_entries(
+    tok: &Tokenizer,
+    l: &[tandem_spec::sampling::TokenLogprob],
+) -> Vec<serde_json::Value> {
+    let entry = |t: u32, lp: f32| {
+        let bytes = tok.token_bytes(t);
+        serde_json::json!({
+            "token": String::from_utf8_lossy(&bytes),
+            "logprob": lp,
+            "bytes": bytes,
+        })
+    };
+    l.iter()
+        .map(|l| {
+            let mut e = entry(l.token, l.logprob);
+            e["top_logprobs"] = l.top.iter().map(|&(t, lp)| entry(t, lp)).collect();
+            e
+        })
+        .collect()
 }
 
 /// Tokens committed while reconnecting, and the correction among them.
@@ -161,9 +189,31 @@ struct Out {
     judged: usize,
     start: Instant,
     token_ms: Vec<f64>,
+    /// The target's log-probabilities, when asked for; the prompt's length (where the answer's
+    /// positions start), and how many of the answer's were streamed.
+    logprobs: Option<crate::grpc::LogprobSink>,
+    prompt_len: usize,
+    logprobs_sent: usize,
 }
 
 impl Out {
+    /// The log-probabilities of the tokens committed since the last call that have come.
+    fn take_logprobs(&mut self) -> Vec<serde_json::Value> {
+        let Some(sink) = &self.logprobs else {
+            return Vec::new();
+        };
+        let from = self.prompt_len + self.logprobs_sent;
+        let got: Vec<_> = sink
+            .range(from, self.prompt_len + self.ids.len())
+            .into_iter()
+            .enumerate()
+            .take_while(|(i, l)| l.pos == from + i)
+            .map(|(_, l)| l)
+            .collect();
+        self.logprobs_sent += got.len();
+        logprob_entries(&self.tok, &got)
+    }
+
     fn send(&self, e: Event) {
         let _ = self.events.send(e);
     }
@@ -187,7 +237,12 @@ impl Out {
         self.decoded += piece.len();
         let text = self.stops.push(&piece);
         if !text.is_empty() {
-            self.send(Event::Text { text, unverified });
+            let logprobs = self.take_logprobs();
+            self.send(Event::Text {
+                text,
+                unverified,
+                logprobs,
+            });
         }
     }
 
@@ -283,9 +338,11 @@ impl Out {
             .unwrap_or_default();
         rest.push_str(&self.stops.finish());
         if !rest.is_empty() {
+            let logprobs = self.take_logprobs();
             self.send(Event::Text {
                 text: rest,
                 unverified: self.unverified > 0,
+                logprobs,
             });
         }
     }
@@ -464,6 +521,9 @@ impl Sessions {
                 judged: 0,
                 start,
                 token_ms: Vec::new(),
+                logprobs: logprobs.clone(),
+                prompt_len: req.prompt_ids.len(),
+                logprobs_sent: 0,
             },
             req,
             logprobs,
@@ -806,24 +866,9 @@ impl Sessions {
             e2e_ms: a.out.start.elapsed().as_secs_f64() * 1e3,
             logprobs: a.logprobs.as_ref().map(|sink| {
                 let from = a.req.prompt_ids.len();
-                let tok = &self.tok;
-                let entry = |t: u32, lp: f32| {
-                    let bytes = tok.token_bytes(t);
-                    serde_json::json!({
-                        "token": String::from_utf8_lossy(&bytes),
-                        "logprob": lp,
-                        "bytes": bytes,
-                    })
-                };
-                sink.range(from, from + a.out.ids.len())
-                    .iter()
-                    .map(|l| {
-                        let mut e = entry(l.token, l.logprob);
-                        e["top_logprobs"] = l.top.iter().map(|&(t, lp)| entry(t, lp)).collect();
-                        e
-                    })
-                    .collect()
+                logprob_entries(&self.tok, &sink.range(from, from + a.out.ids.len()))
             }),
+            logprobs_streamed: a.out.logprobs_sent,
         };
         self.metrics.record(&f, report.as_ref(), a.queued_s);
         a.out.send(Event::Done(Box::new(f)));
