@@ -327,15 +327,22 @@ fn forced_tool_calls_come_back_as_openais_tool_calls_and_auto_is_refused_by_name
     let mut body = tool_request(named.clone());
     body["stream"] = json!(true);
     let chunks = stream(e.port, "/v1/chat/completions", &body);
+    // Streamed as OpenAI streams a call: its id and name first, then the arguments in pieces.
     let calls: Vec<&Value> = chunks
         .iter()
         .filter_map(|(_, c)| c["choices"][0]["delta"].get("tool_calls"))
+        .map(|t| &t[0])
         .collect();
-    assert_eq!(calls.len(), 1, "{chunks:?}");
-    assert_eq!(
-        calls[0][0]["function"], call["function"],
-        "streamed as whole"
-    );
+    assert!(calls.len() > 1, "{chunks:?}");
+    assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+    assert_eq!(calls[0]["type"], "function");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    assert!(calls[1..].iter().all(|c| c.get("id").is_none()));
+    let arguments: String = calls
+        .iter()
+        .map(|c| c["function"]["arguments"].as_str().unwrap())
+        .collect();
+    assert_eq!(arguments, call["function"]["arguments"].as_str().unwrap());
     let fin = chunks
         .iter()
         .rev()

@@ -539,8 +539,9 @@ impl Envelope {
     fn tool_calls(&self, text: &str, f: &Finished) -> Option<(Value, &'static str)> {
         let call = self.tool_call.as_ref()?;
         let (name, arguments) = match call {
-            api::ToolCall::Named(n) if f.finish_reason == "stop" => (n.clone(), text.to_string()),
-            api::ToolCall::Named(_) => return None,
+            // Cut short by max_tokens, a named call still goes out (finish_reason `length`), as
+            // OpenAI's does.
+            api::ToolCall::Named(n) => (n.clone(), text.to_string()),
             api::ToolCall::Required => {
                 let v: Value = serde_json::from_str(text).ok()?;
                 (
@@ -549,12 +550,25 @@ impl Envelope {
                 )
             }
         };
-        let id = format!("call_{}", self.id.rsplit('-').next().unwrap_or_default());
         Some((
-            json!([{"index": 0, "id": id, "type": "function",
+            json!([{"index": 0, "id": self.call_id(), "type": "function",
                     "function": {"name": name, "arguments": arguments}}]),
-            "tool_calls",
+            Self::call_finish(f),
         ))
+    }
+
+    /// A tool call's id: the response's own hex.
+    fn call_id(&self) -> String {
+        format!("call_{}", self.id.rsplit('-').next().unwrap_or_default())
+    }
+
+    /// A tool call's finish reason: `tool_calls` when its JSON is whole.
+    fn call_finish(f: &Finished) -> &'static str {
+        if f.finish_reason == "stop" {
+            "tool_calls"
+        } else {
+            f.finish_reason
+        }
     }
 
     /// The target's log-probabilities of the answer (null when not asked for): the chat's
@@ -743,8 +757,16 @@ fn stream(
                 return;
             }
         }
-        // A forced tool call goes out whole, as one delta, once its JSON is complete.
-        let mut call_text = envelope.tool_call.as_ref().map(|_| String::new());
+        // A named function's call streams as OpenAI streams it: the call with its name first,
+        // then its arguments in pieces. A `required` call (whose name is in its JSON) goes out
+        // whole, as one delta, once its JSON is complete.
+        let named = matches!(envelope.tool_call, Some(api::ToolCall::Named(_)));
+        let mut call_text = envelope
+            .tool_call
+            .as_ref()
+            .filter(|_| !named)
+            .map(|_| String::new());
+        let mut call_started = false;
         loop {
             let e = tokio::select! {
                 e = events.recv() => e,
@@ -752,6 +774,38 @@ fn stream(
                 _ = tx.closed() => return,
             };
             let Some(e) = e else { break };
+            let e = match (named, e) {
+                (true, Event::Text { text, logprobs, .. }) => {
+                    let mut call = json!({"index": 0, "function": {"arguments": text}});
+                    if !call_started {
+                        call_started = true;
+                        call["id"] = json!(envelope.call_id());
+                        call["type"] = json!("function");
+                        if let Some(api::ToolCall::Named(n)) = &envelope.tool_call {
+                            call["function"]["name"] = json!(n);
+                        }
+                    }
+                    let mut c = envelope.chunk(None, None, false);
+                    c["choices"][0]["delta"]["tool_calls"] = json!([call]);
+                    if !logprobs.is_empty() {
+                        c["choices"][0]["logprobs"] = envelope.logprobs_of(&logprobs);
+                    }
+                    if tx
+                        .send(Ok(SseEvent::default().data(c.to_string())))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    continue;
+                }
+                (true, Event::Live { .. }) => continue,
+                (true, Event::Done(mut f)) => {
+                    f.finish_reason = Envelope::call_finish(&f);
+                    Event::Done(f)
+                }
+                (_, e) => e,
+            };
             let e = match (&mut call_text, e) {
                 (Some(t), Event::Text { text, .. }) => {
                     t.push_str(&text);
