@@ -219,3 +219,60 @@ fn an_edge_that_stops_acknowledging_is_not_decoded_further() {
         }
     });
 }
+
+#[test]
+fn a_reopened_structured_output_resumes_its_grammar_after_the_output_it_sends() {
+    use tandem_edge::grpc::GrpcLink;
+    use tandem_spec::GrammarSource;
+    let (_, tok) = target();
+    let url = grpc_server().clone();
+    let rt = tandem_testkit::rt();
+    let prompt = tok.encode_chat("Describe a cat as JSON.").unwrap();
+    let want = tandem_testkit::model::constrained(
+        &prompt,
+        12,
+        &GrammarSource::JsonObject,
+        &tandem_spec::sampling::SamplingParams::default(),
+    );
+    assert!(want.len() > 6, "{want:?}");
+    // A reopen sends the committed output in the prompt and says where it starts: the grammar
+    // goes on after it, and the first token is the target's next under the grammar.
+    let k = 5;
+    let history: Vec<u32> = prompt.iter().chain(&want[..k]).copied().collect();
+    let open = |output_from| tandem_edge::grpc::OpenRequest {
+        grammar: Some(GrammarSource::JsonObject),
+        output_from,
+        ..greedy_open(tok.fingerprint(), &history)
+    };
+    let (link, opened) = GrpcLink::connect(&rt, &url, open(Some(prompt.len()))).unwrap();
+    link.close();
+    assert_eq!(opened.first_token, want[k]);
+    // Without it, the grammar would start over (a second JSON object): not the same token.
+    let (link, fresh) = GrpcLink::connect(&rt, &url, open(None)).unwrap();
+    link.close();
+    assert_eq!(
+        tok.decode(&[fresh.first_token])
+            .unwrap()
+            .trim_start()
+            .chars()
+            .next(),
+        Some('{'),
+        "a grammar that starts over opens a new object"
+    );
+    // Output the grammar does not allow is refused by name.
+    let mut bad = prompt.clone();
+    bad.extend(tok.encode("hello").unwrap());
+    let err = GrpcLink::connect(
+        &rt,
+        &url,
+        tandem_edge::grpc::OpenRequest {
+            grammar: Some(GrammarSource::JsonObject),
+            output_from: Some(prompt.len()),
+            ..greedy_open(tok.fingerprint(), &bad)
+        },
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("open.grammar.resumed"), "{err}");
+}
