@@ -394,11 +394,6 @@ fn structured(
     let mut link = Link::new()?;
     let mut rows: Vec<Row> = Vec::new();
     let mut want_all: Vec<Vec<u32>> = Vec::new();
-    let edge = EngineConfig {
-        threads: a.edge_cpus.len().max(1),
-        cpus: a.edge_cpus,
-        ..EngineConfig::default()
-    };
     for &rtt in &a.rtts {
         let url = link.set(&cloud.addr, rtt, rtt * a.jitter_frac)?;
         for schema in [false, true] {
@@ -429,38 +424,14 @@ fn structured(
                     max_depth: a.max_depth,
                     prior: tandem_spec::edge::default_prior(rtt),
                 };
-                let outs = prompts
-                    .iter()
-                    .enumerate()
-                    .map(|(i, p)| {
-                        let run = SpecRun {
-                            target: target.clone(),
-                            draft: d.model.clone(),
-                            tokenizer: tok,
-                            cloud: edge,
-                            edge,
-                            spec: SpecConfig {
-                                session: tandem_spec::edge::SessionConfig {
-                                    draft_len: 4,
-                                    depth: 2,
-                                    max_new_tokens: a.tokens,
-                                    auto: Some(auto),
-                                    tree: LINEAR,
-                                },
-                                rule: VerifyRule::Greedy,
-                                params: SamplingParams::default(),
-                                q_top_k: 32,
-                            },
-                            rtt_ms: 0.0,
-                            jitter_ms: 0.0,
-                            cloud_url: Some(url.clone()),
-                            api_key: None,
-                            tls_ca: None,
-                            grammar: grammar(i).cloned(),
-                        };
-                        tandem_client::speculate::run(&run, p, |_| {})
-                    })
-                    .collect::<Result<Vec<_>>>()?;
+                let outs = sampled_runs(
+                    a,
+                    (target, d, tok, url.as_str(), &prompts[..]),
+                    (4, 2, Some(auto), LINEAR),
+                    VerifyRule::Greedy,
+                    SamplingParams::default(),
+                    schema.then_some(&schemas[..]),
+                )?;
                 let mut r = fold(&d.name, rtt, Mode::AsyncAuto, &outs, &want);
                 r.schema = schema;
                 progress(&r);
@@ -562,6 +533,7 @@ fn spec_runs(
         (gamma, depth, auto, tree),
         VerifyRule::Greedy,
         SamplingParams::default(),
+        None,
     )
 }
 
@@ -582,13 +554,14 @@ fn sampled_runs(
     (gamma, depth, auto, tree): (usize, usize, Option<AutoShape>, TreeConfig),
     rule: VerifyRule,
     params: SamplingParams,
+    grammars: Option<&[tandem_spec::GrammarSource]>,
 ) -> Result<Vec<GenOutput>> {
     let edge = EngineConfig {
         threads: a.edge_cpus.len().max(1),
         cpus: a.edge_cpus,
         ..EngineConfig::default()
     };
-    let run = SpecRun {
+    let mut run = SpecRun {
         target: target.clone(),
         draft: d.model.clone(),
         tokenizer: tok,
@@ -616,7 +589,11 @@ fn sampled_runs(
     };
     prompts
         .iter()
-        .map(|p| tandem_client::speculate::run(&run, p, |_| {}))
+        .enumerate()
+        .map(|(i, p)| {
+            run.grammar = grammars.map(|g| g[i].clone());
+            tandem_client::speculate::run(&run, p, |_| {})
+        })
         .collect()
 }
 
@@ -790,7 +767,7 @@ pub fn run(
                 }));
                 for (mode, rule, tree) in cases {
                     let outs =
-                        sampled_runs(a, party, (shape.0, shape.1, None, tree), rule, params)?;
+                        sampled_runs(a, party, (shape.0, shape.1, None, tree), rule, params, None)?;
                     let check: &[Vec<u32>] = if rule == VerifyRule::SampleMatch {
                         &own
                     } else {
