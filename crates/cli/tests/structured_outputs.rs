@@ -81,7 +81,7 @@ fn check_person(v: &Value) {
 
 #[test]
 fn a_json_schema_answer_is_the_targets_own_under_the_schema_whole_streamed_and_cloud_only() {
-    let (m, tok) = target();
+    let tok = &target().1;
     let v = verifier(&[]);
     let e = edge(&[format!("http://127.0.0.1:{}", v.port)], &[]);
     let prompt = tok.encode_chat(QUESTION).unwrap();
@@ -188,7 +188,6 @@ fn a_json_schema_answer_is_the_targets_own_under_the_schema_whole_streamed_and_c
             "{got}"
         );
     }
-    let _ = m;
 }
 
 fn testkit_constrained(

@@ -185,11 +185,6 @@ impl CloudSession {
         self
     }
 
-    /// The session's grammar, if it is constrained.
-    pub fn grammar(&self) -> Option<&Grammar> {
-        self.grammar.as_ref()
-    }
-
     /// `row` as the rules see it: masked by the grammar's state now, if constrained.
     fn row<'a>(&mut self, row: &'a [f32]) -> Result<Cow<'a, [f32]>, SpecError> {
         match &mut self.grammar {

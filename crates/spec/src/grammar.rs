@@ -239,10 +239,6 @@ impl PartialEq for Grammar {
 }
 
 impl Grammar {
-    pub fn source(&self) -> &GrammarSource {
-        &self.source
-    }
-
     /// The output tokens consumed.
     pub fn consumed(&self) -> &[u32] {
         &self.consumed

@@ -59,6 +59,19 @@ pub fn engine(m: &Arc<LlamaModel>) -> Engine {
     .unwrap()
 }
 
+/// An engine over `m` of its own: one thread, a KV cache of `kv_mb` MiB.
+pub fn lone_engine(m: &Arc<LlamaModel>, kv_mb: usize) -> Engine {
+    Engine::new(
+        m.clone(),
+        EngineConfig {
+            threads: 1,
+            kv_budget_bytes: kv_mb << 20,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap()
+}
+
 /// `n` tokens decoded greedily after `prompt`, one forward each, as sequence `seq` (freed after).
 pub fn greedy(e: &mut Engine, seq: SeqId, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut out = Vec::new();
@@ -88,15 +101,7 @@ pub fn constrained(
     params: &tandem_spec::sampling::SamplingParams,
 ) -> Vec<u32> {
     let (m, tok) = target();
-    let mut e = Engine::new(
-        m.clone(),
-        EngineConfig {
-            threads: 1,
-            kv_budget_bytes: 64 << 20,
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
+    let mut e = lone_engine(m, 64);
     let mut g = tok
         .grammar_vocab(m.cfg.vocab)
         .unwrap()
@@ -142,15 +147,7 @@ pub fn rows_of(prompt: &[u32], output: &[u32]) -> Vec<Vec<f32>> {
 /// token: what a greedy session over `prompt` commits.
 pub fn target_answer(prompt: &[u32], n: usize, seq: u64) -> Vec<u32> {
     let (m, tok) = target();
-    let mut e = Engine::new(
-        m.clone(),
-        EngineConfig {
-            threads: 1,
-            kv_budget_bytes: 32 << 20,
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
+    let mut e = lone_engine(m, 32);
     let out = greedy(&mut e, SeqId(seq), prompt, n);
     let cut = out
         .iter()

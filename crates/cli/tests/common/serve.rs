@@ -6,7 +6,7 @@ use std::io::{BufRead, BufReader};
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tandem_engine::{Engine, EngineConfig, SeqId};
+use tandem_engine::SeqId;
 
 use super::*;
 
@@ -170,15 +170,7 @@ pub fn greedy_with(
     n: usize,
 ) -> Expect {
     let tok = &target().1;
-    let mut e = Engine::new(
-        m.clone(),
-        EngineConfig {
-            threads: 1,
-            kv_budget_bytes: 64 << 20,
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
+    let mut e = tandem_testkit::model::lone_engine(m, 64);
     let mut ids = greedy(&mut e, SeqId(0), prompt, n);
     if let Some(i) = ids.iter().position(|&t| tok.is_eog(t)) {
         ids.truncate(i + 1);

@@ -489,8 +489,11 @@ pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiErr
             ))
         }
     };
+    // The tools are checked once; a chat's prompt tells a forced call's functions (its error, if
+    // any, comes after the messages' own, as it always has).
+    let tools = tools(&b, kind);
     let prompt_ids = match kind {
-        Kind::Chat => chat_prompt(&b, served.tok)?,
+        Kind::Chat => chat_prompt(&b, served.tok, &tools)?,
         Kind::Completion => completion_prompt(&b, served.tok)?,
     };
     if prompt_ids.len() >= served.context_len {
@@ -536,7 +539,7 @@ pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiErr
     };
     let logprobs = logprobs(&b, kind)?;
     let format = response_format(b.response_format.as_ref())?;
-    let (_, tool_call, tool_grammar) = tools(&b, kind)?;
+    let (_, tool_call, tool_grammar) = tools?;
     let grammar = match (format, tool_grammar) {
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid(
@@ -690,7 +693,11 @@ fn field_of(s: &str) -> Option<&'static str> {
         .find(|f| *f == head || s.contains(&format!("`{f}`")))
 }
 
-fn chat_prompt(b: &Body, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {
+fn chat_prompt(
+    b: &Body,
+    tok: &Tokenizer,
+    tools: &Result<Tools, ApiError>,
+) -> Result<Vec<u32>, ApiError> {
     let messages = b
         .messages
         .as_ref()
@@ -749,7 +756,7 @@ fn chat_prompt(b: &Body, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {
     }
     // Functions a forced call may use are told in the system message (the template has no tool
     // format of its own).
-    let (fns, call, _) = tools(b, Kind::Chat)?;
+    let (fns, call, _) = tools.as_ref().map_err(Clone::clone)?;
     if call.is_some() && !fns.is_empty() {
         let listed: Vec<Value> = b
             .tools

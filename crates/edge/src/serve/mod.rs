@@ -613,21 +613,20 @@ impl Envelope {
     /// The whole answer (not streamed).
     fn whole(&self, text: &str, f: &Finished, unverified_from: Option<usize>) -> Value {
         let choice = match self.kind {
-            Kind::Chat if self.tool_calls(text, f).is_some() => {
-                let (calls, finish) = self.tool_calls(text, f).expect("just checked");
-                json!({
+            Kind::Chat => match self.tool_calls(text, f) {
+                Some((calls, finish)) => json!({
                     "index": 0,
                     "message": {"role": "assistant", "content": null, "tool_calls": calls},
                     "logprobs": self.logprobs(f),
                     "finish_reason": finish,
-                })
-            }
-            Kind::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": self.logprobs(f),
-                "finish_reason": f.finish_reason,
-            }),
+                }),
+                None => json!({
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": self.logprobs(f),
+                    "finish_reason": f.finish_reason,
+                }),
+            },
             Kind::Completion => json!({
                 "index": 0,
                 "text": text,
