@@ -12,6 +12,7 @@
 //!   sample-and-match, rejection sampling).
 //! - [`grammar`]: structured outputs: a JSON schema or grammar compiled with llguidance, which
 //!   masks the target's logits on the cloud and the draft's on the edge.
+//! - [`suffix`]: model-free drafts that copy: a suffix automaton over a session's tokens.
 //! - [`sampling`]: temperature / top-k / top-p with draws keyed by (seed, position).
 //! - [`policy`]: the analytic model of one session's speculation and the γ / depth it recommends.
 //! - [`never_idle`]: the model of protocol 2 (the verifier decodes a session whenever it has no
@@ -31,6 +32,7 @@ pub mod never_idle;
 pub mod pipeline;
 pub mod policy;
 pub mod sampling;
+pub mod suffix;
 pub mod tree;
 pub mod verify;
 

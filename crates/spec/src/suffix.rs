@@ -1,0 +1,329 @@
+//! Model-free drafts that copy: a suffix automaton over a session's token ids (its prompt, the
+//! conversation before it, every token it commits), which proposes what followed the longest
+//! earlier occurrence of the text's current end.
+//!
+//! Much of what people ask a served model copies its input (code edits, corrections, JSON that
+//! quotes the text, answers that read a document or a tool's result back): there the
+//! continuation of the longest earlier match is a good guess, at no model cost. Both sides use
+//! it: the edge beside its draft model, the verifier for a session it decodes alone (while the
+//! edge's correction travels), where each guess it verifies in the same forward saves a forward.
+//!
+//! The automaton is built online, one token at a time, in amortized constant time per token plus
+//! the walk along the new state's suffix links that keeps each state's occurrence count and its
+//! two most recent end positions (bounded by [`MAX_WALK`]: past it, deeper states keep an older
+//! occurrence, still a real and earlier one). After each token, [`SuffixIndex::longest`] is the
+//! longest suffix of the text that also ends earlier: its length, how often it occurred before,
+//! and where it last did; [`SuffixIndex::propose`] copies what followed there.
+
+use std::collections::HashMap;
+
+/// The most suffix-link steps one token's walk updates (the rest keep older statistics).
+pub const MAX_WALK: usize = 1024;
+
+const NONE: u32 = u32::MAX;
+
+#[derive(Debug, Clone)]
+struct State {
+    /// The longest text this state stands for.
+    len: u32,
+    /// Its suffix link (NONE at the root).
+    link: u32,
+    /// Positions where its texts end: how many, the last one, and the one before it.
+    count: u32,
+    last_end: u32,
+    prev_end: u32,
+}
+
+/// The longest suffix of the text that also ends at an earlier position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Match {
+    /// Its length in tokens (at least 1).
+    pub len: usize,
+    /// The earlier positions where it ends (its frequency before now).
+    pub count: usize,
+    /// The most recent of them: what followed it starts at `end + 1`.
+    pub end: usize,
+}
+
+/// How a side turns matches into guesses: none below `min_match` tokens matched, then
+/// `factor` guesses per matched token, at most `max_tokens`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SuffixPolicy {
+    pub min_match: usize,
+    pub factor: f64,
+    pub max_tokens: usize,
+}
+
+impl SuffixPolicy {
+    /// What both sides use unless told otherwise: a match of two tokens or more, a guess per
+    /// matched token, at most eight.
+    pub const DEFAULT: SuffixPolicy = SuffixPolicy {
+        min_match: 2,
+        factor: 1.0,
+        max_tokens: 8,
+    };
+
+    /// Guesses to take from a match of `len` tokens.
+    pub fn guesses(&self, len: usize) -> usize {
+        if len < self.min_match.max(1) {
+            return 0;
+        }
+        ((len as f64 * self.factor).ceil() as usize).min(self.max_tokens)
+    }
+}
+
+impl Default for SuffixPolicy {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
+/// A suffix automaton over token ids, built as tokens come.
+#[derive(Debug, Clone)]
+pub struct SuffixIndex {
+    text: Vec<u32>,
+    states: Vec<State>,
+    /// Transitions `(state, token) → state`, and the tokens each state has one for (to copy a
+    /// state's transitions when it is split).
+    next: HashMap<(u32, u32), u32>,
+    out: Vec<Vec<u32>>,
+    /// The state of the whole text.
+    last: u32,
+    /// The longest earlier match of the text's end, found when its last token came.
+    found: Option<Match>,
+}
+
+impl Default for SuffixIndex {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SuffixIndex {
+    pub fn new() -> Self {
+        Self {
+            text: Vec::new(),
+            states: vec![State {
+                len: 0,
+                link: NONE,
+                count: 0,
+                last_end: NONE,
+                prev_end: NONE,
+            }],
+            next: HashMap::new(),
+            out: vec![Vec::new()],
+            last: 0,
+            found: None,
+        }
+    }
+
+    /// An index of `tokens`.
+    pub fn of(tokens: &[u32]) -> Self {
+        let mut s = Self::new();
+        s.extend(tokens);
+        s
+    }
+
+    /// The text indexed so far.
+    pub fn text(&self) -> &[u32] {
+        &self.text
+    }
+
+    pub fn len(&self) -> usize {
+        self.text.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.text.is_empty()
+    }
+
+    pub fn extend(&mut self, tokens: &[u32]) {
+        for &t in tokens {
+            self.push(t);
+        }
+    }
+
+    /// Append `token` to the text.
+    pub fn push(&mut self, token: u32) {
+        let i = self.text.len() as u32;
+        self.text.push(token);
+        let cur = self.states.len() as u32;
+        self.states.push(State {
+            len: self.states[self.last as usize].len + 1,
+            link: 0,
+            count: 1,
+            last_end: i,
+            prev_end: NONE,
+        });
+        self.out.push(Vec::new());
+        let mut p = self.last;
+        while p != NONE && !self.next.contains_key(&(p, token)) {
+            self.next.insert((p, token), cur);
+            self.out[p as usize].push(token);
+            p = self.states[p as usize].link;
+        }
+        if p != NONE {
+            let q = self.next[&(p, token)];
+            if self.states[p as usize].len + 1 == self.states[q as usize].len {
+                self.states[cur as usize].link = q;
+            } else {
+                // Split q: the clone stands for its texts up to len(p) + 1, which now end here too.
+                let clone = self.states.len() as u32;
+                let mut c = self.states[q as usize].clone();
+                c.len = self.states[p as usize].len + 1;
+                self.states.push(c);
+                let tokens = self.out[q as usize].clone();
+                for &t in &tokens {
+                    let to = self.next[&(q, t)];
+                    self.next.insert((clone, t), to);
+                }
+                self.out.push(tokens);
+                while p != NONE && self.next.get(&(p, token)) == Some(&q) {
+                    self.next.insert((p, token), clone);
+                    p = self.states[p as usize].link;
+                }
+                self.states[q as usize].link = clone;
+                self.states[cur as usize].link = clone;
+            }
+        }
+        self.last = cur;
+        // Every state on the new one's suffix path now also ends here.
+        let mut s = self.states[cur as usize].link;
+        self.found = match s {
+            0 => None,
+            _ => {
+                let st = &self.states[s as usize];
+                Some(Match {
+                    len: st.len as usize,
+                    count: st.count as usize,
+                    end: st.last_end as usize,
+                })
+            }
+        };
+        let mut walked = 0;
+        while s != 0 && s != NONE && walked < MAX_WALK {
+            let st = &mut self.states[s as usize];
+            st.count += 1;
+            st.prev_end = st.last_end;
+            st.last_end = i;
+            s = st.link;
+            walked += 1;
+        }
+    }
+
+    /// The longest suffix of the text that also ends earlier, if any.
+    pub fn longest(&self) -> Option<Match> {
+        self.found
+    }
+
+    /// Up to `max` tokens that followed the most recent earlier occurrence of the longest match,
+    /// with the match (None without one, or for `max` 0).
+    pub fn propose(&self, max: usize) -> Option<(Match, &[u32])> {
+        let m = self.found?;
+        if max == 0 {
+            return None;
+        }
+        let from = m.end + 1;
+        let to = (from + max).min(self.text.len());
+        Some((m, &self.text[from..to]))
+    }
+
+    /// [`propose`](Self::propose) under `policy`: nothing below its shortest match, else as many
+    /// tokens as it takes from a match of that length, at most `most`.
+    pub fn guesses(&self, policy: &SuffixPolicy, most: usize) -> Vec<u32> {
+        let Some(m) = self.found else {
+            return Vec::new();
+        };
+        let n = policy.guesses(m.len).min(most);
+        self.propose(n).map_or_else(Vec::new, |(_, t)| t.to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The longest suffix of `text` that also ends before its last position, found by trying
+    /// every length and every earlier end.
+    fn brute(text: &[u32]) -> Option<Match> {
+        let n = text.len();
+        for len in (1..n).rev() {
+            let suffix = &text[n - len..];
+            let ends: Vec<usize> = (len - 1..n - 1)
+                .filter(|&e| &text[e + 1 - len..=e] == suffix)
+                .collect();
+            if let Some(&end) = ends.last() {
+                return Some(Match {
+                    len,
+                    count: ends.len(),
+                    end,
+                });
+            }
+        }
+        None
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+        /// After every token, the automaton's match is the brute-force one: the same length,
+        /// the same count of earlier occurrences, the same most recent end; and the proposal is
+        /// what followed there.
+        #[test]
+        fn the_longest_match_is_the_brute_forces(
+            text in prop::collection::vec(0u32..4, 1..160),
+            big in prop::collection::vec(0u32..50_000, 0..40),
+        ) {
+            for text in [text, big] {
+                let mut s = SuffixIndex::new();
+                for (i, &t) in text.iter().enumerate() {
+                    s.push(t);
+                    let want = brute(&text[..=i]);
+                    prop_assert_eq!(s.longest(), want, "after {} tokens", i + 1);
+                    if let Some((m, p)) = s.propose(5) {
+                        let from = m.end + 1;
+                        prop_assert_eq!(p, &text[from..(from + 5).min(i + 1)]);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_repeated_span_is_proposed_from_its_last_occurrence() {
+        // ". a b c" occurred once before the end, "a b" twice.
+        let mut s = SuffixIndex::of(&[1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2]);
+        assert_eq!(
+            s.longest(),
+            Some(Match {
+                len: 3,
+                count: 1,
+                end: 6
+            })
+        );
+        assert_eq!(s.propose(4).unwrap().1, &[3, 5, 9, 1]);
+        s.push(3);
+        assert_eq!(
+            s.propose(2).unwrap().1,
+            &[5, 9],
+            "the most recent occurrence"
+        );
+        assert_eq!(s.guesses(&SuffixPolicy::DEFAULT, 8), vec![5, 9, 1, 2]);
+        // Too short a match proposes nothing under the policy.
+        let s = SuffixIndex::of(&[1, 2, 3, 1]);
+        assert_eq!(s.longest().map(|m| m.len), Some(1));
+        assert!(s.guesses(&SuffixPolicy::DEFAULT, 8).is_empty());
+    }
+
+    #[test]
+    fn a_long_run_of_one_token_stays_cheap_and_right() {
+        let mut s = SuffixIndex::new();
+        for _ in 0..3 * MAX_WALK {
+            s.push(7);
+        }
+        let m = s.longest().unwrap();
+        assert_eq!(m.len, 3 * MAX_WALK - 1);
+        assert_eq!(m.end, 3 * MAX_WALK - 2);
+        assert_eq!(s.propose(3).unwrap().1, &[7]);
+    }
+}
