@@ -6,7 +6,7 @@ pub mod v1 {
 }
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// The most entries one drafted position's distribution `q` may hold (and never more than the
 /// vocabulary): the edge sends its top-k (32 by default), and the verifier's work on a `q` is
@@ -321,6 +321,7 @@ impl From<Decoded> for v1::Decoded {
             token: d.token,
             grant_draft_len: d.grant.map_or(0, |g| g.draft_len),
             grant_depth: d.grant.map_or(0, |g| g.depth.max(1)),
+            guessed: d.guessed,
         }
     }
 }
@@ -332,6 +333,7 @@ impl From<v1::Decoded> for Decoded {
             pos: d.position as usize,
             token: d.token,
             grant: (d.grant_depth > 0).then_some(Shape::new(d.grant_draft_len, d.grant_depth)),
+            guessed: d.guessed,
         }
     }
 }

@@ -34,8 +34,9 @@ use std::borrow::Cow;
 use crate::grammar::Grammar;
 use crate::pipeline::{Block, BlockId, Decoded, Verdict};
 use crate::sampling::{token_logprob, SamplingParams, TokenLogprob};
+use crate::suffix::{SuffixIndex, SuffixPolicy};
 use crate::tree::{Node, Step};
-use crate::verify::{judge, judge_guesses, target_token, Guess, VerifyRule};
+use crate::verify::{judge, judge_guesses, judge_run, target_token, Guess, VerifyRule};
 use crate::SpecError;
 
 /// What the target must compute for a verify or a decode.
@@ -123,6 +124,22 @@ pub struct CloudSession {
     /// alternatives each: those of each forward, until the driver takes them.
     logprobs: Option<usize>,
     pending_logprobs: Vec<TokenLogprob>,
+    /// The verifier drafts for itself (see [`CloudSession::self_guesses`]): the committed
+    /// sequence indexed, and how its matches become guesses.
+    #[serde(skip)]
+    suffix: Option<SuffixIndex>,
+    #[serde(skip)]
+    self_policy: SuffixPolicy,
+}
+
+/// What a decode step committed: the target's tokens in position order (the verifier's own
+/// guesses it accepted, then its token after them), each told to the edge as decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodeRun {
+    pub decoded: Vec<Decoded>,
+    /// The verifier's own guesses fed, and how many the target accepted.
+    pub guessed: usize,
+    pub accepted: usize,
 }
 
 impl CloudSession {
@@ -153,7 +170,53 @@ impl CloudSession {
             grammar: None,
             logprobs: None,
             pending_logprobs: Vec::new(),
+            suffix: None,
+            self_policy: SuffixPolicy::DEFAULT,
         }
+    }
+
+    /// Let the verifier draft for itself when it decodes the session alone: guesses copied from
+    /// the committed sequence (prompt included) by a suffix index, under `policy`
+    /// ([`CloudSession::self_guesses`]).
+    pub fn with_self_draft(mut self, policy: SuffixPolicy) -> Self {
+        self.suffix = Some(SuffixIndex::of(&self.committed));
+        self.self_policy = policy;
+        self
+    }
+
+    /// Whether the verifier drafts for this session.
+    pub fn self_drafts(&self) -> bool {
+        self.suffix.is_some()
+    }
+
+    /// Commit `token` (the last committed token is not yet in the target's KV).
+    fn commit(&mut self, token: u32) {
+        self.committed.push(token);
+        if let Some(ix) = &mut self.suffix {
+            ix.push(token);
+        }
+    }
+
+    /// The verifier's own guesses of the session's next tokens (at most `most`), to verify in
+    /// the forward that decodes it: what followed the longest earlier match of the committed
+    /// sequence's end, under the session's policy; none without self-drafting. They stop at an
+    /// end-of-generation token (`eog`, kept) and within what the session may still commit: its
+    /// `limit` of committed tokens, the context, the flow window (the target's token after them
+    /// is committed too).
+    pub fn self_guesses(&self, most: usize, limit: usize, eog: &[u32]) -> Vec<u32> {
+        let Some(ix) = &self.suffix else {
+            return Vec::new();
+        };
+        let c = self.committed.len();
+        let room = limit
+            .min(self.max_len)
+            .min(self.acked + FLOW_WINDOW)
+            .saturating_sub(c + 1);
+        let mut g = ix.guesses(&self.self_policy, most.min(room));
+        if let Some(i) = g.iter().position(|t| eog.contains(t)) {
+            g.truncate(i + 1);
+        }
+        g
     }
 
     /// Keep the target's log-probability of each committed token, with `top` alternatives
@@ -433,16 +496,26 @@ impl CloudSession {
 
     /// The forward that decodes the session's next token: the last committed token, fed.
     pub fn decode_feed(&self) -> Result<Feed, SpecError> {
-        if self.committed.len() >= self.max_len {
+        self.decode_feed_with(&[])
+    }
+
+    /// The forward that decodes the session's next token with the verifier's own `guesses`
+    /// ([`CloudSession::self_guesses`]) fed behind the last committed token, each one's logits
+    /// judging the next.
+    pub fn decode_feed_with(&self, guesses: &[u32]) -> Result<Feed, SpecError> {
+        let end = self.committed.len() + guesses.len();
+        if end >= self.max_len {
             return Err(SpecError::Protocol(format!(
                 "the session reached the context limit {}",
                 self.max_len
             )));
         }
+        let mut tokens = vec![*self.committed.last().expect("invariant: the first token")];
+        tokens.extend_from_slice(guesses);
         Ok(Feed {
             start_pos: self.kv_len,
-            tokens: vec![*self.committed.last().expect("invariant: the first token")],
-            logits_at: vec![0],
+            logits_at: (0..tokens.len()).collect(),
+            tokens,
             parents: Vec::new(),
             nodes: Vec::new(),
         })
@@ -451,17 +524,57 @@ impl CloudSession {
     /// The target's logits after [`decode_feed`](Self::decode_feed): the next token, committed.
     /// It does not move the epoch: blocks in flight are rebased against it.
     pub fn finish_decode(&mut self, row: &[f32]) -> Result<Decoded, SpecError> {
-        let pos = self.committed.len();
-        let token = target_token(&self.row(row)?, &self.params, pos as u64);
-        self.follow(token)?;
-        self.note_logprob(row, token, pos);
-        self.kv_len += 1;
-        self.committed.push(token);
-        Ok(Decoded {
-            epoch: self.epoch,
-            pos,
-            token,
-            grant: None,
+        let feed = self.decode_feed()?;
+        let mut run = self.finish_decode_run(&feed, &[row])?;
+        Ok(run.decoded.remove(0))
+    }
+
+    /// The target's logits after [`decode_feed_with`](Self::decode_feed_with) (a row per token
+    /// fed): the guesses it accepts and its token after them, committed
+    /// ([`judge_run`]: each guess a point mass). Like a decoded token, none moves the epoch.
+    pub fn finish_decode_run(
+        &mut self,
+        feed: &Feed,
+        rows: &[&[f32]],
+    ) -> Result<DecodeRun, SpecError> {
+        let c = self.committed.len();
+        if feed.start_pos != self.kv_len || rows.len() != feed.tokens.len() || feed.is_tree() {
+            return Err(SpecError::Protocol(format!(
+                "{} logits rows for a decode of {} tokens from {} (the KV holds {})",
+                rows.len(),
+                feed.tokens.len(),
+                feed.start_pos,
+                self.kv_len
+            )));
+        }
+        let guesses = &feed.tokens[1..];
+        let tokens = judge_run(
+            self.rule,
+            &self.params,
+            c,
+            guesses,
+            rows,
+            self.grammar.as_mut(),
+        )
+        .map_err(|e| SpecError::Grammar(format!("a committed token: {e}")))?;
+        let mut decoded = Vec::with_capacity(tokens.len());
+        for (i, &token) in tokens.iter().enumerate() {
+            self.note_logprob(rows[i], token, c + i);
+            self.commit(token);
+            decoded.push(Decoded {
+                epoch: self.epoch,
+                pos: c + i,
+                token,
+                grant: None,
+                guessed: i < guesses.len() && guesses[i] == token,
+            });
+        }
+        self.verified_positions += guesses.len() as u64;
+        self.kv_len = self.committed.len() - 1;
+        Ok(DecodeRun {
+            guessed: guesses.len(),
+            accepted: tokens.len() - 1,
+            decoded,
         })
     }
 
@@ -514,8 +627,9 @@ impl CloudSession {
             }
         }
         self.verified_positions += m as u64;
-        self.committed
-            .extend_from_slice(&b.tokens[known..known + accepted]);
+        for i in known..known + accepted {
+            self.commit(b.tokens[i]);
+        }
         let (token, partial) = match correction {
             Some(t) => {
                 self.epoch += 1;
@@ -538,7 +652,7 @@ impl CloudSession {
         self.follow(token)?;
         // The correction's row is the rejected position's; the bonus's, the last.
         self.note_logprob(rows[accepted.min(m)], token, c + accepted);
-        self.committed.push(token);
+        self.commit(token);
         self.kv_len = self.committed.len() - 1;
         Ok(Finished {
             verdict: Verdict {
@@ -639,7 +753,7 @@ impl CloudSession {
             keep.push(j);
             self.follow(feed.tokens[j])?;
             self.note_logprob(rows[i], feed.tokens[j], pos as usize);
-            self.committed.push(feed.tokens[j]);
+            self.commit(feed.tokens[j]);
             i = j;
         };
         let last = feed.nodes[i];
@@ -647,7 +761,7 @@ impl CloudSession {
         self.verified_positions += judged as u64;
         self.follow(token)?;
         self.note_logprob(rows[i], token, self.committed.len());
-        self.committed.push(token);
+        self.commit(token);
         self.kv_len = self.committed.len() - 1;
         let accepted = self.committed.len() - 1 - c;
         Ok(Finished {

@@ -461,6 +461,7 @@ impl EdgeSession {
                     pos: self.p.prompt_len(),
                     token: o.first,
                     grant: Some(o.grant),
+                    guessed: false,
                 };
                 return self.on_commit(now_ms, first);
             }

@@ -36,13 +36,16 @@ pub mod suffix;
 pub mod tree;
 pub mod verify;
 
-pub use cloud_session::{BlockAction, CloudSession, Feed, Finished, ACK_EVERY, FLOW_WINDOW};
+pub use cloud_session::{
+    BlockAction, CloudSession, DecodeRun, Feed, Finished, ACK_EVERY, FLOW_WINDOW,
+};
 pub use edge::{EdgeSession, Incoming, Measured, Opened, Reaction, SessionConfig};
 pub use grammar::{Grammar, GrammarError, GrammarSource, GrammarVocab};
 pub use pipeline::{
     Block, BlockId, Decoded, Estimates, Frontier, Grown, Hedge, Next, Output, Pipeline,
     PipelineConfig, PipelineStats, Shape, SparseDist, TreeConfig, Verdict, ACCEPT_POSITIONS,
 };
+pub use suffix::{SuffixIndex, SuffixPolicy};
 pub use tree::{Node, SideNode, Step};
 pub use verify::VerifyRule;
 

@@ -102,4 +102,9 @@ pub struct Decoded {
     pub pos: usize,
     pub token: u32,
     pub grant: Option<Shape>,
+    /// The verifier guessed it from the session's own text and the target accepted it, in the
+    /// forward that decoded the token after it (see [`crate::suffix`]): told apart for the
+    /// edge's accounting only.
+    #[serde(default)]
+    pub guessed: bool,
 }

@@ -134,6 +134,51 @@ pub fn judge_guesses(
     }
 }
 
+/// The tokens a forward commits when the verifier decodes from `start_pos` with its own `guesses`
+/// fed behind the last committed token (rows: one per fed token, `guesses.len() + 1`): each
+/// guess judged as a point mass (the committed token is the target's, decoded or accepted, as
+/// with no guess at all under greedy and sample-and-match, and distributed as `p` under
+/// rejection sampling), while they are accepted; then the target's own token (the correction,
+/// or the bonus after them all). With no guesses: the target's token at `start_pos`. A
+/// constrained session's rows are masked by `grammar`, which follows each committed token.
+pub fn judge_run(
+    rule: VerifyRule,
+    params: &SamplingParams,
+    start_pos: usize,
+    guesses: &[u32],
+    rows: &[&[f32]],
+    mut grammar: Option<&mut crate::Grammar>,
+) -> Result<Vec<u32>, crate::GrammarError> {
+    let mut out = Vec::with_capacity(rows.len());
+    for (i, row) in rows.iter().enumerate() {
+        let pos = (start_pos + i) as u64;
+        let masked;
+        let row: &[f32] = match grammar.as_deref_mut() {
+            Some(g) => {
+                masked = g.mask(row)?;
+                &masked
+            }
+            None => row,
+        };
+        let guess = guesses.get(i).copied();
+        let t = match guess {
+            Some(g) => match judge_guesses(rule, row, params, pos, &[Guess::Point(g)]) {
+                Ok(_) => g,
+                Err(t) => t,
+            },
+            None => target_token(row, params, pos),
+        };
+        if let Some(g) = grammar.as_deref_mut() {
+            g.advance(t)?;
+        }
+        out.push(t);
+        if guess != Some(t) {
+            break;
+        }
+    }
+    Ok(out)
+}
+
 fn prob(dist: &[(u32, f32)], t: u32) -> f64 {
     dist.iter()
         .find(|(x, _)| *x == t)
@@ -383,6 +428,56 @@ mod tests {
     /// Under a grammar's mask (structured outputs) both models' rows lose the tokens it forbids
     /// (−∞: what `Grammar::mask` writes); the rules, run on the masked rows, commit the target's
     /// masked distribution. Here the mask forbids the draft's favourite (1) and one more (4).
+    #[test]
+    fn a_verifiers_own_guesses_as_point_masses_keep_the_targets_distribution() {
+        // The verifier feeds its own guesses (copied from the text, not drawn) behind the last
+        // committed token: under rejection sampling each is a point mass. The first committed
+        // token follows p at its position, and, where the first guess was accepted, the second
+        // follows p at the next (χ², 5 dof: 20.5 is the 0.999 quantile).
+        let second: [f32; 6] = [0.1, 0.3, 2.4, -1.0, 0.6, 1.1];
+        let params = SamplingParams {
+            temperature: 0.9,
+            ..SamplingParams::default()
+        };
+        let p0: Vec<f64> = {
+            let d = distribution(&TARGET, &params);
+            (0..6).map(|t| prob(&d, t)).collect()
+        };
+        let p1: Vec<f64> = {
+            let d = distribution(&second, &params);
+            (0..6).map(|t| prob(&d, t)).collect()
+        };
+        let rows: [&[f32]; 3] = [&TARGET, &second, &TARGET];
+        for guesses in [[0u32, 2], [3, 5], [1, 3]] {
+            let (mut first, mut next) = (vec![0usize; 6], vec![0usize; 6]);
+            for seed in 0..40_000u64 {
+                let p = SamplingParams { seed, ..params };
+                let run = judge_run(VerifyRule::Rejection, &p, 30, &guesses, &rows, None).unwrap();
+                first[run[0] as usize] += 1;
+                if run[0] == guesses[0] {
+                    next[run[1] as usize] += 1;
+                }
+            }
+            let x = chi2(&first, &p0);
+            assert!(x < 20.5, "{guesses:?}: first token chi2 {x}, {first:?}");
+            let y = chi2(&next, &p1);
+            assert!(y < 20.5, "{guesses:?}: second token chi2 {y}, {next:?}");
+        }
+        assert_eq!(
+            judge_run(
+                VerifyRule::Greedy,
+                &SamplingParams::default(),
+                30,
+                &[0, 2],
+                &rows,
+                None
+            )
+            .unwrap(),
+            vec![0, 2, 0],
+            "greedy: both guesses are the argmax, then the bonus"
+        );
+    }
+
     #[test]
     fn the_rules_commit_the_targets_distribution_under_a_mask() {
         let mask = |l: &[f32; 6]| {

@@ -14,6 +14,7 @@ use proptest::prelude::*;
 use std::cell::Cell;
 
 use tandem_spec::sampling::{sample, uniform, SamplingParams};
+use tandem_spec::suffix::SuffixPolicy;
 use tandem_spec::{
     Block, BlockAction, CloudSession, Decoded, Feed, Grammar, GrammarSource, GrammarVocab, Grown,
     Hedge, Next, Output, Pipeline, PipelineConfig, Shape, TreeConfig, Verdict, VerifyRule,
@@ -22,8 +23,13 @@ use tandem_spec::{
 const VOCAB: usize = 8;
 const EOG: u32 = 7;
 
-/// The fake target's greedy token at `pos` after `last`.
+/// The fake target's greedy token at `pos` after `last`: at about half the positions a
+/// function of `last` alone (so its text repeats itself and copies are often right, as a
+/// verifier drafting for itself from the session's text finds), at the others a draw.
 fn target(last: u32, pos: usize, seed: u64) -> u32 {
+    if uniform(seed, pos as u64, 11) < 0.5 {
+        return (last * 3 + 1 + (seed % 2) as u32) % (VOCAB as u32 - 1);
+    }
     let t = (uniform(seed, (pos as u64) << 8 | last as u64, 9) * VOCAB as f64) as u32;
     // Make end-of-generation rare.
     if t == EOG && uniform(seed, pos as u64, 10) < 0.8 {
@@ -68,7 +74,16 @@ thread_local! {
     /// How the target draws in this case (greedy unless a sampled case sets it; the verify rule
     /// is then sample-and-match): proptest runs a test's cases one after another on one thread.
     static PARAMS: Cell<SamplingParams> = Cell::new(SamplingParams::default());
+    /// The verifier drafts for itself from the session's text when it decodes (this case).
+    static SELF_DRAFT: Cell<bool> = const { Cell::new(false) };
 }
+
+/// The verifier's self-drafting policy in these tests: any match, up to five guesses.
+const SELF_POLICY: SuffixPolicy = SuffixPolicy {
+    min_match: 1,
+    factor: 2.0,
+    max_tokens: 5,
+};
 
 /// The target's token at `pos` after `last` under `grammar` (at its state there). Greedy: its
 /// favourite when allowed, else the first allowed token (the masked row's argmax: the others tie
@@ -207,6 +222,9 @@ impl Cloud {
             g.advance(first).unwrap();
             session = session.constrain(g);
         }
+        if SELF_DRAFT.with(Cell::get) {
+            session = session.with_self_draft(SELF_POLICY);
+        }
         let c = Self {
             session,
             kv: history.to_vec(),
@@ -272,11 +290,19 @@ impl Cloud {
         Ok(())
     }
 
-    /// One forward of the verifier for this session: the oldest usable block verified, or the
-    /// next token decoded. Blocks that need no forward are dropped on the way.
+    /// [`Cloud::step_all`] where it tells at most one message.
     fn step(&mut self) -> Result<Option<ToEdge>, TestCaseError> {
+        let mut m = self.step_all()?;
+        assert!(m.len() <= 1, "one message: {m:?}");
+        Ok(m.pop())
+    }
+
+    /// One forward of the verifier for this session: the oldest usable block verified, or the
+    /// next token decoded (with the verifier's own guesses, when it drafts for itself: each
+    /// token committed is told as decoded). Blocks that need no forward are dropped on the way.
+    fn step_all(&mut self) -> Result<Vec<ToEdge>, TestCaseError> {
         if self.ended() {
-            return Ok(None);
+            return Ok(Vec::new());
         }
         while let Some(b) = self.queue.front().cloned() {
             match self.session.block_action(&b) {
@@ -297,20 +323,30 @@ impl Cloud {
                     let end = b.start_pos + f.verdict.accepted + 1;
                     prop_assert!(end > self.told, "a verdict re-tells position {}", self.told);
                     self.told = end;
-                    return Ok(Some(ToEdge::Verdict(f.verdict)));
+                    return Ok(vec![ToEdge::Verdict(f.verdict)]);
                 }
                 Ok(BlockAction::Forward(_)) => break,
                 Err(e) => return Err(TestCaseError::fail(format!("planning a block: {e}"))),
             }
         }
-        let plan = self.session.decode_feed().expect("below the context limit");
+        let guesses = self.session.self_guesses(usize::MAX, self.limit, &[EOG]);
+        let plan = self
+            .session
+            .decode_feed_with(&guesses)
+            .expect("below the context limit");
         let rows = self.forward(&plan);
-        let mut d = self.session.finish_decode(&rows[0]).unwrap();
+        let refs: Vec<&[f32]> = rows.iter().map(|r| &r[..]).collect();
+        let run = self.session.finish_decode_run(&plan, &refs).unwrap();
+        prop_assert_eq!(run.guessed, guesses.len());
         self.keep(&plan, &[], self.session.kv_len())?;
-        prop_assert_eq!(d.pos, self.told, "each position is told once, in order");
-        self.told += 1;
-        d.grant = self.grant.take();
-        Ok(Some(ToEdge::Decoded(d)))
+        let mut told = Vec::new();
+        for mut d in run.decoded {
+            prop_assert_eq!(d.pos, self.told, "each position is told once, in order");
+            self.told += 1;
+            d.grant = self.grant.take();
+            told.push(ToEdge::Decoded(d));
+        }
+        Ok(told)
     }
 }
 
@@ -453,11 +489,7 @@ fn run(
                     cloud.receive(b)?;
                 }
             }
-            Step::CloudForward => {
-                if let Some(m) = cloud.step()? {
-                    to_edge.push_back(m);
-                }
-            }
+            Step::CloudForward => to_edge.extend(cloud.step_all()?),
             Step::DeliverToEdge => {
                 let outs = match to_edge.pop_front() {
                     Some(ToEdge::Verdict(v)) => edge.on_verdict(v),
@@ -545,7 +577,9 @@ proptest! {
             ),
         ],
         schedule in proptest::collection::vec(step(), 0..300),
+        self_draft in any::<bool>(),
     ) {
+        SELF_DRAFT.with(|c| c.set(self_draft));
         run(seed, alpha, gamma, depth, max_new, tree, &schedule, false)?;
     }
 }
@@ -572,7 +606,9 @@ proptest! {
             ),
         ],
         schedule in proptest::collection::vec(step(), 0..300),
+        self_draft in any::<bool>(),
     ) {
+        SELF_DRAFT.with(|c| c.set(self_draft));
         run(seed, alpha, gamma, depth, max_new, tree, &schedule, true)?;
     }
 
@@ -588,7 +624,9 @@ proptest! {
         max_new in 1usize..40,
         constrained in any::<bool>(),
         schedule in proptest::collection::vec(step(), 0..300),
+        self_draft in any::<bool>(),
     ) {
+        SELF_DRAFT.with(|c| c.set(self_draft));
         PARAMS.with(|p| p.set(SamplingParams { temperature, top_k: 0, top_p: 1.0, seed }));
         let r = run(seed, alpha, gamma, depth, max_new, TreeConfig::LINEAR, &schedule, constrained);
         PARAMS.with(|p| p.set(SamplingParams::default()));
@@ -717,4 +755,35 @@ fn a_block_that_lands_behind_the_verifier_is_matched_then_verified() {
         "the rest of the block and the bonus"
     );
     assert_eq!(edge.stats().drafted, before, "nothing drafted again");
+}
+
+#[test]
+fn a_verifier_drafting_for_itself_commits_several_tokens_per_forward_and_the_targets_text() {
+    // The verifier decodes alone (no edge block comes), guessing from the session's own text:
+    // the text is the target's, and some forwards commit accepted guesses besides the token.
+    SELF_DRAFT.with(|c| c.set(true));
+    let (mut guessed, mut forwards, mut tokens) = (0, 0, 0);
+    for seed in 0..40 {
+        let prompt = vec![1, 2, 3];
+        let want = oracle(&prompt, 60, seed, false);
+        let (mut cloud, first) = Cloud::open(&prompt, seed, prompt.len() + 60, None);
+        let mut out = vec![first];
+        while !cloud.ended() {
+            forwards += 1;
+            for m in cloud.step_all().unwrap() {
+                let ToEdge::Decoded(d) = m else {
+                    panic!("no block was sent")
+                };
+                guessed += d.guessed as usize;
+                out.push(d.token);
+            }
+        }
+        tokens += out.len() - 1;
+        assert_eq!(out, want, "seed {seed}");
+    }
+    SELF_DRAFT.with(|c| c.set(false));
+    assert!(
+        guessed * 5 > tokens,
+        "{guessed} of {tokens} tokens were accepted guesses ({forwards} forwards)"
+    );
 }

@@ -317,6 +317,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                                                     pos: from + i,
                                                     token,
                                                     grant: None,
+                                                    guessed: false,
                                                 },
                                                 drafted: true,
                                             });

@@ -173,6 +173,7 @@ fn a_shrinking_grant_drops_the_trees_first_and_the_full_grant_brings_them_back()
         pos: s.pipeline().committed_len(),
         token: 9,
         grant: Some(grant),
+        guessed: false,
     };
     let d = decoded(&s, Shape::new(2, 1));
     s.on_message(10_000, Incoming::Decoded(d)).unwrap();
@@ -226,6 +227,7 @@ fn a_draft_that_is_almost_always_wrong_is_paused_and_tried_again() {
             pos,
             token: 50,
             grant: None,
+            guessed: false,
         };
         s.on_message(t, Incoming::Decoded(d)).unwrap();
     };

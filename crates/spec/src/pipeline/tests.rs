@@ -88,6 +88,7 @@ fn committed_positions_are_counted_by_the_drafts_confidence() {
         pos: p.committed_len(),
         token: 32,
         grant: None,
+        guessed: false,
     })
     .unwrap();
     assert_eq!(
@@ -252,6 +253,7 @@ fn a_commit_that_a_lane_guessed_makes_it_the_main_path_and_keeps_the_blocks() {
             pos: 4,
             token: 40,
             grant: None,
+            guessed: false,
         })
         .unwrap();
     assert!(out.contains(&Output::Rollback { to: 4 }), "{out:?}");
@@ -274,6 +276,7 @@ fn a_commit_that_a_lane_guessed_makes_it_the_main_path_and_keeps_the_blocks() {
         pos: 7,
         token: 5,
         grant: None,
+        guessed: false,
     })
     .unwrap();
     assert_eq!((p.epoch(), p.blocks_in_flight()), (1, 0));
@@ -295,6 +298,7 @@ fn a_commit_the_main_path_guessed_ends_the_lanes_that_disagree() {
         pos: 4,
         token: 8,
         grant: None,
+        guessed: false,
     })
     .unwrap();
     assert_eq!(p.frontier().leaves.len(), 1);

@@ -523,6 +523,7 @@ mod tests {
             pos: 9,
             token: 3,
             grant: None,
+            guessed: false,
         };
         c.on_decoded(&mut spec, &mut d, 20 * MS);
         assert_eq!(d.grant, None, "unchanged");
@@ -597,6 +598,7 @@ mod tests {
             pos: 9,
             token: 3,
             grant: None,
+            guessed: false,
         };
         let mut verdict = verdict(0);
         let mut now = 0;
