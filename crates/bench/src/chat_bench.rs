@@ -388,6 +388,7 @@ pub fn run(a: &ChatBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ChatRepo
         rule: tandem_spec::VerifyRule::Greedy,
         params: SamplingParams::default(),
         q_top_k: 32,
+        self_draft: true,
     };
     let tok = Arc::new(target.tokenizer);
     let mut rows = Vec::new();

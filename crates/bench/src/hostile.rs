@@ -160,6 +160,7 @@ impl Tenant {
             params: None,
             max_tokens,
             grammar: None,
+            self_draft: false,
         }
     }
 

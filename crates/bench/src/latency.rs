@@ -402,13 +402,16 @@ fn structured(
                 .iter()
                 .enumerate()
                 .map(|(i, p)| {
-                    tandem_client::generate::generate_remote_constrained(
+                    tandem_client::generate::generate_remote_with(
                         tandem_edge::grpc::Remote::plain(&url),
                         tok,
                         p,
                         a.tokens,
                         &SamplingParams::default(),
-                        grammar(i),
+                        tandem_edge::grpc::GenerateOptions {
+                            grammar: grammar(i),
+                            self_draft: false,
+                        },
                         |_| {},
                     )
                 })
@@ -579,6 +582,7 @@ fn sampled_runs(
             rule,
             params,
             q_top_k: 32,
+            self_draft: true,
         },
         rtt_ms: 0.0,
         jitter_ms: 0.0,

@@ -268,6 +268,7 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
         rule: tandem_spec::VerifyRule::Rejection,
         params: SamplingParams::default(),
         q_top_k: 32,
+        self_draft: true,
     };
     let prompt = |i: usize| a.prompts[i % a.prompts.len()].as_str();
     let mut rows = Vec::new();

@@ -232,6 +232,7 @@ fn a_drain_ends_even_when_streams_never_open_or_a_client_stops_reading() {
                 params: None,
                 max_tokens: 4000,
                 grammar: None,
+                self_draft: false,
             })
             .await
             .unwrap()

@@ -98,6 +98,7 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
                 rule: tandem_spec::VerifyRule::Greedy,
                 params: tandem_spec::sampling::SamplingParams::default(),
                 q_top_k: 32,
+                self_draft: true,
             },
             rtt_ms: rtt,
             jitter_ms: 0.0,

@@ -131,14 +131,18 @@ fn a_json_schema_answer_is_the_targets_own_under_the_schema_whole_streamed_and_c
         tls_ca: None,
     };
     let mut cloud = Vec::new();
-    tandem_edge::grpc::generate_remote_constrained(
+    tandem_edge::grpc::generate_remote_with(
         &rt,
         remote,
         tok.fingerprint(),
         &prompt,
         greedy,
         n as u32,
-        Some(&source),
+        tandem_edge::grpc::GenerateOptions {
+            grammar: Some(&source),
+            // The verifier's own guesses are judged under the mask too.
+            self_draft: true,
+        },
         |t| cloud.push(t),
     )
     .unwrap();
@@ -226,14 +230,17 @@ fn schemas_that_cannot_be_used_are_refused_by_name_on_both_sides() {
         api_key: None,
         tls_ca: None,
     };
-    let err = tandem_edge::grpc::generate_remote_constrained(
+    let err = tandem_edge::grpc::generate_remote_with(
         &rt,
         remote,
         tok.fingerprint(),
         &tok.encode_chat("hi").unwrap(),
         SamplingParams::default(),
         4,
-        Some(&GrammarSource::Lark("start: ( ".into())),
+        tandem_edge::grpc::GenerateOptions {
+            grammar: Some(&GrammarSource::Lark("start: ( ".into())),
+            self_draft: false,
+        },
         |_| {},
     )
     .unwrap_err()

@@ -154,6 +154,7 @@ pub fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
                 rule: a.shape.verify.rule(),
                 params,
                 q_top_k: 32,
+                self_draft: a.shape.self_draft,
             },
             rtt_ms: a.rtt_ms,
             jitter_ms: a.jitter_ms,
@@ -164,7 +165,7 @@ pub fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
         };
         crate::speculate::run(&run, &ids, &mut print)?
     } else if let (Mode::CloudOnly, Some(url)) = (a.mode, &a.cloud) {
-        crate::generate::generate_remote(
+        crate::generate::generate_remote_with(
             tandem_edge::grpc::Remote {
                 url,
                 api_key: a.api_key.as_deref(),
@@ -174,6 +175,10 @@ pub fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
             &ids,
             a.max_tokens,
             &params,
+            tandem_edge::grpc::GenerateOptions {
+                grammar: None,
+                self_draft: a.shape.self_draft,
+            },
             &mut print,
         )?
     } else {
@@ -274,6 +279,7 @@ pub fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
                 rule: VerifyRule::Greedy,
                 params,
                 q_top_k: 32,
+                self_draft: true,
             },
             rtt_ms: a.rtt_ms,
             jitter_ms: a.rtt_ms / 10.0,

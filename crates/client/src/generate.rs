@@ -131,17 +131,26 @@ pub fn generate_remote(
     params: &SamplingParams,
     on_text: impl FnMut(&str),
 ) -> Result<GenOutput> {
-    generate_remote_constrained(remote, tok, prompt_ids, max_tokens, params, None, on_text)
+    generate_remote_with(
+        remote,
+        tok,
+        prompt_ids,
+        max_tokens,
+        params,
+        Default::default(),
+        on_text,
+    )
 }
 
-/// [`generate_remote`] under a structured output's grammar (the verifier masks the target).
-pub fn generate_remote_constrained(
+/// [`generate_remote`] with options: a structured output's grammar (the verifier masks the
+/// target), the verifier's own suffix drafts.
+pub fn generate_remote_with(
     remote: tandem_edge::grpc::Remote<'_>,
     tok: &Tokenizer,
     prompt_ids: &[u32],
     max_tokens: usize,
     params: &SamplingParams,
-    grammar: Option<&tandem_spec::GrammarSource>,
+    options: tandem_edge::grpc::GenerateOptions<'_>,
     mut on_text: impl FnMut(&str),
 ) -> Result<GenOutput> {
     let rt = crate::runtime()?;
@@ -149,14 +158,14 @@ pub fn generate_remote_constrained(
     let (mut out, mut times) = (Vec::new(), Vec::new());
     let mut stream = TextStream::default();
     let mut text = String::new();
-    tandem_edge::grpc::generate_remote_constrained(
+    tandem_edge::grpc::generate_remote_with(
         &rt,
         remote,
         tok.fingerprint(),
         prompt_ids,
         *params,
         max_tokens as u32,
-        grammar,
+        options,
         |t| {
             times.push(start.elapsed().as_secs_f64() * 1e3);
             out.push(t);

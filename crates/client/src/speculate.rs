@@ -173,6 +173,7 @@ fn run_grpc(
         grammar: r.grammar.clone(),
         output_from: None,
         logprobs: None,
+        self_draft: r.spec.self_draft,
     };
     let spec = r.spec;
     let (mut link, first) = if spec.session.tree.side_nodes == 0 {

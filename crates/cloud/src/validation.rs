@@ -78,6 +78,8 @@ pub struct ValidOpen {
     pub grammar: Option<(GrammarSource, usize)>,
     /// The target's log-probabilities asked for, with this many alternatives each.
     pub logprobs: Option<usize>,
+    /// The edge lets the verifier draft for the session from its own text.
+    pub self_draft: bool,
 }
 
 /// Compile a structured output's `source` (the request's field `field`) over the served model's
@@ -158,6 +160,7 @@ pub fn open(o: v1::Open, m: &ModelInfo) -> Result<ValidOpen, Status> {
             }
             (true, k) => Some(k),
         },
+        self_draft: o.self_draft,
     })
 }
 
@@ -167,6 +170,8 @@ pub struct ValidGenerate {
     pub params: SamplingParams,
     pub max_tokens: usize,
     pub grammar: Option<(GrammarSource, usize)>,
+    /// The verifier drafts for the generation from its own text.
+    pub self_draft: bool,
 }
 
 pub fn generate(r: v1::GenerateRequest, m: &ModelInfo) -> Result<ValidGenerate, Status> {
@@ -178,6 +183,7 @@ pub fn generate(r: v1::GenerateRequest, m: &ModelInfo) -> Result<ValidGenerate, 
         max_tokens: r.max_tokens as usize,
         grammar: grammar_from_proto(r.grammar)
             .map_err(|e| invalid(&format!("generate.{}", e.field), e.message))?,
+        self_draft: r.self_draft,
     })
 }
 
@@ -286,6 +292,7 @@ mod tests {
             grammar: None,
             logprobs: false,
             top_logprobs: 0,
+            self_draft: true,
         }
     }
 

@@ -71,6 +71,7 @@ fn grpc_health_and_hung_up_clients_are_freed() {
                 params: None,
                 max_tokens: 500,
                 grammar: None,
+                self_draft: false,
             })
             .await
             .unwrap()

@@ -52,6 +52,7 @@ fn grants_shrink_under_load_and_grow_back() {
             params: None,
             max_tokens: 400,
             grammar: None,
+            self_draft: false,
         }))
         .unwrap()
         .into_inner();

@@ -137,6 +137,7 @@ fn grpc_generate_is_the_targets_greedy_output() {
             params: None,
             max_tokens: 12,
             grammar: None,
+            self_draft: false,
         };
         let mut s = c.generate(req.clone()).await.unwrap().into_inner();
         let mut out = Vec::new();

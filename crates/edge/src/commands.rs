@@ -115,6 +115,7 @@ pub fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result<()> {
         rule: a.shape.verify.rule(),
         params: SamplingParams::default(),
         q_top_k: 32,
+        self_draft: a.shape.self_draft,
     };
     let cfg = crate::serve::ServeConfig {
         clouds: a.cloud.clone(),
@@ -187,6 +188,20 @@ pub struct ShapeArgs {
     /// over trees (docs/RESULTS.md).
     #[arg(long, default_value = "auto")]
     pub verify: RuleChoice,
+    /// Let the verifier draft for itself while it decodes the session alone (after a
+    /// correction, until the edge's next blocks catch up): guesses copied from the session's own
+    /// text, verified in the same forward (on, off).
+    #[arg(long, default_value = "on", value_parser = parse_on_off)]
+    pub self_draft: bool,
+}
+
+/// `on` or `off`.
+pub fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("`{s}`: on or off")),
+    }
 }
 
 impl ShapeArgs {

@@ -82,6 +82,9 @@ pub struct OpenRequest {
     pub output_from: Option<usize>,
     /// The target's log-probabilities of the committed tokens, asked for and kept here.
     pub logprobs: Option<LogprobSink>,
+    /// Let the verifier draft for itself from the session's text while it decodes it alone
+    /// (protocol 7; a verifier whose operator turned it off does not).
+    pub self_draft: bool,
 }
 
 /// The header that carries a session's routing key (see `docs/protocol.md`, "Replicas").
@@ -505,6 +508,7 @@ impl GrpcLink {
             }),
             logprobs: req.logprobs.is_some(),
             top_logprobs: req.logprobs.as_ref().map_or(0, |l| l.top as u32),
+            self_draft: req.self_draft,
         };
         out.send(EdgeMessage {
             kind: Some(edge_message::Kind::Open(open)),
@@ -712,28 +716,38 @@ pub fn generate_remote(
     max_tokens: u32,
     on_token: impl FnMut(u32),
 ) -> Result<u64, EdgeError> {
-    generate_remote_constrained(
+    generate_remote_with(
         rt,
         remote,
         tokenizer_fingerprint,
         prompt_ids,
         params,
         max_tokens,
-        None,
+        GenerateOptions::default(),
         on_token,
     )
 }
 
-/// [`generate_remote`] with the output constrained to `grammar` (structured outputs).
+/// What a cloud-only generation asks of the verifier besides its prompt and parameters.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GenerateOptions<'a> {
+    /// Structured output: the grammar the output follows (None: free text).
+    pub grammar: Option<&'a tandem_spec::GrammarSource>,
+    /// The verifier verifies guesses copied from the generation's own text in each decode step
+    /// (protocol 7): cloud-only with the server's own suffix drafts.
+    pub self_draft: bool,
+}
+
+/// [`generate_remote`] with [`GenerateOptions`] (a structured output's grammar, self-drafting).
 #[allow(clippy::too_many_arguments)]
-pub fn generate_remote_constrained(
+pub fn generate_remote_with(
     rt: &Runtime,
     remote: Remote<'_>,
     tokenizer_fingerprint: &str,
     prompt_ids: &[u32],
     params: SamplingParams,
     max_tokens: u32,
-    grammar: Option<&tandem_spec::GrammarSource>,
+    options: GenerateOptions<'_>,
     mut on_token: impl FnMut(u32),
 ) -> Result<u64, EdgeError> {
     let Remote {
@@ -748,7 +762,8 @@ pub fn generate_remote_constrained(
             prompt_ids: prompt_ids.to_vec(),
             params: Some(params.into()),
             max_tokens,
-            grammar: grammar.map(Into::into),
+            grammar: options.grammar.map(Into::into),
+            self_draft: options.self_draft,
         };
         let mut stream = client
             .generate(authorized(req, api_key)?)

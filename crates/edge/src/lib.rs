@@ -90,6 +90,8 @@ pub struct SpecConfig {
     pub params: SamplingParams,
     /// Size of the sparse draft distribution sent for rejection sampling.
     pub q_top_k: usize,
+    /// Ask the verifier to draft for itself while it decodes the session alone (protocol 7).
+    pub self_draft: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -436,6 +436,7 @@ fn committed_counts(
             rule,
             params,
             q_top_k: Q_TOP_K,
+            self_draft: true,
         };
         let new = NewSession {
             tenant: TenantId(0),
@@ -449,6 +450,7 @@ fn committed_counts(
             },
             grammar: None,
             logprobs: None,
+            self_draft: false,
         };
         let session = SessionId(run);
         verifier.receive(

@@ -47,6 +47,7 @@ fn spec() -> SpecConfig {
         rule: VerifyRule::Greedy,
         params: SamplingParams::default(),
         q_top_k: 8,
+        self_draft: true,
     }
 }
 

@@ -93,6 +93,7 @@ fn a_refused_message_does_not_end_the_answer() {
         rule: tandem_spec::VerifyRule::Greedy,
         params: tandem_spec::sampling::SamplingParams::default(),
         q_top_k: 32,
+        self_draft: true,
     };
     let (dm, _) = draft();
     let mut d = engine(dm);

@@ -60,6 +60,7 @@ fn new_session(prompt: &[u32], max_tokens: usize, mode: Mode) -> NewSession {
         mode,
         grammar: None,
         logprobs: None,
+        self_draft: false,
     }
 }
 
@@ -233,6 +234,7 @@ fn a_session_taken_over_and_handed_back_is_the_targets() {
             rule: VerifyRule::Greedy,
             params: SamplingParams::default(),
             q_top_k: 0,
+            self_draft: true,
         };
         let mut d = SyntheticDrafter::new(prompt.len(), want.clone(), alpha, 0.0, 96, 3);
         let r = tandem_edge::run_with(

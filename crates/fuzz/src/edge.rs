@@ -126,6 +126,7 @@ pub fn edge_session(data: &[u8]) {
                     token: u32::from(input.byte()),
                     grant_draft_len: u32::from(input.byte() % 10),
                     grant_depth: u32::from(input.byte() % 5),
+                    guessed: false,
                 };
                 e.message(v1::CloudMessage {
                     kind: Some(v1::cloud_message::Kind::Decoded(d)),

@@ -141,6 +141,7 @@ impl World {
                     },
                     grammar: None,
                     logprobs: None,
+                    self_draft: o.self_draft,
                 },
                 handle: slot as u8,
             },
@@ -384,7 +385,7 @@ fn check_target(s: &Slot) {
 
 fn honest_open(input: &mut Input) -> v1::Open {
     let n = 1 + input.byte() as usize % 24;
-    let prompt_ids = input
+    let prompt_ids: Vec<u32> = input
         .take(n)
         .iter()
         .map(|&b| u32::from(b) % VOCAB as u32)
@@ -395,9 +396,13 @@ fn honest_open(input: &mut Input) -> v1::Open {
         1 => VerifyRule::SampleMatch,
         _ => VerifyRule::Rejection,
     };
+    // Half the sessions let the verifier draft for itself (chosen from bytes already read, so
+    // the corpora keep their meaning).
+    let self_draft = prompt_ids.len().is_multiple_of(2);
     v1::Open {
         protocol_version: PROTOCOL_VERSION,
         tokenizer_fingerprint: FINGERPRINT.into(),
+        self_draft,
         prompt_ids,
         params: Some(SamplingParams::default().into()),
         max_tokens: 1 + u32::from(input.byte()) % 48,

@@ -389,6 +389,7 @@ pub fn open_message(
             grammar: None,
             logprobs: false,
             top_logprobs: 0,
+            self_draft: false,
         })),
     }
 }

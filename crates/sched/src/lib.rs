@@ -772,6 +772,42 @@ impl Scheduler {
         }
     }
 
+    /// Widen decode chunk `index` of `batch` (just planned, not yet run) by up to `extra`
+    /// positions past its end — a session the verifier decodes alone, with guesses of its own to
+    /// verify in the same forward — where that costs no one else: within the rate quota of its
+    /// tenant and the KV pages free now (no preemption, within the tenant's KV quota). The
+    /// caller bounds `extra` by the room the forward has. Returns the positions added, charged to
+    /// the tenant like any computed position.
+    pub fn widen(&mut self, batch: &mut Batch, index: usize, extra: usize) -> usize {
+        let Some(c) = batch.chunks.get(index) else {
+            return 0;
+        };
+        let Some(tenant) = self.sessions.get(&c.session).map(|s| s.tenant) else {
+            return 0;
+        };
+        if c.kind != WorkKind::Decode || extra == 0 || !self.within_rate(tenant) {
+            return 0;
+        }
+        let (id, end) = (c.session, c.start + c.len);
+        let free = self.pool.num_free().min(self.tenant_room(tenant));
+        let mut add = extra;
+        while add > 0 && self.pool.shortfall(id, end + add) > free {
+            add -= 1;
+        }
+        if add == 0 || self.pool.grow(id, end + add).is_err() {
+            return 0;
+        }
+        assert!(
+            self.pool.writable(id, end, end + add),
+            "invariant: a session never writes into a page it shares"
+        );
+        self.charge(tenant, add);
+        let c = &mut batch.chunks[index];
+        c.len += add;
+        c.pages = self.pool.table(id).to_vec();
+        add
+    }
+
     /// Prefill (and recompute) with what is left of `budget`, in chunks. It preempts only idle
     /// sessions (nothing queued) that have been idle since before it started waiting: a session
     /// whose edge went quiet does not keep its KV from those with work.

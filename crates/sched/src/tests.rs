@@ -826,3 +826,49 @@ fn admission_counts_only_the_prompt_tokens_the_cache_does_not_hold() {
         Err(SchedError::Saturated { .. })
     ));
 }
+
+#[test]
+fn a_decode_widens_only_into_free_pages_and_its_tenants_quota() {
+    // Page size 4, a pool of 4 pages: sessions 1 and 2 hold one each after their prompts.
+    let mut s = sched(64, 4);
+    let quota = TenantConfig {
+        max_kv_blocks: Some(2),
+        ..TenantConfig::default()
+    };
+    s.set_tenant(TenantId(2), quota).unwrap();
+    s.open(SessionId(1), TenantId(1), &prompt(3)).unwrap();
+    s.open(SessionId(2), TenantId(2), &prompt(3)).unwrap();
+    let p = s.schedule(0);
+    s.update(&p, &[]);
+    s.enqueue_verify(SessionId(1), 1).unwrap();
+    s.enqueue_verify(SessionId(2), 1).unwrap();
+    let mut p = s.schedule(0);
+    assert_eq!(p.tokens(), 2);
+    let i1 = p
+        .chunks
+        .iter()
+        .position(|c| c.session == SessionId(1))
+        .unwrap();
+    let i2 = p
+        .chunks
+        .iter()
+        .position(|c| c.session == SessionId(2))
+        .unwrap();
+    // Session 2's tenant may hold two pages: positions 3..8 at most.
+    assert_eq!(s.widen(&mut p, i2, 10), 4);
+    assert_eq!((p.chunks[i2].start, p.chunks[i2].len), (3, 5));
+    // One page is left in the pool for session 1: positions up to 8.
+    assert_eq!(s.widen(&mut p, i1, 10), 4);
+    assert_eq!(s.pool().num_free(), 0);
+    assert_eq!(s.widen(&mut p, i1, 10), 0, "nothing to preempt for it");
+    // The forward ran; the verifier accepted one guess of session 1 and none of session 2's.
+    s.update(&p, &[(SessionId(1), 5), (SessionId(2), 4)]);
+    assert_eq!(s.sessions[&SessionId(1)].computed, 5);
+    assert_eq!(s.sessions[&SessionId(2)].computed, 4);
+    assert_eq!(
+        s.pool().held(SessionId(2)),
+        1,
+        "the page past what was kept went back"
+    );
+    assert!(s.pool().conserved());
+}

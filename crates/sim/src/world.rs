@@ -334,6 +334,7 @@ impl Sim {
                         mode,
                         grammar: None,
                         logprobs: None,
+                        self_draft: false,
                     },
                     handle: (),
                 }

@@ -111,6 +111,10 @@ pub struct VerifierStats {
     pub partial_verifies: u64,
     /// Tokens of speculation sessions the verifier decoded itself.
     pub spec_decoded: u64,
+    /// Guesses the verifier copied from sessions' own text and fed while decoding them alone,
+    /// and those the target accepted (committed besides the token decoded).
+    pub self_draft_guesses: u64,
+    pub self_drafted: u64,
     /// Running mean of the tokens per forward (0 once the verifier goes idle): its load.
     pub tokens_per_forward: f64,
     /// Tokens recomputed after preemption.
@@ -125,6 +129,8 @@ pub(crate) enum Work {
     /// itself in every forward it has none to verify (every forward, once taken over).
     Spec {
         rule: VerifyRule,
+        /// Its edge let the verifier draft for it from its own text (when the verifier does).
+        self_draft: bool,
         /// None until the prompt is prefilled.
         vs: Option<CloudSession>,
         /// Blocks received, planned in order when the session's next forward is.
@@ -147,6 +153,10 @@ pub(crate) enum Work {
         produced: usize,
         max_tokens: usize,
         eog: Vec<u32>,
+        /// Its text indexed, when the verifier drafts for it, and the guesses planned for its
+        /// next forward (fed behind `next`).
+        suffix: Option<tandem_spec::SuffixIndex>,
+        guesses: Vec<u32>,
     },
 }
 

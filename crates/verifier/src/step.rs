@@ -3,8 +3,9 @@
 
 use tandem_engine::{EngineError, Logits, Parent, SeqChunk, SeqId, Wanted};
 use tandem_sched::{Batch, SessionId, WorkKind};
-use tandem_spec::sampling::{sample, token_logprob};
-use tandem_spec::{CloudSession, Decoded, Verdict};
+use tandem_spec::sampling::token_logprob;
+use tandem_spec::verify::judge_run;
+use tandem_spec::{CloudSession, Decoded, Verdict, VerifyRule};
 
 use crate::session::{Event, Scheduled, Work};
 use crate::verifier_core::VerifierCore;
@@ -37,7 +38,8 @@ impl<T: Target, H> VerifierCore<T, H> {
     /// One iteration, leaving the sessions that ended open until
     /// [`VerifierCore::close_ended`] (their last messages still go out through their records).
     pub(crate) fn iterate(&mut self, now_us: u64) -> Iteration {
-        let plan = self.sched.schedule(now_us);
+        let mut plan = self.sched.schedule(now_us);
+        self.widen_self_drafts(&mut plan);
         let mut events: Vec<Event> = plan
             .preempted
             .iter()
@@ -99,9 +101,17 @@ impl<T: Target, H> VerifierCore<T, H> {
                         SeqChunk::new(seq, c.start, p.tokens.clone(), wanted)
                     }
                 }
-                (WorkKind::Decode, Work::Generation { next, .. }) => {
+                (WorkKind::Decode, Work::Generation { next, guesses, .. }) => {
                     let t = next.expect("invariant: a decode step follows the prefill");
-                    SeqChunk::new(seq, c.start, vec![t], Wanted::Last)
+                    let mut tokens = vec![t];
+                    tokens.extend_from_slice(guesses);
+                    assert_eq!(
+                        tokens.len(),
+                        c.len,
+                        "invariant: the scheduler's step matches the generation's guesses"
+                    );
+                    let wanted = Wanted::At((0..tokens.len()).collect());
+                    SeqChunk::new(seq, c.start, tokens, wanted)
                 }
             };
             chunks.push(chunk);
@@ -175,7 +185,11 @@ impl<T: Target, H> VerifierCore<T, H> {
                     };
                     match work {
                         Work::Spec {
-                            rule, vs, queue, ..
+                            rule,
+                            vs,
+                            queue,
+                            self_draft,
+                            ..
                         } => {
                             // Positions end at the context, or where the KV pool ends.
                             let pool = self.sched.pool();
@@ -193,6 +207,9 @@ impl<T: Target, H> VerifierCore<T, H> {
                             if let Some(g) = s.grammar.take() {
                                 // Its state is already past `first`.
                                 cs = cs.constrain(*g);
+                            }
+                            if let (true, Some(policy)) = (*self_draft, self.self_draft) {
+                                cs = cs.with_self_draft(policy);
                             }
 
                             let mut first_logprob = None;
@@ -226,7 +243,12 @@ impl<T: Target, H> VerifierCore<T, H> {
                             produced,
                             max_tokens,
                             eog,
+                            suffix,
+                            ..
                         } => {
+                            if let Some(ix) = suffix {
+                                ix.push(first);
+                            }
                             *produced = 1;
                             let done = *max_tokens <= 1 || eog.contains(&first);
                             *next = Some(first);
@@ -256,11 +278,11 @@ impl<T: Target, H> VerifierCore<T, H> {
                     let vs = vs.as_mut().expect("invariant: prefilled");
                     match planned.take().expect("invariant: planned") {
                         Scheduled::Decode { feed } => {
-                            let row = logits.last_for(seq).expect("invariant: asked for");
-                            let decoded = match vs.finish_decode(row) {
-                                Ok(d) => {
+                            let rows: Vec<&[f32]> = logits.for_seq(seq).map(|(_, r)| r).collect();
+                            let run = match vs.finish_decode_run(&feed, &rows) {
+                                Ok(run) => {
                                     logprobs_of(vs, id, events);
-                                    d
+                                    run
                                 }
                                 Err(e) => {
                                     // Only a grammar that cannot go on fails a decode.
@@ -268,15 +290,21 @@ impl<T: Target, H> VerifierCore<T, H> {
                                     continue;
                                 }
                             };
+                            // The KV keeps the accepted guesses, not the rejected ones.
                             s.history.truncate(feed.start_pos);
                             s.history.extend_from_slice(&feed.tokens);
-                            kv_len.push((id, feed.start_pos + feed.tokens.len()));
+                            s.history.truncate(vs.kv_len());
+                            kv_len.push((id, vs.kv_len()));
                             self.stats.spec_decoded += 1;
-                            events.push(Event::Decoded {
-                                session: id,
-                                decoded,
-                                drafted: false,
-                            });
+                            self.stats.self_draft_guesses += run.guessed as u64;
+                            self.stats.self_drafted += run.accepted as u64;
+                            for decoded in run.decoded {
+                                events.push(Event::Decoded {
+                                    session: id,
+                                    decoded,
+                                    drafted: false,
+                                });
+                            }
                         }
                         Scheduled::Verify { block: b, feed: p } => {
                             let rows: Vec<&[f32]> = logits.for_seq(seq).map(|(_, r)| r).collect();
@@ -363,27 +391,52 @@ impl<T: Target, H> VerifierCore<T, H> {
                         produced,
                         max_tokens,
                         eog,
+                        suffix,
+                        guesses,
                     },
                 ) => {
                     let fed = next.expect("invariant: planned after the prefill");
                     s.history.push(fed);
-                    let row = logits.last_for(seq).expect("invariant: asked for");
-                    let pos = s.history.len() as u64;
-                    let token = match constrained_sample(&mut s.grammar, row, &s.params, pos) {
+                    // The new token's position is the history's length: the fed token's plus one.
+                    let rows: Vec<&[f32]> = logits.for_seq(seq).map(|(_, r)| r).collect();
+                    let g = std::mem::take(guesses);
+                    let tokens = match judge_run(
+                        VerifyRule::SampleMatch,
+                        &s.params,
+                        s.history.len(),
+                        &g,
+                        &rows,
+                        s.grammar.as_deref_mut(),
+                    ) {
                         Ok(t) => t,
                         Err(e) => {
-                            end_with(events, &mut self.ended, id, e);
+                            end_with(events, &mut self.ended, id, grammar_error(e));
                             continue;
                         }
                     };
-                    *produced += 1;
-                    *next = Some(token);
-                    let done = *produced >= *max_tokens || eog.contains(&token);
-                    events.push(Event::Token {
-                        session: id,
-                        token,
-                        done,
-                    });
+                    // The accepted guesses are in the KV; the rejected ones are cut.
+                    let accepted = &tokens[..tokens.len() - 1];
+                    s.history.extend_from_slice(accepted);
+                    kv_len.push((id, s.history.len()));
+                    self.stats.self_draft_guesses += g.len() as u64;
+                    self.stats.self_drafted += accepted.len() as u64;
+                    if let Some(ix) = suffix {
+                        ix.extend(&tokens);
+                    }
+                    let mut done = false;
+                    for &token in &tokens {
+                        *produced += 1;
+                        *next = Some(token);
+                        done = *produced >= *max_tokens || eog.contains(&token);
+                        events.push(Event::Token {
+                            session: id,
+                            token,
+                            done,
+                        });
+                        if done {
+                            break;
+                        }
+                    }
                     if done {
                         self.ended.push(id);
                     } else {
@@ -464,13 +517,110 @@ fn constrained_sample(
     params: &tandem_spec::sampling::SamplingParams,
     pos: u64,
 ) -> Result<u32, VerifierError> {
-    let Some(g) = grammar else {
-        return Ok(sample(row, params, pos));
-    };
-    let grammar_error = |e: tandem_spec::GrammarError| VerifierError::Grammar(e.to_string());
-    let t = sample(&g.mask(row).map_err(grammar_error)?, params, pos);
-    g.advance(t).map_err(grammar_error)?;
-    Ok(t)
+    let rule = VerifyRule::SampleMatch;
+    judge_run(
+        rule,
+        params,
+        pos as usize,
+        &[],
+        &[row],
+        grammar.as_deref_mut(),
+    )
+    .map(|t| t[0])
+    .map_err(grammar_error)
+}
+
+fn grammar_error(e: tandem_spec::GrammarError) -> VerifierError {
+    VerifierError::Grammar(e.to_string())
+}
+
+impl<T: Target, H> VerifierCore<T, H> {
+    /// Give the sessions in `plan` that the verifier decodes alone and drafts for (a
+    /// speculation session with no usable block, a cloud-only generation that asked) their own
+    /// guesses to verify in the same forward, within the room the forward has below the ridge
+    /// ([`VerifierCore::self_draft_room`]), shared evenly, and the KV pages free now
+    /// ([`tandem_sched::Scheduler::widen`]): never at another session's expense.
+    fn widen_self_drafts(&mut self, plan: &mut Batch) {
+        let Some(policy) = self.self_draft else {
+            return;
+        };
+        let mut room = self.self_draft_room(plan);
+        let alone: Vec<usize> = (0..plan.chunks.len())
+            .filter(|&i| {
+                let c = &plan.chunks[i];
+                c.kind == WorkKind::Decode
+                    && match &self.sessions[&c.session].work {
+                        Work::Spec {
+                            planned: Some(Scheduled::Decode { .. }),
+                            vs: Some(vs),
+                            ..
+                        } => vs.self_drafts(),
+                        Work::Generation {
+                            suffix: Some(_), ..
+                        } => true,
+                        _ => false,
+                    }
+            })
+            .collect();
+        for (k, &i) in alone.iter().enumerate() {
+            if room == 0 {
+                break;
+            }
+            let share = room.div_ceil(alone.len() - k);
+            let id = plan.chunks[i].session;
+            let s = self
+                .sessions
+                .get_mut(&id)
+                .expect("invariant: planned sessions are open");
+            let mut guesses = match &s.work {
+                Work::Spec {
+                    vs: Some(vs),
+                    limit,
+                    eog,
+                    ..
+                } => vs.self_guesses(share, *limit, eog),
+                Work::Generation {
+                    suffix: Some(ix),
+                    produced,
+                    max_tokens,
+                    eog,
+                    ..
+                } => {
+                    // The token after the guesses is produced too.
+                    let most = share.min(max_tokens.saturating_sub(*produced + 1));
+                    let mut g = ix.guesses(&policy, most);
+                    if let Some(e) = g.iter().position(|t| eog.contains(t)) {
+                        g.truncate(e + 1);
+                    }
+                    g
+                }
+                _ => Vec::new(),
+            };
+            if guesses.is_empty() {
+                continue;
+            }
+            let got = self.sched.widen(plan, i, guesses.len());
+            guesses.truncate(got);
+            room -= got;
+            if got == 0 {
+                continue;
+            }
+            match &mut s.work {
+                Work::Spec {
+                    vs: Some(vs),
+                    planned,
+                    ..
+                } => {
+                    let feed = vs
+                        .decode_feed_with(&guesses)
+                        .expect("invariant: the guesses stop before the context limit");
+                    *planned = Some(Scheduled::Decode { feed });
+                }
+                Work::Generation { guesses: g, .. } => *g = guesses,
+                _ => {}
+            }
+        }
+    }
 }
 
 /// The target's log-probabilities `vs` noted in this forward, as an event before the one that

@@ -36,6 +36,9 @@ pub struct NewSession {
     /// Send the target's log-probability of each committed token (a speculation session), with
     /// this many alternatives.
     pub logprobs: Option<usize>,
+    /// Let the verifier draft for the session from its own text when it decodes it alone
+    /// ([`VerifierConfig::self_draft_max`](crate::VerifierConfig::self_draft_max)).
+    pub self_draft: bool,
 }
 
 /// A message from an edge (or its transport).
@@ -182,10 +185,20 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
             } => {
                 let (work, want) = match new.mode {
                     Mode::Speculate { rule, want } => (
-                        Self::spec_work(rule, new.prompt.len(), new.max_tokens, new.eog),
+                        Self::spec_work(
+                            rule,
+                            new.prompt.len(),
+                            new.max_tokens,
+                            new.eog,
+                            new.self_draft && self.self_draft.is_some(),
+                        ),
                         Some(self.load.clamp(want, 0).0),
                     ),
-                    Mode::Generate => (Self::generation_work(new.max_tokens, new.eog), None),
+                    Mode::Generate => {
+                        let suffix = (new.self_draft && self.self_draft.is_some())
+                            .then(|| tandem_spec::SuffixIndex::of(&new.prompt));
+                        (Self::generation_work(new.max_tokens, new.eog, suffix), None)
+                    }
                 };
                 let r = self.admit(
                     session,

@@ -62,6 +62,16 @@ pub struct VerifierConfig {
     /// turn of a conversation.
     #[arg(long)]
     pub no_prefix_cache: bool,
+    /// When it decodes a session alone (no usable block from its edge, a cloud-only generation
+    /// that asked for it), verify up to this many guesses copied from the session's own text
+    /// (prompt and output: the continuation of its longest earlier match) in the same forward,
+    /// where the forward has room below the target's ridge. 0: never.
+    #[arg(long, default_value_t = DEFAULTS.self_draft_max)]
+    pub self_draft_max: usize,
+    /// The shortest match of a session's text's end (in tokens) the verifier copies guesses
+    /// after (one guess per matched token, at most --self-draft-max).
+    #[arg(long, default_value_t = DEFAULTS.self_draft_min_match)]
+    pub self_draft_min_match: usize,
     /// Grants, takeovers and the idle timeout (`cloud serve` builds it from its own flags and
     /// the measured forward cost). Default: every session keeps the shape it asks for.
     #[arg(skip)]
@@ -82,6 +92,8 @@ const DEFAULTS: VerifierConfig = VerifierConfig {
     tenant_slowdown_pct: 125,
     await_drafts_ms: 0,
     no_prefix_cache: false,
+    self_draft_max: tandem_spec::SuffixPolicy::DEFAULT.max_tokens,
+    self_draft_min_match: tandem_spec::SuffixPolicy::DEFAULT.min_match,
     load: LoadConfig::FIXED,
 };
 
@@ -166,6 +178,9 @@ pub struct VerifierCore<T: Target = Engine, H = ()> {
     pub(crate) finished: Vec<crate::Usage>,
     /// [`VerifierConfig::await_drafts_ms`], in µs.
     pub(crate) await_drafts_us: u64,
+    /// How sessions that asked for it are drafted for from their own text
+    /// ([`VerifierConfig::self_draft_max`]; None: never).
+    pub(crate) self_draft: Option<tandem_spec::SuffixPolicy>,
     /// What it grants, and its idle timeout ([`VerifierConfig::load`]).
     pub(crate) load: LoadConfig,
     /// No opened session can be idle before this (µs): a lower bound of their idle deadlines,
@@ -206,6 +221,11 @@ impl<T: Target, H> VerifierCore<T, H> {
             contended: None,
             finished: Vec::new(),
             await_drafts_us: cfg.await_drafts_ms.saturating_mul(1000),
+            self_draft: (cfg.self_draft_max > 0).then_some(tandem_spec::SuffixPolicy {
+                max_tokens: cfg.self_draft_max,
+                min_match: cfg.self_draft_min_match.max(1),
+                ..tandem_spec::SuffixPolicy::DEFAULT
+            }),
             stats: VerifierStats::default(),
         };
         v.set_tenant(TenantId(0), TenantConfig::default())?;
@@ -454,9 +474,11 @@ impl<T: Target, H> VerifierCore<T, H> {
         prompt_len: usize,
         max_tokens: usize,
         eog: Vec<u32>,
+        self_draft: bool,
     ) -> Work {
         Work::Spec {
             rule,
+            self_draft,
             vs: None,
             queue: VecDeque::new(),
             planned: None,
@@ -467,13 +489,37 @@ impl<T: Target, H> VerifierCore<T, H> {
         }
     }
 
-    pub(crate) fn generation_work(max_tokens: usize, eog: Vec<u32>) -> Work {
+    /// A cloud-only generation; `suffix`: the index of its prompt, when the verifier drafts for
+    /// it from its own text.
+    pub(crate) fn generation_work(
+        max_tokens: usize,
+        eog: Vec<u32>,
+        suffix: Option<tandem_spec::SuffixIndex>,
+    ) -> Work {
         Work::Generation {
             next: None,
             produced: 0,
             max_tokens: max_tokens.max(1),
             eog,
+            suffix,
+            guesses: Vec::new(),
         }
+    }
+
+    /// Positions the forward about to run may add for sessions' own guesses: up to the target's
+    /// ridge (where a forward stops costing the same as a one-token one: the measured cost
+    /// model's, else half the saturation point the grants follow) and within the forward's
+    /// budget, less what `plan` already holds.
+    pub(crate) fn self_draft_room(&self, plan: &tandem_sched::Batch) -> usize {
+        let ridge = match &self.load.forward_cost {
+            Some(c) => c.ridge_tokens(),
+            None => self.load.saturation_tokens / 2.0,
+        };
+        let cap = match ridge.is_finite() {
+            true => (ridge.floor() as usize).max(1),
+            false => usize::MAX,
+        };
+        cap.min(self.sched.budget()).saturating_sub(plan.tokens())
     }
 
     /// Close session `id`: its record goes, with its scheduler entry, its KV pages and its part

@@ -45,6 +45,7 @@ fn open() -> (VerifierCore<common::OneHot, ()>, Vec<u32>) {
                 },
                 grammar: None,
                 logprobs: None,
+                self_draft: false,
             },
             handle: (),
         },

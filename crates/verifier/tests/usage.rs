@@ -27,6 +27,7 @@ fn open(v: &mut VerifierCore<OneHot>, id: u64, mode: Mode, max_tokens: usize, eo
                 mode,
                 grammar: None,
                 logprobs: None,
+                self_draft: false,
             },
             handle: (),
         },

@@ -127,6 +127,7 @@ pub fn synthetic_session(
         grammar: None,
         output_from: None,
         logprobs: None,
+        self_draft: true,
     };
     let (mut link, opened) = GrpcLink::connect(rt, url, req)?;
     let cfg = SpecConfig {
@@ -140,6 +141,7 @@ pub fn synthetic_session(
         rule: VerifyRule::Greedy,
         params: SamplingParams::default(),
         q_top_k: 0,
+        self_draft: true,
     };
     let mut d = SyntheticDrafter::new(
         prompt.len(),

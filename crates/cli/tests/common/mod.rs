@@ -89,6 +89,7 @@ pub fn spec_out_as(
             rule,
             params,
             q_top_k: 32,
+            self_draft: true,
         },
         rtt_ms,
         jitter_ms: rtt_ms / 10.0,

@@ -390,6 +390,7 @@ impl VerifierRpc for Service {
                 },
                 grammar: grammar.map(Box::new),
                 logprobs: o.logprobs,
+                self_draft: o.self_draft,
             },
             handle: reply,
         }))?;
@@ -536,6 +537,7 @@ impl VerifierRpc for Service {
                 mode: Mode::Generate,
                 grammar: grammar.map(Box::new),
                 logprobs: None,
+                self_draft: g.self_draft,
             },
             handle: reply,
         }))?;

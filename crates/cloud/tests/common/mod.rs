@@ -30,6 +30,7 @@ pub fn greedy_open(fingerprint: &str, prompt: &[u32]) -> tandem_edge::grpc::Open
         grammar: None,
         output_from: None,
         logprobs: None,
+        self_draft: true,
     }
 }
 

@@ -441,6 +441,7 @@ async fn connect(
         route: None,
         output_from: None,
         logprobs,
+        self_draft: spec.self_draft,
     };
     let tx = s.tx.clone();
     let waker: crate::grpc::Waker = Arc::new(move || {

@@ -73,6 +73,7 @@ fn the_contended_budget_follows_the_time_forwards_take() {
             mode: Mode::Generate,
             grammar: None,
             logprobs: None,
+            self_draft: false,
         },
         handle: id,
     };
@@ -128,6 +129,7 @@ fn open(id: u64, mode: Mode) -> Inbound<u64> {
             mode,
             grammar: None,
             logprobs: None,
+            self_draft: false,
         },
         handle: 100 + id,
     }

@@ -252,6 +252,7 @@ impl<T: Target> Driver<T> {
             mode,
             grammar: None,
             logprobs: None,
+            self_draft: false,
         };
         self.receive(Inbound::Open {
             session,
