@@ -389,6 +389,7 @@ pub fn run(a: &ChatBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ChatRepo
         params: SamplingParams::default(),
         q_top_k: 32,
         self_draft: true,
+        suffix: true,
     };
     let tok = Arc::new(target.tokenizer);
     let mut rows = Vec::new();

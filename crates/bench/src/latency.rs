@@ -31,7 +31,9 @@ use tandem_client::generate::{generate, generate_remote, GenOutput};
 use tandem_client::speculate::SpecRun;
 use tandem_sim::stats::{round2, Summary};
 
+mod copy;
 mod report;
+pub use copy::copy_table;
 use report::summarize;
 pub use report::table;
 
@@ -85,6 +87,13 @@ pub struct LatencyArgs {
     /// edge's default adaptive shape) with each prompt's schema, and the same prompts free.
     #[arg(long)]
     pub structured: Option<PathBuf>,
+    /// A workload of requests that copy their input instead of the sweep: a JSON list of
+    /// `{"kind", "messages"}` chats (e.g. data/copy/prompts.json), run beside the fresh-text
+    /// prompts (--prompt). At each RTT: cloud-only, cloud-only with the verifier drafting for
+    /// itself, and async speculation (the edge's default adaptive shape) with the draft model
+    /// alone, with the edge's copies beside it, and with the verifier's own drafts too.
+    #[arg(long)]
+    pub workload: Option<PathBuf>,
 }
 
 impl LatencyArgs {
@@ -163,6 +172,21 @@ pub struct Row {
     /// grammar forced (drafted without a draft forward).
     pub schema: bool,
     pub forced_tokens: usize,
+    /// A workload's rows (`--workload`): which prompts ("copy" or "fresh"), and whether the edge
+    /// copied from the session's text and the verifier drafted for itself.
+    pub workload: String,
+    pub suffix: bool,
+    pub self_draft: bool,
+    /// The edge's copies: proposed, judged by the committed text, right.
+    pub copied: tandem_edge::drafter::CopyStats,
+    /// Committed tokens by source: drafted tokens the target accepted (the model's and the
+    /// copies), the verifier's own guesses it accepted, and the rest of the verifier's own
+    /// (first tokens, corrections, bonuses, decoded tokens).
+    pub accepted_draft_tokens: usize,
+    pub verifier_guessed: usize,
+    pub cloud_tokens: usize,
+    /// The verifier's guesses over the row, from its metrics: fed, accepted.
+    pub verifier_guesses: (u64, u64),
 }
 
 /// Per draft and RTT: async against the best sync.
@@ -350,6 +374,34 @@ fn fold(draft: &str, rtt: f64, mode: Mode, outs: &[GenOutput], want: &[Vec<u32>]
             .iter()
             .filter_map(|o| o.spec.as_ref().map(|s| s.forced_tokens))
             .sum(),
+        workload: String::new(),
+        suffix: false,
+        self_draft: false,
+        copied: outs
+            .iter()
+            .filter_map(|o| o.spec.as_ref().map(|s| s.copied))
+            .fold(Default::default(), |a, c| tandem_edge::drafter::CopyStats {
+                copied: a.copied + c.copied,
+                judged: a.judged + c.judged,
+                right: a.right + c.right,
+            }),
+        accepted_draft_tokens: outs
+            .iter()
+            .filter_map(|o| o.spec.as_ref().map(|s| s.accepted_draft_tokens))
+            .sum(),
+        verifier_guessed: outs
+            .iter()
+            .filter_map(|o| o.spec.as_ref().map(|s| s.verifier_guessed))
+            .sum(),
+        cloud_tokens: outs
+            .iter()
+            .map(|o| {
+                o.spec
+                    .as_ref()
+                    .map_or(o.output_ids.len(), |s| s.cloud_tokens)
+            })
+            .sum(),
+        verifier_guesses: (0, 0),
     }
 }
 
@@ -553,11 +605,40 @@ type Party<'a> = (
 /// [`spec_runs`] under a verify rule and sampling parameters: (γ, depth, policy, tree).
 fn sampled_runs(
     a: &LatencyArgs,
+    party: Party<'_>,
+    shape: (usize, usize, Option<AutoShape>, TreeConfig),
+    rule: VerifyRule,
+    params: SamplingParams,
+    grammars: Option<&[tandem_spec::GrammarSource]>,
+) -> Result<Vec<GenOutput>> {
+    sourced_runs(a, party, shape, rule, params, grammars, Sources::DEFAULT)
+}
+
+/// Where a run's drafts come from besides the draft model: the edge's copies from the session's
+/// text (`suffix`) and the verifier's own (`self_draft`).
+#[derive(Debug, Clone, Copy)]
+struct Sources {
+    suffix: bool,
+    self_draft: bool,
+}
+
+impl Sources {
+    /// The edge's defaults (`--suffix on --self-draft on`).
+    const DEFAULT: Sources = Sources {
+        suffix: true,
+        self_draft: true,
+    };
+}
+
+/// [`sampled_runs`] with the drafts' `sources`.
+fn sourced_runs(
+    a: &LatencyArgs,
     (target, d, tok, url, prompts): Party<'_>,
     (gamma, depth, auto, tree): (usize, usize, Option<AutoShape>, TreeConfig),
     rule: VerifyRule,
     params: SamplingParams,
     grammars: Option<&[tandem_spec::GrammarSource]>,
+    sources: Sources,
 ) -> Result<Vec<GenOutput>> {
     let edge = EngineConfig {
         threads: a.edge_cpus.len().max(1),
@@ -582,7 +663,8 @@ fn sampled_runs(
             rule,
             params,
             q_top_k: 32,
-            self_draft: true,
+            self_draft: sources.self_draft,
+            suffix: sources.suffix,
         },
         rtt_ms: 0.0,
         jitter_ms: 0.0,
@@ -612,6 +694,9 @@ pub fn run(
     a.validate()?;
     if let Some(path) = &a.structured {
         return structured(a, path, target, tok, drafts, progress);
+    }
+    if let Some(path) = &a.workload {
+        return copy::workload(a, path, target, tok, drafts, progress);
     }
     let prompts: Vec<Vec<u32>> = a
         .prompts

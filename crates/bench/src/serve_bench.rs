@@ -269,6 +269,7 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
         params: SamplingParams::default(),
         q_top_k: 32,
         self_draft: true,
+        suffix: true,
     };
     let prompt = |i: usize| a.prompts[i % a.prompts.len()].as_str();
     let mut rows = Vec::new();

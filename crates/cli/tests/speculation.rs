@@ -99,6 +99,7 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
                 params: tandem_spec::sampling::SamplingParams::default(),
                 q_top_k: 32,
                 self_draft: true,
+                suffix: true,
             },
             rtt_ms: rtt,
             jitter_ms: 0.0,

@@ -49,6 +49,11 @@ pub struct SpecFields {
     pub measured: tandem_spec::Measured,
     /// Drafted tokens a structured output's grammar forced (drafted without a draft forward).
     pub forced_tokens: usize,
+    /// The edge's copies from the session's text (drafted without a draft forward): proposed,
+    /// judged by the committed text, right.
+    pub copied: tandem_edge::drafter::CopyStats,
+    /// Committed tokens the verifier guessed from the session's text while it decoded alone.
+    pub verifier_guessed: usize,
 }
 
 /// Everything a speculative run needs.
@@ -199,7 +204,7 @@ fn run_grpc(
         prefilled.context("draft prefill")?;
         (link, Some(tandem_edge::grpc::opened(&opened)))
     };
-    let (report, text, forced) = drive(
+    let (report, text, forced, copied) = drive(
         r, &spec, &mut draft, grammar, &mut link, prompt_ids, first, start, tentative, on_show,
     )
     .with_context(|| format!("speculating against {url}"))?;
@@ -209,6 +214,7 @@ fn run_grpc(
     let mut out = finish(r, &spec, prompt_ids, report, text, on_show)?;
     if let Some(s) = out.spec.as_mut() {
         s.forced_tokens = forced;
+        s.copied = copied;
     }
     Ok(out)
 }
@@ -226,7 +232,12 @@ fn drive(
     start: Instant,
     tentative: bool,
     on_show: &mut dyn FnMut(Shown<'_>),
-) -> Result<(tandem_edge::SpecReport, String, usize)> {
+) -> Result<(
+    tandem_edge::SpecReport,
+    String,
+    usize,
+    tandem_edge::drafter::CopyStats,
+)> {
     let tok = r.tokenizer;
     let mut stream = TextStream::default();
     let mut text = String::new();
@@ -278,7 +289,12 @@ fn drive(
             }
         },
     )?;
-    Ok((report, text, drafter.forced_tokens()))
+    Ok((
+        report,
+        text,
+        drafter.forced_tokens(),
+        drafter.copy_stats().unwrap_or_default(),
+    ))
 }
 
 /// The emulated link `r` asks for.
@@ -417,6 +433,8 @@ fn finish(
         auto: spec.session.auto.is_some(),
         measured: report.measured,
         forced_tokens: 0,
+        copied: Default::default(),
+        verifier_guessed: s.verifier_guessed,
     });
     Ok(o)
 }

@@ -61,6 +61,8 @@ pub struct Metrics {
     pub drafts: IntCounter,
     pub draft_tokens: IntCounter,
     pub accepted_tokens: IntCounter,
+    pub self_draft_guesses: IntCounter,
+    pub self_drafted: IntCounter,
     pub accepted_per_pos: IntCounterVec,
     pub forwards: IntCounter,
     pub preemptions: IntCounter,
@@ -157,6 +159,16 @@ impl Default for Metrics {
                     "Accepted drafted tokens by position among the tokens verified.",
                 ),
                 &["position"],
+            )
+            .expect("valid"),
+            self_draft_guesses: IntCounter::new(
+                "tandem:self_draft_guesses_total",
+                "Guesses the verifier copied from sessions' own text and verified while it decoded them alone (--self-draft-max).",
+            )
+            .expect("valid"),
+            self_drafted: IntCounter::new(
+                "tandem:self_drafted_tokens_total",
+                "The verifier's own guesses the target accepted: tokens committed besides the one each decode step produces.",
             )
             .expect("valid"),
             forwards: IntCounter::new(
@@ -301,6 +313,8 @@ impl Default for Metrics {
             Box::new(m.drafts.clone()),
             Box::new(m.draft_tokens.clone()),
             Box::new(m.accepted_tokens.clone()),
+            Box::new(m.self_draft_guesses.clone()),
+            Box::new(m.self_drafted.clone()),
             Box::new(m.accepted_per_pos.clone()),
             Box::new(m.forwards.clone()),
             Box::new(m.preemptions.clone()),
@@ -352,6 +366,10 @@ impl Metrics {
                     }
                 }
                 Observation::QueueTime { seconds } => self.queue_time.observe(seconds),
+                Observation::SelfDrafted { guessed, accepted } => {
+                    self.self_draft_guesses.inc_by(guessed);
+                    self.self_drafted.inc_by(accepted);
+                }
                 Observation::Verified {
                     tenant,
                     drafted,

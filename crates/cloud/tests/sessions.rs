@@ -158,6 +158,60 @@ fn grpc_generate_is_the_targets_greedy_output() {
     assert_eq!(got, want);
 }
 
+/// A cloud-only generation that lets the verifier draft for itself (protocol 7) streams exactly
+/// the target's greedy tokens, and on a request that copies its prompt the verifier's own
+/// guesses are accepted (its metrics count them).
+#[test]
+fn a_generation_the_verifier_drafts_for_is_the_targets_and_its_copies_are_accepted() {
+    use tandem_proto::v1::verifier_client::VerifierClient;
+    let (_, tok) = target();
+    let (url, gauges) = new_grpc_server(tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS);
+    let p = tok
+        .encode_chat(
+            "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog \
+             beside the old stone bridge.",
+        )
+        .unwrap();
+    let n = 48;
+    let want = target_answer(&p, n, 1);
+    let rt = rt();
+    let got: Vec<u32> = rt.block_on(async {
+        let mut c = VerifierClient::connect(url).await.unwrap();
+        let req = tandem_proto::v1::GenerateRequest {
+            tokenizer_fingerprint: tok.fingerprint().to_string(),
+            prompt_ids: p.clone(),
+            params: None,
+            max_tokens: n as u32,
+            grammar: None,
+            self_draft: true,
+        };
+        let mut s = c.generate(req).await.unwrap().into_inner();
+        let mut out = Vec::new();
+        while let Some(r) = s.message().await.unwrap() {
+            out.extend(r.tokens);
+            if r.done {
+                break;
+            }
+        }
+        out
+    });
+    assert_eq!(got, want);
+    // The counters move with the batcher's turn, just after the last token went out.
+    let accepted = (0..100)
+        .map(|_| {
+            std::thread::sleep(Duration::from_millis(20));
+            gauges.metrics.self_drafted.get()
+        })
+        .find(|&a| a > 0)
+        .unwrap_or(0);
+    let guessed = gauges.metrics.self_draft_guesses.get();
+    assert!(
+        accepted > 5,
+        "{accepted} of {guessed} guesses accepted copying the prompt: {:?}",
+        tok.decode(&got)
+    );
+}
+
 /// Flow control over gRPC: an edge that stops acknowledging what it received gets one window of
 /// decoded tokens and then nothing, however long it waits; each Ack lets the verifier go on from
 /// where it stopped, with the target's tokens.

@@ -116,6 +116,7 @@ pub fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result<()> {
         params: SamplingParams::default(),
         q_top_k: 32,
         self_draft: a.shape.self_draft,
+        suffix: a.shape.suffix,
     };
     let cfg = crate::serve::ServeConfig {
         clouds: a.cloud.clone(),
@@ -193,6 +194,11 @@ pub struct ShapeArgs {
     /// text, verified in the same forward (on, off).
     #[arg(long, default_value = "on", value_parser = parse_on_off)]
     pub self_draft: bool,
+    /// Draft by copying from the session's own text (prompt and output) where the end of what
+    /// is drafted matches it, without a forward of the draft model; each match length is used
+    /// while its copies turn out right often enough (on, off).
+    #[arg(long, default_value = "on", value_parser = parse_on_off)]
+    pub suffix: bool,
 }
 
 /// `on` or `off`.

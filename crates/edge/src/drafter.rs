@@ -3,6 +3,7 @@
 
 use tandem_engine::{Engine, Logits, Parent, SeqChunk, SeqId, Wanted};
 use tandem_spec::sampling::{sample, second_choice, SamplingParams};
+use tandem_spec::suffix::{Match, SuffixIndex, SuffixPolicy};
 use tandem_spec::verify::{draft_sample, draft_sibling, VerifyRule};
 use tandem_spec::{Grammar, Hedge};
 
@@ -25,6 +26,9 @@ pub trait Drafter {
     /// drafted tokens every leaf shares) followed by `leaves[i]`. Returns one proposal per leaf,
     /// in order. A linear draft has one leaf, empty: the next token after `base`.
     fn grow(&mut self, base: &[u32], leaves: &[Vec<u32>]) -> Result<Vec<Proposal>, EdgeError>;
+    /// The session's committed tokens (prompt included) before a [`grow`](Self::grow): what a
+    /// drafter that copies from the text may copy, and how its copies turned out.
+    fn committed(&mut self, _tokens: &[u32]) {}
     /// The next token after `tokens`.
     fn propose(&mut self, tokens: &[u32]) -> Result<Proposal, EdgeError> {
         let mut p = self.grow(tokens, &[Vec::new()])?;
@@ -82,6 +86,130 @@ pub struct DraftSeq {
     grammar: Option<(Grammar, usize)>,
     /// Tokens drafted without a forward because the grammar forced them.
     forced_tokens: usize,
+    /// Drafts that copy from the session's text (None: the model drafts every token).
+    copier: Option<Copier>,
+}
+
+/// The edge's suffix drafter: guesses copied from the committed text (prompt and output) where
+/// the end of the path drafted on matches it for long enough, proposed without a forward of the
+/// draft model (the next step that needs their KV feeds them in one chunk). Each copy is priced
+/// by how often copies from matches of its length were right: a length whose copies have
+/// turned out wrong more often than [`COPY_MIN_ALPHA`] leaves drafting to the model.
+#[derive(Debug, Clone)]
+pub struct Copier {
+    index: SuffixIndex,
+    policy: SuffixPolicy,
+    /// Copies not yet judged by the committed text: position, token, match-length bucket.
+    pending: std::collections::VecDeque<(usize, u32, usize)>,
+    /// Decayed (right, judged) of the copies of each bucket of match lengths, and the guesses
+    /// each held back since its last copy (one in [`COPY_PROBE_EVERY`] is copied anyway, so that
+    /// a bucket whose copies turn right again is used again).
+    record: [(f64, f64); COPY_BUCKETS.len()],
+    held: [u32; COPY_BUCKETS.len()],
+    stats: CopyStats,
+}
+
+/// What a copier proposed and how much of it the committed text confirmed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CopyStats {
+    /// Tokens proposed by copy, and those of them judged (the committed text reached their
+    /// position) and right.
+    pub copied: usize,
+    pub judged: usize,
+    pub right: usize,
+}
+
+/// The edge copies after matches of two tokens or more (one token per draft step: no limit).
+pub const EDGE_COPY_POLICY: SuffixPolicy = SuffixPolicy {
+    min_match: 2,
+    factor: 1.0,
+    max_tokens: usize::MAX,
+};
+
+/// Match lengths from which each bucket of the copier's record starts.
+const COPY_BUCKETS: [usize; 4] = [1, 3, 6, 12];
+/// Copies of a bucket right less often than this leave the draft to the model.
+pub const COPY_MIN_ALPHA: f64 = 0.5;
+/// A bucket's record before any copy (hits, judged): worth trying, and not given up after one
+/// miss.
+const COPY_PRIOR: (f64, f64) = (2.8, 4.0);
+/// A bucket below [`COPY_MIN_ALPHA`] still copies one guess in this many.
+const COPY_PROBE_EVERY: u32 = 8;
+const COPY_DECAY: f64 = 0.95;
+/// The path's tokens read back to find a match (longer matches are as good as this long).
+const COPY_WINDOW: usize = 48;
+
+impl Copier {
+    /// A copier over `prompt`, copying after matches of `policy.min_match` tokens or more.
+    pub fn new(prompt: &[u32], policy: SuffixPolicy) -> Self {
+        Self {
+            index: SuffixIndex::of(prompt),
+            policy,
+            pending: Default::default(),
+            record: [COPY_PRIOR; COPY_BUCKETS.len()],
+            held: [0; COPY_BUCKETS.len()],
+            stats: CopyStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> CopyStats {
+        self.stats
+    }
+
+    fn bucket(len: usize) -> usize {
+        COPY_BUCKETS.iter().rposition(|&b| len >= b).unwrap_or(0)
+    }
+
+    /// Take in the committed text: the index grows with it, and the copies it reached are judged.
+    pub fn sync(&mut self, committed: &[u32]) {
+        let n = self.index.len();
+        // (The committed text only grows: its last indexed token tells a continuation.)
+        if committed.len() < n || (n > 0 && committed[n - 1] != self.index.text()[n - 1]) {
+            // Another text (not a continuation: never within a session): start over.
+            self.index = SuffixIndex::of(committed);
+        } else {
+            self.index.extend(&committed[n..]);
+        }
+        while let Some(&(pos, token, b)) = self.pending.front() {
+            if pos >= committed.len() {
+                break;
+            }
+            self.pending.pop_front();
+            let right = committed[pos] == token;
+            let r = &mut self.record[b];
+            *r = (
+                COPY_DECAY * r.0 + f64::from(u8::from(right)),
+                COPY_DECAY * r.1 + 1.0,
+            );
+            self.stats.judged += 1;
+            self.stats.right += usize::from(right);
+        }
+    }
+
+    /// A copy of what followed the longest earlier match of `path`'s end, when the match is long
+    /// enough and copies after matches of its length have been right often enough.
+    pub fn guess(&mut self, path: &[u32]) -> Option<(u32, Match)> {
+        let tail = &path[path.len().saturating_sub(COPY_WINDOW)..];
+        let m = self.index.match_end(tail)?;
+        if m.len < self.policy.min_match.max(1) {
+            return None;
+        }
+        let b = Self::bucket(m.len);
+        let (right, judged) = self.record[b];
+        if right < COPY_MIN_ALPHA * judged {
+            self.held[b] += 1;
+            if self.held[b] % COPY_PROBE_EVERY != 0 {
+                return None;
+            }
+        }
+        self.index.after(&m, 1).first().map(|&t| (t, m))
+    }
+
+    /// `token` was proposed at `pos` by copy after a match `m`.
+    fn proposed(&mut self, pos: usize, token: u32, m: &Match) {
+        self.stats.copied += 1;
+        self.pending.push_back((pos, token, Self::bucket(m.len)));
+    }
 }
 
 /// A planned draft step of one sequence: its chunk, then what [`DraftSeq::finish`] needs.
@@ -118,7 +246,58 @@ impl DraftSeq {
             tail: Vec::new(),
             grammar: None,
             forced_tokens: 0,
+            copier: cfg.suffix.then(|| Copier::new(prompt, EDGE_COPY_POLICY)),
         }
+    }
+
+    /// Copy from the session's text where it matches (see [`Copier`]), beside the model.
+    pub fn copy(&mut self, copier: Copier) {
+        self.copier = Some(copier);
+    }
+
+    /// What the copier proposed so far (None: it does not copy).
+    pub fn copy_stats(&self) -> Option<CopyStats> {
+        self.copier.as_ref().map(Copier::stats)
+    }
+
+    /// The tokens drafted without a forward of the draft model at every leaf (`base` followed
+    /// by `leaves[i]`), if any: what the grammar forces ([`DraftSeq::forced`]), else, on a linear
+    /// draft, the copier's guess (`committed`: the session's committed tokens, prompt included).
+    pub fn skip_forward(
+        &mut self,
+        committed: &[u32],
+        base: &[u32],
+        leaves: &[Vec<u32>],
+    ) -> Result<Option<Vec<Proposal>>, EdgeError> {
+        if let Some(p) = self.forced(base, leaves)? {
+            return Ok(Some(p));
+        }
+        let (Some(c), [leaf]) = (&mut self.copier, leaves) else {
+            return Ok(None);
+        };
+        c.sync(committed);
+        let path = [base, &leaf[..]].concat();
+        let Some((token, m)) = c.guess(&path) else {
+            return Ok(None);
+        };
+        // Under a grammar, only a token it allows.
+        if let Some(g) = self.seek(&path)? {
+            if !g
+                .allows(token)
+                .map_err(|e| EdgeError::Spec(tandem_spec::SpecError::Grammar(e.to_string())))?
+            {
+                return Ok(None);
+            }
+        }
+        let c = self.copier.as_mut().expect("invariant: checked above");
+        c.proposed(path.len(), token, &m);
+        Ok(Some(vec![Proposal {
+            token,
+            // A copy is a point mass: the target accepts it with its own probability.
+            q: (self.rule == VerifyRule::Rejection).then(|| vec![(token, 1.0)]),
+            prefill: false,
+            hedge: None,
+        }]))
     }
 
     /// Tokens drafted so far without a forward, forced by the grammar.
@@ -459,6 +638,8 @@ impl DraftSeq {
 pub struct EngineDrafter<'a> {
     engine: &'a mut Engine,
     seq: DraftSeq,
+    /// The session's committed tokens, as last told ([`Drafter::committed`]).
+    committed: Vec<u32>,
 }
 
 impl<'a> EngineDrafter<'a> {
@@ -466,7 +647,11 @@ impl<'a> EngineDrafter<'a> {
     /// [`prefill_draft`]).
     pub fn new(engine: &'a mut Engine, prompt: &[u32], cfg: &SpecConfig) -> Self {
         let seq = DraftSeq::new(engine, SEQ, prompt, cfg);
-        Self { engine, seq }
+        Self {
+            engine,
+            seq,
+            committed: prompt.to_vec(),
+        }
     }
 
     /// Draft under `grammar` (a structured output) after the `prompt_len` prompt tokens.
@@ -478,11 +663,26 @@ impl<'a> EngineDrafter<'a> {
     pub fn forced_tokens(&self) -> usize {
         self.seq.forced_tokens()
     }
+
+    /// Copy from the session's text where it matches (see [`Copier`]).
+    pub fn copy(&mut self, copier: Copier) {
+        self.seq.copy(copier);
+    }
+
+    /// What the copier proposed so far.
+    pub fn copy_stats(&self) -> Option<CopyStats> {
+        self.seq.copy_stats()
+    }
 }
 
 impl Drafter for EngineDrafter<'_> {
+    fn committed(&mut self, tokens: &[u32]) {
+        self.committed.clear();
+        self.committed.extend_from_slice(tokens);
+    }
+
     fn grow(&mut self, base: &[u32], leaves: &[Vec<u32>]) -> Result<Vec<Proposal>, EdgeError> {
-        if let Some(p) = self.seq.forced(base, leaves)? {
+        if let Some(p) = self.seq.skip_forward(&self.committed, base, leaves)? {
             return Ok(p);
         }
         let step = self.seq.grow_step(self.engine, base, leaves)?;
@@ -496,5 +696,37 @@ impl Drafter for EngineDrafter<'_> {
             self.seq.free(self.engine);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_copier_copies_after_a_match_and_stops_where_its_copies_go_wrong() {
+        // "a b c d e ... a b" → "c", then (the path drafted on) "a b c" → "d".
+        let prompt = [1, 2, 3, 4, 5, 9, 1, 2];
+        let mut c = Copier::new(&prompt, EDGE_COPY_POLICY);
+        c.sync(&prompt);
+        assert_eq!(c.guess(&prompt).map(|g| g.0), Some(3));
+        assert_eq!(c.guess(&[&prompt[..], &[3]].concat()).map(|g| g.0), Some(4));
+        // A match of one token is too short.
+        assert_eq!(c.guess(&[5, 9, 7, 1]), None);
+        // Copies after two-token matches keep turning out wrong: that length stops copying.
+        let mut text = prompt.to_vec();
+        let mut copied = 0;
+        for k in 0..40 {
+            text.extend([20 + k, 1, 2]); // the target said otherwise, then "a b" again
+            c.sync(&text);
+            if let Some((t, m)) = c.guess(&text) {
+                assert_eq!(m.len, 2, "step {k}");
+                c.proposed(text.len(), t, &m);
+                copied += 1;
+            }
+        }
+        // Two misses, then one probe in eight.
+        assert!((5..=8).contains(&copied), "{copied} copies of 40");
+        assert_eq!(c.stats().right, 0);
     }
 }

@@ -92,6 +92,9 @@ pub struct SpecConfig {
     pub q_top_k: usize,
     /// Ask the verifier to draft for itself while it decodes the session alone (protocol 7).
     pub self_draft: bool,
+    /// Copy from the session's text where it matches, without the draft model
+    /// ([`drafter::Copier`]).
+    pub suffix: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -173,6 +176,7 @@ pub fn run_with(
                 Want::Draft(f) => {
                     // One forward grows every leaf of the draft tree (one leaf when linear).
                     let t0 = Instant::now();
+                    draft.committed(d.session().committed());
                     let props =
                         draft.grow(&d.session().pipeline().tokens()[..f.base], &f.leaves)?;
                     let ms = t0.elapsed().as_secs_f64() * 1e3;

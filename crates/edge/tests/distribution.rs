@@ -437,6 +437,7 @@ fn committed_counts(
             params,
             q_top_k: Q_TOP_K,
             self_draft: true,
+            suffix: true,
         };
         let new = NewSession {
             tenant: TenantId(0),

@@ -48,6 +48,7 @@ fn spec() -> SpecConfig {
         params: SamplingParams::default(),
         q_top_k: 8,
         self_draft: true,
+        suffix: true,
     }
 }
 

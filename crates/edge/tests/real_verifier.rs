@@ -94,6 +94,7 @@ fn a_refused_message_does_not_end_the_answer() {
         params: tandem_spec::sampling::SamplingParams::default(),
         q_top_k: 32,
         self_draft: true,
+        suffix: true,
     };
     let (dm, _) = draft();
     let mut d = engine(dm);

@@ -235,6 +235,7 @@ fn a_session_taken_over_and_handed_back_is_the_targets() {
             params: SamplingParams::default(),
             q_top_k: 0,
             self_draft: true,
+            suffix: true,
         };
         let mut d = SyntheticDrafter::new(prompt.len(), want.clone(), alpha, 0.0, 96, 3);
         let r = tandem_edge::run_with(

@@ -144,6 +144,9 @@ pub struct PipelineStats {
     pub rejections: usize,
     /// Tokens the cloud supplied (corrections and bonus tokens that were not drafted).
     pub cloud_tokens: usize,
+    /// Committed tokens the verifier guessed from the session's own text while it decoded the
+    /// session alone, and the target accepted (told as decoded, [`Decoded::guessed`]).
+    pub verifier_guessed: usize,
     /// Committed tokens that a lane of the draft tree guessed where the main path missed (each
     /// also counts as a rejection of the main path's token).
     pub lane_hits: usize,
@@ -710,7 +713,11 @@ impl Pipeline {
                 d.epoch, self.epoch
             )));
         }
+        let before = self.committed;
         self.take(d.pos, d.token, &mut out)?;
+        if d.guessed && self.committed > before {
+            self.stats.verifier_guessed += 1;
+        }
         if !self.done {
             self.try_send(&mut out);
         }

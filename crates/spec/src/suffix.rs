@@ -228,6 +228,56 @@ impl SuffixIndex {
         Some((m, &self.text[from..to]))
     }
 
+    /// The longest suffix of `tail` (a text that need not be indexed: the committed text and
+    /// tokens drafted after it) that occurs in the indexed text ending before its last position,
+    /// and the most recent such occurrence: what followed it is a guess of what follows `tail`.
+    /// Read from `tail`'s start, in time linear in its length.
+    pub fn match_end(&self, tail: &[u32]) -> Option<Match> {
+        // The longest suffix of what was read that occurs anywhere: state and length.
+        let (mut s, mut len) = (0u32, 0usize);
+        for &t in tail {
+            loop {
+                if let Some(&to) = self.next.get(&(s, t)) {
+                    s = to;
+                    len += 1;
+                    break;
+                }
+                if s == 0 {
+                    len = 0;
+                    break;
+                }
+                s = self.states[s as usize].link;
+                len = self.states[s as usize].len as usize;
+            }
+        }
+        // Its occurrences share their ends with every length the state stands for; one that ends
+        // before the text's last position leaves something to copy, else a shorter match.
+        let last = self.text.len().checked_sub(1)? as u32;
+        while s != 0 {
+            let st = &self.states[s as usize];
+            let end = [st.last_end, st.prev_end]
+                .into_iter()
+                .find(|&e| e != NONE && e < last);
+            if let Some(end) = end {
+                let count = st.count as usize - usize::from(st.last_end == last);
+                return Some(Match {
+                    len,
+                    count,
+                    end: end as usize,
+                });
+            }
+            s = st.link;
+            len = self.states[s as usize].len as usize;
+        }
+        None
+    }
+
+    /// The tokens that followed `m` (from [`match_end`](Self::match_end)), at most `max`.
+    pub fn after(&self, m: &Match, max: usize) -> &[u32] {
+        let from = (m.end + 1).min(self.text.len());
+        &self.text[from..(from + max).min(self.text.len())]
+    }
+
     /// [`propose`](Self::propose) under `policy`: nothing below its shortest match, else as many
     /// tokens as it takes from a match of that length, at most `most`.
     pub fn guesses(&self, policy: &SuffixPolicy, most: usize) -> Vec<u32> {
@@ -264,8 +314,48 @@ mod tests {
         None
     }
 
+    /// The longest suffix of `tail` that occurs in `text` ending before its last position, its
+    /// count of such occurrences and the most recent, by trying every length and end.
+    fn brute_end(text: &[u32], tail: &[u32]) -> Option<Match> {
+        let n = text.len();
+        for len in (1..=tail.len()).rev() {
+            let suffix = &tail[tail.len() - len..];
+            let ends: Vec<usize> = (len.saturating_sub(1)..n.saturating_sub(1))
+                .filter(|&e| e + 1 >= len && &text[e + 1 - len..=e] == suffix)
+                .collect();
+            if let Some(&end) = ends.last() {
+                return Some(Match {
+                    len,
+                    count: ends.len(),
+                    end,
+                });
+            }
+        }
+        None
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(2000))]
+        /// A tail read against the index (the committed text and drafted tokens after it) finds
+        /// the brute force's match.
+        #[test]
+        fn a_tails_match_is_the_brute_forces(
+            text in prop::collection::vec(0u32..4, 1..120),
+            drafted in prop::collection::vec(0u32..4, 0..12),
+            from in 0usize..130,
+        ) {
+            let s = SuffixIndex::of(&text);
+            let mut tail = text[from.min(text.len())..].to_vec();
+            tail.extend(&drafted);
+            let got = s.match_end(&tail);
+            let want = brute_end(&text, &tail);
+            prop_assert_eq!(got, want);
+            // With nothing drafted, the text's own end is the index's match.
+            if drafted.is_empty() && from == 0 {
+                prop_assert_eq!(got, s.longest());
+            }
+        }
+
         /// After every token, the automaton's match is the brute-force one: the same length,
         /// the same count of earlier occurrences, the same most recent end; and the proposal is
         /// what followed there.

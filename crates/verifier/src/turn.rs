@@ -149,6 +149,9 @@ pub enum Observation {
         accepted: usize,
         positions: usize,
     },
+    /// The forward verified `guessed` guesses the verifier copied from sessions' own text while
+    /// it decoded them alone, and the target accepted `accepted` of them.
+    SelfDrafted { guessed: u64, accepted: u64 },
 }
 
 /// One turn: the messages for the edges, in order, and what happened.
@@ -320,7 +323,16 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
             self.proceed(id, &mut events);
         }
         if self.has_work() {
+            let before = (self.stats.self_draft_guesses, self.stats.self_drafted);
             let it = self.iterate(now_us);
+            let (guessed, accepted) = (
+                self.stats.self_draft_guesses - before.0,
+                self.stats.self_drafted - before.1,
+            );
+            if guessed > 0 {
+                turn.observations
+                    .push(Observation::SelfDrafted { guessed, accepted });
+            }
             let e = it.events;
             if let Some(f) = it.forward {
                 let (sessions, tokens) = (f.sessions, f.tokens);

@@ -277,6 +277,7 @@ pub fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
         peer: None,
         peer_target: None,
         structured: None,
+        workload: None,
     });
     let args = QuantStudyArgs {
         home: home.to_path_buf(),
@@ -350,6 +351,7 @@ pub fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
         peer,
         peer_target,
         structured: None,
+        workload: None,
     };
     let ld = load::LoadArgs {
         home: home.to_path_buf(),
@@ -457,5 +459,9 @@ pub fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
             );
         }
     })?;
-    report(&r, a.report.out.as_deref(), a.report.json, latency::table)
+    let table = match args.workload {
+        Some(_) => latency::copy_table,
+        None => latency::table,
+    };
+    report(&r, a.report.out.as_deref(), a.report.json, table)
 }

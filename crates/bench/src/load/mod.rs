@@ -246,7 +246,7 @@ pub fn roofline(target: &Arc<LlamaModel>, cpus: &CpuSet) -> Result<Roofline> {
 }
 
 /// Parse Prometheus text into `name{labels}` → value.
-fn parse_metrics(text: &str) -> HashMap<String, f64> {
+pub(crate) fn parse_metrics(text: &str) -> HashMap<String, f64> {
     text.lines()
         .filter(|l| !l.is_empty() && !l.starts_with('#'))
         .filter_map(|l| {

@@ -142,6 +142,7 @@ pub fn synthetic_session(
         params: SamplingParams::default(),
         q_top_k: 0,
         self_draft: true,
+        suffix: true,
     };
     let mut d = SyntheticDrafter::new(
         prompt.len(),

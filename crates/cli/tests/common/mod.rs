@@ -90,6 +90,7 @@ pub fn spec_out_as(
             params,
             q_top_k: 32,
             self_draft: true,
+            suffix: true,
         },
         rtt_ms,
         jitter_ms: rtt_ms / 10.0,

@@ -679,11 +679,12 @@ impl Sessions {
         let mut failed: Vec<(usize, EdgeError)> = Vec::new();
         for (i, p) in plans {
             let a = &mut actives[i];
-            // A structured output's tokens that its grammar forces are drafted without the
-            // draft model (the next step that needs their KV feeds them).
+            // A structured output's tokens that its grammar forces, and copies from the
+            // session's text, are drafted without the draft model (the next step that needs
+            // their KV feeds them).
             if let (RoundWork::Draft(f), Phase::Spec(d)) = (&p, &mut a.phase) {
                 let base = &d.session().pipeline().tokens()[..f.base];
-                match a.seq.forced(base, &f.leaves) {
+                match a.seq.skip_forward(d.session().committed(), base, &f.leaves) {
                     Ok(Some(props)) => {
                         let out = &mut a.out;
                         match d.grown(props, 0.0, &mut |u| out.on_update(u)) {

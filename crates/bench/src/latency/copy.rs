@@ -1,0 +1,236 @@
+//! `bench latency --workload FILE`: requests that copy their input (code edits, corrections,
+//! extraction, quoting, a chat that refers back) beside the fresh-text prompts, with each source
+//! of drafts added in turn: the draft model alone, the edge's copies from the session's text,
+//! and the verifier's own guesses while it decodes a session alone (and, as the fair peer,
+//! cloud-only with the verifier's own guesses). Every output is checked against cloud-only's.
+
+use super::*;
+
+/// One request of a workload: a chat ending with the user's turn, and what kind of copying it
+/// asks for.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct ChatPrompt {
+    pub kind: String,
+    pub messages: Vec<Message>,
+}
+
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+/// The async rows: (the edge's copies, the verifier's own drafts).
+const ASYNC_ROWS: [(bool, bool); 3] = [(false, false), (true, false), (true, true)];
+
+/// The verifier's counters of its own guesses: fed, accepted.
+fn guesses(cloud: &CloudProcess) -> Result<(u64, u64)> {
+    let m = crate::load::parse_metrics(&cloud.scrape()?);
+    let get = |k: &str| m.get(k).copied().unwrap_or(0.0) as u64;
+    Ok((
+        get("tandem:self_draft_guesses_total"),
+        get("tandem:self_drafted_tokens_total"),
+    ))
+}
+
+/// Read a workload file: its chats, encoded with the model's template.
+fn read(path: &Path, tok: &Tokenizer) -> Result<Vec<Vec<u32>>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("--workload {}", path.display()))?;
+    let work: Vec<ChatPrompt> = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "--workload {}: a list of {{kind, messages: [{{role, content}}]}}",
+            path.display()
+        )
+    })?;
+    if work.is_empty() {
+        bail!("--workload {}: no requests", path.display());
+    }
+    work.iter()
+        .enumerate()
+        .map(|(i, w)| {
+            if w.messages.last().is_none_or(|m| m.role != "user") {
+                bail!(
+                    "--workload {}: request {i} ({}) does not end with the user's turn",
+                    path.display(),
+                    w.kind
+                );
+            }
+            let messages: Vec<tandem_engine::tokenizer::ChatMessage> = w
+                .messages
+                .iter()
+                .map(|m| tandem_engine::tokenizer::ChatMessage {
+                    role: m.role.clone(),
+                    content: m.content.clone(),
+                })
+                .collect();
+            Ok(tok.encode(&tok.render_chat(&messages)?)?)
+        })
+        .collect()
+}
+
+/// See the module docs.
+pub(super) fn workload(
+    a: &LatencyArgs,
+    path: &Path,
+    target: &Arc<LlamaModel>,
+    tok: &Tokenizer,
+    drafts: &[Draft],
+    mut progress: impl FnMut(&Row),
+) -> Result<LatencyReport> {
+    let copy = read(path, tok)?;
+    let fresh: Vec<Vec<u32>> = a
+        .prompts
+        .iter()
+        .map(|p| tok.encode_chat(p))
+        .collect::<Result<_, _>>()?;
+    // The verifier as shipped (adaptive grants, drafting for itself where asked), its metrics
+    // read for its guesses.
+    let cloud = CloudProcess::start(
+        &a.home,
+        &a.cloud_cpus,
+        &["--metrics-listen".into(), "127.0.0.1:0".into()],
+    )?;
+    let mut link = Link::new()?;
+    let mut rows: Vec<Row> = Vec::new();
+    let mut target_outputs = Vec::new();
+    for &rtt in &a.rtts {
+        let url = link.set(&cloud.addr, rtt, rtt * a.jitter_frac)?;
+        for (name, prompts) in [("copy", &copy), ("fresh", &fresh)] {
+            let mut want: Vec<Vec<u32>> = Vec::new();
+            let mut emit = |mut r: Row, before: (u64, u64), rows: &mut Vec<Row>| -> Result<()> {
+                let after = guesses(&cloud)?;
+                r.workload = name.to_string();
+                r.verifier_guesses = (after.0 - before.0, after.1 - before.1);
+                progress(&r);
+                rows.push(r);
+                Ok(())
+            };
+            for self_draft in [false, true] {
+                let before = guesses(&cloud)?;
+                let outs = prompts
+                    .iter()
+                    .map(|p| {
+                        tandem_client::generate::generate_remote_with(
+                            tandem_edge::grpc::Remote::plain(&url),
+                            tok,
+                            p,
+                            a.tokens,
+                            &SamplingParams::default(),
+                            tandem_edge::grpc::GenerateOptions {
+                                grammar: None,
+                                self_draft,
+                            },
+                            |_| {},
+                        )
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                if want.is_empty() {
+                    want = outs.iter().map(|o| o.output_ids.clone()).collect();
+                }
+                let mut r = fold("-", rtt, Mode::CloudOnly, &outs, &want);
+                r.self_draft = self_draft;
+                emit(r, before, &mut rows)?;
+            }
+            for d in drafts {
+                let auto = AutoShape {
+                    max_draft_len: a.max_gamma,
+                    max_depth: a.max_depth,
+                    prior: tandem_spec::edge::default_prior(rtt),
+                };
+                for (suffix, self_draft) in ASYNC_ROWS {
+                    let before = guesses(&cloud)?;
+                    let outs = sourced_runs(
+                        a,
+                        (target, d, tok, url.as_str(), &prompts[..]),
+                        (4, 2, Some(auto), LINEAR),
+                        VerifyRule::Greedy,
+                        SamplingParams::default(),
+                        None,
+                        Sources { suffix, self_draft },
+                    )?;
+                    let mut r = fold(&d.name, rtt, Mode::AsyncAuto, &outs, &want);
+                    r.suffix = suffix;
+                    r.self_draft = self_draft;
+                    emit(r, before, &mut rows)?;
+                }
+            }
+            if target_outputs.len() < copy.len() + fresh.len() {
+                target_outputs.extend(want);
+            }
+        }
+    }
+    drop(link);
+    drop(cloud);
+    Ok(LatencyReport {
+        peer_model: Vec::new(),
+        tokens: a.tokens,
+        prompts: copy.len() + fresh.len(),
+        jitter_frac: a.jitter_frac,
+        edge_cpus: a.edge_cpus.to_string(),
+        cloud_cpus: a.cloud_cpus.to_string(),
+        calibration: Vec::new(),
+        rows,
+        target_outputs,
+        summary: Vec::new(),
+        peer: None,
+    })
+}
+
+/// The workload's table: each row beside its workload's plain cloud-only ITL, and which source
+/// committed how many tokens.
+pub fn copy_table(r: &LatencyReport) -> String {
+    let mut s = format!(
+        "{} prompts × {} tokens, greedy; jitter ±{:.0}% of the RTT; edge on cpus {}, verifier (own process) on cpus {}\n\n",
+        r.prompts,
+        r.tokens,
+        r.jitter_frac * 100.0,
+        if r.edge_cpus.is_empty() { "any" } else { &r.edge_cpus },
+        if r.cloud_cpus.is_empty() { "any" } else { &r.cloud_cpus },
+    );
+    s += "| workload | RTT ms | mode | edge copies | verifier drafts | TTFT ms | ITL mean | p99 | × cloud-only | α (all drafts) | copies right / judged (proposed) | verifier guesses accepted / fed | committed: drafts accepted · verifier guessed · verifier's own | = target |\n";
+    s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    for x in &r.rows {
+        let spec = x.mode != Mode::CloudOnly;
+        let base = r
+            .rows
+            .iter()
+            .find(|b| {
+                b.workload == x.workload
+                    && b.rtt_ms == x.rtt_ms
+                    && b.mode == Mode::CloudOnly
+                    && !b.self_draft
+            })
+            .map_or(0.0, |b| b.itl_ms.mean);
+        let on = |b: bool| if b { "on" } else { "off" };
+        s += &format!(
+            "| {} | {:.0} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {} | {} | {} | {} | {} · {} · {} | {} |\n",
+            x.workload,
+            x.rtt_ms,
+            x.mode,
+            if spec { on(x.suffix) } else { "-" },
+            on(x.self_draft),
+            x.ttft_ms,
+            x.itl_ms.mean,
+            x.itl_ms.p99,
+            if base > 0.0 { format!("{:.2}", x.itl_ms.mean / base) } else { "-".into() },
+            if spec { format!("{:.2}", x.acceptance_rate) } else { "-".into() },
+            if spec && x.suffix {
+                format!("{} / {} ({})", x.copied.right, x.copied.judged, x.copied.copied)
+            } else {
+                "-".into()
+            },
+            if x.self_draft {
+                format!("{} / {}", x.verifier_guesses.1, x.verifier_guesses.0)
+            } else {
+                "-".into()
+            },
+            x.accepted_draft_tokens,
+            if spec { x.verifier_guessed } else { x.verifier_guesses.1 as usize },
+            x.cloud_tokens
+                .saturating_sub(if spec { x.verifier_guessed } else { x.verifier_guesses.1 as usize }),
+            x.same_as_target.map_or("-", |b| if b { "yes" } else { "NO" }),
+        );
+    }
+    s
+}
