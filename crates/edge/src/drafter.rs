@@ -198,7 +198,7 @@ impl Copier {
         let (right, judged) = self.record[b];
         if right < COPY_MIN_ALPHA * judged {
             self.held[b] += 1;
-            if self.held[b] % COPY_PROBE_EVERY != 0 {
+            if !self.held[b].is_multiple_of(COPY_PROBE_EVERY) {
                 return None;
             }
         }
