@@ -58,9 +58,9 @@ impl SuffixPolicy {
     /// What both sides use unless told otherwise: a match of two tokens or more, a guess per
     /// matched token, at most eight.
     pub const DEFAULT: SuffixPolicy = SuffixPolicy {
-        min_match: 2,
-        factor: 1.0,
-        max_tokens: 8,
+        min_match: 1,
+        factor: 2.0,
+        max_tokens: 16,
     };
 
     /// Guesses to take from a match of `len` tokens.
