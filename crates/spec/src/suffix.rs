@@ -398,11 +398,26 @@ mod tests {
             &[5, 9],
             "the most recent occurrence"
         );
-        assert_eq!(s.guesses(&SuffixPolicy::DEFAULT, 8), vec![5, 9, 1, 2]);
+        let policy = SuffixPolicy {
+            min_match: 2,
+            factor: 1.0,
+            max_tokens: 8,
+        };
+        assert_eq!(
+            s.guesses(&policy, 8),
+            vec![5, 9, 1, 2],
+            "a guess per matched token"
+        );
+        assert_eq!(
+            s.guesses(&policy, 3),
+            vec![5, 9, 1],
+            "at most what is asked"
+        );
         // Too short a match proposes nothing under the policy.
         let s = SuffixIndex::of(&[1, 2, 3, 1]);
         assert_eq!(s.longest().map(|m| m.len), Some(1));
-        assert!(s.guesses(&SuffixPolicy::DEFAULT, 8).is_empty());
+        assert!(s.guesses(&policy, 8).is_empty());
+        assert_eq!(s.guesses(&SuffixPolicy::DEFAULT, 8), vec![2, 3, 1]);
     }
 
     #[test]
