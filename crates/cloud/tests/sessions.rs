@@ -168,8 +168,10 @@ fn a_generation_the_verifier_drafts_for_is_the_targets_and_its_copies_are_accept
     let (url, gauges) = new_grpc_server(tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS);
     let p = tok
         .encode_chat(
-            "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog \
-             beside the old stone bridge.",
+            "Rename the variable `total` to `running_sum` in this function and write the whole \
+             function out again:\n\n```python\ndef average(values):\n    total = 0\n    \
+             count = 0\n    for value in values:\n        total += value\n        count += 1\n    \
+             if count == 0:\n        return 0\n    return total / count\n```",
         )
         .unwrap();
     let n = 48;
@@ -206,7 +208,7 @@ fn a_generation_the_verifier_drafts_for_is_the_targets_and_its_copies_are_accept
         .unwrap_or(0);
     let guessed = gauges.metrics.self_draft_guesses.get();
     assert!(
-        accepted > 5,
+        accepted >= 8,
         "{accepted} of {guessed} guesses accepted copying the prompt: {:?}",
         tok.decode(&got)
     );
