@@ -187,6 +187,8 @@ pub struct Row {
     pub cloud_tokens: usize,
     /// The verifier's guesses over the row, from its metrics: fed, accepted.
     pub verifier_guesses: (u64, u64),
+    /// Tokens the verifier told as decoded (its own guesses included).
+    pub cloud_decoded: usize,
 }
 
 /// Per draft and RTT: async against the best sync.
@@ -402,6 +404,14 @@ fn fold(draft: &str, rtt: f64, mode: Mode, outs: &[GenOutput], want: &[Vec<u32>]
             })
             .sum(),
         verifier_guesses: (0, 0),
+        cloud_decoded: outs
+            .iter()
+            .map(|o| {
+                o.spec
+                    .as_ref()
+                    .map_or(o.output_ids.len(), |s| s.measured.cloud_decoded)
+            })
+            .sum(),
     }
 }
 

@@ -168,6 +168,7 @@ pub fn run(a: &SoakArgs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
                         vocab,
                         tree: TreeConfig::LINEAR,
                         cover: 0.0,
+                        self_draft: true,
                     };
                     round += 1;
                     match synthetic_session(rt, url, tok, &prompts[k], &wants[k], edge) {

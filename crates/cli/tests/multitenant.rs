@@ -259,6 +259,7 @@ fn a_slow_speculation_session_is_taken_over_and_a_fast_one_is_not() {
             vocab: m.cfg.vocab as u32,
             tree: tandem_spec::TreeConfig::LINEAR,
             cover: 0.0,
+            self_draft: true,
         };
         tandem_bench::load::synthetic_session(&rt, &url, tok, p, &w, edge).unwrap()
     };

@@ -57,6 +57,7 @@ fn every_rule_stays_the_targets_through_netem_at_0_50_and_150_ms() {
             vocab: m.cfg.vocab as u32,
             tree: tandem_spec::TreeConfig::LINEAR,
             cover: 0.0,
+            self_draft: true,
         };
         let out = tandem_bench::load::synthetic_session(&rt, &url, tok, &p, &want, wrong).unwrap();
         assert_eq!(out.output_ids, want, "an always-wrong draft at {rtt} ms");

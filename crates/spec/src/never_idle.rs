@@ -16,6 +16,14 @@
 //! `S` is computed by stepping the schedule once (blocks of γ, at most `depth` plus the lead in
 //! blocks in flight); the run lengths are geometric in α as in [`crate::policy`], and a session
 //! of n tokens is the same recursion over the tokens left.
+//!
+//! Drafts that copy ([`crate::suffix`]) enter in two places. The verifier's own guesses make each
+//! of its decode forwards commit more than one token: a share of the positions lies in spans the
+//! session's text already holds, where it feeds `guesses` guesses, each right with the copied
+//! spans' acceptance ([`Copying`]); the schedule's decodes commit and compute that many on
+//! average. The edge's copies cost it no forward: its draft time per token is the model's times
+//! the share of its tokens the model drafts, and its α is the mix of both sources' (the caller's
+//! [`Costs`]).
 
 use crate::policy::Costs;
 
@@ -25,7 +33,75 @@ const SESSION_MAX: usize = 2048;
 
 /// One forward of the verifier for this session: `m` drafted tokens verified (0: a decode).
 fn forward_ms(c: &Costs, m: usize) -> f64 {
-    c.verify_ms + c.verify_ms_per_token * (m + 1) as f64
+    positions_ms(c, (m + 1) as f64)
+}
+
+/// A forward of the session that computes `positions` positions.
+fn positions_ms(c: &Costs, positions: f64) -> f64 {
+    c.verify_ms + c.verify_ms_per_token * positions
+}
+
+/// The verifier's own drafts while it decodes a session alone: `share` of the positions lie in
+/// copied spans (the session's text holds them already), where it feeds `guesses` guesses, each
+/// right with probability `alpha` once the ones before it were. None outside them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Copying {
+    pub share: f64,
+    pub alpha: f64,
+    pub guesses: usize,
+}
+
+impl Copying {
+    /// No guesses: one token a decode.
+    pub const NONE: Copying = Copying {
+        share: 0.0,
+        alpha: 0.0,
+        guesses: 0,
+    };
+
+    /// Tokens a decode forward commits on average: `1 + share · (α + α² + … + α^guesses)`.
+    pub fn tokens_per_decode(&self) -> f64 {
+        let a = self.alpha.clamp(0.0, 1.0);
+        let run: f64 = (1..=self.guesses as i32).map(|i| a.powi(i)).sum();
+        1.0 + self.share.clamp(0.0, 1.0) * run
+    }
+
+    /// Positions a decode forward computes on average: `1 + share · guesses`.
+    pub fn positions_per_decode(&self) -> f64 {
+        1.0 + self.share.clamp(0.0, 1.0) * self.guesses as f64
+    }
+
+    /// The copying that gives a run's measured rates: `tokens` and `positions` per decode
+    /// forward, with at most `guesses` guesses in a copied span (the share from the positions,
+    /// then the acceptance that gives the tokens).
+    pub fn from_rates(tokens: f64, positions: f64, guesses: usize) -> Copying {
+        let k = guesses.max(1);
+        let share = ((positions - 1.0) / k as f64).clamp(0.0, 1.0);
+        let mut c = Copying {
+            share,
+            alpha: 0.0,
+            guesses: k,
+        };
+        if share <= 0.0 {
+            return Copying::NONE;
+        }
+        let (mut lo, mut hi) = (0.0f64, 1.0f64);
+        for _ in 0..60 {
+            c.alpha = (lo + hi) / 2.0;
+            if c.tokens_per_decode() < tokens {
+                lo = c.alpha;
+            } else {
+                hi = c.alpha;
+            }
+        }
+        c
+    }
+}
+
+/// Cloud-only's ITL when the verifier drafts for the session as `copying` says: a decode forward
+/// per `tokens_per_decode` tokens.
+pub fn cloud_only_itl_ms(c: &Costs, copying: &Copying) -> f64 {
+    positions_ms(c, copying.positions_per_decode()) / copying.tokens_per_decode()
 }
 
 /// An endless run's schedule, per committed token `j` (from 0): when it is committed, and the
@@ -41,9 +117,26 @@ pub struct Schedule {
 /// The schedule `S(1..=n)` of an endless run that starts with a token committed at time 0, with
 /// the edge `reaction` ms late to act on it (busy in a draft forward).
 pub fn run_schedule(c: &Costs, gamma: usize, depth: usize, n: usize, reaction: f64) -> Schedule {
+    run_schedule_copying(c, gamma, depth, n, reaction, &Copying::NONE)
+}
+
+/// [`run_schedule`] with the verifier's own drafts in its decodes (`copying`): decoding alone,
+/// it commits a token per `positions_ms(positions per decode) / tokens per decode` (the fluid
+/// limit of decodes that commit several tokens: the runs stay the draft's, and a correction
+/// still starts one).
+pub fn run_schedule_copying(
+    c: &Costs,
+    gamma: usize,
+    depth: usize,
+    n: usize,
+    reaction: f64,
+    copying: &Copying,
+) -> Schedule {
+    let per_decode = copying.tokens_per_decode();
+    let decode_positions = copying.positions_per_decode() / per_decode;
     let g = gamma.max(1);
     let half = c.rtt_ms / 2.0;
-    let decode = forward_ms(c, 0);
+    let decode = positions_ms(c, copying.positions_per_decode()) / per_decode;
     // The verifier's lead in tokens when a block lands: the edge keeps that much more in flight.
     let lead = (c.rtt_ms / decode).ceil() as usize;
     let max_in_flight =
@@ -100,16 +193,18 @@ pub fn run_schedule(c: &Costs, gamma: usize, depth: usize, n: usize, reaction: f
             .get(next_block)
             .filter(|&&(_, land)| land <= v_time)
             .map(|&(end, _)| end);
-        let (m, fresh) = match usable {
+        let (fed, fresh, share, ms) = match usable {
             Some(end) => {
                 next_block += 1;
-                (end - j, end - j + 1)
+                let fed = (end - j + 1) as f64;
+                (fed, end - j + 1, 1.0, positions_ms(c, fed))
             }
-            None => (0, 1),
+            // Decoding alone: a token's share of a decode (its guesses included).
+            None => (decode_positions, 1, 1.0 / per_decode, decode),
         };
-        v_time += forward_ms(c, m);
-        v_positions += (m + 1) as f64;
-        v_forwards += 1.0;
+        v_time += ms;
+        v_positions += fed;
+        v_forwards += share;
         for _ in 0..fresh.min(n - commit.len()) {
             commit.push(v_time);
             positions.push(v_positions);
@@ -125,10 +220,21 @@ pub fn run_schedule(c: &Costs, gamma: usize, depth: usize, n: usize, reaction: f
 
 /// Expected inter-token latency of a session that commits `tokens` tokens after its first.
 pub fn session_itl_ms(c: &Costs, gamma: usize, depth: usize, tokens: usize) -> f64 {
+    session_itl_ms_copying(c, gamma, depth, tokens, &Copying::NONE)
+}
+
+/// [`session_itl_ms`] with the verifier's own drafts in its decodes ([`Copying`]).
+pub fn session_itl_ms_copying(
+    c: &Costs,
+    gamma: usize,
+    depth: usize,
+    tokens: usize,
+    copying: &Copying,
+) -> f64 {
     let n = tokens.clamp(1, SESSION_MAX);
     let a = c.alpha.clamp(0.0, 1.0);
-    let first = run_schedule(c, gamma, depth, n, 0.0).commit;
-    let later = run_schedule(c, gamma, depth, n, c.draft_ms / 2.0).commit;
+    let first = run_schedule_copying(c, gamma, depth, n, 0.0, copying).commit;
+    let later = run_schedule_copying(c, gamma, depth, n, c.draft_ms / 2.0, copying).commit;
     // P(K = k) for k tokens the draft gets right before the next correction, and P(K ≥ k).
     let p = |k: usize| (1.0 - a) * a.powi(k as i32);
     let at_least = |k: usize| a.powi(k as i32);
@@ -296,6 +402,40 @@ mod tests {
         // A useless draft: the verifier decodes, one position and one token a forward.
         let s = steady(&costs(0.0, 20.0, 100.0), 4, 2);
         assert_eq!((s.positions_per_forward, s.tokens_per_forward), (1.0, 1.0));
+    }
+
+    #[test]
+    fn the_verifiers_own_guesses_commit_their_mean_per_decode() {
+        let k = Copying {
+            share: 0.5,
+            alpha: 0.8,
+            guesses: 4,
+        };
+        let per = 1.0 + 0.5 * (0.8 + 0.64 + 0.512 + 0.4096);
+        assert!((k.tokens_per_decode() - per).abs() < 1e-12);
+        assert_eq!(k.positions_per_decode(), 3.0);
+        // The rates give back the copying.
+        let back = Copying::from_rates(per, 3.0, 4);
+        assert!((back.share - 0.5).abs() < 1e-12 && (back.alpha - 0.8).abs() < 1e-9);
+        // A useless draft: the verifier alone, at `per` tokens a decode of 3 positions.
+        let c = Costs {
+            verify_ms_per_token: 2.0,
+            ..costs(0.0, 20.0, 100.0)
+        };
+        let want = (50.0 + 2.0 * 3.0) / per;
+        assert!((cloud_only_itl_ms(&c, &k) - want).abs() < 1e-9);
+        let itl = session_itl_ms_copying(&c, 4, 2, 400, &k);
+        assert!((itl / want - 1.0).abs() < 0.02, "{itl} against {want}");
+        // Without guesses, the plain model.
+        assert_eq!(
+            session_itl_ms_copying(&c, 4, 2, 48, &Copying::NONE),
+            session_itl_ms(&c, 4, 2, 48)
+        );
+        // With a good draft at a long round trip, the guesses fill the verifier's decodes after
+        // each correction: faster than either alone.
+        let c = costs(0.8, 15.0, 200.0);
+        let both = session_itl_ms_copying(&c, 4, 2, 200, &k);
+        assert!(both < session_itl_ms(&c, 4, 2, 200) && both < cloud_only_itl_ms(&c, &k));
     }
 
     #[test]

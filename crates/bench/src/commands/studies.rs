@@ -372,6 +372,7 @@ pub fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
         token_budget: tandem_verifier::VerifierConfig::default().token_budget,
         kv_budget_mb: 2048,
         cloud_only: true,
+        self_drafts: vec![true],
         // Tree rows beside the async ones (not in the quick run).
         tree: if q {
             crate::latency::TreeArg(None)

@@ -162,6 +162,7 @@ pub(super) fn workload(
     }
     drop(link);
     drop(cloud);
+    predict_all(&mut rows, copy.len(), fresh.len());
     Ok(LatencyReport {
         peer_model: Vec::new(),
         tokens: a.tokens,
@@ -177,6 +178,89 @@ pub(super) fn workload(
     })
 }
 
+/// The verifier's own drafts in a row, as the model takes them: tokens and positions per decode
+/// forward, from the tokens it decoded (its accepted guesses among them) and the guesses it fed.
+fn copying_of(r: &Row) -> never_idle::Copying {
+    let (fed, accepted) = r.verifier_guesses;
+    let decodes = r.cloud_decoded.saturating_sub(accepted as usize).max(1) as f64;
+    never_idle::Copying::from_rates(
+        r.cloud_decoded.max(1) as f64 / decodes,
+        1.0 + fed as f64 / decodes,
+        tandem_spec::SuffixPolicy::DEFAULT.max_tokens,
+    )
+}
+
+/// The model beside each row ([`never_idle::session_itl_ms_copying`]), per workload and RTT:
+/// a one-position decode costs plain cloud-only's ITL, and each guess fed beside it what the
+/// cloud-only row with the verifier's guesses says (calibrated on that row: its prediction is its
+/// measurement); the async rows take their own α, draft time (a forward per token the model
+/// drafted, none for a copy), the round trip and their verifier's guesses.
+fn predict_all(rows: &mut [Row], copy_prompts: usize, fresh_prompts: usize) {
+    let groups: Vec<(String, f64)> = rows
+        .iter()
+        .map(|r| (r.workload.clone(), r.rtt_ms))
+        .collect();
+    for (w, rtt) in groups {
+        let find = |rows: &[Row], self_draft: bool| {
+            rows.iter()
+                .find(|r| {
+                    r.workload == w
+                        && r.rtt_ms == rtt
+                        && r.mode == Mode::CloudOnly
+                        && r.self_draft == self_draft
+                })
+                .cloned()
+        };
+        let (Some(plain), Some(own)) = (find(rows, false), find(rows, true)) else {
+            continue;
+        };
+        let d0 = plain.itl_ms.mean;
+        let k = copying_of(&own);
+        let per_position = if k.positions_per_decode() > 1.0 {
+            ((own.itl_ms.mean * k.tokens_per_decode() - d0) / (k.positions_per_decode() - 1.0))
+                .max(0.0)
+        } else {
+            0.0
+        };
+        let prompts = if w == "copy" {
+            copy_prompts
+        } else {
+            fresh_prompts
+        };
+        for r in rows
+            .iter_mut()
+            .filter(|r| r.workload == w && r.rtt_ms == rtt)
+        {
+            let copying = if r.self_draft {
+                copying_of(r)
+            } else {
+                never_idle::Copying::NONE
+            };
+            let model_share = match r.drafted {
+                0 => 1.0,
+                n => 1.0 - r.copied.copied as f64 / n as f64,
+            };
+            let c = Costs {
+                alpha: r.acceptance_rate,
+                draft_ms: r.draft_ms * model_share.max(0.0),
+                verify_ms: d0 - per_position,
+                verify_ms_per_token: per_position,
+                rtt_ms: rtt,
+                verdict_ms: r.verdict_ms,
+            };
+            let p = match r.mode {
+                Mode::CloudOnly => never_idle::cloud_only_itl_ms(&c, &copying),
+                _ => {
+                    let gaps = (r.tokens / prompts.max(1)).saturating_sub(1);
+                    never_idle::session_itl_ms_copying(&c, r.gamma, r.depth, gaps, &copying)
+                }
+            };
+            r.predicted_itl_ms = Some(round2(p));
+            r.model_error = Some(round2((r.itl_ms.mean - p) / p * 100.0) / 100.0);
+        }
+    }
+}
+
 /// The workload's table: each row beside its workload's plain cloud-only ITL, and which source
 /// committed how many tokens.
 pub fn copy_table(r: &LatencyReport) -> String {
@@ -188,8 +272,8 @@ pub fn copy_table(r: &LatencyReport) -> String {
         if r.edge_cpus.is_empty() { "any" } else { &r.edge_cpus },
         if r.cloud_cpus.is_empty() { "any" } else { &r.cloud_cpus },
     );
-    s += "| workload | RTT ms | mode | edge copies | verifier drafts | TTFT ms | ITL mean | p99 | × cloud-only | α (all drafts) | copies right / judged (proposed) | verifier guesses accepted / fed | committed: drafts accepted · verifier guessed · verifier's own | = target |\n";
-    s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    s += "| workload | RTT ms | mode | edge copies | verifier drafts | TTFT ms | ITL mean | p99 | × cloud-only | model ITL (err) | α (all drafts) | copies right / judged (proposed) | verifier guesses accepted / fed | committed: drafts accepted · verifier guessed · verifier's own | = target |\n";
+    s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for x in &r.rows {
         let spec = x.mode != Mode::CloudOnly;
         let base = r
@@ -204,7 +288,7 @@ pub fn copy_table(r: &LatencyReport) -> String {
             .map_or(0.0, |b| b.itl_ms.mean);
         let on = |b: bool| if b { "on" } else { "off" };
         s += &format!(
-            "| {} | {:.0} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {} | {} | {} | {} | {} · {} · {} | {} |\n",
+            "| {} | {:.0} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} · {} · {} | {} |\n",
             x.workload,
             x.rtt_ms,
             x.mode,
@@ -214,6 +298,10 @@ pub fn copy_table(r: &LatencyReport) -> String {
             x.itl_ms.mean,
             x.itl_ms.p99,
             if base > 0.0 { format!("{:.2}", x.itl_ms.mean / base) } else { "-".into() },
+            match (x.predicted_itl_ms, x.model_error) {
+                (Some(p), Some(e)) => format!("{p:.1} ({:+.0}%)", e * 100.0),
+                _ => "-".into(),
+            },
             if spec { format!("{:.2}", x.acceptance_rate) } else { "-".into() },
             if spec && x.suffix {
                 format!("{} / {} ({})", x.copied.right, x.copied.judged, x.copied.copied)

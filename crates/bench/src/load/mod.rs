@@ -76,6 +76,11 @@ pub struct LoadArgs {
     /// Also measure cloud-only clients at each load (`--no-cloud-only` skips them).
     #[arg(long = "no-cloud-only", action = clap::ArgAction::SetFalse)]
     pub cloud_only: bool,
+    /// Run every row with the verifier drafting for the sessions from their own text (on) and
+    /// without (off), or one of them: `on,off`, `on`, `off`.
+    #[arg(long = "self-draft", value_delimiter = ',', default_value = "on",
+          value_parser = tandem_edge::commands::parse_on_off)]
+    pub self_drafts: Vec<bool>,
     #[arg(skip)]
     pub edge_cpus: CpuSet,
     #[arg(skip)]
@@ -108,6 +113,9 @@ impl LoadArgs {
         }
         if self.prompts.is_empty() {
             bail!("--prompt: give at least one prompt");
+        }
+        if self.self_drafts.is_empty() {
+            bail!("--self-draft: on, off, or both");
         }
         if let Some(x) = self.alphas.iter().find(|x| !(0.0..=1.0).contains(*x)) {
             bail!("--alpha: {x} is not a probability");
@@ -186,6 +194,8 @@ pub struct LoadRow {
     /// Sessions whose output differed from the target's (must be 0), and refused or failed ones.
     pub mismatches: usize,
     pub failures: usize,
+    /// The verifier drafted for the sessions from their own text.
+    pub self_draft: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -328,29 +338,32 @@ pub fn run(
     }
     let mut link = Link::new()?;
     let url = link.set(&cloud.addr, a.rtt_ms, a.rtt_ms * a.jitter_frac)?;
-    let job = Job {
-        url: &url,
-        tok,
-        prompts: &prompts,
-        wants: &wants,
-        vocab: target.cfg.vocab as u32,
-        a,
-    };
     let mut rows = Vec::new();
     for &n in &a.sessions {
-        if a.cloud_only {
-            let r = drive(&job, n, None, &cloud)?;
-            on_row(&r);
-            rows.push(r);
-        }
-        for &alpha in &a.alphas {
-            for &depth in &a.depths {
-                let trees =
-                    std::iter::once(TreeConfig::LINEAR).chain(a.tree.0.filter(|_| depth > 1));
-                for tree in trees {
-                    let r = drive(&job, n, Some((alpha, depth, tree)), &cloud)?;
-                    on_row(&r);
-                    rows.push(r);
+        for &self_draft in &a.self_drafts {
+            let job = Job {
+                url: &url,
+                tok,
+                prompts: &prompts,
+                wants: &wants,
+                vocab: target.cfg.vocab as u32,
+                a,
+                self_draft,
+            };
+            if a.cloud_only {
+                let r = drive(&job, n, None, &cloud)?;
+                on_row(&r);
+                rows.push(r);
+            }
+            for &alpha in &a.alphas {
+                for &depth in &a.depths {
+                    let trees =
+                        std::iter::once(TreeConfig::LINEAR).chain(a.tree.0.filter(|_| depth > 1));
+                    for tree in trees {
+                        let r = drive(&job, n, Some((alpha, depth, tree)), &cloud)?;
+                        on_row(&r);
+                        rows.push(r);
+                    }
                 }
             }
         }

@@ -44,8 +44,10 @@ pub fn table(r: &LoadReport) -> String {
         "\nRTT {} ms, synthetic draft {} ms/token, γ ≤ {}, depth {:?}, token budget {}, {} s measured per row; SLOs: p99 ITL ≤ {:.1} ms, mean ITL ≤ {:.1} ms (3× and 1.5× the single-session cloud-only mean).\n\n",
         r.rtt_ms, r.draft_ms, r.gamma, r.depths, r.token_budget, r.duration_s, r.slo_ms, r.mean_slo_ms
     ));
-    s.push_str("| mode | N | α (set / measured) | tok/s | ITL mean | ITL p50 | ITL p99 | TTFT p50 | batch | tokens/fwd | fwd ms (busy) | queue ms | fwd/token (bound) | γ granted | cloud-decoded | ÷ cloud-only | side nodes/token (lane hits) | sessions | wrong |\n");
-    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    s.push_str("| mode | verifier drafts | N | α (set / measured) | tok/s | ITL mean | ITL p50 | ITL p99 | TTFT p50 | batch | tokens/fwd | fwd ms (busy) | queue ms | fwd/token (bound) | γ granted | cloud-decoded | ÷ cloud-only | side nodes/token (lane hits) | sessions | wrong |\n");
+    s.push_str(
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
     for x in &r.rows {
         let alpha = x
             .alpha
@@ -56,7 +58,7 @@ pub fn table(r: &LoadReport) -> String {
         let base = r
             .rows
             .iter()
-            .find(|c| c.alpha.is_none() && c.sessions == x.sessions)
+            .find(|c| c.alpha.is_none() && c.sessions == x.sessions && c.self_draft == x.self_draft)
             .filter(|c| c.throughput_tok_s > 0.0);
         let side = if x.mode == Mode::AsyncTree {
             format!("{:.2} ({})", x.side_nodes_per_token, x.lane_hits)
@@ -67,8 +69,9 @@ pub fn table(r: &LoadReport) -> String {
             format!("{:.2}", x.throughput_tok_s / c.throughput_tok_s)
         });
         s.push_str(&format!(
-            "| {} | {} | {alpha} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} ({:.0}%) | {:.1} | {:.2}{bound} | {:.1} | {:.0}% | {ratio} | {side} | {} | {} |\n",
+            "| {} | {} | {} | {alpha} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} ({:.0}%) | {:.1} | {:.2}{bound} | {:.1} | {:.0}% | {ratio} | {side} | {} | {} |\n",
             shape_label(x.mode, x.depth),
+            if x.self_draft { "on" } else { "off" },
             x.sessions,
             x.throughput_tok_s,
             x.itl_ms.mean,

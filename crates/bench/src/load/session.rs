@@ -80,6 +80,8 @@ pub(super) struct Job<'a> {
     pub(super) wants: &'a [Vec<u32>],
     pub(super) vocab: u32,
     pub(super) a: &'a LoadArgs,
+    /// The verifier drafts for the sessions (and the cloud-only generations) from their text.
+    pub(super) self_draft: bool,
 }
 
 /// A speculative row's synthetic edges: α, blocks in flight, token trees.
@@ -99,6 +101,8 @@ pub struct SyntheticEdge {
     /// covers.
     pub tree: TreeConfig,
     pub cover: f64,
+    /// Let the verifier draft for the session from its own text (protocol 7).
+    pub self_draft: bool,
 }
 
 /// One synthetic speculation session against the verifier at `url`: `want` is the target's greedy
@@ -127,7 +131,7 @@ pub fn synthetic_session(
         grammar: None,
         output_from: None,
         logprobs: None,
-        self_draft: true,
+        self_draft: edge.self_draft,
     };
     let (mut link, opened) = GrpcLink::connect(rt, url, req)?;
     let cfg = SpecConfig {
@@ -141,8 +145,9 @@ pub fn synthetic_session(
         rule: VerifyRule::Greedy,
         params: SamplingParams::default(),
         q_top_k: 0,
-        self_draft: true,
-        suffix: true,
+        self_draft: edge.self_draft,
+        // A synthetic draft proposes every token itself.
+        suffix: false,
     };
     let mut d = SyntheticDrafter::new(
         prompt.len(),
@@ -188,6 +193,7 @@ fn spec_session(
         vocab: j.vocab,
         tree,
         cover: j.a.cover,
+        self_draft: j.self_draft,
     };
     let r = synthetic_session(rt, j.url, j.tok, prompt, want, edge)?;
     Ok(SessionOut {
@@ -210,13 +216,17 @@ fn cloud_session(j: &Job<'_>, rt: &tokio::runtime::Runtime, k: usize) -> Result<
     let start = Instant::now();
     let mut commits = Vec::new();
     let mut out = Vec::new();
-    tandem_edge::grpc::generate_remote(
+    tandem_edge::grpc::generate_remote_with(
         rt,
         tandem_edge::grpc::Remote::plain(j.url),
         j.tok.fingerprint(),
         prompt,
         SamplingParams::default(),
         want.len() as u32,
+        tandem_edge::grpc::GenerateOptions {
+            grammar: None,
+            self_draft: j.self_draft,
+        },
         |t| {
             commits.push((Instant::now(), 1));
             out.push(t);
@@ -337,6 +347,7 @@ pub(super) fn drive(
         p99: round2(s.p99),
     };
     Ok(LoadRow {
+        self_draft: j.self_draft,
         mode: match spec {
             Some((_, d, t)) if t.side_nodes > 0 && d > 1 => tandem_client::Mode::AsyncTree,
             s => mode_of(s.map(|s| s.1)),
