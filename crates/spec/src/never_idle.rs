@@ -31,11 +31,6 @@ use crate::policy::Costs;
 /// the one run that begins with an idle edge, is well under 1% of it).
 const SESSION_MAX: usize = 2048;
 
-/// One forward of the verifier for this session: `m` drafted tokens verified (0: a decode).
-fn forward_ms(c: &Costs, m: usize) -> f64 {
-    positions_ms(c, (m + 1) as f64)
-}
-
 /// A forward of the session that computes `positions` positions.
 fn positions_ms(c: &Costs, positions: f64) -> f64 {
     c.verify_ms + c.verify_ms_per_token * positions
