@@ -129,6 +129,8 @@ pub const EDGE_COPY_POLICY: SuffixPolicy = SuffixPolicy {
     min_match: 2,
     factor: 1.0,
     max_tokens: usize::MAX,
+    // (Priced by the copier's own record instead.)
+    position_cost: 0.0,
 };
 
 /// Match lengths from which each bucket of the copier's record starts.

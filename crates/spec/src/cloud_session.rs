@@ -34,7 +34,7 @@ use std::borrow::Cow;
 use crate::grammar::Grammar;
 use crate::pipeline::{Block, BlockId, Decoded, Verdict};
 use crate::sampling::{token_logprob, SamplingParams, TokenLogprob};
-use crate::suffix::{SuffixIndex, SuffixPolicy};
+use crate::suffix::{SelfDrafter, SuffixPolicy};
 use crate::tree::{Node, Step};
 use crate::verify::{judge, judge_guesses, judge_run, target_token, Guess, VerifyRule};
 use crate::SpecError;
@@ -125,11 +125,9 @@ pub struct CloudSession {
     logprobs: Option<usize>,
     pending_logprobs: Vec<TokenLogprob>,
     /// The verifier drafts for itself (see [`CloudSession::self_guesses`]): the committed
-    /// sequence indexed, and how its matches become guesses.
+    /// sequence indexed, its guesses priced.
     #[serde(skip)]
-    suffix: Option<SuffixIndex>,
-    #[serde(skip)]
-    self_policy: SuffixPolicy,
+    suffix: Option<SelfDrafter>,
 }
 
 /// What a decode step committed: the target's tokens in position order (the verifier's own
@@ -171,7 +169,6 @@ impl CloudSession {
             logprobs: None,
             pending_logprobs: Vec::new(),
             suffix: None,
-            self_policy: SuffixPolicy::DEFAULT,
         }
     }
 
@@ -179,8 +176,7 @@ impl CloudSession {
     /// the committed sequence (prompt included) by a suffix index, under `policy`
     /// ([`CloudSession::self_guesses`]).
     pub fn with_self_draft(mut self, policy: SuffixPolicy) -> Self {
-        self.suffix = Some(SuffixIndex::of(&self.committed));
-        self.self_policy = policy;
+        self.suffix = Some(SelfDrafter::new(&self.committed, policy));
         self
     }
 
@@ -203,20 +199,16 @@ impl CloudSession {
     /// end-of-generation token (`eog`, kept) and within what the session may still commit: its
     /// `limit` of committed tokens, the context, the flow window (the target's token after them
     /// is committed too).
-    pub fn self_guesses(&self, most: usize, limit: usize, eog: &[u32]) -> Vec<u32> {
-        let Some(ix) = &self.suffix else {
-            return Vec::new();
-        };
+    pub fn self_guesses(&mut self, most: usize, limit: usize, eog: &[u32]) -> Vec<u32> {
         let c = self.committed.len();
         let room = limit
             .min(self.max_len)
             .min(self.acked + FLOW_WINDOW)
             .saturating_sub(c + 1);
-        let mut g = ix.guesses(&self.self_policy, most.min(room));
-        if let Some(i) = g.iter().position(|t| eog.contains(t)) {
-            g.truncate(i + 1);
+        match &mut self.suffix {
+            Some(d) => d.guesses(most.min(room), eog),
+            None => Vec::new(),
         }
-        g
     }
 
     /// Keep the target's log-probability of each committed token, with `top` alternatives
@@ -571,6 +563,9 @@ impl CloudSession {
         }
         self.verified_positions += guesses.len() as u64;
         self.kv_len = self.committed.len() - 1;
+        if let Some(d) = &mut self.suffix {
+            d.judged(guesses.len(), tokens.len() - 1);
+        }
         Ok(DecodeRun {
             guessed: guesses.len(),
             accepted: tokens.len() - 1,

@@ -46,12 +46,14 @@ pub struct Match {
 }
 
 /// How a side turns matches into guesses: none below `min_match` tokens matched, then
-/// `factor` guesses per matched token, at most `max_tokens`.
+/// `factor` guesses per matched token, at most `max_tokens`; and, for the verifier's own guesses
+/// ([`SelfDrafter`]), what a position fed costs, as a share of a one-position forward.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SuffixPolicy {
     pub min_match: usize,
     pub factor: f64,
     pub max_tokens: usize,
+    pub position_cost: f64,
 }
 
 impl SuffixPolicy {
@@ -61,6 +63,7 @@ impl SuffixPolicy {
         min_match: 1,
         factor: 2.0,
         max_tokens: 16,
+        position_cost: 0.1,
     };
 
     /// Guesses to take from a match of `len` tokens.
@@ -289,10 +292,135 @@ impl SuffixIndex {
     }
 }
 
+/// Match lengths from which each bucket of a [`SelfDrafter`]'s record starts.
+const BUCKETS: [usize; 4] = [1, 3, 6, 12];
+/// A bucket's record before any guess: (accepted, rejected) as if half were right.
+const PRIOR: (f64, f64) = (1.0, 1.0);
+const DECAY: f64 = 0.95;
+
+/// The verifier's own drafts for one session: its text indexed, and how often its guesses after
+/// matches of each length were accepted, which prices them: it feeds the number of guesses `k`
+/// that commits the most tokens per unit of forward time, `(1 + a + a² + … + a^k) / (1 + k·c)`
+/// for a guess's acceptance `a` after such a match (the chance the target takes the next one
+/// once it took those before) and a position's cost `c` ([`SuffixPolicy::position_cost`]):
+/// none where its guesses are seldom right.
+#[derive(Debug, Clone)]
+pub struct SelfDrafter {
+    index: SuffixIndex,
+    policy: SuffixPolicy,
+    /// Decayed (accepted, rejected) guesses per bucket of match lengths.
+    record: [(f64, f64); BUCKETS.len()],
+    /// The bucket of the guesses last proposed, until they are judged.
+    proposed: Option<usize>,
+}
+
+impl SelfDrafter {
+    pub fn new(text: &[u32], policy: SuffixPolicy) -> Self {
+        Self {
+            index: SuffixIndex::of(text),
+            policy,
+            record: [PRIOR; BUCKETS.len()],
+            proposed: None,
+        }
+    }
+
+    pub fn extend(&mut self, tokens: &[u32]) {
+        self.index.extend(tokens);
+    }
+
+    pub fn push(&mut self, token: u32) {
+        self.index.push(token);
+    }
+
+    fn bucket(len: usize) -> usize {
+        BUCKETS.iter().rposition(|&b| len >= b).unwrap_or(0)
+    }
+
+    /// The guesses to feed now, at most `most`, stopping after an end token of `eog`.
+    pub fn guesses(&mut self, most: usize, eog: &[u32]) -> Vec<u32> {
+        self.proposed = None;
+        let Some(m) = self.index.longest() else {
+            return Vec::new();
+        };
+        let b = Self::bucket(m.len);
+        let (acc, rej) = self.record[b];
+        let k = priced(
+            acc / (acc + rej),
+            self.policy.position_cost,
+            self.policy.guesses(m.len).min(most),
+        );
+        let mut g = self.index.after(&m, k).to_vec();
+        if let Some(e) = g.iter().position(|t| eog.contains(t)) {
+            g.truncate(e + 1);
+        }
+        if !g.is_empty() {
+            self.proposed = Some(b);
+        }
+        g
+    }
+
+    /// The guesses last proposed were fed: `guessed` of them, `accepted` taken by the target.
+    pub fn judged(&mut self, guessed: usize, accepted: usize) {
+        let Some(b) = self.proposed.take() else {
+            return;
+        };
+        if guessed == 0 {
+            return;
+        }
+        let r = &mut self.record[b];
+        r.0 = DECAY * r.0 + accepted as f64;
+        r.1 = DECAY * r.1 + f64::from(u8::from(accepted < guessed));
+    }
+}
+
+/// The number of guesses (at most `most`) that commits the most tokens per unit of forward time
+/// when each is taken with probability `a` once those before it were, and each costs `cost` of
+/// a one-position forward: 0 when even one does not pay.
+pub fn priced(a: f64, cost: f64, most: usize) -> usize {
+    let (mut best, mut best_rate) = (0, 1.0);
+    let (mut tokens, mut p) = (1.0, 1.0);
+    for k in 1..=most {
+        p *= a.clamp(0.0, 1.0);
+        tokens += p;
+        let rate = tokens / (1.0 + k as f64 * cost.max(0.0));
+        if rate > best_rate * (1.0 + 1e-9) {
+            (best, best_rate) = (k, rate);
+        }
+    }
+    best
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn guesses_are_priced_by_their_acceptance_and_cost() {
+        // Seldom right: none. Often right: many, fewer as positions cost more.
+        assert_eq!(priced(0.05, 0.1, 16), 0);
+        assert_eq!(priced(0.9, 0.0, 16), 16);
+        assert!(priced(0.9, 0.05, 16) > priced(0.9, 0.2, 16));
+        assert!(priced(0.9, 0.2, 16) >= 1);
+        assert_eq!(priced(0.9, 0.1, 3), 3);
+        // The drafter learns: after rejections of its guesses after one-token matches, it stops.
+        let mut d = SelfDrafter::new(&[1, 2, 3, 1], SuffixPolicy::DEFAULT);
+        assert_eq!(d.guesses(8, &[]), vec![2, 3]);
+        d.judged(2, 0);
+        let mut stops = false;
+        for _ in 0..10 {
+            let g = d.guesses(8, &[]);
+            if g.is_empty() {
+                stops = true;
+                break;
+            }
+            d.judged(g.len(), 0);
+        }
+        assert!(stops, "it kept guessing after misses");
+        // An end token ends the guesses.
+        let mut d = SelfDrafter::new(&[1, 2, 7, 5, 1], SuffixPolicy::DEFAULT);
+        assert_eq!(d.guesses(8, &[7]), vec![2, 7]);
+    }
 
     /// The longest suffix of `text` that also ends before its last position, found by trying
     /// every length and every earlier end.
@@ -402,6 +530,7 @@ mod tests {
             min_match: 2,
             factor: 1.0,
             max_tokens: 8,
+            position_cost: 0.1,
         };
         assert_eq!(
             s.guesses(&policy, 8),

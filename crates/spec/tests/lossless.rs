@@ -78,11 +78,13 @@ thread_local! {
     static SELF_DRAFT: Cell<bool> = const { Cell::new(false) };
 }
 
-/// The verifier's self-drafting policy in these tests: any match, up to five guesses.
+/// The verifier's self-drafting policy in these tests: any match, up to five guesses, whose
+/// positions cost nothing (so that it keeps guessing however often it misses).
 const SELF_POLICY: SuffixPolicy = SuffixPolicy {
     min_match: 1,
     factor: 2.0,
     max_tokens: 5,
+    position_cost: 0.0,
 };
 
 /// The target's token at `pos` after `last` under `grammar` (at its state there). Greedy: its

@@ -155,7 +155,7 @@ pub(crate) enum Work {
         eog: Vec<u32>,
         /// Its text indexed, when the verifier drafts for it, and the guesses planned for its
         /// next forward (fed behind `next`).
-        suffix: Option<tandem_spec::SuffixIndex>,
+        suffix: Option<tandem_spec::SelfDrafter>,
         guesses: Vec<u32>,
     },
 }

@@ -246,8 +246,8 @@ impl<T: Target, H> VerifierCore<T, H> {
                             suffix,
                             ..
                         } => {
-                            if let Some(ix) = suffix {
-                                ix.push(first);
+                            if let Some(d) = suffix {
+                                d.push(first);
                             }
                             *produced = 1;
                             let done = *max_tokens <= 1 || eog.contains(&first);
@@ -420,8 +420,9 @@ impl<T: Target, H> VerifierCore<T, H> {
                     kv_len.push((id, s.history.len()));
                     self.stats.self_draft_guesses += g.len() as u64;
                     self.stats.self_drafted += accepted.len() as u64;
-                    if let Some(ix) = suffix {
-                        ix.extend(&tokens);
+                    if let Some(d) = suffix {
+                        d.judged(g.len(), accepted.len());
+                        d.extend(&tokens);
                     }
                     let mut done = false;
                     for &token in &tokens {
@@ -541,9 +542,9 @@ impl<T: Target, H> VerifierCore<T, H> {
     /// ([`VerifierCore::self_draft_room`]), shared evenly, and the KV pages free now
     /// ([`tandem_sched::Scheduler::widen`]): never at another session's expense.
     fn widen_self_drafts(&mut self, plan: &mut Batch) {
-        let Some(policy) = self.self_draft else {
+        if self.self_draft.is_none() {
             return;
-        };
+        }
         let mut room = self.self_draft_room(plan);
         let alone: Vec<usize> = (0..plan.chunks.len())
             .filter(|&i| {
@@ -572,7 +573,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                 .sessions
                 .get_mut(&id)
                 .expect("invariant: planned sessions are open");
-            let mut guesses = match &s.work {
+            let mut guesses = match &mut s.work {
                 Work::Spec {
                     vs: Some(vs),
                     limit,
@@ -580,19 +581,14 @@ impl<T: Target, H> VerifierCore<T, H> {
                     ..
                 } => vs.self_guesses(share, *limit, eog),
                 Work::Generation {
-                    suffix: Some(ix),
+                    suffix: Some(d),
                     produced,
                     max_tokens,
                     eog,
                     ..
                 } => {
                     // The token after the guesses is produced too.
-                    let most = share.min(max_tokens.saturating_sub(*produced + 1));
-                    let mut g = ix.guesses(&policy, most);
-                    if let Some(e) = g.iter().position(|t| eog.contains(t)) {
-                        g.truncate(e + 1);
-                    }
-                    g
+                    d.guesses(share.min(max_tokens.saturating_sub(*produced + 1)), eog)
                 }
                 _ => Vec::new(),
             };

@@ -198,8 +198,12 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                         Some(self.load.clamp(want, 0).0),
                     ),
                     Mode::Generate => {
-                        let suffix = (new.self_draft && self.self_draft.is_some())
-                            .then(|| tandem_spec::SuffixIndex::of(&new.prompt));
+                        let suffix = match (new.self_draft, self.self_draft) {
+                            (true, Some(policy)) => {
+                                Some(tandem_spec::SelfDrafter::new(&new.prompt, policy))
+                            }
+                            _ => None,
+                        };
                         (Self::generation_work(new.max_tokens, new.eog, suffix), None)
                     }
                 };

@@ -224,6 +224,14 @@ impl<T: Target, H> VerifierCore<T, H> {
             self_draft: (cfg.self_draft_max > 0).then_some(tandem_spec::SuffixPolicy {
                 max_tokens: cfg.self_draft_max,
                 min_match: cfg.self_draft_min_match.max(1),
+                // A position's cost beside a one-token forward: the target's compute slope
+                // (below the ridge a CPU's forward still grows with its tokens), else the default.
+                position_cost: cfg
+                    .load
+                    .forward_cost
+                    .map_or(tandem_spec::SuffixPolicy::DEFAULT.position_cost, |c| {
+                        c.ms_per_token / c.one_token_ms.max(1e-9)
+                    }),
                 ..tandem_spec::SuffixPolicy::DEFAULT
             }),
             stats: VerifierStats::default(),
@@ -494,7 +502,7 @@ impl<T: Target, H> VerifierCore<T, H> {
     pub(crate) fn generation_work(
         max_tokens: usize,
         eog: Vec<u32>,
-        suffix: Option<tandem_spec::SuffixIndex>,
+        suffix: Option<tandem_spec::SelfDrafter>,
     ) -> Work {
         Work::Generation {
             next: None,
