@@ -302,8 +302,9 @@ const DECAY: f64 = 0.95;
 /// matches of each length were accepted, which prices them: it feeds the number of guesses `k`
 /// that commits the most tokens per unit of forward time, `(1 + a + a² + … + a^k) / (1 + k·c)`
 /// for a guess's acceptance `a` after such a match (the chance the target takes the next one
-/// once it took those before) and a position's cost `c` ([`SuffixPolicy::position_cost`]):
-/// none where its guesses are seldom right.
+/// once it took those before) and a position's cost `c` ([`SuffixPolicy::position_cost`]) times
+/// the sessions that share the forward (each waits for the position; only this one gains by
+/// it): none where its guesses are seldom right, nor in a forward many sessions share.
 #[derive(Debug, Clone)]
 pub struct SelfDrafter {
     index: SuffixIndex,
@@ -336,8 +337,9 @@ impl SelfDrafter {
         BUCKETS.iter().rposition(|&b| len >= b).unwrap_or(0)
     }
 
-    /// The guesses to feed now, at most `most`, stopping after an end token of `eog`.
-    pub fn guesses(&mut self, most: usize, eog: &[u32]) -> Vec<u32> {
+    /// The guesses to feed now, at most `most`, stopping after an end token of `eog`, in a
+    /// forward of `sessions` sessions.
+    pub fn guesses(&mut self, most: usize, eog: &[u32], sessions: usize) -> Vec<u32> {
         self.proposed = None;
         let Some(m) = self.index.longest() else {
             return Vec::new();
@@ -346,7 +348,7 @@ impl SelfDrafter {
         let (acc, rej) = self.record[b];
         let k = priced(
             acc / (acc + rej),
-            self.policy.position_cost,
+            self.policy.position_cost * sessions.max(1) as f64,
             self.policy.guesses(m.len).min(most),
         );
         let mut g = self.index.after(&m, k).to_vec();
@@ -405,11 +407,12 @@ mod tests {
         assert_eq!(priced(0.9, 0.1, 3), 3);
         // The drafter learns: after rejections of its guesses after one-token matches, it stops.
         let mut d = SelfDrafter::new(&[1, 2, 3, 1], SuffixPolicy::DEFAULT);
-        assert_eq!(d.guesses(8, &[]), vec![2, 3]);
+        assert!(d.guesses(8, &[], 16).is_empty(), "a forward of 16 sessions");
+        assert_eq!(d.guesses(8, &[], 1), vec![2, 3]);
         d.judged(2, 0);
         let mut stops = false;
         for _ in 0..10 {
-            let g = d.guesses(8, &[]);
+            let g = d.guesses(8, &[], 1);
             if g.is_empty() {
                 stops = true;
                 break;
@@ -419,7 +422,7 @@ mod tests {
         assert!(stops, "it kept guessing after misses");
         // An end token ends the guesses.
         let mut d = SelfDrafter::new(&[1, 2, 7, 5, 1], SuffixPolicy::DEFAULT);
-        assert_eq!(d.guesses(8, &[7]), vec![2, 7]);
+        assert_eq!(d.guesses(8, &[7], 1), vec![2, 7]);
     }
 
     /// The longest suffix of `text` that also ends before its last position, found by trying

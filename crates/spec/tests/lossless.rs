@@ -331,7 +331,7 @@ impl Cloud {
                 Err(e) => return Err(TestCaseError::fail(format!("planning a block: {e}"))),
             }
         }
-        let guesses = self.session.self_guesses(usize::MAX, self.limit, &[EOG]);
+        let guesses = self.session.self_guesses(usize::MAX, self.limit, &[EOG], 1);
         let plan = self
             .session
             .decode_feed_with(&guesses)

@@ -546,6 +546,7 @@ impl<T: Target, H> VerifierCore<T, H> {
             return;
         }
         let mut room = self.self_draft_room(plan);
+        let sessions = plan.chunks.len();
         let alone: Vec<usize> = (0..plan.chunks.len())
             .filter(|&i| {
                 let c = &plan.chunks[i];
@@ -579,7 +580,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                     limit,
                     eog,
                     ..
-                } => vs.self_guesses(share, *limit, eog),
+                } => vs.self_guesses(share, *limit, eog, sessions),
                 Work::Generation {
                     suffix: Some(d),
                     produced,
@@ -588,7 +589,8 @@ impl<T: Target, H> VerifierCore<T, H> {
                     ..
                 } => {
                     // The token after the guesses is produced too.
-                    d.guesses(share.min(max_tokens.saturating_sub(*produced + 1)), eog)
+                    let most = share.min(max_tokens.saturating_sub(*produced + 1));
+                    d.guesses(most, eog, sessions)
                 }
                 _ => Vec::new(),
             };
