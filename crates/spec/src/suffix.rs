@@ -425,26 +425,6 @@ mod tests {
         assert_eq!(d.guesses(8, &[7], 1), vec![2, 7]);
     }
 
-    /// The longest suffix of `text` that also ends before its last position, found by trying
-    /// every length and every earlier end.
-    fn brute(text: &[u32]) -> Option<Match> {
-        let n = text.len();
-        for len in (1..n).rev() {
-            let suffix = &text[n - len..];
-            let ends: Vec<usize> = (len - 1..n - 1)
-                .filter(|&e| &text[e + 1 - len..=e] == suffix)
-                .collect();
-            if let Some(&end) = ends.last() {
-                return Some(Match {
-                    len,
-                    count: ends.len(),
-                    end,
-                });
-            }
-        }
-        None
-    }
-
     /// The longest suffix of `tail` that occurs in `text` ending before its last position, its
     /// count of such occurrences and the most recent, by trying every length and end.
     fn brute_end(text: &[u32], tail: &[u32]) -> Option<Match> {
@@ -499,7 +479,8 @@ mod tests {
                 let mut s = SuffixIndex::new();
                 for (i, &t) in text.iter().enumerate() {
                     s.push(t);
-                    let want = brute(&text[..=i]);
+                    // The text's own end is a tail read against it.
+                    let want = brute_end(&text[..=i], &text[..=i]);
                     prop_assert_eq!(s.longest(), want, "after {} tokens", i + 1);
                     if let Some((m, p)) = s.propose(5) {
                         let from = m.end + 1;

@@ -264,14 +264,7 @@ fn predict_all(rows: &mut [Row], copy_prompts: usize, fresh_prompts: usize) {
 /// The workload's table: each row beside its workload's plain cloud-only ITL, and which source
 /// committed how many tokens.
 pub fn copy_table(r: &LatencyReport) -> String {
-    let mut s = format!(
-        "{} prompts × {} tokens, greedy; jitter ±{:.0}% of the RTT; edge on cpus {}, verifier (own process) on cpus {}\n\n",
-        r.prompts,
-        r.tokens,
-        r.jitter_frac * 100.0,
-        if r.edge_cpus.is_empty() { "any" } else { &r.edge_cpus },
-        if r.cloud_cpus.is_empty() { "any" } else { &r.cloud_cpus },
-    );
+    let mut s = super::report::header(r);
     s += "| workload | RTT ms | mode | edge copies | verifier drafts | TTFT ms | ITL mean | p99 | × cloud-only | model ITL (err) | α (all drafts) | copies right / judged (proposed) | verifier guesses accepted / fed | committed: drafts accepted · verifier guessed · verifier's own | = target |\n";
     s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for x in &r.rows {

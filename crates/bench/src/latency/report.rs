@@ -45,16 +45,21 @@ pub(super) fn summarize(rows: &[Row], drafts: &[Draft], rtts: &[f64]) -> Vec<Ver
     out
 }
 
-/// Markdown tables of the report.
-pub fn table(r: &LatencyReport) -> String {
-    let mut s = format!(
+/// The line above a report's tables: its prompts, tokens, jitter and cores.
+pub(super) fn header(r: &LatencyReport) -> String {
+    format!(
         "{} prompts × {} tokens, greedy; jitter ±{:.0}% of the RTT; edge on cpus {}, verifier (own process) on cpus {}\n\n",
         r.prompts,
         r.tokens,
         r.jitter_frac * 100.0,
         if r.edge_cpus.is_empty() { "any" } else { &r.edge_cpus },
         if r.cloud_cpus.is_empty() { "any" } else { &r.cloud_cpus },
-    );
+    )
+}
+
+/// Markdown tables of the report.
+pub fn table(r: &LatencyReport) -> String {
+    let mut s = header(r);
     s += "| draft | RTT ms | mode | schema | T | rule | γ | depth | TTFT ms | ITL mean | p50 | p99 | α | α with lanes | E[A] | side nodes | lane hits | wasted drafts | forced | draft ms | edge ms/verdict | model ITL | model err | = target |\n";
     s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for x in &r.rows {
