@@ -290,12 +290,19 @@ impl DraftSeq {
         self.copier.as_ref().map(Copier::stats)
     }
 
+    /// Tell the copier the session's committed tokens (prompt included): what it copies from,
+    /// and what judges its copies. Nothing without a copier.
+    pub fn sync(&mut self, committed: &[u32]) {
+        if let Some(c) = &mut self.copier {
+            c.sync(committed);
+        }
+    }
+
     /// The tokens drafted without a forward of the draft model at every leaf (`base` followed
     /// by `leaves[i]`), if any: what the grammar forces ([`DraftSeq::forced`]), else, on a linear
-    /// draft, the copier's guess (`committed`: the session's committed tokens, prompt included).
+    /// draft, the copier's guess (from the committed tokens last told: [`DraftSeq::sync`]).
     pub fn skip_forward(
         &mut self,
-        committed: &[u32],
         base: &[u32],
         leaves: &[Vec<u32>],
     ) -> Result<Option<Vec<Proposal>>, EdgeError> {
@@ -305,7 +312,6 @@ impl DraftSeq {
         let (Some(c), [leaf]) = (&mut self.copier, leaves) else {
             return Ok(None);
         };
-        c.sync(committed);
         let path = [base, &leaf[..]].concat();
         let Some((token, m)) = c.guess(&path) else {
             return Ok(None);
@@ -671,8 +677,6 @@ impl DraftSeq {
 pub struct EngineDrafter<'a> {
     engine: &'a mut Engine,
     seq: DraftSeq,
-    /// The session's committed tokens, as last told ([`Drafter::committed`]).
-    committed: Vec<u32>,
 }
 
 impl<'a> EngineDrafter<'a> {
@@ -680,11 +684,7 @@ impl<'a> EngineDrafter<'a> {
     /// [`prefill_draft`]).
     pub fn new(engine: &'a mut Engine, prompt: &[u32], cfg: &SpecConfig) -> Self {
         let seq = DraftSeq::new(engine, SEQ, prompt, cfg);
-        Self {
-            engine,
-            seq,
-            committed: prompt.to_vec(),
-        }
+        Self { engine, seq }
     }
 
     /// Draft under `grammar` (a structured output) after the `prompt_len` prompt tokens.
@@ -710,12 +710,11 @@ impl<'a> EngineDrafter<'a> {
 
 impl Drafter for EngineDrafter<'_> {
     fn committed(&mut self, tokens: &[u32]) {
-        self.committed.clear();
-        self.committed.extend_from_slice(tokens);
+        self.seq.sync(tokens);
     }
 
     fn grow(&mut self, base: &[u32], leaves: &[Vec<u32>]) -> Result<Vec<Proposal>, EdgeError> {
-        if let Some(p) = self.seq.skip_forward(&self.committed, base, leaves)? {
+        if let Some(p) = self.seq.skip_forward(base, leaves)? {
             return Ok(p);
         }
         let step = self.seq.grow_step(self.engine, base, leaves)?;

@@ -13,7 +13,7 @@
 //! two most recent end positions (bounded by [`MAX_WALK`]: past it, deeper states keep an older
 //! occurrence, still a real and earlier one). After each token, [`SuffixIndex::longest`] is the
 //! longest suffix of the text that also ends earlier: its length, how often it occurred before,
-//! and where it last did; [`SuffixIndex::propose`] copies what followed there.
+//! and where it last did; [`SuffixIndex::after`] copies what followed there.
 
 use std::collections::HashMap;
 
@@ -219,18 +219,6 @@ impl SuffixIndex {
         self.found
     }
 
-    /// Up to `max` tokens that followed the most recent earlier occurrence of the longest match,
-    /// with the match (None without one, or for `max` 0).
-    pub fn propose(&self, max: usize) -> Option<(Match, &[u32])> {
-        let m = self.found?;
-        if max == 0 {
-            return None;
-        }
-        let from = m.end + 1;
-        let to = (from + max).min(self.text.len());
-        Some((m, &self.text[from..to]))
-    }
-
     /// The longest suffix of `tail` (a text that need not be indexed: the committed text and
     /// tokens drafted after it) that occurs in the indexed text ending before its last position,
     /// and the most recent such occurrence: what followed it is a guess of what follows `tail`.
@@ -275,20 +263,11 @@ impl SuffixIndex {
         None
     }
 
-    /// The tokens that followed `m` (from [`match_end`](Self::match_end)), at most `max`.
+    /// The tokens that followed `m` (from [`longest`](Self::longest) or
+    /// [`match_end`](Self::match_end)), at most `max`.
     pub fn after(&self, m: &Match, max: usize) -> &[u32] {
         let from = (m.end + 1).min(self.text.len());
         &self.text[from..(from + max).min(self.text.len())]
-    }
-
-    /// [`propose`](Self::propose) under `policy`: nothing below its shortest match, else as many
-    /// tokens as it takes from a match of that length, at most `most`.
-    pub fn guesses(&self, policy: &SuffixPolicy, most: usize) -> Vec<u32> {
-        let Some(m) = self.found else {
-            return Vec::new();
-        };
-        let n = policy.guesses(m.len).min(most);
-        self.propose(n).map_or_else(Vec::new, |(_, t)| t.to_vec())
     }
 }
 
@@ -482,13 +461,21 @@ mod tests {
                     // The text's own end is a tail read against it.
                     let want = brute_end(&text[..=i], &text[..=i]);
                     prop_assert_eq!(s.longest(), want, "after {} tokens", i + 1);
-                    if let Some((m, p)) = s.propose(5) {
+                    if let Some(m) = s.longest() {
+                        let p = s.after(&m, 5);
                         let from = m.end + 1;
                         prop_assert_eq!(p, &text[from..(from + 5).min(i + 1)]);
                     }
                 }
             }
         }
+    }
+
+    /// What a policy takes from the index's match: its guesses, at most `most`.
+    fn guesses(s: &SuffixIndex, policy: &SuffixPolicy, most: usize) -> Vec<u32> {
+        s.longest().map_or_else(Vec::new, |m| {
+            s.after(&m, policy.guesses(m.len).min(most)).to_vec()
+        })
     }
 
     #[test]
@@ -503,10 +490,10 @@ mod tests {
                 end: 6
             })
         );
-        assert_eq!(s.propose(4).unwrap().1, &[3, 5, 9, 1]);
+        assert_eq!(s.after(&s.longest().unwrap(), 4), &[3, 5, 9, 1]);
         s.push(3);
         assert_eq!(
-            s.propose(2).unwrap().1,
+            s.after(&s.longest().unwrap(), 2),
             &[5, 9],
             "the most recent occurrence"
         );
@@ -517,21 +504,21 @@ mod tests {
             position_cost: 0.1,
         };
         assert_eq!(
-            s.guesses(&policy, 8),
+            guesses(&s, &policy, 8),
             vec![5, 9, 1, 2],
             "a guess per matched token"
         );
         assert_eq!(
-            s.guesses(&policy, 3),
+            guesses(&s, &policy, 3),
             vec![5, 9, 1],
             "at most what is asked"
         );
         // Too short a match proposes nothing under the policy.
         let s = SuffixIndex::of(&[1, 2, 3, 1]);
         assert_eq!(s.longest().map(|m| m.len), Some(1));
-        assert!(s.guesses(&policy, 8).is_empty());
+        assert!(guesses(&s, &policy, 8).is_empty());
         assert_eq!(
-            s.guesses(&SuffixPolicy::DEFAULT, 8),
+            guesses(&s, &SuffixPolicy::DEFAULT, 8),
             vec![2, 3],
             "two per matched token"
         );
@@ -546,6 +533,6 @@ mod tests {
         let m = s.longest().unwrap();
         assert_eq!(m.len, 3 * MAX_WALK - 1);
         assert_eq!(m.end, 3 * MAX_WALK - 2);
-        assert_eq!(s.propose(3).unwrap().1, &[7]);
+        assert_eq!(s.after(&s.longest().unwrap(), 3), &[7]);
     }
 }

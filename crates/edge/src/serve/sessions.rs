@@ -684,7 +684,8 @@ impl Sessions {
             // their KV feeds them).
             if let (RoundWork::Draft(f), Phase::Spec(d)) = (&p, &mut a.phase) {
                 let base = &d.session().pipeline().tokens()[..f.base];
-                match a.seq.skip_forward(d.session().committed(), base, &f.leaves) {
+                a.seq.sync(d.session().committed());
+                match a.seq.skip_forward(base, &f.leaves) {
                     Ok(Some(props)) => {
                         let out = &mut a.out;
                         match d.grown(props, 0.0, &mut |u| out.on_update(u)) {
