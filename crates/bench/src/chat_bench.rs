@@ -355,6 +355,7 @@ fn predict(r: &mut Row, cost: Option<&tandem_spec::capacity::ForwardCost>, a: &C
             cached_tokens: t.cached_tokens.round() as usize,
             new_tokens: a.max_tokens,
             token_budget: tandem_verifier::VerifierConfig::default().token_budget,
+            copying: tandem_spec::never_idle::Copying::NONE,
         };
         let o = tandem_spec::capacity::operate_on(&costs, cost, r.users, 0, 1, &w);
         t.model_ttft_ms = Some(round2(o.ttft_ms));

@@ -248,6 +248,7 @@ impl PlanQuery {
             cached_tokens: (self.prompt_tokens as f64 * self.prefix_hit) as usize,
             new_tokens: unlimited(self.new_tokens),
             token_budget: unlimited(self.token_budget),
+            copying: tandem_spec::never_idle::Copying::NONE,
         }
     }
 }

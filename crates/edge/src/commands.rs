@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use tandem_engine::{CpuSet, Engine, EngineConfig};
 use tandem_models::store::{self as models, ModelSpec};
+use tandem_spec::pipeline::parse_on_off;
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::VerifyRule;
 
@@ -192,22 +193,13 @@ pub struct ShapeArgs {
     /// Let the verifier draft for itself while it decodes the session alone (after a
     /// correction, until the edge's next blocks catch up): guesses copied from the session's own
     /// text, verified in the same forward (on, off).
-    #[arg(long, default_value = "on", value_parser = parse_on_off)]
+    #[arg(long, default_value = "on", action = clap::ArgAction::Set, value_parser = parse_on_off)]
     pub self_draft: bool,
     /// Draft by copying from the session's own text (prompt and output) where the end of what
     /// is drafted matches it, without a forward of the draft model; each match length is used
     /// while its copies turn out right often enough (on, off).
-    #[arg(long, default_value = "on", value_parser = parse_on_off)]
+    #[arg(long, default_value = "on", action = clap::ArgAction::Set, value_parser = parse_on_off)]
     pub suffix: bool,
-}
-
-/// `on` or `off`.
-pub fn parse_on_off(s: &str) -> Result<bool, String> {
-    match s {
-        "on" => Ok(true),
-        "off" => Ok(false),
-        _ => Err(format!("`{s}`: on or off")),
-    }
 }
 
 impl ShapeArgs {
@@ -263,5 +255,31 @@ impl std::str::FromStr for RuleChoice {
                 .map(RuleChoice::Rule)
                 .map_err(|e: String| format!("{e}, or auto")),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        shape: ShapeArgs,
+    }
+
+    #[test]
+    fn on_off_flags_take_their_value() {
+        let f = Flags::try_parse_from(["t"]).unwrap();
+        assert!(f.shape.self_draft && f.shape.suffix, "on by default");
+        let f = Flags::try_parse_from(["t", "--self-draft", "off", "--suffix", "off"]).unwrap();
+        assert!(!f.shape.self_draft && !f.shape.suffix);
+        let f = Flags::try_parse_from(["t", "--self-draft=on", "--suffix", "on"]).unwrap();
+        assert!(f.shape.self_draft && f.shape.suffix);
+        let e = Flags::try_parse_from(["t", "--suffix", "yes"])
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("on or off"), "{e}");
     }
 }

@@ -3,7 +3,8 @@
 
 use tandem_engine::{Engine, Logits, Parent, SeqChunk, SeqId, Wanted};
 use tandem_spec::sampling::{sample, second_choice, SamplingParams};
-use tandem_spec::suffix::{Match, SuffixIndex, SuffixPolicy};
+use tandem_spec::suffix::EDGE_COPY_POLICY;
+pub use tandem_spec::suffix::{Copier, CopyStats};
 use tandem_spec::verify::{draft_sample, draft_sibling, VerifyRule};
 use tandem_spec::{Grammar, Hedge};
 
@@ -88,158 +89,6 @@ pub struct DraftSeq {
     forced_tokens: usize,
     /// Drafts that copy from the session's text (None: the model drafts every token).
     copier: Option<Copier>,
-}
-
-/// The edge's suffix drafter: guesses copied from the committed text (prompt and output) where
-/// the end of the path drafted on matches it for long enough, proposed without a forward of the
-/// draft model (the next step that needs their KV feeds them in one chunk). Each source is
-/// priced by how often its tokens turned out right, judged by the committed text: copies by the
-/// length of the match they followed, the model's own tokens as one. A copy replaces the model's
-/// token where copies after matches of its length are right at least as often as the model's
-/// tokens (less [`COPY_MARGIN`]: a copy saves a draft forward) and at least [`COPY_MIN_ALPHA`].
-#[derive(Debug, Clone)]
-pub struct Copier {
-    index: SuffixIndex,
-    policy: SuffixPolicy,
-    /// Proposals not yet judged by the committed text: position, token, and the match-length
-    /// bucket of a copy (None: the model's).
-    pending: std::collections::VecDeque<(usize, u32, Option<usize>)>,
-    /// Decayed (right, judged) of the model's own tokens.
-    model: (f64, f64),
-    /// Decayed (right, judged) of the copies of each bucket of match lengths, and the guesses
-    /// each held back since its last copy (one in [`COPY_PROBE_EVERY`] is copied anyway, so that
-    /// a bucket whose copies turn right again is used again).
-    record: [(f64, f64); COPY_BUCKETS.len()],
-    held: [u32; COPY_BUCKETS.len()],
-    stats: CopyStats,
-}
-
-/// What a copier proposed and how much of it the committed text confirmed.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct CopyStats {
-    /// Tokens proposed by copy, and those of them judged (the committed text reached their
-    /// position) and right.
-    pub copied: usize,
-    pub judged: usize,
-    pub right: usize,
-}
-
-/// The edge copies after matches of two tokens or more (one token per draft step: no limit).
-pub const EDGE_COPY_POLICY: SuffixPolicy = SuffixPolicy {
-    min_match: 2,
-    factor: 1.0,
-    max_tokens: usize::MAX,
-    // (Priced by the copier's own record instead.)
-    position_cost: 0.0,
-};
-
-/// Match lengths from which each bucket of the copier's record starts.
-const COPY_BUCKETS: [usize; 4] = [1, 3, 6, 12];
-/// Copies of a bucket right less often than this leave the draft to the model.
-pub const COPY_MIN_ALPHA: f64 = 0.5;
-/// How much less often than the model's tokens a copy may be right and still replace one.
-pub const COPY_MARGIN: f64 = 0.05;
-/// The model's record before any of its tokens is judged: about the W4A16 draft's α.
-const MODEL_PRIOR: (f64, f64) = (3.2, 4.0);
-/// A bucket's record before any copy (hits, judged): worth trying (above the model's prior).
-const COPY_PRIOR: (f64, f64) = (3.6, 4.0);
-/// A bucket below [`COPY_MIN_ALPHA`] still copies one guess in this many.
-const COPY_PROBE_EVERY: u32 = 8;
-const COPY_DECAY: f64 = 0.95;
-/// The path's tokens read back to find a match (longer matches are as good as this long).
-const COPY_WINDOW: usize = 48;
-
-impl Copier {
-    /// A copier over `prompt`, copying after matches of `policy.min_match` tokens or more.
-    pub fn new(prompt: &[u32], policy: SuffixPolicy) -> Self {
-        Self {
-            index: SuffixIndex::of(prompt),
-            policy,
-            pending: Default::default(),
-            model: MODEL_PRIOR,
-            record: [COPY_PRIOR; COPY_BUCKETS.len()],
-            held: [0; COPY_BUCKETS.len()],
-            stats: CopyStats::default(),
-        }
-    }
-
-    pub fn stats(&self) -> CopyStats {
-        self.stats
-    }
-
-    fn bucket(len: usize) -> usize {
-        COPY_BUCKETS.iter().rposition(|&b| len >= b).unwrap_or(0)
-    }
-
-    /// Take in the committed text: the index grows with it, and the copies it reached are judged.
-    pub fn sync(&mut self, committed: &[u32]) {
-        let n = self.index.len();
-        // (The committed text only grows: its last indexed token tells a continuation.)
-        if committed.len() < n || (n > 0 && committed[n - 1] != self.index.text()[n - 1]) {
-            // Another text (not a continuation: never within a session): start over.
-            self.index = SuffixIndex::of(committed);
-        } else {
-            self.index.extend(&committed[n..]);
-        }
-        while let Some(&(pos, token, b)) = self.pending.front() {
-            if pos >= committed.len() {
-                break;
-            }
-            self.pending.pop_front();
-            let right = committed[pos] == token;
-            let r = match b {
-                Some(b) => &mut self.record[b],
-                None => &mut self.model,
-            };
-            *r = (
-                COPY_DECAY * r.0 + f64::from(u8::from(right)),
-                COPY_DECAY * r.1 + 1.0,
-            );
-            if b.is_some() {
-                self.stats.judged += 1;
-                self.stats.right += usize::from(right);
-            }
-        }
-    }
-
-    /// The model drafted `token` at `pos` (a linear draft's): judged like a copy, for the price.
-    pub fn drafted(&mut self, pos: usize, token: u32) {
-        // Only the newest proposal at a position is judged: a later one replaces it.
-        while self.pending.back().is_some_and(|&(p, _, _)| p >= pos) {
-            self.pending.pop_back();
-        }
-        self.pending.push_back((pos, token, None));
-    }
-
-    /// A copy of what followed the longest earlier match of `path`'s end, when the match is long
-    /// enough and copies after matches of its length have been right often enough.
-    pub fn guess(&mut self, path: &[u32]) -> Option<(u32, Match)> {
-        let tail = &path[path.len().saturating_sub(COPY_WINDOW)..];
-        let m = self.index.match_end(tail)?;
-        if m.len < self.policy.min_match.max(1) {
-            return None;
-        }
-        let b = Self::bucket(m.len);
-        let (right, judged) = self.record[b];
-        let model = self.model.0 / self.model.1;
-        if right < judged * COPY_MIN_ALPHA.max(model - COPY_MARGIN) {
-            self.held[b] += 1;
-            if !self.held[b].is_multiple_of(COPY_PROBE_EVERY) {
-                return None;
-            }
-        }
-        self.index.after(&m, 1).first().map(|&t| (t, m))
-    }
-
-    /// `token` was proposed at `pos` by copy after a match `m`.
-    fn proposed(&mut self, pos: usize, token: u32, m: &Match) {
-        self.stats.copied += 1;
-        while self.pending.back().is_some_and(|&(p, _, _)| p >= pos) {
-            self.pending.pop_back();
-        }
-        self.pending
-            .push_back((pos, token, Some(Self::bucket(m.len))));
-    }
 }
 
 /// A planned draft step of one sequence: its chunk, then what [`DraftSeq::finish`] needs.
@@ -728,37 +577,5 @@ impl Drafter for EngineDrafter<'_> {
             self.seq.free(self.engine);
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_copier_copies_after_a_match_and_stops_where_its_copies_go_wrong() {
-        // "a b c d e ... a b" → "c", then (the path drafted on) "a b c" → "d".
-        let prompt = [1, 2, 3, 4, 5, 9, 1, 2];
-        let mut c = Copier::new(&prompt, EDGE_COPY_POLICY);
-        c.sync(&prompt);
-        assert_eq!(c.guess(&prompt).map(|g| g.0), Some(3));
-        assert_eq!(c.guess(&[&prompt[..], &[3]].concat()).map(|g| g.0), Some(4));
-        // A match of one token is too short.
-        assert_eq!(c.guess(&[5, 9, 7, 1]), None);
-        // Copies after two-token matches keep turning out wrong: that length stops copying.
-        let mut text = prompt.to_vec();
-        let mut copied = 0;
-        for k in 0..40 {
-            text.extend([20 + k, 1, 2]); // the target said otherwise, then "a b" again
-            c.sync(&text);
-            if let Some((t, m)) = c.guess(&text) {
-                assert_eq!(m.len, 2, "step {k}");
-                c.proposed(text.len(), t, &m);
-                copied += 1;
-            }
-        }
-        // A miss or two, then one probe in eight.
-        assert!((4..=8).contains(&copied), "{copied} copies of 40");
-        assert_eq!(c.stats().right, 0);
     }
 }

@@ -14,7 +14,7 @@ use tandem_cloud::validation::{self, OnStream, SessionStream};
 use tandem_proto::v1::{self, edge_message, EdgeMessage, ModelInfo};
 use tandem_proto::{rule_to_proto, FromCloud, PROTOCOL_VERSION};
 use tandem_sched::{SessionId, TenantId};
-use tandem_sim::{target_token, SimTarget, VOCAB};
+use tandem_sim::{target_token, SimTarget, Texts, VOCAB};
 use tandem_spec::capacity::ForwardCost;
 use tandem_spec::pipeline::{Next, Output, TreeConfig};
 use tandem_spec::sampling::SamplingParams;
@@ -76,14 +76,14 @@ fn eog() -> Vec<u32> {
 
 impl World {
     fn new() -> Self {
-        let target = SimTarget {
-            cost: ForwardCost {
+        let target = SimTarget::new(
+            ForwardCost {
                 one_token_ms: 20.0,
                 ms_per_token: 1.0,
             },
-            num_blocks: KV_BLOCKS,
-            seed: SEED,
-        };
+            KV_BLOCKS,
+            Texts::new(SEED),
+        );
         let cfg = VerifierConfig {
             token_budget: 32,
             max_sessions: 3,

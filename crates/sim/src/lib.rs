@@ -30,7 +30,7 @@ use serde::Serialize;
 use tandem_spec::capacity::ForwardCost;
 
 pub use report::{simulate, table};
-pub use target::{target_token, SimTarget, VOCAB};
+pub use target::{target_token, CopySpans, SimTarget, Texts, VOCAB};
 
 use crate::stats::Summary;
 
@@ -107,6 +107,23 @@ pub struct SimConfig {
     /// New tokens per session.
     #[arg(long = "tokens", default_value_t = 48)]
     pub new_tokens: usize,
+    /// The share of each session's output that copies spans of its own text (the prompt and the
+    /// output before), as code edits, corrections and quotes do; 0: it never copies.
+    #[arg(long, default_value_t = 0.0)]
+    pub copy_share: f64,
+    /// Mean length of a copied span, tokens.
+    #[arg(long, default_value_t = 12.0)]
+    pub copy_span: f64,
+    /// The replicas draft for each session from its own text while they decode it alone
+    /// (`generate --self-draft`; on, off).
+    #[arg(long, default_value = "on", action = clap::ArgAction::Set,
+          value_parser = tandem_spec::pipeline::parse_on_off)]
+    pub self_draft: bool,
+    /// Each edge copies from its session's text beside its draft, on linear drafts
+    /// (`generate --suffix`; on, off).
+    #[arg(long, default_value = "on", action = clap::ArgAction::Set,
+          value_parser = tandem_spec::pipeline::parse_on_off)]
+    pub suffix: bool,
     #[arg(long, default_value_t = 64)]
     pub token_budget: usize,
     /// KV blocks of 16 token slots per replica.
@@ -155,6 +172,16 @@ pub struct SimRow {
     pub prefix_hit: f64,
     /// Share of the main path's misses a lane of the draft tree covered (token trees).
     pub lane_cover: f64,
+    /// Share of the output the target's texts copied (`--copy-share`, as drawn).
+    pub copy_share: f64,
+    /// Share of the committed tokens that were the replicas' own accepted guesses, and the
+    /// share of their guesses accepted.
+    pub self_drafted_share: f64,
+    pub self_draft_acceptance: f64,
+    /// Tokens the edges proposed by copy per committed token, and the share of those judged
+    /// that were right (sessions done).
+    pub edge_copied_share: f64,
+    pub edge_copy_acceptance: f64,
     pub predicted_itl_ms: f64,
     pub predicted_tokens_per_s: f64,
     pub predicted_ttft_ms: f64,
@@ -193,6 +220,12 @@ impl SimConfig {
         }
         if self.new_tokens == 0 || self.prompt_tokens == 0 {
             return Err(bad("--tokens and --prompt-tokens must be at least 1".into()));
+        }
+        if !(0.0..1.0).contains(&self.copy_share) || self.copy_span < 1.0 {
+            return Err(bad(format!(
+                "--copy-share must be within 0..1 and --copy-span at least 1, got {} and {}",
+                self.copy_share, self.copy_span
+            )));
         }
         if !(0.0..1.0).contains(&self.prefix_hit) {
             return Err(bad(format!(

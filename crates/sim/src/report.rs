@@ -5,11 +5,13 @@
 use std::collections::{BinaryHeap, HashMap};
 
 use tandem_spec::capacity::{operate_on, recommend_fleet, Workload};
+use tandem_spec::never_idle::Copying;
 use tandem_spec::policy::Costs;
+use tandem_spec::suffix::{priced, SuffixPolicy};
 use tandem_verifier::{LoadConfig, VerifierConfig, VerifierCore};
 
 use crate::stats::Summary;
-use crate::target::SimTarget;
+use crate::target::{SimTarget, Texts};
 use crate::world::{gaps, Replica, Session, Sim};
 use crate::{SimConfig, SimError, SimRow};
 
@@ -19,12 +21,9 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow, SimError> {
     let wall = std::time::Instant::now();
     let per_replica = cfg.users.div_ceil(cfg.replicas);
     let mut replicas = Vec::new();
+    let texts = Texts::new(cfg.seed);
     for r in 0..cfg.replicas {
-        let target = SimTarget {
-            cost: cfg.cost,
-            num_blocks: cfg.kv_blocks,
-            seed: cfg.seed,
-        };
+        let target = SimTarget::new(cfg.cost, cfg.kv_blocks, texts.clone());
         // As `cloud serve` sets it up: grants within the configured shape, saturating at twice
         // the ridge, γ 0 as the last level, takeovers by pace.
         let load = if cfg.adaptive && cfg.gamma > 0 {
@@ -81,6 +80,9 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow, SimError> {
         lane_hits: 0,
         done_sessions: Vec::new(),
         events: 0,
+        texts,
+        copy_share: (0.0, 0),
+        copied: (0, 0, 0),
     };
     sim.run();
     let all: Vec<&Session> = sim
@@ -97,25 +99,50 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow, SimError> {
         .map(|e| e.measured().cloud_decoded)
         .sum();
     let takeovers: usize = sim.replicas.iter().map(|r| r.takeovers).sum();
+    let (self_guesses, self_drafted) = sim.replicas.iter().fold((0, 0), |(g, d), r| {
+        (
+            g + r.core.stats.self_draft_guesses,
+            d + r.core.stats.self_drafted,
+        )
+    });
+    let done_committed: usize = sim.done_sessions.iter().map(|s| s.committed).sum();
     let span = (sim.window.1 - sim.window.0) as f64 / 1e6;
     let forwards: u64 = sim.replicas.iter().map(|r| r.forwards).sum();
     let fwd_tokens: u64 = sim.replicas.iter().map(|r| r.tokens).sum();
     let busy: u64 = sim.replicas.iter().map(|r| r.busy_us).sum();
+    let per = cfg.users.div_ceil(cfg.replicas);
+    let spans = span_model(cfg, per);
+    let copying = if cfg.self_draft {
+        spans.copying
+    } else {
+        Copying::NONE
+    };
+    // The edges draft that share of their tokens by copy, without a forward.
+    let edge_copies = cfg.suffix && cfg.gamma > 0 && cfg.tree.0.is_none();
+    let (alpha, draft_ms) = if edge_copies {
+        let s = spans.edge_share;
+        (
+            (1.0 - s) * cfg.alpha + s * spans.edge_alpha,
+            (1.0 - s) * cfg.draft_ms,
+        )
+    } else {
+        (cfg.alpha, cfg.draft_ms)
+    };
     let costs = Costs {
-        alpha: cfg.alpha,
-        draft_ms: cfg.draft_ms,
+        alpha,
+        draft_ms,
         verify_ms: 0.0,
         verify_ms_per_token: 0.0,
         rtt_ms: cfg.rtt_ms,
         // A simulated edge handles verdicts in no time.
         verdict_ms: 0.0,
     };
-    let per = cfg.users.div_ceil(cfg.replicas);
     let work = Workload {
         prompt_tokens: cfg.prompt_tokens,
         cached_tokens: (cfg.prompt_tokens as f64 * cfg.prefix_hit) as usize,
         new_tokens: cfg.new_tokens,
         token_budget: cfg.token_budget,
+        copying,
     };
     // An adaptive replica is predicted at the model's best shape within γ and depth (γ 0
     // included), a fixed one at its shape.
@@ -160,12 +187,93 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRow, SimError> {
             r2(hits as f64 / queries.max(1) as f64)
         },
         lane_cover: r2(sim.lane_hits as f64 / (sim.judged - sim.accepted).max(1) as f64),
+        copy_share: r2(sim.copy_share.0 / sim.copy_share.1.max(1) as f64),
+        self_drafted_share: r2(self_drafted as f64 / committed.max(1) as f64),
+        self_draft_acceptance: r2(self_drafted as f64 / self_guesses.max(1) as f64),
+        edge_copied_share: r2(sim.copied.0 as f64 / done_committed.max(1) as f64),
+        edge_copy_acceptance: r2(sim.copied.2 as f64 / sim.copied.1.max(1) as f64),
         predicted_itl_ms: r2(pred.itl_ms),
         predicted_tokens_per_s: r2(pred.tokens_per_s * (cfg.users as f64 / per as f64)),
         predicted_ttft_ms: r2(pred.ttft_ms),
         events: sim.events,
         wall_s: r2(wall.elapsed().as_secs_f64()),
     })
+}
+
+/// What the model is given for a text that copies itself (`--copy-share`, `--copy-span`).
+struct SpanModel {
+    /// The verifier's decodes of a session alone, with its own guesses in them.
+    copying: Copying,
+    /// The share of an edge's drafted tokens it copies, and how often those are right.
+    edge_share: f64,
+    edge_alpha: f64,
+}
+
+/// The model of the drawn texts: a span starts at a fresh position with probability q and is
+/// `L` tokens long (an exponential of mean `--copy-span`, rounded, at least 1). The verifier
+/// decodes a span's first [`LOCK_ON`] tokens alone (its match is one token long until then: too
+/// short to be worth a guess in a text whose single tokens recur), then feeds guesses, two per
+/// matched token up to the number its drafter prices at this load for a guess right with the
+/// span's continuation probability `1 − 1/span`; each decode commits the guesses the span still
+/// covers plus its own token. The edges copy once their path matches two tokens: the span's rest,
+/// and one wrong copy past its end.
+fn span_model(cfg: &SimConfig, sessions: usize) -> SpanModel {
+    const LOCK_ON: usize = 2;
+    let none = SpanModel {
+        copying: Copying::NONE,
+        edge_share: 0.0,
+        edge_alpha: 0.0,
+    };
+    if cfg.copy_share <= 0.0 {
+        return none;
+    }
+    let (share, l) = (cfg.copy_share.min(0.99), cfg.copy_span.max(1.0));
+    let q = share / (l * (1.0 - share) + share);
+    let policy = SuffixPolicy::DEFAULT;
+    let most = VerifierConfig::default().self_draft_max;
+    let cost = cfg.cost.ms_per_token / cfg.cost.one_token_ms.max(1e-9);
+    let g = priced(1.0 - 1.0 / l, cost * sessions as f64, most);
+    // Per span of each length: tokens committed, decodes, positions; the edge's copies and the
+    // right ones. P(L = n) of the rounded exponential.
+    let cdf = |x: f64| 1.0 - (-x.max(0.0) / l).exp();
+    let (mut span, mut tokens, mut decodes, mut positions) = (0.0, 0.0, 0.0, 0.0);
+    let (mut copies, mut right) = (0.0, 0.0);
+    for n in 1..=(40.0 * l) as usize {
+        let p = cdf(n as f64 + 0.5) - if n == 1 { 0.0 } else { cdf(n as f64 - 0.5) };
+        let alone = n.min(LOCK_ON);
+        let (mut t, mut f, mut x, mut m) = (alone, alone as f64, alone as f64, alone);
+        while t < n {
+            let k = policy.guesses(m).min(g);
+            if k == 0 {
+                // No guess is worth its position: the span is decoded alone.
+                f += (n - t) as f64;
+                x += (n - t) as f64;
+                t = n;
+                break;
+            }
+            let accepted = k.min(n - t);
+            f += 1.0;
+            x += 1.0 + k as f64;
+            t += accepted + 1;
+            m += accepted + 1;
+        }
+        span += p * n as f64;
+        tokens += p * t as f64;
+        decodes += p * f;
+        positions += p * x;
+        if n > LOCK_ON {
+            copies += p * (n - LOCK_ON + 1) as f64;
+            right += p * (n - LOCK_ON) as f64;
+        }
+    }
+    // Per fresh position: a fresh token with probability 1 − q, else a span.
+    let per = |fresh: f64, spans: f64| (1.0 - q) * fresh + q * spans;
+    let (tokens, decodes, positions) = (per(1.0, tokens), per(1.0, decodes), per(1.0, positions));
+    SpanModel {
+        copying: Copying::from_rates(tokens / decodes, positions / decodes, g.max(1)),
+        edge_share: (q * copies / per(1.0, span)).min(1.0),
+        edge_alpha: right / copies.max(1e-9),
+    }
 }
 
 pub fn table(rows: &[SimRow]) -> String {

@@ -1,9 +1,11 @@
 use crate::*;
 
+pub(super) use runs::cfg as runs_cfg;
+
 mod runs {
     use super::*;
 
-    fn cfg(users: usize, gamma: usize) -> SimConfig {
+    pub(crate) fn cfg(users: usize, gamma: usize) -> SimConfig {
         SimConfig {
             users,
             replicas: 1,
@@ -21,6 +23,10 @@ mod runs {
             prompt_tokens: 1,
             prefix_hit: 0.0,
             new_tokens: 200,
+            copy_share: 0.0,
+            copy_span: 12.0,
+            self_draft: true,
+            suffix: true,
             token_budget: 64,
             kv_blocks: 8192,
             cost: ForwardCost {
@@ -191,10 +197,81 @@ mod runs {
                 },
                 "--tokens",
             ),
+            (
+                SimConfig {
+                    copy_share: 1.0,
+                    ..cfg(1, 4)
+                },
+                "--copy-share",
+            ),
         ] {
             let e = simulate(&c).unwrap_err().to_string();
             assert!(e.contains(want), "{e}");
         }
+    }
+}
+
+mod copying {
+    use super::runs_cfg as cfg;
+    use super::*;
+
+    /// Texts that copy half their output from earlier in themselves, at 100 ms: every row
+    /// lossless; each side's drafts that copy are used where they are on and only there; with
+    /// both, async beats cloud-only with the verifier's copies; the model follows every row.
+    #[test]
+    fn a_text_that_copies_itself_is_drafted_by_both_sides_and_stays_lossless() {
+        let run = |gamma, self_draft, suffix, copy_share| {
+            simulate(&SimConfig {
+                prompt_tokens: 100,
+                new_tokens: 96,
+                copy_share,
+                rtt_ms: 100.0,
+                duration_s: 60.0,
+                self_draft,
+                suffix,
+                ..cfg(1, gamma)
+            })
+            .unwrap()
+        };
+        let plain = run(0, false, false, 0.5);
+        let cloud = run(0, true, false, 0.5);
+        let model_only = run(4, false, false, 0.5);
+        let edge = run(4, false, true, 0.5);
+        let both = run(4, true, true, 0.5);
+        for r in [&plain, &cloud, &model_only, &edge, &both] {
+            assert_eq!((r.wrong_tokens, r.protocol_errors), (0, 0), "{r:?}");
+            assert!((0.4..0.6).contains(&r.copy_share), "{r:?}");
+            let gap = (r.predicted_itl_ms - r.itl_ms.mean).abs() / r.itl_ms.mean;
+            assert!(gap < 0.15, "the model is {:.0}% off: {r:?}", gap * 100.0);
+        }
+        // Only the sides that copy do.
+        for r in [&plain, &model_only, &edge] {
+            assert_eq!(r.self_drafted_share, 0.0, "{r:?}");
+        }
+        for r in [&plain, &cloud, &model_only] {
+            assert_eq!(r.edge_copied_share, 0.0, "{r:?}");
+        }
+        assert!(cloud.self_drafted_share > 0.2, "{cloud:?}");
+        assert!(both.self_drafted_share > 0.1, "{both:?}");
+        for r in [&edge, &both] {
+            assert!(
+                r.edge_copied_share > 0.3 && r.edge_copy_acceptance > 0.8,
+                "{r:?}"
+            );
+        }
+        // Each source commits faster than without it.
+        assert!(cloud.itl_ms.mean < 0.8 * plain.itl_ms.mean);
+        assert!(edge.itl_ms.mean < model_only.itl_ms.mean);
+        assert!(both.itl_ms.mean < edge.itl_ms.mean);
+        assert!(both.itl_ms.mean < cloud.itl_ms.mean);
+        // A text that never copies: the verifier's guesses (after chance matches) cost nothing
+        // that shows.
+        let (fresh_off, fresh_on) = (run(0, false, false, 0.0), run(0, true, false, 0.0));
+        assert!(
+            fresh_on.itl_ms.mean <= 1.02 * fresh_off.itl_ms.mean,
+            "{fresh_on:?}"
+        );
+        assert_eq!(fresh_on.wrong_tokens, 0);
     }
 }
 
@@ -220,6 +297,10 @@ mod adaptive {
             prompt_tokens: 30,
             prefix_hit: 0.0,
             new_tokens: 40,
+            copy_share: 0.0,
+            copy_span: 12.0,
+            self_draft: true,
+            suffix: true,
             token_budget: 64,
             kv_blocks: 8192,
             cost: ForwardCost {
@@ -263,4 +344,18 @@ mod adaptive {
         .unwrap();
         assert!(alone.cloud_decoded_share < 0.2, "{alone:?}");
     }
+}
+
+#[test]
+fn on_off_flags_take_their_value() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        sim: SimConfig,
+    }
+    let f = Flags::try_parse_from(["t"]).unwrap();
+    assert!(f.sim.self_draft && f.sim.suffix, "on by default");
+    let f = Flags::try_parse_from(["t", "--self-draft", "off", "--suffix", "off"]).unwrap();
+    assert!(!f.sim.self_draft && !f.sim.suffix);
 }

@@ -7,13 +7,14 @@ use std::collections::{BinaryHeap, HashMap};
 use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::uniform;
 use tandem_spec::sampling::SamplingParams;
+use tandem_spec::suffix::{Copier, EDGE_COPY_POLICY};
 use tandem_spec::{
     Block, EdgeSession, Grown, Hedge, Incoming, Next, Opened, Output, SessionConfig, Shape,
     TreeConfig, VerifyRule,
 };
 use tandem_verifier::{Inbound, Mode, NewSession, Outgoing, ToEdge, VerifierCore};
 
-use crate::target::{target_token, SimTarget, VOCAB};
+use crate::target::{CopySpans, SimTarget, Texts, VOCAB};
 use crate::SimConfig;
 
 /// An edge retries an open the verifier refused (saturated) after this long (µs).
@@ -97,6 +98,10 @@ pub(crate) struct Session {
     /// The last committed token (the prompt's last at first).
     pub(crate) last: u32,
     pub(crate) done: bool,
+    /// The edge's copier (`--suffix on`, linear drafts), and the tokens it copied since the
+    /// draft model last ran (its next forward feeds them in one chunk).
+    pub(crate) copier: Option<Copier>,
+    pub(crate) behind: usize,
 }
 
 pub(crate) struct Replica {
@@ -134,6 +139,12 @@ pub(crate) struct Sim {
     pub(crate) lane_hits: u64,
     pub(crate) done_sessions: Vec<Session>,
     pub(crate) events: u64,
+    /// The target's texts (shared with the replicas' targets).
+    pub(crate) texts: Texts,
+    /// The share of each session's output its text copies, summed, and the sessions.
+    pub(crate) copy_share: (f64, usize),
+    /// Tokens the edges copied, and of those judged, the right ones (sessions done).
+    pub(crate) copied: (usize, usize, usize),
 }
 
 /// An event due at `t` (µs); events due at the same time run in the order they were queued.
@@ -224,10 +235,19 @@ impl Sim {
                 let shared = (self.cfg.prompt_tokens as f64 * self.cfg.prefix_hit) as usize;
                 let prompt: Vec<u32> = (0..self.cfg.prompt_tokens)
                     .map(|i| match i < shared {
-                        true => target_token(self.cfg.seed ^ 0x51, user as u64, i, 0),
-                        false => target_token(self.cfg.seed ^ 0x9, sid, i, 0),
+                        true => crate::target_token(self.cfg.seed ^ 0x51, user as u64, i, 0),
+                        false => crate::target_token(self.cfg.seed ^ 0x9, sid, i, 0),
                     })
                     .collect();
+                let spans = CopySpans {
+                    share: self.cfg.copy_share,
+                    span: self.cfg.copy_span,
+                };
+                let share = self.texts.write(sid, &prompt, self.cfg.new_tokens, spans);
+                self.copy_share.0 += share;
+                self.copy_share.1 += 1;
+                let copy = self.cfg.suffix && self.cfg.gamma > 0 && self.cfg.tree.0.is_none();
+                let copier = copy.then(|| Copier::new(&prompt, EDGE_COPY_POLICY));
                 let last = *prompt
                     .last()
                     .expect("invariant: a prompt of at least one token");
@@ -248,6 +268,8 @@ impl Sim {
                         committed: 0,
                         last,
                         done: false,
+                        copier,
+                        behind: 0,
                     },
                 );
                 let r = user % self.cfg.replicas;
@@ -334,7 +356,7 @@ impl Sim {
                         mode,
                         grammar: None,
                         logprobs: None,
-                        self_draft: false,
+                        self_draft: self.cfg.self_draft,
                     },
                     handle: (),
                 }
@@ -565,14 +587,13 @@ impl Sim {
     }
 
     fn commit(&mut self, sid: u64, pos: usize, tokens: &[u32]) {
-        let seed = self.cfg.seed;
         let s = self
             .sessions
             .get_mut(&sid)
             .expect("invariant: committing session");
         // Each token checked against the target's choice after what was committed before it.
         for (i, &t) in tokens.iter().enumerate() {
-            if t != target_token(seed, sid, pos + i, s.last) {
+            if t != self.texts.token(sid, pos + i, s.last) {
                 self.wrong += 1;
             }
             s.last = t;
@@ -599,6 +620,31 @@ impl Sim {
                 let f = p.frontier();
                 let base = &p.tokens()[..f.base];
                 let trees = self.cfg.tree.0.is_some();
+                // A linear draft copies from the session's text where the copier says so, as
+                // the edge's drafter does: no forward of the draft model.
+                if let (Some(c), [leaf]) = (s.copier.as_mut(), &f.leaves[..]) {
+                    c.sync(es.committed());
+                    let path = [base, &leaf[..]].concat();
+                    if let Some((token, m)) = c.guess(&path) {
+                        c.proposed(path.len(), token, &m);
+                        let grown = vec![Grown {
+                            token,
+                            q: None,
+                            hedge: None,
+                        }];
+                        s.behind += 1;
+                        s.drafting = true;
+                        self.at(
+                            self.now,
+                            Ev::Drafted {
+                                sid,
+                                grown,
+                                ms: 0.0,
+                            },
+                        );
+                        return;
+                    }
+                }
                 let grown: Vec<Grown> = f
                     .leaves
                     .iter()
@@ -607,10 +653,15 @@ impl Sim {
                         let path = [base, &leaf[..]].concat();
                         let key =
                             (path.len() as u64) << 20 | (p.stats().drafted as u64) << 4 | k as u64;
-                        draft_token(&self.cfg, sid, &path, key, trees)
+                        draft_token(&self.cfg, &self.texts, sid, &path, key, trees)
                     })
                     .collect();
-                let ms = self.cfg.draft_ms * (1.0 + self.cfg.leaf_cost * (grown.len() - 1) as f64);
+                if let (Some(c), [leaf], [g]) = (s.copier.as_mut(), &f.leaves[..], &grown[..]) {
+                    c.drafted(f.base + leaf.len(), g.token);
+                }
+                // The forward also feeds the tokens copied since the last one (a chunk).
+                let fed = grown.len() - 1 + std::mem::take(&mut s.behind);
+                let ms = self.cfg.draft_ms * (1.0 + self.cfg.leaf_cost * fed as f64);
                 s.drafting = true;
                 let t = self.now + (ms * 1e3) as u64;
                 self.at(t, Ev::Drafted { sid, grown, ms });
@@ -621,6 +672,13 @@ impl Sim {
                 self.accepted += st.accepted as u64;
                 self.judged += (st.accepted + st.rejections) as u64;
                 self.lane_hits += st.lane_hits as u64;
+                if let Some(c) = s.copier.as_mut() {
+                    c.sync(es.committed());
+                    let cs = c.stats();
+                    self.copied.0 += cs.copied;
+                    self.copied.1 += cs.judged;
+                    self.copied.2 += cs.right;
+                }
                 self.finish(sid);
             }
         }
@@ -650,9 +708,16 @@ const SURE: f32 = 0.95;
 /// The simulated draft's token after `path` (draw `key`): the target's with probability α;
 /// with trees also its second choice, unsure at every miss and as often at a hit, and the
 /// target's token for `cover` of the misses.
-fn draft_token(cfg: &SimConfig, sid: u64, path: &[u32], key: u64, trees: bool) -> Grown {
+fn draft_token(
+    cfg: &SimConfig,
+    texts: &Texts,
+    sid: u64,
+    path: &[u32],
+    key: u64,
+    trees: bool,
+) -> Grown {
     let pos = path.len();
-    let right = target_token(cfg.seed, sid, pos, path[pos - 1]);
+    let right = texts.token(sid, pos, path[pos - 1]);
     let wrong = |k: u32| (right + k - 1) % (VOCAB as u32 - 1) + 1;
     let u = |stream: u64| uniform(cfg.seed ^ 0xd4af, sid ^ stream << 40, key);
     let hit = u(0) < cfg.alpha;

@@ -20,7 +20,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::never_idle::{steady, Steady};
+use crate::never_idle::{steady_copying, Copying, Steady};
 use crate::policy::Costs;
 
 /// Weight of a new memory-bound forward's time in the one-token time ([`ForwardCost::observe`]).
@@ -169,6 +169,9 @@ pub struct Workload {
     /// New tokens per session.
     pub new_tokens: usize,
     pub token_budget: usize,
+    /// The verifier's own drafts in its decodes (a text that copies itself; [`Copying::NONE`]:
+    /// none).
+    pub copying: Copying,
 }
 
 impl Workload {
@@ -178,6 +181,7 @@ impl Workload {
         cached_tokens: 0,
         new_tokens: usize::MAX,
         token_budget: usize::MAX,
+        copying: Copying::NONE,
     };
 }
 
@@ -217,15 +221,16 @@ pub fn operate_on(
     let depth = if gamma == 0 { 1 } else { depth.max(1) };
     // One session's steady state with the verifier running a forward of `ms` for it (one chunk
     // per session per forward: a decode or a block's new tokens), per protocol 2's model.
+    // Its decodes carry the verifier's own guesses where the text copies itself.
     let session = |ms: f64| {
         if gamma == 0 {
             Steady {
-                itl_ms: ms,
-                positions_per_forward: 1.0,
-                tokens_per_forward: 1.0,
+                itl_ms: ms / w.copying.tokens_per_decode(),
+                positions_per_forward: w.copying.positions_per_decode(),
+                tokens_per_forward: w.copying.tokens_per_decode(),
             }
         } else {
-            steady(
+            steady_copying(
                 &Costs {
                     verify_ms: ms,
                     verify_ms_per_token: 0.0,
@@ -233,6 +238,7 @@ pub fn operate_on(
                 },
                 gamma,
                 depth,
+                &w.copying,
             )
         }
     };
@@ -545,6 +551,7 @@ mod tests {
             cached_tokens: cached,
             new_tokens: 96,
             token_budget: 256,
+            copying: Copying::NONE,
         };
         let (cold, warm) = (
             operate_on(&c, &FWD, 1, 0, 1, &turn(0)),
@@ -589,6 +596,7 @@ mod tests {
             prompt_tokens: 40,
             new_tokens: 48,
             token_budget: 64,
+            copying: Copying::NONE,
         };
         // Alone: the prompt rides one forward after a round trip.
         let alone = operate_on(&c, &FWD, 1, 0, 1, &w);
@@ -625,6 +633,7 @@ mod tests {
             prompt_tokens: 0,
             new_tokens: 1,
             token_budget: usize::MAX,
+            copying: Copying::NONE,
         };
         let one = operate_on(&c, &FWD, 1, 0, 1, &short);
         assert!(

@@ -39,7 +39,7 @@ fn positions_ms(c: &Costs, positions: f64) -> f64 {
 /// The verifier's own drafts while it decodes a session alone: `share` of the positions lie in
 /// copied spans (the session's text holds them already), where it feeds `guesses` guesses, each
 /// right with probability `alpha` once the ones before it were. None outside them.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct Copying {
     pub share: f64,
     pub alpha: f64,
@@ -265,6 +265,11 @@ pub struct Steady {
 /// [`SESSION_MAX`] are counted at the rates the schedule ends with. One schedule and a sum:
 /// cheap enough for the edge to re-plan with at every verdict.
 pub fn steady(c: &Costs, gamma: usize, depth: usize) -> Steady {
+    steady_copying(c, gamma, depth, &Copying::NONE)
+}
+
+/// [`steady`] with the verifier's own drafts in its decodes ([`Copying`]).
+pub fn steady_copying(c: &Costs, gamma: usize, depth: usize, copying: &Copying) -> Steady {
     let a = c.alpha.clamp(0.0, 1.0);
     let tokens = if a < 1.0 - 1e-12 {
         1.0 / (1.0 - a)
@@ -279,7 +284,7 @@ pub fn steady(c: &Costs, gamma: usize, depth: usize) -> Steady {
     } else {
         ((1e-9f64.ln() / a.ln()).ceil() as usize).clamp(2, SESSION_MAX)
     };
-    let s = run_schedule(c, gamma, depth, n, c.draft_ms / 2.0);
+    let s = run_schedule_copying(c, gamma, depth, n, c.draft_ms / 2.0, copying);
     // The final rate of each (per token), over the schedule's last quarter (commits come a block
     // at a time).
     let w = (n / 4).max(1);

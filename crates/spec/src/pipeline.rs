@@ -40,7 +40,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-pub use lanes::{parse_tree, Estimates, Frontier, Grown, TreeArg, TreeConfig};
+pub use lanes::{parse_on_off, parse_tree, Estimates, Frontier, Grown, TreeArg, TreeConfig};
 use lanes::{Lane, NodeInfo};
 
 use crate::tree::{Node, Step};

@@ -79,7 +79,7 @@ pub struct LoadArgs {
     /// Run every row with the verifier drafting for the sessions from their own text (on) and
     /// without (off), or one of them: `on,off`, `on`, `off`.
     #[arg(long = "self-draft", value_delimiter = ',', default_value = "on",
-          value_parser = tandem_edge::commands::parse_on_off)]
+          value_parser = tandem_spec::pipeline::parse_on_off)]
     pub self_drafts: Vec<bool>,
     #[arg(skip)]
     pub edge_cpus: CpuSet,

@@ -53,6 +53,15 @@ impl TreeConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct TreeArg(pub Option<TreeConfig>);
 
+/// `on` or `off` (a flag that turns a mechanism on or off).
+pub fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("`{s}`: on or off")),
+    }
+}
+
 /// `LANES:BELOW[:MIN]` (lanes growing beside the main path at most, the confidence below which
 /// the draft forks one, and the least chance a lane must have to be the target's path; default
 /// 0.05), or `none`. Blocks ask for room for every lane: `LANES × 8` side nodes, within the
