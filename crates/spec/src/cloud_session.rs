@@ -34,7 +34,7 @@ use std::borrow::Cow;
 use crate::grammar::Grammar;
 use crate::pipeline::{Block, BlockId, Decoded, Verdict};
 use crate::sampling::{token_logprob, SamplingParams, TokenLogprob};
-use crate::suffix::{SelfDrafter, SuffixPolicy};
+use crate::suffix::{GuessRecord, Judged, SelfDrafter, SuffixPolicy};
 use crate::tree::{Node, Step};
 use crate::verify::{judge, judge_guesses, judge_run, target_token, Guess, VerifyRule};
 use crate::SpecError;
@@ -138,6 +138,8 @@ pub struct DecodeRun {
     /// The verifier's own guesses fed, and how many the target accepted.
     pub guessed: usize,
     pub accepted: usize,
+    /// Their judgement, for the verifier's record of its guesses (None: none were fed).
+    pub judged: Option<Judged>,
 }
 
 impl CloudSession {
@@ -174,9 +176,9 @@ impl CloudSession {
 
     /// Let the verifier draft for itself when it decodes the session alone: guesses copied from
     /// the committed sequence (prompt included) by a suffix index, under `policy`
-    /// ([`CloudSession::self_guesses`]).
-    pub fn with_self_draft(mut self, policy: SuffixPolicy) -> Self {
-        self.suffix = Some(SelfDrafter::new(&self.committed, policy));
+    /// ([`CloudSession::self_guesses`]), priced from `record` at first (the verifier's).
+    pub fn with_self_draft(mut self, policy: SuffixPolicy, record: &GuessRecord) -> Self {
+        self.suffix = Some(SelfDrafter::new(&self.committed, policy, record));
         self
     }
 
@@ -570,10 +572,12 @@ impl CloudSession {
         }
         self.verified_positions += guesses.len() as u64;
         self.kv_len = self.committed.len() - 1;
-        if let Some(d) = &mut self.suffix {
-            d.judged(guesses.len(), tokens.len() - 1);
-        }
+        let judged = match &mut self.suffix {
+            Some(d) => d.judged(guesses.len(), tokens.len() - 1),
+            None => None,
+        };
         Ok(DecodeRun {
+            judged,
             guessed: guesses.len(),
             accepted: tokens.len() - 1,
             decoded,

@@ -45,7 +45,7 @@ pub use pipeline::{
     Block, BlockId, Decoded, Estimates, Frontier, Grown, Hedge, Next, Output, Pipeline,
     PipelineConfig, PipelineStats, Shape, SparseDist, TreeConfig, Verdict, ACCEPT_POSITIONS,
 };
-pub use suffix::{SelfDrafter, SuffixIndex, SuffixPolicy};
+pub use suffix::{GuessRecord, SelfDrafter, SuffixIndex, SuffixPolicy};
 pub use tree::{Node, SideNode, Step};
 pub use verify::VerifyRule;
 

@@ -271,35 +271,105 @@ impl SuffixIndex {
     }
 }
 
-/// Match lengths from which each bucket of a [`SelfDrafter`]'s record starts.
+/// Match lengths from which each bucket of a [`GuessRecord`] starts.
 const BUCKETS: [usize; 5] = [1, 2, 4, 8, 16];
 /// A bucket's record before any guess: (accepted, rejected) as if half were right.
 const PRIOR: (f64, f64) = (1.0, 1.0);
 const DECAY: f64 = 0.95;
+/// A session's record starts from the verifier's, weighed as this many judged runs per bucket:
+/// its own guesses soon outweigh it.
+const PRIOR_WEIGHT: f64 = 2.0;
+/// A bucket priced out still feeds one guess at every this many matches in it, so that its
+/// record can recover when the text starts copying.
+const PROBE_EVERY: u32 = 8;
+
+/// How often guesses copied after matches of each length were accepted: decayed (accepted,
+/// rejected) per bucket of match lengths, a rejection counted once per judged run (so that
+/// `accepted / (accepted + rejected)` is the chance the next guess is taken once those before it
+/// were). Each session keeps one; the verifier keeps one over all its sessions, from which each
+/// new session's starts ([`GuessRecord::prior`]): on a workload whose text seldom copies, a
+/// session does not relearn that at every start.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GuessRecord {
+    buckets: [(f64, f64); BUCKETS.len()],
+}
+
+impl Default for GuessRecord {
+    fn default() -> Self {
+        Self {
+            buckets: [PRIOR; BUCKETS.len()],
+        }
+    }
+}
+
+/// One judged run of guesses: the bucket of the match they followed, how many were fed and how
+/// many the target took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Judged {
+    pub bucket: usize,
+    pub guessed: usize,
+    pub accepted: usize,
+}
+
+impl GuessRecord {
+    fn bucket(len: usize) -> usize {
+        BUCKETS.iter().rposition(|&b| len >= b).unwrap_or(0)
+    }
+
+    /// The chance a guess after a match of `len` tokens is taken once those before it were.
+    pub fn alpha(&self, len: usize) -> f64 {
+        let (a, r) = self.buckets[Self::bucket(len)];
+        a / (a + r).max(1e-12)
+    }
+
+    pub fn judge(&mut self, j: &Judged) {
+        if j.guessed == 0 {
+            return;
+        }
+        let r = &mut self.buckets[j.bucket.min(BUCKETS.len() - 1)];
+        r.0 = DECAY * r.0 + j.accepted as f64;
+        r.1 = DECAY * r.1 + f64::from(u8::from(j.accepted < j.guessed));
+    }
+
+    /// A session's starting record: this one's acceptance per bucket, weighed as
+    /// [`PRIOR_WEIGHT`] judged runs (as much as it holds, where it holds less).
+    pub fn prior(&self) -> GuessRecord {
+        let mut p = *self;
+        for (a, r) in &mut p.buckets {
+            let w = (*a + *r).min(PRIOR_WEIGHT) / (*a + *r).max(1e-12);
+            (*a, *r) = (*a * w, *r * w);
+        }
+        p
+    }
+}
 
 /// The verifier's own drafts for one session: its text indexed, and how often its guesses after
-/// matches of each length were accepted, which prices them: it feeds the number of guesses `k`
-/// that commits the most tokens per unit of forward time, `(1 + a + a² + … + a^k) / (1 + k·c)`
-/// for a guess's acceptance `a` after such a match (the chance the target takes the next one
-/// once it took those before) and a position's cost `c` ([`SuffixPolicy::position_cost`]) times
-/// the sessions that share the forward (each waits for the position; only this one gains by
-/// it): none where its guesses are seldom right, nor in a forward many sessions share.
+/// matches of each length were accepted ([`GuessRecord`], starting from the verifier's), which
+/// prices them: it feeds the number of guesses `k` that commits the most tokens per unit of
+/// forward time, `(1 + a + a² + … + a^k) / (1 + k·c)` for a guess's acceptance `a` after such a
+/// match and a position's cost `c` ([`SuffixPolicy::position_cost`]) times the sessions that
+/// share the forward (each waits for the position; only this one gains by it): none where its
+/// guesses are seldom right (but one at every [`PROBE_EVERY`]-th such match), nor in a forward
+/// many sessions share.
 #[derive(Debug, Clone)]
 pub struct SelfDrafter {
     index: SuffixIndex,
     policy: SuffixPolicy,
-    /// Decayed (accepted, rejected) guesses per bucket of match lengths.
-    record: [(f64, f64); BUCKETS.len()],
+    record: GuessRecord,
+    /// Matches of each bucket priced out since its last probe.
+    held: [u32; BUCKETS.len()],
     /// The bucket of the guesses last proposed, until they are judged.
     proposed: Option<usize>,
 }
 
 impl SelfDrafter {
-    pub fn new(text: &[u32], policy: SuffixPolicy) -> Self {
+    /// A drafter over `text` whose record starts from `record`'s ([`GuessRecord::prior`]).
+    pub fn new(text: &[u32], policy: SuffixPolicy, record: &GuessRecord) -> Self {
         Self {
             index: SuffixIndex::of(text),
             policy,
-            record: [PRIOR; BUCKETS.len()],
+            record: record.prior(),
+            held: [0; BUCKETS.len()],
             proposed: None,
         }
     }
@@ -312,10 +382,6 @@ impl SelfDrafter {
         self.index.push(token);
     }
 
-    fn bucket(len: usize) -> usize {
-        BUCKETS.iter().rposition(|&b| len >= b).unwrap_or(0)
-    }
-
     /// The guesses to feed now, at most `most`, stopping after an end token of `eog`, in a
     /// forward of `sessions` sessions.
     pub fn guesses(&mut self, most: usize, eog: &[u32], sessions: usize) -> Vec<u32> {
@@ -323,13 +389,19 @@ impl SelfDrafter {
         let Some(m) = self.index.longest() else {
             return Vec::new();
         };
-        let b = Self::bucket(m.len);
-        let (acc, rej) = self.record[b];
-        let k = priced(
-            acc / (acc + rej),
+        let b = GuessRecord::bucket(m.len);
+        let most = self.policy.guesses(m.len).min(most);
+        let mut k = priced(
+            self.record.alpha(m.len),
             self.policy.position_cost * sessions.max(1) as f64,
-            self.policy.guesses(m.len).min(most),
+            most,
         );
+        if k == 0 && most > 0 {
+            self.held[b] += 1;
+            if self.held[b].is_multiple_of(PROBE_EVERY) {
+                k = 1;
+            }
+        }
         let mut g = self.index.after(&m, k).to_vec();
         if let Some(e) = g.iter().position(|t| eog.contains(t)) {
             g.truncate(e + 1);
@@ -341,16 +413,16 @@ impl SelfDrafter {
     }
 
     /// The guesses last proposed were fed: `guessed` of them, `accepted` taken by the target.
-    pub fn judged(&mut self, guessed: usize, accepted: usize) {
-        let Some(b) = self.proposed.take() else {
-            return;
+    /// Returns the judgement, for the verifier's record ([`GuessRecord::judge`]).
+    pub fn judged(&mut self, guessed: usize, accepted: usize) -> Option<Judged> {
+        let bucket = self.proposed.take()?;
+        let j = Judged {
+            bucket,
+            guessed,
+            accepted,
         };
-        if guessed == 0 {
-            return;
-        }
-        let r = &mut self.record[b];
-        r.0 = DECAY * r.0 + accepted as f64;
-        r.1 = DECAY * r.1 + f64::from(u8::from(accepted < guessed));
+        self.record.judge(&j);
+        (guessed > 0).then_some(j)
     }
 }
 
@@ -564,7 +636,11 @@ mod tests {
         assert!(priced(0.9, 0.2, 16) >= 1);
         assert_eq!(priced(0.9, 0.1, 3), 3);
         // The drafter learns: after rejections of its guesses after one-token matches, it stops.
-        let mut d = SelfDrafter::new(&[1, 2, 3, 1], SuffixPolicy::DEFAULT);
+        let mut d = SelfDrafter::new(
+            &[1, 2, 3, 1],
+            SuffixPolicy::DEFAULT,
+            &GuessRecord::default(),
+        );
         assert!(d.guesses(8, &[], 16).is_empty(), "a forward of 16 sessions");
         assert_eq!(d.guesses(8, &[], 1), vec![2, 3]);
         d.judged(2, 0);
@@ -579,8 +655,52 @@ mod tests {
         }
         assert!(stops, "it kept guessing after misses");
         // An end token ends the guesses.
-        let mut d = SelfDrafter::new(&[1, 2, 7, 5, 1], SuffixPolicy::DEFAULT);
+        let mut d = SelfDrafter::new(
+            &[1, 2, 7, 5, 1],
+            SuffixPolicy::DEFAULT,
+            &GuessRecord::default(),
+        );
         assert_eq!(d.guesses(8, &[7], 1), vec![2, 7]);
+    }
+
+    #[test]
+    fn a_session_starts_from_the_verifiers_record_and_probes_what_it_priced_out() {
+        // The verifier's sessions' guesses after one-token matches were always rejected.
+        let mut fleet = GuessRecord::default();
+        for _ in 0..20 {
+            let mut d = SelfDrafter::new(&[1, 2, 3, 1], SuffixPolicy::DEFAULT, &fleet);
+            for _ in 0..30 {
+                let g = d.guesses(8, &[], 1);
+                if let Some(j) = d.judged(g.len(), 0) {
+                    fleet.judge(&j);
+                }
+            }
+        }
+        assert!(fleet.alpha(1) < 0.05, "{fleet:?}");
+        assert_eq!(fleet.alpha(5), 0.5, "other buckets untouched");
+        // A new session starts priced out there: one probe in eight, not a relearning.
+        let mut d = SelfDrafter::new(&[1, 2, 3, 1], SuffixPolicy::DEFAULT, &fleet);
+        let fed: usize = (0..16).map(|_| d.guesses(8, &[], 1).len()).sum();
+        assert_eq!(fed, 2, "two probes of one guess in 16 matches");
+        // A new session still guesses after longer matches, and its own record outweighs the
+        // verifier's soon: accepted probes price its guesses in again.
+        let mut d = SelfDrafter::new(&[1, 2, 3, 4, 5, 1, 2, 3, 4], SuffixPolicy::DEFAULT, &fleet);
+        assert_eq!(d.guesses(8, &[], 1), vec![5, 1], "as many as pay at α 0.5");
+        let mut d = SelfDrafter::new(&[1, 2, 3, 1], SuffixPolicy::DEFAULT, &fleet);
+        let mut guessed = 0;
+        for _ in 0..40 {
+            let g = d.guesses(8, &[], 1);
+            guessed += g.len();
+            d.judged(g.len(), g.len());
+        }
+        assert!(
+            guessed > 30,
+            "{guessed} guesses in 40 matches after its probes were taken"
+        );
+        // The prior weighs as two judged runs.
+        let p = fleet.prior();
+        let (a, r) = p.buckets[0];
+        assert!((a + r - PRIOR_WEIGHT).abs() < 1e-9 && (p.alpha(1) - fleet.alpha(1)).abs() < 1e-9);
     }
 
     /// The longest suffix of `tail` that occurs in `text` ending before its last position, its

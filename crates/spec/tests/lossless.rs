@@ -225,7 +225,7 @@ impl Cloud {
             session = session.constrain(g);
         }
         if SELF_DRAFT.with(Cell::get) {
-            session = session.with_self_draft(SELF_POLICY);
+            session = session.with_self_draft(SELF_POLICY, &Default::default());
         }
         let c = Self {
             session,

@@ -209,7 +209,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                                 cs = cs.constrain(*g);
                             }
                             if let (true, Some(policy)) = (*self_draft, self.self_draft) {
-                                cs = cs.with_self_draft(policy);
+                                cs = cs.with_self_draft(policy, &self.guess_record);
                             }
 
                             let mut first_logprob = None;
@@ -298,6 +298,9 @@ impl<T: Target, H> VerifierCore<T, H> {
                             self.stats.spec_decoded += 1;
                             self.stats.self_draft_guesses += run.guessed as u64;
                             self.stats.self_drafted += run.accepted as u64;
+                            if let Some(j) = &run.judged {
+                                self.guess_record.judge(j);
+                            }
                             for decoded in run.decoded {
                                 events.push(Event::Decoded {
                                     session: id,
@@ -421,7 +424,9 @@ impl<T: Target, H> VerifierCore<T, H> {
                     self.stats.self_draft_guesses += g.len() as u64;
                     self.stats.self_drafted += accepted.len() as u64;
                     if let Some(d) = suffix {
-                        d.judged(g.len(), accepted.len());
+                        if let Some(j) = d.judged(g.len(), accepted.len()) {
+                            self.guess_record.judge(&j);
+                        }
                         d.extend(&tokens);
                     }
                     let mut done = false;

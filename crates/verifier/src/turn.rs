@@ -199,9 +199,11 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                     ),
                     Mode::Generate => {
                         let suffix = match (new.self_draft, self.self_draft) {
-                            (true, Some(policy)) => {
-                                Some(tandem_spec::SelfDrafter::new(&new.prompt, policy))
-                            }
+                            (true, Some(policy)) => Some(tandem_spec::SelfDrafter::new(
+                                &new.prompt,
+                                policy,
+                                &self.guess_record,
+                            )),
                             _ => None,
                         };
                         (Self::generation_work(new.max_tokens, new.eog, suffix), None)

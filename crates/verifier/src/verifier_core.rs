@@ -181,6 +181,9 @@ pub struct VerifierCore<T: Target = Engine, H = ()> {
     /// How sessions that asked for it are drafted for from their own text
     /// ([`VerifierConfig::self_draft_max`]; None: never).
     pub(crate) self_draft: Option<tandem_spec::SuffixPolicy>,
+    /// How often the guesses it copied for its sessions were accepted, over all of them: each
+    /// new session's drafter starts from it.
+    pub(crate) guess_record: tandem_spec::GuessRecord,
     /// What it grants, and its idle timeout ([`VerifierConfig::load`]).
     pub(crate) load: LoadConfig,
     /// No opened session can be idle before this (µs): a lower bound of their idle deadlines,
@@ -234,6 +237,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                     }),
                 ..tandem_spec::SuffixPolicy::DEFAULT
             }),
+            guess_record: Default::default(),
             stats: VerifierStats::default(),
         };
         v.set_tenant(TenantId(0), TenantConfig::default())?;
