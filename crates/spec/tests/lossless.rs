@@ -76,6 +76,18 @@ thread_local! {
     static PARAMS: Cell<SamplingParams> = Cell::new(SamplingParams::default());
     /// The verifier drafts for itself from the session's text when it decodes (this case).
     static SELF_DRAFT: Cell<bool> = const { Cell::new(false) };
+    /// Blocks of the edge that reached positions the verifier had committed from its own
+    /// accepted guesses: verified past them, dropped as covered, dropped as contradicted (the
+    /// edge's drafted tokens there rolled back by the verifier's own drafts).
+    static OVER_GUESSES: Cell<[usize; 3]> = const { Cell::new([0; 3]) };
+}
+
+fn over_guesses(i: usize) {
+    OVER_GUESSES.with(|c| {
+        let mut v = c.get();
+        v[i] += 1;
+        c.set(v);
+    });
 }
 
 /// The verifier's self-drafting policy in these tests: any match, up to five guesses, whose
@@ -191,6 +203,8 @@ struct Cloud {
     limit: usize,
     /// The next position the cloud tells the edge: each exactly once.
     told: usize,
+    /// The last position committed from one of the verifier's own accepted guesses.
+    guessed_at: Option<usize>,
 }
 
 /// What the verifier sends the edge.
@@ -236,6 +250,7 @@ impl Cloud {
             grant: None,
             limit,
             told: history.len() + 1,
+            guessed_at: None,
         };
         (c, first)
     }
@@ -307,13 +322,27 @@ impl Cloud {
             return Ok(Vec::new());
         }
         while let Some(b) = self.queue.front().cloned() {
+            let over = self.guessed_at.is_some_and(|g| g >= b.start_pos);
             match self.session.block_action(&b) {
-                Ok(
-                    BlockAction::Stale | BlockAction::Covered | BlockAction::Contradicted { .. },
-                ) => {
+                Ok(BlockAction::Stale) => {
+                    self.queue.pop_front();
+                }
+                Ok(BlockAction::Covered) => {
+                    if over {
+                        over_guesses(1);
+                    }
+                    self.queue.pop_front();
+                }
+                Ok(BlockAction::Contradicted { .. }) => {
+                    if over {
+                        over_guesses(2);
+                    }
                     self.queue.pop_front();
                 }
                 Ok(BlockAction::Forward(plan)) if self.verify => {
+                    if over {
+                        over_guesses(0);
+                    }
                     self.queue.pop_front();
                     let rows = self.forward(&plan);
                     let refs: Vec<&[f32]> = rows.iter().map(|r| &r[..]).collect();
@@ -344,6 +373,9 @@ impl Cloud {
         let mut told = Vec::new();
         for mut d in run.decoded {
             prop_assert_eq!(d.pos, self.told, "each position is told once, in order");
+            if d.guessed {
+                self.guessed_at = Some(d.pos);
+            }
             self.told += 1;
             d.grant = self.grant.take();
             told.push(ToEdge::Decoded(d));
@@ -634,6 +666,54 @@ proptest! {
         PARAMS.with(|p| p.set(SamplingParams::default()));
         r?;
     }
+}
+
+/// The interleavings the lossless properties run do meet the verifier's own drafts: edge blocks
+/// arrive over tokens it committed from its guesses and are verified past them, dropped as
+/// covered, and dropped as contradicted (the edge's drafted tokens rolled back by them), every
+/// run still the target's.
+#[test]
+fn edge_blocks_arrive_over_the_verifiers_own_drafts() {
+    use proptest::test_runner::{Config, TestRunner};
+    let mut runner = TestRunner::new_with_rng(
+        Config {
+            cases: 400,
+            ..Config::default()
+        },
+        proptest::test_runner::TestRng::deterministic_rng(
+            proptest::test_runner::RngAlgorithm::ChaCha,
+        ),
+    );
+    SELF_DRAFT.with(|c| c.set(true));
+    OVER_GUESSES.with(|c| c.set([0; 3]));
+    let cases = (
+        0u64..10_000,
+        prop_oneof![Just(0.5), Just(0.8), 0.0f64..1.0],
+        1usize..8,
+        1usize..5,
+        10usize..40,
+        proptest::collection::vec(step(), 50..300),
+    );
+    runner
+        .run(&cases, |(seed, alpha, gamma, depth, max_new, schedule)| {
+            run(
+                seed,
+                alpha,
+                gamma,
+                depth,
+                max_new,
+                TreeConfig::LINEAR,
+                &schedule,
+                false,
+            )
+        })
+        .unwrap();
+    SELF_DRAFT.with(|c| c.set(false));
+    let [verified, covered, contradicted] = OVER_GUESSES.with(Cell::get);
+    assert!(
+        verified > 0 && covered > 0 && contradicted > 0,
+        "over the verifier's guesses: {verified} verified, {covered} covered, {contradicted} contradicted"
+    );
 }
 
 #[test]

@@ -194,8 +194,11 @@ pub struct LoadRow {
     /// Sessions whose output differed from the target's (must be 0), and refused or failed ones.
     pub mismatches: usize,
     pub failures: usize,
-    /// The verifier drafted for the sessions from their own text.
+    /// The verifier drafted for the sessions from their own text: its guesses fed per committed
+    /// token, and the share of them the target took (over the window).
     pub self_draft: bool,
+    pub self_draft_guesses_per_token: f64,
+    pub self_draft_acceptance: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -44,7 +44,7 @@ pub fn table(r: &LoadReport) -> String {
         "\nRTT {} ms, synthetic draft {} ms/token, γ ≤ {}, depth {:?}, token budget {}, {} s measured per row; SLOs: p99 ITL ≤ {:.1} ms, mean ITL ≤ {:.1} ms (3× and 1.5× the single-session cloud-only mean).\n\n",
         r.rtt_ms, r.draft_ms, r.gamma, r.depths, r.token_budget, r.duration_s, r.slo_ms, r.mean_slo_ms
     ));
-    s.push_str("| mode | verifier drafts | N | α (set / measured) | tok/s | ITL mean | ITL p50 | ITL p99 | TTFT p50 | batch | tokens/fwd | fwd ms (busy) | queue ms | fwd/token (bound) | γ granted | cloud-decoded | ÷ cloud-only | side nodes/token (lane hits) | sessions | wrong |\n");
+    s.push_str("| mode | verifier drafts (guesses/token, taken) | N | α (set / measured) | tok/s | ITL mean | ITL p50 | ITL p99 | TTFT p50 | batch | tokens/fwd | fwd ms (busy) | queue ms | fwd/token (bound) | γ granted | cloud-decoded | ÷ cloud-only | side nodes/token (lane hits) | sessions | wrong |\n");
     s.push_str(
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
@@ -71,7 +71,15 @@ pub fn table(r: &LoadReport) -> String {
         s.push_str(&format!(
             "| {} | {} | {} | {alpha} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} ({:.0}%) | {:.1} | {:.2}{bound} | {:.1} | {:.0}% | {ratio} | {side} | {} | {} |\n",
             shape_label(x.mode, x.depth),
-            if x.self_draft { "on" } else { "off" },
+            if x.self_draft {
+                format!(
+                    "on ({:.2}, {:.0}%)",
+                    x.self_draft_guesses_per_token,
+                    100.0 * x.self_draft_acceptance
+                )
+            } else {
+                "off".into()
+            },
             x.sessions,
             x.throughput_tok_s,
             x.itl_ms.mean,

@@ -403,6 +403,13 @@ pub(super) fn drive(
         sessions_run: outs.len(),
         mismatches: outs.iter().filter(|o| !o.ok).count(),
         failures,
+        self_draft_guesses_per_token: round2(
+            delta("tandem:self_draft_guesses_total") / committed.max(1) as f64,
+        ),
+        self_draft_acceptance: round2(ratio(
+            "tandem:self_drafted_tokens_total",
+            "tandem:self_draft_guesses_total",
+        )),
     })
 }
 
