@@ -83,7 +83,7 @@ pub(crate) fn cmd_simulate(a: SimulateArgs) -> Result<()> {
     }
     let c = &a.sim;
     let preface = format!(
-        "target forward max({:.1} ms, {:.2} ms × tokens); α {}, draft {} ms/token, RTT {} ms (± {}% per session, ± {}% per message), {} prompt ({:.0}% of it the user's history: measured prefix-cache hit {}) + {} new tokens per session, token budget {}, {} s measured after {} s\n\n",
+        "target forward max({:.1} ms, {:.2} ms × tokens); α {}, draft {} ms/token, RTT {} ms (± {}% per session, ± {}% per message), {} prompt ({:.0}% of it the user's history: measured prefix-cache hit {}) + {} new tokens per session, token budget {}, {} s measured after {} s; {:.0}% of the output copies spans of its own text ({} tokens long on average); the verifier drafts for itself: {}, the edges copy: {}\n\n",
         cost.one_token_ms,
         cost.ms_per_token,
         c.alpha,
@@ -100,7 +100,11 @@ pub(crate) fn cmd_simulate(a: SimulateArgs) -> Result<()> {
         c.new_tokens,
         c.token_budget,
         c.duration_s,
-        c.warmup_s
+        c.warmup_s,
+        100.0 * c.copy_share,
+        c.copy_span,
+        if c.self_draft { "on" } else { "off" },
+        if c.suffix { "on" } else { "off" },
     );
     report(&rows, a.report.out.as_deref(), a.report.json, |r| {
         format!("{preface}{}", table(r))

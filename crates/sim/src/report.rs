@@ -278,7 +278,7 @@ fn span_model(cfg: &SimConfig, sessions: usize) -> SpanModel {
 
 pub fn table(rows: &[SimRow]) -> String {
     let mut s = String::from(
-        "| sessions | replicas | mode | tok/s | predicted tok/s | ITL mean | predicted ITL | ITL p99 | TTFT mean | predicted TTFT | tokens/fwd | busy | accepted | cloud-decoded | takeovers | sessions done | wrong tokens | protocol errors | events | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| sessions | replicas | mode | tok/s | predicted tok/s | ITL mean | predicted ITL | ITL p99 | TTFT mean | predicted TTFT | tokens/fwd | busy | accepted | cloud-decoded | verifier's guesses: share of tokens (taken) | edge copies per token (right) | takeovers | sessions done | wrong tokens | protocol errors | events | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let mode = if r.gamma == 0 {
@@ -292,7 +292,7 @@ pub fn table(rows: &[SimRow]) -> String {
             )
         };
         s += &format!(
-            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0}% | {:.2} | {:.0}% | {} | {} | {} | {} | {} | {:.1} |\n",
+            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0}% | {:.2} | {:.0}% | {:.0}% ({:.0}%) | {:.2} ({:.0}%) | {} | {} | {} | {} | {} | {:.1} |\n",
             r.users,
             r.replicas,
             mode,
@@ -307,6 +307,10 @@ pub fn table(rows: &[SimRow]) -> String {
             r.utilization * 100.0,
             r.acceptance,
             r.cloud_decoded_share * 100.0,
+            r.self_drafted_share * 100.0,
+            r.self_draft_acceptance * 100.0,
+            r.edge_copied_share,
+            r.edge_copy_acceptance * 100.0,
             r.takeovers,
             r.sessions_done,
             r.wrong_tokens,

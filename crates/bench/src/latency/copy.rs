@@ -24,13 +24,28 @@ pub struct Message {
 const ASYNC_ROWS: [(bool, bool); 3] = [(false, false), (true, false), (true, true)];
 
 /// The verifier's counters of its own guesses: fed, accepted.
+/// The verifier's guesses fed and accepted so far, once it has settled (the last row's sessions
+/// may still be finishing their forwards when their clients are done: two reads 100 ms apart
+/// agree, or a second passed).
 fn guesses(cloud: &CloudProcess) -> Result<(u64, u64)> {
-    let m = crate::load::parse_metrics(&cloud.scrape()?);
-    let get = |k: &str| m.get(k).copied().unwrap_or(0.0) as u64;
-    Ok((
-        get("tandem:self_draft_guesses_total"),
-        get("tandem:self_drafted_tokens_total"),
-    ))
+    let read = || -> Result<(u64, u64)> {
+        let m = crate::load::parse_metrics(&cloud.scrape()?);
+        let get = |k: &str| m.get(k).copied().unwrap_or(0.0) as u64;
+        Ok((
+            get("tandem:self_draft_guesses_total"),
+            get("tandem:self_drafted_tokens_total"),
+        ))
+    };
+    let mut last = read()?;
+    for _ in 0..10 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let now = read()?;
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    Ok(last)
 }
 
 /// Read a workload file: its chats, encoded with the model's template.
