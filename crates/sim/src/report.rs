@@ -231,7 +231,8 @@ fn span_model(cfg: &SimConfig, sessions: usize) -> SpanModel {
     let q = share / (l * (1.0 - share) + share);
     let policy = SuffixPolicy::DEFAULT;
     let most = VerifierConfig::default().self_draft_max;
-    let cost = cfg.cost.ms_per_token / cfg.cost.one_token_ms.max(1e-9);
+    // A position's cost as the replicas measure it on their small forwards (1 to 17 positions).
+    let cost = (cfg.cost.ms(17.0) - cfg.cost.ms(1.0)) / 16.0 / cfg.cost.ms(1.0).max(1e-9);
     let g = priced(1.0 - 1.0 / l, cost * sessions as f64, most);
     // Per span of each length: tokens committed, decodes, positions; the edge's copies and the
     // right ones. P(L = n) of the rounded exponential.

@@ -201,21 +201,16 @@ impl CloudSession {
     /// end-of-generation token (`eog`, kept) and within what the session may still commit: its
     /// `limit` of committed tokens, the context, the flow window (the target's token after them
     /// is committed too).
-    /// `sessions`: how many share the forward (each pays for the positions).
-    pub fn self_guesses(
-        &mut self,
-        most: usize,
-        limit: usize,
-        eog: &[u32],
-        sessions: usize,
-    ) -> Vec<u32> {
+    /// `cost`: a guessed position's cost beside a one-token forward, every session it delays
+    /// counted ([`SelfDrafter::guesses`]).
+    pub fn self_guesses(&mut self, most: usize, limit: usize, eog: &[u32], cost: f64) -> Vec<u32> {
         let c = self.committed.len();
         let room = limit
             .min(self.max_len)
             .min(self.acked + FLOW_WINDOW)
             .saturating_sub(c + 1);
         match &mut self.suffix {
-            Some(d) => d.guesses(most.min(room), eog, sessions),
+            Some(d) => d.guesses(most.min(room), eog, cost),
             None => Vec::new(),
         }
     }

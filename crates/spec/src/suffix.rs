@@ -348,7 +348,8 @@ impl GuessRecord {
 /// prices them: it feeds the number of guesses `k` that commits the most tokens per unit of
 /// forward time, `(1 + a + a² + … + a^k) / (1 + k·c)` for a guess's acceptance `a` after such a
 /// match and a position's cost `c` ([`SuffixPolicy::position_cost`]) times the sessions that
-/// share the forward (each waits for the position; only this one gains by it): none where its
+/// share the forward (each waits for the position; only this one gains by it; the caller's
+/// [`SelfDrafter::guesses`]): none where its
 /// guesses are seldom right (but one at every [`PROBE_EVERY`]-th such match), nor in a forward
 /// many sessions share.
 #[derive(Debug, Clone)]
@@ -382,20 +383,18 @@ impl SelfDrafter {
         self.index.push(token);
     }
 
-    /// The guesses to feed now, at most `most`, stopping after an end token of `eog`, in a
-    /// forward of `sessions` sessions.
-    pub fn guesses(&mut self, most: usize, eog: &[u32], sessions: usize) -> Vec<u32> {
+    /// The guesses to feed now, at most `most`, stopping after an end token of `eog`, when a
+    /// position costs `cost` of a one-token forward (the sessions it delays counted: the
+    /// policy's [`SuffixPolicy::position_cost`] times the sessions sharing the forward, or what
+    /// the verifier measured).
+    pub fn guesses(&mut self, most: usize, eog: &[u32], cost: f64) -> Vec<u32> {
         self.proposed = None;
         let Some(m) = self.index.longest() else {
             return Vec::new();
         };
         let b = GuessRecord::bucket(m.len);
         let most = self.policy.guesses(m.len).min(most);
-        let mut k = priced(
-            self.record.alpha(m.len),
-            self.policy.position_cost * sessions.max(1) as f64,
-            most,
-        );
+        let mut k = priced(self.record.alpha(m.len), cost, most);
         if k == 0 && most > 0 {
             self.held[b] += 1;
             if self.held[b].is_multiple_of(PROBE_EVERY) {
@@ -641,12 +640,19 @@ mod tests {
             SuffixPolicy::DEFAULT,
             &GuessRecord::default(),
         );
-        assert!(d.guesses(8, &[], 16).is_empty(), "a forward of 16 sessions");
-        assert_eq!(d.guesses(8, &[], 1), vec![2, 3]);
+        assert!(
+            d.guesses(8, &[], 16.0 * SuffixPolicy::DEFAULT.position_cost)
+                .is_empty(),
+            "a forward of 16 sessions"
+        );
+        assert_eq!(
+            d.guesses(8, &[], SuffixPolicy::DEFAULT.position_cost),
+            vec![2, 3]
+        );
         d.judged(2, 0);
         let mut stops = false;
         for _ in 0..10 {
-            let g = d.guesses(8, &[], 1);
+            let g = d.guesses(8, &[], SuffixPolicy::DEFAULT.position_cost);
             if g.is_empty() {
                 stops = true;
                 break;
@@ -660,7 +666,10 @@ mod tests {
             SuffixPolicy::DEFAULT,
             &GuessRecord::default(),
         );
-        assert_eq!(d.guesses(8, &[7], 1), vec![2, 7]);
+        assert_eq!(
+            d.guesses(8, &[7], SuffixPolicy::DEFAULT.position_cost),
+            vec![2, 7]
+        );
     }
 
     #[test]
@@ -670,7 +679,7 @@ mod tests {
         for _ in 0..20 {
             let mut d = SelfDrafter::new(&[1, 2, 3, 1], SuffixPolicy::DEFAULT, &fleet);
             for _ in 0..30 {
-                let g = d.guesses(8, &[], 1);
+                let g = d.guesses(8, &[], SuffixPolicy::DEFAULT.position_cost);
                 if let Some(j) = d.judged(g.len(), 0) {
                     fleet.judge(&j);
                 }
@@ -681,19 +690,25 @@ mod tests {
         // A new session starts priced out there: a probe now and then, not a relearning.
         let mut d = SelfDrafter::new(&[1, 2, 3, 1], SuffixPolicy::DEFAULT, &fleet);
         let n = 2 * PROBE_EVERY as usize;
-        let fed: usize = (0..n).map(|_| d.guesses(8, &[], 1).len()).sum();
+        let fed: usize = (0..n)
+            .map(|_| d.guesses(8, &[], SuffixPolicy::DEFAULT.position_cost).len())
+            .sum();
         assert_eq!(fed, 2, "two probes of one guess in {n} matches");
         // A new session still guesses after longer matches, and its own record outweighs the
         // verifier's soon: accepted probes price its guesses in again.
         let mut d = SelfDrafter::new(&[1, 2, 3, 4, 5, 1, 2, 3, 4], SuffixPolicy::DEFAULT, &fleet);
-        assert_eq!(d.guesses(8, &[], 1), vec![5, 1], "as many as pay at α 0.5");
+        assert_eq!(
+            d.guesses(8, &[], SuffixPolicy::DEFAULT.position_cost),
+            vec![5, 1],
+            "as many as pay at α 0.5"
+        );
         let mut d = SelfDrafter::new(&[1, 2, 3, 1], SuffixPolicy::DEFAULT, &fleet);
         for _ in 0..PROBE_EVERY + 8 {
-            let g = d.guesses(8, &[], 1);
+            let g = d.guesses(8, &[], SuffixPolicy::DEFAULT.position_cost);
             d.judged(g.len(), g.len());
         }
         assert_eq!(
-            d.guesses(8, &[], 1).len(),
+            d.guesses(8, &[], SuffixPolicy::DEFAULT.position_cost).len(),
             2,
             "all a one-token match allows"
         );

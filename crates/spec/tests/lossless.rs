@@ -360,7 +360,9 @@ impl Cloud {
                 Err(e) => return Err(TestCaseError::fail(format!("planning a block: {e}"))),
             }
         }
-        let guesses = self.session.self_guesses(usize::MAX, self.limit, &[EOG], 1);
+        let guesses =
+            self.session
+                .self_guesses(usize::MAX, self.limit, &[EOG], SELF_POLICY.position_cost);
         let plan = self
             .session
             .decode_feed_with(&guesses)

@@ -551,7 +551,8 @@ impl<T: Target, H> VerifierCore<T, H> {
             return;
         }
         let mut room = self.self_draft_room(plan);
-        let sessions = plan.chunks.len();
+        // A guessed position delays every session in the forward.
+        let cost = self.position_cost() * plan.chunks.len() as f64;
         let alone: Vec<usize> = (0..plan.chunks.len())
             .filter(|&i| {
                 let c = &plan.chunks[i];
@@ -585,7 +586,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                     limit,
                     eog,
                     ..
-                } => vs.self_guesses(share, *limit, eog, sessions),
+                } => vs.self_guesses(share, *limit, eog, cost),
                 Work::Generation {
                     suffix: Some(d),
                     produced,
@@ -595,7 +596,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                 } => {
                     // The token after the guesses is produced too.
                     let most = share.min(max_tokens.saturating_sub(*produced + 1));
-                    d.guesses(most, eog, sessions)
+                    d.guesses(most, eog, cost)
                 }
                 _ => Vec::new(),
             };

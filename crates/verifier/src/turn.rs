@@ -345,6 +345,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 let us = u64::from(f.us);
                 let ms = us as f64 / 1e3;
                 self.iteration_ms += 0.1 * (ms - self.iteration_ms);
+                self.position_fit.observe(tokens, ms);
                 turn.ends_us = now_us + us;
                 self.control.on_forward(turn.ends_us, tokens, ms);
                 self.adapt_contended(tokens, ms, f.contended);

@@ -184,6 +184,8 @@ pub struct VerifierCore<T: Target = Engine, H = ()> {
     /// How often the guesses it copied for its sessions were accepted, over all of them: each
     /// new session's drafter starts from it.
     pub(crate) guess_record: tandem_spec::GuessRecord,
+    /// What a position costs its small forwards, as measured.
+    pub(crate) position_fit: PositionFit,
     /// What it grants, and its idle timeout ([`VerifierConfig::load`]).
     pub(crate) load: LoadConfig,
     /// No opened session can be idle before this (µs): a lower bound of their idle deadlines,
@@ -193,7 +195,63 @@ pub struct VerifierCore<T: Target = Engine, H = ()> {
     pub stats: VerifierStats,
 }
 
+/// What one more position costs a small forward, beside a one-token forward, as measured: a
+/// least-squares line through the recent forwards of at most [`PositionFit::MAX_TOKENS`]
+/// positions (decayed), its slope over its one-token time. On a CPU a forward grows with its
+/// tokens well below the roofline's ridge; on a GPU it barely does. None until the forwards'
+/// sizes vary enough to fit a slope.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PositionFit {
+    /// Decayed sums: weight, x, y, x², xy (x the positions, y the forward's ms).
+    sums: [f64; 5],
+}
+
+impl PositionFit {
+    const MAX_TOKENS: usize = 32;
+    const DECAY: f64 = 0.995;
+    /// At least this much weight and this variance of the sizes before the fit is used.
+    const MIN_WEIGHT: f64 = 20.0;
+    const MIN_VARIANCE: f64 = 0.25;
+
+    pub(crate) fn observe(&mut self, tokens: usize, ms: f64) {
+        if tokens == 0 || tokens > Self::MAX_TOKENS || !ms.is_finite() || ms <= 0.0 {
+            return;
+        }
+        let x = tokens as f64;
+        for (s, v) in self.sums.iter_mut().zip([1.0, x, ms, x * x, x * ms]) {
+            *s = Self::DECAY * *s + v;
+        }
+    }
+
+    /// The fitted cost of a position over a one-token forward's time.
+    pub(crate) fn cost(&self) -> Option<f64> {
+        let [w, x, y, xx, xy] = self.sums;
+        if w < Self::MIN_WEIGHT {
+            return None;
+        }
+        let (mx, my) = (x / w, y / w);
+        let var = xx / w - mx * mx;
+        if var < Self::MIN_VARIANCE {
+            return None;
+        }
+        let slope = (xy / w - mx * my) / var;
+        let one = my - slope * (mx - 1.0);
+        (one > 0.0).then(|| (slope / one).clamp(0.0, 1.0))
+    }
+}
+
 impl<T: Target, H> VerifierCore<T, H> {
+    /// A guessed position's cost beside a one-token forward: as measured on this target's
+    /// small forwards ([`PositionFit`]), else as configured (from the forward cost).
+    pub(crate) fn position_cost(&self) -> f64 {
+        self.position_fit.cost().unwrap_or_else(|| {
+            self.self_draft
+                .map_or(tandem_spec::SuffixPolicy::DEFAULT.position_cost, |p| {
+                    p.position_cost
+                })
+        })
+    }
+
     /// A verifier over `engine`, whose KV cache becomes the scheduler's page pool. One tenant, 0,
     /// exists with weight 1 and no quota. Grants follow [`VerifierConfig::load`] from `now_us`
     /// on the driver's clock. (A token tree's side nodes are the transport's to bound: the gRPC
@@ -238,6 +296,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                 ..tandem_spec::SuffixPolicy::DEFAULT
             }),
             guess_record: Default::default(),
+            position_fit: PositionFit::default(),
             stats: VerifierStats::default(),
         };
         v.set_tenant(TenantId(0), TenantConfig::default())?;
@@ -597,6 +656,33 @@ impl<T: Target, H> VerifierCore<T, H> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_positions_cost_is_fitted_from_the_small_forwards() {
+        let mut f = PositionFit::default();
+        // One-token forwards only: no slope to fit.
+        for _ in 0..100 {
+            f.observe(1, 25.0);
+        }
+        assert_eq!(f.cost(), None);
+        // A CPU's forward: 25 ms and 3.5 ms a position more; large prefill chunks left out.
+        for n in [1, 2, 5, 1, 3, 17, 1, 9, 300] {
+            for _ in 0..10 {
+                f.observe(
+                    n,
+                    25.0 + 3.5 * (n as f64 - 1.0) + if n > 32 { 1e4 } else { 0.0 },
+                );
+            }
+        }
+        let c = f.cost().unwrap();
+        assert!((c - 0.14).abs() < 0.01, "{c}");
+        // Below a GPU's ridge a position costs nothing.
+        let mut f = PositionFit::default();
+        for n in 1..=40 {
+            f.observe(n, 8.0);
+        }
+        assert_eq!(f.cost(), Some(0.0));
+    }
     use tandem_spec::capacity::ForwardCost;
 
     #[test]
