@@ -52,6 +52,15 @@ fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
 
 /// A GGUF image of a random model with `spec`'s shape.
 pub fn tiny_gguf(spec: &TinySpec) -> Result<Vec<u8>> {
+    tiny_gguf_with(spec, |_, _| Ok(()))
+}
+
+/// [`tiny_gguf`] with its metadata and tensors edited by `edit` before it is written (a key or a
+/// tensor added, changed or removed: what a model of another kind declares).
+pub fn tiny_gguf_with(
+    spec: &TinySpec,
+    edit: impl FnOnce(&mut Vec<(String, Value)>, &mut Vec<(String, QTensor)>) -> Result<()>,
+) -> Result<Vec<u8>> {
     let s = spec;
     let hd = s.dim / s.n_head;
     let kvd = s.n_kv_head * hd;
@@ -125,7 +134,10 @@ pub fn tiny_gguf(spec: &TinySpec) -> Result<Vec<u8>> {
         ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
         ("llama.vocab_size", Value::U32(s.vocab as u32)),
     ];
-    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    let mut meta: Vec<(String, Value)> =
+        meta.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    edit(&mut meta, &mut tensors)?;
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut out = std::io::Cursor::new(Vec::new());
     gguf_file::write(&mut out, &meta_refs, &tensor_refs)?;

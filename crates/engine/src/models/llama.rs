@@ -104,9 +104,24 @@ pub struct LlamaConfig {
     pub rope_base: f32,
 }
 
+/// The `general.architecture` values this code loads.
+pub const SUPPORTED_ARCHITECTURES: [&str; 1] = ["llama"];
+
 impl LlamaConfig {
+    /// The configuration a GGUF declares, refusing by name what this code would load wrong:
+    /// another architecture, a mixture of experts, RoPE scaling, sliding windows, a head size
+    /// other than the embedding over the heads, partial rotary, attention biases, QK-norm.
     pub fn from_gguf(g: &GgufFile) -> Result<Self> {
         let arch = g.string("general.architecture")?.to_string();
+        if !SUPPORTED_ARCHITECTURES.contains(&arch.as_str()) {
+            return Err(EngineError::Metadata {
+                key: "general.architecture".into(),
+                message: format!(
+                    "`{arch}` is not supported (supported: {})",
+                    SUPPORTED_ARCHITECTURES.join(", ")
+                ),
+            });
+        }
         let prefix = arch.clone();
         let k = |s: &str| format!("{prefix}.{s}");
         let n_head = g.usize(&k("attention.head_count"))?;
@@ -147,6 +162,61 @@ impl LlamaConfig {
                     cfg.n_kv_head, cfg.n_head
                 ),
             ));
+        }
+        // What the LLaMA code here would load wrong: refused by name.
+        if let Ok(n) = g.usize(&k("expert_count")) {
+            if n > 0 {
+                return Err(bad(
+                    "expert_count",
+                    format!("a mixture of experts ({n} experts) is not supported"),
+                ));
+            }
+        }
+        if let Ok(t) = g.string(&k("rope.scaling.type")) {
+            if t != "none" {
+                return Err(bad(
+                    "rope.scaling.type",
+                    format!("RoPE scaling `{t}` is not supported"),
+                ));
+            }
+        }
+        if let Ok(w) = g.usize(&k("attention.sliding_window")) {
+            return Err(bad(
+                "attention.sliding_window",
+                format!("sliding-window attention ({w} tokens) is not supported"),
+            ));
+        }
+        for key in ["attention.key_length", "attention.value_length"] {
+            if let Ok(n) = g.usize(&k(key)) {
+                if n != cfg.head_dim {
+                    return Err(bad(
+                        key,
+                        format!(
+                            "a head size of {n} (the embedding over the heads is {}) is not supported",
+                            cfg.head_dim
+                        ),
+                    ));
+                }
+            }
+        }
+        for (tensor, what) in [
+            (
+                "rope_freqs.weight",
+                "per-dimension RoPE frequencies (Llama 3's RoPE scaling)",
+            ),
+            ("blk.0.attn_q.bias", "attention biases (Qwen 2's)"),
+            ("blk.0.attn_q_norm.weight", "QK-norm (Qwen 3's, Gemma 3's)"),
+            (
+                "blk.0.post_attention_norm.weight",
+                "norms after attention (Gemma's)",
+            ),
+        ] {
+            if g.has_tensor(tensor) {
+                return Err(EngineError::Tensor {
+                    name: tensor.into(),
+                    message: format!("{what} are not supported"),
+                });
+            }
         }
         if let Ok(rot) = g.usize(&k("rope.dimension_count")) {
             if rot != cfg.head_dim {

@@ -93,3 +93,88 @@ fn attention_matches_a_plain_reference() {
         }
     }
 }
+
+/// What this LLaMA code would load wrong is refused, naming the key or tensor that declares it.
+#[test]
+fn models_of_other_kinds_are_refused_by_name() {
+    use crate::testing::{tiny_gguf_with, TinySpec};
+    use candle_core::quantized::gguf_file::Value;
+    use candle_core::quantized::QTensor;
+    type Meta = Vec<(String, Value)>;
+    type Tensors = Vec<(String, QTensor)>;
+    let spec = TinySpec::default();
+    let load = |edit: &dyn Fn(&mut Meta, &mut Tensors)| {
+        let bytes = tiny_gguf_with(&spec, |m, t| {
+            edit(m, t);
+            Ok(())
+        })
+        .unwrap();
+        let g = GgufFile::from_bytes("tiny.gguf", bytes).unwrap();
+        LlamaConfig::from_gguf(&g).map(|_| ())
+    };
+    let set = |m: &mut Meta, key: &str, v: Value| {
+        m.retain(|(k, _)| k != key);
+        m.push((key.to_string(), v));
+    };
+    let tensor = |t: &mut Tensors, name: &str| {
+        let q = t[1].1.dequantize(&candle_core::Device::Cpu).unwrap();
+        let q = QTensor::quantize(&q, candle_core::quantized::GgmlDType::F32).unwrap();
+        t.push((name.to_string(), q));
+    };
+    assert!(load(&|_, _| ()).is_ok(), "the tiny model itself loads");
+    type Edit<'a> = Box<dyn Fn(&mut Meta, &mut Tensors) + 'a>;
+    let cases: Vec<(Edit, &str)> = vec![
+        (
+            Box::new(|m, _| set(m, "general.architecture", Value::String("gemma3".into()))),
+            "`gemma3` is not supported (supported: llama)",
+        ),
+        (
+            Box::new(|m, _| set(m, "llama.expert_count", Value::U32(8))),
+            "llama.expert_count",
+        ),
+        (
+            Box::new(|m, _| set(m, "llama.rope.scaling.type", Value::String("yarn".into()))),
+            "RoPE scaling `yarn`",
+        ),
+        (
+            Box::new(|m, _| set(m, "llama.attention.sliding_window", Value::U32(512))),
+            "sliding-window attention (512 tokens)",
+        ),
+        (
+            Box::new(|m, _| set(m, "llama.attention.key_length", Value::U32(32))),
+            "llama.attention.key_length",
+        ),
+        (
+            Box::new(|m, _| set(m, "llama.rope.dimension_count", Value::U32(8))),
+            "partial rotary",
+        ),
+        (
+            Box::new(|_, t| tensor(t, "rope_freqs.weight")),
+            "rope_freqs.weight",
+        ),
+        (
+            Box::new(|_, t| tensor(t, "blk.0.attn_q.bias")),
+            "attention biases",
+        ),
+        (
+            Box::new(|_, t| tensor(t, "blk.0.attn_q_norm.weight")),
+            "QK-norm",
+        ),
+        (
+            Box::new(|_, t| tensor(t, "blk.0.post_attention_norm.weight")),
+            "norms after attention",
+        ),
+    ];
+    for (edit, want) in cases {
+        let e = load(&*edit).unwrap_err().to_string();
+        assert!(e.contains(want), "{e} (wanted `{want}`)");
+    }
+    // What changes nothing is not refused: no scaling, a head size equal to the embedding over
+    // the heads, a dense model.
+    assert!(load(&|m, _| {
+        set(m, "llama.rope.scaling.type", Value::String("none".into()));
+        set(m, "llama.attention.key_length", Value::U32(16));
+        set(m, "llama.expert_count", Value::U32(0));
+    })
+    .is_ok());
+}
