@@ -33,7 +33,7 @@ use tandem_sim::stats::{round2, Summary};
 
 mod copy;
 mod report;
-pub use copy::copy_table;
+pub use copy::{copy_ceilings, copy_table, read as read_workload, CopyCeilings};
 use report::summarize;
 pub use report::table;
 

@@ -3,7 +3,6 @@
 
 use tandem_engine::{Engine, Logits, Parent, SeqChunk, SeqId, Wanted};
 use tandem_spec::sampling::{sample, second_choice, SamplingParams};
-use tandem_spec::suffix::EDGE_COPY_POLICY;
 pub use tandem_spec::suffix::{Copier, CopyStats};
 use tandem_spec::verify::{draft_sample, draft_sibling, VerifyRule};
 use tandem_spec::{Grammar, Hedge};
@@ -125,7 +124,7 @@ impl DraftSeq {
             tail: Vec::new(),
             grammar: None,
             forced_tokens: 0,
-            copier: cfg.suffix.then(|| Copier::new(prompt, EDGE_COPY_POLICY)),
+            copier: cfg.suffix.then(|| Copier::new(prompt)),
         }
     }
 

@@ -7,7 +7,7 @@ use std::collections::{BinaryHeap, HashMap};
 use tandem_sched::{SessionId, TenantId};
 use tandem_spec::sampling::uniform;
 use tandem_spec::sampling::SamplingParams;
-use tandem_spec::suffix::{Copier, EDGE_COPY_POLICY};
+use tandem_spec::suffix::Copier;
 use tandem_spec::{
     Block, EdgeSession, Grown, Hedge, Incoming, Next, Opened, Output, SessionConfig, Shape,
     TreeConfig, VerifyRule,
@@ -247,7 +247,7 @@ impl Sim {
                 self.copy_share.0 += share;
                 self.copy_share.1 += 1;
                 let copy = self.cfg.suffix && self.cfg.gamma > 0 && self.cfg.tree.0.is_none();
-                let copier = copy.then(|| Copier::new(&prompt, EDGE_COPY_POLICY));
+                let copier = copy.then(|| Copier::new(&prompt));
                 let last = *prompt
                     .last()
                     .expect("invariant: a prompt of at least one token");

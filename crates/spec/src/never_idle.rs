@@ -131,7 +131,7 @@ pub fn run_schedule_copying(
     let decode_positions = copying.positions_per_decode() / per_decode;
     let g = gamma.max(1);
     let half = c.rtt_ms / 2.0;
-    let decode = positions_ms(c, copying.positions_per_decode()) / per_decode;
+    let decode = cloud_only_itl_ms(c, copying);
     // The verifier's lead in tokens when a block lands: the edge keeps that much more in flight.
     let lead = (c.rtt_ms / decode).ceil() as usize;
     let max_in_flight =

@@ -45,16 +45,17 @@ pub struct Match {
     pub end: usize,
 }
 
-/// How a side turns matches into guesses: none below `min_match` tokens matched, then
-/// `factor` guesses per matched token, at most `max_tokens`; and, for the verifier's own guesses
-/// ([`SelfDrafter`]), what a position fed costs, as a share of a one-position forward.
+/// How the verifier turns matches into guesses: none below `min_match` tokens matched, then
+/// `factor` guesses per matched token, at most `max_tokens` (each priced by [`SelfDrafter`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SuffixPolicy {
     pub min_match: usize,
     pub factor: f64,
     pub max_tokens: usize,
-    pub position_cost: f64,
 }
+
+/// A guessed position's cost beside a one-position forward when nothing measured says better.
+pub const DEFAULT_POSITION_COST: f64 = 0.1;
 
 impl SuffixPolicy {
     /// The verifier's unless told otherwise: a match of one token or more, two guesses per
@@ -63,7 +64,6 @@ impl SuffixPolicy {
         min_match: 1,
         factor: 2.0,
         max_tokens: 16,
-        position_cost: 0.1,
     };
 
     /// Guesses to take from a match of `len` tokens.
@@ -347,7 +347,7 @@ impl GuessRecord {
 /// matches of each length were accepted ([`GuessRecord`], starting from the verifier's), which
 /// prices them: it feeds the number of guesses `k` that commits the most tokens per unit of
 /// forward time, `(1 + a + a² + … + a^k) / (1 + k·c)` for a guess's acceptance `a` after such a
-/// match and a position's cost `c` ([`SuffixPolicy::position_cost`]) times the sessions that
+/// match and a position's cost `c` (the caller's: what the verifier measured) times the sessions that
 /// share the forward (each waits for the position; only this one gains by it; the caller's
 /// [`SelfDrafter::guesses`]): none where its
 /// guesses are seldom right (but one at every [`PROBE_EVERY`]-th such match), nor in a forward
@@ -384,9 +384,8 @@ impl SelfDrafter {
     }
 
     /// The guesses to feed now, at most `most`, stopping after an end token of `eog`, when a
-    /// position costs `cost` of a one-token forward (the sessions it delays counted: the
-    /// policy's [`SuffixPolicy::position_cost`] times the sessions sharing the forward, or what
-    /// the verifier measured).
+    /// position costs `cost` of a one-token forward (the sessions it delays counted: a
+    /// position's cost times the sessions sharing the forward).
     pub fn guesses(&mut self, most: usize, eog: &[u32], cost: f64) -> Vec<u32> {
         self.proposed = None;
         let Some(m) = self.index.longest() else {
@@ -452,7 +451,6 @@ pub fn priced(a: f64, cost: f64, most: usize) -> usize {
 #[derive(Debug, Clone)]
 pub struct Copier {
     index: SuffixIndex,
-    policy: SuffixPolicy,
     /// Proposals not yet judged by the committed text: position, token, and the match-length
     /// bucket of a copy (None: the model's).
     pending: VecDeque<(usize, u32, Option<usize>)>,
@@ -476,14 +474,8 @@ pub struct CopyStats {
     pub right: usize,
 }
 
-/// The edge copies after matches of two tokens or more (one token per draft step: no limit).
-pub const EDGE_COPY_POLICY: SuffixPolicy = SuffixPolicy {
-    min_match: 2,
-    factor: 1.0,
-    max_tokens: usize::MAX,
-    // (Priced by the copier's own record instead.)
-    position_cost: 0.0,
-};
+/// The edge copies after matches of this many tokens or more (a copy per draft step).
+pub const COPY_MIN_MATCH: usize = 2;
 
 /// Match lengths from which each bucket of the copier's record starts.
 const COPY_BUCKETS: [usize; 4] = [1, 3, 6, 12];
@@ -502,11 +494,10 @@ const COPY_DECAY: f64 = 0.95;
 const COPY_WINDOW: usize = 48;
 
 impl Copier {
-    /// A copier over `prompt`, copying after matches of `policy.min_match` tokens or more.
-    pub fn new(prompt: &[u32], policy: SuffixPolicy) -> Self {
+    /// A copier over `prompt`, copying after matches of [`COPY_MIN_MATCH`] tokens or more.
+    pub fn new(prompt: &[u32]) -> Self {
         Self {
             index: SuffixIndex::of(prompt),
-            policy,
             pending: Default::default(),
             model: MODEL_PRIOR,
             record: [COPY_PRIOR; COPY_BUCKETS.len()],
@@ -568,7 +559,7 @@ impl Copier {
     pub fn guess(&mut self, path: &[u32]) -> Option<(u32, Match)> {
         let tail = &path[path.len().saturating_sub(COPY_WINDOW)..];
         let m = self.index.match_end(tail)?;
-        if m.len < self.policy.min_match.max(1) {
+        if m.len < COPY_MIN_MATCH {
             return None;
         }
         let b = Self::bucket(m.len);
@@ -603,7 +594,7 @@ mod tests {
     fn the_copier_copies_after_a_match_and_stops_where_its_copies_go_wrong() {
         // "a b c d e ... a b" → "c", then (the path drafted on) "a b c" → "d".
         let prompt = [1, 2, 3, 4, 5, 9, 1, 2];
-        let mut c = Copier::new(&prompt, EDGE_COPY_POLICY);
+        let mut c = Copier::new(&prompt);
         c.sync(&prompt);
         assert_eq!(c.guess(&prompt).map(|g| g.0), Some(3));
         assert_eq!(c.guess(&[&prompt[..], &[3]].concat()).map(|g| g.0), Some(4));
@@ -641,18 +632,14 @@ mod tests {
             &GuessRecord::default(),
         );
         assert!(
-            d.guesses(8, &[], 16.0 * SuffixPolicy::DEFAULT.position_cost)
-                .is_empty(),
+            d.guesses(8, &[], 16.0 * DEFAULT_POSITION_COST).is_empty(),
             "a forward of 16 sessions"
         );
-        assert_eq!(
-            d.guesses(8, &[], SuffixPolicy::DEFAULT.position_cost),
-            vec![2, 3]
-        );
+        assert_eq!(d.guesses(8, &[], DEFAULT_POSITION_COST), vec![2, 3]);
         d.judged(2, 0);
         let mut stops = false;
         for _ in 0..10 {
-            let g = d.guesses(8, &[], SuffixPolicy::DEFAULT.position_cost);
+            let g = d.guesses(8, &[], DEFAULT_POSITION_COST);
             if g.is_empty() {
                 stops = true;
                 break;
@@ -666,10 +653,7 @@ mod tests {
             SuffixPolicy::DEFAULT,
             &GuessRecord::default(),
         );
-        assert_eq!(
-            d.guesses(8, &[7], SuffixPolicy::DEFAULT.position_cost),
-            vec![2, 7]
-        );
+        assert_eq!(d.guesses(8, &[7], DEFAULT_POSITION_COST), vec![2, 7]);
     }
 
     #[test]
@@ -679,7 +663,7 @@ mod tests {
         for _ in 0..20 {
             let mut d = SelfDrafter::new(&[1, 2, 3, 1], SuffixPolicy::DEFAULT, &fleet);
             for _ in 0..30 {
-                let g = d.guesses(8, &[], SuffixPolicy::DEFAULT.position_cost);
+                let g = d.guesses(8, &[], DEFAULT_POSITION_COST);
                 if let Some(j) = d.judged(g.len(), 0) {
                     fleet.judge(&j);
                 }
@@ -691,24 +675,24 @@ mod tests {
         let mut d = SelfDrafter::new(&[1, 2, 3, 1], SuffixPolicy::DEFAULT, &fleet);
         let n = 2 * PROBE_EVERY as usize;
         let fed: usize = (0..n)
-            .map(|_| d.guesses(8, &[], SuffixPolicy::DEFAULT.position_cost).len())
+            .map(|_| d.guesses(8, &[], DEFAULT_POSITION_COST).len())
             .sum();
         assert_eq!(fed, 2, "two probes of one guess in {n} matches");
         // A new session still guesses after longer matches, and its own record outweighs the
         // verifier's soon: accepted probes price its guesses in again.
         let mut d = SelfDrafter::new(&[1, 2, 3, 4, 5, 1, 2, 3, 4], SuffixPolicy::DEFAULT, &fleet);
         assert_eq!(
-            d.guesses(8, &[], SuffixPolicy::DEFAULT.position_cost),
+            d.guesses(8, &[], DEFAULT_POSITION_COST),
             vec![5, 1],
             "as many as pay at α 0.5"
         );
         let mut d = SelfDrafter::new(&[1, 2, 3, 1], SuffixPolicy::DEFAULT, &fleet);
         for _ in 0..PROBE_EVERY + 8 {
-            let g = d.guesses(8, &[], SuffixPolicy::DEFAULT.position_cost);
+            let g = d.guesses(8, &[], DEFAULT_POSITION_COST);
             d.judged(g.len(), g.len());
         }
         assert_eq!(
-            d.guesses(8, &[], SuffixPolicy::DEFAULT.position_cost).len(),
+            d.guesses(8, &[], DEFAULT_POSITION_COST).len(),
             2,
             "all a one-token match allows"
         );
@@ -815,7 +799,6 @@ mod tests {
             min_match: 2,
             factor: 1.0,
             max_tokens: 8,
-            position_cost: 0.1,
         };
         assert_eq!(
             guesses(&s, &policy, 8),

@@ -96,7 +96,6 @@ const SELF_POLICY: SuffixPolicy = SuffixPolicy {
     min_match: 1,
     factor: 2.0,
     max_tokens: 5,
-    position_cost: 0.0,
 };
 
 /// The target's token at `pos` after `last` under `grammar` (at its state there). Greedy: its
@@ -360,9 +359,9 @@ impl Cloud {
                 Err(e) => return Err(TestCaseError::fail(format!("planning a block: {e}"))),
             }
         }
-        let guesses =
-            self.session
-                .self_guesses(usize::MAX, self.limit, &[EOG], SELF_POLICY.position_cost);
+        let guesses = self
+            .session
+            .self_guesses(usize::MAX, self.limit, &[EOG], 0.0);
         let plan = self
             .session
             .decode_feed_with(&guesses)

@@ -242,12 +242,14 @@ impl PositionFit {
 
 impl<T: Target, H> VerifierCore<T, H> {
     /// A guessed position's cost beside a one-token forward: as measured on this target's
-    /// small forwards ([`PositionFit`]), else as configured (from the forward cost).
+    /// small forwards ([`PositionFit`]), else the configured forward cost's compute slope (below
+    /// the ridge a CPU's forward still grows with its tokens), else the default.
     pub(crate) fn position_cost(&self) -> f64 {
         self.position_fit.cost().unwrap_or_else(|| {
-            self.self_draft
-                .map_or(tandem_spec::SuffixPolicy::DEFAULT.position_cost, |p| {
-                    p.position_cost
+            self.load
+                .forward_cost
+                .map_or(tandem_spec::suffix::DEFAULT_POSITION_COST, |c| {
+                    c.ms_per_token / c.one_token_ms.max(1e-9)
                 })
         })
     }
@@ -285,14 +287,6 @@ impl<T: Target, H> VerifierCore<T, H> {
             self_draft: (cfg.self_draft_max > 0).then_some(tandem_spec::SuffixPolicy {
                 max_tokens: cfg.self_draft_max,
                 min_match: cfg.self_draft_min_match.max(1),
-                // A position's cost beside a one-token forward: the target's compute slope
-                // (below the ridge a CPU's forward still grows with its tokens), else the default.
-                position_cost: cfg
-                    .load
-                    .forward_cost
-                    .map_or(tandem_spec::SuffixPolicy::DEFAULT.position_cost, |c| {
-                        c.ms_per_token / c.one_token_ms.max(1e-9)
-                    }),
                 ..tandem_spec::SuffixPolicy::DEFAULT
             }),
             guess_record: Default::default(),

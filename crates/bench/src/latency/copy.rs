@@ -49,7 +49,7 @@ fn guesses(cloud: &CloudProcess) -> Result<(u64, u64)> {
 }
 
 /// Read a workload file: its chats, encoded with the model's template.
-fn read(path: &Path, tok: &Tokenizer) -> Result<Vec<Vec<u32>>> {
+pub fn read(path: &Path, tok: &Tokenizer) -> Result<Vec<Vec<u32>>> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("--workload {}", path.display()))?;
     let work: Vec<ChatPrompt> = serde_json::from_str(&text).with_context(|| {
@@ -201,7 +201,7 @@ fn copying_of(r: &Row) -> never_idle::Copying {
     never_idle::Copying::from_rates(
         r.cloud_decoded.max(1) as f64 / decodes,
         1.0 + fed as f64 / decodes,
-        tandem_spec::SuffixPolicy::DEFAULT.max_tokens,
+        tandem_verifier::VerifierConfig::default().self_draft_max,
     )
 }
 
@@ -329,4 +329,111 @@ pub fn copy_table(r: &LatencyReport) -> String {
         );
     }
     s
+}
+
+/// How many tokens per decode forward the verifier's copies could commit at most on a set of
+/// texts (each a prompt and the target's output), by brute force: at each decode, the longest
+/// suffix of the committed text that occurred earlier, up to `guesses` guesses fed
+/// after it, every one of them accepted while right. Per way of choosing what to copy: the most
+/// recent occurrence (what [`tandem_spec::SelfDrafter`] copies), the occurrence whose next token
+/// is the most frequent, both of the two most recent (a two-branch guess tree), and an oracle
+/// that takes the best of every earlier occurrence of every matching suffix. None is priced:
+/// every guess is fed, so these bound what pricing and position costs leave.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct CopyCeilings {
+    pub most_recent: f64,
+    pub most_frequent: f64,
+    pub two_most_recent: f64,
+    pub oracle: f64,
+}
+
+/// The longest suffix [`copy_ceilings`] tries to match.
+const CEILING_MATCH: usize = 64;
+
+/// How a ceiling copies: the guesses the text takes at `n` after the longest match, `l` tokens
+/// long, whose earlier occurrences end at `ends`.
+type Choose<'a> = &'a dyn Fn(&[u32], usize, usize, &[usize]) -> usize;
+
+/// [`CopyCeilings`] of `texts`: `(prompt, output)` pairs, the output's first token committed at
+/// the open (not by a decode), at most `guesses` guesses a decode.
+pub fn copy_ceilings(texts: &[(Vec<u32>, Vec<u32>)], guesses: usize) -> CopyCeilings {
+    // Ends `e < n − 1` of the earlier occurrences of the `l` tokens before `n`.
+    let ends = |t: &[u32], n: usize, l: usize| -> Vec<usize> {
+        (l - 1..n - 1)
+            .filter(|&e| t[e + 1 - l..=e] == t[n - l..n])
+            .collect()
+    };
+    // Guesses copied from after `e` that the text takes at `n`.
+    let run = |t: &[u32], n: usize, e: usize| {
+        (0..guesses)
+            .take_while(|&a| n + a < t.len() && t[e + 1 + a] == t[n + a])
+            .count()
+    };
+    let per_decode = |choose: Choose| {
+        let (mut tokens, mut decodes) = (0, 0);
+        for (prompt, output) in texts {
+            let t = [&prompt[..], &output[..]].concat();
+            let mut n = prompt.len() + 1;
+            while n < t.len() {
+                let best = (1..=CEILING_MATCH.min(n - 1))
+                    .rev()
+                    .map(|l| (l, ends(&t, n, l)))
+                    .find(|(_, e)| !e.is_empty())
+                    .map_or(0, |(l, e)| choose(&t, n, l, &e));
+                n += best + 1;
+                decodes += 1;
+            }
+            tokens += output.len().saturating_sub(1);
+        }
+        tokens as f64 / decodes.max(1) as f64
+    };
+    let most_frequent = |t: &[u32], n: usize, _: usize, e: &[usize]| {
+        let count = |x: u32| e.iter().filter(|&&f| t[f + 1] == x).count();
+        let top = e.iter().map(|&f| count(t[f + 1])).max().unwrap_or(0);
+        let pick = e.iter().rev().find(|&&f| count(t[f + 1]) == top);
+        pick.map_or(0, |&f| run(t, n, f))
+    };
+    let oracle = |t: &[u32], n: usize, l: usize, _: &[usize]| {
+        (1..=l)
+            .flat_map(|k| ends(t, n, k).into_iter().rev().take(50))
+            .map(|f| run(t, n, f))
+            .max()
+            .unwrap_or(0)
+    };
+    CopyCeilings {
+        most_recent: per_decode(&|t, n, _, e| run(t, n, e[e.len() - 1])),
+        most_frequent: per_decode(&most_frequent),
+        two_most_recent: per_decode(&|t, n, _, e| {
+            e.iter()
+                .rev()
+                .take(2)
+                .map(|&f| run(t, n, f))
+                .max()
+                .unwrap_or(0)
+        }),
+        oracle: per_decode(&oracle),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ceilings_of_a_text_that_repeats_itself() {
+        // The output repeats the prompt's "1 2 3 4 5": after its first token (committed at the
+        // open), one decode copies "2 3 4 5" and commits its own "6".
+        let c = copy_ceilings(&[(vec![9, 1, 2, 3, 4, 5, 8], vec![1, 2, 3, 4, 5, 6])], 16);
+        assert_eq!((c.most_recent, c.oracle), (5.0, 5.0));
+        // After "1", the most recent occurrence went on with "3", the older one with "2" (the
+        // output's): only a choice that looks past the most recent one copies it.
+        let c = copy_ceilings(&[(vec![1, 2, 7, 1, 3, 9], vec![1, 2, 5])], 16);
+        assert_eq!(
+            (c.most_recent, c.most_frequent, c.two_most_recent, c.oracle),
+            (1.0, 1.0, 2.0, 2.0)
+        );
+        // A text that never repeats: one token a decode.
+        let fresh = copy_ceilings(&[(vec![1, 2, 3], vec![4, 5, 6, 7])], 16);
+        assert_eq!((fresh.most_recent, fresh.oracle), (1.0, 1.0));
+    }
 }
