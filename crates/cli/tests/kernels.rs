@@ -1,5 +1,5 @@
 //! Every kernel path this CPU runs (`TANDEM_KERNELS`: portable, avx2, avx512) computes the same
-//! logits bit for bit, on the tiny random models and on SmolLM2 (the f32 target and the Q4_0
+//! logits bit for bit, on the tiny random models (every family) and on SmolLM2 (the f32 target and the Q4_0
 //! draft, with f32 and with 8-bit activations), for single sequences and ragged batches. The path is fixed per process, so each runs
 //! in a child process of this test binary, which writes its logits' bits to a file.
 
@@ -79,12 +79,32 @@ fn tiny(dtype: GgmlDType) -> Arc<LlamaModel> {
     Arc::new(LlamaModel::load(&mut tiny_file(&spec).unwrap(), mode).unwrap())
 }
 
+/// A tiny model of family `arch` ([`TinySpec::family`]: Gemma 3 with its windows, GeGLU and
+/// norms; Qwen with biases or QK-norm), wider than the default.
+fn family(arch: &'static str, dtype: GgmlDType) -> Arc<LlamaModel> {
+    let spec = TinySpec {
+        dtype,
+        dim: 128,
+        ff_dim: 192,
+        ..TinySpec::family(arch)
+    };
+    let mode = match dtype {
+        GgmlDType::F32 => WeightMode::F32,
+        _ => WeightMode::Native,
+    };
+    Arc::new(LlamaModel::load(&mut tiny_file(&spec).unwrap(), mode).unwrap())
+}
+
 /// The models compared, by name.
 fn models() -> Vec<(&'static str, Arc<LlamaModel>)> {
     vec![
         ("tiny f32", tiny(GgmlDType::F32)),
         ("tiny q4_0", tiny(GgmlDType::Q4_0)),
         ("tiny q8_0", tiny(GgmlDType::Q8_0)),
+        ("tiny qwen2 f32", family("qwen2", GgmlDType::F32)),
+        ("tiny qwen3 q4_0", family("qwen3", GgmlDType::Q4_0)),
+        ("tiny gemma3 f32", family("gemma3", GgmlDType::F32)),
+        ("tiny gemma3 q4_0", family("gemma3", GgmlDType::Q4_0)),
         ("SmolLM2 f32 target", target().0.clone()),
         (
             "SmolLM2 q4_0 draft",

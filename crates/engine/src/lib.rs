@@ -32,6 +32,8 @@ pub use engine::{Engine, EngineConfig};
 pub use error::{EngineError, Result};
 pub use gguf::GgufFile;
 pub use kv::SeqId;
-pub use models::llama::{LlamaConfig, LlamaModel, Observer, Site, WeightMode};
+pub use models::llama::{
+    Activation, LlamaConfig, LlamaModel, Observer, RopeStyle, Site, WeightMode,
+};
 pub use tokenizer::Tokenizer;
 pub use tree::{NodeCtx, Parent};

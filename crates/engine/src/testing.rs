@@ -1,5 +1,5 @@
-//! Tiny random LLaMA models built in-process as GGUF images, for tests that need a real forward pass
-//! without the model file.
+//! Tiny random models of each family built in-process as GGUF images, for tests that need a real
+//! forward pass without the model file.
 
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -24,7 +24,42 @@ pub struct TinySpec {
     /// A layer whose output projections (`attn_output`, `ffn_down`) are zero: it adds nothing to
     /// the residual stream, as if it were not there.
     pub silent_layer: Option<usize>,
+    /// `general.architecture`: `llama`, `qwen2` (QKV biases), `qwen3` (QK-norm) or `gemma3`
+    /// (QK-norm, post-norms, GeGLU, sliding windows of [`Self::window`] tokens).
+    pub arch: &'static str,
+    /// Each head's width, declared as `attention.key_length` (`None`: `dim / n_head`).
+    pub head_dim: Option<usize>,
+    /// Gemma 3's sliding window.
+    pub window: usize,
 }
+
+impl TinySpec {
+    /// The default shape as `arch` declares it: Gemma 3 with six layers (five windowed, one
+    /// global), a window of 5 tokens and heads wider than the embedding over the heads, Qwen 3
+    /// with heads narrower.
+    pub fn family(arch: &'static str) -> Self {
+        let base = Self {
+            arch,
+            ..Self::default()
+        };
+        match arch {
+            "gemma3" => Self {
+                n_layer: 6,
+                head_dim: Some(24),
+                window: 5,
+                ..base
+            },
+            "qwen3" => Self {
+                head_dim: Some(8),
+                ..base
+            },
+            _ => base,
+        }
+    }
+}
+
+/// The families [`TinySpec::family`] builds.
+pub const TINY_FAMILIES: [&str; 4] = ["llama", "qwen2", "qwen3", "gemma3"];
 
 impl Default for TinySpec {
     fn default() -> Self {
@@ -39,6 +74,9 @@ impl Default for TinySpec {
             dtype: GgmlDType::F32,
             seed: 1,
             silent_layer: None,
+            arch: "llama",
+            head_dim: None,
+            window: 0,
         }
     }
 }
@@ -62,8 +100,9 @@ pub fn tiny_gguf_with(
     edit: impl FnOnce(&mut Vec<(String, Value)>, &mut Vec<(String, QTensor)>) -> Result<()>,
 ) -> Result<Vec<u8>> {
     let s = spec;
-    let hd = s.dim / s.n_head;
-    let kvd = s.n_kv_head * hd;
+    let hd = s.head_dim.unwrap_or(s.dim / s.n_head);
+    let (qd, kvd) = (s.n_head * hd, s.n_kv_head * hd);
+    let gemma = s.arch == "gemma3";
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     let mut seed = s.seed * 1000;
     let mut add =
@@ -91,16 +130,29 @@ pub fn tiny_gguf_with(
         // Output projections: zero for the silent layer.
         let out_scale = |x: f32| if s.silent_layer == Some(l) { 0.0 } else { x };
         add(n("attn_norm"), &[s.dim], GgmlDType::F32, 0.2, 1.0)?;
-        add(n("attn_q"), &[s.dim, s.dim], s.dtype, ws, 0.0)?;
+        add(n("attn_q"), &[qd, s.dim], s.dtype, ws, 0.0)?;
         add(n("attn_k"), &[kvd, s.dim], s.dtype, ws, 0.0)?;
         add(n("attn_v"), &[kvd, s.dim], s.dtype, ws, 0.0)?;
+        if s.arch == "qwen2" {
+            for (x, w) in [("attn_q", qd), ("attn_k", kvd), ("attn_v", kvd)] {
+                add(format!("blk.{l}.{x}.bias"), &[w], GgmlDType::F32, 0.5, 0.0)?;
+            }
+        }
+        if s.arch == "qwen3" || gemma {
+            add(n("attn_q_norm"), &[hd], GgmlDType::F32, 0.2, 1.0)?;
+            add(n("attn_k_norm"), &[hd], GgmlDType::F32, 0.2, 1.0)?;
+        }
         add(
             n("attn_output"),
-            &[s.dim, s.dim],
+            &[s.dim, qd],
             s.dtype,
-            out_scale(ws),
+            out_scale(1.5 / (qd as f32).sqrt()),
             0.0,
         )?;
+        if gemma {
+            add(n("post_attention_norm"), &[s.dim], GgmlDType::F32, 0.2, 1.0)?;
+            add(n("post_ffw_norm"), &[s.dim], GgmlDType::F32, 0.2, 1.0)?;
+        }
         add(n("ffn_norm"), &[s.dim], GgmlDType::F32, 0.2, 1.0)?;
         add(n("ffn_gate"), &[s.ff_dim, s.dim], s.dtype, ws, 0.0)?;
         add(n("ffn_up"), &[s.ff_dim, s.dim], s.dtype, ws, 0.0)?;
@@ -119,23 +171,47 @@ pub fn tiny_gguf_with(
         0.2,
         1.0,
     )?;
-    let meta: Vec<(&str, Value)> = vec![
-        ("general.architecture", Value::String("llama".into())),
-        ("llama.block_count", Value::U32(s.n_layer as u32)),
-        ("llama.context_length", Value::U32(s.context_len as u32)),
-        ("llama.embedding_length", Value::U32(s.dim as u32)),
-        ("llama.feed_forward_length", Value::U32(s.ff_dim as u32)),
-        ("llama.attention.head_count", Value::U32(s.n_head as u32)),
+    let a = s.arch;
+    let mut meta: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(a.into())),
+        (format!("{a}.block_count"), Value::U32(s.n_layer as u32)),
         (
-            "llama.attention.head_count_kv",
+            format!("{a}.context_length"),
+            Value::U32(s.context_len as u32),
+        ),
+        (format!("{a}.embedding_length"), Value::U32(s.dim as u32)),
+        (
+            format!("{a}.feed_forward_length"),
+            Value::U32(s.ff_dim as u32),
+        ),
+        (
+            format!("{a}.attention.head_count"),
+            Value::U32(s.n_head as u32),
+        ),
+        (
+            format!("{a}.attention.head_count_kv"),
             Value::U32(s.n_kv_head as u32),
         ),
-        ("llama.rope.freq_base", Value::F32(10_000.0)),
-        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
-        ("llama.vocab_size", Value::U32(s.vocab as u32)),
+        (format!("{a}.rope.freq_base"), Value::F32(10_000.0)),
+        (
+            format!("{a}.attention.layer_norm_rms_epsilon"),
+            Value::F32(1e-5),
+        ),
+        (format!("{a}.vocab_size"), Value::U32(s.vocab as u32)),
     ];
-    let mut meta: Vec<(String, Value)> =
-        meta.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    if let Some(hd) = s.head_dim {
+        meta.push((format!("{a}.attention.key_length"), Value::U32(hd as u32)));
+        meta.push((format!("{a}.attention.value_length"), Value::U32(hd as u32)));
+    }
+    if gemma {
+        meta.push((
+            format!("{a}.attention.sliding_window"),
+            Value::U32(s.window as u32),
+        ));
+        // The global layers' base; the windowed ones' is Gemma 3's own 10 000.
+        meta.retain(|(k, _)| k != &format!("{a}.rope.freq_base"));
+        meta.push((format!("{a}.rope.freq_base"), Value::F32(1_000_000.0)));
+    }
     edit(&mut meta, &mut tensors)?;
     let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();

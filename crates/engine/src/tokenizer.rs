@@ -1,5 +1,8 @@
 //! The tokenizer and chat template stored in a GGUF file.
 //!
+//! `tokenizer.ggml.model = llama` is SentencePiece-style ([`spm`]: Gemma's 262k vocabulary with
+//! byte fallback); a GGUF without a chat template whose vocabulary has Gemma's turn markers gets
+//! Gemma's turn format ([`GEMMA_TEMPLATE`]).
 //! `tokenizer.ggml.model = gpt2` is a byte-level BPE (the `tokenizers` crate's BPE with the GGUF
 //! vocabulary and merges). The pre-tokenizer follows `tokenizer.ggml.pre`: `smollm` (and the
 //! StarCoder family it copies) splits every digit on its own first, then applies GPT-2's byte-level
@@ -22,8 +25,32 @@ use tokenizers::{AddedToken, Tokenizer as HfTokenizer};
 use crate::error::{EngineError, Result};
 use crate::gguf::GgufFile;
 
+mod spm;
+
 const TOKEN_TYPE_CONTROL: i32 = 3;
 const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+const TOKEN_TYPE_BYTE: i32 = 6;
+
+/// Gemma's turn format (Tandem's own template of it, used where a Gemma GGUF carries none): a
+/// system message opens the first user turn, the assistant's role is `model`. No BOS: the
+/// tokenizer adds it.
+pub const GEMMA_TEMPLATE: &str = "\
+{%- if messages and messages[0].role == 'system' -%}
+{%- set system = messages[0].content ~ '\\n\\n' -%}{%- set turns = messages[1:] -%}
+{%- else -%}{%- set system = '' -%}{%- set turns = messages -%}{%- endif -%}
+{%- for m in turns -%}
+{{ '<start_of_turn>' ~ ('model' if m.role == 'assistant' else m.role) ~ '\\n' ~ \
+(system if loop.first else '') ~ (m.content | trim) ~ '<end_of_turn>\\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}";
+
+/// How the text becomes ids.
+enum Model {
+    /// Byte-level BPE through the `tokenizers` crate.
+    Bpe(Box<HfTokenizer>),
+    /// SentencePiece-style merges by score.
+    Spm(Box<spm::Spm>),
+}
 
 /// One chat message for the template.
 #[derive(Debug, Clone, Serialize)]
@@ -33,7 +60,7 @@ pub struct ChatMessage {
 }
 
 pub struct Tokenizer {
-    inner: HfTokenizer,
+    inner: Model,
     chat_template: Option<String>,
     eog: HashSet<u32>,
     add_bos: Option<u32>,
@@ -44,6 +71,8 @@ pub struct Tokenizer {
     /// whether it is a control token (for grammars: [`Tokenizer::grammar_vocab`]).
     texts: Vec<String>,
     special: Vec<bool>,
+    /// For a SentencePiece vocabulary: each token's byte, where it is a `<0xXX>` token.
+    byte_tokens: Option<Vec<Option<u8>>>,
 }
 
 /// GPT-2's byte-level alphabet backwards: the byte a vocabulary character stands for. Printable
@@ -69,73 +98,73 @@ fn tok_err(e: impl std::fmt::Display) -> EngineError {
 impl Tokenizer {
     pub fn from_gguf(g: &GgufFile) -> Result<Self> {
         let model = g.string("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(EngineError::Metadata {
-                key: "tokenizer.ggml.model".into(),
-                message: format!("`{model}` is not supported (only byte-level BPE, `gpt2`)"),
-            });
-        }
         let pre_name = g.string("tokenizer.ggml.pre").unwrap_or("default");
-        let split_digits = match pre_name {
-            "smollm" | "starcoder" | "refact" => true,
-            "gpt-2" | "gpt2" | "default" => false,
-            other => {
-                return Err(EngineError::Metadata {
-                    key: "tokenizer.ggml.pre".into(),
-                    message: format!("pre-tokenizer `{other}` is not supported (smollm, gpt-2)"),
-                })
-            }
-        };
         let tokens: Vec<String> = g
             .array("tokenizer.ggml.tokens")?
             .iter()
             .map(|v| v.to_string().cloned().map_err(tok_err))
             .collect::<Result<_>>()?;
-        let merges: Vec<(String, String)> = g
-            .array("tokenizer.ggml.merges")?
-            .iter()
-            .map(|v| {
-                let s = v.to_string().map_err(tok_err)?;
-                let (a, b) = s
-                    .split_once(' ')
-                    .ok_or_else(|| tok_err(format!("merge `{s}` has no space")))?;
-                Ok((a.to_string(), b.to_string()))
-            })
-            .collect::<Result<_>>()?;
         let types: Vec<i32> = match g.array("tokenizer.ggml.token_type") {
             Ok(v) => v.iter().map(|t| t.to_i32().unwrap_or(1)).collect(),
             Err(_) => vec![1; tokens.len()],
         };
-        let vocab: tokenizers::models::bpe::Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges.clone())
-            .build()
-            .map_err(tok_err)?;
-        let mut inner = HfTokenizer::new(bpe);
-        let byte_level = ByteLevel::new(false, true, true);
-        let pre: PreTokenizerWrapper = if split_digits {
-            Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
-        } else {
-            byte_level.into()
-        };
-        inner.with_pre_tokenizer(Some(pre));
-        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        if types.len() != tokens.len() {
+            return Err(EngineError::Metadata {
+                key: "tokenizer.ggml.token_type".into(),
+                message: format!("{} types for {} tokens", types.len(), tokens.len()),
+            });
+        }
         let special: Vec<u32> = types
             .iter()
             .enumerate()
             .filter(|(_, &t)| t == TOKEN_TYPE_CONTROL || t == TOKEN_TYPE_USER_DEFINED)
             .map(|(i, _)| i as u32)
             .collect();
-        let added: Vec<AddedToken> = special
-            .iter()
-            .map(|&i| AddedToken::from(tokens[i as usize].clone(), true))
-            .collect();
-        inner.add_special_tokens(added).map_err(tok_err)?;
-
+        let mut merges: Vec<(String, String)> = Vec::new();
+        let mut scores: Vec<f32> = Vec::new();
+        let add_space_prefix = g.bool_or("tokenizer.ggml.add_space_prefix", model == "llama");
+        let inner = match model {
+            "gpt2" => {
+                merges = g
+                    .array("tokenizer.ggml.merges")?
+                    .iter()
+                    .map(|v| {
+                        let s = v.to_string().map_err(tok_err)?;
+                        let (a, b) = s
+                            .split_once(' ')
+                            .ok_or_else(|| tok_err(format!("merge `{s}` has no space")))?;
+                        Ok((a.to_string(), b.to_string()))
+                    })
+                    .collect::<Result<_>>()?;
+                Model::Bpe(Box::new(Self::bpe(pre_name, &tokens, &merges, &special)?))
+            }
+            "llama" => {
+                scores = g
+                    .array("tokenizer.ggml.scores")?
+                    .iter()
+                    .map(|v| {
+                        v.to_f32()
+                            .or_else(|_| v.to_f64().map(|x| x as f32))
+                            .map_err(tok_err)
+                    })
+                    .collect::<Result<_>>()?;
+                Model::Spm(Box::new(spm::Spm::new(
+                    &tokens,
+                    scores.clone(),
+                    special.clone(),
+                    add_space_prefix,
+                )?))
+            }
+            other => {
+                return Err(EngineError::Metadata {
+                    key: "tokenizer.ggml.model".into(),
+                    message: format!(
+                        "`{other}` is not supported (byte-level BPE `gpt2`, SentencePiece-style \
+                         `llama`)"
+                    ),
+                })
+            }
+        };
         let id = |key: &str| g.u64(key).ok().map(|v| v as u32);
         let (bos, eos) = (
             id("tokenizer.ggml.bos_token_id"),
@@ -146,7 +175,7 @@ impl Tokenizer {
         for (i, t) in tokens.iter().enumerate() {
             if matches!(
                 t.as_str(),
-                "<|endoftext|>" | "<|im_end|>" | "<|eot_id|>" | "<|end|>"
+                "<|endoftext|>" | "<|im_end|>" | "<|eot_id|>" | "<|end|>" | "<end_of_turn>"
             ) {
                 eog.insert(i as u32);
             }
@@ -172,6 +201,14 @@ impl Tokenizer {
             h.update([0]);
         }
         h.update([1]);
+        if matches!(inner, Model::Spm(_)) {
+            // (A BPE's fingerprint stays what it was before SentencePiece vocabularies came.)
+            for (sc, t) in scores.iter().zip(&types) {
+                h.update(sc.to_le_bytes());
+                h.update(t.to_le_bytes());
+            }
+            h.update([add_space_prefix as u8, 1]);
+        }
         for (a, b) in &merges {
             h.update(a.as_bytes());
             h.update([b' ']);
@@ -200,11 +237,32 @@ impl Tokenizer {
             is_special[i as usize] = true;
         }
         let (bos_text, eos_text) = (text_of(bos), text_of(eos));
+        let byte_tokens = matches!(inner, Model::Spm(_)).then(|| {
+            tokens
+                .iter()
+                .zip(&types)
+                .map(|(t, &ty)| match ty {
+                    TOKEN_TYPE_BYTE => spm::byte_token(t),
+                    _ => None,
+                })
+                .collect()
+        });
+        let chat_template = g
+            .string("tokenizer.chat_template")
+            .ok()
+            .map(str::to_string)
+            .or_else(|| {
+                tokens
+                    .iter()
+                    .any(|t| t == "<start_of_turn>")
+                    .then(|| GEMMA_TEMPLATE.to_string())
+            });
         Ok(Self {
+            byte_tokens,
             texts: tokens,
             special: is_special,
             inner,
-            chat_template: g.string("tokenizer.chat_template").ok().map(str::to_string),
+            chat_template,
             eog,
             add_bos,
             bos_text,
@@ -213,25 +271,89 @@ impl Tokenizer {
         })
     }
 
+    /// The byte-level BPE over `tokens` and `merges`, its pre-tokenizer `pre_name`'s.
+    fn bpe(
+        pre_name: &str,
+        tokens: &[String],
+        merges: &[(String, String)],
+        special: &[u32],
+    ) -> Result<HfTokenizer> {
+        let split_digits = match pre_name {
+            "smollm" | "starcoder" | "refact" => true,
+            "gpt-2" | "gpt2" | "default" => false,
+            other => {
+                return Err(EngineError::Metadata {
+                    key: "tokenizer.ggml.pre".into(),
+                    message: format!("pre-tokenizer `{other}` is not supported (smollm, gpt-2)"),
+                })
+            }
+        };
+        let vocab: tokenizers::models::bpe::Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges.to_vec())
+            .build()
+            .map_err(tok_err)?;
+        let mut inner = HfTokenizer::new(bpe);
+        let byte_level = ByteLevel::new(false, true, true);
+        let pre: PreTokenizerWrapper = if split_digits {
+            Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+        } else {
+            byte_level.into()
+        };
+        inner.with_pre_tokenizer(Some(pre));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        let added: Vec<AddedToken> = special
+            .iter()
+            .map(|&i| AddedToken::from(tokens[i as usize].clone(), true))
+            .collect();
+        inner.add_special_tokens(added).map_err(tok_err)?;
+        Ok(inner)
+    }
+
     /// Token ids of `text`; special tokens written in the text are matched whole. A byte the
     /// vocabulary has no token for is dropped, as the model's own tokenizer (transformers,
     /// llama.cpp) drops it: SmolLM2's lacks six control bytes, U+0004, U+0006, U+000D (carriage
     /// return), U+000E, U+0010 and U+001D, and at least 0xF2, which begins 4-byte UTF-8
     /// sequences (found by the tokenizer fuzzer).
+    ///
+    /// BOS is added where the model asks for it, unless the text already begins with it (a chat
+    /// template that writes `bos_token`).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode_fast(text, false).map_err(tok_err)?;
-        let mut ids = Vec::with_capacity(enc.get_ids().len() + 1);
-        ids.extend(self.add_bos);
-        ids.extend_from_slice(enc.get_ids());
+        let body = match &self.inner {
+            Model::Bpe(t) => t
+                .encode_fast(text, false)
+                .map_err(tok_err)?
+                .get_ids()
+                .to_vec(),
+            Model::Spm(t) => t.encode(text)?,
+        };
+        let mut ids = Vec::with_capacity(body.len() + 1);
+        if let Some(b) = self.add_bos.filter(|b| body.first() != Some(b)) {
+            ids.push(b);
+        }
+        ids.extend_from_slice(&body);
         Ok(ids)
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, false).map_err(tok_err)
+        match &self.inner {
+            Model::Bpe(t) => t.decode(ids, false).map_err(tok_err),
+            Model::Spm(_) => {
+                let bytes: Vec<u8> = ids.iter().flat_map(|&i| self.token_bytes(i)).collect();
+                Ok(String::from_utf8_lossy(&bytes).into_owned())
+            }
+        }
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        match &self.inner {
+            Model::Bpe(t) => t.get_vocab_size(true),
+            Model::Spm(_) => self.texts.len(),
+        }
     }
 
     /// The end-of-generation ids, ascending.
@@ -259,6 +381,12 @@ impl Tokenizer {
         if self.special[id as usize] {
             return t.as_bytes().to_vec();
         }
+        if let Some(bytes) = &self.byte_tokens {
+            return match bytes[id as usize] {
+                Some(b) => vec![b],
+                None => spm::piece_bytes(t),
+            };
+        }
         // A character outside the alphabet (none in a byte-level vocabulary) keeps its UTF-8.
         t.chars()
             .flat_map(|c| match byte_of(c) {
@@ -284,21 +412,7 @@ impl Tokenizer {
         let src = self.chat_template.as_deref().ok_or_else(|| {
             EngineError::ChatTemplate("the model has no tokenizer.chat_template".into())
         })?;
-        let mut env = Environment::new();
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.add_template("chat", src)
-            .map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
-        env.get_template("chat")
-            .and_then(|t| {
-                t.render(context! {
-                    messages => messages,
-                    add_generation_prompt => true,
-                    bos_token => self.bos_text,
-                    eos_token => self.eos_text,
-                })
-            })
-            .map_err(|e| EngineError::ChatTemplate(e.to_string()))
+        render(src, messages, &self.bos_text, &self.eos_text)
     }
 
     /// Token ids of a single user message wrapped in the chat template.
@@ -309,6 +423,25 @@ impl Tokenizer {
         }])?;
         self.encode(&text)
     }
+}
+
+/// `messages` rendered by the Jinja template `src`, ending with the assistant's turn.
+fn render(src: &str, messages: &[ChatMessage], bos: &str, eos: &str) -> Result<String> {
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.add_template("chat", src)
+        .map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
+    env.get_template("chat")
+        .and_then(|t| {
+            t.render(context! {
+                messages => messages,
+                add_generation_prompt => true,
+                bos_token => bos,
+                eos_token => eos,
+            })
+        })
+        .map_err(|e| EngineError::ChatTemplate(e.to_string()))
 }
 
 /// Turns a growing list of token ids into text pieces that are safe to print: a piece is held back
@@ -333,5 +466,41 @@ impl TextStream {
         let new = new.to_string();
         self.printed = text.len();
         Ok(new)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemmas_turn_format() {
+        let m = |role: &str, content: &str| ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        };
+        let one = render(GEMMA_TEMPLATE, &[m("user", "Hi there ")], "<bos>", "<eos>").unwrap();
+        assert_eq!(
+            one,
+            "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n"
+        );
+        let chat = render(
+            GEMMA_TEMPLATE,
+            &[
+                m("system", "Be brief."),
+                m("user", "Hi"),
+                m("assistant", "Hello!"),
+                m("user", "Bye"),
+            ],
+            "<bos>",
+            "<eos>",
+        )
+        .unwrap();
+        assert_eq!(
+            chat,
+            "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n\
+             <start_of_turn>model\nHello!<end_of_turn>\n\
+             <start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+        );
     }
 }

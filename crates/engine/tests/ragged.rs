@@ -3,16 +3,21 @@
 use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
-use tandem_engine::testing::{tiny_file, TinySpec};
+use tandem_engine::testing::{tiny_file, TinySpec, TINY_FAMILIES};
 use tandem_engine::{
     Engine, EngineConfig, EngineError, LlamaModel, SeqChunk, SeqId, Wanted, WeightMode,
 };
 use tandem_spec::sampling as sampler;
 
 fn model(dtype: GgmlDType, mode: WeightMode) -> Arc<LlamaModel> {
+    model_of("llama", dtype, mode)
+}
+
+/// A tiny model of family `arch` (see [`TinySpec::family`]).
+fn model_of(arch: &'static str, dtype: GgmlDType, mode: WeightMode) -> Arc<LlamaModel> {
     let spec = TinySpec {
         dtype,
-        ..TinySpec::default()
+        ..TinySpec::family(arch)
     };
     Arc::new(LlamaModel::load(&mut tiny_file(&spec).unwrap(), mode).unwrap())
 }
@@ -63,14 +68,28 @@ fn assert_close(a: &[f32], b: &[f32], what: &str) {
 
 #[test]
 fn ragged_batch_equals_each_sequence_alone() {
-    for (dtype, mode) in [
+    let formats = [
         (GgmlDType::F32, WeightMode::F32),
         (GgmlDType::Q4_0, WeightMode::Native),
         (GgmlDType::Q4_1, WeightMode::Native),
         (GgmlDType::Q8_0, WeightMode::Native),
         (GgmlDType::F32, WeightMode::F16),
-    ] {
-        let m = model(dtype, mode);
+    ];
+    // Every format on LLaMA; every family in f32 and in Q4_0 blocks (Gemma 3's windows of 5
+    // tokens are shorter than the sequences).
+    let cases =
+        formats
+            .iter()
+            .map(|&(d, m)| ("llama", d, m))
+            .chain(TINY_FAMILIES[1..].iter().flat_map(|&a| {
+                [
+                    (a, GgmlDType::F32, WeightMode::F32),
+                    (a, GgmlDType::Q4_0, WeightMode::Native),
+                ]
+            }));
+    for (arch, dtype, mode) in cases {
+        let m = model_of(arch, dtype, mode);
+        let mode = (arch, mode);
         let v = m.cfg.vocab;
         let seqs: Vec<Vec<u32>> = (0..4).map(|s| prompt(s, 7 + 5 * s as usize, v)).collect();
         let refs: Vec<Vec<Vec<f32>>> = seqs.iter().map(|t| alone(&m, t, 64)).collect();
@@ -156,33 +175,35 @@ fn truncate_then_continue_equals_a_fresh_run() {
 
 #[test]
 fn greedy_decoding_is_identical_alone_or_batched() {
-    let m = model(GgmlDType::F32, WeightMode::F32);
-    let v = m.cfg.vocab;
-    let greedy = |e: &mut Engine, seqs: &[(u64, Vec<u32>)], steps: usize| -> Vec<Vec<u32>> {
-        let mut out = vec![Vec::new(); seqs.len()];
-        let mut chunks: Vec<SeqChunk> = seqs
-            .iter()
-            .map(|(s, p)| SeqChunk::new(SeqId(*s), 0, p.clone(), Wanted::Last))
-            .collect();
-        for _ in 0..steps {
-            let l = e.forward(&chunks).unwrap();
-            for (i, c) in chunks.iter_mut().enumerate() {
-                let next = sampler::argmax(l.last_for(c.seq).unwrap());
-                out[i].push(next);
-                c.start_pos += c.tokens.len();
-                c.tokens = vec![next];
+    for arch in TINY_FAMILIES {
+        let m = model_of(arch, GgmlDType::F32, WeightMode::F32);
+        let v = m.cfg.vocab;
+        let greedy = |e: &mut Engine, seqs: &[(u64, Vec<u32>)], steps: usize| -> Vec<Vec<u32>> {
+            let mut out = vec![Vec::new(); seqs.len()];
+            let mut chunks: Vec<SeqChunk> = seqs
+                .iter()
+                .map(|(s, p)| SeqChunk::new(SeqId(*s), 0, p.clone(), Wanted::Last))
+                .collect();
+            for _ in 0..steps {
+                let l = e.forward(&chunks).unwrap();
+                for (i, c) in chunks.iter_mut().enumerate() {
+                    let next = sampler::argmax(l.last_for(c.seq).unwrap());
+                    out[i].push(next);
+                    c.start_pos += c.tokens.len();
+                    c.tokens = vec![next];
+                }
             }
+            out
+        };
+        let seqs: Vec<(u64, Vec<u32>)> = (0..5)
+            .map(|s| (s, prompt(s + 20, 3 + 4 * s as usize, v)))
+            .collect();
+        let mut batched_engine = engine(&m, 2);
+        let batched = greedy(&mut batched_engine, &seqs, 12);
+        for (i, s) in seqs.iter().enumerate() {
+            let alone = greedy(&mut engine(&m, 1), std::slice::from_ref(s), 12);
+            assert_eq!(alone[0], batched[i], "{arch} sequence {i}");
         }
-        out
-    };
-    let seqs: Vec<(u64, Vec<u32>)> = (0..5)
-        .map(|s| (s, prompt(s + 20, 3 + 4 * s as usize, v)))
-        .collect();
-    let mut batched_engine = engine(&m, 2);
-    let batched = greedy(&mut batched_engine, &seqs, 12);
-    for (i, s) in seqs.iter().enumerate() {
-        let alone = greedy(&mut engine(&m, 1), std::slice::from_ref(s), 12);
-        assert_eq!(alone[0], batched[i], "sequence {i}");
     }
 }
 

@@ -4,16 +4,21 @@
 use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
-use tandem_engine::testing::{tiny_file, TinySpec};
+use tandem_engine::testing::{tiny_file, TinySpec, TINY_FAMILIES};
 use tandem_engine::{
     Engine, EngineConfig, LlamaModel, Parent, SeqChunk, SeqId, Wanted, WeightMode,
 };
 use tandem_spec::sampling as sampler;
 
 fn model(dtype: GgmlDType, mode: WeightMode) -> Arc<LlamaModel> {
+    model_of("llama", dtype, mode)
+}
+
+/// A tiny model of family `arch` (see [`TinySpec::family`]).
+fn model_of(arch: &'static str, dtype: GgmlDType, mode: WeightMode) -> Arc<LlamaModel> {
     let spec = TinySpec {
         dtype,
-        ..TinySpec::default()
+        ..TinySpec::family(arch)
     };
     Arc::new(LlamaModel::load(&mut tiny_file(&spec).unwrap(), mode).unwrap())
 }
@@ -77,9 +82,12 @@ const FORMATS: [(GgmlDType, WeightMode); 2] = [
     (GgmlDType::Q4_0, WeightMode::Native),
 ];
 
-/// A model of `format`, its 9-token context, the tree of [`tree`] and an engine.
-fn setup(format: (GgmlDType, WeightMode)) -> (Arc<LlamaModel>, Vec<u32>, Tree, Engine) {
-    let m = model(format.0, format.1);
+/// A model of `arch` and `format`, its 9-token context, the tree of [`tree`] and an engine.
+fn setup(
+    arch: &'static str,
+    format: (GgmlDType, WeightMode),
+) -> (Arc<LlamaModel>, Vec<u32>, Tree, Engine) {
+    let m = model_of(arch, format.0, format.1);
     let v = m.cfg.vocab;
     let e = engine(&m);
     (m, tokens(1, 9, v), tree(v), e)
@@ -104,9 +112,13 @@ fn tree(vocab: usize) -> Tree {
 
 #[test]
 fn each_node_sees_its_path_only_and_keeping_a_path_is_a_linear_run() {
-    for format in FORMATS {
-        let mode = format.1;
-        let (m, ctx, t, mut e) = setup(format);
+    // Every family (Gemma 3's windows of 5 tokens end inside the 9-token context), every format.
+    for (arch, format) in TINY_FAMILIES
+        .iter()
+        .flat_map(|a| FORMATS.iter().map(move |f| (*a, *f)))
+    {
+        let mode = (arch, format.1);
+        let (m, ctx, t, mut e) = setup(arch, format);
         let v = m.cfg.vocab;
         let other = tokens(2, 5, v);
         e.forward(&[
@@ -242,9 +254,12 @@ fn a_tree_grows_across_forwards_as_a_drafter_grows_it() {
 
 #[test]
 fn keeping_a_subtree_moves_it_down_and_its_nodes_grow_as_before() {
-    for format in FORMATS {
-        let mode = format.1;
-        let (m, ctx, t, mut e) = setup(format);
+    for (arch, format) in TINY_FAMILIES
+        .iter()
+        .flat_map(|a| FORMATS.iter().map(move |f| (*a, *f)))
+    {
+        let mode = (arch, format.1);
+        let (m, ctx, t, mut e) = setup(arch, format);
         e.forward(&[SeqChunk::new(SeqId(1), 0, ctx.clone(), Wanted::None)])
             .unwrap();
         e.forward(&[t.chunk(SeqId(1), 9)]).unwrap();

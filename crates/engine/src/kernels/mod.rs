@@ -695,6 +695,33 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// [`rms_norm`] of `x`'s rows written over them (the same bits).
+#[inline(always)]
+pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let dim = weight.len();
+    for xr in x.chunks_exact_mut(dim) {
+        let ms = dot(xr, xr) / dim as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for (v, &w) in xr.iter_mut().zip(weight) {
+            *v = *v * inv * w;
+        }
+    }
+}
+
+/// `gate ← gelu(gate) · up`, elementwise, GELU in its tanh form
+/// (`½x(1 + tanh(√(2/π)(x + 0.044715x³)))`, as Gemma is trained), `tanh y = 1 − 2/(e^{2y} + 1)`
+/// with [`exp`]: the same bits on every path.
+#[inline(always)]
+pub fn gelu_mul(gate: &mut [f32], up: &[f32]) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        let y = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
+        let tanh = 1.0 - 2.0 / (exp(2.0 * y) + 1.0);
+        *g = 0.5 * x * (1.0 + tanh) * u;
+    }
+}
+
 /// `gate ← silu(gate) · up`, elementwise.
 #[inline(always)]
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {

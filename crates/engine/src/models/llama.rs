@@ -88,7 +88,29 @@ impl Site {
 /// forward.
 pub type Observer<'a> = &'a mut (dyn FnMut(usize, Site, &[f32]) + Send);
 
-/// Model hyper-parameters, read from GGUF metadata.
+/// How RoPE pairs a head's dimensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RopeStyle {
+    /// `(x[2i], x[2i+1])`: llama.cpp's "normal" mode, LLaMA's GGUF layout (the converter
+    /// permutes `attn_q`/`attn_k` rows for it).
+    Adjacent,
+    /// `(x[i], x[i + head_dim/2])`: llama.cpp's "NeoX" mode (Qwen, Gemma).
+    Halves,
+}
+
+/// The FFN's gate activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Activation {
+    /// `silu(gate) · up` (SwiGLU: LLaMA, Qwen, Mistral).
+    Silu,
+    /// `gelu_tanh(gate) · up` (GeGLU: Gemma).
+    Gelu,
+}
+
+/// Model hyper-parameters, read from GGUF metadata: the shared LLaMA-shaped blocks and what each
+/// family changes in them (see [`super::family`]).
 #[derive(Debug, Clone, Serialize)]
 pub struct LlamaConfig {
     pub arch: String,
@@ -97,27 +119,54 @@ pub struct LlamaConfig {
     pub n_kv_head: usize,
     pub dim: usize,
     pub ff_dim: usize,
+    /// Each head's width (`attention.key_length` where declared, else `dim / n_head`).
     pub head_dim: usize,
     pub vocab: usize,
     pub context_len: usize,
     pub rms_eps: f32,
     pub rope_base: f32,
+    pub rope_style: RopeStyle,
+    /// Positions are multiplied by this before RoPE (linear RoPE scaling: 1 / factor).
+    pub rope_scale: f32,
+    /// Per-frequency divisors (`rope_freqs.weight`, Llama 3's RoPE scaling): loaded with the
+    /// weights.
+    pub rope_freq_factors: bool,
+    /// Attention scores are `q·k · attn_scale`.
+    pub attn_scale: f32,
+    /// The embedding rows are multiplied by this (Gemma: √dim).
+    pub embed_scale: Option<f32>,
+    pub activation: Activation,
+    /// RMS norms of each query and key head before RoPE (`attn_q_norm`, `attn_k_norm`).
+    pub qk_norm: bool,
+    /// RMS norms of the attention and FFN outputs before the residual add
+    /// (`post_attention_norm`, `post_ffw_norm`).
+    pub post_norms: bool,
+    /// Biases on the query, key and value projections (`attn_q.bias`...).
+    pub qkv_bias: bool,
+    /// Sliding-window attention: the window (a token attends to itself and the `window − 1`
+    /// positions before it) and the RoPE base of the layers that use it.
+    pub window: Option<usize>,
+    pub rope_base_windowed: f32,
+    /// Which layers attend within the window (the others, and layers past its end, over the
+    /// whole context).
+    pub windowed: Vec<bool>,
 }
 
 /// The `general.architecture` values this code loads.
-pub const SUPPORTED_ARCHITECTURES: [&str; 1] = ["llama"];
+pub const SUPPORTED_ARCHITECTURES: [&str; 4] = ["llama", "qwen2", "qwen3", "gemma3"];
 
 impl LlamaConfig {
     /// The configuration a GGUF declares, refusing by name what this code would load wrong:
-    /// another architecture, a mixture of experts, RoPE scaling, sliding windows, a head size
-    /// other than the embedding over the heads, partial rotary, attention biases, QK-norm.
+    /// another architecture, a mixture of experts, RoPE scaling other than linear or Llama 3's,
+    /// a sliding window outside Gemma 3, partial rotary, a value head unlike the key head.
     pub fn from_gguf(g: &GgufFile) -> Result<Self> {
         let arch = g.string("general.architecture")?.to_string();
         if !SUPPORTED_ARCHITECTURES.contains(&arch.as_str()) {
             return Err(EngineError::Metadata {
                 key: "general.architecture".into(),
                 message: format!(
-                    "`{arch}` is not supported (supported: {})",
+                    "`{arch}` is not supported (supported: {}; Mistral's and Llama 3's GGUFs \
+                     declare `llama`)",
                     SUPPORTED_ARCHITECTURES.join(", ")
                 ),
             });
@@ -126,32 +175,58 @@ impl LlamaConfig {
         let k = |s: &str| format!("{prefix}.{s}");
         let n_head = g.usize(&k("attention.head_count"))?;
         let dim = g.usize(&k("embedding_length"))?;
+        let n_layer = g.usize(&k("block_count"))?;
         let vocab = match g.array("tokenizer.ggml.tokens") {
             Ok(v) => v.len(),
             Err(_) => g.usize(&k("vocab_size"))?,
-        };
-        let cfg = Self {
-            n_layer: g.usize(&k("block_count"))?,
-            n_head,
-            n_kv_head: g.usize(&k("attention.head_count_kv")).unwrap_or(n_head),
-            dim,
-            ff_dim: g.usize(&k("feed_forward_length"))?,
-            head_dim: dim / n_head.max(1),
-            vocab,
-            context_len: g.usize(&k("context_length"))?,
-            rms_eps: g.f32(&k("attention.layer_norm_rms_epsilon"))?,
-            rope_base: g.f32(&k("rope.freq_base")).unwrap_or(10_000.0),
-            arch,
         };
         let bad = |key: &str, message: String| EngineError::Metadata {
             key: k(key),
             message,
         };
-        if cfg.n_head == 0 || !cfg.dim.is_multiple_of(cfg.n_head) || !cfg.head_dim.is_multiple_of(2)
-        {
+        if n_head == 0 {
+            return Err(bad("attention.head_count", "no attention heads".into()));
+        }
+        let head_dim = match g.usize(&k("attention.key_length")) {
+            Ok(n) => n,
+            Err(_) if dim.is_multiple_of(n_head) => dim / n_head,
+            Err(_) => {
+                return Err(bad(
+                    "attention.head_count",
+                    format!("{n_head} heads do not divide embedding {dim}"),
+                ))
+            }
+        };
+        let mut cfg = Self {
+            n_layer,
+            n_head,
+            n_kv_head: g.usize(&k("attention.head_count_kv")).unwrap_or(n_head),
+            dim,
+            ff_dim: g.usize(&k("feed_forward_length"))?,
+            head_dim,
+            vocab,
+            context_len: g.usize(&k("context_length"))?,
+            rms_eps: g.f32(&k("attention.layer_norm_rms_epsilon"))?,
+            rope_base: g.f32(&k("rope.freq_base")).unwrap_or(10_000.0),
+            rope_style: RopeStyle::Adjacent,
+            rope_scale: 1.0,
+            rope_freq_factors: g.has_tensor("rope_freqs.weight"),
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            embed_scale: None,
+            activation: Activation::Silu,
+            qk_norm: g.has_tensor("blk.0.attn_q_norm.weight"),
+            post_norms: false,
+            qkv_bias: g.has_tensor("blk.0.attn_q.bias"),
+            window: None,
+            rope_base_windowed: 0.0,
+            windowed: Vec::new(),
+            arch,
+        };
+        cfg.rope_base_windowed = cfg.rope_base;
+        if cfg.head_dim == 0 || !cfg.head_dim.is_multiple_of(2) {
             return Err(bad(
-                "attention.head_count",
-                format!("{} heads do not divide embedding {}", cfg.n_head, cfg.dim),
+                "attention.key_length",
+                format!("a head size of {} is not even", cfg.head_dim),
             ));
         }
         if cfg.n_kv_head == 0 || !cfg.n_head.is_multiple_of(cfg.n_kv_head) {
@@ -163,7 +238,18 @@ impl LlamaConfig {
                 ),
             ));
         }
-        // What the LLaMA code here would load wrong: refused by name.
+        if let Ok(n) = g.usize(&k("attention.value_length")) {
+            if n != cfg.head_dim {
+                return Err(bad(
+                    "attention.value_length",
+                    format!(
+                        "value heads of {n} beside key heads of {} are not supported",
+                        cfg.head_dim
+                    ),
+                ));
+            }
+        }
+        // What every family here refuses by name.
         if let Ok(n) = g.usize(&k("expert_count")) {
             if n > 0 {
                 return Err(bad(
@@ -172,50 +258,23 @@ impl LlamaConfig {
                 ));
             }
         }
-        if let Ok(t) = g.string(&k("rope.scaling.type")) {
-            if t != "none" {
-                return Err(bad(
-                    "rope.scaling.type",
-                    format!("RoPE scaling `{t}` is not supported"),
-                ));
-            }
-        }
-        if let Ok(w) = g.usize(&k("attention.sliding_window")) {
-            return Err(bad(
-                "attention.sliding_window",
-                format!("sliding-window attention ({w} tokens) is not supported"),
-            ));
-        }
-        for key in ["attention.key_length", "attention.value_length"] {
-            if let Ok(n) = g.usize(&k(key)) {
-                if n != cfg.head_dim {
+        match g.string(&k("rope.scaling.type")) {
+            Ok("none") | Err(_) => {}
+            Ok("linear") => {
+                let f = g.f32(&k("rope.scaling.factor")).unwrap_or(1.0);
+                if !(f.is_finite() && f > 0.0) {
                     return Err(bad(
-                        key,
-                        format!(
-                            "a head size of {n} (the embedding over the heads is {}) is not supported",
-                            cfg.head_dim
-                        ),
+                        "rope.scaling.factor",
+                        format!("a linear RoPE scaling factor of {f} is not positive"),
                     ));
                 }
+                cfg.rope_scale = 1.0 / f;
             }
-        }
-        for (tensor, what) in [
-            (
-                "rope_freqs.weight",
-                "per-dimension RoPE frequencies (Llama 3's RoPE scaling)",
-            ),
-            ("blk.0.attn_q.bias", "attention biases (Qwen 2's)"),
-            ("blk.0.attn_q_norm.weight", "QK-norm (Qwen 3's, Gemma 3's)"),
-            (
-                "blk.0.post_attention_norm.weight",
-                "norms after attention (Gemma's)",
-            ),
-        ] {
-            if g.has_tensor(tensor) {
-                return Err(EngineError::Tensor {
-                    name: tensor.into(),
-                    message: format!("{what} are not supported"),
-                });
+            Ok(t) => {
+                return Err(bad(
+                    "rope.scaling.type",
+                    format!("RoPE scaling `{t}` is not supported (none, linear, Llama 3's)"),
+                ))
             }
         }
         if let Ok(rot) = g.usize(&k("rope.dimension_count")) {
@@ -229,11 +288,52 @@ impl LlamaConfig {
                 ));
             }
         }
+        for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+            if g.value(&k(key)).is_ok() {
+                return Err(bad(key, "logit soft-capping is not supported".into()));
+            }
+        }
+        super::family::configure(g, &mut cfg)?;
+        if cfg.window.is_none() {
+            if let Ok(w) = g.usize(&k("attention.sliding_window")) {
+                return Err(bad(
+                    "attention.sliding_window",
+                    format!("sliding-window attention ({w} tokens) is supported for gemma3 only"),
+                ));
+            }
+        }
+        for (tensor, what) in [
+            ("blk.0.attn_output.bias", "attention output biases"),
+            ("blk.0.ffn_gate_inp.weight", "expert routers"),
+        ] {
+            if g.has_tensor(tensor) {
+                return Err(EngineError::Tensor {
+                    name: tensor.into(),
+                    message: format!("{what} are not supported"),
+                });
+            }
+        }
+        if !cfg.post_norms && g.has_tensor("blk.0.post_attention_norm.weight") {
+            return Err(EngineError::Tensor {
+                name: "blk.0.post_attention_norm.weight".into(),
+                message: format!("norms after attention are not part of `{}`", cfg.arch),
+            });
+        }
         Ok(cfg)
     }
 
     pub fn kv_dim(&self) -> usize {
         self.n_kv_head * self.head_dim
+    }
+
+    /// The width of all query heads together (the input of `attn_output`).
+    pub fn q_dim(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+
+    /// Does layer `layer` attend within the sliding window?
+    pub fn is_windowed(&self, layer: usize) -> bool {
+        self.window.is_some() && self.windowed.get(layer).copied().unwrap_or(false)
     }
 }
 
@@ -350,7 +450,13 @@ struct Layer {
     wq: Linear,
     wk: Linear,
     wv: Linear,
+    /// Biases of `wq`, `wk`, `wv` (Qwen 2).
+    bias: Option<[Vec<f32>; 3]>,
+    /// Per-head RMS norms of the queries and keys (Qwen 3, Gemma 3).
+    qk_norm: Option<[Vec<f32>; 2]>,
     wo: Linear,
+    /// RMS norms of the attention's and the FFN's outputs (Gemma 3).
+    post_norms: Option<[Vec<f32>; 2]>,
     ffn_norm: Vec<f32>,
     gate: Linear,
     up: Linear,
@@ -362,6 +468,8 @@ pub struct LlamaModel {
     pub cfg: LlamaConfig,
     pub mode: WeightMode,
     embed: Linear,
+    /// Per-frequency RoPE divisors (`rope_freqs.weight`), where the model has them.
+    rope_factors: Option<Vec<f32>>,
     layers: Vec<Layer>,
     norm: Vec<f32>,
     /// `None` when the head is tied to the embedding.
@@ -398,18 +506,53 @@ pub fn fake_quantize_rows(x: &mut [f32], width: usize, bits: u32) {
 impl LlamaModel {
     pub fn load(g: &mut GgufFile, mode: WeightMode) -> Result<Self> {
         let cfg = LlamaConfig::from_gguf(g)?;
-        let (d, kvd, ff) = (cfg.dim, cfg.kv_dim(), cfg.ff_dim);
+        let (d, qd, kvd, ff, hd) = (cfg.dim, cfg.q_dim(), cfg.kv_dim(), cfg.ff_dim, cfg.head_dim);
         let embed = Linear::load(g, "token_embd.weight", cfg.vocab, d, mode, true)?;
+        let rope_factors = if cfg.rope_freq_factors {
+            let f = g.tensor_f32("rope_freqs.weight", &[hd / 2])?;
+            if let Some(bad) = f.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
+                return Err(EngineError::Tensor {
+                    name: "rope_freqs.weight".into(),
+                    message: format!("a RoPE frequency divisor of {bad} is not positive"),
+                });
+            }
+            Some(f)
+        } else {
+            None
+        };
         // (Grown as the layers load: a corrupt header's block count is not a size to reserve.)
         let mut layers = Vec::new();
         for l in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{l}.{s}.weight");
+            let b = |s: &str| format!("blk.{l}.{s}.bias");
             layers.push(Layer {
                 attn_norm: g.tensor_f32(&n("attn_norm"), &[d])?,
-                wq: Linear::load(g, &n("attn_q"), d, d, mode, false)?,
+                wq: Linear::load(g, &n("attn_q"), qd, d, mode, false)?,
                 wk: Linear::load(g, &n("attn_k"), kvd, d, mode, false)?,
                 wv: Linear::load(g, &n("attn_v"), kvd, d, mode, false)?,
-                wo: Linear::load(g, &n("attn_output"), d, d, mode, false)?,
+                bias: match cfg.qkv_bias {
+                    true => Some([
+                        g.tensor_f32(&b("attn_q"), &[qd])?,
+                        g.tensor_f32(&b("attn_k"), &[kvd])?,
+                        g.tensor_f32(&b("attn_v"), &[kvd])?,
+                    ]),
+                    false => None,
+                },
+                qk_norm: match cfg.qk_norm {
+                    true => Some([
+                        g.tensor_f32(&n("attn_q_norm"), &[hd])?,
+                        g.tensor_f32(&n("attn_k_norm"), &[hd])?,
+                    ]),
+                    false => None,
+                },
+                wo: Linear::load(g, &n("attn_output"), d, qd, mode, false)?,
+                post_norms: match cfg.post_norms {
+                    true => Some([
+                        g.tensor_f32(&n("post_attention_norm"), &[d])?,
+                        g.tensor_f32(&n("post_ffw_norm"), &[d])?,
+                    ]),
+                    false => None,
+                },
                 ffn_norm: g.tensor_f32(&n("ffn_norm"), &[d])?,
                 gate: Linear::load(g, &n("ffn_gate"), ff, d, mode, false)?,
                 up: Linear::load(g, &n("ffn_up"), ff, d, mode, false)?,
@@ -426,6 +569,7 @@ impl LlamaModel {
             cfg,
             mode,
             embed,
+            rope_factors,
             skip: vec![false; layers.len()],
             layers,
             norm,
@@ -604,14 +748,18 @@ impl LlamaModel {
         mut observe: Option<Observer<'_>>,
     ) -> Result<Logits> {
         let c = &self.cfg;
-        let (d, kvd, hd, ff) = (c.dim, c.kv_dim(), c.head_dim, c.ff_dim);
+        let (d, qd, kvd, hd, ff) = (c.dim, c.q_dim(), c.kv_dim(), c.head_dim, c.ff_dim);
         let n_tok: usize = batch.iter().map(|s| s.tokens.len()).sum();
         let mut seq_of = Vec::with_capacity(n_tok);
         for (i, s) in batch.iter().enumerate() {
             seq_of.extend(std::iter::repeat_n(i, s.tokens.len()));
         }
         let pos: Vec<usize> = ctx.iter().map(|c| c.pos).collect();
-        let rope = RopeTable::new(&pos, hd, c.rope_base);
+        let factors = self.rope_factors.as_deref();
+        let rope = RopeTable::new(&pos, hd, c.rope_base, c.rope_scale, factors, c.rope_style);
+        let rope_windowed = c
+            .window
+            .map(|_| RopeTable::new(&pos, hd, c.rope_base_windowed, 1.0, factors, c.rope_style));
 
         let mut x = vec![0f32; n_tok * d]; // [n_tok, dim]
         for (t, tok) in batch.iter().flat_map(|s| s.tokens.iter()).enumerate() {
@@ -623,12 +771,17 @@ impl LlamaModel {
                 d,
                 &mut x[t * d..(t + 1) * d],
             );
+            if let Some(s) = c.embed_scale {
+                for v in &mut x[t * d..(t + 1) * d] {
+                    *v *= s;
+                }
+            }
         }
         let mut h = vec![0f32; n_tok * d];
-        let mut q = vec![0f32; n_tok * d]; // [n_tok, n_head, head_dim]
+        let mut q = vec![0f32; n_tok * qd]; // [n_tok, n_head, head_dim]
         let mut k = vec![0f32; n_tok * kvd]; // [n_tok, n_kv_head, head_dim]
         let mut v = vec![0f32; n_tok * kvd];
-        let mut att = vec![0f32; n_tok * d];
+        let mut att = vec![0f32; n_tok * qd];
         let mut o = vec![0f32; n_tok * d];
         let mut g = vec![0f32; n_tok * ff];
         let mut u = vec![0f32; n_tok * ff];
@@ -659,14 +812,25 @@ impl LlamaModel {
                 _ => spans.push((t, t + 1)),
             }
         }
-        // Each block with the positions its tokens' contexts share.
-        let blocks: Vec<(usize, usize, usize)> = spans
-            .into_iter()
-            .map(|(t0, t1)| {
-                let rows: Vec<&[usize]> = rows_at[t0..t1].iter().map(Vec::as_slice).collect();
-                (t0, t1, ops::shared_context(&rows))
-            })
-            .collect();
+        // Each token's context in the layers over the whole context and, where the model has
+        // them, in the sliding-window layers (the last `window` positions of it: a context's
+        // `j`-th slot holds position `j`, see `NodeCtx`), and each block with the positions its
+        // tokens' contexts share.
+        let full: Vec<&[usize]> = rows_at.iter().map(Vec::as_slice).collect();
+        let windowed: Option<Vec<&[usize]>> = c.window.map(|w| {
+            rows_at
+                .iter()
+                .map(|r| &r[r.len().saturating_sub(w)..])
+                .collect()
+        });
+        let blocks_of = |ctx: &[&[usize]]| -> Vec<(usize, usize, usize)> {
+            spans
+                .iter()
+                .map(|&(t0, t1)| (t0, t1, ops::shared_context(&ctx[t0..t1])))
+                .collect()
+        };
+        let blocks_full = blocks_of(&full);
+        let blocks_windowed = windowed.as_deref().map(blocks_of);
 
         let fake = |x: &mut [f32], width: usize| {
             if let Some(b) = self.act_bits {
@@ -682,12 +846,30 @@ impl LlamaModel {
             if self.skip[li] {
                 continue;
             }
+            let (ctx_rows, blocks, rope) = match (
+                c.is_windowed(li),
+                &windowed,
+                &blocks_windowed,
+                &rope_windowed,
+            ) {
+                (true, Some(w), Some(b), Some(r)) => (w.as_slice(), b.as_slice(), r),
+                _ => (full.as_slice(), blocks_full.as_slice(), &rope),
+            };
             kernels::rms_norm(&x, &l.attn_norm, c.rms_eps, &mut h);
             fake(&mut h, d);
             seen(li, Site::Attention, &h);
             l.wq.forward(&h, n_tok, &mut q)?;
             l.wk.forward(&h, n_tok, &mut k)?;
             l.wv.forward(&h, n_tok, &mut v)?;
+            if let Some([bq, bk, bv]) = &l.bias {
+                ops::add_rows(&mut q, bq);
+                ops::add_rows(&mut k, bk);
+                ops::add_rows(&mut v, bv);
+            }
+            if let Some([qn, kn]) = &l.qk_norm {
+                kernels::rms_norm_in_place(&mut q, qn, c.rms_eps);
+                kernels::rms_norm_in_place(&mut k, kn, c.rms_eps);
+            }
             rope.apply(&mut q, c.n_head, hd);
             rope.apply(&mut k, c.n_kv_head, hd);
             let (ks, vs) = (&mut kv.k[li], &mut kv.v[li]);
@@ -697,20 +879,20 @@ impl LlamaModel {
             }
             let (ks, vs) = (&kv.k[li], &kv.v[li]);
             let rep = c.n_head / c.n_kv_head;
-            let scale = 1.0 / (hd as f32).sqrt();
+            let scale = c.attn_scale;
             // One task per block of a sequence's tokens and KV head: the query heads that read
             // it, together.
             let mut by_head: Vec<Vec<&mut [f32]>> = (0..c.n_kv_head)
                 .map(|_| Vec::with_capacity(n_tok))
                 .collect();
-            for row in att.chunks_mut(d) {
+            for row in att.chunks_mut(qd) {
                 for (cell, h) in row.chunks_mut(rep * hd).zip(by_head.iter_mut()) {
                     h.push(cell);
                 }
             }
             let mut by_head: Vec<_> = by_head.into_iter().map(|h| h.into_iter()).collect();
             let mut tasks = Vec::with_capacity(blocks.len() * c.n_kv_head);
-            for &(t0, t1, shared) in &blocks {
+            for &(t0, t1, shared) in blocks {
                 for (kvh, cells) in by_head.iter_mut().enumerate() {
                     let outs: Vec<&mut [f32]> = cells.take(t1 - t0).collect();
                     tasks.push((t0, t1, shared, kvh, outs));
@@ -720,35 +902,44 @@ impl LlamaModel {
                 .into_par_iter()
                 .for_each(|(t0, t1, shared, kvh, mut outs)| {
                     let qs: Vec<&[f32]> = (t0..t1)
-                        .map(|t| &q[t * d + kvh * rep * hd..t * d + (kvh + 1) * rep * hd])
+                        .map(|t| &q[t * qd + kvh * rep * hd..t * qd + (kvh + 1) * rep * hd])
                         .collect();
-                    let rows: Vec<&[usize]> = (t0..t1).map(|t| rows_at[t].as_slice()).collect();
+                    let rows = &ctx_rows[t0..t1];
                     attend_on(
                         isa,
                         &qs,
                         hd,
                         ks,
                         vs,
-                        &rows,
+                        rows,
                         shared,
                         kvh * hd,
                         scale,
                         &mut outs,
                     )
                 });
-            fake(&mut att, d);
+            fake(&mut att, qd);
             seen(li, Site::AttentionOutput, &att);
             l.wo.forward(&att, n_tok, &mut o)?;
+            if let Some([after_attention, _]) = &l.post_norms {
+                kernels::rms_norm_in_place(&mut o, after_attention, c.rms_eps);
+            }
             add(&mut x, &o);
             kernels::rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut h);
             fake(&mut h, d);
             seen(li, Site::Ffn, &h);
             l.gate.forward(&h, n_tok, &mut g)?;
             l.up.forward(&h, n_tok, &mut u)?;
-            kernels::silu_mul(&mut g, &u);
+            match c.activation {
+                Activation::Silu => kernels::silu_mul(&mut g, &u),
+                Activation::Gelu => kernels::gelu_mul(&mut g, &u),
+            }
             fake(&mut g, ff);
             seen(li, Site::FfnDown, &g);
             l.down.forward(&g, n_tok, &mut o)?;
+            if let Some([_, after_ffn]) = &l.post_norms {
+                kernels::rms_norm_in_place(&mut o, after_ffn, c.rms_eps);
+            }
             add(&mut x, &o);
         }
 

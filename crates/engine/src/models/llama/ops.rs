@@ -273,30 +273,61 @@ pub(super) fn add(x: &mut [f32], y: &[f32]) {
     }
 }
 
-/// cos/sin of every token's position, `[n_tok, head_dim/2]`, computed in f64 then rounded.
+/// `b` added to every row of `x` (`b.len()` wide).
+#[inline(always)]
+pub(super) fn add_rows(x: &mut [f32], b: &[f32]) {
+    for row in x.chunks_exact_mut(b.len()) {
+        add(row, b);
+    }
+}
+
+/// cos/sin of every token's position, `[n_tok, head_dim/2]`, computed in f64 then rounded:
+/// frequency `i` turns `scale · pos · base^(−2i/head_dim) / factor[i]`.
 pub(super) struct RopeTable {
     cos: Vec<f32>,
     sin: Vec<f32>,
     half: usize,
+    style: RopeStyle,
 }
 
 impl RopeTable {
-    pub(super) fn new(pos: &[usize], head_dim: usize, base: f32) -> Self {
+    pub(super) fn new(
+        pos: &[usize],
+        head_dim: usize,
+        base: f32,
+        scale: f32,
+        factors: Option<&[f32]>,
+        style: RopeStyle,
+    ) -> Self {
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(pos.len() * half);
         let mut sin = Vec::with_capacity(pos.len() * half);
         for &p in pos {
             for i in 0..half {
-                let theta = (base as f64).powf(-((2 * i) as f64) / head_dim as f64);
-                let a = p as f64 * theta;
+                let mut theta = (base as f64).powf(-((2 * i) as f64) / head_dim as f64);
+                if let Some(f) = factors {
+                    theta /= f[i] as f64;
+                }
+                let p = if scale == 1.0 {
+                    p as f64
+                } else {
+                    p as f64 * scale as f64
+                };
+                let a = p * theta;
                 cos.push(a.cos() as f32);
                 sin.push(a.sin() as f32);
             }
         }
-        Self { cos, sin, half }
+        Self {
+            cos,
+            sin,
+            half,
+            style,
+        }
     }
 
-    /// Rotate adjacent pairs of every head of `x: [n_tok, n_heads, head_dim]`.
+    /// Rotate the pairs of every head of `x: [n_tok, n_heads, head_dim]`: adjacent ones, or
+    /// each dimension of the first half with its twin in the second.
     #[inline(always)]
     pub(super) fn apply(&self, x: &mut [f32], n_heads: usize, head_dim: usize) {
         for (t, row) in x.chunks_exact_mut(n_heads * head_dim).enumerate() {
@@ -305,10 +336,22 @@ impl RopeTable {
                 &self.sin[t * self.half..(t + 1) * self.half],
             );
             for head in row.chunks_exact_mut(head_dim) {
-                for i in 0..self.half {
-                    let (x0, x1) = (head[2 * i], head[2 * i + 1]);
-                    head[2 * i] = x0 * c[i] - x1 * s[i];
-                    head[2 * i + 1] = x0 * s[i] + x1 * c[i];
+                match self.style {
+                    RopeStyle::Adjacent => {
+                        for i in 0..self.half {
+                            let (x0, x1) = (head[2 * i], head[2 * i + 1]);
+                            head[2 * i] = x0 * c[i] - x1 * s[i];
+                            head[2 * i + 1] = x0 * s[i] + x1 * c[i];
+                        }
+                    }
+                    RopeStyle::Halves => {
+                        let (lo, hi) = head.split_at_mut(self.half);
+                        for i in 0..self.half {
+                            let (x0, x1) = (lo[i], hi[i]);
+                            lo[i] = x0 * c[i] - x1 * s[i];
+                            hi[i] = x0 * s[i] + x1 * c[i];
+                        }
+                    }
                 }
             }
         }

@@ -125,8 +125,8 @@ fn models_of_other_kinds_are_refused_by_name() {
     type Edit<'a> = Box<dyn Fn(&mut Meta, &mut Tensors) + 'a>;
     let cases: Vec<(Edit, &str)> = vec![
         (
-            Box::new(|m, _| set(m, "general.architecture", Value::String("gemma3".into()))),
-            "`gemma3` is not supported (supported: llama)",
+            Box::new(|m, _| set(m, "general.architecture", Value::String("gemma2".into()))),
+            "`gemma2` is not supported (supported: llama, qwen2, qwen3, gemma3",
         ),
         (
             Box::new(|m, _| set(m, "llama.expert_count", Value::U32(8))),
@@ -138,31 +138,31 @@ fn models_of_other_kinds_are_refused_by_name() {
         ),
         (
             Box::new(|m, _| set(m, "llama.attention.sliding_window", Value::U32(512))),
-            "sliding-window attention (512 tokens)",
+            "sliding-window attention (512 tokens) is supported for gemma3 only",
         ),
         (
-            Box::new(|m, _| set(m, "llama.attention.key_length", Value::U32(32))),
-            "llama.attention.key_length",
+            Box::new(|m, _| set(m, "llama.attention.value_length", Value::U32(32))),
+            "value heads of 32 beside key heads of 16",
         ),
         (
             Box::new(|m, _| set(m, "llama.rope.dimension_count", Value::U32(8))),
             "partial rotary",
         ),
         (
-            Box::new(|_, t| tensor(t, "rope_freqs.weight")),
-            "rope_freqs.weight",
+            Box::new(|m, _| set(m, "llama.final_logit_softcapping", Value::F32(30.0))),
+            "logit soft-capping",
         ),
         (
-            Box::new(|_, t| tensor(t, "blk.0.attn_q.bias")),
-            "attention biases",
+            Box::new(|_, t| tensor(t, "blk.0.attn_output.bias")),
+            "attention output biases",
         ),
         (
             Box::new(|_, t| tensor(t, "blk.0.attn_q_norm.weight")),
-            "QK-norm",
+            "QK-norm is not part of `llama`",
         ),
         (
             Box::new(|_, t| tensor(t, "blk.0.post_attention_norm.weight")),
-            "norms after attention",
+            "norms after attention are not part of `llama`",
         ),
     ];
     for (edit, want) in cases {
@@ -170,11 +170,95 @@ fn models_of_other_kinds_are_refused_by_name() {
         assert!(e.contains(want), "{e} (wanted `{want}`)");
     }
     // What changes nothing is not refused: no scaling, a head size equal to the embedding over
-    // the heads, a dense model.
+    // the heads, a dense model; nor what is supported: linear scaling.
     assert!(load(&|m, _| {
         set(m, "llama.rope.scaling.type", Value::String("none".into()));
         set(m, "llama.attention.key_length", Value::U32(16));
         set(m, "llama.expert_count", Value::U32(0));
     })
     .is_ok());
+    assert!(load(&|m, _| {
+        set(m, "llama.rope.scaling.type", Value::String("linear".into()));
+        set(m, "llama.rope.scaling.factor", Value::F32(4.0));
+    })
+    .is_ok());
+    // A family without what it is made of is refused, naming the tensor.
+    let gemma = TinySpec::family("gemma3");
+    let bytes = tiny_gguf_with(&gemma, |_, t| {
+        t.retain(|(n, _)| !n.ends_with("post_ffw_norm.weight"));
+        Ok(())
+    })
+    .unwrap();
+    let g = GgufFile::from_bytes("tiny.gguf", bytes).unwrap();
+    let e = LlamaConfig::from_gguf(&g).unwrap_err().to_string();
+    assert!(e.contains("blk.0.post_ffw_norm.weight"), "{e}");
+}
+
+/// Each family's tiny model loads with its features on, and its sliding-window layers read only
+/// the window: a one-layer Gemma 3 gives the last token of a long text the logits it gives the
+/// window's tokens alone (RoPE sees only distances; the rest is rounding). Planting the bug
+/// (every layer over the whole context) fails it.
+#[test]
+fn families_load_and_a_window_reads_only_the_window() {
+    use crate::testing::{tiny_file, TinySpec, TINY_FAMILIES};
+    use crate::{Engine, EngineConfig, SeqChunk, SeqId, Wanted};
+    use std::sync::Arc;
+    for arch in TINY_FAMILIES {
+        let m = LlamaModel::load(
+            &mut tiny_file(&TinySpec::family(arch)).unwrap(),
+            WeightMode::F32,
+        )
+        .unwrap();
+        let c = &m.cfg;
+        assert_eq!(c.arch, arch);
+        assert_eq!(c.qkv_bias, arch == "qwen2", "{arch}");
+        assert_eq!(c.qk_norm, arch == "qwen3" || arch == "gemma3", "{arch}");
+        assert_eq!(c.post_norms, arch == "gemma3", "{arch}");
+        let halves = arch != "llama";
+        assert_eq!(c.rope_style == RopeStyle::Halves, halves, "{arch}");
+        if arch == "gemma3" {
+            let windowed: Vec<bool> = (0..c.n_layer).map(|l| c.is_windowed(l)).collect();
+            assert_eq!(windowed, [true, true, true, true, true, false]);
+            assert_eq!(c.activation, Activation::Gelu);
+            assert_eq!(c.embed_scale, Some(8.0));
+        }
+    }
+    let spec = TinySpec {
+        n_layer: 1,
+        window: 4,
+        ..TinySpec::family("gemma3")
+    };
+    let m = Arc::new(LlamaModel::load(&mut tiny_file(&spec).unwrap(), WeightMode::F32).unwrap());
+    assert!(m.cfg.is_windowed(0));
+    let last = |tokens: &[u32]| {
+        let mut e = Engine::new(m.clone(), EngineConfig::default()).unwrap();
+        e.forward(&[SeqChunk::new(SeqId(0), 0, tokens.to_vec(), Wanted::Last)])
+            .unwrap()
+            .row(0)
+            .to_vec()
+    };
+    let text: Vec<u32> = (0..23u32)
+        .map(|i| (i * 37 + 5) % spec.vocab as u32)
+        .collect();
+    let window = &text[text.len() - 4..];
+    let (long, short) = (last(&text), last(window));
+    let err = long
+        .iter()
+        .zip(&short)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(err < 1e-4, "the window's logits differ by {err}");
+    // The window's first token matters: the comparison can see a change of context.
+    let mut changed = text.clone();
+    let first = changed.len() - 4;
+    changed[first] = (changed[first] + 1) % spec.vocab as u32;
+    let moved = last(&changed)
+        .iter()
+        .zip(&long)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        moved > 1e-2,
+        "the window's first token moved the logits by {moved} only"
+    );
 }
