@@ -369,8 +369,8 @@ pub fn run(a: &ChatBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ChatRepo
     if a.cache.is_empty() {
         bail!("--cache: on, off, or both");
     }
-    let draft = models::load(&a.home, &ModelSpec::Draft, None, true)?;
-    let target = models::load(&a.home, &ModelSpec::Target, None, true)?;
+    let draft = models::load(&a.home, &ModelSpec::DRAFT, None, true)?;
+    let target = models::load(&a.home, &ModelSpec::TARGET, None, true)?;
     let edge_cfg = EngineConfig {
         threads: 1,
         // As `tandem serve` has it by default.

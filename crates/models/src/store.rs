@@ -10,28 +10,102 @@ use tandem_engine::{GgufFile, LlamaModel, Tokenizer, WeightMode};
 use tandem_quant::gptq::{self, Hessians};
 use tandem_quant::{calibration, Calibration, Method, QuantConfig, Report};
 
-use crate::pull;
+use crate::pull::{self, CatalogModel};
 
+/// A model a command means: a catalog model's target (`smollm2-135m`, `gemma3-270m`; `target` is
+/// the default one), its draft (`NAME-draft`, Tandem's W4A16 requantization of it, made on first
+/// use; `draft` is the default model's) or a GGUF path.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ModelSpec {
-    Target,
-    Draft,
+    Named {
+        model: &'static CatalogModel,
+        draft: bool,
+    },
     Path(PathBuf),
 }
 
 impl std::str::FromStr for ModelSpec {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
+        let named = |model, draft| Self::Named { model, draft };
         Ok(match s {
-            "target" => Self::Target,
-            "draft" => Self::Draft,
-            p => Self::Path(PathBuf::from(p)),
+            "target" => Self::TARGET,
+            "draft" => Self::DRAFT,
+            s => match (pull::find(s), s.strip_suffix("-draft").and_then(pull::find)) {
+                (Some(m), _) => named(m, false),
+                (None, Some(m)) => named(m, true),
+                (None, None) => {
+                    let p = PathBuf::from(s);
+                    if p.extension().is_none() && !s.contains('/') && !p.exists() {
+                        return Err(format!(
+                            "`{s}` is no model of the catalog ({}, each with its `-draft`; \
+                             `target`, `draft`) nor a GGUF path",
+                            pull::names()
+                        ));
+                    }
+                    Self::Path(p)
+                }
+            },
         })
     }
 }
 
+impl std::fmt::Display for ModelSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Named {
+                model,
+                draft: false,
+            } => write!(f, "{}", model.name),
+            Self::Named { model, draft: true } => write!(f, "{}-draft", model.name),
+            Self::Path(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
+
 impl ModelSpec {
-    /// Weight mode a spec runs in unless told otherwise: the target in f32; the draft in its
+    /// The default model's target (SmolLM2-135M-Instruct in f32).
+    pub const TARGET: Self = Self::Named {
+        model: &pull::SMOLLM2,
+        draft: false,
+    };
+    /// The default model's draft.
+    pub const DRAFT: Self = Self::Named {
+        model: &pull::SMOLLM2,
+        draft: true,
+    };
+
+    /// A catalog model's target.
+    pub fn target_of(model: &'static CatalogModel) -> Self {
+        Self::Named {
+            model,
+            draft: false,
+        }
+    }
+
+    /// Is this a catalog model's target?
+    pub fn is_target(&self) -> bool {
+        matches!(self, Self::Named { draft: false, .. })
+    }
+
+    /// The draft that goes with this spec: a target's own draft; a draft or a path is itself.
+    pub fn draft(&self) -> Self {
+        match self {
+            Self::Named { model, .. } => Self::Named { model, draft: true },
+            p => p.clone(),
+        }
+    }
+
+    /// The target that goes with this spec: a catalog draft's target, else the default target
+    /// (a path says nothing of its family; name the target where it is another).
+    pub fn target(&self) -> Self {
+        match self {
+            Self::Named { model, .. } => Self::target_of(model),
+            Self::Path(_) => Self::TARGET,
+        }
+    }
+
+    /// Weight mode a spec runs in unless told otherwise: a target in f32; a draft in its
     /// 4-bit blocks with 8-bit activations and integer dot products (W4A8: on an AVX2 Zen 3,
     /// 97 tokens/s on one core against 51 with f32 activations, at the same teacher-forced α,
     /// 0.86: `bench quant`), except where the AVX-512 kernels run: there the draft with f32
@@ -39,14 +113,14 @@ impl ModelSpec {
     /// yet; other files in their blocks with f32 activations.
     pub fn default_mode(&self) -> WeightMode {
         match self {
-            Self::Target => WeightMode::F32,
-            Self::Draft
+            Self::Named { draft: false, .. } => WeightMode::F32,
+            Self::Named { draft: true, .. }
                 if tandem_engine::kernels::Isa::selected()
                     == tandem_engine::kernels::Isa::Avx512 =>
             {
                 WeightMode::Native
             }
-            Self::Draft => WeightMode::W4A8,
+            Self::Named { draft: true, .. } => WeightMode::W4A8,
             Self::Path(_) => WeightMode::Native,
         }
     }
@@ -61,13 +135,18 @@ pub struct Loaded {
 
 pub fn resolve_path(home: &Path, spec: &ModelSpec, quiet: bool) -> Result<PathBuf> {
     match spec {
-        ModelSpec::Target => pull::ensure_model(home, quiet),
-        ModelSpec::Draft => ensure_draft(home, quiet),
+        ModelSpec::Named {
+            model,
+            draft: false,
+        } => pull::ensure(home, model, quiet),
+        ModelSpec::Named { model, draft: true } => ensure_draft_of(home, model, quiet),
         ModelSpec::Path(p) => {
             if !p.is_file() {
                 return Err(ModelError::Refused(format!(
-                    "--model {}: no such file (use `target`, `draft` or a GGUF path)",
-                    p.display()
+                    "--model {}: no such file (use a model of the catalog: {}, each with its \
+                     `-draft`; `target`, `draft`; or a GGUF path)",
+                    p.display(),
+                    pull::names()
                 )));
             }
             Ok(p.clone())
@@ -95,9 +174,21 @@ pub fn load(
     })
 }
 
-/// Quantize the pulled target with `cfg` into `out` (written beside, then renamed into place).
+/// Quantize the pulled default target with `cfg` into `out` (written beside, then renamed into
+/// place).
 pub fn quantize_target(home: &Path, cfg: &QuantConfig, out: &Path, quiet: bool) -> Result<Report> {
-    let src = pull::ensure_model(home, quiet)?;
+    quantize_model(home, &pull::SMOLLM2, cfg, out, quiet)
+}
+
+/// Quantize the pulled `model` with `cfg` into `out`.
+pub fn quantize_model(
+    home: &Path,
+    model: &CatalogModel,
+    cfg: &QuantConfig,
+    out: &Path,
+    quiet: bool,
+) -> Result<Report> {
+    let src = pull::ensure(home, model, quiet)?;
     let mut g = GgufFile::open(&src)?;
     let dir = out
         .parent()
@@ -203,12 +294,18 @@ fn calibrated(src: &Path, g: &mut GgufFile, quiet: bool) -> Result<Arc<Hessians>
 /// Tokens per calibration context (each window starts afresh, as a chat does).
 const CALIBRATION_WINDOW: usize = 512;
 
-/// Where a quantized copy of the target with `cfg` lives by default.
+/// Where a quantized copy of the default target with `cfg` lives by default.
 pub fn quantized_path(home: &Path, cfg: &QuantConfig) -> PathBuf {
+    quantized_path_of(home, &pull::SMOLLM2, cfg)
+}
+
+/// Where a quantized copy of `model` with `cfg` lives by default.
+pub fn quantized_path_of(home: &Path, model: &CatalogModel, cfg: &QuantConfig) -> PathBuf {
+    let stem = model.stem;
     let name = match cfg.scheme {
-        tandem_quant::Scheme::F32 => "SmolLM2-135M-Instruct.f32.gguf".to_string(),
+        tandem_quant::Scheme::F32 => format!("{stem}.f32.gguf"),
         s => format!(
-            "SmolLM2-135M-Instruct.{}-g{}{}.gguf",
+            "{stem}.{}-g{}{}.gguf",
             s.name(),
             cfg.group_size,
             match cfg.method {
@@ -220,9 +317,19 @@ pub fn quantized_path(home: &Path, cfg: &QuantConfig) -> PathBuf {
     pull::models_dir(home).join(name)
 }
 
-/// A quantized copy of the target with `cfg`, made on first use.
+/// A quantized copy of the default target with `cfg`, made on first use.
 pub fn ensure_quantized(home: &Path, cfg: &QuantConfig, quiet: bool) -> Result<PathBuf> {
-    let out = quantized_path(home, cfg);
+    ensure_quantized_of(home, &pull::SMOLLM2, cfg, quiet)
+}
+
+/// A quantized copy of `model` with `cfg`, made on first use.
+pub fn ensure_quantized_of(
+    home: &Path,
+    model: &CatalogModel,
+    cfg: &QuantConfig,
+    quiet: bool,
+) -> Result<PathBuf> {
+    let out = quantized_path_of(home, model, cfg);
     if out.is_file() {
         return Ok(out);
     }
@@ -234,7 +341,7 @@ pub fn ensure_quantized(home: &Path, cfg: &QuantConfig, quiet: bool) -> Result<P
             cfg.group_size
         );
     }
-    quantize_target(home, cfg, &out, quiet)?;
+    quantize_model(home, model, cfg, &out, quiet)?;
     Ok(out)
 }
 
@@ -250,9 +357,14 @@ pub fn default_draft() -> QuantConfig {
     }
 }
 
-/// The default draft ([`default_draft`]), made from the target on first use.
+/// The default draft ([`default_draft`]), made from the default target on first use.
 pub fn ensure_draft(home: &Path, quiet: bool) -> Result<PathBuf> {
-    ensure_quantized(home, &default_draft(), quiet)
+    ensure_draft_of(home, &pull::SMOLLM2, quiet)
+}
+
+/// `model`'s draft ([`default_draft`]), made from it on first use.
+pub fn ensure_draft_of(home: &Path, model: &CatalogModel, quiet: bool) -> Result<PathBuf> {
+    ensure_quantized_of(home, model, &default_draft(), quiet)
 }
 
 /// The target as an f32 GGUF (embedding included), for llama.cpp to run beside Tandem.

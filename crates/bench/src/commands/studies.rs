@@ -131,8 +131,8 @@ pub struct EngineBenchArgs {
 
 pub fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
     a.bench.validate()?;
-    let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
-    let draft = models::load(home, &ModelSpec::Draft, None, a.report.json)?;
+    let target = models::load(home, &ModelSpec::TARGET, None, a.report.json)?;
+    let draft = models::load(home, &ModelSpec::DRAFT, None, a.report.json)?;
     let peer = a.peer.find();
     let target_f32 = peer
         .as_ref()
@@ -151,7 +151,7 @@ pub fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
         WeightMode::W4A8 => WeightMode::Native,
         _ => WeightMode::W4A8,
     };
-    let other = models::load(home, &ModelSpec::Draft, Some(other_mode), true)?;
+    let other = models::load(home, &ModelSpec::DRAFT, Some(other_mode), true)?;
     let r = bench::run(
         (&target.model, &target.path),
         (&draft.model, &draft.path),
@@ -179,7 +179,7 @@ pub fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
 
 pub fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
     use crate::load;
-    let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
+    let target = models::load(home, &ModelSpec::TARGET, None, a.report.json)?;
     let two = [
         DraftChoice::rtn(Scheme::W4A16),
         DraftChoice::rtn(Scheme::W8A16),
@@ -224,7 +224,7 @@ pub fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
 pub fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
     use crate::quant_study::{self, QuantStudyArgs};
     let q = a.quick;
-    let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
+    let target = models::load(home, &ModelSpec::TARGET, None, a.report.json)?;
     let (edge_cpus, cloud_cpus) = a.cores.split();
     let skip_layers = a
         .skip_layers
@@ -309,7 +309,7 @@ pub fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
 pub fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
     use crate::{latency, load, paper};
     let q = a.quick;
-    let target = models::load(home, &ModelSpec::Target, None, a.json)?;
+    let target = models::load(home, &ModelSpec::TARGET, None, a.json)?;
     let schemes = a.drafts.clone().unwrap_or(if q {
         vec![DraftChoice::rtn(Scheme::W4A16)]
     } else {
@@ -423,7 +423,7 @@ pub fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
 
 pub fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
     use crate::latency;
-    let target = models::load(home, &ModelSpec::Target, None, a.report.json)?;
+    let target = models::load(home, &ModelSpec::TARGET, None, a.report.json)?;
     let drafts = drafts_of(home, &a.drafts, a.report.json)?;
     let (edge_cpus, cloud_cpus) = a.cores.split();
     let peer = a.peer.find();

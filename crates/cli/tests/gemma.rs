@@ -1,0 +1,209 @@
+//! Gemma 3 270M, pulled on first use (`tandem pull gemma3-270m`), against llama.cpp on the same
+//! weights (`fixtures/gemma3.json`, made by `fixtures/make_gemma_fixture.py` on the F32 copy of
+//! the file): the SentencePiece tokenizer's ids on a multilingual corpus with code, emoji and
+//! whitespace runs, the target's first logits and greedy tokens; speculation with a W4A16 draft
+//! of it through a real verifier gives the target's tokens; and a verifier serving Gemma refuses
+//! a SmolLM2 draft at Open, naming both tokenizers.
+
+mod common;
+
+use std::sync::{Arc, OnceLock};
+
+use common::*;
+use tandem_engine::{GgufFile, LlamaModel, Tokenizer, WeightMode};
+use tandem_models::{pull, store};
+use tandem_spec::sampling as sampler;
+
+/// A step whose top-2 logit margin (llama.cpp's) is below this may flip between the two
+/// engines: their logits differ by up to 0.032 over the fixture's 512 steps (f32 arithmetic in
+/// another order, llama.cpp's f16 KV cache and table-driven GELU), so a margin under twice that
+/// can change order; 0.1 leaves room.
+const NEAR_TIE: f64 = 0.1;
+
+fn gemma_path() -> &'static std::path::PathBuf {
+    static P: OnceLock<std::path::PathBuf> = OnceLock::new();
+    P.get_or_init(|| pull::ensure(&home(), &pull::GEMMA3, true).expect("pull gemma3-270m"))
+}
+
+fn gemma() -> &'static (Arc<LlamaModel>, Tokenizer) {
+    static M: OnceLock<(Arc<LlamaModel>, Tokenizer)> = OnceLock::new();
+    M.get_or_init(|| load(gemma_path(), WeightMode::F32))
+}
+
+#[test]
+fn gemma_tokenizer_gives_llama_cpps_ids() {
+    let (_, tok) = gemma();
+    let f = fixture("gemma3.json");
+    let cases = f["tokenizer"].as_array().unwrap();
+    assert!(cases.len() >= 20);
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        let want = ids(&case["ids"]);
+        assert_eq!(tok.encode(text).unwrap(), want, "encoding {text:?}");
+        // Without the BOS the model adds, the ids spell the text again.
+        assert_eq!(want[0], 2, "BOS first");
+        assert_eq!(tok.decode(&want[1..]).unwrap(), text, "decoding {text:?}");
+    }
+    // The chat turn format (the GGUF carries no template: Tandem's own of Gemma's).
+    let turn = tok
+        .encode_chat("Hi")
+        .map(|ids| tok.decode(&ids).unwrap())
+        .unwrap();
+    assert_eq!(
+        turn,
+        "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    );
+    assert!(
+        tok.is_eog(106) && tok.is_eog(1),
+        "<end_of_turn> and <eos> end generation"
+    );
+}
+
+#[test]
+fn gemma_target_gives_llama_cpps_logits_and_greedy_tokens() {
+    let (m, _) = gemma();
+    let mut compared = 0;
+    for case in fixture("gemma3.json")["greedy"].as_array().unwrap() {
+        let prompt = ids(&case["prompt_ids"]);
+        let want = ids(&case["output_ids"]);
+        let margins: Vec<f64> = case["top2_margin"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        // Every token the same up to the first difference, which may only be at a near-tie
+        // (after it the two continue different texts).
+        let got = greedy(&mut engine(m), tandem_engine::SeqId(1), &prompt, want.len());
+        let same = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        if same < want.len() {
+            assert!(
+                margins[same] < NEAR_TIE,
+                "{}: step {same} differs at a margin of {} ({:?} against llama.cpp's {:?})",
+                case["prompt"],
+                margins[same],
+                &got[same..],
+                &want[same..]
+            );
+        }
+        compared += same;
+        // The first step's highest logits, within twice the measured difference.
+        let mut e = engine(m);
+        let l = e
+            .forward(&[tandem_engine::SeqChunk::new(
+                tandem_engine::SeqId(2),
+                0,
+                prompt,
+                tandem_engine::Wanted::Last,
+            )])
+            .unwrap();
+        let row = l.row(0);
+        for pair in case["first_logits"].as_array().unwrap() {
+            let (i, v) = (
+                pair[0].as_u64().unwrap() as usize,
+                pair[1].as_f64().unwrap(),
+            );
+            let d = (row[i] as f64 - v).abs();
+            assert!(d < 0.065, "{}: logit of {i} off by {d}", case["prompt"]);
+        }
+        assert_eq!(
+            sampler::argmax(row),
+            case["first_logits"][0][0].as_u64().unwrap() as u32
+        );
+    }
+    assert!(
+        compared >= 100,
+        "only {compared} greedy steps were clear of near-ties"
+    );
+}
+
+/// A W4A16 draft of Gemma (round-to-nearest: seconds to make, where GPTQ takes minutes) through
+/// the in-process gRPC verifier, async with two blocks in flight behind a 20 ms link: the
+/// target's greedy tokens.
+#[test]
+fn gemma_speculation_gives_the_targets_tokens() {
+    let (m, tok) = gemma();
+    let cfg = tandem_quant::QuantConfig::default();
+    let draft_path = store::ensure_quantized_of(&home(), &pull::GEMMA3, &cfg, true).unwrap();
+    let mut g = GgufFile::open(&draft_path).unwrap();
+    let dtok = Tokenizer::from_gguf(&g).unwrap();
+    assert_eq!(dtok.fingerprint(), tok.fingerprint());
+    let draft = Arc::new(LlamaModel::load(&mut g, WeightMode::Native).unwrap());
+    let one = tandem_engine::EngineConfig {
+        threads: 1,
+        kv_budget_bytes: 32 << 20,
+        ..tandem_engine::EngineConfig::default()
+    };
+    let prompt = tok.encode_chat("Name three primary colors.").unwrap();
+    let want = greedy(&mut engine(m), tandem_engine::SeqId(3), &prompt, 40);
+    let run = tandem_client::speculate::SpecRun {
+        target: m.clone(),
+        draft,
+        tokenizer: tok,
+        cloud: one,
+        edge: one,
+        spec: tandem_edge::SpecConfig {
+            session: tandem_spec::edge::SessionConfig {
+                draft_len: 3,
+                depth: 2,
+                max_new_tokens: 40,
+                auto: None,
+                tree: tandem_spec::TreeConfig::LINEAR,
+            },
+            rule: tandem_spec::VerifyRule::Greedy,
+            params: sampler::SamplingParams::default(),
+            q_top_k: 32,
+            self_draft: true,
+            suffix: true,
+        },
+        rtt_ms: 20.0,
+        jitter_ms: 2.0,
+        cloud_url: None,
+        api_key: None,
+        tls_ca: None,
+        grammar: None,
+    };
+    let out = tandem_client::speculate::run(&run, &prompt, |_| {}).unwrap();
+    let n = out.output_ids.len();
+    assert!(n > 0);
+    assert_eq!(out.output_ids, want[..n], "speculation changed a token");
+    let s = out.spec.as_ref().unwrap();
+    assert!(s.accepted_draft_tokens > 0, "no draft token was accepted");
+}
+
+/// `tandem cloud serve --model gemma3-270m` refuses a SmolLM2 draft at Open, naming both
+/// tokenizers' fingerprints; the same edge against a SmolLM2 verifier runs.
+#[test]
+fn a_verifier_serving_gemma_refuses_a_smollm2_draft_by_name() {
+    gemma_path();
+    draft_path();
+    let (_, gtok) = gemma();
+    let (_, stok) = target();
+    let v = verifier(&["--model", "gemma3-270m"]);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args([
+            "generate",
+            "--model",
+            "draft",
+            "--mode",
+            "async",
+            "--max-tokens",
+            "4",
+        ])
+        .args([
+            "--prompt",
+            "Hi",
+            "--cloud",
+            &format!("http://127.0.0.1:{}", v.port),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the mismatched draft ran: {err}");
+    assert!(
+        err.contains("tokenizer_fingerprint")
+            && err.contains(stok.fingerprint())
+            && err.contains(gtok.fingerprint()),
+        "{err}"
+    );
+}
