@@ -43,6 +43,9 @@ pub use report::table;
 pub struct LatencyArgs {
     #[arg(skip)]
     pub home: PathBuf,
+    /// The verifier's `--model` (a catalog name or a path; empty: the default target).
+    #[arg(skip)]
+    pub model: String,
     /// Round trips to emulate, ms.
     #[arg(long, value_delimiter = ',', default_value = "0,20,50,100,200")]
     pub rtts: Vec<f64>,
@@ -97,6 +100,17 @@ pub struct LatencyArgs {
 }
 
 impl LatencyArgs {
+    /// `extra` flags for the verifier process, after the `--model` it serves.
+    pub fn cloud_flags(&self, extra: &[&str]) -> Vec<String> {
+        let model = (!self.model.is_empty()).then(|| ["--model", self.model.as_str()]);
+        model
+            .into_iter()
+            .flatten()
+            .chain(extra.iter().copied())
+            .map(str::to_string)
+            .collect()
+    }
+
     /// Refuse settings the sweep cannot run, naming the flag.
     pub fn validate(&self) -> Result<()> {
         if self.rtts.is_empty() || self.prompts.is_empty() || self.sync_gammas.is_empty() {
@@ -452,7 +466,7 @@ fn structured(
         .map(|w| tandem_spec::GrammarSource::JsonSchema(w.schema.to_string()))
         .collect();
     // The verifier as shipped: adaptive grants, its own takeovers.
-    let cloud = CloudProcess::start(&a.home, &a.cloud_cpus, &[])?;
+    let cloud = CloudProcess::start(&a.home, &a.cloud_cpus, &a.cloud_flags(&[]))?;
     let mut link = Link::new()?;
     let mut rows: Vec<Row> = Vec::new();
     let mut want_all: Vec<Vec<u32>> = Vec::new();
@@ -717,13 +731,13 @@ pub fn run(
         &a.home,
         &a.cloud_cpus,
         // Each mode measured as such: the verifier neither shrinks grants nor takes over.
-        &[
-            "--max-draft-len".into(),
-            a.max_gamma.to_string(),
-            "--max-depth".into(),
-            a.max_depth.to_string(),
-            "--fixed-grants".into(),
-        ],
+        &a.cloud_flags(&[
+            "--max-draft-len",
+            &a.max_gamma.to_string(),
+            "--max-depth",
+            &a.max_depth.to_string(),
+            "--fixed-grants",
+        ]),
     )?;
     let mut link = Link::new()?;
     let mut rows: Vec<Row> = Vec::new();

@@ -104,6 +104,8 @@ pub fn variants() -> Vec<Variant> {
 #[derive(Debug, Clone)]
 pub struct QuantStudyArgs {
     pub home: PathBuf,
+    /// The model whose drafts are studied.
+    pub model: &'static tandem_models::pull::CatalogModel,
     pub variants: Vec<Variant>,
     /// The layers a layer-skipping variant leaves out.
     pub skip_layers: Vec<usize>,
@@ -172,6 +174,7 @@ pub struct QuantReport {
 
 fn load_variant(
     home: &std::path::Path,
+    model: &tandem_models::pull::CatalogModel,
     v: &Variant,
     skip: &[usize],
     quiet: bool,
@@ -183,7 +186,7 @@ fn load_variant(
         ..QuantConfig::default()
     };
     cfg.validate()?;
-    let path = tandem_models::store::ensure_quantized(home, &cfg, quiet)?;
+    let path = tandem_models::store::ensure_quantized_of(home, model, &cfg, quiet)?;
     let mut g = GgufFile::open(&path).with_context(|| format!("opening {}", path.display()))?;
     let mode = match v.int8 {
         true => WeightMode::W4A8,
@@ -277,7 +280,7 @@ pub fn run(
     let mut drafts = Vec::new();
     let mut rows = Vec::new();
     for v in &a.variants {
-        let (d, file_mb, scheme_mb) = load_variant(&a.home, v, &a.skip_layers, a.quiet)?;
+        let (d, file_mb, scheme_mb) = load_variant(&a.home, a.model, v, &a.skip_layers, a.quiet)?;
         log(&format!("{}: perplexity, α, decode speed", d.name));
         let ppl = perplexity(&d.model, corpus, a.window, a.edge_cpus)?;
         let guesses = pairs

@@ -367,12 +367,17 @@ pub fn ensure_draft_of(home: &Path, model: &CatalogModel, quiet: bool) -> Result
     ensure_quantized_of(home, model, &default_draft(), quiet)
 }
 
-/// The target as an f32 GGUF (embedding included), for llama.cpp to run beside Tandem.
+/// The default target as an f32 GGUF (embedding included), for llama.cpp to run beside Tandem.
 pub fn ensure_f32_copy(home: &Path) -> Result<PathBuf> {
+    ensure_f32_copy_of(home, &pull::SMOLLM2)
+}
+
+/// `model`'s target as an f32 GGUF (embedding included).
+pub fn ensure_f32_copy_of(home: &Path, model: &CatalogModel) -> Result<PathBuf> {
     let cfg = QuantConfig {
         scheme: tandem_quant::Scheme::F32,
         embedding: tandem_quant::EmbedPrecision::F32,
         ..QuantConfig::default()
     };
-    ensure_quantized(home, &cfg, true).context("writing the f32 target for llama.cpp")
+    ensure_quantized_of(home, model, &cfg, true).context("writing the f32 target for llama.cpp")
 }

@@ -138,9 +138,31 @@ impl std::str::FromStr for DraftChoice {
     }
 }
 
-/// The drafts made from the target by these schemes (groups of 32), made on first use.
+/// Which model of the catalog a benchmark measures.
+#[derive(Args)]
+pub struct ModelArg {
+    /// The model of the catalog (smollm2-135m, gemma3-270m): its f32 target and the drafts made
+    /// from it.
+    #[arg(long, default_value = "smollm2-135m")]
+    pub model: String,
+}
+
+impl ModelArg {
+    pub fn catalog(&self) -> Result<&'static tandem_models::pull::CatalogModel> {
+        tandem_models::pull::find(&self.model).ok_or_else(|| {
+            anyhow::anyhow!(
+                "--model {}: no model of the catalog ({})",
+                self.model,
+                tandem_models::pull::names()
+            )
+        })
+    }
+}
+
+/// The drafts made from `model`'s target by these schemes (groups of 32), made on first use.
 pub fn drafts_of(
     home: &std::path::Path,
+    model: &tandem_models::pull::CatalogModel,
     choices: &[DraftChoice],
     quiet: bool,
 ) -> Result<Vec<crate::latency::Draft>> {
@@ -153,7 +175,7 @@ pub fn drafts_of(
                 ..QuantConfig::default()
             };
             cfg.validate()?;
-            let path = models::ensure_quantized(home, &cfg, quiet)?;
+            let path = models::ensure_quantized_of(home, model, &cfg, quiet)?;
             let name = match c.method {
                 Method::Rtn => format!("{}-g32", c.scheme.name()),
                 m => format!("{}-g32-{}", c.scheme.name(), m.name()),

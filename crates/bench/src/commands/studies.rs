@@ -45,6 +45,8 @@ pub struct QuantBenchArgs {
     #[command(flatten)]
     cores: Cores,
     #[command(flatten)]
+    model: ModelArg,
+    #[command(flatten)]
     report: ReportArgs,
 }
 
@@ -116,6 +118,8 @@ pub struct LatencyBenchArgs {
     #[command(flatten)]
     peer: PeerArgs,
     #[command(flatten)]
+    model: ModelArg,
+    #[command(flatten)]
     report: ReportArgs,
 }
 
@@ -126,17 +130,21 @@ pub struct EngineBenchArgs {
     #[command(flatten)]
     peer: PeerArgs,
     #[command(flatten)]
+    model: ModelArg,
+    #[command(flatten)]
     report: ReportArgs,
 }
 
 pub fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
     a.bench.validate()?;
-    let target = models::load(home, &ModelSpec::TARGET, None, a.report.json)?;
-    let draft = models::load(home, &ModelSpec::DRAFT, None, a.report.json)?;
+    let model = a.model.catalog()?;
+    let spec = ModelSpec::target_of(model);
+    let target = models::load(home, &spec, None, a.report.json)?;
+    let draft = models::load(home, &spec.draft(), None, a.report.json)?;
     let peer = a.peer.find();
     let target_f32 = peer
         .as_ref()
-        .map(|_| models::ensure_f32_copy(home))
+        .map(|_| models::ensure_f32_copy_of(home, model))
         .transpose()?;
     let (peer_python, peer_script) = peer.unzip();
     let args = BenchArgs {
@@ -151,7 +159,7 @@ pub fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
         WeightMode::W4A8 => WeightMode::Native,
         _ => WeightMode::W4A8,
     };
-    let other = models::load(home, &ModelSpec::DRAFT, Some(other_mode), true)?;
+    let other = models::load(home, &spec.draft(), Some(other_mode), true)?;
     let r = bench::run(
         (&target.model, &target.path),
         (&draft.model, &draft.path),
@@ -184,7 +192,7 @@ pub fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
         DraftChoice::rtn(Scheme::W4A16),
         DraftChoice::rtn(Scheme::W8A16),
     ];
-    let drafts: Vec<_> = drafts_of(home, &two, a.report.json)?
+    let drafts: Vec<_> = drafts_of(home, &tandem_models::pull::SMOLLM2, &two, a.report.json)?
         .into_iter()
         .map(|d| (d.name, d.model))
         .collect();
@@ -224,7 +232,8 @@ pub fn cmd_load(home: &std::path::Path, a: LoadBenchArgs) -> Result<()> {
 pub fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
     use crate::quant_study::{self, QuantStudyArgs};
     let q = a.quick;
-    let target = models::load(home, &ModelSpec::TARGET, None, a.report.json)?;
+    let model = a.model.catalog()?;
+    let target = models::load(home, &ModelSpec::target_of(model), None, a.report.json)?;
     let (edge_cpus, cloud_cpus) = a.cores.split();
     let skip_layers = a
         .skip_layers
@@ -260,6 +269,7 @@ pub fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
     }
     let latency = (!a.no_e2e).then(|| crate::latency::LatencyArgs {
         home: home.to_path_buf(),
+        model: model.name.to_string(),
         rtts: vec![a.rtt_ms],
         jitter_frac: 0.1,
         // Quick: 16, not fewer: the verifier, its prompt cached, would decode a shorter answer
@@ -281,6 +291,7 @@ pub fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
     });
     let args = QuantStudyArgs {
         home: home.to_path_buf(),
+        model,
         variants,
         skip_layers,
         ppl_tokens: a.ppl_tokens.unwrap_or(if q { 256 } else { 4096 }),
@@ -318,7 +329,7 @@ pub fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
             DraftChoice::rtn(Scheme::W8A16),
         ]
     });
-    let drafts = drafts_of(home, &schemes, a.json)?;
+    let drafts = drafts_of(home, &tandem_models::pull::SMOLLM2, &schemes, a.json)?;
     let (edge_cpus, cloud_cpus) = a.cores.split();
     let peer = if q { None } else { a.peer.find() };
     let peer_target = peer
@@ -333,6 +344,7 @@ pub fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
     }
     let lat = latency::LatencyArgs {
         home: home.to_path_buf(),
+        model: String::new(),
         rtts: a.rtts.clone().unwrap_or(if q {
             vec![0.0, 50.0]
         } else {
@@ -423,13 +435,14 @@ pub fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
 
 pub fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
     use crate::latency;
-    let target = models::load(home, &ModelSpec::TARGET, None, a.report.json)?;
-    let drafts = drafts_of(home, &a.drafts, a.report.json)?;
+    let model = a.model.catalog()?;
+    let target = models::load(home, &ModelSpec::target_of(model), None, a.report.json)?;
+    let drafts = drafts_of(home, model, &a.drafts, a.report.json)?;
     let (edge_cpus, cloud_cpus) = a.cores.split();
     let peer = a.peer.find();
     let peer_target = peer
         .as_ref()
-        .map(|_| models::ensure_f32_copy(home))
+        .map(|_| models::ensure_f32_copy_of(home, model))
         .transpose()?;
     let prompts = if a.latency.prompts.is_empty() {
         latency::default_prompts()
@@ -438,6 +451,7 @@ pub fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
     };
     let args = latency::LatencyArgs {
         home: home.to_path_buf(),
+        model: model.name.to_string(),
         prompts,
         edge_cpus,
         cloud_cpus,

@@ -104,7 +104,7 @@ pub(super) fn workload(
     let cloud = CloudProcess::start(
         &a.home,
         &a.cloud_cpus,
-        &["--metrics-listen".into(), "127.0.0.1:0".into()],
+        &a.cloud_flags(&["--metrics-listen", "127.0.0.1:0"]),
     )?;
     let mut link = Link::new()?;
     let mut rows: Vec<Row> = Vec::new();
