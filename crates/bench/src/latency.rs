@@ -102,7 +102,7 @@ pub struct LatencyArgs {
 impl LatencyArgs {
     /// `extra` flags for the verifier process, after the `--model` it serves.
     pub fn cloud_flags(&self, extra: &[&str]) -> Vec<String> {
-        let model = (!self.model.is_empty()).then(|| ["--model", self.model.as_str()]);
+        let model = (!self.model.is_empty()).then_some(["--model", self.model.as_str()]);
         model
             .into_iter()
             .flatten()
