@@ -58,6 +58,10 @@ pub struct LatencyArgs {
     /// Chat prompts (repeat the flag for several; default: a few built-in ones).
     #[arg(long = "prompt")]
     pub prompts: Vec<String>,
+    /// Feed the prompts as plain text, not wrapped in the chat template (a base model, such as
+    /// Gemma 3 270M, answers a chat turn off its training; text to continue is what it is for).
+    #[arg(long)]
+    pub plain: bool,
     /// γ values of the synchronous sweep.
     #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
     pub sync_gammas: Vec<usize>,
@@ -725,7 +729,10 @@ pub fn run(
     let prompts: Vec<Vec<u32>> = a
         .prompts
         .iter()
-        .map(|p| tok.encode_chat(p))
+        .map(|p| match a.plain {
+            true => tok.encode(p),
+            false => tok.encode_chat(p),
+        })
         .collect::<Result<_, _>>()?;
     let cloud = CloudProcess::start(
         &a.home,

@@ -28,6 +28,11 @@ pub(crate) struct QuantizeArgs {
     /// Embedding / tied output head: q8_0, f16, f32 or q4_0.
     #[arg(long, default_value = "q8_0")]
     embedding: EmbedPrecision,
+    /// A draft head over this many of the most frequent tokens (FR-Spec; default: the whole
+    /// vocabulary). The file keeps the whole head (llama.cpp reads it as ever); Tandem scores
+    /// only these tokens, the target still judges over all.
+    #[arg(long)]
+    draft_vocab: Option<usize>,
     /// Output file (default: <home>/models/<model's stem>.<scheme>-g<group>.gguf).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -55,6 +60,7 @@ pub(crate) fn cmd_quantize(home: &std::path::Path, a: QuantizeArgs) -> Result<()
         method: a.method,
         group_size: a.group_size,
         embedding: a.embedding,
+        draft_vocab: a.draft_vocab,
     };
     cfg.validate()?;
     let model = pull::find(&a.model).ok_or_else(|| {
@@ -136,6 +142,7 @@ pub(crate) fn cmd_info(home: &std::path::Path, a: InfoArgs) -> Result<()> {
         "config": m.model.cfg,
         "weights": m.model.format(),
         "bytes_per_token": m.model.bytes_per_token(),
+        "head_tokens": m.model.head_vocab().map_or(m.model.cfg.vocab, |v| v.len()),
         "tokenizer_fingerprint": m.tokenizer.fingerprint(),
     });
     println!("{}", serde_json::to_string_pretty(&info)?);

@@ -57,7 +57,7 @@ impl GgufFile {
             })
     }
 
-    fn bad(key: &str, e: impl std::fmt::Display) -> EngineError {
+    pub(crate) fn bad(key: &str, e: impl std::fmt::Display) -> EngineError {
         EngineError::Metadata {
             key: key.into(),
             message: e.to_string(),

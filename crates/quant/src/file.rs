@@ -94,6 +94,9 @@ pub struct Calibration<'a> {
     pub gptq: gptq::GptqConfig,
     /// Told (tensors done, tensors in all) as the file is made.
     pub progress: Option<&'a (dyn Fn(usize, usize) + Sync)>,
+    /// The token ids the draft's head scores, written as `tandem.draft_vocab` (the engine's
+    /// `DRAFT_VOCAB_KEY`).
+    pub draft_vocab: Option<&'a [u32]>,
 }
 
 /// One tensor of the draft, with its report (matrices) and its scheme bits (linear layers).
@@ -261,6 +264,13 @@ pub fn quantize_file<W: Write + Seek>(
         "tandem.quant.group_size".into(),
         Value::U32(cfg.group_size as u32),
     ));
+    if let Some(ids) = calib.draft_vocab {
+        meta.retain(|(k, _)| k != tandem_engine::models::llama::DRAFT_VOCAB_KEY);
+        meta.push((
+            tandem_engine::models::llama::DRAFT_VOCAB_KEY.into(),
+            Value::Array(ids.iter().map(|&i| Value::U32(i)).collect()),
+        ));
+    }
     meta.sort_by(|a, b| a.0.cmp(&b.0));
     let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();

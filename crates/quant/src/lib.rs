@@ -183,6 +183,7 @@ mod tests {
                 method: Method::Rtn,
                 group_size: 128,
                 embedding: EmbedPrecision::Q8_0,
+                draft_vocab: None,
             };
             let mut buf = std::io::Cursor::new(Vec::new());
             let rep = quantize_file(&mut src, &cfg, &Calibration::default(), &mut buf).unwrap();
@@ -200,7 +201,19 @@ mod tests {
                 "q8_0"
             };
             assert_eq!(m.format(), want);
+            assert_eq!(m.head_vocab(), None);
         }
+        // A draft head over some tokens travels in the file and restricts the head at load.
+        let ids = [0u32, 7, 42, 95];
+        let mut buf = std::io::Cursor::new(Vec::new());
+        let calib = Calibration {
+            draft_vocab: Some(&ids),
+            ..Calibration::default()
+        };
+        quantize_file(&mut src, &QuantConfig::default(), &calib, &mut buf).unwrap();
+        let mut g = GgufFile::from_bytes("draft.gguf", buf.into_inner()).unwrap();
+        let m = tandem_engine::LlamaModel::load(&mut g, tandem_engine::WeightMode::Native).unwrap();
+        assert_eq!(m.head_vocab(), Some(&ids[..]));
         let bad = QuantConfig {
             group_size: 48,
             ..QuantConfig::default()

@@ -137,6 +137,9 @@ pub struct QuantConfig {
     /// Weights per scale: 32, 64 or 128.
     pub group_size: usize,
     pub embedding: EmbedPrecision,
+    /// A draft head over this many of the most frequent tokens (FR-Spec; `None`: the whole
+    /// vocabulary). The ids arrive in [`crate::Calibration::draft_vocab`].
+    pub draft_vocab: Option<usize>,
 }
 
 impl Default for QuantConfig {
@@ -146,6 +149,7 @@ impl Default for QuantConfig {
             method: Method::Rtn,
             group_size: 32,
             embedding: EmbedPrecision::Q8_0,
+            draft_vocab: None,
         }
     }
 }

@@ -108,11 +108,13 @@ pub enum BenchCmd {
 }
 
 /// A draft a benchmark runs: a quantization scheme of the target and how its weights were put
-/// on the grid (`w4a16`, `w4a16-gptq`, ...).
+/// on the grid (`w4a16`, `w4a16-gptq`, ...), with `-vK` a head over the K most frequent tokens
+/// (`w4a16-gptq-v32768`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DraftChoice {
     scheme: Scheme,
     method: Method,
+    vocab: Option<usize>,
 }
 
 impl DraftChoice {
@@ -120,6 +122,7 @@ impl DraftChoice {
         Self {
             scheme,
             method: Method::Rtn,
+            vocab: None,
         }
     }
 }
@@ -127,6 +130,12 @@ impl DraftChoice {
 impl std::str::FromStr for DraftChoice {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let (s, vocab) = match s.rsplit_once("-v") {
+            Some((rest, k)) if k.parse::<usize>().is_ok() => {
+                (rest, Some(k.parse::<usize>().map_err(|e| e.to_string())?))
+            }
+            _ => (s, None),
+        };
         let (scheme, method) = match s.strip_suffix("-gptq") {
             Some(scheme) => (scheme, Method::Gptq),
             None => (s, Method::Rtn),
@@ -134,6 +143,7 @@ impl std::str::FromStr for DraftChoice {
         Ok(Self {
             scheme: scheme.parse()?,
             method,
+            vocab,
         })
     }
 }
@@ -172,14 +182,18 @@ pub fn drafts_of(
             let cfg = QuantConfig {
                 scheme: c.scheme,
                 method: c.method,
+                draft_vocab: c.vocab,
                 ..QuantConfig::default()
             };
             cfg.validate()?;
             let path = models::ensure_quantized_of(home, model, &cfg, quiet)?;
-            let name = match c.method {
+            let mut name = match c.method {
                 Method::Rtn => format!("{}-g32", c.scheme.name()),
                 m => format!("{}-g32-{}", c.scheme.name(), m.name()),
             };
+            if let Some(k) = c.vocab {
+                name.push_str(&format!("-v{k}"));
+            }
             crate::latency::load_draft(&name, &path)
         })
         .collect()

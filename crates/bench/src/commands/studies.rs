@@ -276,6 +276,7 @@ pub fn cmd_quant(home: &std::path::Path, a: QuantBenchArgs) -> Result<()> {
         // whole while the draft still prefills, and no speculation would be measured.
         tokens: a.e2e_tokens.unwrap_or(if q { 16 } else { 32 }),
         prompts: e2e_prompts,
+        plain: false,
         sync_gammas: if q { vec![2] } else { vec![1, 2, 3] },
         max_gamma: 8,
         max_depth: 4,
@@ -353,6 +354,7 @@ pub fn cmd_paper(home: &std::path::Path, a: PaperBenchArgs) -> Result<()> {
         jitter_frac,
         tokens,
         prompts,
+        plain: false,
         sync_gammas: if q { vec![2] } else { vec![1, 2, 3, 4] },
         max_gamma: 8,
         max_depth: 4,

@@ -136,6 +136,25 @@ impl Blocks {
         b
     }
 
+    /// The blocks of rows `rows` (each `per_row` blocks), in that order.
+    fn rows(&self, rows: &[u32], per_row: usize) -> Blocks {
+        let q = self.qs.len() / self.d.len().max(1);
+        let mut b = Blocks {
+            d: Vec::with_capacity(rows.len() * per_row),
+            m: Vec::new(),
+            qs: Vec::with_capacity(rows.len() * per_row * q),
+        };
+        for &r in rows {
+            let (a, z) = (r as usize * per_row, (r as usize + 1) * per_row);
+            b.d.extend_from_slice(&self.d[a..z]);
+            if !self.m.is_empty() {
+                b.m.extend_from_slice(&self.m[a..z]);
+            }
+            b.qs.extend_from_slice(&self.qs[a * q..z * q]);
+        }
+        b
+    }
+
     /// The first `n` blocks.
     fn first(&self, n: usize) -> Blocks {
         let q = self.qs.len() / self.d.len().max(1);
@@ -148,6 +167,28 @@ impl Blocks {
 }
 
 impl RowData {
+    /// Rows `rows` of this `cols`-wide matrix, in that order, in its format: the same values.
+    pub fn select_rows(&self, rows: &[u32], cols: usize) -> RowData {
+        match self {
+            RowData::F32(_) => {
+                let mut w = vec![0f32; rows.len() * cols];
+                for (out, &r) in w.chunks_exact_mut(cols).zip(rows) {
+                    dequantize_row(self, r as usize, cols, out);
+                }
+                RowData::f32(&w, rows.len(), cols)
+            }
+            RowData::F16(d) => RowData::F16(
+                rows.iter()
+                    .flat_map(|&r| &d[r as usize * cols..(r as usize + 1) * cols])
+                    .copied()
+                    .collect(),
+            ),
+            RowData::Q4_0(b) => RowData::Q4_0(b.rows(rows, cols / QK)),
+            RowData::Q4_1(b) => RowData::Q4_1(b.rows(rows, cols / QK)),
+            RowData::Q8_0(b) => RowData::Q8_0(b.rows(rows, cols / QK)),
+        }
+    }
+
     /// f32 rows from row-major `w: [rows, cols]`.
     pub fn f32(w: &[f32], rows: usize, cols: usize) -> RowData {
         RowData::F32(Panels::from_rows(w, rows, cols))

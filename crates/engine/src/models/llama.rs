@@ -152,6 +152,11 @@ pub struct LlamaConfig {
     pub windowed: Vec<bool>,
 }
 
+/// A draft GGUF's list of the token ids its head scores (FR-Spec: the frequent part of a large
+/// vocabulary, read once a token instead of all of it); the target verifies over the whole
+/// vocabulary, so what is committed does not change. llama.cpp ignores the key.
+pub const DRAFT_VOCAB_KEY: &str = "tandem.draft_vocab";
+
 /// The `general.architecture` values this code loads.
 pub const SUPPORTED_ARCHITECTURES: [&str; 4] = ["llama", "qwen2", "qwen3", "gemma3"];
 
@@ -474,6 +479,9 @@ pub struct LlamaModel {
     norm: Vec<f32>,
     /// `None` when the head is tied to the embedding.
     head: Option<Linear>,
+    /// A draft's head over part of the vocabulary ([`DRAFT_VOCAB_KEY`]): the token ids and
+    /// their rows of the head; the other logits are −∞.
+    head_subset: Option<(Vec<u32>, Linear)>,
     /// Draft variants for the quantization study (both off by default): each token's activations
     /// fake-quantized to this many bits before every layer matmul, and layers left out.
     act_bits: Option<u32>,
@@ -560,12 +568,21 @@ impl LlamaModel {
             });
         }
         let norm = g.tensor_f32("output_norm.weight", &[d])?;
+        let draft_vocab: Option<Vec<u32>> = match g.array(DRAFT_VOCAB_KEY) {
+            Ok(v) => Some(
+                v.iter()
+                    .map(|x| x.to_u32().map_err(|e| GgufFile::bad(DRAFT_VOCAB_KEY, e)))
+                    .collect::<Result<_>>()?,
+            ),
+            Err(_) => None,
+        };
         let head = if g.has_tensor("output.weight") {
-            Some(Linear::load(g, "output.weight", cfg.vocab, d, mode, false)?)
+            let keep = draft_vocab.is_some();
+            Some(Linear::load(g, "output.weight", cfg.vocab, d, mode, keep)?)
         } else {
             None
         };
-        Ok(Self {
+        let mut m = Self {
             cfg,
             mode,
             embed,
@@ -574,8 +591,57 @@ impl LlamaModel {
             layers,
             norm,
             head,
+            head_subset: None,
             act_bits: None,
-        })
+        };
+        if let Some(ids) = draft_vocab {
+            m.restrict_head(ids)?;
+        }
+        Ok(m)
+    }
+
+    /// Score only the tokens `ids` (the others' logits −∞): a draft's head over the frequent part
+    /// of a large vocabulary. Refuses an empty list, a repeated id or one past the vocabulary.
+    pub fn restrict_head(&mut self, mut ids: Vec<u32>) -> Result<()> {
+        let bad = |message: String| EngineError::Metadata {
+            key: DRAFT_VOCAB_KEY.into(),
+            message,
+        };
+        ids.sort_unstable();
+        if ids.is_empty() {
+            return Err(bad("no token ids".into()));
+        }
+        if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+            return Err(bad(format!("token {} is listed twice", w[0])));
+        }
+        if let Some(&last) = ids.last().filter(|&&l| l as usize >= self.cfg.vocab) {
+            return Err(bad(format!(
+                "token {last} is past the vocabulary ({} tokens)",
+                self.cfg.vocab
+            )));
+        }
+        let head = self.head();
+        let rows = head.data().ok_or_else(|| {
+            bad("the head was loaded without its rows (load the file with the key)".into())
+        })?;
+        let data = rows.select_rows(&ids, head.cols);
+        let a8 = match self.mode {
+            WeightMode::W4A8 => kernels::a8::A8Matrix::pack(&data, ids.len(), head.cols),
+            _ => None,
+        };
+        let sub = Linear {
+            rows: ids.len(),
+            cols: head.cols,
+            data: a8.is_none().then_some(data),
+            a8,
+        };
+        self.head_subset = Some((ids, sub));
+        Ok(())
+    }
+
+    /// The token ids the head scores, when it scores part of the vocabulary.
+    pub fn head_vocab(&self) -> Option<&[u32]> {
+        self.head_subset.as_ref().map(|(ids, _)| ids.as_slice())
     }
 
     /// Fake-quantize each token's activations to `bits` (2–8) before every layer matmul (the
@@ -639,10 +705,11 @@ impl LlamaModel {
     /// Bytes of weights read for one decoded token (every matrix once, one embedding row).
     pub fn bytes_per_token(&self) -> usize {
         let weights: usize = self.layer_linears().map(|w| w.bytes()).sum();
-        weights
-            + self.layers.len() * 8 * self.cfg.dim
-            + self.head().bytes()
-            + self.embed.bytes() / self.cfg.vocab
+        let head = match &self.head_subset {
+            Some((_, sub)) => sub.bytes(),
+            None => self.head().bytes(),
+        };
+        weights + self.layers.len() * 8 * self.cfg.dim + head + self.embed.bytes() / self.cfg.vocab
     }
 
     /// Every weight matrix of every layer.
@@ -655,7 +722,10 @@ impl LlamaModel {
     /// Multiply-add FLOPs of the weight matmuls for one token (2 per weight; attention over the
     /// context is extra).
     pub fn flops_per_token(&self) -> usize {
-        let head = self.head();
+        let head = self
+            .head_subset
+            .as_ref()
+            .map_or(self.head(), |(_, sub)| sub);
         self.layer_linears()
             .map(|w| 2 * w.rows * w.cols)
             .sum::<usize>()
@@ -965,8 +1035,20 @@ impl LlamaModel {
         let mut normed = vec![0f32; n_out * d];
         kernels::rms_norm(&sel, &self.norm, c.rms_eps, &mut normed);
         let mut data = vec![0f32; n_out * c.vocab]; // [num_wanted, vocab]
-        if n_out > 0 {
-            self.head().forward(&normed, n_out, &mut data)?;
+        match (&self.head_subset, n_out > 0) {
+            (_, false) => {}
+            (None, true) => self.head().forward(&normed, n_out, &mut data)?,
+            (Some((ids, sub)), true) => {
+                let k = ids.len();
+                let mut part = vec![0f32; n_out * k];
+                sub.forward(&normed, n_out, &mut part)?;
+                data.fill(f32::NEG_INFINITY);
+                for (row, scores) in data.chunks_exact_mut(c.vocab).zip(part.chunks_exact(k)) {
+                    for (&id, &s) in ids.iter().zip(scores) {
+                        row[id as usize] = s;
+                    }
+                }
+            }
         }
         Ok(Logits {
             vocab: c.vocab,
