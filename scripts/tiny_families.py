@@ -7,8 +7,10 @@ comparing Tandem with llama.cpp on it (scripts/peer_check.py):
 llama (SmolLM2's shape), llama3 (llama with per-frequency RoPE divisors, `rope_freqs.weight`),
 qwen2 (QKV biases), qwen3 (QK-norm, heads wider than the embedding over the heads) and gemma3
 (QK-norm, post-norms, GeGLU, √dim embeddings, six layers: five windowed over 8 tokens, one
-global). Each borrows the tokenizer of a real model: SmolLM2's byte-level BPE for the first four,
-Gemma's SentencePiece vocabulary for gemma3. Weights are drawn from a fixed seed, f32."""
+global). Each borrows the tokenizer of a real model: SmolLM2's byte-level BPE vocabulary and merges
+for the first four, split as each family's own tokenizer splits text (`tokenizer.ggml.pre`: smollm,
+llama-bpe for llama3, qwen2 for the Qwens), Gemma's SentencePiece vocabulary for gemma3. Weights
+are drawn from a fixed seed, f32."""
 import os
 import sys
 
@@ -53,7 +55,10 @@ def write(path, arch, tok, vocab, seed):
         w.add_value_length(hd)
     if arch == "gemma3":
         w.add_sliding_window(8)
+    pre = {"llama3": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}.get(arch)
     for name, value, t, sub in tok:
+        if name == "tokenizer.ggml.pre" and pre:
+            value = pre
         w.add_key_value(name, value, t, sub_type=sub)
 
     def mat(rows, cols, scale=1.0):

@@ -66,12 +66,7 @@ fn gemma_target_gives_llama_cpps_logits_and_greedy_tokens() {
     for case in fixture("gemma3.json")["greedy"].as_array().unwrap() {
         let prompt = ids(&case["prompt_ids"]);
         let want = ids(&case["output_ids"]);
-        let margins: Vec<f64> = case["top2_margin"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap())
-            .collect();
+        let margins = floats(&case["top2_margin"]);
         // Every token the same up to the first difference, which may only be at a near-tie
         // (after it the two continue different texts).
         let got = greedy(&mut engine(m), tandem_engine::SeqId(1), &prompt, want.len());

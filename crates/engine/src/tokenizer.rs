@@ -19,13 +19,20 @@ use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::{AddedToken, Tokenizer as HfTokenizer};
+use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer as HfTokenizer};
 
 use crate::error::{EngineError, Result};
 use crate::gguf::GgufFile;
 
 mod spm;
+
+/// Llama 3's pre-tokenizer split (`tokenizer.ggml.pre = llama-bpe`): contractions, letters with
+/// one leading non-letter, numbers of up to three digits, punctuation runs, newlines, spaces.
+const LLAMA3_SPLIT: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen 2's (`qwen2`): Llama 3's with every digit on its own.
+const QWEN2_SPLIT: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 const TOKEN_TYPE_CONTROL: i32 = 3;
 const TOKEN_TYPE_USER_DEFINED: i32 = 4;
@@ -289,13 +296,23 @@ impl Tokenizer {
         merges: &[(String, String)],
         special: &[u32],
     ) -> Result<HfTokenizer> {
-        let split_digits = match pre_name {
-            "smollm" | "starcoder" | "refact" => true,
-            "gpt-2" | "gpt2" | "default" => false,
+        enum Pre {
+            Gpt2 { split_digits: bool },
+            Split(&'static str),
+        }
+        let pre = match pre_name {
+            "smollm" | "starcoder" | "refact" => Pre::Gpt2 { split_digits: true },
+            "gpt-2" | "gpt2" | "default" => Pre::Gpt2 {
+                split_digits: false,
+            },
+            "llama-bpe" | "llama3" => Pre::Split(LLAMA3_SPLIT),
+            "qwen2" => Pre::Split(QWEN2_SPLIT),
             other => {
                 return Err(EngineError::Metadata {
                     key: "tokenizer.ggml.pre".into(),
-                    message: format!("pre-tokenizer `{other}` is not supported (smollm, gpt-2)"),
+                    message: format!(
+                        "pre-tokenizer `{other}` is not supported (smollm, gpt-2, llama-bpe, qwen2)"
+                    ),
                 })
             }
         };
@@ -304,16 +321,36 @@ impl Tokenizer {
             .enumerate()
             .map(|(i, t)| (t.clone(), i as u32))
             .collect();
+        // Llama 3's tokenizer takes a piece the vocabulary spells whole as it is (llama.cpp's
+        // `ignore_merges`).
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges.to_vec())
+            .ignore_merges(matches!(pre, Pre::Split(LLAMA3_SPLIT)))
             .build()
             .map_err(tok_err)?;
         let mut inner = HfTokenizer::new(bpe);
-        let byte_level = ByteLevel::new(false, true, true);
-        let pre: PreTokenizerWrapper = if split_digits {
-            Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
-        } else {
-            byte_level.into()
+        let pre: PreTokenizerWrapper = match pre {
+            Pre::Gpt2 { split_digits: true } => Sequence::new(vec![
+                Digits::new(true).into(),
+                ByteLevel::new(false, true, true).into(),
+            ])
+            .into(),
+            Pre::Gpt2 {
+                split_digits: false,
+            } => ByteLevel::new(false, true, true).into(),
+            Pre::Split(re) => {
+                let split = Split::new(
+                    SplitPattern::Regex(re.into()),
+                    SplitDelimiterBehavior::Isolated,
+                    false,
+                )
+                .map_err(tok_err)?;
+                Sequence::new(vec![
+                    split.into(),
+                    ByteLevel::new(false, true, false).into(),
+                ])
+                .into()
+            }
         };
         inner.with_pre_tokenizer(Some(pre));
         inner.with_decoder(Some(ByteLevelDecoder::default()));

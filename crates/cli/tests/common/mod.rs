@@ -171,6 +171,15 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
         .collect()
 }
 
+/// A fixture's list of numbers (top-2 margins, logits).
+pub fn floats(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
 /// The port of the first `HOST:PORT` (or `scheme://HOST:PORT`) word of `rest`.
 fn port_of(rest: &str) -> Option<u16> {
     rest.split_whitespace()
