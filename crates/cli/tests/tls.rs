@@ -138,3 +138,101 @@ fn speculation_over_tls_is_the_targets_and_plaintext_or_a_wrong_ca_is_refused() 
     drop(proxied);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The certificate everyone makes first (`openssl req -x509` marks it a CA) is refused at
+/// start-up, naming the problem and a command that makes one that works, instead of every edge
+/// failing later with rustls's `CaUsedAsEndEntity`; a self-signed one that is not a CA starts.
+#[test]
+fn a_ca_certificate_as_the_verifiers_own_is_refused_at_start_up() {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    let dir = scratch("tls-ca-own");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let write = |name: &str, ca: bool| {
+        let key = KeyPair::generate().unwrap();
+        let mut params =
+            CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
+        params.is_ca = match ca {
+            true => IsCa::Ca(BasicConstraints::Unconstrained),
+            false => IsCa::ExplicitNoCa,
+        };
+        let cert = params.self_signed(&key).unwrap();
+        let (c, k) = (
+            dir.join(format!("{name}.pem")),
+            dir.join(format!("{name}-key.pem")),
+        );
+        std::fs::write(&c, cert.pem()).unwrap();
+        std::fs::write(&k, key.serialize_pem()).unwrap();
+        (s(&c), s(&k))
+    };
+    let (cert, key) = write("ca", true);
+    let said = try_verifier(&["--tls-cert", &cert, "--tls-key", &key])
+        .map(|_| panic!("a CA certificate was taken as the verifier's own"))
+        .unwrap_err();
+    assert!(
+        said.contains("is a CA certificate")
+            && said.contains("CaUsedAsEndEntity")
+            && said.contains("basicConstraints=critical,CA:FALSE"),
+        "{said}"
+    );
+    let (cert, key) = write("server", false);
+    let v = try_verifier(&["--tls-cert", &cert, "--tls-key", &key])
+        .unwrap_or_else(|said| panic!("a server certificate was refused: {said}"));
+    drop(v);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `tandem cloud cert` makes what a self-hosted verifier needs: a CA and a server certificate it
+/// signs (keys readable by their owner alone); the verifier serves with them and an edge that
+/// trusts the CA speculates through them; a second run overwrites nothing.
+#[test]
+fn cloud_cert_makes_a_ca_and_a_certificate_that_work() {
+    model_path();
+    draft_path();
+    let dir = scratch("tls-cloud-cert");
+    let out = dir.join("certs");
+    let cert = || {
+        Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["cloud", "cert", "--out", out.to_str().unwrap()])
+            .output()
+            .unwrap()
+    };
+    let made = cert();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    #[cfg(unix)]
+    for k in ["ca-key.pem", "server-key.pem"] {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(out.join(k)).unwrap().permissions().mode();
+        assert_eq!(mode & 0o077, 0, "{k} is readable by others: {mode:o}");
+    }
+    let before = std::fs::read(out.join("server.pem")).unwrap();
+    let again = cert();
+    let e = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        !again.status.success() && e.contains("not overwriting"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read(out.join("server.pem")).unwrap(), before);
+    let s = |f: &str| out.join(f).to_str().unwrap().to_string();
+    let v = try_verifier(&[
+        "--tls-cert",
+        &s("server.pem"),
+        "--tls-key",
+        &s("server-key.pem"),
+    ])
+    .unwrap_or_else(|said| panic!("the verifier did not start: {said}"));
+    for host in ["localhost", "127.0.0.1"] {
+        let url = format!("https://{host}:{}", v.port);
+        let o = generate(&url, &["--tls-ca", &s("ca.pem")]);
+        assert!(
+            o.status.success(),
+            "{host}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    drop(v);
+    let _ = std::fs::remove_dir_all(&dir);
+}

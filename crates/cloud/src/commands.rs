@@ -14,6 +14,7 @@ pub fn run(home: &std::path::Path, cmd: CloudCmd) -> Result<()> {
     match cmd {
         CloudCmd::Serve(a) => cmd_serve(home, a),
         CloudCmd::Usage(a) => cmd_usage(home, a),
+        CloudCmd::Cert(a) => cmd_cert(a),
     }
 }
 
@@ -25,6 +26,83 @@ pub enum CloudCmd {
     Serve(ServeArgs),
     /// Per-tenant totals from the usage ledger (what `cloud serve` recorded of each session).
     Usage(UsageArgs),
+    /// Make a certificate authority and a server certificate it signs, for a self-hosted
+    /// verifier: `cloud serve --tls-cert DIR/server.pem --tls-key DIR/server-key.pem`, edges
+    /// `--tls-ca DIR/ca.pem`.
+    Cert(CertArgs),
+}
+
+#[derive(Args)]
+pub struct CertArgs {
+    /// Where to write ca.pem, ca-key.pem, server.pem and server-key.pem (created if absent; no
+    /// file there is overwritten).
+    #[arg(long)]
+    pub out: std::path::PathBuf,
+    /// The names and addresses the edges reach the verifier by (repeat the flag).
+    #[arg(long = "host", default_values = ["localhost", "127.0.0.1"])]
+    pub hosts: Vec<String>,
+}
+
+/// `tandem cloud cert`: a CA (kept, to sign more later) and a server certificate for `hosts`
+/// signed by it; the keys readable by their owner alone.
+pub fn cmd_cert(a: CertArgs) -> Result<()> {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    let files = ["ca.pem", "ca-key.pem", "server.pem", "server-key.pem"].map(|f| a.out.join(f));
+    if let Some(f) = files.iter().find(|f| f.exists()) {
+        bail!(
+            "--out {}: {} exists; not overwriting it",
+            a.out.display(),
+            f.display()
+        );
+    }
+    if a.hosts.iter().any(|h| h.trim().is_empty()) {
+        bail!("--host: an empty name");
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let ca_key = KeyPair::generate()?;
+    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "Tandem verifier CA");
+    let ca = ca_params.self_signed(&ca_key)?;
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate()?;
+    let mut params = CertificateParams::new(a.hosts.clone())
+        .with_context(|| format!("--host {}", a.hosts.join(", ")))?;
+    params.is_ca = IsCa::ExplicitNoCa;
+    params
+        .distinguished_name
+        .push(DnType::CommonName, a.hosts[0].as_str());
+    let cert = params.signed_by(&key, &issuer)?;
+    let write = |path: &std::path::Path, text: String, secret: bool| -> Result<()> {
+        use std::io::Write;
+        let mut o = std::fs::OpenOptions::new();
+        o.write(true).create_new(true);
+        #[cfg(unix)]
+        if secret {
+            use std::os::unix::fs::OpenOptionsExt;
+            o.mode(0o600);
+        }
+        let _ = secret;
+        o.open(path)
+            .and_then(|mut f| f.write_all(text.as_bytes()))
+            .with_context(|| format!("writing {}", path.display()))
+    };
+    write(&files[0], ca.pem(), false)?;
+    write(&files[1], issuer.key().serialize_pem(), true)?;
+    write(&files[2], cert.pem(), false)?;
+    write(&files[3], key.serialize_pem(), true)?;
+    println!(
+        "wrote a CA and a certificate for {} in {}\n  verifier: tandem cloud serve --tls-cert {} --tls-key {} …\n  edges:    --cloud https://{}:PORT --tls-ca {}",
+        a.hosts.join(", "),
+        a.out.display(),
+        files[2].display(),
+        files[3].display(),
+        a.hosts[0],
+        files[0].display()
+    );
+    Ok(())
 }
 
 #[derive(Args)]

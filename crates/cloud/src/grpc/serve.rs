@@ -20,6 +20,9 @@ impl ServerTls {
     /// Whether rustls takes the certificate and key (checked before a server starts, so that a
     /// bad file is refused at once and by name).
     pub fn check(&self) -> Result<(), String> {
+        if let Some(why) = ca_as_its_own(&self.cert_pem) {
+            return Err(why);
+        }
         let id = tonic::transport::Identity::from_pem(&self.cert_pem, &self.key_pem);
         tonic::transport::Server::builder()
             .tls_config(tonic::transport::ServerTlsConfig::new().identity(id))
@@ -34,6 +37,26 @@ impl ServerTls {
                 s
             })
     }
+}
+
+/// Why the certificate `pem` (its first) cannot be a server's own: it is a CA certificate, as
+/// `openssl req -x509` makes unless told otherwise, which every TLS client refuses as the
+/// server's (rustls: `CaUsedAsEndEntity`). `None` when it is not, or cannot be read (rustls then
+/// says why).
+pub fn ca_as_its_own(pem: &[u8]) -> Option<String> {
+    let (_, block) = x509_parser::pem::parse_x509_pem(pem).ok()?;
+    let cert = block.parse_x509().ok()?;
+    let ca = cert.basic_constraints().ok()??.value.ca;
+    ca.then(|| {
+        "the certificate is a CA certificate (basicConstraints CA:TRUE, what `openssl req -x509` \
+         makes unless told otherwise), and TLS clients refuse a CA as the server's own \
+         certificate (rustls: CaUsedAsEndEntity): every edge would fail to connect. Make one that \
+         is not: `openssl req -x509 -newkey rsa:2048 -nodes -keyout key.pem -out cert.pem -subj \
+         /CN=localhost -addext subjectAltName=DNS:localhost,IP:127.0.0.1 -addext \
+         basicConstraints=critical,CA:FALSE` and give the edges cert.pem as --tls-ca; or a CA and \
+         a server certificate it signs"
+            .to_string()
+    })
 }
 
 /// [`serve_grpc_tls`] in plaintext (loopback, or behind a proxy that terminates TLS).
