@@ -202,6 +202,7 @@ impl LlamaConfig {
                 ))
             }
         };
+        let rope_base = g.f32(&k("rope.freq_base")).unwrap_or(10_000.0);
         let mut cfg = Self {
             n_layer,
             n_head,
@@ -212,7 +213,7 @@ impl LlamaConfig {
             vocab,
             context_len: g.usize(&k("context_length"))?,
             rms_eps: g.f32(&k("attention.layer_norm_rms_epsilon"))?,
-            rope_base: g.f32(&k("rope.freq_base")).unwrap_or(10_000.0),
+            rope_base,
             rope_style: RopeStyle::Adjacent,
             rope_scale: 1.0,
             rope_freq_factors: g.has_tensor("rope_freqs.weight"),
@@ -223,11 +224,10 @@ impl LlamaConfig {
             post_norms: false,
             qkv_bias: g.has_tensor("blk.0.attn_q.bias"),
             window: None,
-            rope_base_windowed: 0.0,
+            rope_base_windowed: rope_base,
             windowed: Vec::new(),
             arch,
         };
-        cfg.rope_base_windowed = cfg.rope_base;
         if cfg.head_dim == 0 || !cfg.head_dim.is_multiple_of(2) {
             return Err(bad(
                 "attention.key_length",
@@ -1034,7 +1034,12 @@ impl LlamaModel {
         }
         let mut normed = vec![0f32; n_out * d];
         kernels::rms_norm(&sel, &self.norm, c.rms_eps, &mut normed);
-        let mut data = vec![0f32; n_out * c.vocab]; // [num_wanted, vocab]
+        // [num_wanted, vocab]; a head over part of the vocabulary leaves the rest at −∞.
+        let fill = match self.head_subset {
+            Some(_) => f32::NEG_INFINITY,
+            None => 0.0,
+        };
+        let mut data = vec![fill; n_out * c.vocab];
         match (&self.head_subset, n_out > 0) {
             (_, false) => {}
             (None, true) => self.head().forward(&normed, n_out, &mut data)?,
@@ -1042,7 +1047,6 @@ impl LlamaModel {
                 let k = ids.len();
                 let mut part = vec![0f32; n_out * k];
                 sub.forward(&normed, n_out, &mut part)?;
-                data.fill(f32::NEG_INFINITY);
                 for (row, scores) in data.chunks_exact_mut(c.vocab).zip(part.chunks_exact(k)) {
                     for (&id, &s) in ids.iter().zip(scores) {
                         row[id as usize] = s;

@@ -93,17 +93,22 @@ impl Spm {
                 })
                 .copied();
         }
+        // (A special token with no text can never be matched: left out.)
+        let special: Vec<u32> = special
+            .into_iter()
+            .filter(|&i| !tokens[i as usize].is_empty())
+            .collect();
         let special_texts: Vec<String> = special
             .iter()
             .map(|&i| tokens[i as usize].clone())
             .collect();
-        let matcher = if special_texts.iter().any(|t| !t.is_empty()) {
+        let matcher = if special_texts.is_empty() {
+            None
+        } else {
             Some(
-                AhoCorasick::new(special_texts.iter().filter(|t| !t.is_empty()))
+                AhoCorasick::new(&special_texts)
                     .map_err(|e| EngineError::Tokenizer(format!("special tokens: {e}")))?,
             )
-        } else {
-            None
         };
         Ok(Self {
             ids,
@@ -149,12 +154,9 @@ impl Spm {
             return pieces;
         };
         // Only the special tokens the text holds somewhere, longest first (then by id).
-        let texts: Vec<usize> = (0..self.special_texts.len())
-            .filter(|&i| !self.special_texts[i].is_empty())
-            .collect();
         let mut present: Vec<usize> = ac
             .find_overlapping_iter(text)
-            .map(|m| texts[m.pattern().as_usize()])
+            .map(|m| m.pattern().as_usize())
             .collect();
         present.sort_unstable_by(|&a, &b| {
             self.special_texts[b]

@@ -7,22 +7,31 @@ use crate::gguf::GgufFile;
 
 pub(super) fn configure_qwen2(g: &GgufFile, cfg: &mut LlamaConfig) -> Result<()> {
     cfg.rope_style = RopeStyle::Halves;
-    if !cfg.qkv_bias {
-        return Err(EngineError::Tensor {
-            name: "blk.0.attn_q.bias".into(),
-            message: format!("missing from {} (Qwen 2 has QKV biases)", g.path),
-        });
-    }
-    Ok(())
+    require(
+        g,
+        cfg.qkv_bias,
+        "blk.0.attn_q.bias",
+        "Qwen 2 has QKV biases",
+    )
 }
 
 pub(super) fn configure_qwen3(g: &GgufFile, cfg: &mut LlamaConfig) -> Result<()> {
     cfg.rope_style = RopeStyle::Halves;
-    if !cfg.qk_norm {
-        return Err(EngineError::Tensor {
-            name: "blk.0.attn_q_norm.weight".into(),
-            message: format!("missing from {} (Qwen 3 has QK-norm)", g.path),
-        });
+    require(
+        g,
+        cfg.qk_norm,
+        "blk.0.attn_q_norm.weight",
+        "Qwen 3 has QK-norm",
+    )
+}
+
+/// Refuse a file without `tensor`, what the family is made of.
+fn require(g: &GgufFile, present: bool, tensor: &str, why: &str) -> Result<()> {
+    if present {
+        return Ok(());
     }
-    Ok(())
+    Err(EngineError::Tensor {
+        name: tensor.into(),
+        message: format!("missing from {} ({why})", g.path),
+    })
 }

@@ -308,12 +308,8 @@ impl RopeTable {
                 if let Some(f) = factors {
                     theta /= f[i] as f64;
                 }
-                let p = if scale == 1.0 {
-                    p as f64
-                } else {
-                    p as f64 * scale as f64
-                };
-                let a = p * theta;
+                // (× 1.0 is exact: unscaled positions keep their bits.)
+                let a = p as f64 * scale as f64 * theta;
                 cos.push(a.cos() as f32);
                 sin.push(a.sin() as f32);
             }
