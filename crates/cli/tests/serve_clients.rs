@@ -1,6 +1,6 @@
 //! `tandem serve` against clients that are not ours, with a real `tandem cloud serve` verifier
 //! behind it: the unmodified `openai` Python client gets the target's answers, in plaintext and
-//! over TLS (an edge that does not trust the verifier's CA gets a 503), and the live view in a
+//! over TLS (an edge that does not trust the verifier's CA refuses to start, saying why), and the live view in a
 //! real headless Chromium shows the target's answer with its tentative drafts and corrections.
 //! `scripts/test-deps` installs the clients. The model is pulled on first use.
 
@@ -80,10 +80,16 @@ fn the_unmodified_openai_client_gets_the_targets_answers_in_plaintext_and_over_t
         &["--tls-ca", ca.to_str().unwrap()],
     );
     openai_client(&python, te.port);
-    // An edge that does not trust the verifier's CA gets no verifier: a 503.
-    let untrusting = edge(&[format!("https://localhost:{}", tv.port)], &[]);
-    let (s, r) = post(untrusting.port, "/v1/chat/completions", &chat("Hi", 4));
-    assert_eq!(s, 503, "{r}");
+    // An edge that does not trust the verifier's CA says so at start-up and does not serve.
+    let mut args: Vec<String> = ["serve", "--listen", "127.0.0.1:0", "--cloud"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.push(format!("https://localhost:{}", tv.port));
+    let said = spawn_tandem(&args, "tandem serve listening on ", None)
+        .map(|_| panic!("an edge that does not trust the verifier started"))
+        .unwrap_err();
+    assert!(said.contains("give --tls-ca"), "{said}");
 }
 
 #[test]

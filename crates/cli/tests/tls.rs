@@ -183,7 +183,8 @@ fn a_ca_certificate_as_the_verifiers_own_is_refused_at_start_up() {
 
 /// `tandem cloud cert` makes what a self-hosted verifier needs: a CA and a server certificate it
 /// signs (keys readable by their owner alone); the verifier serves with them and an edge that
-/// trusts the CA speculates through them; a second run overwrites nothing.
+/// trusts the CA speculates through them; a second run overwrites nothing. `tandem serve` checks
+/// the certificate at start-up.
 #[test]
 fn cloud_cert_makes_a_ca_and_a_certificate_that_work() {
     model_path();
@@ -233,6 +234,63 @@ fn cloud_cert_makes_a_ca_and_a_certificate_that_work() {
             String::from_utf8_lossy(&o.stderr)
         );
     }
+
+    // `tandem serve` checks its --tls-ca and the verifier's certificate at start-up: trusted, it
+    // says so and serves; anything else stops it before it listens, naming what is wrong.
+    let url = format!("https://localhost:{}", v.port);
+    let serve = |ca: Option<&str>, cloud: &str| {
+        let mut args: Vec<String> = [
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--threads",
+            "1",
+            "--kv-mb",
+            "64",
+            "--cloud",
+            cloud,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        if let Some(ca) = ca {
+            args.extend(["--tls-ca".to_string(), ca.to_string()]);
+        }
+        spawn_tandem(&args, "tandem serve listening on ", None)
+    };
+    let e = serve(Some(&s("ca.pem")), &url)
+        .unwrap_or_else(|said| panic!("an edge trusting the CA did not start: {said}"));
+    assert!(
+        e.log()
+            .contains(&format!("verifier {url}: certificate trusted")),
+        "{}",
+        e.log()
+    );
+    drop(e);
+    let refused = |ca: Option<&str>, cloud: &str, why: &str| {
+        let said = serve(ca, cloud)
+            .map(|_| panic!("{why}: the edge started"))
+            .unwrap_err();
+        assert!(said.starts_with("exited with exit status: 1"), "{said}");
+        said
+    };
+    // Another CA; the public roots alone; the CA's key in place of its certificate; no PEM.
+    let (other_ca, _, _) = certificates(&dir, "other");
+    let said = refused(Some(other_ca.to_str().unwrap()), &url, "another CA");
+    assert!(said.contains("is not the CA that signed"), "{said}");
+    let said = refused(None, &url, "no --tls-ca");
+    assert!(said.contains("give --tls-ca"), "{said}");
+    let said = refused(Some(&s("ca-key.pem")), &url, "a key as --tls-ca");
+    assert!(said.contains("holds a private key"), "{said}");
+    let junk = dir.join("junk.pem");
+    std::fs::write(&junk, "not a certificate\n").unwrap();
+    let said = refused(Some(junk.to_str().unwrap()), &url, "no certificate");
+    assert!(said.contains("holds no PEM certificate"), "{said}");
     drop(v);
+    // A verifier that is not up yet is reported, not fatal: it may come after the edge.
+    let e = serve(Some(&s("ca.pem")), &url)
+        .unwrap_or_else(|said| panic!("an edge whose verifier is down did not start: {said}"));
+    assert!(e.log().contains("not reachable yet"), "{}", e.log());
+    drop(e);
     let _ = std::fs::remove_dir_all(&dir);
 }

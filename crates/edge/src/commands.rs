@@ -90,6 +90,8 @@ pub fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result<()> {
     if a.client_key.iter().any(|k| k.trim().is_empty()) {
         bail!("--client-key: a key may not be empty");
     }
+    let rt = tandem_proto::runtime()?;
+    rt.block_on(check_verifiers(&a.cloud, tls_ca.as_deref()))?;
     let m = models::load(home, &a.model, None, false)?;
     let model_name = a.served_model_name.clone().unwrap_or_else(|| {
         m.path
@@ -132,7 +134,6 @@ pub fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result<()> {
         prefix_cache: !a.no_prefix_cache,
     };
     let tok = std::sync::Arc::new(m.tokenizer);
-    let rt = tandem_proto::runtime()?;
     rt.block_on(async {
         let listener = tandem_proto::listen("--listen", &a.listen).await?;
         eprintln!(
@@ -160,12 +161,80 @@ pub fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result<()> {
     Ok(())
 }
 
-/// `--tls-ca PEM`: the certificate authority's PEM text, when given.
+/// `--tls-ca PEM`: the certificate authority's PEM text, when given, checked to hold at least one
+/// certificate (and no private key) before anything uses it.
 pub fn read_tls_ca(path: Option<&std::path::Path>) -> Result<Option<String>> {
     path.map(|p| {
-        std::fs::read_to_string(p).with_context(|| format!("--tls-ca {}: cannot read", p.display()))
+        let text = std::fs::read_to_string(p)
+            .with_context(|| format!("--tls-ca {}: cannot read", p.display()))?;
+        check_ca_pem(&text).with_context(|| format!("--tls-ca {}", p.display()))?;
+        Ok(text)
     })
     .transpose()
+}
+
+/// How many certificates a `--tls-ca` file holds; an error naming what is wrong where it holds
+/// none, a private key, or a certificate that does not parse.
+pub fn check_ca_pem(text: &str) -> Result<usize> {
+    let mut certs = 0;
+    for (i, pem) in x509_parser::pem::Pem::iter_from_buffer(text.as_bytes()).enumerate() {
+        let pem = pem.map_err(|e| anyhow::anyhow!("PEM block {} does not parse: {e}", i + 1))?;
+        if pem.label.contains("PRIVATE KEY") {
+            bail!(
+                "holds a private key ({}): give the edges the CA's certificate (ca.pem) and keep \
+                 keys on the verifier",
+                pem.label
+            );
+        }
+        if pem.label == "CERTIFICATE" {
+            pem.parse_x509()
+                .map_err(|e| anyhow::anyhow!("certificate {} does not parse: {e}", i + 1))?;
+            certs += 1;
+        }
+    }
+    if certs == 0 {
+        bail!("holds no PEM certificate (-----BEGIN CERTIFICATE-----): give the CA that signed the verifier's certificate (tandem cloud cert writes it as ca.pem)");
+    }
+    Ok(certs)
+}
+
+/// At start-up, one connection to each `https://` verifier, to say whether its certificate is
+/// trusted (rather than every request failing later): an untrusted certificate stops the edge,
+/// naming why; a verifier not reachable yet is only reported (it may come up after the edge).
+pub async fn check_verifiers(clouds: &[String], tls_ca: Option<&str>) -> Result<()> {
+    for url in clouds.iter().filter(|u| u.starts_with("https://")) {
+        match crate::grpc::client(url, tls_ca).await {
+            Ok(_) => eprintln!("verifier {url}: certificate trusted"),
+            Err(crate::EdgeError::Unreachable(m)) => {
+                eprintln!("verifier {url}: not reachable yet ({m}); each request tries it again")
+            }
+            Err(crate::EdgeError::Refused(m)) => {
+                bail!("verifier {url}: {m}{}", trust_hint(&m, tls_ca))
+            }
+            Err(e) => bail!("verifier {url}: {e}"),
+        }
+    }
+    Ok(())
+}
+
+/// What to do about a certificate the edge does not trust, by rustls's reason.
+fn trust_hint(m: &str, tls_ca: Option<&str>) -> &'static str {
+    if m.contains("CaUsedAsEndEntity") {
+        " (the verifier serves a CA certificate as its own, which TLS clients refuse: make its \
+         certificate with `tandem cloud cert`, or openssl with -addext \
+         basicConstraints=critical,CA:FALSE)"
+    } else if m.contains("UnknownIssuer") && tls_ca.is_none() {
+        " (its certificate is not signed by a public CA: give --tls-ca with the CA that signed it)"
+    } else if m.contains("UnknownIssuer") {
+        " (--tls-ca is not the CA that signed the verifier's certificate)"
+    } else if m.contains("NotValidForName") {
+        " (the certificate does not name the host in --cloud: use a name it lists, or remake it \
+         with --host)"
+    } else if m.contains("Expired") || m.contains("NotValidYet") {
+        " (outside the certificate's validity period: remake it, or check the clocks)"
+    } else {
+        ""
+    }
 }
 
 /// The speculation flags `generate` and `serve` share (γ and depth, whose defaults differ, are

@@ -169,8 +169,12 @@ fn source_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut s = e.to_string();
     let mut at = e.source();
     while let Some(c) = at {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
+        // A cause that repeats the message it is under says nothing new.
+        let c_text = c.to_string();
+        if !s.ends_with(&c_text) {
+            s.push_str(": ");
+            s.push_str(&c_text);
+        }
         at = c.source();
     }
     s
