@@ -8,7 +8,8 @@
 //!   [`latency`] (`bench latency`: every mode over an emulated link), [`load`] (`bench load`:
 //!   the verifier under many synthetic edges, beside cloud-only), [`paper`] (`bench paper`: the
 //!   paper's evaluation with the simulator and the model beside every row), [`quant_study`]
-//!   (`bench quant`: the drafts one could make from the target), [`model_report`] (`tandem plan`:
+//!   (`bench quant`: the drafts one could make from the target), [`rules_study`] (`bench rules`:
+//!   how often each verify rule commits a sampled draft), [`model_report`] (`tandem plan`:
 //!   the analytic model's report).
 //! - What they stand on: [`cloudproc`] (a `tandem cloud serve` process), [`netns`] (a kernel
 //!   link between network namespaces), [`plots`]; the client's emulated link
@@ -26,6 +27,7 @@ pub mod netns;
 pub mod paper;
 pub mod plots;
 pub mod quant_study;
+pub mod rules_study;
 pub mod serve_bench;
 pub mod soak;
 

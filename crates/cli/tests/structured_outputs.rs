@@ -151,13 +151,10 @@ fn a_json_schema_answer_is_the_targets_own_under_the_schema_whole_streamed_and_c
         "cloud-only under the schema is the same output"
     );
 
-    // Sampled (seeded), verified by sample-and-match: the edge's answer is the target's own
-    // draw under the mask. (Rejection sampling, the default, commits a draw distributed as the
+    // Sampled (seeded), verified by sample-and-match (the default): the edge's answer is the
+    // target's own draw under the mask. (Rejection sampling commits a draw distributed as the
     // target's under the mask, not this one: `spec`'s χ² test covers it.)
-    let e = edge(
-        &[format!("http://127.0.0.1:{}", v.port)],
-        &["--verify", "sample-match"],
-    );
+    let e = edge(&[format!("http://127.0.0.1:{}", v.port)], &[]);
     let sampled = SamplingParams {
         temperature: 0.8,
         top_p: 0.95,

@@ -483,8 +483,8 @@ impl DraftSeq {
                 let p = SamplingParams::default();
                 (sample(row, &p, pos), None, p)
             }
-            // The target draws its token at `pos` by inverse CDF on one uniform keyed by (seed,
-            // pos); the draft draws from its own distribution on the same uniform, so wherever
+            // The target draws its token at `pos` by Gumbel-max on noise keyed by (seed, pos,
+            // token); the draft draws from its own distribution on the same noise, so wherever
             // the two distributions are close it draws the same token (coupled draws). The
             // target's draw does not depend on the draft's: lossless either way.
             VerifyRule::SampleMatch => (sample(row, &self.params, pos), None, self.params),

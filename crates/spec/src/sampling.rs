@@ -1,6 +1,10 @@
-//! Sampling: greedy, or temperature / top-k / top-p with a counter-based generator. The uniform draw
-//! for a position is a pure function of `(seed, position)`, never a stream, so a recomputed or
-//! re-verified position draws the same token.
+//! Sampling: greedy, or temperature / top-k / top-p with a counter-based generator. A sampled token
+//! is a Gumbel-max draw: the token whose log-probability plus its own Gumbel noise is largest,
+//! the noise a pure function of `(seed, position, token)`, never a stream. So a recomputed or
+//! re-verified position draws the same token, and two models drawing at one position on the same
+//! noise agree as often as a shared-noise coupling allows (at least (1 − TV)/(1 + TV) of the
+//! time, TV their total variation distance): the draft's draw is the target's wherever their
+//! distributions are close, whatever order each ranks its tokens in.
 
 use serde::{Deserialize, Serialize};
 
@@ -55,6 +59,53 @@ pub fn uniform(seed: u64, position: u64, stream: u64) -> f64 {
     let z =
         mix(mix(seed ^ 0x9e37_79b9_7f4a_7c15).wrapping_add(position) ^ mix(stream.wrapping_add(1)));
     (z >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// The Gumbel noise of `token` at `(seed, position)`: −ln(−ln U) for a uniform U in (0, 1) keyed
+/// by all three (the key of the position computed once: [`gumbel_key`]).
+pub fn gumbel(key: u64, token: u32) -> f64 {
+    let z = mix(key ^ mix((token as u64) ^ 0x6a09_e667_f3bc_c908));
+    // (0, 1): never 0 or 1, so both logarithms are finite.
+    let u = ((z >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    -(-u.ln()).ln()
+}
+
+/// The part of a token's noise key that depends on `(seed, position)` alone.
+pub fn gumbel_key(seed: u64, position: u64) -> u64 {
+    mix(mix(seed ^ 0x3c6e_f372_fe94_f82b).wrapping_add(position))
+}
+
+/// The Gumbel-max draw at `(seed, position)` over `tokens` scored by `score` (a log-probability
+/// up to a constant; −∞ never drawn unless nothing else is there): the token with the largest
+/// score plus noise, the first on ties.
+pub fn gumbel_draw(
+    tokens: impl Iterator<Item = (u32, f64)>,
+    seed: u64,
+    position: u64,
+) -> Option<u32> {
+    let key = gumbel_key(seed, position);
+    let mut best: Option<(u32, f64)> = None;
+    for (t, score) in tokens {
+        if score == f64::NEG_INFINITY && best.is_some() {
+            continue;
+        }
+        let v = score + gumbel(key, t);
+        if best.is_none_or(|(_, b)| v > b) {
+            best = Some((t, v));
+        }
+    }
+    best.map(|(t, _)| t)
+}
+
+/// A Gumbel-max draw from a sparse distribution (a draft's `q`): the same noise as the target's
+/// draw at `(seed, position)`, each token scored by its log-probability.
+pub fn draw_coupled(dist: &[(u32, f32)], seed: u64, position: u64) -> u32 {
+    gumbel_draw(
+        dist.iter().map(|&(t, p)| (t, (p as f64).ln())),
+        seed,
+        position,
+    )
+    .unwrap_or(0)
 }
 
 /// Index of the largest logit (the first one on ties).
@@ -140,12 +191,30 @@ pub fn draw(dist: &[(u32, f32)], u: f64) -> u32 {
     dist.last().map_or(0, |&(t, _)| t)
 }
 
-/// The token for `position` under `p`: greedy, or a draw keyed by `(seed, position)`.
+/// The token for `position` under `p`: greedy, or the Gumbel-max draw keyed by `(seed, position)`
+/// over what top-k and top-p leave of the vocabulary (all of it without them: no sort), each token
+/// scored by its logit over the temperature.
 pub fn sample(logits: &[f32], p: &SamplingParams, position: u64) -> u32 {
     if p.is_greedy() {
         return argmax(logits);
     }
-    draw(&distribution(logits, p), uniform(p.seed, position, 0))
+    let t = p.temperature as f64;
+    let score = |i: u32| logits[i as usize] as f64 / t;
+    let drawn = if p.top_k == 0 && p.top_p >= 1.0 {
+        gumbel_draw(
+            (0..logits.len() as u32).map(|i| (i, score(i))),
+            p.seed,
+            position,
+        )
+    } else {
+        let support = distribution(logits, p);
+        gumbel_draw(
+            support.iter().map(|&(i, _)| (i, score(i))),
+            p.seed,
+            position,
+        )
+    };
+    drawn.unwrap_or(0)
 }
 
 /// The most alternatives a token's log-probability may come with (OpenAI's `top_logprobs`).
@@ -241,6 +310,70 @@ mod tests {
         };
         assert_eq!(distribution(&logits, &p).len(), 1);
         assert_eq!(sample(&logits, &SamplingParams::default(), 0), 1);
+    }
+
+    /// The Gumbel-max draw is a draw from the distribution: χ² against p over many positions, for
+    /// the whole vocabulary and for what top-k and top-p leave of it.
+    #[test]
+    fn gumbel_draws_follow_the_distribution_chi_squared() {
+        let logits = [1.0f32, 0.2, -0.7, 2.1, 0.0, 1.4, -3.0, 0.9];
+        for (top_k, top_p) in [(0, 1.0), (4, 1.0), (0, 0.8)] {
+            let p = SamplingParams {
+                temperature: 0.8,
+                top_k,
+                top_p,
+                seed: 9,
+            };
+            let dist = distribution(&logits, &p);
+            let n = 80_000;
+            let mut counts = [0usize; 8];
+            for pos in 0..n {
+                counts[sample(&logits, &p, pos) as usize] += 1;
+            }
+            let mut chi2 = 0.0;
+            for (t, c) in counts.iter().enumerate() {
+                let want = dist
+                    .iter()
+                    .find(|d| d.0 == t as u32)
+                    .map_or(0.0, |d| d.1 as f64);
+                if want == 0.0 {
+                    assert_eq!(*c, 0, "token {t} is outside the support ({top_k}, {top_p})");
+                    continue;
+                }
+                let e = want * n as f64;
+                chi2 += (*c as f64 - e).powi(2) / e;
+            }
+            // 7 degrees of freedom at most: p = 0.001 is 24.3.
+            assert!(chi2 < 24.3, "χ² {chi2} ({top_k}, {top_p}): {counts:?}");
+        }
+    }
+
+    /// On the same noise, a draft's draw over its sparse q agrees with the target's draw far more
+    /// often than independent draws would, and as often as the coupling bound says.
+    #[test]
+    fn coupled_draws_agree_where_the_distributions_are_close() {
+        let target = [2.0f32, 1.5, 0.2, -0.5, 1.0, 0.0];
+        let draft = [1.8f32, 1.6, 0.1, -0.4, 0.7, 0.2];
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 3,
+        };
+        let (dp, dq) = (distribution(&target, &p), distribution(&draft, &p));
+        let at = |d: &[(u32, f32)], t: u32| d.iter().find(|e| e.0 == t).map_or(0.0, |e| e.1 as f64);
+        let tv: f64 = (0..6).map(|t| (at(&dp, t) - at(&dq, t)).abs()).sum::<f64>() / 2.0;
+        let n = 40_000;
+        let agree = (0..n)
+            .filter(|&pos| sample(&target, &p, pos) == draw_coupled(&dq, p.seed, pos))
+            .count() as f64
+            / n as f64;
+        assert!(
+            agree >= (1.0 - tv) / (1.0 + tv) - 0.01,
+            "{agree} vs tv {tv}"
+        );
+        let independent: f64 = (0..6).map(|t| at(&dp, t) * at(&dq, t)).sum();
+        assert!(agree > independent + 0.2, "{agree} vs {independent}");
     }
 
     #[test]

@@ -1,9 +1,12 @@
 //! Verify rules: how the target's logits at a position judge the draft's token there.
 //!
 //! - **Greedy**: accept while the draft equals the target's argmax.
-//! - **Sample-and-match**: the target samples each position with the request's temperature /
-//!   top-k / top-p from a draw keyed by (seed, position) and accepts while it equals the draft.
-//!   Lossless for any sampling parameters with token ids alone on the wire.
+//! - **Sample-and-match** (coupled): the target samples each position with the request's
+//!   temperature / top-k / top-p, a Gumbel-max draw on noise keyed by (seed, position, token), and
+//!   accepts while it equals the draft, which drew on the same noise from its own distribution.
+//!   Lossless for any sampling parameters with token ids alone on the wire, and reproducible: the
+//!   committed token at a position is the target's draw whether the verifier decoded it or
+//!   judged a draft there, so a seeded answer is a function of (prompt, parameters, seed) alone.
 //! - **Rejection sampling**: accept the draft token `d` with probability `min(1, p(d)/q(d))`; on
 //!   rejection draw from `normalize(max(0, p − q))`. The edge drew `d` from the sparse `q` it sends
 //!   with the block, so the committed token is distributed exactly as `p`. At a node of a token
@@ -17,7 +20,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::pipeline::SparseDist;
-use crate::sampling::{distribution, draw, sample, uniform, SamplingParams};
+use crate::sampling::{distribution, draw, draw_coupled, sample, uniform, SamplingParams};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -59,10 +62,10 @@ impl VerifyRule {
     }
 }
 
-/// Stream ids of the counter-based draws. The target's draw and the draft's share one (coupled
-/// draws: each on its own distribution); acceptance and the residual have their own, so that a
-/// rejection-sampling verdict is independent of the draft's token given its distribution.
-pub const STREAM_TARGET: u64 = 0;
+/// Stream ids of the counter-based uniforms. The target's draw and the draft's share the Gumbel
+/// noise of [`crate::sampling::gumbel`] (coupled draws: each on its own distribution); acceptance
+/// and the residual have streams of their own, so that a rejection-sampling verdict is
+/// independent of the draft's token given its distribution.
 pub const STREAM_ACCEPT: u64 = 1;
 pub const STREAM_RESIDUAL: u64 = 2;
 /// The edge's draw of a second guess beside its drawn token (a token tree under rejection
@@ -290,9 +293,9 @@ pub fn draft_sibling(q: &[(u32, f32)], d: u32, seed: u64, pos: u64) -> Option<u3
 }
 
 /// The edge's draw from its draft distribution: `q` is the renormalised top-k (after temperature)
-/// that goes on the wire, `d` a draw from it on the uniform the target's own draw at `pos` uses
-/// (coupled: where the verifier decodes the position itself, the draft's token agrees with it as
-/// often as the two distributions allow). Rejection sampling stays exact: `d` is a draw from `q`,
+/// that goes on the wire, `d` a draw from it on the Gumbel noise the target's own draw at `pos`
+/// uses (coupled: where the verifier decodes the position itself, the draft's token agrees with
+/// it as often as the two distributions allow). Rejection sampling stays exact: `d` is a draw from `q`,
 /// independent of the acceptance and residual uniforms (other streams).
 pub fn draft_sample(
     logits: &[f32],
@@ -310,7 +313,7 @@ pub fn draft_sample(
         ..*params
     };
     let q = distribution(logits, &p);
-    let d = draw(&q, uniform(params.seed, pos, STREAM_TARGET));
+    let d = draw_coupled(&q, params.seed, pos);
     (d, q)
 }
 

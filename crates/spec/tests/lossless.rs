@@ -647,8 +647,10 @@ proptest! {
         run(seed, alpha, gamma, depth, max_new, tree, &schedule, true)?;
     }
 
-    /// Sampled (sample-and-match): the committed sequence is the target's own draw by position
-    /// from its masked rows, free and under the grammar.
+    /// Sampled (sample-and-match, the default rule): the committed sequence is the target's own
+    /// seeded draw by position from its masked rows, free and under the grammar, on linear blocks
+    /// and over trees — the same text for (prompt, parameters, seed) whatever the interleaving of
+    /// drafts, deliveries and the verifier's own decoding.
     #[test]
     fn a_sampled_sessions_committed_sequence_is_the_targets_draw_free_and_constrained(
         seed in 0u64..10_000,
@@ -658,12 +660,20 @@ proptest! {
         depth in 1usize..5,
         max_new in 1usize..40,
         constrained in any::<bool>(),
+        tree in prop_oneof![
+            2 => Just(TreeConfig::LINEAR),
+            1 => (1usize..12, 1usize..4, 0.4f32..1.0).prop_map(
+                |(side_nodes, lanes, below)| {
+                    TreeConfig { side_nodes, lanes, below, min_chance: 0.0 }
+                }
+            ),
+        ],
         schedule in proptest::collection::vec(step(), 0..300),
         self_draft in any::<bool>(),
     ) {
         SELF_DRAFT.with(|c| c.set(self_draft));
         PARAMS.with(|p| p.set(SamplingParams { temperature, top_k: 0, top_p: 1.0, seed }));
-        let r = run(seed, alpha, gamma, depth, max_new, TreeConfig::LINEAR, &schedule, constrained);
+        let r = run(seed, alpha, gamma, depth, max_new, tree, &schedule, constrained);
         PARAMS.with(|p| p.set(SamplingParams::default()));
         r?;
     }

@@ -34,6 +34,7 @@ pub fn run(home: &std::path::Path, b: BenchTop) -> Result<()> {
         BenchCmd::Load(a) => cmd_load(home, a),
         BenchCmd::Paper(a) => cmd_paper(home, a),
         BenchCmd::Quant(a) => cmd_quant(home, a),
+        BenchCmd::Rules(a) => cmd_rules(home, a),
         BenchCmd::Serve(a) => cmd_serve_bench(home, a),
         BenchCmd::Chat(a) => cmd_chat_bench(home, a),
         BenchCmd::Hostile(a) => cmd_hostile_bench(home, a),
@@ -88,6 +89,11 @@ pub enum BenchCmd {
     /// W8A8, a layer-skipping draft): size, perplexity on a shipped English corpus, α and E[A]
     /// against the target, decode speed, and async ITL end to end.
     Quant(QuantBenchArgs),
+    /// Verify rules when both models sample, at each temperature: the chance a position's draft
+    /// token is committed under rejection sampling, coupled sample-and-match (the rule that makes
+    /// a seeded answer reproducible) and sample-and-match on one uniform, on the target's own
+    /// sampled continuations with the default draft (teacher-forced, no network).
+    Rules(RulesBenchArgs),
     /// `tandem serve` under 1, 4 and 16 concurrent API clients streaming over HTTP (requests/s,
     /// TTFT, ITL), beside one session driven in-process without HTTP and cloud-only streaming,
     /// on the same link and cores.

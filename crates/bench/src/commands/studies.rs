@@ -51,6 +51,61 @@ pub struct QuantBenchArgs {
 }
 
 #[derive(Args)]
+pub struct RulesBenchArgs {
+    #[arg(long, value_delimiter = ',', default_value = "0.3,0.8,1.2")]
+    temperatures: Vec<f32>,
+    /// Tokens of the target's sampled continuation per prompt.
+    #[arg(long, default_value_t = 48)]
+    tokens: usize,
+    /// Seeds per position of the coupled rule's estimate.
+    #[arg(long, default_value_t = 64)]
+    seeds: u64,
+    /// Engine threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    #[command(flatten)]
+    model: ModelArg,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+pub fn cmd_rules(home: &std::path::Path, a: RulesBenchArgs) -> Result<()> {
+    use crate::rules_study::{self, RulesArgs};
+    let model = a.model.catalog()?;
+    let quiet = a.report.json;
+    let target = models::load(home, &ModelSpec::target_of(model), None, quiet)?;
+    let draft_spec = ModelSpec::Named { model, draft: true };
+    let draft = models::load(home, &draft_spec, None, quiet)?;
+    let args = RulesArgs {
+        temperatures: a.temperatures.clone(),
+        prompts: crate::load::default_prompts(),
+        tokens: a.tokens,
+        seeds: a.seeds,
+        // The edge's default (`tandem serve`, `generate`).
+        q_top_k: 32,
+        threads: a
+            .threads
+            .unwrap_or_else(|| tandem_engine::EngineConfig::default().threads),
+    };
+    let names = (
+        ModelSpec::target_of(model).to_string(),
+        draft_spec.to_string(),
+    );
+    a.report.run(
+        |log| {
+            rules_study::run(
+                &args,
+                (&target.model, &draft.model),
+                (&names.0, &names.1),
+                &target.tokenizer,
+                log,
+            )
+        },
+        rules_study::table,
+    )
+}
+
+#[derive(Args)]
 pub struct PaperBenchArgs {
     /// A few minutes (CI's smoke test): RTT 0 and 50, 1 and 4 sessions, the 4-bit draft, short
     /// outputs and windows. Without it the full run takes about 18 minutes on 2 cores.
