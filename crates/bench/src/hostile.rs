@@ -2,7 +2,9 @@
 //! process, with two tenants); a victim tenant streams cloud-only answers (`Generate`) one after
 //! another while an attacker tenant runs one attack at a time, and the victim's largest gap
 //! between tokens and its token rate are measured against the same victim with no attack, in the
-//! same run. The goal (issue 18): no gap over 1 s, at least half the unattacked rate.
+//! same run. The goal (issue 36): no gap over 0.5 s, at least 0.7× the unattacked rate, with the
+//! project's own client as the attacker or an independent one (`--attacker grpcio`:
+//! `scripts/hostile_grpcio.py`, on connections of its own).
 //!
 //! The attacks are the ones the hostile-client tests assert rules about (`tests/hostile.rs`):
 //! the oversized `q`, a flood of bad drafts from a client that never reads, 1,100 idle sessions,
@@ -60,9 +62,29 @@ pub const ALL: [Attack; 7] = [
     Attack::FrozenPeer,
 ];
 
+/// Who attacks: the project's own client (tonic), or an independent one written from the
+/// protocol alone (`scripts/hostile_grpcio.py`: grpcio, run by this Python).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Attacker {
+    Tandem,
+    Grpcio { python: std::path::PathBuf },
+}
+
+impl Attacker {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Attacker::Tandem => "tandem (tonic)",
+            Attacker::Grpcio { .. } => "grpcio (scripts/hostile_grpcio.py)",
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct HostileArgs {
     pub home: std::path::PathBuf,
+    pub attacker: Attacker,
+    /// More flags for the verifier process.
+    pub cloud_args: Vec<String>,
     pub attacks: Vec<Attack>,
     /// How long each attack runs while the victim is measured.
     pub seconds: f64,
@@ -84,7 +106,7 @@ pub struct Row {
     pub largest_gap_s: f64,
     /// The longest wait for an answer's first token, s.
     pub largest_ttft_s: f64,
-    /// Gap ≤ 1 s and rate ≥ half the unattacked rate.
+    /// Gap ≤ 0.5 s and rate ≥ 0.7× the unattacked rate.
     pub within_goal: bool,
     /// What the attacker saw (refusals, cuts).
     pub attacker: String,
@@ -94,6 +116,9 @@ pub struct Row {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
+    /// The attacking client, and the verifier's extra flags.
+    pub attacker: String,
+    pub cloud_args: Vec<String>,
     pub seconds_per_attack: f64,
     pub victim_tokens_per_answer: u32,
     pub cloud_cpus: String,
@@ -619,6 +644,59 @@ async fn victim(
 }
 
 /// A key of `name`'s: its name and 128 random bits (the edge's routing-key draw).
+/// `attack` by the independent client (`scripts/hostile_grpcio.py` under `python`) for
+/// `seconds`, on connections of its own; what it saw, in words.
+async fn grpcio_attack(
+    python: std::path::PathBuf,
+    attack: Attack,
+    t: Tenant,
+    seconds: f64,
+) -> String {
+    if attack == Attack::None {
+        return "0 opened, 0 refused, 0 cut, 0 tokens read".to_string();
+    }
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../scripts/hostile_grpcio.py"
+    );
+    let name = serde_json::to_value(attack)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default();
+    let ids: Vec<String> = t.prompt.iter().map(u32::to_string).collect();
+    let out = tokio::process::Command::new(&python)
+        .arg(script)
+        .args(["--target", t.url.trim_start_matches("http://")])
+        .args(["--key", &t.key, "--fingerprint", &t.fingerprint])
+        .args(["--prompt-ids", &ids.join(",")])
+        .args(["--attack", &name, "--seconds", &format!("{seconds:.1}")])
+        .kill_on_drop(true)
+        .output()
+        .await;
+    let out = match out {
+        Ok(o) => o,
+        Err(e) => return format!("stopped: {} did not run: {e}", python.display()),
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    let Some(v) = text
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    else {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let tail: String = err.lines().rev().take(3).collect::<Vec<_>>().join(" / ");
+        return format!("stopped: the grpcio attacker said nothing ({tail})");
+    };
+    let g = |k: &str| v[k].as_u64().unwrap_or(0);
+    format!(
+        "{} opened, {} refused, {} cut, {} tokens read",
+        g("opened"),
+        g("refused"),
+        g("cut"),
+        g("tokens")
+    )
+}
+
 fn key(name: &str) -> String {
     format!("{name}-{}", tandem_edge::grpc::new_route())
 }
@@ -646,6 +724,7 @@ pub fn run(a: &HostileArgs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
     ]
     .iter()
     .map(|s| s.to_string())
+    .chain(a.cloud_args.iter().cloned())
     .collect();
     progress("starting the verifier (two tenants: victim, attacker)");
     let cloud = CloudProcess::start(&a.home, &a.cloud_cpus, &extra)?;
@@ -673,10 +752,19 @@ pub fn run(a: &HostileArgs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
     for attack in attacks {
         progress(&format!("{attack:?} for {:.0} s", a.seconds));
         let (stop_tx, stop) = watch::channel(false);
+        let hold = (a.seconds / 4.0).min(5.0);
         let (answers, tokens, secs, gap, ttft, attacker) = rt.block_on(async {
-            let attacker = tokio::spawn(run_attack(attack, at.clone(), stop.clone()));
+            let attacker = match &a.attacker {
+                Attacker::Tandem => tokio::spawn(run_attack(attack, at.clone(), stop.clone())),
+                Attacker::Grpcio { python } => tokio::spawn(grpcio_attack(
+                    python.clone(),
+                    attack,
+                    at.clone(),
+                    hold + a.seconds,
+                )),
+            };
             // The attack takes hold first (opens its sessions, starts its flood).
-            tokio::time::sleep(Duration::from_secs_f64((a.seconds / 4.0).min(5.0))).await;
+            tokio::time::sleep(Duration::from_secs_f64(hold)).await;
             let victim = tokio::spawn(victim(v.clone(), a.victim_tokens, stop.clone()));
             tokio::time::sleep(Duration::from_secs_f64(a.seconds)).await;
             let _ = stop_tx.send(true);
@@ -695,7 +783,7 @@ pub fn run(a: &HostileArgs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
             rate_vs_unattacked: round2(ratio),
             largest_gap_s: round2(gap),
             largest_ttft_s: round2(ttft),
-            within_goal: gap <= 1.0 && ratio >= 0.5,
+            within_goal: gap <= 0.5 && ratio >= 0.7,
             attacker,
             verifier_rss_mb: round2(cloud.rss_mb().unwrap_or(0.0)),
         });
@@ -704,6 +792,8 @@ pub fn run(a: &HostileArgs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
     }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(Report {
+        attacker: a.attacker.name().to_string(),
+        cloud_args: a.cloud_args.clone(),
         seconds_per_attack: a.seconds,
         victim_tokens_per_answer: a.victim_tokens,
         cloud_cpus: a.cloud_cpus.to_string(),
@@ -713,10 +803,14 @@ pub fn run(a: &HostileArgs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
 
 pub fn table(r: &Report) -> String {
     let mut s = format!(
-        "victim: cloud-only answers of {} tokens, one after another, {:.0} s per attack; verifier on cores {}\n\n\
+        "attacker: {}; verifier flags: [{}]; victim: cloud-only answers of {} tokens, one after another, {:.0} s per attack; verifier on cores {}\n\n\
          | attack | victim tok/s | vs unattacked | largest gap | largest TTFT | within goal | verifier RSS | attacker saw |\n\
          |---|---|---|---|---|---|---|---|\n",
-        r.victim_tokens_per_answer, r.seconds_per_attack, r.cloud_cpus
+        r.attacker,
+        r.cloud_args.join(" "),
+        r.victim_tokens_per_answer,
+        r.seconds_per_attack,
+        r.cloud_cpus
     );
     for row in &r.rows {
         s += &format!(

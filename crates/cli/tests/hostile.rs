@@ -446,7 +446,8 @@ fn while_another_tenant_decodes_no_forward_passes_the_contended_budget() {
     // The test verifier's forward cost (40 ms alone, 2 ms a token past the ridge): within 100%
     // of a lone token's forward, 20 tokens to start with, and fewer once the forwards show that
     // 20 one-token sessions take longer on this machine; the token budget is 64.
-    let (v, victim, attacker) = two_tenants(&["--tenant-slowdown-pct", "100"]);
+    // (Quiet sessions stay in the foreground here: what is tested is the contended budget.)
+    let (v, victim, attacker) = two_tenants(&["--tenant-slowdown-pct", "100", "--quiet-ms", "0"]);
     let rt = rt();
     rt.block_on(async {
         let tally = Arc::new(Tally::default());
@@ -488,4 +489,99 @@ fn while_another_tenant_decodes_no_forward_passes_the_contended_budget() {
         stop_tx.send(true).unwrap();
         attack.await.unwrap().unwrap();
     });
+}
+
+/// Forwards of more than one token so far, from the verifier's metrics.
+fn forwards_over_1(v: &Proc) -> f64 {
+    let m = metrics_of(v.also_port.unwrap());
+    let value =
+        |series: &str| metric(&m, series).unwrap_or_else(|| panic!("{series} in the metrics"));
+    value("tandem:iteration_tokens_total_count")
+        - value("tandem:iteration_tokens_total_bucket{le=\"1\"}")
+}
+
+/// Speculation sessions whose edge says nothing go to the background once quiet (`--quiet-ms`,
+/// here 300): while another tenant's stream decodes, every forward is that stream's one token
+/// (none of the forty quiet sessions' decoding or prefill joins it); an edge that speaks (an
+/// ack) brings its session back to the foreground.
+#[test]
+fn quiet_speculation_sessions_never_join_another_tenants_forwards() {
+    let (v, victim, attacker) = two_tenants(&["--quiet-ms", "300"]);
+    let quiet = || metric(&metrics_of(v.also_port.unwrap()), "tandem:quiet_sessions");
+    let rt = rt();
+    rt.block_on(async {
+        let mut held = Vec::new();
+        for _ in 0..40 {
+            let c = attacker.client().await.unwrap();
+            let (tx, s) = opened_as(&attacker, c, open(&attacker.prompt, 0.0, 1, 2000)).await;
+            held.push((tx, s));
+        }
+        until("forty quiet sessions", || quiet() == Some(40.0)).await;
+        let mut c = victim.client().await.unwrap();
+        let mut s = c
+            .generate(victim.request(victim.generate(40)))
+            .await
+            .unwrap()
+            .into_inner();
+        let (mut got, mut before) = (0, None);
+        while let Some(m) = s.message().await.unwrap() {
+            got += m.tokens.len();
+            // From the victim's second token to its last but one, every forward is its own.
+            if got >= 2 && before.is_none() {
+                before = Some(forwards_over_1(&v));
+            }
+            if got == 39 {
+                assert_eq!(
+                    forwards_over_1(&v),
+                    before.unwrap(),
+                    "a quiet session's work joined another tenant's forward"
+                );
+            }
+        }
+        assert_eq!(got, 40);
+        // The first session's edge speaks (an ack every 100 ms): back in the foreground.
+        let tx = held[0].0.clone();
+        let committed = attacker.prompt.len() as u64 + 1;
+        let speaks = tokio::spawn(async move {
+            loop {
+                let ack = tandem_proto::v1::Ack { committed };
+                let m = EdgeMessage {
+                    kind: Some(tandem_proto::v1::edge_message::Kind::Ack(ack)),
+                };
+                if tx.send(m).await.is_err() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        until("thirty-nine quiet sessions", || quiet() == Some(39.0)).await;
+        speaks.abort();
+    });
+}
+
+/// [`opened`] with `t`'s key.
+async fn opened_as(
+    t: &Tenant,
+    mut c: VerifierClient<tonic::transport::Channel>,
+    open: EdgeMessage,
+) -> (
+    tokio::sync::mpsc::Sender<EdgeMessage>,
+    tonic::Streaming<CloudMessage>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::channel::<EdgeMessage>(4);
+    tx.send(open).await.unwrap();
+    let mut s = c
+        .session(t.request(ReceiverStream::new(rx)))
+        .await
+        .unwrap()
+        .into_inner();
+    loop {
+        let m = s.message().await.unwrap().unwrap();
+        match m.kind {
+            Some(cloud_message::Kind::Admitted(_)) => continue,
+            Some(cloud_message::Kind::Opened(_)) => break,
+            other => panic!("not opened: {other:?}"),
+        }
+    }
+    (tx, s)
 }

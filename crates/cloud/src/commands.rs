@@ -255,6 +255,11 @@ pub struct ServeArgs {
     /// before it is closed, s.
     #[arg(long, default_value_t = 60.0)]
     pub idle_timeout_s: f64,
+    /// A speculation session whose edge has sent nothing (a block, an ack) for this long is
+    /// decoded in the background — only in forwards no other tenant waits on — until its edge
+    /// speaks again, ms (0: never).
+    #[arg(long, default_value_t = tandem_verifier::DEFAULT_QUIET_MS)]
+    pub quiet_ms: u64,
     #[command(flatten)]
     pub engine: EngineArgs,
 }
@@ -349,6 +354,7 @@ pub fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
         forward_cost: Some(cost),
         adapt: !a.fixed_grants,
         idle_timeout_ms: Some((a.idle_timeout_s * 1e3).ceil().max(1.0) as u64),
+        quiet_ms: (a.quiet_ms > 0).then_some(a.quiet_ms),
         ..tandem_verifier::LoadConfig::new(a.max_draft_len, a.max_depth)
     };
     let info = crate::grpc::ServiceInfo {

@@ -46,6 +46,8 @@ pub struct Gauges {
     pub metrics: metrics::Metrics,
     /// Open speculation sessions.
     pub sessions: AtomicU64,
+    /// Of them, those decoded in the background (their edge went quiet).
+    pub quiet_sessions: AtomicU64,
     /// Running cloud-only generations.
     pub generations: AtomicU64,
     pub kv_blocks_used: AtomicU64,
@@ -66,6 +68,7 @@ impl Gauges {
         let set = |g: &AtomicU64, x: usize| g.store(x as u64, Ordering::Relaxed);
         let (spec, gen) = v.counts();
         set(&self.sessions, spec);
+        set(&self.quiet_sessions, v.stats.quiet_sessions);
         set(&self.generations, gen);
         set(&self.kv_blocks_used, pool.num_pages() - pool.num_free());
         set(&self.kv_blocks_total, pool.num_pages());

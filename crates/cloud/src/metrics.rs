@@ -74,6 +74,7 @@ pub struct Metrics {
     pub tenant_accepted: IntCounterVec,
     waiting: IntGauge,
     sessions: IntGauge,
+    quiet_sessions: IntGauge,
     generations: IntGauge,
     kv_used: IntGauge,
     kv_total: IntGauge,
@@ -281,6 +282,11 @@ impl Default for Metrics {
             .expect("valid"),
             sessions: IntGauge::new("tandem:sessions", "Open speculation sessions.")
                 .expect("valid"),
+            quiet_sessions: IntGauge::new(
+                "tandem:quiet_sessions",
+                "Speculation sessions decoded in the background: their edge said nothing for --quiet-ms.",
+            )
+            .expect("valid"),
             generations: IntGauge::new("tandem:generations", "Running cloud-only generations.")
                 .expect("valid"),
             kv_used: IntGauge::new("tandem:kv_blocks_used", "KV cache blocks in use.")
@@ -325,6 +331,7 @@ impl Default for Metrics {
             Box::new(m.tenant_accepted.clone()),
             Box::new(m.waiting.clone()),
             Box::new(m.sessions.clone()),
+            Box::new(m.quiet_sessions.clone()),
             Box::new(m.generations.clone()),
             Box::new(m.kv_used.clone()),
             Box::new(m.kv_total.clone()),
@@ -437,6 +444,7 @@ impl Metrics {
     pub fn render(&self, g: &Gauges) -> String {
         let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as i64;
         self.sessions.set(get(&g.sessions));
+        self.quiet_sessions.set(get(&g.quiet_sessions));
         self.generations.set(get(&g.generations));
         self.kv_used.set(get(&g.kv_blocks_used));
         self.kv_total.set(get(&g.kv_blocks_total));

@@ -241,6 +241,9 @@ struct Session {
     /// many of its pages (from the first) are published or were attached from the cache.
     hashes: Vec<PageHash>,
     published: usize,
+    /// Its work runs in the background ([`Scheduler::set_background`]): only in a forward that
+    /// no other tenant is waiting on.
+    background: bool,
 }
 
 impl Session {
@@ -462,6 +465,7 @@ impl Scheduler {
                 evicted_by: None,
                 hashes,
                 published: 0,
+                background: false,
             },
         );
         if !self.cfg.prefix_cache {
@@ -592,7 +596,7 @@ impl Scheduler {
         for s in self.sessions.values() {
             let w = self.tenants.get(&s.tenant).map_or(0.0, |t| t.cfg.weight);
             open.insert(s.tenant, w);
-            if s.needs_compute() {
+            if s.needs_compute() && !s.background {
                 waiting.insert(s.tenant, w);
             }
         }
@@ -600,9 +604,49 @@ impl Scheduler {
         waiting.values().sum::<f64>() / total.max(f64::MIN_POSITIVE)
     }
 
-    /// Sessions with work of `kind`, in fair order: lowest tenant virtual time, then oldest.
+    /// Put session `id`'s decode work in the background, or back: a background session's next
+    /// block (or token) is planned only into a forward that no other tenant is waiting on — none
+    /// of another tenant's foreground sessions has work — so it never lengthens another tenant's
+    /// forward and runs on what would otherwise be idle time, and background work takes at most
+    /// the contended budget of a forward, so that a request that arrives meanwhile waits for a
+    /// short forward at most. The same holds for its prompt's prefill (and recompute). (The
+    /// verifier puts a speculation session there whose edge has gone quiet: its work is paid by
+    /// its own tenant's idle time, not by everyone's.)
+    pub fn set_background(&mut self, id: SessionId, background: bool) {
+        if let Some(s) = self.sessions.get_mut(&id) {
+            s.background = background;
+        }
+    }
+
+    /// What background work may still add to `batch`: background work runs in forwards no
+    /// longer than a contended one, so that whoever arrives meanwhile waits for a short forward
+    /// at most.
+    fn background_room(&self, batch: &Batch) -> usize {
+        let cap = self.cfg.contended_budget.unwrap_or(self.cfg.token_budget);
+        let used: usize = batch
+            .chunks
+            .iter()
+            .filter(|c| self.sessions.get(&c.session).is_some_and(|s| s.background))
+            .map(|c| c.len)
+            .sum();
+        cap.saturating_sub(used)
+    }
+
+    /// Whether another tenant than `tenant` waits on the forward `batch` plans: a chunk of its
+    /// in the batch, or a foreground session of its with work (a block to verify, tokens to
+    /// compute).
+    fn others_waiting(&self, tenant: TenantId, batch: &Batch) -> bool {
+        let other = |id: &SessionId| self.sessions.get(id).is_some_and(|s| s.tenant != tenant);
+        batch.chunks.iter().any(|c| other(&c.session))
+            || self.sessions.values().any(|s| {
+                s.tenant != tenant && !s.background && (s.needs_compute() || !s.verifies.is_empty())
+            })
+    }
+
+    /// Sessions with work of `kind`, in fair order: foreground before background, then lowest
+    /// tenant virtual time, then oldest.
     fn candidates(&self, kind: WorkKind) -> Vec<SessionId> {
-        let mut v: Vec<(f64, u64, SessionId)> = self
+        let mut v: Vec<(bool, f64, u64, SessionId)> = self
             .sessions
             .iter()
             .filter(|(_, s)| match kind {
@@ -617,11 +661,16 @@ impl Scheduler {
                     WorkKind::Decode => s.verifies.front().map_or(0, |v| v.1),
                     WorkKind::Prefill => s.last_active,
                 };
-                (vt, since, *id)
+                (s.background, vt, since, *id)
             })
             .collect();
-        v.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-        v.into_iter().map(|x| x.2).collect()
+        v.sort_by(|a, b| {
+            a.0.cmp(&b.0)
+                .then(a.1.total_cmp(&b.1))
+                .then(a.2.cmp(&b.2))
+                .then(a.3.cmp(&b.3))
+        });
+        v.into_iter().map(|x| x.3).collect()
     }
 
     /// Whether sessions of two tenants or more are open.
@@ -663,7 +712,10 @@ impl Scheduler {
         let mut taken: Vec<SessionId> = Vec::new();
         // Verify comes first, but while prompts wait it leaves them a quarter of the budget, so a
         // busy verifier still admits new sessions (a lone block that needs more still goes).
-        let prompts_wait = self.sessions.values().any(|s| s.needs_compute());
+        let prompts_wait = self
+            .sessions
+            .values()
+            .any(|s| s.needs_compute() && !s.background);
         let reserve = if !prompts_wait {
             0
         } else if full < self.cfg.token_budget {
@@ -715,7 +767,11 @@ impl Scheduler {
             }
             let start = s.computed;
             let tenant = s.tenant;
-            if !self.within_rate(tenant) {
+            if !self.within_rate(tenant)
+                || (s.background
+                    && ((len > self.background_room(batch) && !batch.chunks.is_empty())
+                        || self.others_waiting(tenant, batch)))
+            {
                 taken.push(id);
                 continue;
             }
@@ -811,16 +867,13 @@ impl Scheduler {
     /// Prefill (and recompute) with what is left of `budget`, in chunks. It preempts only idle
     /// sessions (nothing queued) that have been idle since before it started waiting: a session
     /// whose edge went quiet does not keep its KV from those with work.
-    fn schedule_prefills(
-        &mut self,
-        batch: &mut Batch,
-        taken: &mut Vec<SessionId>,
-        mut budget: usize,
-    ) {
+    fn schedule_prefills(&mut self, batch: &mut Batch, taken: &mut Vec<SessionId>, budget: usize) {
+        let mut left = budget;
         for id in self.candidates(WorkKind::Prefill) {
-            if budget == 0 {
+            if left == 0 {
                 break;
             }
+            let budget = left;
             if taken.contains(&id) {
                 continue;
             }
@@ -838,6 +891,16 @@ impl Scheduler {
             }
             let since = s.verifies.front().map_or(s.last_active, |v| v.1);
             if !self.within_rate(tenant) {
+                continue;
+            }
+            // A background session's prompt, like its decoding, goes only into a forward no
+            // other tenant waits on, and within the background's share of it.
+            let budget = match s.background {
+                true if self.others_waiting(tenant, batch) => continue,
+                true => budget.min(self.background_room(batch)),
+                false => budget,
+            };
+            if budget == 0 {
                 continue;
             }
             let bs = self.pool.page_size();
@@ -886,7 +949,7 @@ impl Scheduler {
                 "invariant: a session never writes into a page it shares"
             );
             taken.push(id);
-            budget -= len;
+            left -= len;
             self.charge_prefill(id, tenant, start, len);
             if let Some(s) = self.sessions.get_mut(&id) {
                 s.last_active = self.iteration;

@@ -872,3 +872,71 @@ fn a_decode_widens_only_into_free_pages_and_its_tenants_quota() {
     );
     assert!(s.pool().conserved());
 }
+
+/// A background session (a speculation session whose edge went quiet) never joins a forward
+/// another tenant's foreground session waits on, however many of them there are and whatever
+/// their tenants' virtual times; it runs when no other tenant has work, and its own tenant's
+/// foreground sessions do not hold it back. Put back in the foreground, it is planned again.
+#[test]
+fn background_sessions_run_only_in_forwards_no_other_tenant_waits_on() {
+    let mut s = sched(64, 1000);
+    // The victim: one session of tenant 2. The attacker: 20 sessions of tenant 1, 19 of them
+    // in the background, and one in the foreground.
+    s.open(SessionId(100), TenantId(2), &prompt(4)).unwrap();
+    for id in 0..20u64 {
+        s.open(SessionId(id), TenantId(1), &prompt(4)).unwrap();
+    }
+    // Their prompts (84 tokens, a budget of 64: two forwards; a prefill is not held back).
+    for _ in 0..2 {
+        let p = s.schedule(0);
+        s.update(&p, &[]);
+    }
+    for id in 1..20u64 {
+        s.set_background(SessionId(id), true);
+    }
+    let all: Vec<SessionId> = (0..20u64).map(SessionId).chain([SessionId(100)]).collect();
+    let enqueue_all = |s: &mut Scheduler| {
+        for &id in &all {
+            if s.sessions.get(&id).is_some_and(|x| x.verifies.is_empty()) {
+                s.enqueue_verify(id, 1).unwrap();
+            }
+        }
+    };
+    for _ in 0..50 {
+        enqueue_all(&mut s);
+        let p = s.schedule(0);
+        let planned: Vec<SessionId> = p.chunks.iter().map(|c| c.session).collect();
+        assert!(planned.contains(&SessionId(100)), "{planned:?}");
+        assert!(planned.contains(&SessionId(0)), "{planned:?}");
+        assert_eq!(
+            planned.len(),
+            2,
+            "the background sessions wait: {planned:?}"
+        );
+        s.update(&p, &[]);
+    }
+    // The victim's stream ends (its session has no work): the background runs, beside the
+    // attacker's own foreground session.
+    s.close(SessionId(100));
+    enqueue_all(&mut s);
+    let p = s.schedule(0);
+    assert_eq!(p.chunks.len(), 20, "{p:?}");
+    s.update(&p, &[]);
+    // Another tenant with work again: background waits; back in the foreground, it goes.
+    s.open(SessionId(101), TenantId(2), &prompt(4)).unwrap();
+    enqueue_all(&mut s);
+    let p = s.schedule(0);
+    assert!(
+        p.chunks
+            .iter()
+            .all(|c| c.session.0 == 0 || c.session.0 == 101),
+        "{p:?}"
+    );
+    s.update(&p, &[]);
+    s.set_background(SessionId(5), false);
+    enqueue_all(&mut s);
+    s.enqueue_verify(SessionId(101), 1).ok();
+    let p = s.schedule(0);
+    assert!(p.chunks.iter().any(|c| c.session.0 == 5), "{p:?}");
+    assert!(s.pool().conserved());
+}

@@ -297,6 +297,11 @@ impl CloudSession {
         Ok(())
     }
 
+    /// Committed tokens the edge has not acknowledged yet.
+    pub fn unacked(&self) -> usize {
+        self.committed.len().saturating_sub(self.acked)
+    }
+
     /// Whether the verifier may commit more now: fewer than [`FLOW_WINDOW`] tokens are unacked.
     pub fn window_open(&self) -> bool {
         self.committed.len() < self.acked + FLOW_WINDOW

@@ -32,7 +32,7 @@ use tandem_sched::{SchedError, SessionId};
 use tandem_spec::SpecError;
 
 pub use crate::verifier_core::{ContendedBudget, VerifierConfig, VerifierCore, MAX_QUEUED_BLOCKS};
-pub use control::{LoadConfig, LoadControl, DEFAULT_SATURATION_TOKENS};
+pub use control::{LoadConfig, LoadControl, DEFAULT_QUIET_MS, DEFAULT_SATURATION_TOKENS};
 pub use session::{SessionState, VerifierStats};
 pub use target::Target;
 pub use turn::{ForwardDone, Inbound, Mode, NewSession, Observation, Outgoing, ToEdge, Turn};

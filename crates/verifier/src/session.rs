@@ -119,6 +119,9 @@ pub struct VerifierStats {
     pub tokens_per_forward: f64,
     /// Tokens recomputed after preemption.
     pub recomputed_tokens: u64,
+    /// Speculation sessions decoded in the background now: their edge went quiet
+    /// ([`crate::LoadConfig::quiet_ms`]).
+    pub quiet_sessions: usize,
 }
 
 /// What a session asks of the verifier.
@@ -227,6 +230,13 @@ pub(crate) struct Meter {
     /// When its edge last spoke (a block, an ack), or the session opened: its idle timeout
     /// counts from here ([`crate::LoadConfig::idle_timeout_ms`]).
     pub heard_us: u64,
+    /// When its edge last spoke (a block, an ack), or its `Open` arrived: whether it is quiet
+    /// counts from here ([`crate::LoadConfig::quiet_ms`]; unlike the idle timeout, not restarted
+    /// by `Opened`: an edge that is there drafts from its `Open` on, and a session that waited
+    /// for its prefill longer than the quiet time without a word starts in the background).
+    pub spoke_us: u64,
+    /// Its edge has spoken (a block, an ack) since its `Open`.
+    pub spoke: bool,
     pub last_commit_us: Option<u64>,
     /// Arrival times of blocks not yet answered, by block index, oldest first.
     pub arrivals: VecDeque<(tandem_spec::BlockId, u64)>,

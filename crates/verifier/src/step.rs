@@ -40,6 +40,10 @@ impl<T: Target, H> VerifierCore<T, H> {
     pub(crate) fn iterate(&mut self, now_us: u64) -> Iteration {
         let mut plan = self.sched.schedule(now_us);
         self.widen_self_drafts(&mut plan);
+        tracing::trace!(
+            chunks = ?plan.chunks.iter().map(|c| (c.session.0, c.kind, c.start, c.len)).collect::<Vec<_>>(),
+            "plan"
+        );
         let mut events: Vec<Event> = plan
             .preempted
             .iter()

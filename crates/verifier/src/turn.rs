@@ -229,6 +229,8 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
             Inbound::Draft { session, block } => {
                 if let Some(s) = self.sessions.get_mut(&session) {
                     s.meter.heard_us = s.meter.heard_us.max(now_us);
+                    s.meter.spoke_us = s.meter.spoke_us.max(now_us);
+                    s.meter.spoke = true;
                     let a = &mut s.meter.arrivals;
                     if a.len() >= 2 * crate::MAX_QUEUED_BLOCKS {
                         a.pop_front();
@@ -241,6 +243,8 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
             Inbound::Ack { session, committed } => {
                 if let Some(s) = self.sessions.get_mut(&session) {
                     s.meter.heard_us = s.meter.heard_us.max(now_us);
+                    s.meter.spoke_us = s.meter.spoke_us.max(now_us);
+                    s.meter.spoke = true;
                 }
                 let e = self.ack(session, committed);
                 self.held.extend(e);
@@ -328,6 +332,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
         for id in waited {
             self.proceed(id, &mut events);
         }
+        self.mark_quiet(now_us);
         if self.has_work() {
             let before = (self.stats.self_draft_guesses, self.stats.self_drafted);
             let it = self.iterate(now_us);
@@ -348,6 +353,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 self.position_fit.observe(tokens, ms);
                 turn.ends_us = now_us + us;
                 self.control.on_forward(turn.ends_us, tokens, ms);
+                tracing::trace!(tokens, sessions, ms, contended = f.contended, "forward");
                 self.adapt_contended(tokens, ms, f.contended);
                 turn.forward = Some(ForwardDone {
                     sessions,
@@ -368,6 +374,34 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
         self.close_ended();
         turn.finished = self.take_finished();
         turn
+    }
+
+    /// Put the speculation sessions whose edge has said nothing for
+    /// [`crate::LoadConfig::quiet_ms`] in
+    /// the scheduler's background, and those whose edge spoke since back in the foreground.
+    fn mark_quiet(&mut self, now_us: u64) {
+        let Some(quiet_us) = self.load.quiet_ms.map(|ms| ms.saturating_mul(1000)) else {
+            return;
+        };
+        let mut quiet = 0;
+        for (&id, s) in &self.sessions {
+            let q = match &s.work {
+                Work::Spec { vs, .. } => {
+                    // Silent for the quiet time, and either silent since its Open or owing
+                    // acks: an edge that is there acks every ACK_EVERY tokens it receives, so
+                    // one that spoke is quiet only once twice that many wait unacknowledged
+                    // (a verifier slow under load, with an edge that only acks, is not).
+                    let owes = vs
+                        .as_ref()
+                        .is_none_or(|vs| vs.unacked() >= 2 * tandem_spec::ACK_EVERY);
+                    now_us.saturating_sub(s.meter.spoke_us) >= quiet_us && (!s.meter.spoke || owes)
+                }
+                _ => false,
+            };
+            quiet += usize::from(q);
+            self.sched.set_background(id, q);
+        }
+        self.stats.quiet_sessions = quiet;
     }
 
     /// The admissions of the sessions opened since the last turn (`Admitted`), to

@@ -522,6 +522,7 @@ impl<T: Target, H> VerifierCore<T, H> {
                 meter: Meter {
                     opened_us: now_us,
                     heard_us: now_us,
+                    spoke_us: now_us,
                     ..Meter::default()
                 },
                 counts: crate::usage::Counts {

@@ -1,6 +1,6 @@
 //! The service benchmarks' flags and runners: `bench serve`, `bench hostile`, `bench soak`.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use super::*;
@@ -64,10 +64,40 @@ pub struct HostileBenchArgs {
     /// Tokens per victim answer.
     #[arg(long, default_value_t = 48)]
     victim_tokens: u32,
+    /// Who attacks: tandem (the project's own client) or grpcio (an independent one written
+    /// from the protocol, scripts/hostile_grpcio.py; scripts/grpc-deps installs it).
+    #[arg(long, default_value = "tandem", value_parser = ["tandem", "grpcio"])]
+    attacker: String,
+    /// The Python that runs the grpcio attacker (default: what scripts/grpc-deps prints).
+    #[arg(long)]
+    attacker_python: Option<PathBuf>,
+    /// A flag for the verifier (`tandem cloud serve`), e.g. --cloud-arg=--quiet-ms=0 to measure
+    /// without quiet sessions going to the background; repeat for several.
+    #[arg(long, allow_hyphen_values = true)]
+    cloud_arg: Vec<String>,
     #[command(flatten)]
     cores: Cores,
     #[command(flatten)]
     report: ReportArgs,
+}
+
+/// The Python with grpcio that `scripts/grpc-deps` installs (it says where).
+fn grpc_python() -> Result<PathBuf> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/grpc-deps");
+    let out = std::process::Command::new(script)
+        .output()
+        .with_context(|| format!("running {script}"))?;
+    if !out.status.success() {
+        bail!(
+            "{script} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("GRPC_PYTHON="))
+        .map(PathBuf::from)
+        .with_context(|| format!("{script} did not say GRPC_PYTHON=…"))
 }
 
 pub fn cmd_hostile_bench(home: &std::path::Path, a: HostileBenchArgs) -> Result<()> {
@@ -75,8 +105,17 @@ pub fn cmd_hostile_bench(home: &std::path::Path, a: HostileBenchArgs) -> Result<
         bail!("--seconds must be at least 1, got {}", a.seconds);
     }
     let (_, cloud_cpus) = a.cores.split();
+    let attacker = match (a.attacker.as_str(), a.attacker_python) {
+        ("grpcio", Some(python)) => crate::hostile::Attacker::Grpcio { python },
+        ("grpcio", None) => crate::hostile::Attacker::Grpcio {
+            python: grpc_python()?,
+        },
+        _ => crate::hostile::Attacker::Tandem,
+    };
     let args = crate::hostile::HostileArgs {
         home: home.to_path_buf(),
+        attacker,
+        cloud_args: a.cloud_arg,
         attacks: a.attacks,
         seconds: a.seconds,
         victim_tokens: a.victim_tokens.max(1),

@@ -61,7 +61,17 @@ pub struct LoadConfig {
     /// Close a speculation session whose edge sent nothing (a block, an ack, a close) for this
     /// long (ms) since it opened or last spoke. None: never.
     pub idle_timeout_ms: Option<u64>,
+    /// Run a speculation session whose edge sent nothing for this long (ms) since its `Open`
+    /// (or, once it spoke, since it last spoke, with twice [`tandem_spec::ACK_EVERY`] committed
+    /// tokens unacknowledged: an edge that is there acks every `ACK_EVERY`) in the background —
+    /// its prefill and decoding only in forwards no other tenant waits on — until its edge
+    /// speaks again: a session nobody drafts for or reads is paid for by its own tenant's idle
+    /// time, not by everyone's forwards. None: never.
+    pub quiet_ms: Option<u64>,
 }
+
+/// [`LoadConfig::quiet_ms`] of a verifier that adapts to its load (`cloud serve`'s default).
+pub const DEFAULT_QUIET_MS: u64 = 1000;
 
 impl Default for LoadConfig {
     fn default() -> Self {
@@ -79,6 +89,7 @@ impl LoadConfig {
         forward_cost: None,
         adapt: false,
         idle_timeout_ms: None,
+        quiet_ms: None,
     };
 
     /// Grants of at most `max_draft_len` and `max_depth`, adapting at a saturation point of 40
@@ -92,6 +103,7 @@ impl LoadConfig {
             forward_cost: None,
             adapt: true,
             idle_timeout_ms: None,
+            quiet_ms: Some(DEFAULT_QUIET_MS),
         }
     }
 

@@ -589,3 +589,80 @@ fn an_admission_goes_out_before_the_forward_that_prefills_the_prompt() {
         .iter()
         .any(|o| o.session == SessionId(1) && matches!(o.msg, ToEdge::Opened { .. })));
 }
+
+/// Speculation sessions whose edge says nothing for `quiet_ms` are decoded in the background:
+/// while another tenant's generation runs they get no forward of theirs (its forwards stay the
+/// size of its own work); when it is done they go on; an ack brings one back to the foreground.
+#[test]
+fn quiet_sessions_wait_while_another_tenant_works_and_come_back_when_their_edge_speaks() {
+    let cfg = VerifierConfig {
+        load: LoadConfig {
+            quiet_ms: Some(50),
+            ..LoadConfig::FIXED
+        },
+        ..VerifierConfig::default()
+    };
+    let mut v: VerifierCore<Flat, u64> = VerifierCore::new(Flat { ragged: true }, cfg, 0).unwrap();
+    v.set_tenant(TenantId(1), tandem_sched::TenantConfig::default())
+        .unwrap();
+    // Tenant 0: eight speculation sessions whose edges never speak. Tenant 1: a generation.
+    for id in 1..=8 {
+        v.receive(0, open(id, SPEC));
+    }
+    let mut victim = open(100, Mode::Generate);
+    if let Inbound::Open { new, .. } = &mut victim {
+        new.tenant = TenantId(1);
+        new.max_tokens = 60;
+    }
+    v.receive(0, victim);
+    let mut now = 0;
+    let (mut quiet_tokens, mut victim_done_at, mut victim_tokens) = (0, None, 0);
+    let (mut acked, mut at_done) = (false, 0);
+    while now < 3_000_000 {
+        let t = v.turn(now);
+        now = t.ends_us.max(now + 1000);
+        for o in &t.out {
+            match (&o.msg, o.session.0) {
+                (ToEdge::Token { .. }, 100) => victim_tokens += 1,
+                // Past the quiet time (50 ms after the `Open`; the first forward, the prompts',
+                // answers at 46 ms) and the forward planned before it, no quiet session is
+                // decoded while the generation runs.
+                (ToEdge::Decoded(_), id)
+                    if id <= 8 && victim_done_at.is_none() && now > 150_000 =>
+                {
+                    quiet_tokens += 1
+                }
+                _ => {}
+            }
+        }
+        let s1 = || v.session(SessionId(1)).map_or(0, |s| s.committed_len);
+        if victim_done_at.is_none() && v.session(SessionId(100)).is_none() {
+            victim_done_at = Some(now);
+            at_done = s1();
+        }
+        if let Some(done) = victim_done_at {
+            if !acked && now > done + 200_000 {
+                // The quiet sessions went on alone meanwhile; session 1's edge now speaks.
+                assert!(s1() > at_done, "{} after {at_done}", s1());
+                v.receive(
+                    now,
+                    Inbound::Ack {
+                        session: SessionId(1),
+                        committed: 4,
+                    },
+                );
+                acked = true;
+                assert_eq!(v.stats.quiet_sessions, 8);
+                v.turn(now);
+                assert_eq!(v.stats.quiet_sessions, 7);
+                break;
+            }
+        }
+    }
+    assert!(victim_tokens >= 59, "the generation ran: {victim_tokens}");
+    assert!(victim_done_at.is_some() && acked);
+    assert_eq!(
+        quiet_tokens, 0,
+        "quiet sessions decoded while another tenant worked"
+    );
+}
