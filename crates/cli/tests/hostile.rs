@@ -432,13 +432,16 @@ fn a_client_that_reads_a_byte_a_second_does_not_hold_the_verifier() {
     });
 }
 
-/// Forwards of more than 32 tokens so far, from the verifier's metrics.
-fn forwards_over_32(v: &Proc) -> f64 {
+/// Forwards of more than `tokens` tokens so far (a bucket's bound: 1, 2, 4, … 512), from the
+/// verifier's metrics.
+fn forwards_over(v: &Proc, tokens: u32) -> f64 {
     let m = metrics_of(v.also_port.unwrap());
     let value =
         |series: &str| metric(&m, series).unwrap_or_else(|| panic!("{series} in the metrics"));
     value("tandem:iteration_tokens_total_count")
-        - value("tandem:iteration_tokens_total_bucket{le=\"32\"}")
+        - value(&format!(
+            "tandem:iteration_tokens_total_bucket{{le=\"{tokens}\"}}"
+        ))
 }
 
 #[test]
@@ -458,46 +461,16 @@ fn while_another_tenant_decodes_no_forward_passes_the_contended_budget() {
         let attack = tokio::spawn(async move { idle_sessions(&a, 60, &t, stop).await });
         until("sixty sessions open", || Tally::get(&tally.opened) == 60).await;
         until("the attacker's forwards fill the budget", || {
-            forwards_over_32(&v) > 0.0
+            forwards_over(&v, 32) > 0.0
         })
         .await;
-        let mut c = victim.client().await.unwrap();
-        let mut s = c
-            .generate(victim.request(victim.generate(40)))
-            .await
-            .unwrap()
-            .into_inner();
-        let mut got = 0;
-        let mut before = None;
-        while let Some(m) = s.message().await.unwrap() {
-            got += m.tokens.len();
-            // From the victim's second token (its session is open and decoding) to its last
-            // but one, no forward is larger than the contended budget.
-            if got >= 2 && before.is_none() {
-                before = Some(forwards_over_32(&v));
-            }
-            if got == 39 {
-                assert_eq!(
-                    forwards_over_32(&v),
-                    before.unwrap(),
-                    "a forward of more than 32 tokens ran while two tenants decoded"
-                );
-            }
-        }
-        assert_eq!(got, 40);
+        // From the victim's second token (its session is open and decoding) to its last but
+        // one, no forward is larger than the contended budget.
+        victim_streams_while(&victim, || forwards_over(&v, 32), "more than 32 tokens").await;
         assert_eq!(Tally::get(&tally.refused), 0);
         stop_tx.send(true).unwrap();
         attack.await.unwrap().unwrap();
     });
-}
-
-/// Forwards of more than one token so far, from the verifier's metrics.
-fn forwards_over_1(v: &Proc) -> f64 {
-    let m = metrics_of(v.also_port.unwrap());
-    let value =
-        |series: &str| metric(&m, series).unwrap_or_else(|| panic!("{series} in the metrics"));
-    value("tandem:iteration_tokens_total_count")
-        - value("tandem:iteration_tokens_total_bucket{le=\"1\"}")
 }
 
 /// Speculation sessions whose edge says nothing go to the background once quiet (`--quiet-ms`,
@@ -517,28 +490,8 @@ fn quiet_speculation_sessions_never_join_another_tenants_forwards() {
             held.push((tx, s));
         }
         until("forty quiet sessions", || quiet() == Some(40.0)).await;
-        let mut c = victim.client().await.unwrap();
-        let mut s = c
-            .generate(victim.request(victim.generate(40)))
-            .await
-            .unwrap()
-            .into_inner();
-        let (mut got, mut before) = (0, None);
-        while let Some(m) = s.message().await.unwrap() {
-            got += m.tokens.len();
-            // From the victim's second token to its last but one, every forward is its own.
-            if got >= 2 && before.is_none() {
-                before = Some(forwards_over_1(&v));
-            }
-            if got == 39 {
-                assert_eq!(
-                    forwards_over_1(&v),
-                    before.unwrap(),
-                    "a quiet session's work joined another tenant's forward"
-                );
-            }
-        }
-        assert_eq!(got, 40);
+        // From the victim's second token to its last but one, every forward is its own.
+        victim_streams_while(&victim, || forwards_over(&v, 1), "more than its one token").await;
         // The first session's edge speaks (an ack every 100 ms): back in the foreground.
         let tx = held[0].0.clone();
         let committed = attacker.prompt.len() as u64 + 1;
@@ -584,4 +537,30 @@ async fn opened_as(
         }
     }
     (tx, s)
+}
+
+/// The victim streams a cloud-only answer of 40 tokens; from its second token (its session open
+/// and decoding) to its last but one, `count` (forwards of some kind so far) does not move.
+async fn victim_streams_while(victim: &Tenant, count: impl Fn() -> f64, what: &str) {
+    let mut c = victim.client().await.unwrap();
+    let mut s = c
+        .generate(victim.request(victim.generate(40)))
+        .await
+        .unwrap()
+        .into_inner();
+    let (mut got, mut before) = (0, None);
+    while let Some(m) = s.message().await.unwrap() {
+        got += m.tokens.len();
+        if got >= 2 && before.is_none() {
+            before = Some(count());
+        }
+        if got == 39 {
+            assert_eq!(
+                count(),
+                before.unwrap(),
+                "a forward of {what} ran while the victim decoded"
+            );
+        }
+    }
+    assert_eq!(got, 40);
 }

@@ -32,15 +32,7 @@ fn every_rule_stays_the_targets_through_netem_at_0_50_and_150_ms() {
         .output_ids;
     let rt = tandem_testkit::rt();
     for rtt in [0.0, 50.0, 150.0] {
-        let addr = on_loopback(move |l| async move {
-            let cfg = tandem_client::netem::NetemConfig {
-                rtt_ms: rtt,
-                jitter_ms: rtt / 10.0,
-                ..Default::default()
-            };
-            tandem_client::netem::proxy(l, upstream, cfg).await.unwrap();
-        });
-        let url = format!("http://{addr}");
+        let url = netem_front(upstream, rtt, rtt / 10.0);
         let greedy_p = tandem_spec::sampling::SamplingParams::default();
         let rule = tandem_spec::VerifyRule::Greedy;
         let out = spec_out(&p, 3, 2, 0.0, greedy_p, rule, 16, Some(url.clone()));
@@ -71,15 +63,7 @@ fn speculation_through_netem_is_lossless() {
     let (m, tok) = target();
     let upstream: std::net::SocketAddr =
         grpc_server().trim_start_matches("http://").parse().unwrap();
-    let addr = on_loopback(move |l| async move {
-        let cfg = tandem_client::netem::NetemConfig {
-            rtt_ms: 60.0,
-            jitter_ms: 10.0,
-            ..Default::default()
-        };
-        tandem_client::netem::proxy(l, upstream, cfg).await.unwrap();
-    });
-    let url = format!("http://{addr}");
+    let url = netem_front(upstream, 60.0, 10.0);
     let p = tok
         .encode("The history of the printing press begins in")
         .unwrap();

@@ -35,15 +35,7 @@ fn the_same_seeded_request_gives_the_same_text_at_any_round_trip_and_load() {
     let v = verifier(&[]);
     let upstream: std::net::SocketAddr = format!("127.0.0.1:{}", v.port).parse().unwrap();
     for rtt in [0.0, 100.0] {
-        let addr = on_loopback(move |l| async move {
-            let cfg = tandem_client::netem::NetemConfig {
-                rtt_ms: rtt,
-                jitter_ms: rtt / 10.0,
-                ..Default::default()
-            };
-            tandem_client::netem::proxy(l, upstream, cfg).await.unwrap();
-        });
-        let e = edge(&[format!("http://{addr}")], &[]);
+        let e = edge(&[netem_front(upstream, rtt, rtt / 10.0)], &[]);
         let ask = || {
             let (s, r) = post(e.port, "/v1/chat/completions", &body);
             assert_eq!(s, 200, "{r}");

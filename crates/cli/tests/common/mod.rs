@@ -316,3 +316,17 @@ pub fn stdout_of(what: &str, cmd: &mut std::process::Command) -> Vec<u8> {
     );
     out.stdout
 }
+
+/// The project's emulated link (a TCP proxy with a round trip of `rtt_ms` and `jitter_ms` each
+/// way) in front of `upstream`, on a loopback port of its own: its `http://` URL.
+pub fn netem_front(upstream: std::net::SocketAddr, rtt_ms: f64, jitter_ms: f64) -> String {
+    let addr = tandem_testkit::on_loopback(move |l| async move {
+        let cfg = tandem_client::netem::NetemConfig {
+            rtt_ms,
+            jitter_ms,
+            ..Default::default()
+        };
+        tandem_client::netem::proxy(l, upstream, cfg).await.unwrap();
+    });
+    format!("http://{addr}")
+}
