@@ -410,6 +410,27 @@ impl Active {
 /// rounds, so that it never stalls the other sessions' drafting for its whole length.
 pub const PREFILL_CHUNK: usize = 64;
 
+/// Prompt tokens one round's forward prefills, all sessions together: a burst of new requests
+/// prefills over several rounds, so that the sessions already streaming wait for one short
+/// forward at most, not for every newcomer's prompt.
+pub const ROUND_PREFILL: usize = PREFILL_CHUNK;
+
+/// Hold this round's prefill steps to [`ROUND_PREFILL`] tokens in all, in the order of the
+/// sessions (the oldest requests first); a step cut to nothing waits for a later round.
+fn limit_prefill(actives: &[Active], plans: &mut Vec<(usize, RoundWork)>) {
+    let mut left = ROUND_PREFILL;
+    plans.retain_mut(|(i, p)| {
+        let RoundWork::Prefill(end) = p else {
+            return true;
+        };
+        let start = actives[*i].prefill_at;
+        let take = end.saturating_sub(start).min(left);
+        left -= take;
+        *end = start + take;
+        take > 0
+    });
+}
+
 /// The step a session takes in this round's forward.
 enum RoundWork {
     /// Prefill the prompt up to this token.
@@ -458,6 +479,7 @@ impl Sessions {
                     }
                 }
             }
+            limit_prefill(&actives, &mut plans);
             self.metrics.set_running(actives.len(), engine.kv());
             if plans.is_empty() {
                 if closing && actives.is_empty() {
