@@ -632,14 +632,29 @@ impl Scheduler {
         cap.saturating_sub(used)
     }
 
-    /// Whether another tenant than `tenant` waits on the forward `batch` plans: a chunk of its
-    /// in the batch, or a foreground session of its with work (a block to verify, tokens to
-    /// compute).
-    fn others_waiting(&self, tenant: TenantId, batch: &Batch) -> bool {
-        let other = |id: &SessionId| self.sessions.get(id).is_some_and(|s| s.tenant != tenant);
-        batch.chunks.iter().any(|c| other(&c.session))
-            || self.sessions.values().any(|s| {
-                s.tenant != tenant && !s.background && (s.needs_compute() || !s.verifies.is_empty())
+    /// The tenants with a foreground session that has work (a block to verify, tokens to
+    /// compute), once per plan: what a background session must not hold back.
+    fn foreground_waiting(&self) -> Vec<TenantId> {
+        let mut v: Vec<TenantId> = self
+            .sessions
+            .values()
+            .filter(|s| !s.background && (s.needs_compute() || !s.verifies.is_empty()))
+            .map(|s| s.tenant)
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    /// Whether another tenant than `tenant` waits on the forward `batch` plans: one of the
+    /// `waiting` tenants ([`Scheduler::foreground_waiting`] when the plan began: those planned
+    /// since are in the batch), or a chunk of its in the batch.
+    fn others_waiting(&self, tenant: TenantId, batch: &Batch, waiting: &[TenantId]) -> bool {
+        waiting.iter().any(|&w| w != tenant)
+            || batch.chunks.iter().any(|c| {
+                self.sessions
+                    .get(&c.session)
+                    .is_some_and(|s| s.tenant != tenant)
             })
     }
 
@@ -727,14 +742,15 @@ impl Scheduler {
         } else {
             full / PREFILL_RESERVE_DIV
         };
-        self.schedule_decodes(&mut batch, &mut taken, &mut budget, reserve);
+        let waiting = self.foreground_waiting();
+        self.schedule_decodes(&mut batch, &mut taken, &mut budget, reserve, &waiting);
         // While sessions decode (verify work ran), prompts get at most a quarter of the budget
         // per forward: a burst of prompts lengthens everyone's forwards, and so their ITL, by
         // that much at most.
         if !batch.chunks.is_empty() {
             budget = budget.min(reserve.max(full / PREFILL_RESERVE_DIV).max(1));
         }
-        self.schedule_prefills(&mut batch, &mut taken, budget);
+        self.schedule_prefills(&mut batch, &mut taken, budget, &waiting);
         batch
     }
 
@@ -749,6 +765,7 @@ impl Scheduler {
         taken: &mut Vec<SessionId>,
         budget: &mut usize,
         reserve: usize,
+        waiting: &[TenantId],
     ) {
         loop {
             let next = self
@@ -770,7 +787,7 @@ impl Scheduler {
             if !self.within_rate(tenant)
                 || (s.background
                     && ((len > self.background_room(batch) && !batch.chunks.is_empty())
-                        || self.others_waiting(tenant, batch)))
+                        || self.others_waiting(tenant, batch, waiting)))
             {
                 taken.push(id);
                 continue;
@@ -867,7 +884,13 @@ impl Scheduler {
     /// Prefill (and recompute) with what is left of `budget`, in chunks. It preempts only idle
     /// sessions (nothing queued) that have been idle since before it started waiting: a session
     /// whose edge went quiet does not keep its KV from those with work.
-    fn schedule_prefills(&mut self, batch: &mut Batch, taken: &mut Vec<SessionId>, budget: usize) {
+    fn schedule_prefills(
+        &mut self,
+        batch: &mut Batch,
+        taken: &mut Vec<SessionId>,
+        budget: usize,
+        waiting: &[TenantId],
+    ) {
         let mut left = budget;
         for id in self.candidates(WorkKind::Prefill) {
             if left == 0 {
@@ -896,7 +919,7 @@ impl Scheduler {
             // A background session's prompt, like its decoding, goes only into a forward no
             // other tenant waits on, and within the background's share of it.
             let budget = match s.background {
-                true if self.others_waiting(tenant, batch) => continue,
+                true if self.others_waiting(tenant, batch, waiting) => continue,
                 true => budget.min(self.background_room(batch)),
                 false => budget,
             };
