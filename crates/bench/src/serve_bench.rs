@@ -54,9 +54,11 @@ pub struct Row {
     pub tokens_per_s: f64,
     /// Time to the first token, over requests.
     pub ttft_ms: Summary,
-    /// Inter-token latency: its mean over every gap between tokens of every request, and the
-    /// worst request's p99.
+    /// Inter-token latency: its mean and p99 over every gap between tokens of every request;
+    /// each request's own p99, the median request's and the worst request's.
     pub itl_mean_ms: f64,
+    pub itl_p99_all_ms: f64,
+    pub itl_p99_median_request_ms: f64,
     pub itl_p99_ms: f64,
     /// Accepted over judged draft positions, over the requests (speculative rows that were
     /// judged at all).
@@ -76,6 +78,46 @@ pub struct ServeReport {
     pub rows: Vec<Row>,
     /// Mean ITL of one HTTP client over the in-process session's, minus one (0.03: HTTP adds 3%).
     pub http_itl_overhead: Option<f64>,
+    /// tandem serve over cloud-only, at each number of clients.
+    pub versus: Vec<Versus>,
+}
+
+/// tandem serve's figures over cloud-only's at one number of clients (1.1: 10% more).
+#[derive(Debug, Clone, Serialize)]
+pub struct Versus {
+    pub clients: usize,
+    pub tokens_per_s: f64,
+    pub ttft_mean: f64,
+    pub ttft_p99: f64,
+    /// The worst request's p99 ITL, the median request's, and the p99 over every gap.
+    pub itl_p99_worst_request: f64,
+    pub itl_p99_median_request: f64,
+    pub itl_p99_all: f64,
+}
+
+/// tandem serve against cloud-only at each number of clients both rows have.
+fn versus(rows: &[Row]) -> Vec<Versus> {
+    let ratio = |a: f64, b: f64| if b > 0.0 { round2(a / b) } else { 0.0 };
+    rows.iter()
+        .filter(|h| h.mode == "http")
+        .filter_map(|h| {
+            let c = rows
+                .iter()
+                .find(|c| c.mode == "cloud-only" && c.clients == h.clients)?;
+            Some(Versus {
+                clients: h.clients,
+                tokens_per_s: ratio(h.tokens_per_s, c.tokens_per_s),
+                ttft_mean: ratio(h.ttft_ms.mean, c.ttft_ms.mean),
+                ttft_p99: ratio(h.ttft_ms.p99, c.ttft_ms.p99),
+                itl_p99_worst_request: ratio(h.itl_p99_ms, c.itl_p99_ms),
+                itl_p99_median_request: ratio(
+                    h.itl_p99_median_request_ms,
+                    c.itl_p99_median_request_ms,
+                ),
+                itl_p99_all: ratio(h.itl_p99_all_ms, c.itl_p99_all_ms),
+            })
+        })
+        .collect()
 }
 
 /// One request's timing: the time of each token from the request, ms.
@@ -97,13 +139,15 @@ fn row(mode: &'static str, clients: usize, timed: &[Timed], wall_s: f64) -> Row 
         .iter()
         .flat_map(|t| t.token_ms.windows(2).map(|w| w[1] - w[0]))
         .collect();
-    let worst_p99 = timed
+    let p99s: Vec<f64> = timed
         .iter()
         .map(|t| {
             let g: Vec<f64> = t.token_ms.windows(2).map(|w| w[1] - w[0]).collect();
             Summary::of(&g).p99
         })
-        .fold(0.0, f64::max);
+        .collect();
+    let worst_p99 = p99s.iter().copied().fold(0.0, f64::max);
+    let gap_summary = Summary::of(&gaps);
     let (acc, judged) = timed
         .iter()
         .fold((0, 0), |(a, j), t| (a + t.accepted, j + t.judged));
@@ -121,7 +165,9 @@ fn row(mode: &'static str, clients: usize, timed: &[Timed], wall_s: f64) -> Row 
             p50: round2(s.p50),
             p99: round2(s.p99),
         },
-        itl_mean_ms: round2(Summary::of(&gaps).mean),
+        itl_mean_ms: round2(gap_summary.mean),
+        itl_p99_all_ms: round2(gap_summary.p99),
+        itl_p99_median_request_ms: round2(Summary::of(&p99s).p50),
         itl_p99_ms: round2(worst_p99),
         alpha: (judged > 0).then(|| round2(acc as f64 / judged as f64)),
         draft_share: (mode != "cloud-only" && tokens > 0)
@@ -378,6 +424,7 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
         gamma: a.gamma,
         depth: a.depth,
         max_tokens: a.max_tokens,
+        versus: versus(&rows),
         rows,
         http_itl_overhead,
     })
@@ -406,11 +453,11 @@ pub fn table(r: &ServeReport) -> String {
             "the verifier's grants (it takes over sessions that speculation would slow)"
         }
     );
-    s.push_str("| mode | clients | requests | tokens | req/s | tok/s | TTFT mean ms | ITL mean ms | ITL p99 ms (worst request) | α | draft share |\n");
-    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    s.push_str("| mode | clients | requests | tokens | req/s | tok/s | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms (all gaps) | ITL p99 ms (median request) | ITL p99 ms (worst request) | α | draft share |\n");
+    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for row in &r.rows {
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {:.2} | {:.1} | {:.0} | {:.1} | {:.1} | {} | {} |\n",
+            "| {} | {} | {} | {} | {:.2} | {:.1} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} |\n",
             row.mode,
             row.clients,
             row.requests,
@@ -418,11 +465,31 @@ pub fn table(r: &ServeReport) -> String {
             row.requests_per_s,
             row.tokens_per_s,
             row.ttft_ms.mean,
+            row.ttft_ms.p99,
             row.itl_mean_ms,
+            row.itl_p99_all_ms,
+            row.itl_p99_median_request_ms,
             row.itl_p99_ms,
             row.alpha.map_or("–".into(), |a| format!("{a:.2}")),
             row.draft_share.map_or("–".into(), |a| format!("{a:.2}"))
         ));
+    }
+    if !r.versus.is_empty() {
+        s.push_str("\ntandem serve over cloud-only at the same number of clients:\n\n");
+        s.push_str("| clients | tok/s | TTFT mean | TTFT p99 | ITL p99 (worst request) | ITL p99 (median request) | ITL p99 (all gaps) |\n");
+        s.push_str("|---|---|---|---|---|---|---|\n");
+        for v in &r.versus {
+            s.push_str(&format!(
+                "| {} | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× |\n",
+                v.clients,
+                v.tokens_per_s,
+                v.ttft_mean,
+                v.ttft_p99,
+                v.itl_p99_worst_request,
+                v.itl_p99_median_request,
+                v.itl_p99_all
+            ));
+        }
     }
     if let Some(o) = r.http_itl_overhead {
         s.push_str(&format!(

@@ -522,3 +522,71 @@ fn bad_requests_are_refused_naming_the_field() {
         .unwrap();
     assert_eq!(r.status(), 200);
 }
+
+/// Draft forwards of more than `tokens` tokens so far (a bucket's bound: 1, 2, 4, … 512), from
+/// the edge's metrics.
+fn edge_forwards_over(port: u16, tokens: u32) -> f64 {
+    let m = metrics(port);
+    sample(&m, "tandem:iteration_tokens_total_count")
+        - sample(
+            &m,
+            &format!("tandem:iteration_tokens_total_bucket{{le=\"{tokens}\"}}"),
+        )
+}
+
+#[test]
+fn a_long_prompt_goes_into_the_draft_a_chunk_a_round_beside_the_answers_streaming() {
+    // A prompt of about 700 tokens arrives while three short answers stream. The verifier opens
+    // its session (its first token) long before the draft has the prompt (its prefix cache
+    // has the prompt, the draft's is off): the draft still takes the prompt a chunk a round (64
+    // tokens, all sessions together), never in one forward beside the other sessions' draft
+    // steps, and every answer is the target's. (Fixed grants: the verifier never takes a
+    // session over, so each session asks for draft steps from its first token.)
+    let v = verifier(&["--fixed-grants"]);
+    let e = edge(
+        &[format!("http://127.0.0.1:{}", v.port)],
+        &["--no-prefix-cache"],
+    );
+    let port = e.port;
+    let long = format!(
+        "{} Summarize the notes above in one sentence.",
+        "Note: the verifier checks the draft's guesses in one shared batch, and the edge keeps \
+         guessing while a correction travels back over the network. "
+            .repeat(24)
+    );
+    let prompts = [
+        long.as_str(),
+        "Name three colours.",
+        "What is the capital of France?",
+        "Count from one to ten.",
+    ];
+    let tok = &target().1;
+    assert!(tok.encode_chat(&long).unwrap().len() > 600);
+    let wants: Vec<Expect> = prompts.iter().map(|p| expected_chat(p, 32)).collect();
+    let (s, r) = post(port, "/v1/chat/completions", &chat(&long, 1));
+    assert_eq!(s, 200, "{r}");
+    let before = edge_forwards_over(port, 128);
+    let texts: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                s.spawn(move || {
+                    // The short answers are streaming when the long prompt comes.
+                    if i == 0 {
+                        std::thread::sleep(std::time::Duration::from_millis(300));
+                    }
+                    let mut body = chat(p, 32);
+                    body["stream"] = json!(true);
+                    text_of(&stream(port, "/v1/chat/completions", &body))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (got, want) in texts.iter().zip(&wants) {
+        assert_eq!(got, &want.text, "the answer is the target's greedy output");
+    }
+    // 64 prompt tokens and a few draft steps at most, each feeding a few tokens.
+    assert_eq!(edge_forwards_over(port, 128), before, "{}", metrics(port));
+}

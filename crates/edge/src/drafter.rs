@@ -138,6 +138,15 @@ impl DraftSeq {
         self.copier.as_ref().map(Copier::stats)
     }
 
+    /// How many of `tokens`, from the first, the sequence's KV holds (as linear slots).
+    pub fn held(&self, tokens: &[u32]) -> usize {
+        self.linear
+            .iter()
+            .zip(tokens)
+            .take_while(|(a, b)| a == b)
+            .count()
+    }
+
     /// Tell the copier the session's committed tokens (prompt included): what it copies from,
     /// and what judges its copies. Nothing without a copier.
     pub fn sync(&mut self, committed: &[u32]) {

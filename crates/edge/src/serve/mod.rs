@@ -1,6 +1,6 @@
 //! `tandem serve`: the edge as a local server that speaks OpenAI's HTTP API (axum). Each request
 //! is a speculation session of its own against the verifier (`--cloud`), its draft steps run by
-//! one engine thread together with every other request's ([`sessions`]). Endpoints:
+//! one draft thread together with every other request's ([`sessions`]). Endpoints:
 //! `POST /v1/chat/completions`, `POST /v1/completions` (streamed as SSE in OpenAI's chunk format,
 //! ending with `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics` and `GET /`, the
 //! live view.
@@ -82,7 +82,7 @@ struct AppState {
     grammar: Option<tandem_spec::GrammarVocab>,
 }
 
-/// Start the engine thread over `draft` and serve the API on `listener` until `shutdown`.
+/// Start the draft thread (and its forward thread) over `draft` and serve the API on `listener` until `shutdown`.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     draft: Engine,
@@ -110,9 +110,14 @@ pub async fn serve(
         metrics: metrics.clone(),
         tx: tx.clone(),
     };
+    let (forward, forwards) = std::sync::mpsc::channel();
+    let forwarded = tx.clone();
+    let forward_thread = std::thread::Builder::new()
+        .name("tandem-draft-forward".into())
+        .spawn(move || sessions::forward_thread(forwards, forwarded))?;
     let engine_thread = std::thread::Builder::new()
         .name("tandem-draft".into())
-        .spawn(move || sessions.run(draft, rx))?;
+        .spawn(move || sessions.run(draft, rx, forward))?;
     let stop = tx.clone();
     let state = Arc::new(AppState {
         cfg,
@@ -130,9 +135,14 @@ pub async fn serve(
     let served = axum::serve(listener, app(state))
         .with_graceful_shutdown(shutdown)
         .await;
-    // No request is left in the router: the engine thread ends when its last session has.
+    // No request is left in the router: the draft thread ends when its last session has.
     let _ = stop.send(Msg::Shutdown);
-    let _ = tokio::task::spawn_blocking(move || engine_thread.join()).await;
+    let _ = tokio::task::spawn_blocking(move || {
+        let _ = engine_thread.join();
+        // The draft thread's end closed the forward thread's queue.
+        forward_thread.join()
+    })
+    .await;
     served
 }
 

@@ -1,7 +1,11 @@
-//! The draft engine's thread in `tandem serve`: it owns the draft model and drives every open
-//! request's session — one [`Driver`] per request on its own gRPC link to the verifier — and runs
-//! the draft steps they ask for together, one ragged forward per round, each session one step per
-//! round (fair: a long answer does not hold up a short one). A session whose link is lost
+//! The draft thread in `tandem serve`: it drives every open request's session — one [`Driver`]
+//! per request on its own gRPC link to the verifier — and runs the draft steps they ask for
+//! together, one ragged forward per round, each session one step per round (fair: a long answer
+//! does not hold up a short one). The forward runs on a thread of its own ([`forward_thread`]):
+//! meanwhile the draft thread goes on taking the verifier's messages and streaming what it
+//! commits to every client whose session has no draft step in that forward. Prompts go into the
+//! draft a chunk a round, [`ROUND_PREFILL`] tokens across all sessions, before their sessions
+//! draft; so do committed tokens the draft lacks ([`CATCH_UP`]). A session whose link is lost
 //! reconnects on a thread of its own while the others go on; when it cannot, and the server was
 //! started with `--fallback local`, the draft alone finishes the answer, every such token marked
 //! unverified. A request whose client went away is cancelled: its link closes, and the verifier
@@ -12,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_engine::tokenizer::TextStream;
-use tandem_engine::{Engine, SeqId, Tokenizer};
+use tandem_engine::{Engine, Logits, SeqChunk, SeqId, Tokenizer};
 use tandem_proto::v1::Opened;
 use tandem_spec::SpecError;
 use tokio::sync::mpsc::UnboundedSender;
@@ -25,7 +29,7 @@ use crate::drafter::{DraftSeq, DraftStep};
 use crate::grpc::GrpcLink;
 use crate::{Driver, EdgeError, SpecConfig, SpecReport, Update, Want};
 
-/// What the engine thread is told.
+/// What the draft thread is told.
 pub enum Msg {
     /// A new request (its link follows on the job's `link`).
     Job(Box<Job>),
@@ -35,9 +39,36 @@ pub enum Msg {
     Recovered(Box<Recovery>),
     /// The server is stopping: end when the last session has.
     Shutdown,
+    /// The forward thread ran a round's forward: the engine is back, with its output.
+    Forwarded(Box<Forwarded>),
 }
 
-/// A request for the engine thread.
+/// A round's forward for the forward thread: the engine (it is the forward's while it runs)
+/// and the chunks.
+pub type Forward = (Engine, Vec<SeqChunk>);
+
+/// A round's forward, run: the engine back, the logits, and how long it took.
+pub struct Forwarded {
+    engine: Engine,
+    logits: tandem_engine::Result<Logits>,
+    ms: f64,
+}
+
+/// Run each forward sent on `rx` and send the engine back on `tx`, until `rx` closes: the
+/// draft thread goes on relaying what the verifier commits while a forward runs.
+pub fn forward_thread(rx: Receiver<Forward>, tx: Sender<Msg>) {
+    for (mut engine, chunks) in rx {
+        let t0 = Instant::now();
+        let logits = engine.forward(&chunks);
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let f = Forwarded { engine, logits, ms };
+        if tx.send(Msg::Forwarded(Box::new(f))).is_err() {
+            return;
+        }
+    }
+}
+
+/// A request for the draft thread.
 pub struct Job {
     pub req: Request,
     /// Where the link puts the target's log-probabilities, when the request asked for them.
@@ -156,7 +187,7 @@ pub struct Recovery {
     result: Result<bool, EdgeError>,
 }
 
-/// What the engine thread serves with.
+/// What the draft thread serves with.
 pub struct Sessions {
     pub tok: Arc<Tokenizer>,
     pub fallback_local: bool,
@@ -165,7 +196,7 @@ pub struct Sessions {
     /// Sessions publish and attach the draft's KV pages.
     pub prefix_cache: bool,
     pub metrics: Arc<EdgeMetrics>,
-    /// Rings the engine thread (given to each link, and to recovery threads).
+    /// Rings the draft thread (given to each link, to recovery threads and the forward thread).
     pub tx: Sender<Msg>,
 }
 
@@ -390,19 +421,54 @@ struct Active {
     reconnects: usize,
     /// What the spec sessions did before the last reconnect that fell back (their stats).
     report: Option<SpecReport>,
+    /// Once over: its prompt and committed tokens, for the draft's prefix cache.
+    history: Vec<u32>,
     _permit: OwnedSemaphorePermit,
 }
 
 impl Active {
-    /// Offer the draft's prefix cache the session's final tokens (prompt and committed ones)
-    /// that its draft sequence holds.
-    fn publish(&self, engine: &mut Engine) {
-        let done = match &self.phase {
+    /// The session's prompt and committed tokens, as far as they are final.
+    fn done(&self) -> &[u32] {
+        match &self.phase {
             Phase::Spec(d) => d.session().committed(),
             Phase::Local(l) => &l.history,
             _ => &self.req.prompt_ids[..self.prefill_at],
+        }
+    }
+
+    /// Offer the draft's prefix cache the session's final tokens (prompt and committed ones)
+    /// that its draft sequence holds.
+    fn publish(&self, engine: &mut Engine) {
+        self.seq.publish(engine, self.done());
+    }
+
+    /// The prefill step the session takes next, while the draft lacks some of its prompt (it
+    /// drafts only after).
+    fn prefill_step(&mut self) -> Option<RoundWork> {
+        let n = self.req.prompt_ids.len();
+        if self.prefill_at >= n {
+            self.prefilled = true;
+        }
+        (!self.prefilled).then(|| RoundWork::Prefill {
+            from: self.prefill_at,
+            to: (self.prefill_at + PREFILL_CHUNK).min(n),
+        })
+    }
+
+    /// The step that feeds the draft the committed tokens it lacks before it drafts at
+    /// `base` (the verifier decoded them while it had the session), a chunk a round, when they
+    /// are more than [`CATCH_UP`]: a draft step, which holds the session's stream while it
+    /// runs, then feeds a few.
+    fn catch_up(&self, base: usize) -> Option<RoundWork> {
+        let Phase::Spec(d) = &self.phase else {
+            return None;
         };
-        self.seq.publish(engine, done);
+        let committed = d.session().committed();
+        let from = self.seq.held(committed);
+        (base.min(committed.len()) > from + CATCH_UP).then(|| RoundWork::CatchUp {
+            from,
+            to: (from + PREFILL_CHUNK).min(committed.len()),
+        })
     }
 }
 
@@ -417,34 +483,60 @@ pub const ROUND_PREFILL: usize = PREFILL_CHUNK;
 
 /// Hold this round's prefill steps to [`ROUND_PREFILL`] tokens in all, in the order of the
 /// sessions (the oldest requests first); a step cut to nothing waits for a later round.
-fn limit_prefill(actives: &[Active], plans: &mut Vec<(usize, RoundWork)>) {
+fn limit_prefill(plans: &mut Vec<(usize, RoundWork)>) {
     let mut left = ROUND_PREFILL;
-    plans.retain_mut(|(i, p)| {
-        let RoundWork::Prefill(end) = p else {
+    plans.retain_mut(|(_, p)| {
+        let (RoundWork::Prefill { from, to } | RoundWork::CatchUp { from, to }) = p else {
             return true;
         };
-        let start = actives[*i].prefill_at;
-        let take = end.saturating_sub(start).min(left);
+        let take = to.saturating_sub(*from).min(left);
         left -= take;
-        *end = start + take;
+        *to = *from + take;
         take > 0
     });
 }
 
+/// Committed tokens the draft may lack when it drafts: more, and they are fed first in steps of
+/// their own (see [`Active::catch_up`]).
+pub const CATCH_UP: usize = 16;
+
+/// A round's forward on the forward thread: each step's session, work and plan; its tokens.
+struct InFlight {
+    steps: Vec<(u64, RoundWork, DraftStep)>,
+    tokens: usize,
+}
+
 /// The step a session takes in this round's forward.
 enum RoundWork {
-    /// Prefill the prompt up to this token.
-    Prefill(usize),
+    /// Prefill the prompt's tokens `from..to` (the draft holds those before).
+    Prefill {
+        from: usize,
+        to: usize,
+    },
+    /// Feed the committed tokens `from..to` the draft lacks (it holds those before).
+    CatchUp {
+        from: usize,
+        to: usize,
+    },
     /// The frontier the session's driver asked to grow (from this round's poll).
     Draft(tandem_spec::Frontier),
     Local,
 }
 
 impl Sessions {
-    /// Run the engine thread until it is told to shut down (or every sender of `rx` is gone) and
-    /// no session is left.
-    pub fn run(self, mut engine: Engine, rx: Receiver<Msg>) {
+    /// Run the draft thread until it is told to shut down (or every sender of `rx` is gone) and
+    /// no session is left. Each round's forward runs on the forward thread (`forward`, see
+    /// [`forward_thread`]): meanwhile this thread goes on taking the verifier's messages and
+    /// streaming what it commits, for every session but those whose draft step is in that
+    /// forward; sessions that come or end meanwhile are admitted or freed when the engine is
+    /// back.
+    pub fn run(self, engine: Engine, rx: Receiver<Msg>, forward: Sender<Forward>) {
+        let mut engine = Some(engine);
+        let mut flight: Option<InFlight> = None;
         let mut actives: Vec<Active> = Vec::new();
+        // Requests the engine admits when it is back; sessions over, whose KV it then frees.
+        let mut jobs: Vec<Job> = Vec::new();
+        let mut over: Vec<Active> = Vec::new();
         let mut next_id = 0u64;
         let mut pending: Vec<Msg> = Vec::new();
         let mut closing = false;
@@ -452,50 +544,105 @@ impl Sessions {
             pending.extend(rx.try_iter());
             for m in pending.drain(..) {
                 match m {
-                    Msg::Job(job) => {
-                        let id = next_id;
-                        next_id += 1;
-                        actives.push(self.admit(&mut engine, id, *job));
-                    }
+                    Msg::Job(job) => jobs.push(*job),
                     Msg::Wake => {}
-                    Msg::Recovered(r) => self.recovered(&mut engine, &mut actives, *r),
+                    Msg::Recovered(r) => self.recovered(&mut actives, &mut over, *r),
                     Msg::Shutdown => closing = true,
+                    Msg::Forwarded(f) => {
+                        let Forwarded {
+                            engine: mut e,
+                            logits,
+                            ms,
+                        } = *f;
+                        if let Some(fl) = flight.take() {
+                            self.finish_round(&mut e, &mut actives, fl, logits, ms);
+                        }
+                        engine = Some(e);
+                    }
                 }
             }
-            // Advance every session; those that are over leave.
+            if let Some(e) = engine.as_mut() {
+                for a in over.drain(..) {
+                    self.release(e, a);
+                }
+                for job in jobs.drain(..) {
+                    actives.push(self.admit(e, next_id, job));
+                    next_id += 1;
+                }
+            }
+            // Advance every session the forward in flight does not hold; those that are over
+            // leave (the client is told now, the KV freed when the engine is back).
+            let held = |id: u64| {
+                flight.as_ref().is_some_and(|f| {
+                    f.steps
+                        .iter()
+                        .any(|s| s.0 == id && matches!(s.1, RoundWork::Draft(_)))
+                })
+            };
             let mut plans: Vec<(usize, RoundWork)> = Vec::new();
             let mut i = 0;
             while i < actives.len() {
+                if held(actives[i].id) {
+                    i += 1;
+                    continue;
+                }
                 match self.advance(&mut actives[i]) {
                     Ok(Some(p)) => {
-                        plans.push((i, p));
+                        if engine.is_some() {
+                            plans.push((i, p));
+                        }
                         i += 1;
                     }
                     Ok(None) => i += 1,
                     Err(end) => {
-                        let a = actives.swap_remove(i);
-                        self.end(&mut engine, a, end);
                         // The plans so far index sessions before `i`: unaffected.
+                        let mut a = actives.swap_remove(i);
+                        self.end(&mut a, end);
+                        over.push(a);
                     }
                 }
             }
-            limit_prefill(&actives, &mut plans);
-            self.metrics.set_running(actives.len(), engine.kv());
+            let Some(e) = engine.as_mut() else {
+                self.wait(&rx, &mut pending);
+                continue;
+            };
+            for a in over.drain(..) {
+                self.release(e, a);
+            }
+            limit_prefill(&mut plans);
+            self.metrics.set_running(actives.len(), e.kv());
             if plans.is_empty() {
-                if closing && actives.is_empty() {
+                if closing && actives.is_empty() && jobs.is_empty() {
                     return;
                 }
-                match rx.recv_timeout(Duration::from_millis(50)) {
-                    Ok(m) => pending.push(m),
-                    Err(RecvTimeoutError::Timeout) => {}
-                    Err(RecvTimeoutError::Disconnected) if actives.is_empty() => return,
-                    Err(RecvTimeoutError::Disconnected) => {
-                        std::thread::sleep(Duration::from_millis(5))
-                    }
-                }
+                self.wait(&rx, &mut pending);
                 continue;
             }
-            self.round(&mut engine, &mut actives, plans);
+            let Some((fl, chunks)) = self.plan_round(e, &mut actives, plans) else {
+                continue;
+            };
+            let e = engine.take().expect("invariant: the engine is here");
+            match forward.send((e, chunks)) {
+                Ok(()) => flight = Some(fl),
+                // No forward thread (it panicked): the forward runs here.
+                Err(std::sync::mpsc::SendError((mut e, chunks))) => {
+                    let t0 = Instant::now();
+                    let logits = e.forward(&chunks);
+                    let ms = t0.elapsed().as_secs_f64() * 1e3;
+                    self.finish_round(&mut e, &mut actives, fl, logits, ms);
+                    engine = Some(e);
+                }
+            }
+        }
+    }
+
+    /// Wait for the next message, at most 50 ms.
+    fn wait(&self, rx: &Receiver<Msg>, pending: &mut Vec<Msg>) {
+        match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(m) => pending.push(m),
+            Err(RecvTimeoutError::Timeout) => {}
+            // Not while `self.tx` is a sender.
+            Err(RecvTimeoutError::Disconnected) => std::thread::sleep(Duration::from_millis(5)),
         }
     }
 
@@ -558,6 +705,7 @@ impl Sessions {
             queued_s,
             reconnects: 0,
             report: None,
+            history: Vec::new(),
             _permit: permit,
         }
     }
@@ -606,16 +754,20 @@ impl Sessions {
         if a.out.over() {
             return Err(End::Done);
         }
+        // The prompt goes into the draft a chunk a round (while the verifier's answer streams)
+        // before the session drafts: its first draft step never feeds the whole prompt.
         match &mut a.phase {
-            Phase::Connecting(_) => Ok((!a.prefilled).then(|| {
-                RoundWork::Prefill((a.prefill_at + PREFILL_CHUNK).min(a.req.prompt_ids.len()))
-            })),
+            Phase::Connecting(_) => Ok(a.prefill_step()),
             Phase::Spec(d) => {
                 let out = &mut a.out;
                 match d.poll(false, &mut |u| out.on_update(u)) {
                     Ok((Want::Done, _)) => Err(End::Done),
-                    Ok((Want::Wait, _)) => Ok(None),
-                    Ok((Want::Draft(f), _)) => Ok(Some(RoundWork::Draft(f))),
+                    Ok((Want::Wait, _)) => Ok(a.prefill_step()),
+                    Ok((Want::Draft(f), _)) => Ok(Some(
+                        a.prefill_step()
+                            .or_else(|| a.catch_up(f.base))
+                            .unwrap_or(RoundWork::Draft(f)),
+                    )),
                     Err(EdgeError::LinkClosed) => {
                         self.recover(a);
                         Ok(None)
@@ -628,7 +780,7 @@ impl Sessions {
                 if l.left == 0 || a.out.ids.last().is_some_and(|&t| self.tok.is_eog(t)) {
                     Err(End::Done)
                 } else {
-                    Ok(Some(RoundWork::Local))
+                    Ok(Some(a.prefill_step().unwrap_or(RoundWork::Local)))
                 }
             }
         }
@@ -656,7 +808,7 @@ impl Sessions {
         });
     }
 
-    fn recovered(&self, engine: &mut Engine, actives: &mut Vec<Active>, r: Recovery) {
+    fn recovered(&self, actives: &mut Vec<Active>, over: &mut Vec<Active>, r: Recovery) {
         let Some(i) = actives.iter().position(|a| a.id == r.id) else {
             r.driver.link.close();
             return;
@@ -684,19 +836,21 @@ impl Sessions {
                 a.report = Some(report);
             }
             Err(e) => {
-                let a = actives.swap_remove(i);
-                self.end(engine, a, End::Lost(e));
+                let mut a = actives.swap_remove(i);
+                self.end(&mut a, End::Lost(e));
+                over.push(a);
             }
         }
     }
 
-    /// One round: every planned step in one forward of the draft.
-    fn round(
+    /// Plan a round: every planned step, for one forward of the draft (None: no step needs
+    /// the forward). Steps that fail end their sessions now.
+    fn plan_round(
         &self,
         engine: &mut Engine,
         actives: &mut Vec<Active>,
         plans: Vec<(usize, RoundWork)>,
-    ) {
+    ) -> Option<(InFlight, Vec<SeqChunk>)> {
         let mut steps: Vec<(usize, RoundWork, DraftStep)> = Vec::with_capacity(plans.len());
         let mut failed: Vec<(usize, EdgeError)> = Vec::new();
         for (i, p) in plans {
@@ -724,9 +878,13 @@ impl Sessions {
                 }
             }
             let planned = match (&p, &a.phase) {
-                (RoundWork::Prefill(end), _) => {
+                (RoundWork::Prefill { to, .. }, _) => {
                     a.seq
-                        .grow_step(engine, &a.req.prompt_ids[..*end], &[Vec::new()])
+                        .grow_step(engine, &a.req.prompt_ids[..*to], &[Vec::new()])
+                }
+                (RoundWork::CatchUp { to, .. }, Phase::Spec(d)) => {
+                    a.seq
+                        .grow_step(engine, &d.session().committed()[..*to], &[Vec::new()])
                 }
                 (RoundWork::Draft(f), Phase::Spec(d)) => a.seq.grow_step(
                     engine,
@@ -744,18 +902,40 @@ impl Sessions {
             }
         }
         let chunks: Vec<_> = steps.iter().map(|s| s.2.chunk.clone()).collect();
+        let steps = steps
+            .into_iter()
+            .map(|(i, p, s)| (actives[i].id, p, s))
+            .collect();
+        self.fail_all(engine, actives, failed);
         if chunks.is_empty() {
-            self.fail_all(engine, actives, failed);
-            return;
+            return None;
         }
-        let tokens: usize = chunks.iter().map(|c| c.tokens.len()).sum();
-        let t0 = Instant::now();
-        let logits = match engine.forward(&chunks) {
+        let tokens = chunks.iter().map(|c| c.tokens.len()).sum();
+        Some((InFlight { steps, tokens }, chunks))
+    }
+
+    /// The round's forward ran (`logits` its output, `ms` its time): finish each step of a
+    /// session that is still there.
+    fn finish_round(
+        &self,
+        engine: &mut Engine,
+        actives: &mut Vec<Active>,
+        flight: InFlight,
+        logits: tandem_engine::Result<Logits>,
+        ms: f64,
+    ) {
+        let InFlight { steps, tokens } = flight;
+        let mut failed: Vec<(usize, EdgeError)> = Vec::new();
+        let steps: Vec<(usize, RoundWork, DraftStep)> = steps
+            .into_iter()
+            .filter_map(|(id, p, s)| Some((actives.iter().position(|a| a.id == id)?, p, s)))
+            .collect();
+        let logits = match logits {
             Ok(l) => l,
             Err(e) => {
                 let why = e.to_string();
                 tracing::error!("a draft forward failed: {why}");
-                failed.extend(steps.drain(..).map(|s| {
+                failed.extend(steps.into_iter().map(|s| {
                     (
                         s.0,
                         EdgeError::Spec(SpecError::Protocol(format!(
@@ -767,8 +947,18 @@ impl Sessions {
                 return;
             }
         };
-        let ms = t0.elapsed().as_secs_f64() * 1e3;
         self.metrics.iteration_tokens.observe(tokens as f64);
+        tracing::trace!(
+            sessions = actives.len(),
+            steps = steps.len(),
+            prefills = steps
+                .iter()
+                .filter(|s| matches!(s.1, RoundWork::Prefill { .. } | RoundWork::CatchUp { .. }))
+                .count(),
+            tokens,
+            ms,
+            "draft forward"
+        );
         for (i, p, step) in steps {
             let a = &mut actives[i];
             let props = match a.seq.finish(step, &logits) {
@@ -779,9 +969,9 @@ impl Sessions {
                 }
             };
             let r = match (&p, &mut a.phase) {
-                (RoundWork::Prefill(end), _) => {
-                    a.prefill_at = *end;
-                    a.prefilled = *end == a.req.prompt_ids.len();
+                (RoundWork::Prefill { to, .. }, _) => {
+                    a.prefill_at = *to;
+                    a.prefilled = *to == a.req.prompt_ids.len();
                     Ok(())
                 }
                 (RoundWork::Draft(_), Phase::Spec(d)) => {
@@ -820,18 +1010,25 @@ impl Sessions {
         failed.sort_by_key(|f| std::cmp::Reverse(f.0));
         failed.dedup_by_key(|f| f.0);
         for (i, e) in failed {
-            let a = actives.swap_remove(i);
-            self.end(engine, a, End::Failed(e));
+            let mut a = actives.swap_remove(i);
+            self.end(&mut a, End::Failed(e));
+            self.release(engine, a);
         }
     }
 
-    /// The session is over: tell the client how, free the draft's KV and the link.
-    fn end(&self, engine: &mut Engine, mut a: Active, end: End) {
-        // What the conversation's next turn will start with stays in the draft's prefix cache.
+    /// The session is over: free its draft KV (what the conversation's next turn will start
+    /// with stays in the draft's prefix cache).
+    fn release(&self, engine: &mut Engine, mut a: Active) {
         if self.prefix_cache {
-            a.publish(engine);
+            a.seq.publish(engine, &a.history);
         }
         a.seq.free(engine);
+    }
+
+    /// The session is over: tell the client how and close the link (its KV is
+    /// [`Sessions::release`]d after, by the engine).
+    fn end(&self, a: &mut Active, end: End) {
+        a.history = a.done().to_vec();
         let report = match std::mem::replace(&mut a.phase, Phase::Recovering) {
             Phase::Spec(d) => {
                 d.link.close();
@@ -936,5 +1133,48 @@ pub fn stats_of(r: &SpecReport, reconnects: usize) -> Stats {
         cloud_tokens: cloud,
         cloud_decoded_tokens: decoded,
         reconnects,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(p: &RoundWork) -> Option<(usize, usize)> {
+        match p {
+            RoundWork::Prefill { from, to } | RoundWork::CatchUp { from, to } => Some((*from, *to)),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_round_prefills_and_catches_up_at_most_its_budget_oldest_first_and_drafts_untouched() {
+        let draft = || {
+            RoundWork::Draft(tandem_spec::Frontier {
+                base: 10,
+                leaves: vec![vec![1, 2]],
+            })
+        };
+        let mut plans = vec![
+            (0, RoundWork::Prefill { from: 0, to: 40 }),
+            (1, draft()),
+            (2, RoundWork::CatchUp { from: 30, to: 64 }),
+            (3, RoundWork::Prefill { from: 64, to: 128 }),
+            (4, draft()),
+        ];
+        limit_prefill(&mut plans);
+        let kept: Vec<(usize, Option<(usize, usize)>)> =
+            plans.iter().map(|(i, p)| (*i, span(p))).collect();
+        // 40 + 24 = ROUND_PREFILL; the third fill waits for a later round.
+        assert_eq!(ROUND_PREFILL, 64);
+        assert_eq!(
+            kept,
+            vec![
+                (0, Some((0, 40))),
+                (1, None),
+                (2, Some((30, 54))),
+                (4, None)
+            ]
+        );
     }
 }
