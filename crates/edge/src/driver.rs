@@ -208,6 +208,37 @@ impl<L: Link> Driver<L> {
         Ok(())
     }
 
+    /// The tokens the session's [`Want::Draft`] `asked` for, from a draft forward of `ms`
+    /// during which [`Driver::poll`] went on taking messages: they count when `asked` is still
+    /// what the session would grow (else they are dropped, and the session asks again).
+    pub fn grown_at(
+        &mut self,
+        asked: &tandem_spec::Frontier,
+        props: Vec<Proposal>,
+        ms: f64,
+        on_update: &mut impl FnMut(Update<'_>),
+    ) -> Result<(), EdgeError> {
+        self.draft_forwards += 1;
+        let prefill = props.first().is_some_and(|p| p.prefill);
+        let grown = props
+            .into_iter()
+            .map(|p| Grown {
+                token: p.token,
+                q: p.q,
+                hedge: p.hedge,
+            })
+            .collect();
+        let Some(outs) = self
+            .es
+            .on_grown_at(self.now_us(), asked, grown, ms, prefill)?
+        else {
+            return Ok(());
+        };
+        self.apply(outs)?;
+        self.show(on_update, None);
+        Ok(())
+    }
+
     /// The edge's own time per step (outside draft forwards and waits), for its policy.
     pub fn on_edge_work(&mut self, ms: f64) {
         self.es.on_edge_work(ms);

@@ -439,6 +439,30 @@ impl EdgeSession {
         Ok(out)
     }
 
+    /// The drafter grew `asked` at `now_us` in a forward of `ms`, while messages that arrived
+    /// meanwhile were applied: the tokens count when `asked` is still the frontier (see
+    /// [`Pipeline::on_grown_at`]); `None`: they were dropped.
+    pub fn on_grown_at(
+        &mut self,
+        now_us: u64,
+        asked: &Frontier,
+        grown: Vec<Grown>,
+        ms: f64,
+        prefill: bool,
+    ) -> Result<Option<Vec<Output>>, SpecError> {
+        let now_ms = as_ms(now_us);
+        if !prefill {
+            self.est.on_draft(ms);
+            self.totals.draft_ms += ms;
+            self.totals.draft_steps += 1;
+        }
+        let out = self.p.on_grown_at(asked, grown)?;
+        if let Some(out) = &out {
+            self.sent(now_ms, out);
+        }
+        Ok(out)
+    }
+
     /// A message from the verifier arrived at `now_us`.
     pub fn on_message(&mut self, now_us: u64, msg: Incoming) -> Result<Reaction, SpecError> {
         let now_ms = as_ms(now_us);

@@ -157,6 +157,9 @@ pub struct PipelineStats {
     pub stale_blocks: usize,
     /// Verdicts ignored because they belonged to an older epoch.
     pub stale_verdicts: usize,
+    /// Draft steps dropped because a message moved the frontier during their forward
+    /// ([`Pipeline::on_grown_at`]).
+    pub stale_steps: usize,
     /// Blocks answered by commits alone: every position committed (decoded or verified) and
     /// agreeing before the verifier planned them.
     pub covered_blocks: usize,
@@ -252,6 +255,8 @@ pub struct Pipeline {
     lead: usize,
     /// The last verdict's block started this many tokens before the committed length.
     last_lead: Option<usize>,
+    /// How many times the main path was cut back (see [`Frontier::cuts`]).
+    cuts: u64,
     stats: PipelineStats,
 }
 
@@ -301,6 +306,7 @@ impl Pipeline {
             drafting: true,
             lead: 0,
             last_lead: None,
+            cuts: 0,
             stats: PipelineStats::default(),
         })
     }
@@ -472,6 +478,7 @@ impl Pipeline {
 
     /// Keep `tokens[..len]`, dropping what the draft said of the tokens past it.
     fn cut_tail(&mut self, len: usize) {
+        self.cuts += 1;
         self.tokens.truncate(len);
         self.info.split_off(&len);
     }

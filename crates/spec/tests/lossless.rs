@@ -16,8 +16,9 @@ use std::cell::Cell;
 use tandem_spec::sampling::{sample, uniform, SamplingParams};
 use tandem_spec::suffix::SuffixPolicy;
 use tandem_spec::{
-    Block, BlockAction, CloudSession, Decoded, Feed, Grammar, GrammarSource, GrammarVocab, Grown,
-    Hedge, Next, Output, Pipeline, PipelineConfig, Shape, TreeConfig, Verdict, VerifyRule,
+    Block, BlockAction, CloudSession, Decoded, Feed, Frontier, Grammar, GrammarSource,
+    GrammarVocab, Grown, Hedge, Next, Output, Pipeline, PipelineConfig, Shape, TreeConfig, Verdict,
+    VerifyRule,
 };
 
 const VOCAB: usize = 8;
@@ -387,7 +388,11 @@ impl Cloud {
 
 #[derive(Debug, Clone, Copy)]
 enum Step {
+    /// A draft step (or the end of the one in its forward: see `DraftStart`).
     Draft,
+    /// A draft step whose forward runs while the steps after it go on (messages reach the edge
+    /// meanwhile); its tokens come at the next `Draft` (`Pipeline::on_grown_at`).
+    DraftStart,
     /// A block reaches the verifier's queue.
     DeliverBlock,
     /// One forward of the verifier for the session.
@@ -406,6 +411,7 @@ enum Step {
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
         6 => Just(Step::Draft),
+        2 => Just(Step::DraftStart),
         3 => Just(Step::DeliverBlock),
         3 => Just(Step::CloudForward),
         4 => Just(Step::DeliverToEdge),
@@ -444,6 +450,8 @@ fn run(
     let mut committed: Vec<u32> = Vec::new();
     let mut draft_kv = 0usize;
     let mut salt = 0u64;
+    // A draft step in its forward: the frontier it grows and its tokens.
+    let mut in_forward: Option<(Frontier, Vec<Grown>, Vec<u32>)> = None;
     let handle = |outs: Vec<Output>,
                   committed: &mut Vec<u32>,
                   draft_kv: &mut usize,
@@ -495,6 +503,39 @@ fn run(
         });
         i += 1;
         match s {
+            Step::Draft if in_forward.is_some() => {
+                let (f, grown, path) = in_forward.take().expect("checked");
+                let fed = edge.tokens().len();
+                let taken = edge
+                    .on_grown_at(&f, grown)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                if let Some(outs) = taken {
+                    // Still the frontier: the step is the one the drafter would take now, its
+                    // token drawn after the very path it follows.
+                    prop_assert_eq!(fed + 1, edge.tokens().len());
+                    prop_assert_eq!(&edge.tokens()[..fed], &path[..], "a token on another path");
+                    draft_kv = fed;
+                    handle(outs, &mut committed, &mut draft_kv, &mut to_cloud)?;
+                }
+            }
+            Step::DraftStart if in_forward.is_none() && edge.next() == Next::Draft => {
+                draft_kv = edge.tokens().len();
+                let f = edge.frontier();
+                let mut grown = Vec::new();
+                for leaf in &f.leaves {
+                    salt += 1;
+                    let mut seq = edge.tokens()[..f.base].to_vec();
+                    seq.extend(leaf);
+                    let t = draft_for(&seq, seed, alpha, salt, output_from);
+                    let h = hedge(&seq, t, seed, salt);
+                    grown.push(Grown {
+                        token: t,
+                        q: None,
+                        hedge: h,
+                    });
+                }
+                in_forward = Some((f, grown, edge.tokens().to_vec()));
+            }
             Step::Draft if edge.next() == Next::Draft => {
                 prop_assert!(edge.draft_fed() <= edge.tokens().len());
                 draft_kv = edge.tokens().len(); // the shell feeds everything before drafting
@@ -548,6 +589,8 @@ fn run(
                 cloud.grant = Some(Shape::new(2, 2));
             }
             Step::DropConnection => {
+                // A step in its forward when the connection goes is the old session's.
+                in_forward = None;
                 to_cloud.clear();
                 to_edge.clear();
                 let outs = edge.on_connection_lost();

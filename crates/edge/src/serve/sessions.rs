@@ -3,7 +3,8 @@
 //! together, one ragged forward per round, each session one step per round (fair: a long answer
 //! does not hold up a short one). The forward runs on a thread of its own ([`forward_thread`]):
 //! meanwhile the draft thread goes on taking the verifier's messages and streaming what it
-//! commits to every client whose session has no draft step in that forward. Prompts go into the
+//! commits to every client (a draft step whose frontier a message moved meanwhile is dropped,
+//! [`Driver::grown_at`]). Prompts go into the
 //! draft a chunk a round, [`ROUND_PREFILL`] tokens across all sessions, before their sessions
 //! draft; so do committed tokens the draft lacks ([`CATCH_UP`]). A session whose link is lost
 //! reconnects on a thread of its own while the others go on; when it cannot, and the server was
@@ -527,9 +528,9 @@ impl Sessions {
     /// Run the draft thread until it is told to shut down (or every sender of `rx` is gone) and
     /// no session is left. Each round's forward runs on the forward thread (`forward`, see
     /// [`forward_thread`]): meanwhile this thread goes on taking the verifier's messages and
-    /// streaming what it commits, for every session but those whose draft step is in that
-    /// forward; sessions that come or end meanwhile are admitted or freed when the engine is
-    /// back.
+    /// streaming what it commits, for every session (a draft step whose frontier moved is
+    /// dropped when it is back); sessions that come or end meanwhile are admitted or freed
+    /// when the engine is back.
     pub fn run(self, engine: Engine, rx: Receiver<Msg>, forward: Sender<Forward>) {
         let mut engine = Some(engine);
         let mut flight: Option<InFlight> = None;
@@ -570,22 +571,12 @@ impl Sessions {
                     next_id += 1;
                 }
             }
-            // Advance every session the forward in flight does not hold; those that are over
-            // leave (the client is told now, the KV freed when the engine is back).
-            let held = |id: u64| {
-                flight.as_ref().is_some_and(|f| {
-                    f.steps
-                        .iter()
-                        .any(|s| s.0 == id && matches!(s.1, RoundWork::Draft(_)))
-                })
-            };
+            // Advance every session, those with a step in the forward in flight too (a draft
+            // step whose frontier a message moved meanwhile is dropped when it is back); those
+            // that are over leave (the client is told now, the KV freed when the engine is back).
             let mut plans: Vec<(usize, RoundWork)> = Vec::new();
             let mut i = 0;
             while i < actives.len() {
-                if held(actives[i].id) {
-                    i += 1;
-                    continue;
-                }
                 match self.advance(&mut actives[i]) {
                     Ok(Some(p)) => {
                         if engine.is_some() {
@@ -974,9 +965,9 @@ impl Sessions {
                     a.prefilled = *to == a.req.prompt_ids.len();
                     Ok(())
                 }
-                (RoundWork::Draft(_), Phase::Spec(d)) => {
+                (RoundWork::Draft(f), Phase::Spec(d)) => {
                     let out = &mut a.out;
-                    d.grown(props, ms, &mut |u| out.on_update(u))
+                    d.grown_at(f, props, ms, &mut |u| out.on_update(u))
                 }
                 (RoundWork::Local, Phase::Local(l)) => {
                     let t = props[0].token;
@@ -1153,6 +1144,7 @@ mod tests {
             RoundWork::Draft(tandem_spec::Frontier {
                 base: 10,
                 leaves: vec![vec![1, 2]],
+                cuts: 0,
             })
         };
         let mut plans = vec![

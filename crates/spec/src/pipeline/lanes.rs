@@ -111,6 +111,10 @@ pub struct Grown {
 pub struct Frontier {
     pub base: usize,
     pub leaves: Vec<Vec<u32>>,
+    /// How many times the main path had been cut back when the frontier was taken: the main
+    /// path only grows between cuts, so two frontiers with the same count, base and leaves grow
+    /// the same paths (see [`Pipeline::on_grown_at`]).
+    pub cuts: u64,
 }
 
 /// What the edge knows of a drafted token beyond the token itself.
@@ -266,7 +270,28 @@ impl Pipeline {
             .min(n);
         let mut leaves = vec![self.tokens[base..].to_vec()];
         leaves.extend(growing().map(|l| l.tokens(base, l.end())));
-        Frontier { base, leaves }
+        Frontier {
+            base,
+            leaves,
+            cuts: self.cuts,
+        }
+    }
+
+    /// The drafter grew `asked`, a frontier taken before the messages that arrived during its
+    /// forward were applied: its tokens are taken ([`on_grown`](Self::on_grown)) when the
+    /// pipeline still asks for a draft step and `asked` is still its frontier (then the step
+    /// is exactly the one the drafter would take now), and dropped otherwise (`None`: the next
+    /// step grows the frontier as it stands).
+    pub fn on_grown_at(
+        &mut self,
+        asked: &Frontier,
+        grown: Vec<Grown>,
+    ) -> Result<Option<Vec<Output>>, super::SpecError> {
+        if self.next() != super::Next::Draft || self.frontier() != *asked {
+            self.stats.stale_steps += 1;
+            return Ok(None);
+        }
+        self.on_grown(grown).map(Some)
     }
 
     /// The drafter grew the [`frontier`](Self::frontier): one token per leaf, in its order.
