@@ -88,11 +88,12 @@ pub async fn serve_grpc_tls(
     tls: Option<&ServerTls>,
     health_listener: Option<tokio::net::TcpListener>,
 ) -> Result<(), tonic::transport::Error> {
+    // The builder's TCP options do not reach connections accepted from a listener of our own:
+    // they are set on the incoming stream (`incoming`).
     let mut builder = tonic::transport::Server::builder()
         .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
         .http2_keepalive_interval(Some(KEEPALIVE))
-        .http2_keepalive_timeout(Some(KEEPALIVE))
-        .tcp_keepalive(Some(Duration::from_secs(30)));
+        .http2_keepalive_timeout(Some(KEEPALIVE));
     if let Some(t) = tls {
         let id = tonic::transport::Identity::from_pem(&t.cert_pem, &t.key_pem);
         builder = builder.tls_config(tonic::transport::ServerTlsConfig::new().identity(id))?;
@@ -108,7 +109,7 @@ pub async fn serve_grpc_tls(
     if let Some(l) = health_listener {
         let probes = tonic::transport::Server::builder()
             .add_service(health.clone())
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l));
+            .serve_with_incoming(incoming(l));
         tokio::spawn(async move {
             if let Err(e) = probes.await {
                 tracing::error!("the health listener stopped: {e}");
@@ -146,10 +147,7 @@ pub async fn serve_grpc_tls(
     let server = builder
         .add_service(health)
         .add_service(service.into_server())
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            drain,
-        );
+        .serve_with_incoming_shutdown(incoming(listener), drain);
     // Once drained, connections get a moment to flush their last messages; one whose client does
     // not read (its stream can never finish) does not hold the shutdown past it.
     tokio::select! {
@@ -170,9 +168,37 @@ pub async fn serve_grpc_tls(
     }
 }
 
+/// The connections `listener` accepts, with TCP_NODELAY (a committed token goes out when it
+/// is written: with Nagle's algorithm a token written while the last one's segment waits for a
+/// delayed ACK waited for it, up to 40 ms, each time the edge's own messages put that ACK in
+/// its interactive mode) and TCP keepalive (30 s).
+fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(Duration::from_secs(30)))
+}
+
 /// The health service name that stays SERVING while the process serves, draining or not (a
 /// liveness probe's; readiness asks for `""` or `tandem.v1.Verifier`, which a drain turns).
 pub const LIVENESS: &str = "liveness";
 
 /// How long connections may take to flush after the drain before the server closes them.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(1);
+
+#[cfg(test)]
+mod tests {
+    use tokio_stream::StreamExt;
+
+    #[tokio::test]
+    async fn accepted_connections_send_each_message_at_once() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut incoming = super::incoming(listener);
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let accepted = incoming.next().await.unwrap().unwrap();
+        assert!(
+            accepted.nodelay().unwrap(),
+            "TCP_NODELAY on the verifier's side"
+        );
+    }
+}

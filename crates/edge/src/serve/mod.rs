@@ -132,6 +132,14 @@ pub async fn serve(
         requests: AtomicU64::new(0),
         grammar,
     });
+    // Each SSE chunk (a token's text) goes out when it is written, not held by Nagle's
+    // algorithm for the last one's ACK.
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("TCP_NODELAY not set on a client's connection: {e}");
+        }
+    });
     let served = axum::serve(listener, app(state))
         .with_graceful_shutdown(shutdown)
         .await;
