@@ -48,20 +48,31 @@ pub enum Msg {
 /// and the chunks.
 pub type Forward = (Engine, Vec<SeqChunk>);
 
-/// A round's forward, run: the engine back, the logits, and how long it took.
+/// A round's forward, run: the engine back, the logits (or why there are none), and how long
+/// it took.
 pub struct Forwarded {
     engine: Engine,
-    logits: tandem_engine::Result<Logits>,
+    logits: Result<Logits, String>,
     ms: f64,
+}
+
+/// Run `chunks` on `engine`: the logits, or why not (a forward that panicked fails its round's
+/// sessions, not the server: the draft thread would otherwise wait for the engine forever).
+fn run_forward(engine: &mut Engine, chunks: &[SeqChunk]) -> (Result<Logits, String>, f64) {
+    let t0 = Instant::now();
+    let logits =
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.forward(chunks))) {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(_) => Err("the draft forward panicked".into()),
+        };
+    (logits, t0.elapsed().as_secs_f64() * 1e3)
 }
 
 /// Run each forward sent on `rx` and send the engine back on `tx`, until `rx` closes: the
 /// draft thread goes on relaying what the verifier commits while a forward runs.
 pub fn forward_thread(rx: Receiver<Forward>, tx: Sender<Msg>) {
     for (mut engine, chunks) in rx {
-        let t0 = Instant::now();
-        let logits = engine.forward(&chunks);
-        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let (logits, ms) = run_forward(&mut engine, &chunks);
         let f = Forwarded { engine, logits, ms };
         if tx.send(Msg::Forwarded(Box::new(f))).is_err() {
             return;
@@ -615,11 +626,9 @@ impl Sessions {
             let e = engine.take().expect("invariant: the engine is here");
             match forward.send((e, chunks)) {
                 Ok(()) => flight = Some(fl),
-                // No forward thread (it panicked): the forward runs here.
+                // No forward thread: the forward runs here.
                 Err(std::sync::mpsc::SendError((mut e, chunks))) => {
-                    let t0 = Instant::now();
-                    let logits = e.forward(&chunks);
-                    let ms = t0.elapsed().as_secs_f64() * 1e3;
+                    let (logits, ms) = run_forward(&mut e, &chunks);
                     self.finish_round(&mut e, &mut actives, fl, logits, ms);
                     engine = Some(e);
                 }
@@ -912,7 +921,7 @@ impl Sessions {
         engine: &mut Engine,
         actives: &mut Vec<Active>,
         flight: InFlight,
-        logits: tandem_engine::Result<Logits>,
+        logits: Result<Logits, String>,
         ms: f64,
     ) {
         let InFlight { steps, tokens } = flight;
@@ -923,8 +932,7 @@ impl Sessions {
             .collect();
         let logits = match logits {
             Ok(l) => l,
-            Err(e) => {
-                let why = e.to_string();
+            Err(why) => {
                 tracing::error!("a draft forward failed: {why}");
                 failed.extend(steps.into_iter().map(|s| {
                     (
