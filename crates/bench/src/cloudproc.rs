@@ -109,14 +109,7 @@ impl CloudProcess {
 
     /// Its resident memory (VmRSS), MB.
     pub fn rss_mb(&self) -> Result<f64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
-        let kb: f64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .ok_or_else(|| anyhow!("no VmRSS in /proc/{}/status", self.child.id()))?;
-        Ok(kb / 1024.0)
+        rss_mb_of(self.child.id())
     }
 
     /// The text of its `/metrics` page.
@@ -144,6 +137,61 @@ impl Drop for CloudProcess {
             let _ = c.wait();
         }
     }
+}
+
+/// A `tandem serve` process (the edge daemon) in front of a verifier, on loopback; killed on
+/// drop.
+pub struct EdgeProcess {
+    child: Child,
+    /// Its base URL (`http://127.0.0.1:PORT`).
+    pub url: String,
+}
+
+impl EdgeProcess {
+    /// Start it against the verifier at `cloud` (a URL), its draft on `cpus` (any core when
+    /// empty), with `extra` flags.
+    pub fn start(home: &Path, cloud: &str, cpus: &CpuSet, extra: &[String]) -> Result<Self> {
+        let exe = std::env::current_exe().context("locating the tandem binary")?;
+        let mut cmd = Command::new(exe);
+        cmd.arg("--home")
+            .arg(home)
+            .args(["serve", "--listen", "127.0.0.1:0", "--cloud", cloud])
+            .args(["--threads", &cpus.len().max(1).to_string()])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        if !cpus.is_empty() {
+            cmd.args(["--cpus", &cpus.to_string()]);
+        }
+        let (child, url, lines) =
+            spawn_until(cmd, "tandem serve", "tandem serve listening on ", |_| {})?;
+        std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
+        Ok(Self { child, url })
+    }
+
+    /// Its resident memory (VmRSS), MB.
+    pub fn rss_mb(&self) -> Result<f64> {
+        rss_mb_of(self.child.id())
+    }
+}
+
+impl Drop for EdgeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The resident memory (VmRSS) of process `pid`, MB.
+fn rss_mb_of(pid: u32) -> Result<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| anyhow!("no VmRSS in /proc/{pid}/status"))?;
+    Ok(kb / 1024.0)
 }
 
 /// Start `cmd` (its stderr piped) and read its stderr up to the line that starts with `ready`:

@@ -4,6 +4,14 @@
 //! [`crate::hostile`] take turns beside them; every 10 s the verifier's resident memory and the
 //! tokens committed are sampled. It reports lost sessions (errors), wrong answers, and the memory
 //! trend, and draws memory and throughput over time.
+//!
+//! With `serve`, the sessions are real: a `tandem serve` process in front of the verifier, and N
+//! API clients sending it, one after another, what users send — the turns of conversations (the
+//! whole history each turn: both prefix caches), JSON-schema answers (structured outputs: the
+//! draft and the verifier under the schema's mask), and answers that copy from their prompt (the
+//! edge's suffix drafts) — each answer checked against the verifier's own cloud-only greedy
+//! answer to the same tokens (which the tests prove is the target's), and the edge's memory
+//! sampled beside the verifier's.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -12,11 +20,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use serde::Serialize;
+use tandem_engine::tokenizer::ChatMessage;
 use tandem_engine::{CpuSet, GgufFile, Tokenizer};
-use tandem_spec::TreeConfig;
+use tandem_spec::{GrammarSource, TreeConfig};
 use tokio::sync::watch;
 
-use crate::cloudproc::CloudProcess;
+use crate::cloudproc::{CloudProcess, EdgeProcess};
 use crate::hostile::{run_attack, Attack, Tenant};
 use crate::load::{synthetic_session, SyntheticEdge};
 use crate::plots::{Chart, Series};
@@ -44,12 +53,175 @@ pub struct SoakArgs {
     pub cloud_cpus: CpuSet,
     /// Where the plot goes.
     pub png: Option<PathBuf>,
+    /// Real edges: a `tandem serve` process (its draft on `edge_cpus`) and API clients.
+    pub serve: bool,
+    pub edge_cpus: CpuSet,
+}
+
+/// tandem serve's counters the soak reports: its prompts, what the verifier's prefix cache and
+/// the draft's served of them, the completion tokens and the draft tokens accepted.
+const EDGE_COUNTERS: [&str; 6] = [
+    "tandem:prompt_tokens_total",
+    "tandem:prefix_cache_hits_total",
+    "tandem:draft_prefix_cache_hits_total",
+    "tandem:generation_tokens_total",
+    "tandem:spec_decode_num_draft_tokens_total",
+    "tandem:spec_decode_num_accepted_tokens_total",
+];
+
+/// A request the soak's API clients send `tandem serve`, and the answer it must get.
+#[derive(Debug, Clone)]
+struct Work {
+    kind: &'static str,
+    messages: Vec<ChatMessage>,
+    response_format: Option<serde_json::Value>,
+    /// The verifier's own greedy answer (cloud-only) to the same tokens: its text.
+    want: String,
+}
+
+/// Answers of one kind of request.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct KindCount {
+    pub kind: &'static str,
+    pub answers: usize,
+    pub exact: usize,
+}
+
+/// The JSON schema of the structured answers.
+fn person_schema() -> serde_json::Value {
+    serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "city": {"type": "string"},
+            "hobbies": {"type": "array", "items": {"type": "string"}, "maxItems": 3}
+        },
+        "required": ["name", "age", "city", "hobbies"],
+        "additionalProperties": false
+    })
+}
+
+/// What the soak's clients send: three conversations of three turns, two JSON-schema answers and
+/// two answers that copy from their prompt, each with the verifier's greedy answer of at most
+/// `tokens` tokens (the turns' histories carry the earlier answers).
+fn works(
+    rt: &tokio::runtime::Runtime,
+    url: &str,
+    tok: &Tokenizer,
+    tokens: usize,
+) -> Result<Vec<Work>> {
+    let user = |c: &str| ChatMessage {
+        role: "user".into(),
+        content: c.into(),
+    };
+    let answer = |messages: &[ChatMessage], grammar: Option<&GrammarSource>| -> Result<String> {
+        let ids = tok.encode(&tok.render_chat(messages)?)?;
+        let mut out = Vec::new();
+        tandem_edge::grpc::generate_remote_with(
+            rt,
+            tandem_edge::grpc::Remote::plain(url),
+            tok.fingerprint(),
+            &ids,
+            tandem_spec::sampling::SamplingParams::default(),
+            tokens as u32,
+            tandem_edge::grpc::GenerateOptions {
+                grammar,
+                self_draft: true,
+            },
+            |t| {
+                if !tok.is_eog(t) {
+                    out.push(t)
+                }
+            },
+        )?;
+        Ok(tok.decode(&out)?)
+    };
+    let mut works = Vec::new();
+    for c in 0..3 {
+        let mut history = vec![ChatMessage {
+            role: "system".into(),
+            content: format!("[soak {c}] You are a helpful assistant. Answer briefly."),
+        }];
+        for t in 0..3 {
+            history.push(user(crate::chat_bench::QUESTIONS[(c * 3 + t) % 12]));
+            let want = answer(&history, None)?;
+            works.push(Work {
+                kind: "conversation",
+                messages: history.clone(),
+                response_format: None,
+                want: want.clone(),
+            });
+            history.push(ChatMessage {
+                role: "assistant".into(),
+                content: want,
+            });
+        }
+    }
+    let schema = person_schema();
+    let source = GrammarSource::JsonSchema(schema.to_string());
+    for q in [
+        "Extract the person as JSON: Ada Lovelace, 36, from London, likes chess and poetry.",
+        "Extract the person as JSON: Alan Turing, 41, from Wilmslow, likes running.",
+    ] {
+        let messages = vec![user(q)];
+        works.push(Work {
+            kind: "json_schema",
+            want: answer(&messages, Some(&source))?,
+            messages,
+            response_format: Some(serde_json::json!({
+                "type": "json_schema",
+                "json_schema": {"name": "person", "strict": true, "schema": schema},
+            })),
+        });
+    }
+    for q in [
+        "Repeat this list exactly, one item per line: apples, pears, plums, cherries, grapes, \
+         lemons, limes, oranges, melons, peaches.",
+        "Copy this sentence word for word, twice: the quick brown fox jumps over the lazy dog \
+         while the cat sleeps in the warm afternoon sun.",
+    ] {
+        let messages = vec![user(q)];
+        works.push(Work {
+            kind: "copy",
+            want: answer(&messages, None)?,
+            messages,
+            response_format: None,
+        });
+    }
+    Ok(works)
+}
+
+/// One answer from `tandem serve` at `url` for `w` (greedy, at most `tokens`): its text and its
+/// completion tokens.
+fn ask(agent: &ureq::Agent, url: &str, w: &Work, tokens: usize) -> Result<(String, usize)> {
+    let mut body = serde_json::json!({
+        "messages": w.messages.iter().map(|m| serde_json::json!({"role": m.role, "content": m.content})).collect::<Vec<_>>(),
+        "max_tokens": tokens,
+        "temperature": 0,
+    });
+    if let Some(f) = &w.response_format {
+        body["response_format"] = f.clone();
+    }
+    let r: serde_json::Value = agent
+        .post(&format!("{url}/v1/chat/completions"))
+        .send_json(body)
+        .map_err(|e| anyhow::anyhow!("POST /v1/chat/completions: {e}"))?
+        .into_json()?;
+    let text = r["choices"][0]["message"]["content"]
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| anyhow::anyhow!("an answer without content: {r}"))?;
+    let n = r["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize;
+    Ok((text, n))
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Sample {
     pub t_s: f64,
     pub rss_mb: f64,
+    /// The edge process's (`serve`).
+    pub edge_rss_mb: Option<f64>,
     /// Tokens committed per second since the last sample, all sessions.
     pub tok_s: f64,
     pub answers: usize,
@@ -72,6 +244,15 @@ pub struct Report {
     pub rss_max_mb: f64,
     /// Least-squares slope of the RSS over the second half of the run, MB per minute.
     pub rss_slope_mb_per_min: f64,
+    /// The same of the edge process (`serve`).
+    pub edge_rss_first_mb: Option<f64>,
+    pub edge_rss_last_mb: Option<f64>,
+    pub edge_rss_max_mb: Option<f64>,
+    pub edge_rss_slope_mb_per_min: Option<f64>,
+    /// Answers by kind of request (`serve`).
+    pub kinds: Vec<KindCount>,
+    /// What tandem serve's `/metrics` counted at the end (`serve`): the features at work.
+    pub edge_counters: Vec<(String, f64)>,
     pub samples: Vec<Sample>,
     pub errors: Vec<String>,
 }
@@ -127,6 +308,19 @@ pub fn run(a: &SoakArgs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
             Ok(out)
         })
         .collect::<Result<_>>()?;
+    let edge = if a.serve {
+        progress("starting tandem serve");
+        Some(EdgeProcess::start(&a.home, &url, &a.edge_cpus, &[])?)
+    } else {
+        None
+    };
+    let works = if a.serve {
+        progress("the verifier's answers to the soak's requests");
+        works(&rt, &url, &tok, a.tokens)?
+    } else {
+        Vec::new()
+    };
+    let kinds = Mutex::new(std::collections::BTreeMap::<&'static str, (usize, usize)>::new());
     let vocab = tok.vocab_size() as u32;
     let deadline = Instant::now() + Duration::from_secs_f64(a.minutes * 60.0);
     let (answers, exact, wrong, lost, committed) = (
@@ -151,7 +345,54 @@ pub fn run(a: &SoakArgs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
         }
     ));
     std::thread::scope(|s| -> Result<()> {
-        for i in 0..a.sessions {
+        if let Some(edge) = &edge {
+            for i in 0..a.sessions {
+                let (works, kinds) = (&works, &kinds);
+                let (answers, exact, wrong, lost, committed, errors) =
+                    (&answers, &exact, &wrong, &lost, &committed, &errors);
+                s.spawn(move || {
+                    let agent = ureq::AgentBuilder::new()
+                        .timeout(Duration::from_secs(300))
+                        .build();
+                    let mut round = 0usize;
+                    while Instant::now() < deadline {
+                        let w = &works[(i + round) % works.len()];
+                        round += 1;
+                        match ask(&agent, &edge.url, w, a.tokens) {
+                            Ok((text, n)) => {
+                                answers.fetch_add(1, Ordering::Relaxed);
+                                committed.fetch_add(n, Ordering::Relaxed);
+                                let ok = text == w.want;
+                                if ok {
+                                    exact.fetch_add(1, Ordering::Relaxed);
+                                } else {
+                                    wrong.fetch_add(1, Ordering::Relaxed);
+                                    let mut es = errors.lock().unwrap_or_else(|e| e.into_inner());
+                                    if es.len() < 20 {
+                                        es.push(format!(
+                                            "{}: {text:?} where the target says {:?}",
+                                            w.kind, w.want
+                                        ));
+                                    }
+                                }
+                                let mut k = kinds.lock().unwrap_or_else(|e| e.into_inner());
+                                let e = k.entry(w.kind).or_default();
+                                e.0 += 1;
+                                e.1 += ok as usize;
+                            }
+                            Err(e) => {
+                                lost.fetch_add(1, Ordering::Relaxed);
+                                let mut es = errors.lock().unwrap_or_else(|e| e.into_inner());
+                                if es.len() < 20 {
+                                    es.push(format!("{}: {e}", w.kind));
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        }
+        for i in 0..if edge.is_some() { 0 } else { a.sessions } {
             let (rt, url, tok, prompts, wants) = (&rt, &url, &tok, &prompts, &wants);
             let (answers, exact, wrong, lost, committed, errors) =
                 (&answers, &exact, &wrong, &lost, &committed, &errors);
@@ -235,12 +476,22 @@ pub fn run(a: &SoakArgs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
             let sample = Sample {
                 t_s: round2(t),
                 rss_mb: round2(cloud.rss_mb().context("the verifier's memory")?),
+                edge_rss_mb: match &edge {
+                    Some(e) => Some(round2(e.rss_mb().context("tandem serve's memory")?)),
+                    None => None,
+                },
                 tok_s: round2((c - last.1) as f64 / (t - last.0).max(1e-9)),
                 answers: answers.load(Ordering::Relaxed),
             };
             progress(&format!(
-                "{:>5.0} s  RSS {:>6.1} MB  {:>6.1} tok/s  {} answers",
-                sample.t_s, sample.rss_mb, sample.tok_s, sample.answers
+                "{:>5.0} s  RSS {:>6.1} MB{}  {:>6.1} tok/s  {} answers",
+                sample.t_s,
+                sample.rss_mb,
+                sample
+                    .edge_rss_mb
+                    .map_or(String::new(), |m| format!(" (edge {m:.1} MB)")),
+                sample.tok_s,
+                sample.answers
             ));
             samples.push(sample);
             last = (t, c);
@@ -248,8 +499,33 @@ pub fn run(a: &SoakArgs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
         done.store(true, Ordering::Relaxed);
         Ok(())
     })?;
+    // What the features did: the draft's and the verifier's prefix caches, drafts accepted.
+    let edge_counters = match &edge {
+        Some(e) => {
+            let text = ureq::get(&format!("{}/metrics", e.url))
+                .call()
+                .map_err(|err| anyhow::anyhow!("tandem serve's /metrics: {err}"))?
+                .into_string()?;
+            EDGE_COUNTERS
+                .iter()
+                .map(|c| {
+                    let v = text
+                        .lines()
+                        .find_map(|l| l.strip_prefix(c)?.strip_prefix(' ')?.parse().ok())
+                        .unwrap_or(0.0);
+                    (c.to_string(), v)
+                })
+                .collect()
+        }
+        None => Vec::new(),
+    };
     let rss: Vec<(f64, f64)> = samples.iter().map(|s| (s.t_s / 60.0, s.rss_mb)).collect();
     let half = &rss[rss.len() / 2..];
+    let edge_rss: Vec<(f64, f64)> = samples
+        .iter()
+        .filter_map(|s| Some((s.t_s / 60.0, s.edge_rss_mb?)))
+        .collect();
+    let some = |v: f64| (!edge_rss.is_empty()).then_some(v);
     let r = Report {
         sessions: a.sessions,
         minutes: a.minutes,
@@ -264,6 +540,21 @@ pub fn run(a: &SoakArgs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
         rss_last_mb: rss.last().map_or(0.0, |p| p.1),
         rss_max_mb: rss.iter().map(|p| p.1).fold(0.0, f64::max),
         rss_slope_mb_per_min: round2(slope(half)),
+        edge_rss_first_mb: edge_rss.first().map(|p| p.1),
+        edge_rss_last_mb: edge_rss.last().map(|p| p.1),
+        edge_rss_max_mb: some(edge_rss.iter().map(|p| p.1).fold(0.0, f64::max)),
+        edge_rss_slope_mb_per_min: some(round2(slope(&edge_rss[edge_rss.len() / 2..]))),
+        edge_counters,
+        kinds: kinds
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner())
+            .into_iter()
+            .map(|(kind, (answers, exact))| KindCount {
+                kind,
+                answers,
+                exact,
+            })
+            .collect(),
         samples,
         errors: errors.into_inner().unwrap_or_else(|e| e.into_inner()),
     };
@@ -277,27 +568,32 @@ pub fn run(a: &SoakArgs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
             series: vec![Series::line(title, 0, points)],
         };
         let tput = r.samples.iter().map(|s| (s.t_s / 60.0, s.tok_s)).collect();
-        crate::plots::draw(
-            png,
-            &[
-                chart("verifier RSS", "MB", rss),
-                chart("committed tokens/s", "tokens/s", tput),
-            ],
-            640,
-            400,
-        )?;
+        let mut charts = vec![chart("verifier RSS", "MB", rss)];
+        if !edge_rss.is_empty() {
+            charts.push(chart("tandem serve RSS", "MB", edge_rss));
+        }
+        charts.push(chart("committed tokens/s", "tokens/s", tput));
+        crate::plots::draw(png, &charts, 640, 400)?;
     }
     Ok(r)
 }
 
 pub fn table(r: &Report) -> String {
     let mut s = format!(
-        "{} sessions for {:.1} min ({} tokens per answer, α {}): {} answers, {} exact, {} wrong, {} lost\n\
+        "{} for {:.1} min ({} tokens per answer, {}): {} answers, {} exact, {} wrong, {} lost\n\
          verifier RSS: first {:.0} MB, last {:.0} MB, max {:.0} MB, slope over the second half {:+.2} MB/min\n",
-        r.sessions,
+        if r.kinds.is_empty() {
+            format!("{} synthetic sessions", r.sessions)
+        } else {
+            format!("{} API clients of tandem serve", r.sessions)
+        },
         r.minutes,
         r.tokens_per_answer,
-        r.alpha,
+        if r.kinds.is_empty() {
+            format!("α {}", r.alpha)
+        } else {
+            "greedy, checked against the verifier's cloud-only answers".into()
+        },
         r.answers,
         r.exact,
         r.wrong,
@@ -307,6 +603,22 @@ pub fn table(r: &Report) -> String {
         r.rss_max_mb,
         r.rss_slope_mb_per_min
     );
+    if let (Some(f), Some(l), Some(m), Some(sl)) = (
+        r.edge_rss_first_mb,
+        r.edge_rss_last_mb,
+        r.edge_rss_max_mb,
+        r.edge_rss_slope_mb_per_min,
+    ) {
+        s += &format!(
+            "tandem serve RSS: first {f:.0} MB, last {l:.0} MB, max {m:.0} MB, slope over the second half {sl:+.2} MB/min\n"
+        );
+    }
+    for k in &r.kinds {
+        s += &format!("  {}: {} answers, {} exact\n", k.kind, k.answers, k.exact);
+    }
+    for (c, v) in &r.edge_counters {
+        s += &format!("  tandem serve {c} {v}\n");
+    }
     for a in &r.attacks {
         s += &format!("  attack {a}\n");
     }

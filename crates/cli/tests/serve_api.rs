@@ -590,3 +590,56 @@ fn a_long_prompt_goes_into_the_draft_a_chunk_a_round_beside_the_answers_streamin
     // 64 prompt tokens and a few draft steps at most, each feeding a few tokens.
     assert_eq!(edge_forwards_over(port, 128), before, "{}", metrics(port));
 }
+
+#[test]
+fn a_short_soak_through_tandem_serve_checks_every_answer_of_every_kind() {
+    // `bench soak --serve`: a real verifier process, a real tandem serve process, two API
+    // clients sending conversation turns, JSON-schema answers and answers that copy their
+    // prompt; every answer must be the verifier's own greedy one, and the conversations' turns
+    // must find their history in the draft's prefix cache.
+    draft_path();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args([
+            "bench",
+            "soak",
+            "--serve",
+            "--sessions",
+            "2",
+            "--minutes",
+            "0.3",
+            "--tokens",
+            "24",
+            "--no-hostile",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let answers = r["answers"].as_u64().unwrap();
+    assert!(answers > 0, "{r}");
+    assert_eq!(
+        (r["wrong"].as_u64(), r["lost"].as_u64()),
+        (Some(0), Some(0)),
+        "{r}"
+    );
+    assert_eq!(r["exact"].as_u64(), Some(answers));
+    for k in r["kinds"].as_array().unwrap() {
+        assert_eq!(k["answers"], k["exact"], "{k}");
+    }
+    let counter = |name: &str| {
+        r["edge_counters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c[0] == name)
+            .and_then(|c| c[1].as_f64())
+            .unwrap_or_else(|| panic!("{name} in {r}"))
+    };
+    // Each client's second request is its conversation's next turn.
+    if answers >= 4 {
+        assert!(counter("tandem:draft_prefix_cache_hits_total") > 0.0, "{r}");
+    }
+    assert!(r["edge_rss_max_mb"].as_f64().unwrap() > 0.0, "{r}");
+}

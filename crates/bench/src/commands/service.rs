@@ -23,6 +23,11 @@ pub struct SoakBenchArgs {
     /// Draw memory and throughput over time into this PNG.
     #[arg(long)]
     png: Option<PathBuf>,
+    /// Real edges: a `tandem serve` process and --sessions API clients sending it conversations,
+    /// JSON-schema answers and answers that copy from their prompt, each checked (instead of
+    /// synthetic edges speaking gRPC).
+    #[arg(long)]
+    serve: bool,
     #[command(flatten)]
     cores: Cores,
     #[command(flatten)]
@@ -36,8 +41,10 @@ pub fn cmd_soak_bench(home: &std::path::Path, a: SoakBenchArgs) -> Result<()> {
     if !(0.0..=1.0).contains(&a.alpha) {
         bail!("--alpha must be within [0, 1], got {}", a.alpha);
     }
-    let (_, cloud_cpus) = a.cores.split();
+    let (edge_cpus, cloud_cpus) = a.cores.split();
     let args = crate::soak::SoakArgs {
+        serve: a.serve,
+        edge_cpus,
         home: home.to_path_buf(),
         sessions: a.sessions,
         minutes: a.minutes,
