@@ -185,13 +185,9 @@ impl<L: Link> Driver<L> {
         }
     }
 
-    /// The tokens the session's [`Want::Draft`] asked for, from a draft forward of `ms`.
-    pub fn grown(
-        &mut self,
-        props: Vec<Proposal>,
-        ms: f64,
-        on_update: &mut impl FnMut(Update<'_>),
-    ) -> Result<(), EdgeError> {
+    /// A draft forward's proposals as the session takes them, and whether that forward also
+    /// fed the prompt; the forward counted.
+    fn growth(&mut self, props: Vec<Proposal>) -> (Vec<Grown>, bool) {
         self.draft_forwards += 1;
         let prefill = props.first().is_some_and(|p| p.prefill);
         let grown = props
@@ -202,6 +198,17 @@ impl<L: Link> Driver<L> {
                 hedge: p.hedge,
             })
             .collect();
+        (grown, prefill)
+    }
+
+    /// The tokens the session's [`Want::Draft`] asked for, from a draft forward of `ms`.
+    pub fn grown(
+        &mut self,
+        props: Vec<Proposal>,
+        ms: f64,
+        on_update: &mut impl FnMut(Update<'_>),
+    ) -> Result<(), EdgeError> {
+        let (grown, prefill) = self.growth(props);
         let outs = self.es.on_grown(self.now_us(), grown, ms, prefill)?;
         self.apply(outs)?;
         self.show(on_update, None);
@@ -218,16 +225,7 @@ impl<L: Link> Driver<L> {
         ms: f64,
         on_update: &mut impl FnMut(Update<'_>),
     ) -> Result<(), EdgeError> {
-        self.draft_forwards += 1;
-        let prefill = props.first().is_some_and(|p| p.prefill);
-        let grown = props
-            .into_iter()
-            .map(|p| Grown {
-                token: p.token,
-                q: p.q,
-                hedge: p.hedge,
-            })
-            .collect();
+        let (grown, prefill) = self.growth(props);
         let Some(outs) = self
             .es
             .on_grown_at(self.now_us(), asked, grown, ms, prefill)?

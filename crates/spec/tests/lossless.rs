@@ -450,6 +450,24 @@ fn run(
     let mut committed: Vec<u32> = Vec::new();
     let mut draft_kv = 0usize;
     let mut salt = 0u64;
+    // Every leaf of frontier `f` grows a token (the main path first).
+    let grow = |edge: &Pipeline, f: &Frontier, salt: &mut u64| -> Vec<Grown> {
+        f.leaves
+            .iter()
+            .map(|leaf| {
+                *salt += 1;
+                let mut seq = edge.tokens()[..f.base].to_vec();
+                seq.extend(leaf);
+                let t = draft_for(&seq, seed, alpha, *salt, output_from);
+                let h = hedge(&seq, t, seed, *salt);
+                Grown {
+                    token: t,
+                    q: None,
+                    hedge: h,
+                }
+            })
+            .collect()
+    };
     // A draft step in its forward: the frontier it grows and its tokens.
     let mut in_forward: Option<(Frontier, Vec<Grown>, Vec<u32>)> = None;
     let handle = |outs: Vec<Output>,
@@ -521,39 +539,15 @@ fn run(
             Step::DraftStart if in_forward.is_none() && edge.next() == Next::Draft => {
                 draft_kv = edge.tokens().len();
                 let f = edge.frontier();
-                let mut grown = Vec::new();
-                for leaf in &f.leaves {
-                    salt += 1;
-                    let mut seq = edge.tokens()[..f.base].to_vec();
-                    seq.extend(leaf);
-                    let t = draft_for(&seq, seed, alpha, salt, output_from);
-                    let h = hedge(&seq, t, seed, salt);
-                    grown.push(Grown {
-                        token: t,
-                        q: None,
-                        hedge: h,
-                    });
-                }
+                let grown = grow(&edge, &f, &mut salt);
                 in_forward = Some((f, grown, edge.tokens().to_vec()));
             }
             Step::Draft if edge.next() == Next::Draft => {
                 prop_assert!(edge.draft_fed() <= edge.tokens().len());
-                draft_kv = edge.tokens().len(); // the shell feeds everything before drafting
-                                                // Every leaf of the draft tree grows a token (the main path first).
+                // The shell feeds everything before drafting.
+                draft_kv = edge.tokens().len();
                 let f = edge.frontier();
-                let mut grown = Vec::new();
-                for leaf in &f.leaves {
-                    salt += 1;
-                    let mut seq = edge.tokens()[..f.base].to_vec();
-                    seq.extend(leaf);
-                    let t = draft_for(&seq, seed, alpha, salt, output_from);
-                    let h = hedge(&seq, t, seed, salt);
-                    grown.push(Grown {
-                        token: t,
-                        q: None,
-                        hedge: h,
-                    });
-                }
+                let grown = grow(&edge, &f, &mut salt);
                 let outs = edge
                     .on_grown(grown)
                     .map_err(|e| TestCaseError::fail(e.to_string()))?;
