@@ -109,8 +109,8 @@ pub struct ChatReport {
 }
 
 /// One answered turn of one user.
-struct Answered {
-    text: String,
+pub(crate) struct Answered {
+    pub(crate) text: String,
     /// Token ids of the answer (cloud-only), or its completion tokens' count (speculation).
     answer_tokens: usize,
     prompt_tokens: usize,
@@ -163,24 +163,30 @@ fn http_turn(
     Ok(a)
 }
 
-/// One cloud-only turn: the rendered history through the verifier's `Generate` RPC.
-fn cloud_turn(
+/// One cloud-only turn: the rendered history through the verifier's `Generate` RPC (greedy;
+/// under `grammar`'s mask when given: a structured output).
+pub(crate) fn cloud_turn(
     rt: &tokio::runtime::Runtime,
     url: &str,
     tok: &Tokenizer,
     messages: &[ChatMessage],
     max_tokens: usize,
+    grammar: Option<&tandem_spec::GrammarSource>,
 ) -> Result<Answered> {
     let ids = tok.encode(&tok.render_chat(messages)?)?;
     let t0 = Instant::now();
     let (mut out, mut token_ms) = (Vec::new(), Vec::new());
-    let cached = tandem_edge::grpc::generate_remote(
+    let cached = tandem_edge::grpc::generate_remote_with(
         rt,
         tandem_edge::grpc::Remote::plain(url),
         tok.fingerprint(),
         &ids,
         SamplingParams::default(),
         max_tokens as u32,
+        tandem_edge::grpc::GenerateOptions {
+            grammar,
+            ..Default::default()
+        },
         |t| {
             if !tok.is_eog(t) {
                 token_ms.push(t0.elapsed().as_secs_f64() * 1e3);
@@ -439,7 +445,7 @@ pub fn run(a: &ChatBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ChatRepo
             progress(&format!("cloud-only (Generate), cache {on}, {n} users"));
             let t0 = Instant::now();
             let users = conversations(n, a.turns, "cloud-only", &|m| {
-                cloud_turn(&grpc, &front, &tok, m, a.max_tokens)
+                cloud_turn(&grpc, &front, &tok, m, a.max_tokens, None)
             });
             let mut r = row(
                 "cloud-only",

@@ -643,7 +643,6 @@ async fn victim(
     Ok((answers, got, t0.elapsed().as_secs_f64(), gap, ttft))
 }
 
-/// A key of `name`'s: its name and 128 random bits (the edge's routing-key draw).
 /// `attack` by the independent client (`scripts/hostile_grpcio.py` under `python`) for
 /// `seconds`, on connections of its own; what it saw, in words.
 async fn grpcio_attack(
@@ -697,6 +696,7 @@ async fn grpcio_attack(
     )
 }
 
+/// A key of `name`'s: its name and 128 random bits (the edge's routing-key draw).
 fn key(name: &str) -> String {
     format!("{name}-{}", tandem_edge::grpc::new_route())
 }

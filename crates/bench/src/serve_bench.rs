@@ -135,17 +135,12 @@ fn row(mode: &'static str, clients: usize, timed: &[Timed], wall_s: f64) -> Row 
         .iter()
         .filter_map(|t| t.token_ms.first().copied())
         .collect();
-    let gaps: Vec<f64> = timed
+    let per_request: Vec<Vec<f64>> = timed
         .iter()
-        .flat_map(|t| t.token_ms.windows(2).map(|w| w[1] - w[0]))
+        .map(|t| t.token_ms.windows(2).map(|w| w[1] - w[0]).collect())
         .collect();
-    let p99s: Vec<f64> = timed
-        .iter()
-        .map(|t| {
-            let g: Vec<f64> = t.token_ms.windows(2).map(|w| w[1] - w[0]).collect();
-            Summary::of(&g).p99
-        })
-        .collect();
+    let gaps = per_request.concat();
+    let p99s: Vec<f64> = per_request.iter().map(|g| Summary::of(g).p99).collect();
     let worst_p99 = p99s.iter().copied().fold(0.0, f64::max);
     let gap_summary = Summary::of(&gaps);
     let (acc, judged) = timed

@@ -115,27 +115,9 @@ fn works(
         role: "user".into(),
         content: c.into(),
     };
+    // The verifier's own greedy answer, cloud-only (the tests prove it the target's).
     let answer = |messages: &[ChatMessage], grammar: Option<&GrammarSource>| -> Result<String> {
-        let ids = tok.encode(&tok.render_chat(messages)?)?;
-        let mut out = Vec::new();
-        tandem_edge::grpc::generate_remote_with(
-            rt,
-            tandem_edge::grpc::Remote::plain(url),
-            tok.fingerprint(),
-            &ids,
-            tandem_spec::sampling::SamplingParams::default(),
-            tokens as u32,
-            tandem_edge::grpc::GenerateOptions {
-                grammar,
-                self_draft: true,
-            },
-            |t| {
-                if !tok.is_eog(t) {
-                    out.push(t)
-                }
-            },
-        )?;
-        Ok(tok.decode(&out)?)
+        Ok(crate::chat_bench::cloud_turn(rt, url, tok, messages, tokens, grammar)?.text)
     };
     let mut works = Vec::new();
     for c in 0..3 {
@@ -196,7 +178,7 @@ fn works(
 /// completion tokens.
 fn ask(agent: &ureq::Agent, url: &str, w: &Work, tokens: usize) -> Result<(String, usize)> {
     let mut body = serde_json::json!({
-        "messages": w.messages.iter().map(|m| serde_json::json!({"role": m.role, "content": m.content})).collect::<Vec<_>>(),
+        "messages": w.messages,
         "max_tokens": tokens,
         "temperature": 0,
     });

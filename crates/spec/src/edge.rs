@@ -404,11 +404,7 @@ impl EdgeSession {
         prefill: bool,
     ) -> Vec<Output> {
         let now_ms = as_ms(now_us);
-        if !prefill {
-            self.est.on_draft(ms);
-            self.totals.draft_ms += ms;
-            self.totals.draft_steps += 1;
-        }
+        self.count_draft(ms, prefill);
         let out = self.p.on_drafted(token, q);
         self.sent(now_ms, &out);
         out
@@ -429,11 +425,7 @@ impl EdgeSession {
         prefill: bool,
     ) -> Result<Vec<Output>, SpecError> {
         let now_ms = as_ms(now_us);
-        if !prefill {
-            self.est.on_draft(ms);
-            self.totals.draft_ms += ms;
-            self.totals.draft_steps += 1;
-        }
+        self.count_draft(ms, prefill);
         let out = self.p.on_grown(grown)?;
         self.sent(now_ms, &out);
         Ok(out)
@@ -451,16 +443,22 @@ impl EdgeSession {
         prefill: bool,
     ) -> Result<Option<Vec<Output>>, SpecError> {
         let now_ms = as_ms(now_us);
-        if !prefill {
-            self.est.on_draft(ms);
-            self.totals.draft_ms += ms;
-            self.totals.draft_steps += 1;
-        }
+        self.count_draft(ms, prefill);
         let out = self.p.on_grown_at(asked, grown)?;
         if let Some(out) = &out {
             self.sent(now_ms, out);
         }
         Ok(out)
+    }
+
+    /// A draft forward of `ms` ran: the policy's estimate and the totals count it, unless it
+    /// also fed the prompt (`prefill`: not a draft step's time).
+    fn count_draft(&mut self, ms: f64, prefill: bool) {
+        if !prefill {
+            self.est.on_draft(ms);
+            self.totals.draft_ms += ms;
+            self.totals.draft_steps += 1;
+        }
     }
 
     /// A message from the verifier arrived at `now_us`.

@@ -426,8 +426,7 @@ struct Active {
     out: Out,
     /// Prompt tokens the verifier's prefix cache served.
     cached_tokens: usize,
-    /// The draft has the prompt in its KV; before, the prompt tokens it has.
-    prefilled: bool,
+    /// The prompt tokens the draft's KV has (all of them: the session may draft).
     prefill_at: usize,
     queued_s: f64,
     reconnects: usize,
@@ -456,21 +455,18 @@ impl Active {
 
     /// The prefill step the session takes next, while the draft lacks some of its prompt (it
     /// drafts only after).
-    fn prefill_step(&mut self) -> Option<RoundWork> {
+    fn prefill_step(&self) -> Option<RoundWork> {
         let n = self.req.prompt_ids.len();
-        if self.prefill_at >= n {
-            self.prefilled = true;
-        }
-        (!self.prefilled).then(|| RoundWork::Prefill {
+        (self.prefill_at < n).then(|| RoundWork::Prefill {
             from: self.prefill_at,
             to: (self.prefill_at + PREFILL_CHUNK).min(n),
         })
     }
 
     /// The step that feeds the draft the committed tokens it lacks before it drafts at
-    /// `base` (the verifier decoded them while it had the session), a chunk a round, when they
-    /// are more than [`CATCH_UP`]: a draft step, which holds the session's stream while it
-    /// runs, then feeds a few.
+    /// `base` (the verifier decoded them while it had the session), a chunk a round within the
+    /// round's prefill budget, when they are more than [`CATCH_UP`]: the draft step after it
+    /// then feeds a few, not all of them in one forward every session's next step waits for.
     fn catch_up(&self, base: usize) -> Option<RoundWork> {
         let Phase::Spec(d) = &self.phase else {
             return None;
@@ -699,7 +695,6 @@ impl Sessions {
             spec,
             seq,
             phase: Phase::Connecting(link),
-            prefilled: false,
             prefill_at: draft_cached,
             cached_tokens: 0,
             queued_s,
@@ -970,7 +965,6 @@ impl Sessions {
             let r = match (&p, &mut a.phase) {
                 (RoundWork::Prefill { to, .. }, _) => {
                     a.prefill_at = *to;
-                    a.prefilled = *to == a.req.prompt_ids.len();
                     Ok(())
                 }
                 (RoundWork::Draft(f), Phase::Spec(d)) => {
