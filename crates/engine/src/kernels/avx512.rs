@@ -1,9 +1,10 @@
 //! The AVX-512 path (AVX-512F and FMA): a fused multiply-add per step, in the portable path's
 //! order and with its weights' values, so its bits are the portable path's (see [`super`]).
 //!
-//! - **f32 panels**: a GEMM micro-kernel over two 16-row panels × up to 12 tokens (24 accumulators
-//!   in registers), one running sum per output over the columns in order; the columns are walked
-//!   in blocks that stay in L1 while every token tile uses them.
+//! - **f32 panels**: a GEMM micro-kernel over `P` 16-row panels × up to `T` tokens in registers
+//!   (8 × 3, 4 × 6 or 2 × 12: at most 24 accumulators), one running sum per output over the
+//!   columns in order; the columns are walked in blocks that stay in L1 while every token tile
+//!   uses them. With few tokens, more panels at once: more weight streams in flight.
 //! - **Quantized and f16 rows**: the portable lane layout (element `i` of a reduction in lane
 //!   `i % 16`, the lanes folded by the same pairwise tree) in register tiles of 4 rows × up to 4
 //!   tokens: each weight is loaded once per 4 tokens and each activation once per 4 rows.
@@ -415,15 +416,16 @@ unsafe fn tiles<R: Rows>(
     }
 }
 
-/// Tokens of one panel tile: 2 × 12 accumulators, two weight columns and a broadcast activation
-/// fill the 32 vector registers.
+/// Tokens of one tile of two panels: 2 × 12 accumulators, two weight columns and a broadcast
+/// activation fill the 32 vector registers.
 const PANEL_TOKENS: usize = 12;
-/// Columns of a panel pair kept in L1 (32 KiB) while every token tile walks them.
+/// Columns of two panels kept in L1 (32 KiB) while every token tile walks them (of `P` panels:
+/// `2 / P` as many, the same bytes).
 const PANEL_COLS: usize = 256;
 
-/// Two panels (32 rows) times `T` tokens over columns `k0..k1`, continuing the running sums in
-/// `acc`: for each output one fused multiply-add per column, in column order, whatever `T` or
-/// the column blocking (so the bits never depend on the batch).
+/// `P` panels (16·P rows) times `T` tokens over columns `k0..k1`, continuing the running sums in
+/// `acc`: for each output one fused multiply-add per column, in column order, whatever `P`, `T`
+/// or the column blocking (so the bits never depend on the batch).
 ///
 /// With `PF`, each column is also asked of L2 [`PREFETCH_BYTES`] ahead: the first tile over a
 /// block streams it from memory, the later ones find it in L1 and skip the extra instructions.
@@ -432,40 +434,46 @@ const PANEL_COLS: usize = 256;
 /// Each panel pointer must cover `k1` columns, each token pointer `k1` floats.
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn panel_tile<const T: usize, const PF: bool>(
-    w: [*const f32; 2],
+unsafe fn panel_tile<const P: usize, const T: usize, const PF: bool>(
+    w: [*const f32; P],
     x: [*const f32; T],
     k0: usize,
     k1: usize,
-    acc: &mut [[__m512; 2]],
+    acc: &mut [[__m512; P]],
 ) {
-    let mut a0: [__m512; T] = std::array::from_fn(|t| acc[t][0]);
-    let mut a1: [__m512; T] = std::array::from_fn(|t| acc[t][1]);
+    let mut a: [[__m512; P]; T] = std::array::from_fn(|t| acc[t]);
     for k in k0..k1 {
-        let (p0, p1) = (w[0].wrapping_add(k * PANEL), w[1].wrapping_add(k * PANEL));
+        let p: [*const f32; P] = std::array::from_fn(|q| w[q].wrapping_add(k * PANEL));
         if PF {
-            _mm_prefetch::<_MM_HINT_T1>(p0.wrapping_byte_add(PREFETCH_BYTES) as *const i8);
-            _mm_prefetch::<_MM_HINT_T1>(p1.wrapping_byte_add(PREFETCH_BYTES) as *const i8);
+            for q in p {
+                _mm_prefetch::<_MM_HINT_T1>(q.wrapping_byte_add(PREFETCH_BYTES) as *const i8);
+            }
         }
-        // SAFETY: column k of both panels is within them (aligned: one cache line each).
-        let (w0, w1) = unsafe { (_mm512_load_ps(p0), _mm512_load_ps(p1)) };
+        // SAFETY: column k of every panel is within it (aligned: one cache line each).
+        let wv: [__m512; P] = std::array::from_fn(|q| unsafe { _mm512_load_ps(p[q]) });
         for t in 0..T {
             // SAFETY: k < k1.
             let xb = _mm512_set1_ps(unsafe { x[t].add(k).read() });
-            a0[t] = _mm512_fmadd_ps(w0, xb, a0[t]);
-            a1[t] = _mm512_fmadd_ps(w1, xb, a1[t]);
+            for q in 0..P {
+                a[t][q] = _mm512_fmadd_ps(wv[q], xb, a[t][q]);
+            }
         }
     }
-    for t in 0..T {
-        acc[t] = [a0[t], a1[t]];
-    }
+    acc[..T].copy_from_slice(&a);
 }
 
-/// [`rows_task`] over f32 panels: two panels at a time (a lone last panel is paired with
-/// itself, its copy dropped); columns in blocks that stay in L1 while tiles of up to 12 tokens
-/// walk them, the running sums kept between blocks.
+/// [`rows_task`] over f32 panels: `P` panels at a time (a short last group repeats its last
+/// panel, the copies dropped) times up to `T` tokens; the tokens split into near-equal tiles,
+/// the columns walked in blocks that stay in L1 while the tiles use them, the running sums kept
+/// between blocks.
+#[inline]
 #[target_feature(enable = "avx512f,fma")]
-fn panels(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
+fn panel_tiles<const P: usize, const T: usize>(
+    p: &Panels,
+    cols: usize,
+    x: &[f32],
+    out: &mut RowsOut,
+) {
     let (n_rows, n_tok, r0) = (out.n_rows(), out.n_tok(), out.r0());
     let n_panels = n_rows.div_ceil(PANEL);
     assert!(
@@ -473,17 +481,18 @@ fn panels(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
         "invariant: tasks start at a panel; x holds n_tok rows"
     );
     let panel_at = |i: usize| p.panel(r0 + i * PANEL, cols).as_ptr() as *const f32;
-    let mut acc = vec![[_mm512_setzero_ps(); 2]; n_tok];
+    let mut acc = vec![[_mm512_setzero_ps(); P]; n_tok];
     let mut i = 0;
     while i < n_panels {
-        let np = (n_panels - i).min(2);
-        let w = [panel_at(i), panel_at(i + np - 1)];
-        acc.fill([_mm512_setzero_ps(); 2]);
-        for k0 in (0..cols).step_by(PANEL_COLS) {
-            let k1 = (k0 + PANEL_COLS).min(cols);
+        let np = (n_panels - i).min(P);
+        let w: [*const f32; P] = std::array::from_fn(|q| panel_at(i + q.min(np - 1)));
+        acc.fill([_mm512_setzero_ps(); P]);
+        for k0 in (0..cols).step_by(PANEL_COLS * 2 / P) {
+            let k1 = (k0 + PANEL_COLS * 2 / P).min(cols);
+            let tiles = n_tok.div_ceil(T);
             let mut t = 0;
-            while t < n_tok {
-                let nt = (n_tok - t).min(PANEL_TOKENS);
+            for tile in 0..tiles {
+                let nt = (n_tok - t).div_ceil(tiles - tile).min(T);
                 macro_rules! run {
                     ($t:literal) => {{
                         let xs: [*const f32; $t] =
@@ -492,10 +501,10 @@ fn panels(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
                         // SAFETY: the panels hold `cols` columns (`panel` checks the bounds),
                         // the tokens `cols` floats each.
                         unsafe {
-                            if t == 0 {
-                                panel_tile::<$t, true>(w, xs, k0, k1, a)
+                            if tile == 0 {
+                                panel_tile::<P, $t, true>(w, xs, k0, k1, a)
                             } else {
-                                panel_tile::<$t, false>(w, xs, k0, k1, a)
+                                panel_tile::<P, $t, false>(w, xs, k0, k1, a)
                             }
                         }
                     }};
@@ -527,6 +536,20 @@ fn panels(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
             }
         }
         i += np;
+    }
+}
+
+/// [`rows_task`] over f32 panels, in register tiles of `P` panels × up to `T` tokens
+/// ([`panel_tiles`]): 8 × 3 for up to three tokens, 4 × 6 for up to six, 2 × 12 for more. A
+/// single core's stream from memory is limited by the misses it keeps in flight: with two panels
+/// at a time a decode read the target's layers at ~20 GB/s and a chunk of two at ~18 (of ~26 the
+/// core reads a plain buffer at, Zen 4); with eight, ~25 and ~22.
+#[target_feature(enable = "avx512f,fma")]
+fn panels(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
+    match out.n_tok() {
+        ..=3 => panel_tiles::<8, 3>(p, cols, x, out),
+        4..=6 => panel_tiles::<4, 6>(p, cols, x, out),
+        _ => panel_tiles::<2, PANEL_TOKENS>(p, cols, x, out),
     }
 }
 
