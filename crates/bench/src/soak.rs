@@ -11,7 +11,9 @@
 //! draft and the verifier under the schema's mask), and answers that copy from their prompt (the
 //! edge's suffix drafts) — each answer checked against the verifier's own cloud-only greedy
 //! answer to the same tokens (which the tests prove is the target's), and the edge's memory
-//! sampled beside the verifier's.
+//! sampled beside the verifier's. Hostile API clients of `tandem serve` then take turns too
+//! (streams never read, clients that hang up after the first event, headers a byte a second),
+//! beside the verifier's attackers.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -172,6 +174,115 @@ fn works(
         });
     }
     Ok(works)
+}
+
+/// What hostile API clients do to `tandem serve` during a `--serve` soak, taking turns beside
+/// the verifier's attackers (a minute each), over plain TCP: nothing of the project's client.
+#[derive(Debug, Clone, Copy)]
+enum HttpAttack {
+    /// Streamed answers whose client never reads a byte of them (4 at a time, held open).
+    UnreadStreams,
+    /// Streamed answers whose client hangs up after the first event, one after another.
+    Vanishing,
+    /// Requests whose headers come a byte a second (50 connections).
+    SlowHeaders,
+}
+
+const HTTP_ATTACKS: [HttpAttack; 3] = [
+    HttpAttack::UnreadStreams,
+    HttpAttack::Vanishing,
+    HttpAttack::SlowHeaders,
+];
+
+/// A streamed chat request for `max_tokens`, as raw HTTP/1.1.
+fn stream_request(host: &str, max_tokens: usize) -> Vec<u8> {
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": true,
+    })
+    .to_string();
+    format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// Run `attack` against `tandem serve` at `url` until `until`; what it did, in words.
+fn run_http_attack(attack: HttpAttack, url: &str, until: Instant) -> String {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    let host = url.trim_start_matches("http://").to_string();
+    let connect = || -> std::io::Result<TcpStream> {
+        let c = TcpStream::connect(&host)?;
+        c.set_read_timeout(Some(Duration::from_secs(30)))?;
+        c.set_write_timeout(Some(Duration::from_secs(5)))?;
+        Ok(c)
+    };
+    let wait_until = |t: Instant| std::thread::sleep(t.saturating_duration_since(Instant::now()));
+    match attack {
+        HttpAttack::UnreadStreams => {
+            let mut held = Vec::new();
+            let mut failed = 0;
+            for _ in 0..4 {
+                match connect()
+                    .and_then(|mut c| c.write_all(&stream_request(&host, 256)).map(|_| c))
+                {
+                    Ok(c) => held.push(c),
+                    Err(_) => failed += 1,
+                }
+            }
+            wait_until(until);
+            format!(
+                "{} streams never read, held open; {failed} failed to connect",
+                held.len()
+            )
+        }
+        HttpAttack::Vanishing => {
+            let (mut cut, mut failed) = (0usize, 0usize);
+            while Instant::now() < until {
+                let first_event = connect().and_then(|mut c| {
+                    c.write_all(&stream_request(&host, 128))?;
+                    let mut buf = [0u8; 4096];
+                    let mut seen = Vec::new();
+                    while !seen.windows(5).any(|w| w == b"data:") {
+                        let n = c.read(&mut buf)?;
+                        if n == 0 {
+                            return Err(std::io::ErrorKind::UnexpectedEof.into());
+                        }
+                        seen.extend_from_slice(&buf[..n]);
+                    }
+                    Ok(())
+                });
+                match first_event {
+                    Ok(()) => cut += 1,
+                    Err(_) => failed += 1,
+                }
+            }
+            format!("{cut} streams cut after their first event; {failed} failed")
+        }
+        HttpAttack::SlowHeaders => {
+            let req = stream_request(&host, 16);
+            let mut conns: Vec<Option<TcpStream>> = (0..50).map(|_| connect().ok()).collect();
+            let opened = conns.iter().flatten().count();
+            let (mut sent, mut closed) = (0usize, 0usize);
+            while Instant::now() < until && sent < req.len() {
+                for c in conns.iter_mut() {
+                    if let Some(s) = c {
+                        if s.write_all(&req[sent..sent + 1]).is_err() {
+                            *c = None;
+                            closed += 1;
+                        }
+                    }
+                }
+                sent += 1;
+                wait_until((Instant::now() + Duration::from_secs(1)).min(until));
+            }
+            format!("{opened} connections sent {sent} bytes of their headers a second at a time; the server closed {closed}")
+        }
+    }
 }
 
 /// One answer from `tandem serve` at `url` for `w` (greedy, at most `tokens`): its text and its
@@ -443,6 +554,22 @@ pub fn run(a: &SoakArgs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
                         .push(format!("{attack:?}: {what}"));
+                }
+            });
+        }
+        if let (true, Some(edge)) = (a.hostile, &edge) {
+            let (done, attacks) = (&done, &attacks);
+            s.spawn(move || {
+                for attack in HTTP_ATTACKS.iter().cycle() {
+                    if done.load(Ordering::Relaxed) || Instant::now() >= deadline {
+                        break;
+                    }
+                    let until = deadline.min(Instant::now() + Duration::from_secs(60));
+                    let what = run_http_attack(*attack, &edge.url, until);
+                    attacks
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(format!("HTTP {attack:?}: {what}"));
                 }
             });
         }
