@@ -11,6 +11,7 @@
 //! see committed text only).
 
 pub mod api;
+pub mod http;
 pub mod metrics;
 pub mod sessions;
 pub mod stops;
@@ -133,16 +134,9 @@ pub async fn serve(
         grammar,
     });
     // Each SSE chunk (a token's text) goes out when it is written, not held by Nagle's
-    // algorithm for the last one's ACK.
-    use axum::serve::ListenerExt;
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!("TCP_NODELAY not set on a client's connection: {e}");
-        }
-    });
-    let served = axum::serve(listener, app(state))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    // algorithm for the last one's ACK; a request's head that takes too long loses its
+    // connection.
+    let served = http::serve_http(listener, app(state), shutdown, http::HEAD_TIMEOUT).await;
     // No request is left in the router: the draft thread ends when its last session has.
     let _ = stop.send(Msg::Shutdown);
     let _ = tokio::task::spawn_blocking(move || {
