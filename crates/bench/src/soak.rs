@@ -268,7 +268,8 @@ fn run_http_attack(attack: HttpAttack, url: &str, until: Instant) -> String {
             let mut conns: Vec<Option<TcpStream>> = (0..50).map(|_| connect().ok()).collect();
             let opened = conns.iter().flatten().count();
             let (mut sent, mut closed) = (0usize, 0usize);
-            while Instant::now() < until && sent < req.len() {
+            // Until the server has closed them all (what each sent is then `sent` at most).
+            while Instant::now() < until && sent < req.len() && conns.iter().any(Option::is_some) {
                 for c in conns.iter_mut() {
                     if let Some(s) = c {
                         if s.write_all(&req[sent..sent + 1]).is_err() {

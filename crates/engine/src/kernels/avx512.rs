@@ -482,14 +482,14 @@ fn panel_tiles<const P: usize, const T: usize>(
     );
     let panel_at = |i: usize| p.panel(r0 + i * PANEL, cols).as_ptr() as *const f32;
     let mut acc = vec![[_mm512_setzero_ps(); P]; n_tok];
+    let (tiles, block) = (n_tok.div_ceil(T), PANEL_COLS * 2 / P);
     let mut i = 0;
     while i < n_panels {
         let np = (n_panels - i).min(P);
         let w: [*const f32; P] = std::array::from_fn(|q| panel_at(i + q.min(np - 1)));
         acc.fill([_mm512_setzero_ps(); P]);
-        for k0 in (0..cols).step_by(PANEL_COLS * 2 / P) {
-            let k1 = (k0 + PANEL_COLS * 2 / P).min(cols);
-            let tiles = n_tok.div_ceil(T);
+        for k0 in (0..cols).step_by(block) {
+            let k1 = (k0 + block).min(cols);
             let mut t = 0;
             for tile in 0..tiles {
                 let nt = (n_tok - t).div_ceil(tiles - tile).min(T);
