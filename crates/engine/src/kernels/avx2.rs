@@ -4,7 +4,7 @@
 //!
 //! - **f32 panels**: 8 panels (128 rows) × 1 token in registers (each panel column is two 8-lane
 //!   vectors: 16 accumulators, the weights read by the multiply-adds themselves), 4 panels × 2
-//!   tokens, 2 panels × 3 tokens, 1 panel × up to 6 tokens for more (one pass over the weights
+//!   tokens, 1 panel × up to 6 tokens for more (one pass over the weights
 //!   carries the compute of several tokens; with few tokens, more weight streams at once keep
 //!   more of them in flight); one running sum per output over the columns in order, the
 //!   columns walked in blocks that stay in L1 while every token tile uses them.
@@ -23,8 +23,9 @@
 //! - **Attention's dot products**: the portable 16-lane sum as two vectors (a multiply then an
 //!   add a step, as the portable code: the same bits).
 //!
-//! Every stream of weights asks the L2 for its bytes [`PREFETCH_BYTES`] ahead (the 8-bit
-//! kernel asks the L1, [`PREFETCH_A8`] ahead).
+//! Every stream of weights asks the L2 for its bytes ahead: [`PREFETCH_BYTES`] ahead, or for
+//! f32 panels of one or two tokens the next group of panels' too ([`Ahead`]); the 8-bit kernel
+//! asks the L1, [`PREFETCH_A8`] ahead.
 
 use std::arch::x86_64::*;
 
@@ -443,26 +444,28 @@ const PANEL_COLS: usize = 128;
 
 /// `P` panels times `T` tokens over columns `k0..k1`, continuing the running sums in `acc`: for
 /// each output one fused multiply-add per column, in column order, whatever `P`, `T` or the
-/// column blocking. With `PF`, the columns are also asked of L2 [`PREFETCH_BYTES`] ahead.
+/// column blocking. The first `PF` distances of `ahead` (bytes) are asked of L2 for each
+/// column read (see [`Ahead`]).
 ///
 /// # Safety
 /// Each panel pointer must cover `k1` columns, each token pointer `k1` floats.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn panel_tile<const P: usize, const T: usize, const PF: bool>(
+unsafe fn panel_tile<const P: usize, const T: usize, const PF: usize>(
     w: [*const f32; P],
     x: [*const f32; T],
     k0: usize,
     k1: usize,
     acc: &mut [[Lanes; P]],
+    ahead: [usize; 2],
 ) {
     let mut a: [[Lanes; P]; T] = std::array::from_fn(|t| acc[t]);
     for k in k0..k1 {
         let mut wv = [[_mm256_setzero_ps(); 2]; P];
         for (v, &wp) in wv.iter_mut().zip(&w) {
             let p = wp.wrapping_add(k * PANEL);
-            if PF {
-                _mm_prefetch::<_MM_HINT_T1>(p.wrapping_byte_add(PREFETCH_BYTES) as *const i8);
+            for &d in &ahead[..PF] {
+                _mm_prefetch::<_MM_HINT_T1>(p.wrapping_byte_add(d) as *const i8);
             }
             // SAFETY: column k of the panel is within it (aligned: one cache line).
             *v = unsafe { [_mm256_load_ps(p), _mm256_load_ps(p.add(8))] };
@@ -493,9 +496,12 @@ fn panel_tiles<const P: usize, const T: usize>(
     cols: usize,
     x: &[f32],
     out: &mut RowsOut,
+    ahead: Ahead,
 ) {
     let (n_rows, n_tok) = (out.n_rows(), out.n_tok());
     let tiles = n_tok.div_ceil(T);
+    // The same column of the next group of panels, read once this group is done.
+    let next = P * cols * PANEL * std::mem::size_of::<f32>();
     let zero = [_mm256_setzero_ps(); 2];
     let mut acc = vec![[zero; P]; n_tok];
     for i in (0..n_panels).step_by(P) {
@@ -515,10 +521,17 @@ fn panel_tiles<const P: usize, const T: usize>(
                         // SAFETY: the panels hold `cols` columns (`panel` checks the bounds),
                         // the tokens `cols` floats each.
                         unsafe {
-                            if tile == 0 {
-                                panel_tile::<P, $t, true>(w, xs, k0, k1, a)
-                            } else {
-                                panel_tile::<P, $t, false>(w, xs, k0, k1, a)
+                            match (tile, ahead) {
+                                (1.., _) => panel_tile::<P, $t, 0>(w, xs, k0, k1, a, [0; 2]),
+                                (0, Ahead::Stream) => {
+                                    panel_tile::<P, $t, 1>(w, xs, k0, k1, a, [PREFETCH_BYTES, 0])
+                                }
+                                (0, Ahead::NextGroup) => {
+                                    panel_tile::<P, $t, 1>(w, xs, k0, k1, a, [next, 0])
+                                }
+                                (0, Ahead::Both) => {
+                                    panel_tile::<P, $t, 2>(w, xs, k0, k1, a, [PREFETCH_BYTES, next])
+                                }
                             }
                         }
                     }};
@@ -553,10 +566,14 @@ fn panel_tiles<const P: usize, const T: usize>(
 }
 
 /// [`super::rows_task`] over f32 panels, in register tiles of `P` panels × up to `T` tokens
-/// ([`panel_tiles`]): 8 × 1 for one token, 4 × 2 for two, 2 × 3 for three, 1 × 6 for more.
+/// ([`panel_tiles`]): 8 × 1 for one token, 4 × 2 for two, 1 × 6 for three or more.
 /// A single core's stream from memory is limited by the misses it keeps in flight: walking 8
 /// panels at once for a decode (4 for two tokens) instead of 2 read the target's layers ~15%
-/// faster (AVX2 forced on a Zen 4; the chunk of 3 gained nothing from 4 panels).
+/// faster (AVX2 forced on a Zen 4), and asking L2 for the next group's panels while this group
+/// is read keeps more in flight still ([`Ahead`]). Three tokens take one panel at a time: 2 × 3
+/// needs 17 registers of 16 (12 sums, 4 weights, a broadcast) and its spills cost more than the
+/// second stream gains (`examples/panel_streams.rs`: the layers 25.4–27.3 ms against
+/// 23.4–23.7).
 #[target_feature(enable = "avx2,fma,f16c")]
 fn panels(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
     let (n_rows, n_tok, r0) = (out.n_rows(), out.n_tok(), out.r0());
@@ -567,11 +584,27 @@ fn panels(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
     );
     let panel_at = |i: usize| p.panel(r0 + i * PANEL, cols).as_ptr() as *const f32;
     match n_tok {
-        1 => panel_tiles::<8, 1>(panel_at, n_panels, cols, x, out),
-        2 => panel_tiles::<4, 2>(panel_at, n_panels, cols, x, out),
-        3 => panel_tiles::<2, 3>(panel_at, n_panels, cols, x, out),
-        _ => panel_tiles::<1, 6>(panel_at, n_panels, cols, x, out),
+        1 => panel_tiles::<8, 1>(panel_at, n_panels, cols, x, out, Ahead::NextGroup),
+        2 => panel_tiles::<4, 2>(panel_at, n_panels, cols, x, out, Ahead::Both),
+        _ => panel_tiles::<1, 6>(panel_at, n_panels, cols, x, out, Ahead::Stream),
     }
+}
+
+/// What the first token tile of a group of f32 panels asks of L2 as it reads each column (the
+/// later tiles find the block in L1). Measured with `examples/panel_streams.rs`, AVX2 forced
+/// on a Zen 4, the layers' matrices then the head, best of 20 passes, three alternated runs:
+/// two tokens over 4 panels 22.4–24.3 ms → 20.3–21.6 with [`Ahead::Both`] (the head 5.4–6.9 →
+/// 4.7–5.3), about what one token costs; one token over 8 panels the same with
+/// [`Ahead::NextGroup`] (19.1–19.7 ms → 18.8–20.0, the head 4.9–6.1 → 4.6–4.7) and slower
+/// with both (two prefetches a column in a loop of two loads and two multiply-adds).
+#[derive(Debug, Clone, Copy)]
+enum Ahead {
+    /// The same panel [`PREFETCH_BYTES`] ahead.
+    Stream,
+    /// The same column of the next group of panels: `P` more streams in flight.
+    NextGroup,
+    /// Both.
+    Both,
 }
 
 /// One task of [`super::matmul`]: its rows of the output.

@@ -14,9 +14,9 @@
 //!   (`d·(c − 8)` for each code `c`, one multiply per block) indexed by the nibbles. f16 rows are
 //!   converted into an L1 scratch four rows at a time.
 //!
-//! The quantized and f32 streams ask the L2 for their bytes [`PREFETCH_BYTES`] ahead: with the
-//! decode this cheap, a single core streams the weights faster than the hardware prefetcher alone
-//! fetches them.
+//! The quantized streams ask the L2 for their bytes [`PREFETCH_BYTES`] ahead, the f32 panels
+//! for the next group of panels' (more streams in flight): with the decode this cheap, a single
+//! core streams the weights faster than the hardware prefetcher alone fetches them.
 
 use std::arch::x86_64::*;
 
@@ -427,7 +427,7 @@ const PANEL_COLS: usize = 256;
 /// `acc`: for each output one fused multiply-add per column, in column order, whatever `P`, `T`
 /// or the column blocking (so the bits never depend on the batch).
 ///
-/// With `PF`, each column is also asked of L2 [`PREFETCH_BYTES`] ahead: the first tile over a
+/// With `PF`, each column read also asks L2 for the bytes `ahead` of it: the first tile over a
 /// block streams it from memory, the later ones find it in L1 and skip the extra instructions.
 ///
 /// # Safety
@@ -440,13 +440,14 @@ unsafe fn panel_tile<const P: usize, const T: usize, const PF: bool>(
     k0: usize,
     k1: usize,
     acc: &mut [[__m512; P]],
+    ahead: usize,
 ) {
     let mut a: [[__m512; P]; T] = std::array::from_fn(|t| acc[t]);
     for k in k0..k1 {
         let p: [*const f32; P] = std::array::from_fn(|q| w[q].wrapping_add(k * PANEL));
         if PF {
             for q in p {
-                _mm_prefetch::<_MM_HINT_T1>(q.wrapping_byte_add(PREFETCH_BYTES) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(q.wrapping_byte_add(ahead) as *const i8);
             }
         }
         // SAFETY: column k of every panel is within it (aligned: one cache line each).
@@ -465,7 +466,12 @@ unsafe fn panel_tile<const P: usize, const T: usize, const PF: bool>(
 /// [`rows_task`] over f32 panels: `P` panels at a time (a short last group repeats its last
 /// panel, the copies dropped) times up to `T` tokens; the tokens split into near-equal tiles,
 /// the columns walked in blocks that stay in L1 while the tiles use them, the running sums kept
-/// between blocks.
+/// between blocks. The first tile asks L2 for the same column of the next group of panels,
+/// which keeps `P` more streams in flight than asking for its own panels' bytes ahead did
+/// (`examples/panel_streams.rs`, Zen 4, the layers' matrices, best of 20 passes, the two
+/// builds alternated three times: 1 and 3 tokens the same, 2 tokens 20.9–21.3 ms → 20.0–20.7,
+/// 5 tokens 22.6–23.1 → 20.9–21.5, 7 tokens 27.6–27.9 → 22.4–23.0, 8 tokens 29.0–29.4 →
+/// 24.5–25.0, 16 tokens 44.7–47.7 → 40.2–40.4; the head over 7 tokens 6.3–6.4 → 4.9–6.0).
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
 fn panel_tiles<const P: usize, const T: usize>(
@@ -483,6 +489,8 @@ fn panel_tiles<const P: usize, const T: usize>(
     let panel_at = |i: usize| p.panel(r0 + i * PANEL, cols).as_ptr() as *const f32;
     let mut acc = vec![[_mm512_setzero_ps(); P]; n_tok];
     let (tiles, block) = (n_tok.div_ceil(T), PANEL_COLS * 2 / P);
+    // The same column of the next group of panels, read once this group is done.
+    let next = P * cols * PANEL * std::mem::size_of::<f32>();
     let mut i = 0;
     while i < n_panels {
         let np = (n_panels - i).min(P);
@@ -502,9 +510,9 @@ fn panel_tiles<const P: usize, const T: usize>(
                         // the tokens `cols` floats each.
                         unsafe {
                             if tile == 0 {
-                                panel_tile::<P, $t, true>(w, xs, k0, k1, a)
+                                panel_tile::<P, $t, true>(w, xs, k0, k1, a, next)
                             } else {
-                                panel_tile::<P, $t, false>(w, xs, k0, k1, a)
+                                panel_tile::<P, $t, false>(w, xs, k0, k1, a, next)
                             }
                         }
                     }};
