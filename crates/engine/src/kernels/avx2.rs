@@ -591,12 +591,13 @@ fn panels(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
 }
 
 /// What the first token tile of a group of f32 panels asks of L2 as it reads each column (the
-/// later tiles find the block in L1). Measured with `examples/panel_streams.rs`, AVX2 forced
-/// on a Zen 4, the layers' matrices then the head, best of 20 passes, three alternated runs:
-/// two tokens over 4 panels 22.4–24.3 ms → 20.3–21.6 with [`Ahead::Both`] (the head 5.4–6.9 →
-/// 4.7–5.3), about what one token costs; one token over 8 panels the same with
-/// [`Ahead::NextGroup`] (19.1–19.7 ms → 18.8–20.0, the head 4.9–6.1 → 4.6–4.7) and slower
-/// with both (two prefetches a column in a loop of two loads and two multiply-adds).
+/// later tiles find the block in L1). `examples/panel_streams.rs`, AVX2 forced on a Zen 4, the
+/// layers' matrices and the head, best of 20 passes, against asking only for the own panels'
+/// bytes ahead (and 2 × 3 tiles for three tokens), the two builds alternated five times: two
+/// tokens 22.6–23.8 ms → 20.9–22.9 (the head 5.6–5.8 → 5.0–5.2), three 26.0–26.9 → 23.4–25.1,
+/// one 19.1–21.0 → 19.0–19.8 (the head 4.7–5.1 → 4.5–4.8). Both distances for one token were
+/// slower (two prefetches a column in a loop of two loads and two multiply-adds), the next
+/// group for one panel × 3–7 tokens too.
 #[derive(Debug, Clone, Copy)]
 enum Ahead {
     /// The same panel [`PREFETCH_BYTES`] ahead.
