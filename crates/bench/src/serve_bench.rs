@@ -29,6 +29,9 @@ pub struct ServeBenchArgs {
     pub clients: Vec<usize>,
     /// Requests each client sends, one after another.
     pub rounds: usize,
+    /// Cloud-only then tandem serve, this many times at each number of clients (the machine's
+    /// noise against the figures' differences: the ratios' median over the repeats).
+    pub repeats: usize,
     pub max_tokens: usize,
     pub rtt_ms: f64,
     pub gamma: usize,
@@ -46,6 +49,8 @@ pub struct Row {
     /// `http` (tandem serve), `in-process` (the same speculation without HTTP), `cloud-only`.
     pub mode: &'static str,
     pub clients: usize,
+    /// Which repeat of this number of clients (from 0; the in-process row has one).
+    pub repeat: usize,
     pub requests: usize,
     /// Completion tokens, all requests.
     pub tokens: usize,
@@ -60,6 +65,9 @@ pub struct Row {
     pub itl_p99_all_ms: f64,
     pub itl_p99_median_request_ms: f64,
     pub itl_p99_ms: f64,
+    /// From a request's last token to its end (the stream's `[DONE]`, the RPC's return), mean
+    /// over requests: time a client that sends its next request after the end waits for.
+    pub after_last_token_ms: f64,
     /// Accepted over judged draft positions, over the requests (speculative rows that were
     /// judged at all).
     pub alpha: Option<f64>,
@@ -75,17 +83,31 @@ pub struct ServeReport {
     pub gamma: usize,
     pub depth: usize,
     pub max_tokens: usize,
+    pub repeats: usize,
     pub rows: Vec<Row>,
     /// Mean ITL of one HTTP client over the in-process session's, minus one (0.03: HTTP adds 3%).
     pub http_itl_overhead: Option<f64>,
-    /// tandem serve over cloud-only, at each number of clients.
+    /// tandem serve over cloud-only, at each number of clients and repeat.
     pub versus: Vec<Versus>,
+    /// Each ratio's median, least and greatest over the repeats, at each number of clients.
+    pub versus_over_repeats: Vec<VersusSpread>,
+}
+
+/// [`Versus`]'s figures over the repeats at one number of clients.
+#[derive(Debug, Clone, Serialize)]
+pub struct VersusSpread {
+    pub clients: usize,
+    pub repeats: usize,
+    pub median: Versus,
+    pub min: Versus,
+    pub max: Versus,
 }
 
 /// tandem serve's figures over cloud-only's at one number of clients (1.1: 10% more).
 #[derive(Debug, Clone, Serialize)]
 pub struct Versus {
     pub clients: usize,
+    pub repeat: usize,
     pub tokens_per_s: f64,
     pub ttft_mean: f64,
     pub ttft_p99: f64,
@@ -101,11 +123,12 @@ fn versus(rows: &[Row]) -> Vec<Versus> {
     rows.iter()
         .filter(|h| h.mode == "http")
         .filter_map(|h| {
-            let c = rows
-                .iter()
-                .find(|c| c.mode == "cloud-only" && c.clients == h.clients)?;
+            let c = rows.iter().find(|c| {
+                c.mode == "cloud-only" && c.clients == h.clients && c.repeat == h.repeat
+            })?;
             Some(Versus {
                 clients: h.clients,
+                repeat: h.repeat,
                 tokens_per_s: ratio(h.tokens_per_s, c.tokens_per_s),
                 ttft_mean: ratio(h.ttft_ms.mean, c.ttft_ms.mean),
                 ttft_p99: ratio(h.ttft_ms.p99, c.ttft_ms.p99),
@@ -120,16 +143,73 @@ fn versus(rows: &[Row]) -> Vec<Versus> {
         .collect()
 }
 
+/// Each ratio of `versus` over the repeats at each number of clients, in the order first met.
+fn over_repeats(versus: &[Versus]) -> Vec<VersusSpread> {
+    let mut clients: Vec<usize> = Vec::new();
+    for v in versus {
+        if !clients.contains(&v.clients) {
+            clients.push(v.clients);
+        }
+    }
+    clients
+        .into_iter()
+        .map(|n| {
+            let vs: Vec<&Versus> = versus.iter().filter(|v| v.clients == n).collect();
+            // One figure of every repeat, sorted: its median (the mean of the middle two for an
+            // even count), least and greatest.
+            let pick = |f: fn(&Versus) -> f64| {
+                let mut x: Vec<f64> = vs.iter().map(|v| f(v)).collect();
+                x.sort_by(f64::total_cmp);
+                let m = x.len() / 2;
+                let median = if x.len() % 2 == 1 {
+                    x[m]
+                } else {
+                    (x[m - 1] + x[m]) / 2.0
+                };
+                (round2(median), x[0], x[x.len() - 1])
+            };
+            let fields: [fn(&Versus) -> f64; 6] = [
+                |v| v.tokens_per_s,
+                |v| v.ttft_mean,
+                |v| v.ttft_p99,
+                |v| v.itl_p99_worst_request,
+                |v| v.itl_p99_median_request,
+                |v| v.itl_p99_all,
+            ];
+            let got: Vec<(f64, f64, f64)> = fields.iter().map(|&f| pick(f)).collect();
+            let make = |which: fn(&(f64, f64, f64)) -> f64| Versus {
+                clients: n,
+                repeat: 0,
+                tokens_per_s: which(&got[0]),
+                ttft_mean: which(&got[1]),
+                ttft_p99: which(&got[2]),
+                itl_p99_worst_request: which(&got[3]),
+                itl_p99_median_request: which(&got[4]),
+                itl_p99_all: which(&got[5]),
+            };
+            VersusSpread {
+                clients: n,
+                repeats: vs.len(),
+                median: make(|g| g.0),
+                min: make(|g| g.1),
+                max: make(|g| g.2),
+            }
+        })
+        .collect()
+}
+
 /// One request's timing: the time of each token from the request, ms.
 struct Timed {
     token_ms: Vec<f64>,
+    /// When the request was done (the stream's end, or the call's return), ms.
+    end_ms: f64,
     tokens: usize,
     accepted: usize,
     judged: usize,
 }
 
 /// A row from its requests' timings over `wall_s`.
-fn row(mode: &'static str, clients: usize, timed: &[Timed], wall_s: f64) -> Row {
+fn row(mode: &'static str, clients: usize, repeat: usize, timed: &[Timed], wall_s: f64) -> Row {
     let tokens: usize = timed.iter().map(|t| t.tokens).sum();
     let ttft: Vec<f64> = timed
         .iter()
@@ -146,10 +226,15 @@ fn row(mode: &'static str, clients: usize, timed: &[Timed], wall_s: f64) -> Row 
     let (acc, judged) = timed
         .iter()
         .fold((0, 0), |(a, j), t| (a + t.accepted, j + t.judged));
+    let after: Vec<f64> = timed
+        .iter()
+        .filter_map(|t| t.token_ms.last().map(|l| t.end_ms - l))
+        .collect();
     let s = Summary::of(&ttft);
     Row {
         mode,
         clients,
+        repeat,
         requests: timed.len(),
         tokens,
         wall_s: round2(wall_s),
@@ -164,6 +249,7 @@ fn row(mode: &'static str, clients: usize, timed: &[Timed], wall_s: f64) -> Row 
         itl_p99_all_ms: round2(gap_summary.p99),
         itl_p99_median_request_ms: round2(Summary::of(&p99s).p50),
         itl_p99_ms: round2(worst_p99),
+        after_last_token_ms: round2(Summary::of(&after).mean),
         alpha: (judged > 0).then(|| round2(acc as f64 / judged as f64)),
         draft_share: (mode != "cloud-only" && tokens > 0)
             .then(|| round2(acc as f64 / tokens as f64)),
@@ -245,13 +331,17 @@ pub(crate) fn chunk_text(c: &serde_json::Value) -> Option<&str> {
 /// One streamed chat completion over HTTP, timed token by token.
 fn http_request(agent: &ureq::Agent, url: &str, prompt: &str, max_tokens: usize) -> Result<Timed> {
     let messages = serde_json::json!([{"role": "user", "content": prompt}]);
+    let t0 = Instant::now();
     let mut t = Timed {
+        end_ms: 0.0,
         token_ms: Vec::new(),
         tokens: 0,
         accepted: 0,
         judged: 0,
     };
-    for (now, c) in chat_stream(agent, url, messages, max_tokens)? {
+    let chunks = chat_stream(agent, url, messages, max_tokens)?;
+    t.end_ms = t0.elapsed().as_secs_f64() * 1e3;
+    for (now, c) in chunks {
         if chunk_text(&c).is_some() {
             t.token_ms.push(now);
         }
@@ -275,8 +365,13 @@ fn http_request(agent: &ureq::Agent, url: &str, prompt: &str, max_tokens: usize)
 }
 
 pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeReport> {
-    if a.clients.is_empty() || a.clients.contains(&0) || a.rounds == 0 || a.max_tokens == 0 {
-        bail!("--clients, --rounds and --max-tokens must be at least 1");
+    if a.clients.is_empty()
+        || a.clients.contains(&0)
+        || a.rounds == 0
+        || a.repeats == 0
+        || a.max_tokens == 0
+    {
+        bail!("--clients, --rounds, --repeats and --max-tokens must be at least 1");
     }
     if a.prompts.is_empty() {
         bail!("no prompts");
@@ -345,13 +440,14 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
             }
         });
         timed.push(Timed {
+            end_ms: out.token_ms.last().copied().unwrap_or(0.0),
             token_ms: untimed_end(&out),
             tokens: out.output_ids.len(),
             accepted: s.map_or(0, |s| s.accepted_draft_tokens),
             judged,
         });
     }
-    rows.push(row("in-process", 1, &timed, t0.elapsed().as_secs_f64()));
+    rows.push(row("in-process", 1, 0, &timed, t0.elapsed().as_secs_f64()));
 
     // tandem serve in this process, N clients over HTTP.
     // The target's tokenizer is the draft's (the verifier checks the fingerprint).
@@ -370,6 +466,7 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
         .build();
     let cloud_only = |i: usize| -> Result<Timed> {
         let ids = draft.tokenizer.encode_chat(prompt(i))?;
+        let t0 = Instant::now();
         let out = tandem_client::generate::generate_remote(
             tandem_edge::grpc::Remote {
                 url: &front,
@@ -382,7 +479,9 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
             &SamplingParams::default(),
             |_| {},
         )?;
+        let end_ms = t0.elapsed().as_secs_f64() * 1e3;
         Ok(Timed {
+            end_ms,
             token_ms: untimed_end(&out),
             tokens: out.output_ids.len(),
             accepted: 0,
@@ -391,22 +490,29 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
     };
     for &n in &a.clients {
         // Cloud-only streaming (the verifier decodes every token: the Generate RPC), then
-        // tandem serve, with the same N clients and prompts.
-        progress(&format!("cloud-only, {n} clients"));
-        let (timed, wall) = concurrently(n, a.rounds, &cloud_only)?;
-        rows.push(row("cloud-only", n, &timed, wall));
-        progress(&format!("tandem serve over HTTP, {n} clients"));
-        let (timed, wall) = concurrently(n, a.rounds, &|i| {
-            http_request(&agent, &url, prompt(i), a.max_tokens)
-        })?;
-        rows.push(row("http", n, &timed, wall));
+        // tandem serve, with the same N clients and prompts; the pair again for each repeat.
+        for r in 0..a.repeats {
+            let of = if a.repeats > 1 {
+                format!(" (repeat {} of {})", r + 1, a.repeats)
+            } else {
+                String::new()
+            };
+            progress(&format!("cloud-only, {n} clients{of}"));
+            let (timed, wall) = concurrently(n, a.rounds, &cloud_only)?;
+            rows.push(row("cloud-only", n, r, &timed, wall));
+            progress(&format!("tandem serve over HTTP, {n} clients{of}"));
+            let (timed, wall) = concurrently(n, a.rounds, &|i| {
+                http_request(&agent, &url, prompt(i), a.max_tokens)
+            })?;
+            rows.push(row("http", n, r, &timed, wall));
+        }
     }
     // The daemon's session readers go with their runtime, before the proxy under their streams.
     serve.stop()?;
     drop(link);
     let mean = |mode: &str| {
         rows.iter()
-            .find(|r| r.mode == mode && r.clients == 1)
+            .find(|r| r.mode == mode && r.clients == 1 && r.repeat == 0)
             .map(|r| r.itl_mean_ms)
     };
     let http_itl_overhead = match (mean("http"), mean("in-process")) {
@@ -419,7 +525,9 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
         gamma: a.gamma,
         depth: a.depth,
         max_tokens: a.max_tokens,
+        repeats: a.repeats,
         versus: versus(&rows),
+        versus_over_repeats: over_repeats(&versus(&rows)),
         rows,
         http_itl_overhead,
     })
@@ -448,13 +556,14 @@ pub fn table(r: &ServeReport) -> String {
             "the verifier's grants (it takes over sessions that speculation would slow)"
         }
     );
-    s.push_str("| mode | clients | requests | tokens | req/s | tok/s | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms (all gaps) | ITL p99 ms (median request) | ITL p99 ms (worst request) | α | draft share |\n");
-    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    s.push_str("| mode | clients | repeat | requests | tokens | req/s | tok/s | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms (all gaps) | ITL p99 ms (median request) | ITL p99 ms (worst request) | last token to end ms | α | draft share |\n");
+    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for row in &r.rows {
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {:.2} | {:.1} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {:.2} | {:.1} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} |\n",
             row.mode,
             row.clients,
+            row.repeat + 1,
             row.requests,
             row.tokens,
             row.requests_per_s,
@@ -465,24 +574,49 @@ pub fn table(r: &ServeReport) -> String {
             row.itl_p99_all_ms,
             row.itl_p99_median_request_ms,
             row.itl_p99_ms,
+            row.after_last_token_ms,
             row.alpha.map_or("–".into(), |a| format!("{a:.2}")),
             row.draft_share.map_or("–".into(), |a| format!("{a:.2}"))
         ));
     }
     if !r.versus.is_empty() {
         s.push_str("\ntandem serve over cloud-only at the same number of clients:\n\n");
-        s.push_str("| clients | tok/s | TTFT mean | TTFT p99 | ITL p99 (worst request) | ITL p99 (median request) | ITL p99 (all gaps) |\n");
-        s.push_str("|---|---|---|---|---|---|---|\n");
+        s.push_str("| clients | repeat | tok/s | TTFT mean | TTFT p99 | ITL p99 (worst request) | ITL p99 (median request) | ITL p99 (all gaps) |\n");
+        s.push_str("|---|---|---|---|---|---|---|---|\n");
         for v in &r.versus {
             s.push_str(&format!(
-                "| {} | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× |\n",
+                "| {} | {} | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× |\n",
                 v.clients,
+                v.repeat + 1,
                 v.tokens_per_s,
                 v.ttft_mean,
                 v.ttft_p99,
                 v.itl_p99_worst_request,
                 v.itl_p99_median_request,
                 v.itl_p99_all
+            ));
+        }
+    }
+    if r.repeats > 1 && !r.versus_over_repeats.is_empty() {
+        s.push_str(&format!(
+            "\nThe same over {} repeats: median (least–greatest):\n\n",
+            r.repeats
+        ));
+        s.push_str("| clients | tok/s | TTFT mean | TTFT p99 | ITL p99 (worst request) | ITL p99 (median request) | ITL p99 (all gaps) |\n");
+        s.push_str("|---|---|---|---|---|---|---|\n");
+        for o in &r.versus_over_repeats {
+            let cell = |f: fn(&Versus) -> f64| {
+                format!("{:.2}× ({:.2}–{:.2})", f(&o.median), f(&o.min), f(&o.max))
+            };
+            s.push_str(&format!(
+                "| {} | {} | {} | {} | {} | {} | {} |\n",
+                o.clients,
+                cell(|v| v.tokens_per_s),
+                cell(|v| v.ttft_mean),
+                cell(|v| v.ttft_p99),
+                cell(|v| v.itl_p99_worst_request),
+                cell(|v| v.itl_p99_median_request),
+                cell(|v| v.itl_p99_all)
             ));
         }
     }
@@ -557,5 +691,45 @@ impl InProcessServe {
             .context("the server task")?
             .context("serving")?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v(clients: usize, repeat: usize, x: f64) -> Versus {
+        Versus {
+            clients,
+            repeat,
+            tokens_per_s: x,
+            ttft_mean: 2.0 * x,
+            ttft_p99: x,
+            itl_p99_worst_request: 10.0 - x,
+            itl_p99_median_request: x,
+            itl_p99_all: x,
+        }
+    }
+
+    #[test]
+    fn each_ratio_is_summed_up_over_the_repeats_of_its_own_number_of_clients() {
+        let vs = [
+            v(1, 0, 1.3),
+            v(4, 0, 0.9),
+            v(1, 1, 1.0),
+            v(4, 1, 1.1),
+            v(1, 2, 1.2),
+        ];
+        let o = over_repeats(&vs);
+        assert_eq!(o.iter().map(|o| o.clients).collect::<Vec<_>>(), [1, 4]);
+        assert_eq!(o[0].repeats, 3);
+        assert_eq!(o[0].median.tokens_per_s, 1.2);
+        assert_eq!((o[0].min.tokens_per_s, o[0].max.tokens_per_s), (1.0, 1.3));
+        assert_eq!(o[0].median.ttft_mean, 2.4);
+        // Each field is sorted on its own: the least worst-request ratio is of another repeat.
+        assert_eq!(o[0].min.itl_p99_worst_request, 10.0 - 1.3);
+        // An even count: the mean of the middle two.
+        assert_eq!(o[1].median.tokens_per_s, 1.0);
+        assert_eq!((o[1].min.tokens_per_s, o[1].max.tokens_per_s), (0.9, 1.1));
     }
 }

@@ -142,6 +142,10 @@ pub struct ServeBenchCliArgs {
     /// Requests each client sends, one after another.
     #[arg(long, default_value_t = 2)]
     rounds: usize,
+    /// Cloud-only then tandem serve this many times at each number of clients, alternated; the
+    /// table adds each ratio's median (least–greatest) over them.
+    #[arg(long, default_value_t = 1)]
+    repeats: usize,
     #[arg(long, default_value_t = 48)]
     max_tokens: usize,
     /// Emulated round trip to the verifier, ms.
@@ -170,6 +174,7 @@ pub fn cmd_serve_bench(home: &std::path::Path, a: ServeBenchCliArgs) -> Result<(
         home: home.to_path_buf(),
         clients: a.clients,
         rounds: a.rounds,
+        repeats: a.repeats,
         max_tokens: a.max_tokens,
         rtt_ms: a.rtt_ms,
         gamma: a.gamma,
