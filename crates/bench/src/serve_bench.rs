@@ -65,8 +65,9 @@ pub struct Row {
     pub itl_p99_all_ms: f64,
     pub itl_p99_median_request_ms: f64,
     pub itl_p99_ms: f64,
-    /// From a request's last token to its end (the stream's `[DONE]`, the RPC's return), mean
-    /// over requests: time a client that sends its next request after the end waits for.
+    /// From a request's last token to its end (the stream's `[DONE]`, the RPC's return; in
+    /// process, the end of generation's token), mean over requests: time a client that sends
+    /// its next request after the end waits for.
     pub after_last_token_ms: f64,
     /// Accepted over judged draft positions, over the requests (speculative rows that were
     /// judged at all).
