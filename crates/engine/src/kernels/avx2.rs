@@ -23,9 +23,9 @@
 //! - **Attention's dot products**: the portable 16-lane sum as two vectors (a multiply then an
 //!   add a step, as the portable code: the same bits).
 //!
-//! Every stream of weights asks the L2 for its bytes ahead: [`PREFETCH_BYTES`] ahead, or for
-//! f32 panels of one or two tokens the next group of panels' too ([`Ahead`]); the 8-bit kernel
-//! asks the L1, [`PREFETCH_A8`] ahead.
+//! Every stream of weights asks the L2 for bytes ahead of it: its own [`PREFETCH_BYTES`] ahead,
+//! or, for f32 panels of one token, the next group of panels' instead, of two tokens both
+//! ([`Ahead`]); the 8-bit kernel asks the L1, [`PREFETCH_A8`] ahead.
 
 use std::arch::x86_64::*;
 
@@ -438,7 +438,7 @@ unsafe fn tiles<Rw: Rows>(
     }
 }
 
-/// Columns of the panels kept in L1 while every token tile walks them (two panels: 16 KiB; a
+/// Columns of the panels kept in L1 while every token tile walks them (one panel: 8 KiB; a
 /// tile of eight or four panels is alone over its tokens and reads each column once).
 const PANEL_COLS: usize = 128;
 
@@ -500,8 +500,12 @@ fn panel_tiles<const P: usize, const T: usize>(
 ) {
     let (n_rows, n_tok) = (out.n_rows(), out.n_tok());
     let tiles = n_tok.div_ceil(T);
-    // The same column of the next group of panels, read once this group is done.
-    let next = P * cols * PANEL * std::mem::size_of::<f32>();
+    // The same column of the next group of panels, read once this group is done; a group too
+    // large for L2 to keep until then asks for its own bytes ahead only.
+    let (ahead, next) = match super::next_group_bytes(P, cols) {
+        Some(next) => (ahead, next),
+        None => (Ahead::Stream, 0),
+    };
     let zero = [_mm256_setzero_ps(); 2];
     let mut acc = vec![[zero; P]; n_tok];
     for i in (0..n_panels).step_by(P) {
@@ -598,6 +602,7 @@ fn panels(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
 /// one 19.1–21.0 → 19.0–19.8 (the head 4.7–5.1 → 4.5–4.8). Both distances for one token were
 /// slower (two prefetches a column in a loop of two loads and two multiply-adds), the next
 /// group for one panel × 3–7 tokens too.
+/// A group larger than [`super::NEXT_GROUP_MAX_BYTES`] asks for its own stream only.
 #[derive(Debug, Clone, Copy)]
 enum Ahead {
     /// The same panel [`PREFETCH_BYTES`] ahead.

@@ -466,8 +466,9 @@ unsafe fn panel_tile<const P: usize, const T: usize, const PF: bool>(
 /// [`rows_task`] over f32 panels: `P` panels at a time (a short last group repeats its last
 /// panel, the copies dropped) times up to `T` tokens; the tokens split into near-equal tiles,
 /// the columns walked in blocks that stay in L1 while the tiles use them, the running sums kept
-/// between blocks. The first tile asks L2 for the same column of the next group of panels,
-/// which keeps `P` more streams in flight than asking for its own panels' bytes ahead did
+/// between blocks. The first tile asks L2 for the same column of the next group of panels
+/// (within [`super::NEXT_GROUP_MAX_BYTES`]), which keeps `P` more streams in flight than asking
+/// for its own panels' bytes ahead did
 /// (`examples/panel_streams.rs`, Zen 4, the layers' matrices, best of 20 passes, the two
 /// builds alternated three times: 1 and 3 tokens the same, 2 tokens 20.9–21.3 ms → 20.0–20.7,
 /// 5 tokens 22.6–23.1 → 20.9–21.5, 7 tokens 27.6–27.9 → 22.4–23.0, 8 tokens 29.0–29.4 →
@@ -489,8 +490,9 @@ fn panel_tiles<const P: usize, const T: usize>(
     let panel_at = |i: usize| p.panel(r0 + i * PANEL, cols).as_ptr() as *const f32;
     let mut acc = vec![[_mm512_setzero_ps(); P]; n_tok];
     let (tiles, block) = (n_tok.div_ceil(T), PANEL_COLS * 2 / P);
-    // The same column of the next group of panels, read once this group is done.
-    let next = P * cols * PANEL * std::mem::size_of::<f32>();
+    // The same column of the next group of panels, read once this group is done (a group too
+    // large for L2 to keep until then: its own bytes ahead).
+    let next = super::next_group_bytes(P, cols).unwrap_or(PREFETCH_BYTES);
     let mut i = 0;
     while i < n_panels {
         let np = (n_panels - i).min(P);

@@ -36,6 +36,21 @@ const ROWS_PER_TASK: usize = 128;
 /// Rows of an f32 weight panel.
 pub const PANEL: usize = 16;
 const _: () = assert!(ROWS_PER_TASK.is_multiple_of(PANEL));
+/// The most bytes ahead an f32 panel kernel asks L2 for the next group of panels' columns: one
+/// group of panels is read between that prefetch and its use, so a group larger than a good
+/// part of L2 would have its lines evicted before they are read (the AVX2 machines this runs on
+/// have 512 KiB to 2 MiB of L2 a core). SmolLM2-135M's groups of 8 panels over 576 columns
+/// (288 KiB) are within it; its down projection's (1536 columns: 768 KiB) are not, and ask for
+/// their own stream ahead instead.
+const NEXT_GROUP_MAX_BYTES: usize = 384 << 10;
+
+/// Bytes from a column of a group of `p` f32 panels of `cols` columns to the same column of the
+/// next group, when a kernel may prefetch that far ([`NEXT_GROUP_MAX_BYTES`]).
+fn next_group_bytes(p: usize, cols: usize) -> Option<usize> {
+    let bytes = p * cols * PANEL * std::mem::size_of::<f32>();
+    (bytes <= NEXT_GROUP_MAX_BYTES).then_some(bytes)
+}
+
 /// Tokens kept hot in cache while a task walks its rows.
 const TOKEN_TILE: usize = 64;
 /// Tokens sharing one pass over a weight row (their accumulators stay in registers).
