@@ -65,9 +65,10 @@ pub struct Row {
     pub itl_p99_all_ms: f64,
     pub itl_p99_median_request_ms: f64,
     pub itl_p99_ms: f64,
-    /// From a request's last token to its end (the stream's `[DONE]`, the RPC's return; in
-    /// process, the end of generation's token), mean over requests: time a client that sends
-    /// its next request after the end waits for.
+    /// From a request's last token to its end (the stream's `[DONE]`; cloud-only: the call's
+    /// return, its client runtime's shutdown included; in process: the end of generation's
+    /// token), mean over requests: time a client that sends its next request after the end
+    /// waits for.
     pub after_last_token_ms: f64,
     /// Accepted over judged draft positions, over the requests (speculative rows that were
     /// judged at all).
@@ -94,7 +95,9 @@ pub struct ServeReport {
     pub versus_over_repeats: Vec<VersusSpread>,
 }
 
-/// [`Versus`]'s figures over the repeats at one number of clients.
+/// [`Versus`]'s figures over the repeats at one number of clients: each field taken on its own
+/// (the least tokens/s and the least TTFT may come from different repeats), so their `repeat`
+/// is 0.
 #[derive(Debug, Clone, Serialize)]
 pub struct VersusSpread {
     pub clients: usize,
@@ -710,6 +713,39 @@ mod tests {
             itl_p99_median_request: x,
             itl_p99_all: x,
         }
+    }
+
+    fn timed(gap_ms: f64) -> Timed {
+        Timed {
+            token_ms: (0..10).map(|i| 100.0 + gap_ms * i as f64).collect(),
+            end_ms: 100.0 + gap_ms * 9.0,
+            tokens: 10,
+            accepted: 0,
+            judged: 0,
+        }
+    }
+
+    #[test]
+    fn tandem_serve_is_set_against_cloud_only_of_the_same_clients_and_repeat() {
+        // Cloud-only's gaps 20 ms then 40 ms; tandem serve's 10 ms in both repeats: the first
+        // repeat's p99 gap is half of cloud-only's, the second's a quarter.
+        let rows = [
+            row("in-process", 1, 0, &[timed(5.0)], 1.0),
+            row("cloud-only", 1, 0, &[timed(20.0)], 1.0),
+            row("http", 1, 0, &[timed(10.0)], 1.0),
+            row("cloud-only", 1, 1, &[timed(40.0)], 1.0),
+            row("http", 1, 1, &[timed(10.0)], 2.0),
+        ];
+        let vs = versus(&rows);
+        assert_eq!(vs.len(), 2);
+        assert_eq!((vs[0].repeat, vs[0].itl_p99_all), (0, 0.5));
+        assert_eq!((vs[1].repeat, vs[1].itl_p99_all), (1, 0.25));
+        assert_eq!(
+            vs[1].tokens_per_s, 0.5,
+            "the second repeat's wall was twice as long"
+        );
+        let o = over_repeats(&vs);
+        assert_eq!((o[0].repeats, o[0].median.itl_p99_all), (2, 0.38));
     }
 
     #[test]
