@@ -576,8 +576,8 @@ fn panel_tiles<const P: usize, const T: usize>(
 /// faster (AVX2 forced on a Zen 4), and asking L2 for the next group's panels while this group
 /// is read keeps more in flight still ([`Ahead`]). Three tokens take one panel at a time: 2 × 3
 /// needs 17 registers of 16 (12 sums, 4 weights, a broadcast) and its spills cost more than the
-/// second stream gains (`examples/panel_streams.rs`: the layers 25.4–27.3 ms against
-/// 23.4–23.7).
+/// second stream gains (`examples/panel_streams.rs`, the builds alternated five times: the
+/// layers 26.0–26.9 ms with 2 × 3 against 23.4–25.1).
 #[target_feature(enable = "avx2,fma,f16c")]
 fn panels(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
     let (n_rows, n_tok, r0) = (out.n_rows(), out.n_tok(), out.r0());

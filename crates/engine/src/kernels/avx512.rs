@@ -472,7 +472,8 @@ unsafe fn panel_tile<const P: usize, const T: usize, const PF: bool>(
 /// (`examples/panel_streams.rs`, Zen 4, the layers' matrices, best of 20 passes, the two
 /// builds alternated three times: 1 and 3 tokens the same, 2 tokens 20.9–21.3 ms → 20.0–20.7,
 /// 5 tokens 22.6–23.1 → 20.9–21.5, 7 tokens 27.6–27.9 → 22.4–23.0, 8 tokens 29.0–29.4 →
-/// 24.5–25.0, 16 tokens 44.7–47.7 → 40.2–40.4; the head over 7 tokens 6.3–6.4 → 4.9–6.0).
+/// 24.5–25.0, 16 tokens 44.7–47.7 → 40.2–40.4; the head over 7 tokens 6.3–6.4 → 4.9–6.0;
+/// measured before the cap, which changed nothing measurable there).
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
 fn panel_tiles<const P: usize, const T: usize>(
