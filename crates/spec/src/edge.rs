@@ -218,6 +218,9 @@ pub struct EdgeSession {
     paused_until: Option<usize>,
     /// Committed tokens last acknowledged to the verifier (flow control).
     acked: usize,
+    /// The edge has said something to the verifier (a block, an ack) since the session opened
+    /// (or reopened).
+    spoken: bool,
 }
 
 impl EdgeSession {
@@ -307,6 +310,7 @@ impl EdgeSession {
             seen: (0, 0),
             paused_until: None,
             acked: 0,
+            spoken: false,
         };
         s.acked = s.p.committed_len();
         let mut out = out;
@@ -315,6 +319,7 @@ impl EdgeSession {
             out.extend(s.p.set_drafting(s.granted_drafting));
         }
         s.sent(now_ms, &out);
+        s.ack(&mut out);
         Ok((s, out))
     }
 
@@ -331,8 +336,13 @@ impl EdgeSession {
     /// Remember when the blocks among `out` left.
     fn sent(&mut self, now_ms: f64, out: &[Output]) {
         for o in out {
-            if let Output::Send(b) = o {
-                self.sent_at.insert(b.index, now_ms);
+            match o {
+                Output::Send(b) => {
+                    self.sent_at.insert(b.index, now_ms);
+                    self.spoken = true;
+                }
+                Output::Ack { .. } => self.spoken = true,
+                _ => {}
             }
         }
     }
@@ -559,11 +569,18 @@ impl EdgeSession {
     /// Acknowledge the committed tokens every [`ACK_EVERY`] of them, so that the verifier, which
     /// commits at most [`FLOW_WINDOW`](crate::cloud_session::FLOW_WINDOW) past the last ack,
     /// keeps going. (Not once the session is done: the verifier stops at the token limit or end
-    /// of generation by itself.)
+    /// of generation by itself.) The first token the verifier commits is acknowledged at once
+    /// when the edge has said nothing yet since the session opened: a verifier puts a session
+    /// whose edge stays silent after its `Open` in the background (it takes the edge for gone),
+    /// and an edge that is there but sends no block — the verifier took the session over (γ 0),
+    /// or the draft is still prefilling a long prompt — would otherwise first speak
+    /// [`ACK_EVERY`] tokens later, past the verifier's quiet time under load.
     fn ack(&mut self, out: &mut Vec<Output>) {
         let c = self.p.committed_len();
-        if self.p.next() != Next::Done && c >= self.acked + ACK_EVERY {
+        let first = !self.spoken && c > self.p.prompt_len();
+        if self.p.next() != Next::Done && (first || c >= self.acked + ACK_EVERY) {
             self.acked = c;
+            self.spoken = true;
             out.push(Output::Ack { committed: c });
         }
     }
@@ -651,8 +668,11 @@ impl EdgeSession {
     /// A session reopened over the committed history answered with the target's `first` token.
     pub fn on_reopened(&mut self, first: u32) -> Vec<Output> {
         self.m.reconnects += 1;
-        let out = self.p.on_reopened(first);
+        let mut out = self.p.on_reopened(first);
         self.acked = self.p.committed_len();
+        // The reopened session is a new one to the verifier: the edge speaks in it at once.
+        self.spoken = out.iter().any(|o| matches!(o, Output::Send(_)));
+        self.ack(&mut out);
         out
     }
 

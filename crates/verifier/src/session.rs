@@ -232,8 +232,9 @@ pub(crate) struct Meter {
     pub heard_us: u64,
     /// When its edge last spoke (a block, an ack), or its `Open` arrived: whether it is quiet
     /// counts from here ([`crate::LoadConfig::quiet_ms`]; unlike the idle timeout, not restarted
-    /// by `Opened`: an edge that is there drafts from its `Open` on, and a session that waited
-    /// for its prefill longer than the quiet time without a word starts in the background).
+    /// by `Opened`: an edge that is there drafts from its `Open` on, or acks the first token at
+    /// once when it sends no block, and a session that waited for its prefill longer than the
+    /// quiet time without a word starts in the background).
     pub spoke_us: u64,
     /// Its edge has spoken (a block, an ack) since its `Open`.
     pub spoke: bool,

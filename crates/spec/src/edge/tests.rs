@@ -37,12 +37,16 @@ fn draft(s: &mut EdgeSession, t0: u64, tokens: &[u32]) -> Vec<crate::Block> {
 #[test]
 fn a_verdict_is_timed_from_its_send_and_its_grant_narrows_the_shape() {
     let (mut s, first) = session(None);
+    // The first token, acknowledged at once (the edge has said nothing yet).
     assert_eq!(
         first,
-        vec![Output::Commit {
-            pos: 3,
-            tokens: vec![7]
-        }]
+        vec![
+            Output::Commit {
+                pos: 3,
+                tokens: vec![7]
+            },
+            Output::Ack { committed: 4 }
+        ]
     );
     let sent = draft(&mut s, 0, &[8, 9, 10, 11]);
     assert_eq!(sent.len(), 1, "a block of γ 4 leaves after the 4th token");
@@ -71,6 +75,61 @@ fn a_verdict_is_timed_from_its_send_and_its_grant_narrows_the_shape() {
     s.on_edge_work(2.0);
     s.on_edge_work(5.0);
     assert_eq!(s.measured().verdict_ms, 7.0);
+}
+
+/// An edge that sends no block (the verifier took its session over, or its draft is still
+/// prefilling) acks the first token at once, then every ACK_EVERY tokens; one that drafted before
+/// `Opened` has spoken already, and acks every ACK_EVERY only.
+#[test]
+fn an_edge_that_drafts_nothing_acks_the_first_token_at_once() {
+    let cfg = SessionConfig {
+        draft_len: 4,
+        depth: 2,
+        max_new_tokens: 100,
+        auto: None,
+        tree: TreeConfig::LINEAR,
+    };
+    let acks = |out: &[Output]| -> Vec<usize> {
+        out.iter()
+            .filter_map(|o| match o {
+                Output::Ack { committed } => Some(*committed),
+                _ => None,
+            })
+            .collect()
+    };
+    let decoded = |pos: usize| Decoded {
+        epoch: 0,
+        pos,
+        token: 5,
+        grant: None,
+        guessed: false,
+    };
+    // Taken over at Open (γ 0): the first token's ack goes with it.
+    let (mut s, out) =
+        EdgeSession::new(0, vec![1, 2, 3], opened(Shape::new(0, 0)), cfg, vec![]).unwrap();
+    assert_eq!(acks(&out), vec![4]);
+    let mut later = Vec::new();
+    for pos in 4..40 {
+        let r = s
+            .on_message(1000 * pos as u64, Incoming::Decoded(decoded(pos)))
+            .unwrap();
+        later.extend(acks(&r.outputs));
+    }
+    assert_eq!(later, vec![4 + ACK_EVERY, 4 + 2 * ACK_EVERY]);
+    // Opened while the session waits to draft (its first token commits then): acked at once.
+    let (mut s, out) = EdgeSession::opening(0, vec![1, 2, 3], cfg, vec![]).unwrap();
+    assert!(out.is_empty());
+    let r = s
+        .on_message(1000, Incoming::Opened(opened(Shape::new(4, 2))))
+        .unwrap();
+    assert_eq!(acks(&r.outputs), vec![4]);
+    // A block sent before `Opened`: the edge has spoken, no ack comes with the first token.
+    let (mut s, _) = EdgeSession::opening(0, vec![1, 2, 3], cfg, vec![]).unwrap();
+    assert_eq!(draft(&mut s, 0, &[8, 9, 10, 11]).len(), 1);
+    let r = s
+        .on_message(100_000, Incoming::Opened(opened(Shape::new(4, 2))))
+        .unwrap();
+    assert!(acks(&r.outputs).is_empty(), "{:?}", r.outputs);
 }
 
 #[test]

@@ -590,6 +590,94 @@ fn an_admission_goes_out_before_the_forward_that_prefills_the_prompt() {
         .any(|o| o.session == SessionId(1) && matches!(o.msg, ToEdge::Opened { .. })));
 }
 
+/// An edge that is there but sends no block — the verifier decodes its session itself, or its
+/// draft is still prefilling — speaks anyway (it acks the first token at once, then every
+/// ACK_EVERY): its session is never taken for quiet, and is decoded in every forward while
+/// another tenant works, however much longer than the quiet time ACK_EVERY tokens take.
+#[test]
+fn a_session_whose_edge_drafts_nothing_but_acks_is_never_quiet() {
+    use tandem_spec::edge::{EdgeSession, Incoming, Opened, SessionConfig};
+    let cfg = VerifierConfig {
+        load: LoadConfig {
+            quiet_ms: Some(50),
+            ..LoadConfig::FIXED
+        },
+        ..VerifierConfig::default()
+    };
+    let mut v: VerifierCore<Flat, u64> = VerifierCore::new(Flat { ragged: true }, cfg, 0).unwrap();
+    v.set_tenant(TenantId(1), tandem_sched::TenantConfig::default())
+        .unwrap();
+    v.receive(0, open(1, SPEC));
+    let mut other = open(100, Mode::Generate);
+    if let Inbound::Open { new, .. } = &mut other {
+        new.tenant = TenantId(1);
+        new.max_tokens = 30;
+    }
+    v.receive(0, other);
+    let mut edge: Option<EdgeSession> = None;
+    let (mut now, mut forwards_while_other, mut decoded_while_other) = (0, 0, 0);
+    let mut acks = 0;
+    while v.session(SessionId(100)).is_some() && now < 3_000_000 {
+        let t = v.turn(now);
+        now = t.ends_us.max(now + 1000);
+        let mut outputs = Vec::new();
+        for o in &t.out {
+            match (&o.msg, o.session.0) {
+                (&ToEdge::Opened { first, grant, .. }, 1) => {
+                    let (e, out) = EdgeSession::new(
+                        now,
+                        vec![3, 4, 5],
+                        Opened {
+                            first,
+                            grant,
+                            side_nodes: 0,
+                        },
+                        SessionConfig {
+                            draft_len: 4,
+                            depth: 2,
+                            max_new_tokens: 40,
+                            auto: None,
+                            tree: tandem_spec::TreeConfig::LINEAR,
+                        },
+                        vec![],
+                    )
+                    .unwrap();
+                    edge = Some(e);
+                    outputs.extend(out);
+                }
+                (ToEdge::Decoded(d), 1) => {
+                    decoded_while_other += 1;
+                    let e = edge.as_mut().expect("opened first");
+                    outputs.extend(e.on_message(now, Incoming::Decoded(*d)).unwrap().outputs);
+                }
+                (ToEdge::Token { .. }, 100) if edge.is_some() => forwards_while_other += 1,
+                _ => {}
+            }
+        }
+        // The edge never drafts: what it says is its acks.
+        for o in outputs {
+            if let tandem_spec::Output::Ack { committed } = o {
+                acks += 1;
+                v.receive(
+                    now,
+                    Inbound::Ack {
+                        session: SessionId(1),
+                        committed,
+                    },
+                );
+            }
+        }
+        assert_eq!(v.stats.quiet_sessions, 0, "at {now} us");
+    }
+    assert!(v.session(SessionId(100)).is_none(), "the generation ended");
+    assert!(acks >= 2, "the first token's ack and those after: {acks}");
+    // One token a forward for both (the last of the generation's may come before the session's).
+    assert!(
+        decoded_while_other + 1 >= forwards_while_other,
+        "{decoded_while_other} tokens decoded for the silent session in {forwards_while_other} forwards"
+    );
+}
+
 /// Speculation sessions whose edge says nothing for `quiet_ms` are decoded in the background:
 /// while another tenant's generation runs they get no forward of theirs (its forwards stay the
 /// size of its own work); when it is done they go on; an ack brings one back to the foreground.
