@@ -592,6 +592,45 @@ fn a_long_prompt_goes_into_the_draft_a_chunk_a_round_beside_the_answers_streamin
 }
 
 #[test]
+fn the_draft_takes_no_prompt_while_the_verifier_decodes_the_session_itself() {
+    // A verifier whose forward cost makes every verified position dear (1 ms for one token,
+    // 100 ms a token past it) grants γ 0 from a session's Open: it decodes the session itself,
+    // and the draft has no use for the prompt. The draft takes at most the chunk it started
+    // before `Opened` came (the prompt is in the verifier's prefix cache, so the session opens
+    // within a forward), not the 12 chunks of the prompt (about 740 tokens) while the answer
+    // streams; the answer is the target's. (No copies from the prompt: one token a forward.)
+    let v = verifier(&["--forward-cost", "1,100", "--self-draft-max", "0"]);
+    let e = edge(
+        &[format!("http://127.0.0.1:{}", v.port)],
+        &["--no-prefix-cache"],
+    );
+    let port = e.port;
+    let long = format!(
+        "{} Repeat the first note above, word for word, five times.",
+        "Note: the verifier checks the draft's guesses in one shared batch, and the edge keeps \
+         guessing while a correction travels back over the network. "
+            .repeat(24)
+    );
+    let tok = &target().1;
+    assert!(tok.encode_chat(&long).unwrap().len() > 700);
+    let want = expected_chat(&long, 96);
+    // The verifier's prefix cache takes the prompt.
+    let (s, r) = post(port, "/v1/chat/completions", &chat(&long, 4));
+    assert_eq!(s, 200, "{r}");
+    let before = edge_forwards_over(port, 32);
+    let (s, r) = post(port, "/v1/chat/completions", &chat(&long, 96));
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(
+        r["choices"][0]["message"]["content"].as_str(),
+        Some(want.text.as_str()),
+        "the answer is the target's greedy output"
+    );
+    assert_eq!(r["tandem"]["num_drafts"], 0, "{r}");
+    let chunks = edge_forwards_over(port, 32) - before;
+    assert!(chunks <= 2.0, "{chunks} prompt chunks: {}", metrics(port));
+}
+
+#[test]
 fn a_short_soak_through_tandem_serve_checks_every_answer_of_every_kind() {
     // `bench soak --serve`: a real verifier process, a real tandem serve process, two API
     // clients sending conversation turns, JSON-schema answers and answers that copy their

@@ -327,6 +327,12 @@ impl EdgeSession {
         &self.p
     }
 
+    /// Whether the verifier's grant lets the session draft (false while the verifier decodes
+    /// it itself: γ 0; true before `Opened`).
+    pub fn drafting_granted(&self) -> bool {
+        self.granted_drafting
+    }
+
     /// What the driver should do next (draft after feeding `pipeline().tokens()` from
     /// `pipeline().draft_fed()` on, wait for a message, or stop).
     pub fn next(&self) -> Next {

@@ -255,11 +255,12 @@ pub fn verifier(extra: &[&str]) -> Proc {
 
 /// [`verifier`], or what it said when it exited instead of listening.
 pub fn try_verifier(extra: &[&str]) -> Result<Proc, String> {
-    let mut args: Vec<String> = ["cloud", "serve", "--forward-cost", "40,2", "--threads", "1"]
+    let mut args: Vec<String> = ["cloud", "serve", "--threads", "1"]
         .iter()
         .map(|s| s.to_string())
         .collect();
-    let defaults: [(&str, &[&str]); 4] = [
+    let defaults: [(&str, &[&str]); 5] = [
+        ("--forward-cost", &["--forward-cost", "40,2"]),
         ("--ledger", &["--no-ledger"]),
         ("--tenants", &["--no-auth"]),
         ("--listen", &["--listen", "127.0.0.1:0"]),

@@ -750,13 +750,19 @@ impl Sessions {
             return Err(End::Done);
         }
         // The prompt goes into the draft a chunk a round (while the verifier's answer streams)
-        // before the session drafts: its first draft step never feeds the whole prompt.
+        // before the session drafts: its first draft step never feeds the whole prompt. Not
+        // while the verifier has taken the session over (below).
         match &mut a.phase {
             Phase::Connecting(_) => Ok(a.prefill_step()),
             Phase::Spec(d) => {
                 let out = &mut a.out;
                 match d.poll(false, &mut |u| out.on_update(u)) {
                     Ok((Want::Done, _)) => Err(End::Done),
+                    // While the verifier decodes the session itself (γ 0), the draft has no use
+                    // for its prompt: the prefill waits for a grant to draft with (the steps
+                    // below then prefill and catch up first), and the edge's core goes to the
+                    // sessions that draft.
+                    Ok((Want::Wait, _)) if !d.session().drafting_granted() => Ok(None),
                     Ok((Want::Wait, _)) => Ok(a.prefill_step()),
                     Ok((Want::Draft(f), _)) => Ok(Some(
                         a.prefill_step()
