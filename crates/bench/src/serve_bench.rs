@@ -29,8 +29,9 @@ pub struct ServeBenchArgs {
     pub clients: Vec<usize>,
     /// Requests each client sends, one after another.
     pub rounds: usize,
-    /// Cloud-only then tandem serve, this many times at each number of clients (the machine's
-    /// noise against the figures' differences: the ratios' median over the repeats).
+    /// Cloud-only and tandem serve, this many times at each number of clients, the two in turn
+    /// first (the machine's noise, and its drift within a pair, against the figures'
+    /// differences: the ratios' median over the repeats).
     pub repeats: usize,
     pub max_tokens: usize,
     pub rtt_ms: f64,
@@ -493,22 +494,28 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
         })
     };
     for &n in &a.clients {
-        // Cloud-only streaming (the verifier decodes every token: the Generate RPC), then
-        // tandem serve, with the same N clients and prompts; the pair again for each repeat.
+        // Cloud-only streaming (the verifier decodes every token: the Generate RPC) and tandem
+        // serve, with the same N clients and prompts; the pair again for each repeat, the two
+        // in turn first (a machine that drifts within a pair favours neither).
         for r in 0..a.repeats {
             let of = if a.repeats > 1 {
                 format!(" (repeat {} of {})", r + 1, a.repeats)
             } else {
                 String::new()
             };
-            progress(&format!("cloud-only, {n} clients{of}"));
-            let (timed, wall) = concurrently(n, a.rounds, &cloud_only)?;
-            rows.push(row("cloud-only", n, r, &timed, wall));
-            progress(&format!("tandem serve over HTTP, {n} clients{of}"));
-            let (timed, wall) = concurrently(n, a.rounds, &|i| {
-                http_request(&agent, &url, prompt(i), a.max_tokens)
-            })?;
-            rows.push(row("http", n, r, &timed, wall));
+            for mode in pair_order(r) {
+                if mode == "cloud-only" {
+                    progress(&format!("cloud-only, {n} clients{of}"));
+                    let (timed, wall) = concurrently(n, a.rounds, &cloud_only)?;
+                    rows.push(row("cloud-only", n, r, &timed, wall));
+                } else {
+                    progress(&format!("tandem serve over HTTP, {n} clients{of}"));
+                    let (timed, wall) = concurrently(n, a.rounds, &|i| {
+                        http_request(&agent, &url, prompt(i), a.max_tokens)
+                    })?;
+                    rows.push(row("http", n, r, &timed, wall));
+                }
+            }
         }
     }
     // The daemon's session readers go with their runtime, before the proxy under their streams.
@@ -535,6 +542,15 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
         rows,
         http_itl_overhead,
     })
+}
+
+/// The order of repeat `r`'s pair: cloud-only first in even repeats, tandem serve in odd ones.
+fn pair_order(r: usize) -> [&'static str; 2] {
+    if r.is_multiple_of(2) {
+        ["cloud-only", "http"]
+    } else {
+        ["http", "cloud-only"]
+    }
 }
 
 /// The tokens' times without the end of generation's (a client sees no text for it).
@@ -723,6 +739,15 @@ mod tests {
             accepted: 0,
             judged: 0,
         }
+    }
+
+    #[test]
+    fn the_two_modes_take_turns_going_first() {
+        let orders: Vec<_> = (0..4).map(pair_order).collect();
+        assert_eq!(orders[0], ["cloud-only", "http"]);
+        assert_eq!(orders[1], ["http", "cloud-only"]);
+        assert_eq!(orders[2], orders[0]);
+        assert_eq!(orders[3], orders[1]);
     }
 
     #[test]

@@ -142,8 +142,8 @@ pub struct ServeBenchCliArgs {
     /// Requests each client sends, one after another.
     #[arg(long, default_value_t = 2)]
     rounds: usize,
-    /// Cloud-only then tandem serve this many times at each number of clients, alternated; the
-    /// table adds each ratio's median (least–greatest) over them.
+    /// Cloud-only and tandem serve this many times at each number of clients, the two in turn
+    /// first; the table adds each ratio's median (least–greatest) over them.
     #[arg(long, default_value_t = 1)]
     repeats: usize,
     #[arg(long, default_value_t = 48)]
