@@ -534,6 +534,16 @@ fn edge_forwards_over(port: u16, tokens: u32) -> f64 {
         )
 }
 
+/// A prompt of about 720 tokens: 24 notes, then `ask`.
+fn notes(ask: &str) -> String {
+    format!(
+        "{} {ask}",
+        "Note: the verifier checks the draft's guesses in one shared batch, and the edge keeps \
+         guessing while a correction travels back over the network. "
+            .repeat(24)
+    )
+}
+
 #[test]
 fn a_long_prompt_goes_into_the_draft_a_chunk_a_round_beside_the_answers_streaming() {
     // A prompt of about 700 tokens arrives while three short answers stream. The verifier opens
@@ -548,12 +558,7 @@ fn a_long_prompt_goes_into_the_draft_a_chunk_a_round_beside_the_answers_streamin
         &["--no-prefix-cache"],
     );
     let port = e.port;
-    let long = format!(
-        "{} Summarize the notes above in one sentence.",
-        "Note: the verifier checks the draft's guesses in one shared batch, and the edge keeps \
-         guessing while a correction travels back over the network. "
-            .repeat(24)
-    );
+    let long = notes("Summarize the notes above in one sentence.");
     let prompts = [
         long.as_str(),
         "Name three colours.",
@@ -605,12 +610,7 @@ fn the_draft_takes_no_prompt_while_the_verifier_decodes_the_session_itself() {
         &["--no-prefix-cache"],
     );
     let port = e.port;
-    let long = format!(
-        "{} Repeat the first note above, word for word, five times.",
-        "Note: the verifier checks the draft's guesses in one shared batch, and the edge keeps \
-         guessing while a correction travels back over the network. "
-            .repeat(24)
-    );
+    let long = notes("Repeat the first note above, word for word, five times.");
     let tok = &target().1;
     assert!(tok.encode_chat(&long).unwrap().len() > 700);
     let want = expected_chat(&long, 96);

@@ -590,13 +590,9 @@ fn an_admission_goes_out_before_the_forward_that_prefills_the_prompt() {
         .any(|o| o.session == SessionId(1) && matches!(o.msg, ToEdge::Opened { .. })));
 }
 
-/// An edge that is there but sends no block — the verifier decodes its session itself, or its
-/// draft is still prefilling — speaks anyway (it acks the first token at once, then every
-/// ACK_EVERY): its session is never taken for quiet, and is decoded in every forward while
-/// another tenant works, however much longer than the quiet time ACK_EVERY tokens take.
-#[test]
-fn a_session_whose_edge_drafts_nothing_but_acks_is_never_quiet() {
-    use tandem_spec::edge::{EdgeSession, Incoming, Opened, SessionConfig};
+/// A verifier that takes a speculation session whose edge says nothing for 50 ms for quiet,
+/// forwards of 10 ms and 1 ms a token and a sequence, and a second tenant.
+fn quiet_verifier() -> VerifierCore<Flat, u64> {
     let cfg = VerifierConfig {
         load: LoadConfig {
             quiet_ms: Some(50),
@@ -607,6 +603,17 @@ fn a_session_whose_edge_drafts_nothing_but_acks_is_never_quiet() {
     let mut v: VerifierCore<Flat, u64> = VerifierCore::new(Flat { ragged: true }, cfg, 0).unwrap();
     v.set_tenant(TenantId(1), tandem_sched::TenantConfig::default())
         .unwrap();
+    v
+}
+
+/// An edge that is there but sends no block — the verifier decodes its session itself, or its
+/// draft is still prefilling — speaks anyway (it acks the first token at once, then every
+/// ACK_EVERY): its session is never taken for quiet, and is decoded in every forward while
+/// another tenant works, however much longer than the quiet time ACK_EVERY tokens take.
+#[test]
+fn a_session_whose_edge_drafts_nothing_but_acks_is_never_quiet() {
+    use tandem_spec::edge::{EdgeSession, Incoming, Opened, SessionConfig};
+    let mut v = quiet_verifier();
     v.receive(0, open(1, SPEC));
     let mut other = open(100, Mode::Generate);
     if let Inbound::Open { new, .. } = &mut other {
@@ -683,16 +690,7 @@ fn a_session_whose_edge_drafts_nothing_but_acks_is_never_quiet() {
 /// size of its own work); when it is done they go on; an ack brings one back to the foreground.
 #[test]
 fn quiet_sessions_wait_while_another_tenant_works_and_come_back_when_their_edge_speaks() {
-    let cfg = VerifierConfig {
-        load: LoadConfig {
-            quiet_ms: Some(50),
-            ..LoadConfig::FIXED
-        },
-        ..VerifierConfig::default()
-    };
-    let mut v: VerifierCore<Flat, u64> = VerifierCore::new(Flat { ragged: true }, cfg, 0).unwrap();
-    v.set_tenant(TenantId(1), tandem_sched::TenantConfig::default())
-        .unwrap();
+    let mut v = quiet_verifier();
     // Tenant 0: eight speculation sessions whose edges never speak. Tenant 1: a generation.
     for id in 1..=8 {
         v.receive(0, open(id, SPEC));
