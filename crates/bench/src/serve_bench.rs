@@ -40,6 +40,8 @@ pub struct ServeBenchArgs {
     pub prompts: Vec<String>,
     /// The verifier keeps every session speculating (`cloud serve --fixed-grants`): no takeovers.
     pub fixed_grants: bool,
+    /// More flags for the verifier (`cloud serve`).
+    pub cloud_args: Vec<String>,
     pub edge_cpus: CpuSet,
     pub cloud_cpus: CpuSet,
 }
@@ -83,6 +85,7 @@ pub struct Row {
 pub struct ServeReport {
     pub rtt_ms: f64,
     pub fixed_grants: bool,
+    pub cloud_args: Vec<String>,
     pub gamma: usize,
     pub depth: usize,
     pub max_tokens: usize,
@@ -383,12 +386,13 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
     }
     let draft = models::load(&a.home, &ModelSpec::DRAFT, None, true)?;
     let target = models::load(&a.home, &ModelSpec::TARGET, None, true)?;
-    let extra: &[String] = if a.fixed_grants {
-        &["--fixed-grants".to_string()]
-    } else {
-        &[]
-    };
-    let cloud = CloudProcess::start(&a.home, &a.cloud_cpus, extra)?;
+    let extra: Vec<String> = a
+        .fixed_grants
+        .then(|| "--fixed-grants".to_string())
+        .into_iter()
+        .chain(a.cloud_args.iter().cloned())
+        .collect();
+    let cloud = CloudProcess::start(&a.home, &a.cloud_cpus, &extra)?;
     let mut link = Link::new()?;
     let front = link.set(&cloud.addr, a.rtt_ms, 0.0)?;
     let edge_cfg = EngineConfig {
@@ -533,6 +537,7 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
     Ok(ServeReport {
         rtt_ms: a.rtt_ms,
         fixed_grants: a.fixed_grants,
+        cloud_args: a.cloud_args.clone(),
         gamma: a.gamma,
         depth: a.depth,
         max_tokens: a.max_tokens,
@@ -576,6 +581,12 @@ pub fn table(r: &ServeReport) -> String {
             "the verifier's grants (it takes over sessions that speculation would slow)"
         }
     );
+    if !r.cloud_args.is_empty() {
+        s.insert_str(
+            s.len() - 2,
+            &format!(", the verifier run with {}", r.cloud_args.join(" ")),
+        );
+    }
     s.push_str("| mode | clients | repeat | requests | tokens | req/s | tok/s | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms (all gaps) | ITL p99 ms (median request) | ITL p99 ms (worst request) | last token to end ms | α | draft share |\n");
     s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for row in &r.rows {

@@ -162,6 +162,10 @@ pub struct ServeBenchCliArgs {
     /// speculation as such.
     #[arg(long)]
     fixed_grants: bool,
+    /// A flag for the verifier (`tandem cloud serve`), e.g. --cloud-arg=--forward-cost=1,100 to
+    /// have it decode every session itself; repeat for several.
+    #[arg(long, allow_hyphen_values = true)]
+    cloud_arg: Vec<String>,
     #[command(flatten)]
     cores: Cores,
     #[command(flatten)]
@@ -185,6 +189,7 @@ pub fn cmd_serve_bench(home: &std::path::Path, a: ServeBenchCliArgs) -> Result<(
             a.prompt
         },
         fixed_grants: a.fixed_grants,
+        cloud_args: a.cloud_arg,
         edge_cpus,
         cloud_cpus,
     };
