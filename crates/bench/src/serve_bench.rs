@@ -753,6 +753,37 @@ mod tests {
     }
 
     #[test]
+    fn the_header_names_the_flags_the_verifier_ran_with() {
+        let mut r = ServeReport {
+            rtt_ms: 50.0,
+            fixed_grants: false,
+            cloud_args: Vec::new(),
+            gamma: 2,
+            depth: 3,
+            max_tokens: 48,
+            repeats: 1,
+            rows: Vec::new(),
+            http_itl_overhead: None,
+            versus: Vec::new(),
+            versus_over_repeats: Vec::new(),
+        };
+        let first = |r: &ServeReport| table(r).lines().next().unwrap().to_string();
+        assert!(
+            first(&r).ends_with("speculation would slow)"),
+            "{}",
+            first(&r)
+        );
+        r.cloud_args = vec!["--forward-cost=1,100".into(), "--quiet-ms=0".into()];
+        assert!(
+            first(&r).ends_with(
+                "speculation would slow), the verifier run with --forward-cost=1,100 --quiet-ms=0"
+            ),
+            "{}",
+            first(&r)
+        );
+    }
+
+    #[test]
     fn the_two_modes_take_turns_going_first() {
         let orders: Vec<_> = (0..4).map(pair_order).collect();
         assert_eq!(orders[0], ["cloud-only", "http"]);
