@@ -569,8 +569,13 @@ fn untimed_end(out: &tandem_client::generate::GenOutput) -> Vec<f64> {
 
 /// The report as markdown.
 pub fn table(r: &ServeReport) -> String {
+    let with = if r.cloud_args.is_empty() {
+        String::new()
+    } else {
+        format!(", the verifier run with {}", r.cloud_args.join(" "))
+    };
     let mut s = format!(
-        "tandem serve: rtt {} ms, γ {} depth {}, {} tokens per answer, {}\n\n",
+        "tandem serve: rtt {} ms, γ {} depth {}, {} tokens per answer, {}{with}\n\n",
         r.rtt_ms,
         r.gamma,
         r.depth,
@@ -581,12 +586,6 @@ pub fn table(r: &ServeReport) -> String {
             "the verifier's grants (it takes over sessions that speculation would slow)"
         }
     );
-    if !r.cloud_args.is_empty() {
-        s.insert_str(
-            s.len() - 2,
-            &format!(", the verifier run with {}", r.cloud_args.join(" ")),
-        );
-    }
     s.push_str("| mode | clients | repeat | requests | tokens | req/s | tok/s | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms (all gaps) | ITL p99 ms (median request) | ITL p99 ms (worst request) | last token to end ms | α | draft share |\n");
     s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for row in &r.rows {

@@ -534,7 +534,7 @@ fn edge_forwards_over(port: u16, tokens: u32) -> f64 {
         )
 }
 
-/// A prompt of about 720 tokens: 24 notes, then `ask`.
+/// A prompt of 24 notes (about 720 tokens), then `ask`.
 fn notes(ask: &str) -> String {
     format!(
         "{} {ask}",
