@@ -304,6 +304,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
             forwards: self.stats.target_forwards,
             tokens_per_forward: self.stats.tokens_per_forward,
             sessions: self.sessions.len(),
+            position_cost: self.position_cost(),
         };
         let decisions = self.control.turn(
             now_us,
@@ -471,7 +472,7 @@ impl<T: Target, H: Clone> VerifierCore<T, H> {
                 ..
             } => {
                 self.control
-                    .on_verdict(&mut s.ctl, &mut verdict, drafted, accepted, at);
+                    .on_verdict(&mut s.ctl, &mut verdict, drafted, accepted, positions, at);
                 // Blocks before this one were answered or went stale.
                 while let Some(&(b, t)) = s.meter.arrivals.front() {
                     if b > verdict.block {

@@ -32,6 +32,17 @@ pub const ALPHA_DECAY: f64 = 0.99;
 /// The α the grant plans with before any verdict (about the W4A16 draft's).
 const PRIOR_ALPHA: f64 = 0.8;
 
+/// How much the speculation of some sessions may slow the sessions the verifier decodes alone
+/// (cloud-only generations, and speculation sessions it took over), as a fraction of a forward:
+/// every position a block adds lengthens the forward those sessions wait on, so a user whose
+/// draft guesses badly, or who asked for no draft, would otherwise stream slower than from the
+/// cloud alone. Past it, the speculating sessions that gain least (slowest pace) are taken over
+/// until their positions' cost is within it ([`LoadControl::turn`]). A percent: within a
+/// forward's noise, and above what a session that has stopped sending blocks still counts while
+/// its average decays. (At 4 clients on an AVX2 CPU, `bench serve`: 3 % left tokens/s at 0.97×
+/// cloud-only's, 0 at 0.99×, the verifier decoding every session 1.00×; docs/RESULTS.md.)
+pub const SPECULATION_SLOWDOWN: f64 = 0.01;
+
 /// How the verifier meets its load: the most it grants a session (γ, depth, a token tree's side
 /// nodes), the tokens per forward at which its target saturates, the target's forward cost, and
 /// whether it adapts at all, and how long an open session may go without a word from its edge.
@@ -165,6 +176,9 @@ pub struct Ctl {
     pace: Pace,
     /// Tokens the verifier decoded since it took the session over.
     cloud_tokens: u32,
+    /// Taken over for the sake of the sessions the verifier decodes alone, not by its own pace
+    /// ([`SPECULATION_SLOWDOWN`]).
+    spared: bool,
 }
 
 impl Ctl {
@@ -178,6 +192,7 @@ impl Ctl {
             cloud: false,
             pace: Pace::default(),
             cloud_tokens: 0,
+            spared: false,
         }
     }
 
@@ -194,10 +209,17 @@ impl Ctl {
     /// Mark the session taken over (the verifier decodes every token) or handed back.
     pub fn set_cloud(&mut self, on: bool) {
         if self.cloud != on {
+            self.spared = false;
             self.cloud = on;
             self.cloud_tokens = 0;
             self.pace.restart();
         }
+    }
+
+    /// Decoded by the verifier alone, not for its own sake: a cloud-only generation, or a
+    /// speculation session taken over by the grant or by its own pace.
+    fn decoded_alone(&self) -> bool {
+        self.want.is_none() || (self.cloud && !self.spared)
     }
 }
 
@@ -210,6 +232,9 @@ pub struct Load {
     pub tokens_per_forward: f64,
     /// Open sessions, cloud-only generations included.
     pub sessions: usize,
+    /// What one more position adds to a small forward, over a one-token forward's time (as the
+    /// verifier measured its forwards).
+    pub position_cost: f64,
 }
 
 /// What [`LoadControl::turn`] decided.
@@ -287,8 +312,10 @@ impl LoadControl {
     /// Look at the load, once per turn before the iteration runs: relax the grant after an idle
     /// spell, or re-plan it every [`GRANT_EVERY`] forwards; then decide which sessions change
     /// hands (past the ridge every one is taken over, γ 0; below it, each one whose speculation
-    /// commits slower than cloud decoding would at this load). The sessions' records are updated
-    /// as decided; the caller takes each one over or hands it back.
+    /// commits slower than cloud decoding would at this load, and, while the verifier decodes
+    /// some session alone, the slowest speculating ones whose positions would slow it by more
+    /// than [`SPECULATION_SLOWDOWN`]). The sessions' records are updated as decided; the caller
+    /// takes each one over or hands it back.
     pub fn turn<'a>(
         &mut self,
         now_us: u64,
@@ -313,7 +340,9 @@ impl LoadControl {
             }
         }
         let cloud_itl = self.grants.cloud_itl_ms(load.sessions);
-        for (id, c) in sessions {
+        let mut sessions: Vec<(SessionId, &mut Ctl)> = sessions.collect();
+        for (id, c) in sessions.iter_mut() {
+            let id = *id;
             if c.want.is_none() {
                 continue;
             }
@@ -324,6 +353,14 @@ impl LoadControl {
                 c.set_cloud(false);
                 d.takeovers.push((id, false));
                 continue;
+            }
+            if c.spared {
+                if grant_g > 0 {
+                    // Taken over for others' sake: handed back by the rule that took it.
+                    continue;
+                }
+                // The grant is γ 0 now: it is the grant's.
+                c.spared = false;
             }
             let cloud = grant_g == 0
                 || cloud_itl.is_some_and(|i| prefer_cloud(c.pace.ms_per_token(), i, c.cloud));
@@ -340,6 +377,8 @@ impl LoadControl {
                 d.takeovers.push((id, cloud));
             }
         }
+        spare_the_decoded(load.position_cost, &mut sessions, &mut d);
+        d.takeovers.sort_by_key(|t| t.0);
         d
     }
 
@@ -405,15 +444,16 @@ impl LoadControl {
         }
     }
 
-    /// A verdict that judged `drafted` tokens past the committed ones, `accepted` of them, is
-    /// going out at `now_us`: it carries a new grant when the session's changed, and feeds the α
-    /// and the session's pace.
+    /// A verdict that judged `drafted` tokens past the committed ones, `accepted` of them, in a
+    /// forward over `positions` of the session's positions, is going out at `now_us`: it carries
+    /// a new grant when the session's changed, and feeds the α and the session's pace.
     pub fn on_verdict(
         &mut self,
         c: &mut Ctl,
         verdict: &mut Verdict,
         drafted: usize,
         accepted: usize,
+        positions: usize,
         now_us: u64,
     ) {
         let now_ms = now_us / 1000;
@@ -426,7 +466,8 @@ impl LoadControl {
             }
         }
         if !c.cloud {
-            c.pace.on_commit(now_ms, accepted + 1);
+            c.pace
+                .on_commit(now_ms, accepted + 1, positions.saturating_sub(1));
         }
     }
 
@@ -440,6 +481,72 @@ impl LoadControl {
         } else {
             c.pace.on_decoded(now_ms);
         }
+    }
+}
+
+/// While the verifier decodes some session alone (a cloud-only generation, or a speculation
+/// session taken over by the grant or its own pace), the positions the speculating sessions'
+/// blocks add to each forward slow that session's every token: when together they cost more
+/// than [`SPECULATION_SLOWDOWN`] of a forward (`position_cost` each), take over the speculating
+/// sessions with the slowest pace (those that gain least by their edge) until the rest fit; hand
+/// those back, the fastest first, as far as the room allows, and all of them once no session is
+/// decoded alone. Sessions whose pace is not measured yet neither count nor are taken over. With
+/// no session decoded alone (one user, or all speculating) speculation is each session's own
+/// business ([`pace`]).
+fn spare_the_decoded(
+    position_cost: f64,
+    sessions: &mut [(SessionId, &mut Ctl)],
+    d: &mut Decisions,
+) {
+    let alone = sessions.iter().any(|(_, c)| c.decoded_alone());
+    // Each speculating (or spared) session's slowdown of a forward, and its pace.
+    let cost = |c: &Ctl| {
+        let slows = position_cost.max(0.0) * c.pace.extra_positions()?;
+        Some((slows, c.pace.ms_per_token()?))
+    };
+    let mut speculating: Vec<(usize, f64, f64)> = Vec::new();
+    let mut spared: Vec<(usize, f64, f64)> = Vec::new();
+    for (i, (_, c)) in sessions.iter().enumerate() {
+        if c.spared {
+            let (slows, pace) = cost(c).unwrap_or((0.0, 0.0));
+            spared.push((i, slows, pace));
+        } else if !c.cloud && c.want.is_some() {
+            if let Some((slows, pace)) = cost(c) {
+                speculating.push((i, slows, pace));
+            }
+        }
+    }
+    let mut slows: f64 = speculating.iter().map(|s| s.1).sum();
+    if alone && slows > SPECULATION_SLOWDOWN {
+        speculating.sort_by(|a, b| b.2.total_cmp(&a.2));
+        for (i, cost, pace_ms) in speculating {
+            if slows <= SPECULATION_SLOWDOWN {
+                break;
+            }
+            let (id, c) = &mut sessions[i];
+            tracing::debug!(
+                session = id.0,
+                pace_ms,
+                slows = cost,
+                all = slows,
+                "takeover: its positions slow the sessions decoded alone"
+            );
+            c.set_cloud(true);
+            c.spared = true;
+            d.takeovers.push((*id, true));
+            slows -= cost;
+        }
+        return;
+    }
+    spared.sort_by(|a, b| a.2.total_cmp(&b.2));
+    for (i, cost, _) in spared {
+        if alone && slows + cost > SPECULATION_SLOWDOWN {
+            break;
+        }
+        let (id, c) = &mut sessions[i];
+        c.set_cloud(false);
+        d.takeovers.push((*id, false));
+        slows += cost;
     }
 }
 
@@ -525,10 +632,10 @@ mod tests {
             "an idle verifier grants what was asked"
         );
         let mut v = verdict(2);
-        c.on_verdict(&mut spec, &mut v, 4, 2, 10 * MS);
+        c.on_verdict(&mut spec, &mut v, 4, 2, 5, 10 * MS);
         assert_eq!(v.grant, None, "unchanged");
         // A cloud-only generation has no grant to carry.
-        c.on_verdict(&mut gen, &mut v, 0, 0, 10 * MS);
+        c.on_verdict(&mut gen, &mut v, 0, 0, 1, 10 * MS);
         assert_eq!(v.grant, None);
         let mut d = Decoded {
             epoch: 1,
@@ -566,6 +673,7 @@ mod tests {
             forwards,
             tokens_per_forward: 200.0,
             sessions: 64,
+            position_cost: 0.1,
         };
         // 64 sessions are far past the ridge: the grant falls level by level to γ 0, and then
         // every speculation session (not the generation) is taken over, once.
@@ -604,6 +712,7 @@ mod tests {
             forwards: 2 * k,
             tokens_per_forward: 1.0,
             sessions: 1,
+            position_cost: 0.1,
         };
         let mut decoded = Decoded {
             epoch: 0,
@@ -628,7 +737,7 @@ mod tests {
         let mut taken_at = None;
         for k in 0..=MIN_PACE_GAPS {
             now += 88;
-            c.on_verdict(&mut ctl, &mut verdict, 4, 0, now * MS);
+            c.on_verdict(&mut ctl, &mut verdict, 4, 0, 5, now * MS);
             if !turn(&mut c, &mut ctl, now).is_empty() {
                 taken_at = Some(k);
                 break;
@@ -651,6 +760,75 @@ mod tests {
         assert_eq!(ctl.pace.ms_per_token(), None, "measured afresh");
     }
 
+    /// While the verifier decodes a session alone (here a cloud-only generation), speculating
+    /// sessions whose positions would slow it past [`SPECULATION_SLOWDOWN`] are taken over, the
+    /// slowest first, and stay so (their own pace would hand them back) until no session is
+    /// decoded alone; with nobody decoded alone, or positions that cost nothing, nobody is.
+    #[test]
+    fn speculation_that_slows_a_session_decoded_alone_is_taken_over_until_it_ends() {
+        use super::pace::MIN_PACE_GAPS;
+        // A commits 2 tokens every 30 ms with one extra position a forward; B 1 token with two.
+        // Both beat cloud decoding (44 ms), so neither is taken over by its pace.
+        let run = |with_generation: bool, position_cost: f64, turns_after: u64| {
+            let mut c = control();
+            let mut ctls: Vec<(SessionId, Ctl)> = (0..2)
+                .map(|id| (SessionId(id), Ctl::new(Some(Shape::new(4, 2)), TenantId(0))))
+                .collect();
+            if with_generation {
+                ctls.push((SessionId(2), Ctl::new(None, TenantId(0))));
+            }
+            for (_, ctl) in &mut ctls {
+                c.on_opened(ctl);
+            }
+            let load = |k: u64| Load {
+                forwards: k,
+                tokens_per_forward: 4.0,
+                sessions: 3,
+                position_cost,
+            };
+            let mut taken = Vec::new();
+            let mut v = verdict(0);
+            for k in 1..=(MIN_PACE_GAPS as u64 + 1 + turns_after) {
+                let now = k * 30 * MS;
+                let (a, b) = ctls.split_at_mut(1);
+                if !a[0].1.is_cloud() {
+                    c.on_verdict(&mut a[0].1, &mut v, 1, 1, 2, now);
+                }
+                if !b[0].1.is_cloud() {
+                    c.on_verdict(&mut b[0].1, &mut v, 2, 0, 3, now);
+                }
+                let d = c.turn(now, load(k), ctls.iter_mut().map(|(id, c)| (*id, c)));
+                // The core carries each decision out on the session's record, as it does.
+                for &(id, on) in &d.takeovers {
+                    ctls[id.0 as usize].1.set_cloud(on);
+                }
+                taken.extend(d.takeovers);
+            }
+            (c, ctls, taken)
+        };
+        // A slows each forward by 0.5 %, B by 1 %: B, the slower, is taken over, and A fits.
+        let (mut c, mut ctls, taken) = run(true, 0.005, 20);
+        assert_eq!(taken, vec![(SessionId(1), true)], "once, and only B");
+        assert!(ctls[1].1.is_cloud() && !ctls[0].1.is_cloud());
+        // The generation ends: B is handed back at the next look.
+        ctls.pop();
+        let load = Load {
+            forwards: 100,
+            tokens_per_forward: 4.0,
+            sessions: 2,
+            position_cost: 0.005,
+        };
+        let d = c.turn(3000 * MS, load, ctls.iter_mut().map(|(id, c)| (*id, c)));
+        assert_eq!(d.takeovers, vec![(SessionId(1), false)]);
+        // Costlier positions: both go, the slower first.
+        let (_, ctls, taken) = run(true, 0.1, 0);
+        assert_eq!(taken, vec![(SessionId(0), true), (SessionId(1), true)]);
+        assert!(ctls[..2].iter().all(|(_, c)| c.is_cloud()));
+        // Nobody decoded alone, or positions that cost nothing (a GPU below its ridge): nobody.
+        assert!(run(false, 0.1, 20).2.is_empty());
+        assert!(run(true, 0.0, 20).2.is_empty());
+    }
+
     /// One tenant's poor drafts shrink only its own sessions' blocks: the other tenant's grant is
     /// what it would be alone, where one α over both would have shrunk it too.
     #[test]
@@ -667,12 +845,13 @@ mod tests {
             let mut v = verdict(0);
             for k in 1..=40u64 {
                 for (ctl, &(_, accepted)) in ctls.iter_mut().zip(tenants) {
-                    c.on_verdict(ctl, &mut v, 4, accepted, k * MS);
+                    c.on_verdict(ctl, &mut v, 4, accepted, 5, k * MS);
                 }
                 let load = Load {
                     forwards: 2 * k,
                     tokens_per_forward: 20.0,
                     sessions: 6,
+                    position_cost: 0.1,
                 };
                 c.turn(
                     k * MS,

@@ -26,26 +26,34 @@ pub const PROBE_TOKENS: u32 = 64;
 const PACE_SMOOTHING: f64 = 0.25;
 
 /// A speculation session's pace: milliseconds per committed token, measured from the gaps between
-/// its verdicts while its edge speculates.
+/// its verdicts while its edge speculates, and the positions its blocks add to the verifier's
+/// forwards beyond the one a decode computes.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Pace {
     last_ms: Option<u64>,
     gap_ms: f64,
     tokens: f64,
+    extra: f64,
     gaps: u32,
 }
 
 impl Pace {
-    /// A verdict committed `tokens` at `now_ms`. The first one after a [`Pace::restart`] only
-    /// starts the clock.
-    pub fn on_commit(&mut self, now_ms: u64, tokens: usize) {
+    /// A verdict committed `tokens` at `now_ms`, from a forward that computed `extra` positions
+    /// of the session beyond the one a decode would have. The first one after a
+    /// [`Pace::restart`] only starts the clock.
+    pub fn on_commit(&mut self, now_ms: u64, tokens: usize, extra: usize) {
         if let Some(last) = self.last_ms.replace(now_ms) {
-            let (g, t) = (now_ms.saturating_sub(last) as f64, tokens as f64);
+            let (g, t, e) = (
+                now_ms.saturating_sub(last) as f64,
+                tokens as f64,
+                extra as f64,
+            );
             if self.gaps == 0 {
-                (self.gap_ms, self.tokens) = (g, t);
+                (self.gap_ms, self.tokens, self.extra) = (g, t, e);
             } else {
                 self.gap_ms += PACE_SMOOTHING * (g - self.gap_ms);
                 self.tokens += PACE_SMOOTHING * (t - self.tokens);
+                self.extra += PACE_SMOOTHING * (e - self.extra);
             }
             self.gaps += 1;
         }
@@ -57,7 +65,7 @@ impl Pace {
     /// speculation.
     pub fn on_decoded(&mut self, now_ms: u64) {
         if self.last_ms.is_some() {
-            self.on_commit(now_ms, 1);
+            self.on_commit(now_ms, 1, 0);
         }
     }
 
@@ -70,6 +78,13 @@ impl Pace {
     /// Milliseconds per committed token, once [`MIN_PACE_GAPS`] gaps were seen.
     pub fn ms_per_token(&self) -> Option<f64> {
         (self.gaps >= MIN_PACE_GAPS && self.tokens > 0.0).then(|| self.gap_ms / self.tokens)
+    }
+
+    /// Positions the session's blocks add to each forward it is in, beyond a decode's one, once
+    /// [`MIN_PACE_GAPS`] gaps were seen (a session is in every forward while it speculates: the
+    /// verifier never idles it).
+    pub fn extra_positions(&self) -> Option<f64> {
+        (self.gaps >= MIN_PACE_GAPS).then_some(self.extra)
     }
 }
 
@@ -96,21 +111,22 @@ mod tests {
         let mut p = Pace::default();
         p.on_decoded(900);
         p.on_decoded(950);
-        p.on_commit(1000, 3);
+        p.on_commit(1000, 3, 2);
         assert_eq!(p.ms_per_token(), None, "the first verdict starts the clock");
         for k in 1..MIN_PACE_GAPS as u64 {
-            p.on_commit(1000 + 300 * k, 3);
+            p.on_commit(1000 + 300 * k, 3, 2);
         }
         assert_eq!(p.ms_per_token(), None);
-        p.on_commit(1000 + 300 * MIN_PACE_GAPS as u64, 3);
+        p.on_commit(1000 + 300 * MIN_PACE_GAPS as u64, 3, 2);
         assert!((p.ms_per_token().unwrap() - 100.0).abs() < 1e-9);
+        assert!((p.extra_positions().unwrap() - 2.0).abs() < 1e-9);
         // A takeover and handback later, the gap across it does not count.
         p.restart();
-        p.on_commit(9000, 1);
+        p.on_commit(9000, 1, 0);
         assert!((p.ms_per_token().unwrap() - 100.0).abs() < 1e-9);
         // Slower verdicts move it.
         for k in 1..20 {
-            p.on_commit(9000 + 600 * k, 3);
+            p.on_commit(9000 + 600 * k, 3, 2);
         }
         assert!((p.ms_per_token().unwrap() - 200.0).abs() < 1.0);
     }
