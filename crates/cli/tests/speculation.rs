@@ -189,9 +189,14 @@ fn metrics_are_scraped_over_http_and_parse() {
     // verified with accepted tokens however slow the draft.
     let (url, g) = new_awaiting_server();
     let maddr = on_loopback(move |l| async move {
-        tandem_cloud::metrics::serve_metrics(l, g, std::future::pending())
-            .await
-            .unwrap();
+        tandem_cloud::metrics::serve_metrics(
+            l,
+            g,
+            std::future::pending(),
+            std::time::Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
     });
     let p = tok.encode("The capital of France is").unwrap();
     let out = spec_out(

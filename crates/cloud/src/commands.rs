@@ -381,7 +381,14 @@ pub fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             eprintln!("metrics on http://{}/metrics", ml.local_addr()?);
             let g = service.gauges();
             tokio::spawn(async move {
-                if let Err(e) = crate::metrics::serve_metrics(ml, g, std::future::pending()).await {
+                if let Err(e) = crate::metrics::serve_metrics(
+                    ml,
+                    g,
+                    std::future::pending(),
+                    tandem_http::HEAD_TIMEOUT,
+                )
+                .await
+                {
                     eprintln!("metrics server stopped: {e}");
                 }
             });

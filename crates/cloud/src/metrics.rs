@@ -462,11 +462,15 @@ impl Metrics {
     }
 }
 
-/// Serve `GET /metrics` on `listener` until `shutdown` resolves.
+/// Serve `GET /metrics` on `listener` until `shutdown` resolves; a connection whose request
+/// head takes longer than `head_timeout` is closed ([`tandem_http::HEAD_TIMEOUT`] in `cloud
+/// serve`): the process that serves every tenant keeps no socket for a client that never
+/// finishes asking.
 pub async fn serve_metrics(
     listener: tokio::net::TcpListener,
     gauges: Arc<Gauges>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    head_timeout: std::time::Duration,
 ) -> std::io::Result<()> {
     let app = axum::Router::new().route(
         "/metrics",
@@ -480,14 +484,64 @@ pub async fn serve_metrics(
             }
         }),
     );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    tandem_http::serve_http(listener, app, shutdown, head_timeout).await
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A client that sends its request head a byte at a time loses its connection to
+    /// `/metrics` after the head timeout, and a scrape meanwhile is answered.
+    #[test]
+    fn a_slow_metrics_client_loses_its_connection_and_a_scrape_is_answered() {
+        use std::io::{Read, Write};
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop_tx, stop) = tokio::sync::oneshot::channel::<()>();
+        let server = rt.spawn(serve_metrics(
+            listener,
+            Arc::new(Gauges::default()),
+            async {
+                let _ = stop.await;
+            },
+            std::time::Duration::from_millis(300),
+        ));
+        let mut slow = std::net::TcpStream::connect(addr).unwrap();
+        slow.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+            .unwrap();
+        slow.write_all(b"GET /met").unwrap();
+        let mut ok = std::net::TcpStream::connect(addr).unwrap();
+        ok.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut answer = String::new();
+        ok.read_to_string(&mut answer).unwrap();
+        assert!(
+            answer.starts_with("HTTP/1.1 200") && answer.contains("tandem:"),
+            "{answer}"
+        );
+        let t0 = std::time::Instant::now();
+        let mut rest = Vec::new();
+        let closed = slow.read_to_end(&mut rest);
+        assert!(
+            closed.is_ok()
+                || closed
+                    .as_ref()
+                    .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+            "{closed:?}"
+        );
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10));
+        let text = String::from_utf8_lossy(&rest);
+        assert!(
+            rest.is_empty() || text.starts_with("HTTP/1.1 408"),
+            "{text}"
+        );
+        let _ = stop_tx.send(());
+        rt.block_on(server).unwrap().unwrap();
+    }
 
     /// Every `tandem:` series the shipped Grafana dashboard and Prometheus alerts query is one
     /// the verifier exports (a histogram's `_bucket`, `_sum` and `_count` included).

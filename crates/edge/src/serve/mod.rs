@@ -11,7 +11,6 @@
 //! see committed text only).
 
 pub mod api;
-pub mod http;
 pub mod metrics;
 pub mod sessions;
 pub mod stops;
@@ -136,7 +135,8 @@ pub async fn serve(
     // Each SSE chunk (a token's text) goes out when it is written, not held by Nagle's
     // algorithm for the last one's ACK; a request's head that takes too long loses its
     // connection.
-    let served = http::serve_http(listener, app(state), shutdown, http::HEAD_TIMEOUT).await;
+    let served =
+        tandem_http::serve_http(listener, app(state), shutdown, tandem_http::HEAD_TIMEOUT).await;
     // No request is left in the router: the draft thread ends when its last session has.
     let _ = stop.send(Msg::Shutdown);
     let _ = tokio::task::spawn_blocking(move || {

@@ -1,7 +1,8 @@
-//! The API's HTTP/1.1 connections: what `axum::serve` does, plus a deadline on each request's
-//! head. `axum::serve` gives hyper no timer, so hyper's header-read timeout never applies and a
-//! client that sends its headers a byte a second holds its connection (a socket, a task) for as
-//! long as it likes; enough of them run the daemon out of file descriptors.
+//! Tandem's HTTP/1.1 connections (`tandem serve`'s API, the verifier's `/metrics`): what
+//! `axum::serve` does, plus a deadline on each request's head. `axum::serve` gives hyper no
+//! timer, so hyper's header-read timeout never applies and a client that sends its headers a
+//! byte a second holds its connection (a socket, a task) for as long as it likes; enough of them
+//! run the process out of file descriptors.
 
 use std::future::Future;
 use std::time::Duration;
