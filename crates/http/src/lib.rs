@@ -82,7 +82,6 @@ pub async fn serve_http(
 mod tests {
     use super::*;
     use axum::routing::get;
-    use std::io::{Read, Write};
 
     #[test]
     fn a_request_head_that_comes_too_slowly_loses_its_connection_and_others_are_served() {
@@ -99,37 +98,15 @@ mod tests {
             },
             Duration::from_millis(500),
         ));
-        // A client that sends its head a byte at a time, too slowly.
-        let mut slow = std::net::TcpStream::connect(addr).unwrap();
-        slow.set_read_timeout(Some(Duration::from_secs(20)))
-            .unwrap();
-        let head = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n";
-        slow.write_all(&head[..3]).unwrap();
-        // Meanwhile a whole request on another connection is answered.
-        let mut ok = std::net::TcpStream::connect(addr).unwrap();
-        ok.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .unwrap();
-        let mut answer = String::new();
-        ok.read_to_string(&mut answer).unwrap();
+        // Closed well before a client sending its head at a byte a second could finish it.
+        let answer = tandem_testkit::slow_head_is_cut_and_a_request_is_answered(
+            addr,
+            "/",
+            Duration::from_secs(20),
+        );
         assert!(
             answer.starts_with("HTTP/1.1 200") && answer.ends_with("hello"),
             "{answer}"
-        );
-        // The slow one is closed by the server (a 408 or nothing, then end of stream) well
-        // before it could finish its head at this pace.
-        let mut rest = Vec::new();
-        let closed = slow.read_to_end(&mut rest);
-        assert!(
-            closed.is_ok()
-                || closed
-                    .as_ref()
-                    .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
-            "{closed:?}"
-        );
-        let text = String::from_utf8_lossy(&rest);
-        assert!(
-            rest.is_empty() || text.starts_with("HTTP/1.1 408"),
-            "{text}"
         );
         let _ = stop_tx.send(());
         rt.block_on(server).unwrap().unwrap();

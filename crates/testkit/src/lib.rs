@@ -6,7 +6,8 @@
 //!   a reference greedy decoder on the engine;
 //! - [`loopback`]: a server run on a fresh loopback port in a thread of its own, and the
 //!   one-worker runtime the tests' clients run on;
-//! - [`session`]: a verifier session driven by hand over the raw gRPC stream, message by message.
+//! - [`session`]: a verifier session driven by hand over the raw gRPC stream, message by message;
+//! - [`slow_head`]: a client that never finishes its request head, beside a whole request.
 //!
 //! It links only crates below the ones whose tests use it (`engine`, `models`, `spec`, `proto`):
 //! the verifier server's tests (`crates/cloud/tests`) and the edge's depend on it, and a
@@ -18,7 +19,9 @@
 pub mod loopback;
 pub mod model;
 pub mod session;
+pub mod slow_head;
 
 pub use loopback::*;
 pub use model::*;
 pub use session::*;
+pub use slow_head::*;
