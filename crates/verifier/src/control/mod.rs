@@ -9,7 +9,7 @@
 pub mod grant;
 pub mod pace;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use tandem_sched::{SessionId, TenantId};
 use tandem_spec::{Decoded, Shape, Verdict};
@@ -347,7 +347,7 @@ impl LoadControl {
                 continue;
             }
             let grant_g = self.tenant_grants(c.tenant).current().draft_len;
-            if c.cloud && grant_g > 0 && c.cloud_tokens >= PROBE_TOKENS {
+            if c.cloud && !c.spared && grant_g > 0 && c.cloud_tokens >= PROBE_TOKENS {
                 // Taken over by pace long enough: try the edge again, measured afresh.
                 c.pace = Pace::default();
                 c.set_cloud(false);
@@ -356,7 +356,11 @@ impl LoadControl {
             }
             if c.spared {
                 if grant_g > 0 {
-                    // Taken over for others' sake: handed back by the rule that took it.
+                    // Taken over for others' sake: handed back by the rule that took it, unless
+                    // its own pace now loses to cloud decoding (then it is its pace's).
+                    if cloud_itl.is_some_and(|i| prefer_cloud(c.pace.ms_per_token(), i, false)) {
+                        c.spared = false;
+                    }
                     continue;
                 }
                 // The grant is γ 0 now: it is the grant's.
@@ -377,7 +381,9 @@ impl LoadControl {
                 d.takeovers.push((id, cloud));
             }
         }
-        spare_the_decoded(load.position_cost, &mut sessions, &mut d);
+        if self.grants.pace.is_some() {
+            spare_the_decoded(load.position_cost, &mut sessions, &mut d);
+        }
         d.takeovers.sort_by_key(|t| t.0);
         d
     }
@@ -490,9 +496,13 @@ impl LoadControl {
 /// than [`SPECULATION_SLOWDOWN`] of a forward (`position_cost` each), take over the speculating
 /// sessions with the slowest pace (those that gain least by their edge) until the rest fit; hand
 /// those back, the fastest first, as far as the room allows, and all of them once no session is
-/// decoded alone. Sessions whose pace is not measured yet neither count nor are taken over. With
-/// no session decoded alone (one user, or all speculating) speculation is each session's own
-/// business ([`pace`]).
+/// decoded alone. Sessions whose pace is not measured yet neither count nor are taken over, nor
+/// do those that changed hands in this turn already (`d`). A spared session is handed back only
+/// with room to spare ([`pace::HANDBACK_MARGIN`]: no flapping at the limit). With no session
+/// decoded alone (one user, or all speculating) speculation is each session's own business
+/// ([`pace`]). On a CPU, where one position costs several percent of a forward, any session
+/// decoded alone takes every measured speculating session over. Only a verifier that takes
+/// sessions over at all (it adapts, with a forward cost) runs it.
 fn spare_the_decoded(
     position_cost: f64,
     sessions: &mut [(SessionId, &mut Ctl)],
@@ -506,7 +516,11 @@ fn spare_the_decoded(
     };
     let mut speculating: Vec<(usize, f64, f64)> = Vec::new();
     let mut spared: Vec<(usize, f64, f64)> = Vec::new();
-    for (i, (_, c)) in sessions.iter().enumerate() {
+    let changed: HashSet<SessionId> = d.takeovers.iter().map(|t| t.0).collect();
+    for (i, (id, c)) in sessions.iter().enumerate() {
+        if changed.contains(id) {
+            continue;
+        }
         if c.spared {
             let (slows, pace) = cost(c).unwrap_or((0.0, 0.0));
             spared.push((i, slows, pace));
@@ -538,9 +552,13 @@ fn spare_the_decoded(
         }
         return;
     }
+    let room = SPECULATION_SLOWDOWN / pace::HANDBACK_MARGIN;
+    if alone && spared.iter().all(|s| slows + s.1 > room) {
+        return;
+    }
     spared.sort_by(|a, b| a.2.total_cmp(&b.2));
     for (i, cost, _) in spared {
-        if alone && slows + cost > SPECULATION_SLOWDOWN {
+        if alone && slows + cost > room {
             break;
         }
         let (id, c) = &mut sessions[i];
@@ -669,14 +687,23 @@ mod tests {
             .map(|id| (SessionId(id), Ctl::new(Some(Shape::new(4, 2)), TenantId(0))))
             .collect();
         ctls.push((SessionId(3), Ctl::new(None, TenantId(0))));
+        // The speculation sessions' paces measured: fast (2 tokens every 10 ms, half their
+        // guesses right), two extra positions a forward.
+        let mut v = verdict(1);
+        for k in 0..=super::pace::MIN_PACE_GAPS as u64 {
+            for (_, ctl) in &mut ctls[..3] {
+                c.on_verdict(ctl, &mut v, 2, 1, 3, k * 10 * MS);
+            }
+        }
         let load = |forwards| Load {
             forwards,
             tokens_per_forward: 200.0,
             sessions: 64,
             position_cost: 0.1,
         };
-        // 64 sessions are far past the ridge: the grant falls level by level to γ 0, and then
-        // every speculation session (not the generation) is taken over, once.
+        // 64 sessions are far past the ridge: the grant falls level by level to γ 0, and
+        // every speculation session (not the generation) is taken over, once (first for the
+        // generation's sake, theirs being costly positions; then by the grant).
         let mut taken = Vec::new();
         for k in 1..=8 {
             let d = c.turn(k * MS, load(2 * k), ctls.iter_mut().map(|(id, c)| (*id, c)));
@@ -695,7 +722,14 @@ mod tests {
             ctls.iter_mut().map(|(id, c)| (*id, c)),
         );
         assert!(d.idle);
-        assert_eq!(d.takeovers, ids(false));
+        assert_eq!(d.takeovers, ids(false), "not taken again in the same turn");
+        // The next look takes them over for the generation's sake, and they stay so.
+        let d = c.turn(
+            (9 + IDLE_RELAX_MS) * MS,
+            load(17),
+            ctls.iter_mut().map(|(id, c)| (*id, c)),
+        );
+        assert_eq!(d.takeovers, ids(true));
     }
 
     /// A lone session's pace starts at its first verdict (the tokens decoded before it, while its
@@ -810,6 +844,26 @@ mod tests {
         let (mut c, mut ctls, taken) = run(true, 0.005, 20);
         assert_eq!(taken, vec![(SessionId(1), true)], "once, and only B");
         assert!(ctls[1].1.is_cloud() && !ctls[0].1.is_cloud());
+        // Decoded for others' sake, B is not probed again after PROBE_TOKENS tokens.
+        let mut decoded = Decoded {
+            epoch: 0,
+            pos: 9,
+            token: 3,
+            grant: None,
+            guessed: false,
+        };
+        for k in 0..2 * PROBE_TOKENS as u64 {
+            let now = (2000 + k) * MS;
+            c.on_decoded(&mut ctls[1].1, &mut decoded, now);
+            let load = Load {
+                forwards: 50 + k,
+                tokens_per_forward: 4.0,
+                sessions: 3,
+                position_cost: 0.005,
+            };
+            let d = c.turn(now, load, ctls.iter_mut().map(|(id, c)| (*id, c)));
+            assert!(d.takeovers.is_empty(), "{k}: {:?}", d.takeovers);
+        }
         // The generation ends: B is handed back at the next look.
         ctls.pop();
         let load = Load {
@@ -820,13 +874,31 @@ mod tests {
         };
         let d = c.turn(3000 * MS, load, ctls.iter_mut().map(|(id, c)| (*id, c)));
         assert_eq!(d.takeovers, vec![(SessionId(1), false)]);
-        // Costlier positions: both go, the slower first.
+        // Costlier positions: both go.
         let (_, ctls, taken) = run(true, 0.1, 0);
         assert_eq!(taken, vec![(SessionId(0), true), (SessionId(1), true)]);
         assert!(ctls[..2].iter().all(|(_, c)| c.is_cloud()));
         // Nobody decoded alone, or positions that cost nothing (a GPU below its ridge): nobody.
         assert!(run(false, 0.1, 20).2.is_empty());
         assert!(run(true, 0.0, 20).2.is_empty());
+        // A verifier that takes nobody over (no forward cost, or `--fixed-grants`): nobody.
+        let mut fixed = LoadControl::new(GrantPolicy::new(4, 2, f64::INFINITY), 0);
+        let mut ctls = [
+            (SessionId(0), Ctl::new(Some(Shape::new(4, 2)), TenantId(0))),
+            (SessionId(1), Ctl::new(None, TenantId(0))),
+        ];
+        let mut v = verdict(0);
+        for k in 1..=20u64 {
+            fixed.on_verdict(&mut ctls[0].1, &mut v, 4, 0, 5, k * 30 * MS);
+            let load = Load {
+                forwards: k,
+                tokens_per_forward: 6.0,
+                sessions: 2,
+                position_cost: 0.1,
+            };
+            let d = fixed.turn(k * 30 * MS, load, ctls.iter_mut().map(|(id, c)| (*id, c)));
+            assert!(d.takeovers.is_empty());
+        }
     }
 
     /// One tenant's poor drafts shrink only its own sessions' blocks: the other tenant's grant is
