@@ -623,6 +623,17 @@ mod tests {
         )
     }
 
+    /// A token the verifier decoded.
+    fn decoded() -> Decoded {
+        Decoded {
+            epoch: 0,
+            pos: 9,
+            token: 3,
+            grant: None,
+            guessed: false,
+        }
+    }
+
     /// A verdict of block 0 that accepted `accepted` tokens.
     fn verdict(accepted: usize) -> Verdict {
         Verdict {
@@ -748,13 +759,7 @@ mod tests {
             sessions: 1,
             position_cost: 0.1,
         };
-        let mut decoded = Decoded {
-            epoch: 0,
-            pos: 9,
-            token: 3,
-            grant: None,
-            guessed: false,
-        };
+        let mut decoded = decoded();
         let mut verdict = verdict(0);
         let mut now = 0;
         let turn = |c: &mut LoadControl, ctl: &mut Ctl, now: u64| {
@@ -845,13 +850,7 @@ mod tests {
         assert_eq!(taken, vec![(SessionId(1), true)], "once, and only B");
         assert!(ctls[1].1.is_cloud() && !ctls[0].1.is_cloud());
         // Decoded for others' sake, B is not probed again after PROBE_TOKENS tokens.
-        let mut decoded = Decoded {
-            epoch: 0,
-            pos: 9,
-            token: 3,
-            grant: None,
-            guessed: false,
-        };
+        let mut decoded = decoded();
         for k in 0..2 * PROBE_TOKENS as u64 {
             let now = (2000 + k) * MS;
             c.on_decoded(&mut ctls[1].1, &mut decoded, now);
