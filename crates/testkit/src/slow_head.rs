@@ -5,8 +5,8 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
-/// Open a connection to `addr` and send the first bytes of a `GET path` head, then, on a second
-/// connection, the whole request (`Connection: close`) and read its answer; then wait up to
+/// Open a connection to `addr` and send the first bytes of a request head (`GET /`), then, on a
+/// second connection, the whole `GET path` (`Connection: close`) and read its answer; then wait up to
 /// `wait` for the server to close the first. Returns the whole request's answer (as text).
 /// Panics unless the server closed the slow connection within `wait`, sending nothing or a 408.
 pub fn slow_head_is_cut_and_a_request_is_answered(

@@ -9,7 +9,7 @@
 pub mod grant;
 pub mod pace;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use tandem_sched::{SessionId, TenantId};
 use tandem_spec::{Decoded, Shape, Verdict};
@@ -340,52 +340,84 @@ impl LoadControl {
             }
         }
         let cloud_itl = self.grants.cloud_itl_ms(load.sessions);
-        let mut sessions: Vec<(SessionId, &mut Ctl)> = sessions.collect();
-        for (id, c) in sessions.iter_mut() {
-            let id = *id;
-            if c.want.is_none() {
+        // One pass: each session's own hands, and, for the rule that spares the sessions decoded
+        // alone, whether any is and which sessions it may move (those that did not change hands).
+        let spare = self.grants.pace.is_some();
+        let mut alone = false;
+        let (mut speculating, mut spared) = (Vec::new(), Vec::new());
+        for (id, c) in sessions {
+            let changed = self.by_own_pace(id, c, cloud_itl, &mut d);
+            alone |= c.decoded_alone();
+            if !spare || changed || c.want.is_none() {
                 continue;
             }
-            let grant_g = self.tenant_grants(c.tenant).current().draft_len;
-            if c.cloud && !c.spared && grant_g > 0 && c.cloud_tokens >= PROBE_TOKENS {
-                // Taken over by pace long enough: try the edge again, measured afresh.
-                c.pace = Pace::default();
-                c.set_cloud(false);
-                d.takeovers.push((id, false));
-                continue;
-            }
+            let cost = c.pace.extra_positions().zip(c.pace.ms_per_token());
+            let slows = |extra: f64| load.position_cost.max(0.0) * extra;
             if c.spared {
-                if grant_g > 0 {
-                    // Taken over for others' sake: handed back by the rule that took it, unless
-                    // its own pace now loses to cloud decoding (then it is its pace's).
-                    if cloud_itl.is_some_and(|i| prefer_cloud(c.pace.ms_per_token(), i, false)) {
-                        c.spared = false;
-                    }
-                    continue;
+                let (extra, pace) = cost.unwrap_or((0.0, 0.0));
+                spared.push((id, c, slows(extra), pace));
+            } else if !c.cloud {
+                if let Some((extra, pace)) = cost {
+                    speculating.push((id, c, slows(extra), pace));
                 }
-                // The grant is γ 0 now: it is the grant's.
-                c.spared = false;
-            }
-            let cloud = grant_g == 0
-                || cloud_itl.is_some_and(|i| prefer_cloud(c.pace.ms_per_token(), i, c.cloud));
-            if c.cloud != cloud {
-                tracing::debug!(
-                    session = id.0,
-                    cloud,
-                    pace_ms = ?c.pace.ms_per_token(),
-                    cloud_itl_ms = ?cloud_itl,
-                    grant_g,
-                    "takeover by pace"
-                );
-                c.set_cloud(cloud);
-                d.takeovers.push((id, cloud));
             }
         }
-        if self.grants.pace.is_some() {
-            spare_the_decoded(load.position_cost, &mut sessions, &mut d);
+        if spare {
+            spare_the_decoded(alone, speculating, spared, &mut d);
         }
         d.takeovers.sort_by_key(|t| t.0);
         d
+    }
+
+    /// The session's hands by the grant and its own pace: the probe of a session taken over
+    /// long enough, a spared session left to [`spare_the_decoded`] (or become its pace's), the
+    /// takeover or handback by pace. Returns whether it changed hands (recorded in `d`).
+    fn by_own_pace(
+        &self,
+        id: SessionId,
+        c: &mut Ctl,
+        cloud_itl: Option<f64>,
+        d: &mut Decisions,
+    ) -> bool {
+        if c.want.is_none() {
+            return false;
+        }
+        let grant_g = self.tenant_grants(c.tenant).current().draft_len;
+        if c.cloud && !c.spared && grant_g > 0 && c.cloud_tokens >= PROBE_TOKENS {
+            // Taken over by pace long enough: try the edge again, measured afresh.
+            c.pace = Pace::default();
+            c.set_cloud(false);
+            d.takeovers.push((id, false));
+            return true;
+        }
+        if c.spared {
+            if grant_g > 0 {
+                // Taken over for others' sake: handed back by the rule that took it, unless
+                // its own pace now loses to cloud decoding (then it is its pace's).
+                if cloud_itl.is_some_and(|i| prefer_cloud(c.pace.ms_per_token(), i, false)) {
+                    c.spared = false;
+                }
+                return false;
+            }
+            // The grant is γ 0 now: it is the grant's.
+            c.spared = false;
+        }
+        let cloud = grant_g == 0
+            || cloud_itl.is_some_and(|i| prefer_cloud(c.pace.ms_per_token(), i, c.cloud));
+        if c.cloud == cloud {
+            return false;
+        }
+        tracing::debug!(
+            session = id.0,
+            cloud,
+            pace_ms = ?c.pace.ms_per_token(),
+            cloud_itl_ms = ?cloud_itl,
+            grant_g,
+            "takeover by pace"
+        );
+        c.set_cloud(cloud);
+        d.takeovers.push((id, cloud));
+        true
     }
 
     /// A forward of `tokens` tokens ended at `now_us`, after `ms`.
@@ -490,54 +522,37 @@ impl LoadControl {
     }
 }
 
-/// While the verifier decodes some session alone (a cloud-only generation, or a speculation
-/// session taken over by the grant or its own pace), the positions the speculating sessions'
-/// blocks add to each forward slow that session's every token: when together they cost more
-/// than [`SPECULATION_SLOWDOWN`] of a forward (`position_cost` each), take over the speculating
-/// sessions with the slowest pace (those that gain least by their edge) until the rest fit; hand
-/// those back, the fastest first, as far as the room allows, and all of them once no session is
-/// decoded alone. Sessions whose pace is not measured yet neither count nor are taken over, nor
-/// do those that changed hands in this turn already (`d`). A spared session is handed back only
-/// with room to spare ([`pace::HANDBACK_MARGIN`]: no flapping at the limit). With no session
-/// decoded alone (one user, or all speculating) speculation is each session's own business
-/// ([`pace`]). On a CPU, where one position costs several percent of a forward, any session
-/// decoded alone takes every measured speculating session over. Only a verifier that takes
-/// sessions over at all (it adapts, with a forward cost) runs it.
+/// A session [`spare_the_decoded`] may move: its record, what its positions slow a forward by
+/// (a fraction of it), and its pace (ms per token).
+type Spareable<'a> = (SessionId, &'a mut Ctl, f64, f64);
+
+/// While the verifier decodes some session alone (`alone`: a cloud-only generation, or a
+/// speculation session taken over by the grant or its own pace), the positions the speculating
+/// sessions' blocks add to each forward slow that session's every token: when together they cost
+/// more than [`SPECULATION_SLOWDOWN`] of a forward (each its measured extra positions times the
+/// position cost), take over the speculating sessions with the slowest pace (those that gain
+/// least by their edge) until the rest fit; hand those back, the fastest first, as far as the
+/// room allows, and all of them once no session is decoded alone. Sessions whose pace is not
+/// measured yet neither count nor are taken over, nor do those that changed hands in this turn
+/// already (the caller leaves both out). A spared session is handed back only with room to spare
+/// ([`pace::HANDBACK_MARGIN`]: no flapping at the limit). With no session decoded alone (one
+/// user, or all speculating) speculation is each session's own business ([`pace`]). On a CPU,
+/// where one position costs several percent of a forward, any session decoded alone takes every
+/// measured speculating session over. Only a verifier that takes sessions over at all (it
+/// adapts, with a forward cost) runs it.
 fn spare_the_decoded(
-    position_cost: f64,
-    sessions: &mut [(SessionId, &mut Ctl)],
+    alone: bool,
+    mut speculating: Vec<Spareable<'_>>,
+    mut spared: Vec<Spareable<'_>>,
     d: &mut Decisions,
 ) {
-    let alone = sessions.iter().any(|(_, c)| c.decoded_alone());
-    // Each speculating (or spared) session's slowdown of a forward, and its pace.
-    let cost = |c: &Ctl| {
-        let slows = position_cost.max(0.0) * c.pace.extra_positions()?;
-        Some((slows, c.pace.ms_per_token()?))
-    };
-    let mut speculating: Vec<(usize, f64, f64)> = Vec::new();
-    let mut spared: Vec<(usize, f64, f64)> = Vec::new();
-    let changed: HashSet<SessionId> = d.takeovers.iter().map(|t| t.0).collect();
-    for (i, (id, c)) in sessions.iter().enumerate() {
-        if changed.contains(id) {
-            continue;
-        }
-        if c.spared {
-            let (slows, pace) = cost(c).unwrap_or((0.0, 0.0));
-            spared.push((i, slows, pace));
-        } else if !c.cloud && c.want.is_some() {
-            if let Some((slows, pace)) = cost(c) {
-                speculating.push((i, slows, pace));
-            }
-        }
-    }
-    let mut slows: f64 = speculating.iter().map(|s| s.1).sum();
+    let mut slows: f64 = speculating.iter().map(|s| s.2).sum();
     if alone && slows > SPECULATION_SLOWDOWN {
-        speculating.sort_by(|a, b| b.2.total_cmp(&a.2));
-        for (i, cost, pace_ms) in speculating {
+        speculating.sort_by(|a, b| b.3.total_cmp(&a.3));
+        for (id, c, cost, pace_ms) in speculating {
             if slows <= SPECULATION_SLOWDOWN {
                 break;
             }
-            let (id, c) = &mut sessions[i];
             tracing::debug!(
                 session = id.0,
                 pace_ms,
@@ -547,23 +562,22 @@ fn spare_the_decoded(
             );
             c.set_cloud(true);
             c.spared = true;
-            d.takeovers.push((*id, true));
+            d.takeovers.push((id, true));
             slows -= cost;
         }
         return;
     }
     let room = SPECULATION_SLOWDOWN / pace::HANDBACK_MARGIN;
-    if alone && spared.iter().all(|s| slows + s.1 > room) {
+    if alone && spared.iter().all(|s| slows + s.2 > room) {
         return;
     }
-    spared.sort_by(|a, b| a.2.total_cmp(&b.2));
-    for (i, cost, _) in spared {
+    spared.sort_by(|a, b| a.3.total_cmp(&b.3));
+    for (id, c, cost, _) in spared {
         if alone && slows + cost > room {
             break;
         }
-        let (id, c) = &mut sessions[i];
         c.set_cloud(false);
-        d.takeovers.push((*id, false));
+        d.takeovers.push((id, false));
         slows += cost;
     }
 }
