@@ -112,7 +112,9 @@ pub fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
         // Rows of the benchmarks, not modes of this command (clap never parses them).
         Mode::CloudOnly | Mode::AsyncAuto | Mode::AsyncTree => a.model.target(),
     };
-    let m = models::load(home, &spec, a.weights, a.json)?;
+    let as_draft = matches!(a.mode, Mode::EdgeOnly | Mode::Sync | Mode::Async);
+    let mode = a.weights.or(as_draft.then(|| spec.draft_mode()));
+    let m = models::load(home, &spec, mode, a.json)?;
     let ids = if a.chat {
         m.tokenizer.encode_chat(&a.prompt)?
     } else {

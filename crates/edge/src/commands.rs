@@ -92,7 +92,7 @@ pub fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result<()> {
     }
     let rt = tandem_proto::runtime()?;
     rt.block_on(check_verifiers(&a.cloud, tls_ca.as_deref()))?;
-    let m = models::load(home, &a.model, None, false)?;
+    let m = models::load(home, &a.model, Some(a.model.draft_mode()), false)?;
     let model_name = a.served_model_name.clone().unwrap_or_else(|| {
         m.path
             .file_name()

@@ -124,6 +124,20 @@ impl ModelSpec {
             Self::Path(_) => WeightMode::Native,
         }
     }
+
+    /// Weight mode of this spec run as the edge's draft: a GGUF path as a catalog draft runs
+    /// ([`ModelSpec::default_mode`]: 8-bit activations and integer dot products where the
+    /// AVX-512 kernels do not run, for the block formats they cover, Q4_0, Q4_1 and Q8_0), a
+    /// catalog model as its own default. A draft only proposes: its activations' precision moves
+    /// α, never the committed text. (A W8A16 file by path with f32 activations on AVX2 drafted
+    /// too slowly to keep one session of 4 speculating in `bench serve`; with 8-bit ones it gave
+    /// 1.15× cloud-only's tokens/s: docs/RESULTS.md.)
+    pub fn draft_mode(&self) -> WeightMode {
+        match self {
+            Self::Path(_) => ModelSpec::DRAFT.default_mode(),
+            named => named.default_mode(),
+        }
+    }
 }
 
 /// A model ready to run, with its tokenizer.
@@ -414,4 +428,22 @@ pub fn ensure_f32_copy_of(home: &Path, model: &CatalogModel) -> Result<PathBuf> 
         ..QuantConfig::default()
     };
     ensure_quantized_of(home, model, &cfg, true).context("writing the f32 target for llama.cpp")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_draft_given_by_path_runs_as_the_catalog_draft() {
+        let path: ModelSpec = "/m/SmolLM2-135M-Instruct.w8a16-g32.gguf".parse().unwrap();
+        assert_eq!(path.draft_mode(), ModelSpec::DRAFT.default_mode());
+        // Elsewhere (a target, `generate --mode local`) a path keeps its blocks' own mode.
+        assert_eq!(path.default_mode(), WeightMode::Native);
+        assert_eq!(ModelSpec::TARGET.draft_mode(), WeightMode::F32);
+        assert_eq!(
+            ModelSpec::DRAFT.draft_mode(),
+            ModelSpec::DRAFT.default_mode()
+        );
+    }
 }
