@@ -38,6 +38,11 @@ pub struct ServeBenchArgs {
     pub gamma: usize,
     pub depth: usize,
     pub prompts: Vec<String>,
+    /// The edge's draft, as `tandem serve --model` takes it (the target is its catalog model's,
+    /// else the default target).
+    pub draft: ModelSpec,
+    /// How the draft's weights run.
+    pub draft_weights: tandem_engine::WeightMode,
     /// The verifier keeps every session speculating (`cloud serve --fixed-grants`): no takeovers.
     pub fixed_grants: bool,
     /// More flags for the verifier (`cloud serve`).
@@ -83,6 +88,9 @@ pub struct Row {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ServeReport {
+    /// The edge's draft (`draft`: the default one), and how its weights ran.
+    pub draft: String,
+    pub draft_weights: String,
     pub rtt_ms: f64,
     pub fixed_grants: bool,
     pub cloud_args: Vec<String>,
@@ -384,8 +392,9 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
     if a.prompts.is_empty() {
         bail!("no prompts");
     }
-    let draft = models::load(&a.home, &ModelSpec::DRAFT, None, true)?;
-    let target = models::load(&a.home, &ModelSpec::TARGET, None, true)?;
+    let draft = models::load(&a.home, &a.draft, Some(a.draft_weights), true)
+        .with_context(|| format!("the draft {}", a.draft))?;
+    let target = models::load(&a.home, &a.draft.target(), None, true)?;
     let extra: Vec<String> = a
         .fixed_grants
         .then(|| "--fixed-grants".to_string())
@@ -535,6 +544,8 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
         _ => None,
     };
     Ok(ServeReport {
+        draft: a.draft.to_string(),
+        draft_weights: format!("{:?}", a.draft_weights).to_lowercase(),
         rtt_ms: a.rtt_ms,
         fixed_grants: a.fixed_grants,
         cloud_args: a.cloud_args.clone(),
@@ -575,7 +586,9 @@ pub fn table(r: &ServeReport) -> String {
         format!(", the verifier run with {}", r.cloud_args.join(" "))
     };
     let mut s = format!(
-        "tandem serve: rtt {} ms, γ {} depth {}, {} tokens per answer, {}{with}\n\n",
+        "tandem serve: draft {} ({}), rtt {} ms, γ {} depth {}, {} tokens per answer, {}{with}\n\n",
+        r.draft,
+        r.draft_weights,
         r.rtt_ms,
         r.gamma,
         r.depth,
@@ -752,8 +765,10 @@ mod tests {
     }
 
     #[test]
-    fn the_header_names_the_flags_the_verifier_ran_with() {
+    fn the_header_names_the_draft_and_the_flags_the_verifier_ran_with() {
         let mut r = ServeReport {
+            draft: "/m/SmolLM2-135M-Instruct.w8a16-g32.gguf".into(),
+            draft_weights: "w4a8".into(),
             rtt_ms: 50.0,
             fixed_grants: false,
             cloud_args: Vec::new(),
@@ -767,6 +782,12 @@ mod tests {
             versus_over_repeats: Vec::new(),
         };
         let first = |r: &ServeReport| table(r).lines().next().unwrap().to_string();
+        assert!(
+            first(&r)
+                .starts_with("tandem serve: draft /m/SmolLM2-135M-Instruct.w8a16-g32.gguf (w4a8),"),
+            "{}",
+            first(&r)
+        );
         assert!(
             first(&r).ends_with("speculation would slow)"),
             "{}",

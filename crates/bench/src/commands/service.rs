@@ -2,6 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use tandem_models::store::ModelSpec;
 
 use super::*;
 
@@ -158,6 +159,16 @@ pub struct ServeBenchCliArgs {
     /// Chat prompts (default: the load benchmark's four).
     #[arg(long)]
     prompt: Vec<String>,
+    /// The edge's draft, as `tandem serve --model` takes it: `draft` (the default, W4A16 by
+    /// GPTQ, made on first use), a catalog model's `NAME-draft`, or a GGUF path (e.g. the W8A16
+    /// file `tandem quantize --scheme w8a16` writes). The target is the draft's catalog model's.
+    #[arg(long, default_value = "draft")]
+    draft: ModelSpec,
+    /// The draft's weight handling, as `generate --weights` takes it: native (its blocks, f32
+    /// activations) or w4a8 (8-bit activations and integer dot products). Default: as `tandem
+    /// serve` runs the draft (w4a8 where the AVX-512 kernels do not run).
+    #[arg(long)]
+    draft_weights: Option<tandem_engine::WeightMode>,
     /// Keep every session speculating (the verifier's --fixed-grants: no takeovers), to measure
     /// speculation as such.
     #[arg(long)]
@@ -188,6 +199,8 @@ pub fn cmd_serve_bench(home: &std::path::Path, a: ServeBenchCliArgs) -> Result<(
         } else {
             a.prompt
         },
+        draft_weights: a.draft_weights.unwrap_or_else(|| a.draft.draft_mode()),
+        draft: a.draft,
         fixed_grants: a.fixed_grants,
         cloud_args: a.cloud_arg,
         edge_cpus,
