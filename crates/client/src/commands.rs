@@ -65,7 +65,8 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub tls_ca: Option<std::path::PathBuf>,
     /// Weight handling: f32, f16, native (W4A16/W8A16 blocks) or w4a8 (8-bit activations).
-    /// Default: f32 for `target`, native otherwise.
+    /// Default: f32 for `target`; the draft of edge-only, sync and async as `tandem serve` runs
+    /// it (w4a8 where the AVX-512 kernels do not run); native otherwise.
     #[arg(long)]
     pub weights: Option<WeightMode>,
     #[arg(long)]
