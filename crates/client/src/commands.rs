@@ -254,7 +254,8 @@ pub struct DemoArgs {
 
 pub fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
     let target = models::load(home, &a.model.target(), None, false)?;
-    let draft = models::load(home, &a.model.draft(), None, false)?;
+    let draft_spec = a.model.draft();
+    let draft = models::load(home, &draft_spec, Some(draft_spec.draft_mode()), false)?;
     let ids = target.tokenizer.encode_chat(&a.prompt)?;
     let params = SamplingParams::default();
     println!("user: {}\n", a.prompt);

@@ -112,30 +112,34 @@ impl ModelSpec {
     /// activations led llama.cpp by 1.77× and the integer kernels (AVX2 code) are not measured
     /// yet; other files in their blocks with f32 activations.
     pub fn default_mode(&self) -> WeightMode {
-        match self {
-            Self::Named { draft: false, .. } => WeightMode::F32,
-            Self::Named { draft: true, .. }
-                if tandem_engine::kernels::Isa::selected()
-                    == tandem_engine::kernels::Isa::Avx512 =>
-            {
-                WeightMode::Native
-            }
-            Self::Named { draft: true, .. } => WeightMode::W4A8,
-            Self::Path(_) => WeightMode::Native,
-        }
+        self.mode_on(tandem_engine::kernels::Isa::selected(), false)
     }
 
     /// Weight mode of this spec run as the edge's draft: a GGUF path as a catalog draft runs
     /// ([`ModelSpec::default_mode`]: 8-bit activations and integer dot products where the
     /// AVX-512 kernels do not run, for the block formats they cover, Q4_0, Q4_1 and Q8_0), a
     /// catalog model as its own default. A draft only proposes: its activations' precision moves
-    /// α, never the committed text. (A W8A16 file by path with f32 activations on AVX2 drafted
-    /// too slowly to keep one session of 4 speculating in `bench serve`; with 8-bit ones it gave
-    /// 1.15× cloud-only's tokens/s: docs/RESULTS.md.)
+    /// α, never the committed text. (A W8A16 file by path on the avx2 kernel path of an AMD EPYC
+    /// Zen 4, `bench serve` at 4 clients: with f32 activations it drafted too slowly to keep
+    /// the sessions speculating, with 8-bit ones it gave more tokens/s than cloud-only in the same
+    /// runs: docs/bench/serve-draft/.)
     pub fn draft_mode(&self) -> WeightMode {
-        match self {
-            Self::Path(_) => ModelSpec::DRAFT.default_mode(),
-            named => named.default_mode(),
+        self.mode_on(tandem_engine::kernels::Isa::selected(), true)
+    }
+
+    /// The weight mode on kernels `isa`, run as the edge's draft or not: a catalog target in
+    /// f32; a draft (a catalog draft, or anything run as the draft) in its blocks, with 8-bit
+    /// activations unless the AVX-512 kernels run; any other file in its blocks.
+    fn mode_on(&self, isa: tandem_engine::kernels::Isa, as_draft: bool) -> WeightMode {
+        let draft = match self {
+            Self::Named { draft: false, .. } => return WeightMode::F32,
+            Self::Named { draft: true, .. } => true,
+            Self::Path(_) => as_draft,
+        };
+        if draft && isa != tandem_engine::kernels::Isa::Avx512 {
+            WeightMode::W4A8
+        } else {
+            WeightMode::Native
         }
     }
 }
@@ -445,5 +449,23 @@ mod tests {
             ModelSpec::DRAFT.draft_mode(),
             ModelSpec::DRAFT.default_mode()
         );
+        // The rule on each kernel path, whichever this machine selects: 8-bit activations for a
+        // draft unless the AVX-512 kernels run.
+        use tandem_engine::kernels::Isa;
+        for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
+            let drafted = if isa == Isa::Avx512 {
+                WeightMode::Native
+            } else {
+                WeightMode::W4A8
+            };
+            assert_eq!(path.mode_on(isa, true), drafted, "{isa:?}");
+            assert_eq!(ModelSpec::DRAFT.mode_on(isa, false), drafted, "{isa:?}");
+            assert_eq!(path.mode_on(isa, false), WeightMode::Native, "{isa:?}");
+            assert_eq!(
+                ModelSpec::TARGET.mode_on(isa, true),
+                WeightMode::F32,
+                "{isa:?}"
+            );
+        }
     }
 }

@@ -39,8 +39,9 @@ const PRIOR_ALPHA: f64 = 0.8;
 /// cloud alone. Past it, the speculating sessions that gain least (slowest pace) are taken over
 /// until their positions' cost is within it ([`LoadControl::turn`]). A percent: within a
 /// forward's noise, and above what a session that has stopped sending blocks still counts while
-/// its average decays. (At 4 clients on an AVX2 CPU, `bench serve`: 3 % left tokens/s at 0.97×
-/// cloud-only's, 0 at 0.99×, the verifier decoding every session 1.00×; docs/RESULTS.md.)
+/// its average decays. (At 4 clients on the avx2 kernel path of an AMD EPYC Zen 4, `bench
+/// serve`: 3 % left tokens/s at 0.97× cloud-only's, 0 at 0.99×, the verifier decoding every
+/// session 1.00×; docs/RESULTS.md.)
 pub const SPECULATION_SLOWDOWN: f64 = 0.01;
 
 /// How the verifier meets its load: the most it grants a session (γ, depth, a token tree's side
