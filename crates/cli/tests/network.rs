@@ -93,28 +93,6 @@ fn speculation_through_netem_is_lossless() {
     }
 }
 
-/// A TCP relay to `upstream` that severs its first connection after `cut_ms`; later ones pass.
-fn cutting_relay(upstream: std::net::SocketAddr, cut_ms: u64) -> std::net::SocketAddr {
-    on_loopback(move |l| async move {
-        let mut first = true;
-        loop {
-            let (mut c, _) = l.accept().await.unwrap();
-            let cut = std::mem::take(&mut first);
-            tokio::spawn(async move {
-                let mut u = tokio::net::TcpStream::connect(upstream).await.unwrap();
-                let relay = tokio::io::copy_bidirectional(&mut c, &mut u);
-                if cut {
-                    // Dropping both sockets mid-stream is the dropped network.
-                    let _ =
-                        tokio::time::timeout(std::time::Duration::from_millis(cut_ms), relay).await;
-                } else {
-                    let _ = relay.await;
-                }
-            });
-        }
-    })
-}
-
 /// The network drops in the middle of a generation: the edge keeps what was verified, opens a new
 /// session over the committed history, and the output is still exactly the target's.
 #[test]
@@ -122,7 +100,10 @@ fn a_dropped_connection_is_reopened_and_the_output_stays_the_targets() {
     let (m, tok) = target();
     let upstream: std::net::SocketAddr =
         grpc_server().trim_start_matches("http://").parse().unwrap();
-    let relay = cutting_relay(upstream, 1000);
+    // Cut after the verifier's sixth message. The 64 tokens take at least 16 (a Decoded carries
+    // one token, a verdict γ + 1 = 4 at most), so the cut is mid-answer on any machine (a cut
+    // after 1,000 ms missed it on a Zen 5, where the whole answer takes ~0.9 s).
+    let relay = tandem_testkit::cutting_relay(upstream, 6);
     let p = tok
         .encode_chat("Explain how a bicycle stays upright while moving.")
         .unwrap();

@@ -115,7 +115,8 @@ fn adaptive_policy_is_lossless_and_measures_the_link() {
         let mm = s.measured;
         eprintln!("auto depth ≤ {depth}: {mm:?}");
         assert!(s.auto);
-        assert!(mm.draft_ms > 1.0 && mm.verify_ms > 1.0, "{mm:?}");
+        // Measured, both (how long each takes is this CPU's, not the test's).
+        assert!(mm.draft_ms > 0.0 && mm.verify_ms > 0.0, "{mm:?}");
         // The delay line adds the round trip; the policy sees at least that (how much more a
         // busy machine adds is measured by `bench latency`).
         assert!(mm.net_ms >= rtt * 0.95, "{mm:?}");

@@ -7,6 +7,8 @@
 //! - [`loopback`]: a server run on a fresh loopback port in a thread of its own, and the
 //!   one-worker runtime the tests' clients run on;
 //! - [`session`]: a verifier session driven by hand over the raw gRPC stream, message by message;
+//! - [`cut`]: a relay that drops the network after the server's k-th gRPC message (an event, not
+//!   a time);
 //! - [`slow_head`]: a client that never finishes its request head, beside a whole request.
 //!
 //! It links only crates below the ones whose tests use it (`engine`, `models`, `spec`, `proto`):
@@ -16,11 +18,13 @@
 //! `tandem-cloud`, so that helper lives in `crates/cloud/tests/common`, which the edge's and the
 //! binary's tests include by path.
 
+pub mod cut;
 pub mod loopback;
 pub mod model;
 pub mod session;
 pub mod slow_head;
 
+pub use cut::*;
 pub use loopback::*;
 pub use model::*;
 pub use session::*;
