@@ -96,7 +96,17 @@ fn the_unmodified_openai_client_gets_the_targets_answers_in_plaintext_and_over_t
 fn a_twelve_turn_conversation_through_the_openai_client_is_the_targets_and_reuses_each_turn() {
     let (python, _) = test_deps();
     let (m, tok) = target();
-    let v = verifier(&["--metrics-listen", "127.0.0.1:0"]);
+    // Every block judged, no session taken over: the draft prefills every turn (a session the
+    // verifier decodes alone feeds its draft no prompt), however slow the draft is beside the
+    // target (with the edge slowed, `scripts/skew edge 30`, the default verifier took sessions
+    // over and the draft's cache served 1968 tokens of the 2528 asked below).
+    let v = verifier(&[
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--fixed-grants",
+        "--await-drafts-ms",
+        "5000",
+    ]);
     let e = edge(&[format!("http://127.0.0.1:{}", v.port)], &[]);
     let questions = [
         "What is a bicycle?",

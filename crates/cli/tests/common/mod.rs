@@ -24,6 +24,53 @@ pub fn fixture(name: &str) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
 }
 
+/// A greedy speculative run of `draft` for `target` against the verifier at `url` (one serving
+/// `target`: [`awaiting_server_of`] judges every block, however fast the machine), async with γ
+/// `gamma` and `depth` blocks in flight behind an emulated `rtt_ms` link (±10% jitter).
+pub fn speculate_pair(
+    target: &Arc<tandem_engine::LlamaModel>,
+    draft: &Arc<tandem_engine::LlamaModel>,
+    tok: &tandem_engine::Tokenizer,
+    prompt: &[u32],
+    max_new: usize,
+    (gamma, depth): (usize, usize),
+    (url, rtt_ms): (&str, f64),
+) -> tandem_client::generate::GenOutput {
+    let one = EngineConfig {
+        threads: 1,
+        kv_budget_bytes: 32 << 20,
+        ..EngineConfig::default()
+    };
+    let run = tandem_client::speculate::SpecRun {
+        target: target.clone(),
+        draft: draft.clone(),
+        tokenizer: tok,
+        cloud: one,
+        edge: one,
+        spec: tandem_edge::SpecConfig {
+            session: tandem_spec::edge::SessionConfig {
+                draft_len: gamma,
+                depth,
+                max_new_tokens: max_new,
+                auto: None,
+                tree: tandem_spec::TreeConfig::LINEAR,
+            },
+            rule: tandem_spec::VerifyRule::Greedy,
+            params: tandem_spec::sampling::SamplingParams::default(),
+            q_top_k: 32,
+            self_draft: true,
+            suffix: true,
+        },
+        rtt_ms,
+        jitter_ms: rtt_ms / 10.0,
+        cloud_url: Some(url.to_string()),
+        api_key: None,
+        tls_ca: None,
+        grammar: None,
+    };
+    tandem_client::speculate::run(&run, prompt, |_| {}).unwrap()
+}
+
 /// One speculative run: in-process behind `rtt_ms`, or against the verifier at `cloud_url`.
 #[allow(clippy::too_many_arguments)]
 pub fn spec_out(

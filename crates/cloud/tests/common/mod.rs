@@ -44,6 +44,30 @@ pub fn grpc_server_with(
     kv_budget_bytes: usize,
 ) -> (String, Arc<tandem_cloud::Gauges>) {
     let (m, tok) = target();
+    let served = (m, tok, "SmolLM2-135M-Instruct");
+    grpc_server_of(
+        served,
+        saturation_tokens,
+        pace,
+        tenants,
+        cfg,
+        kv_budget_bytes,
+    )
+}
+
+/// [`grpc_server_with`] serving another model: `(target, its tokenizer, its name)`.
+pub fn grpc_server_of(
+    (m, tok, name): (
+        &Arc<tandem_engine::LlamaModel>,
+        &tandem_engine::Tokenizer,
+        &str,
+    ),
+    saturation_tokens: f64,
+    pace: bool,
+    tenants: Tenants,
+    cfg: tandem_verifier::VerifierConfig,
+    kv_budget_bytes: usize,
+) -> (String, Arc<tandem_cloud::Gauges>) {
     let mut engine = Engine::new(
         m.clone(),
         EngineConfig {
@@ -58,7 +82,7 @@ pub fn grpc_server_with(
             .unwrap()
             .1
     });
-    let info = tandem_cloud::grpc::ServiceInfo::new("SmolLM2-135M-Instruct", m, tok);
+    let info = tandem_cloud::grpc::ServiceInfo::new(name, m, tok);
     let cfg = tandem_verifier::VerifierConfig {
         load: tandem_verifier::LoadConfig {
             saturation_tokens,
@@ -118,7 +142,20 @@ pub fn awaiting_server() -> &'static String {
 
 /// A new verifier that awaits its edges' blocks (see [`awaiting_server`]): its URL and gauges.
 pub fn new_awaiting_server() -> (String, Arc<tandem_cloud::Gauges>) {
-    grpc_server_with(
+    let (m, tok) = target();
+    awaiting_server_of((m, tok, "SmolLM2-135M-Instruct"))
+}
+
+/// [`new_awaiting_server`] serving another model: `(target, its tokenizer, its name)`.
+pub fn awaiting_server_of(
+    served: (
+        &Arc<tandem_engine::LlamaModel>,
+        &tandem_engine::Tokenizer,
+        &str,
+    ),
+) -> (String, Arc<tandem_cloud::Gauges>) {
+    grpc_server_of(
+        served,
         tandem_cloud::grpc::DEFAULT_SATURATION_TOKENS,
         false,
         Tenants::open(),
