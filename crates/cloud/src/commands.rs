@@ -182,8 +182,8 @@ pub fn cmd_usage(home: &std::path::Path, a: UsageArgs) -> Result<()> {
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// The target: a model of the catalog (smollm2-135m, gemma3-270m; `target` is SmolLM2) or a
-    /// GGUF path, in f32.
+    /// The target: a model of the catalog (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b,
+    /// qwen2.5-coder-0.5b; `target` is SmolLM2) or a GGUF path, in f32.
     #[arg(long, default_value = "target")]
     pub model: ModelSpec,
     /// Address to listen on.

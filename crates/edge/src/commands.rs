@@ -51,10 +51,13 @@ pub struct EdgeServeArgs {
     /// (by default a conversation's next turn prefills only its new tokens into the draft).
     #[arg(long)]
     pub no_prefix_cache: bool,
-    /// The model's name in the API (default: the draft file's name up to its first dot).
+    /// The model's name in the API (default: a catalog model's file stem, the target's that
+    /// answers, e.g. `SmolLM2-135M-Instruct`, `qwen2.5-coder-1.5b-instruct`; a path's file name up
+    /// to its first dot).
     #[arg(long)]
     pub served_model_name: Option<String>,
-    /// The draft: `draft` (made from the target on first use) or a GGUF path.
+    /// The draft: a model of the catalog's (`draft`, the default model's; NAME or NAME-draft,
+    /// that model's: `qwen2.5-coder-1.5b` drafts with the 0.5B) or a GGUF path.
     #[arg(long, default_value = "draft")]
     pub model: ModelSpec,
     /// Draft tokens per block (γ).
@@ -92,15 +95,22 @@ pub fn cmd_edge_serve(home: &std::path::Path, a: EdgeServeArgs) -> Result<()> {
     }
     let rt = tandem_proto::runtime()?;
     rt.block_on(check_verifiers(&a.cloud, tls_ca.as_deref()))?;
-    let m = models::load(home, &a.model, Some(a.model.draft_mode()), false)?;
-    let model_name = a.served_model_name.clone().unwrap_or_else(|| {
-        m.path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .and_then(|n| n.split('.').next())
-            .unwrap_or("tandem")
-            .to_string()
-    });
+    // A catalog model's target drafts with its draft, as `generate` does.
+    let draft = a.model.draft();
+    let m = models::load(home, &draft, Some(draft.draft_mode()), false)?;
+    let model_name = a
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| match &a.model {
+            ModelSpec::Named { model, .. } => model.stem.to_string(),
+            ModelSpec::Path(_) => m
+                .path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.split('.').next())
+                .unwrap_or("tandem")
+                .to_string(),
+        });
     let engine = Engine::new(
         m.model.clone(),
         EngineConfig {

