@@ -84,7 +84,7 @@ fn the_0_5b_drafting_for_the_1_5b_gives_the_targets_tokens() {
     let n = 32;
     let want = greedy(&mut engine(m), tandem_engine::SeqId(3), &prompt, n);
     let (url, _) = awaiting_server_of((m, tok, "qwen2.5-coder-1.5b-instruct"));
-    let out = speculate_pair(m, &draft, tok, &prompt, n, (4, 2), (&url, 20.0));
+    let out = speculate_pair((m, &draft), tok, &prompt, n, (4, 2), (&url, 20.0));
     assert!(!out.output_ids.is_empty());
     assert_eq!(
         out.output_ids,
@@ -106,22 +106,5 @@ fn the_0_5b_drafting_for_the_1_5b_gives_the_targets_tokens() {
 #[test]
 fn a_verifier_serving_the_1_5b_refuses_a_smollm2_draft_by_name() {
     target_path();
-    tandem_testkit::draft_path();
-    let (_, qtok) = qwen();
-    let (_, stok) = target();
-    let v = verifier(&["--model", "qwen2.5-coder-1.5b"]);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["generate", "--model", "draft", "--mode", "async"])
-        .args(["--max-tokens", "4", "--prompt", "Hi"])
-        .args(["--cloud", &format!("http://127.0.0.1:{}", v.port)])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "the mismatched draft ran: {err}");
-    assert!(
-        err.contains("tokenizer_fingerprint")
-            && err.contains(stok.fingerprint())
-            && err.contains(qtok.fingerprint()),
-        "{err}"
-    );
+    assert_refuses_smollm2_draft("qwen2.5-coder-1.5b", qwen().1.fingerprint());
 }

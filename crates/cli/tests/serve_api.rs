@@ -85,13 +85,7 @@ fn the_openai_api_answers_with_the_targets_greedy_output_and_counts_it_exactly()
     let tok = &target().1;
     // Every block judged (no takeover, no decoding a session alone), so that some drafts are
     // accepted however slow the draft is beside the target.
-    let v = verifier(&[
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--fixed-grants",
-        "--await-drafts-ms",
-        "5000",
-    ]);
+    let v = judging_verifier(&["--metrics-listen", "127.0.0.1:0"]);
     let e = edge(&[format!("http://127.0.0.1:{}", v.port)], &[]);
     let port = e.port;
 

@@ -100,13 +100,7 @@ fn a_twelve_turn_conversation_through_the_openai_client_is_the_targets_and_reuse
     // verifier decodes alone feeds its draft no prompt), however slow the draft is beside the
     // target (with the edge slowed, `scripts/skew edge 30`, the default verifier took sessions
     // over and the draft's cache served 1968 tokens of the 2528 asked below).
-    let v = verifier(&[
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--fixed-grants",
-        "--await-drafts-ms",
-        "5000",
-    ]);
+    let v = judging_verifier(&["--metrics-listen", "127.0.0.1:0"]);
     let e = edge(&[format!("http://127.0.0.1:{}", v.port)], &[]);
     let questions = [
         "What is a bicycle?",
@@ -218,7 +212,7 @@ fn a_twelve_turn_conversation_through_the_openai_client_is_the_targets_and_reuse
 fn the_live_view_in_a_real_browser_shows_the_targets_answer() {
     let (_, node_path) = test_deps();
     // Every block judged, so that tentative drafts show however slow the draft.
-    let v = verifier(&["--fixed-grants", "--await-drafts-ms", "5000"]);
+    let v = judging_verifier(&[]);
     let e = edge(&[format!("http://127.0.0.1:{}", v.port)], &[]);
     let q = "Explain how a bicycle works in three sentences.";
     let want = expected_chat(q, 48);

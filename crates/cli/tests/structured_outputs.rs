@@ -84,7 +84,7 @@ fn a_json_schema_answer_is_the_targets_own_under_the_schema_whole_streamed_and_c
     let tok = &target().1;
     // Every block judged, so that some drafts are accepted however slow the draft is beside the
     // target (with the edge slowed, the default verifier decoded all but one token itself).
-    let v = verifier(&["--fixed-grants", "--await-drafts-ms", "5000"]);
+    let v = judging_verifier(&[]);
     let e = edge(&[format!("http://127.0.0.1:{}", v.port)], &[]);
     let prompt = tok.encode_chat(QUESTION).unwrap();
     let source = GrammarSource::JsonSchema(schema().to_string());

@@ -28,13 +28,49 @@ pub fn fixture(name: &str) -> serde_json::Value {
 /// `target`: [`awaiting_server_of`] judges every block, however fast the machine), async with γ
 /// `gamma` and `depth` blocks in flight behind an emulated `rtt_ms` link (±10% jitter).
 pub fn speculate_pair(
-    target: &Arc<tandem_engine::LlamaModel>,
-    draft: &Arc<tandem_engine::LlamaModel>,
+    (target, draft): (
+        &Arc<tandem_engine::LlamaModel>,
+        &Arc<tandem_engine::LlamaModel>,
+    ),
     tok: &tandem_engine::Tokenizer,
     prompt: &[u32],
     max_new: usize,
     (gamma, depth): (usize, usize),
     (url, rtt_ms): (&str, f64),
+) -> tandem_client::generate::GenOutput {
+    let session = tandem_spec::edge::SessionConfig {
+        draft_len: gamma,
+        depth,
+        max_new_tokens: max_new,
+        auto: None,
+        tree: tandem_spec::TreeConfig::LINEAR,
+    };
+    let greedy = (
+        tandem_spec::VerifyRule::Greedy,
+        tandem_spec::sampling::SamplingParams::default(),
+    );
+    let link = (rtt_ms, Some(url.to_string()), None);
+    run_pair((target, draft), tok, prompt, (session, greedy), link)
+}
+
+/// One speculative run of `draft` for `target`, one core each, with this session and rule;
+/// in-process behind `rtt_ms`, or against the verifier at `cloud_url`, as the tenant whose API key
+/// is given (None: no key).
+pub fn run_pair(
+    (target, draft): (
+        &Arc<tandem_engine::LlamaModel>,
+        &Arc<tandem_engine::LlamaModel>,
+    ),
+    tok: &tandem_engine::Tokenizer,
+    prompt: &[u32],
+    (session, (rule, params)): (
+        tandem_spec::edge::SessionConfig,
+        (
+            tandem_spec::VerifyRule,
+            tandem_spec::sampling::SamplingParams,
+        ),
+    ),
+    (rtt_ms, cloud_url, api_key): (f64, Option<String>, Option<String>),
 ) -> tandem_client::generate::GenOutput {
     let one = EngineConfig {
         threads: 1,
@@ -48,23 +84,17 @@ pub fn speculate_pair(
         cloud: one,
         edge: one,
         spec: tandem_edge::SpecConfig {
-            session: tandem_spec::edge::SessionConfig {
-                draft_len: gamma,
-                depth,
-                max_new_tokens: max_new,
-                auto: None,
-                tree: tandem_spec::TreeConfig::LINEAR,
-            },
-            rule: tandem_spec::VerifyRule::Greedy,
-            params: tandem_spec::sampling::SamplingParams::default(),
+            session,
+            rule,
+            params,
             q_top_k: 32,
             self_draft: true,
             suffix: true,
         },
         rtt_ms,
         jitter_ms: rtt_ms / 10.0,
-        cloud_url: Some(url.to_string()),
-        api_key: None,
+        cloud_url,
+        api_key,
         tls_ca: None,
         grammar: None,
     };
@@ -114,39 +144,21 @@ pub fn spec_out_as(
 ) -> tandem_client::generate::GenOutput {
     let (draft, tok) = draft();
     let (target, _) = target();
-    let one = EngineConfig {
-        threads: 1,
-        kv_budget_bytes: 32 << 20,
-        ..EngineConfig::default()
+    let session = tandem_spec::edge::SessionConfig {
+        draft_len: gamma,
+        depth,
+        max_new_tokens: max_new,
+        auto: None,
+        tree,
     };
-    let run = tandem_client::speculate::SpecRun {
-        target: target.clone(),
-        draft: draft.clone(),
-        tokenizer: tok,
-        cloud: one,
-        edge: one,
-        spec: tandem_edge::SpecConfig {
-            session: tandem_spec::edge::SessionConfig {
-                draft_len: gamma,
-                depth,
-                max_new_tokens: max_new,
-                auto: None,
-                tree,
-            },
-            rule,
-            params,
-            q_top_k: 32,
-            self_draft: true,
-            suffix: true,
-        },
-        rtt_ms,
-        jitter_ms: rtt_ms / 10.0,
-        cloud_url,
-        api_key,
-        tls_ca: None,
-        grammar: None,
-    };
-    let out = tandem_client::speculate::run(&run, prompt, |_| {}).unwrap();
+    let link = (rtt_ms, cloud_url, api_key);
+    let out = run_pair(
+        (target, draft),
+        tok,
+        prompt,
+        (session, (rule, params)),
+        link,
+    );
     let s = out.spec.as_ref().unwrap();
     eprintln!(
         "γ={gamma} depth={depth} rtt={rtt_ms}: α={} E[A]={} rounds={} stale={} wasted={} side nodes={} lane hits={}",
@@ -377,4 +389,36 @@ pub fn netem_front(upstream: std::net::SocketAddr, rtt_ms: f64, jitter_ms: f64) 
         tandem_client::netem::proxy(l, upstream, cfg).await.unwrap();
     });
     format!("http://{addr}")
+}
+
+/// A `tandem cloud serve` (with `extra` flags) that judges every block: no takeover, no grant
+/// that shrinks, and it waits for a speculating session's next block (`--await-drafts-ms`, as
+/// [`AWAIT_DRAFTS_MS`]) rather than decode that session alone — so that a test of what happens to
+/// drafts sees them judged however fast either side is (`scripts/skew` found two that did not).
+pub fn judging_verifier(extra: &[&str]) -> Proc {
+    let wait = AWAIT_DRAFTS_MS.to_string();
+    let judging = ["--fixed-grants", "--await-drafts-ms", wait.as_str()];
+    verifier(&[&judging[..], extra].concat())
+}
+
+/// `tandem cloud serve --model MODEL` refuses SmolLM2's draft at Open (`generate --mode async`),
+/// naming both tokenizers' fingerprints, the served model's being `fingerprint`.
+pub fn assert_refuses_smollm2_draft(model: &str, fingerprint: &str) {
+    tandem_testkit::draft_path();
+    let (_, stok) = target();
+    let v = verifier(&["--model", model]);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["generate", "--model", "draft", "--mode", "async"])
+        .args(["--max-tokens", "4", "--prompt", "Hi"])
+        .args(["--cloud", &format!("http://127.0.0.1:{}", v.port)])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the mismatched draft ran: {err}");
+    assert!(
+        err.contains("tokenizer_fingerprint")
+            && err.contains(stok.fingerprint())
+            && err.contains(fingerprint),
+        "{err}"
+    );
 }
