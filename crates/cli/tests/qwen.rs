@@ -35,6 +35,11 @@ fn qwen() -> &'static (Arc<LlamaModel>, Tokenizer) {
     M.get_or_init(|| load(target_path(), WeightMode::F32))
 }
 
+/// A file's tokenizer alone (no weights loaded).
+fn tokenizer_of(path: &std::path::Path) -> Tokenizer {
+    Tokenizer::from_gguf(&GgufFile::open(path).unwrap()).unwrap()
+}
+
 #[test]
 fn the_catalogs_draft_of_the_1_5b_is_the_0_5b_with_the_same_tokenizer() {
     let spec: ModelSpec = "qwen2.5-coder-1.5b".parse().unwrap();
@@ -44,8 +49,7 @@ fn the_catalogs_draft_of_the_1_5b_is_the_0_5b_with_the_same_tokenizer() {
         &pull::ensure(&home(), &pull::QWEN_CODER_05B, true).unwrap(),
         "the draft is the pulled 0.5B, not a requantization of the 1.5B"
     );
-    let tok = |p| Tokenizer::from_gguf(&GgufFile::open(p).unwrap()).unwrap();
-    let (t, d) = (tok(target_path()), tok(qwen_draft_path()));
+    let (t, d) = (tokenizer_of(target_path()), tokenizer_of(qwen_draft_path()));
     assert_eq!(t.fingerprint(), d.fingerprint());
     assert_eq!(t.vocab_size(), 151_936);
     // Qwen's pre-tokenizer splits digits one by one; indentation and tabs round-trip.
@@ -106,5 +110,6 @@ fn the_0_5b_drafting_for_the_1_5b_gives_the_targets_tokens() {
 #[test]
 fn a_verifier_serving_the_1_5b_refuses_a_smollm2_draft_by_name() {
     target_path();
-    assert_refuses_smollm2_draft("qwen2.5-coder-1.5b", qwen().1.fingerprint());
+    let served = tokenizer_of(target_path());
+    assert_refuses_smollm2_draft("qwen2.5-coder-1.5b", served.fingerprint());
 }

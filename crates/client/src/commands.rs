@@ -24,8 +24,8 @@ pub struct GenerateArgs {
     pub mode: Mode,
     /// A model of the catalog (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b:
     /// the f32 target; NAME-draft: its draft, a W4A16 requantization or, for
-    /// qwen2.5-coder-1.5b, the 0.5B; `target`, `draft`: SmolLM2's) or a GGUF path. Local mode runs it; edge, sync and
-    /// async run its draft (a target's own, or the draft or path named).
+    /// qwen2.5-coder-1.5b, the 0.5B; `target`, `draft`: SmolLM2's) or a GGUF path. Local mode
+    /// runs it; edge, sync and async run its draft (a target's own, or the draft or path named).
     #[arg(long, default_value = "target")]
     pub model: ModelSpec,
     /// The target of sync/async, and the model whose tokenizer cloud mode speaks (default: the

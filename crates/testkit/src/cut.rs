@@ -58,7 +58,7 @@ pub fn cutting_relay(upstream: SocketAddr, after: usize) -> SocketAddr {
 
 /// Counts the gRPC messages in a server's side of an HTTP/2 connection, fed in arbitrary chunks.
 #[derive(Default)]
-pub struct GrpcMessages {
+struct GrpcMessages {
     /// Bytes of the frame being read (header and payload), until it is whole.
     frame: Vec<u8>,
     /// Each stream's DATA not yet a whole message.
@@ -68,7 +68,7 @@ pub struct GrpcMessages {
 
 impl GrpcMessages {
     /// Takes the next bytes; returns how many whole messages were seen so far.
-    pub fn feed(&mut self, mut bytes: &[u8]) -> usize {
+    fn feed(&mut self, mut bytes: &[u8]) -> usize {
         while !bytes.is_empty() {
             let need = if self.frame.len() < 9 {
                 9 - self.frame.len()
