@@ -85,6 +85,9 @@ pub struct ThreadBench {
     /// GB/s of summing a 512 MiB buffer with this many threads: the ceiling of decoding.
     pub read_bandwidth_gbs: f64,
     pub target: ModelBench,
+    /// The target's own file in its blocks against f32 activations (`cloud serve --weights
+    /// native`), where that file is not f32.
+    pub target_native: Option<ModelBench>,
     pub draft: ModelBench,
     /// The same draft file with the other activations (f32 beside the edge's 8-bit ones, or
     /// 8-bit where the edge keeps f32): decode and chunks.
@@ -373,6 +376,7 @@ pub fn peer_bench(
 
 pub fn run(
     target: (&Arc<LlamaModel>, &Path),
+    target_native: Option<&Arc<LlamaModel>>,
     draft: (&Arc<LlamaModel>, &Path),
     draft_other: Option<&Arc<LlamaModel>>,
     target_f32_gguf: Option<&Path>,
@@ -384,6 +388,10 @@ pub fn run(
         let bw = read_bandwidth(t);
         tracing::info!(threads = t, "benchmarking target");
         let tb = bench_model(target.0, target.1, t, a, bw, true).context("target")?;
+        tracing::info!(threads = t, "benchmarking the target in its blocks");
+        let tn = target_native
+            .map(|m| bench_model(m, target.1, t, a, bw, false).context("target, native"))
+            .transpose()?;
         tracing::info!(threads = t, "benchmarking draft");
         let db = bench_model(draft.0, draft.1, t, a, bw, true).context("draft")?;
         let other = draft_other
@@ -392,7 +400,8 @@ pub fn run(
         let peer = if a.peer_python.is_some() {
             let d = peer(a, draft.1, t);
             let f = target_f32_gguf.and_then(|p| peer(a, p, t));
-            Some(serde_json::json!({ "draft": d, "target_f32": f }))
+            let n = target_native.and_then(|_| peer(a, target.1, t));
+            Some(serde_json::json!({ "draft": d, "target_f32": f, "target_native": n }))
         } else {
             None
         };
@@ -401,6 +410,7 @@ pub fn run(
             kernels: kernels::Isa::selected().name(),
             read_bandwidth_gbs: round2(bw),
             target: tb,
+            target_native: tn,
             draft: db,
             draft_other: other,
             peer,
@@ -425,10 +435,11 @@ fn peer_num(p: &Option<Value>, which: &str, path: &[&str]) -> String {
 
 /// The models of a run with their labels and their llama.cpp counterparts.
 fn models_of(r: &ThreadBench) -> Vec<(&'static str, &ModelBench, &'static str)> {
-    let mut v = vec![
-        ("target", &r.target, "target_f32"),
-        ("draft", &r.draft, "draft"),
-    ];
+    let mut v = vec![("target", &r.target, "target_f32")];
+    if let Some(n) = &r.target_native {
+        v.push(("target, its blocks", n, "target_native"));
+    }
+    v.push(("draft", &r.draft, "draft"));
     if let Some(w) = &r.draft_other {
         v.push(("draft, other activations", w, "draft"));
     }

@@ -180,12 +180,31 @@ pub fn cmd_usage(home: &std::path::Path, a: UsageArgs) -> Result<()> {
     Ok(())
 }
 
+/// `--weights`: a weight mode a target may run in (not `w4a8`: its 8-bit activations are a
+/// draft's shortcut, not the target's answer).
+fn target_weights(s: &str) -> std::result::Result<tandem_engine::WeightMode, String> {
+    match s.parse()? {
+        tandem_engine::WeightMode::W4A8 => Err(
+            "w4a8 quantizes the activations to 8 bits: a draft's mode, not a target's (f32, native, f16)"
+                .into(),
+        ),
+        m => Ok(m),
+    }
+}
+
 #[derive(Args)]
 pub struct ServeArgs {
     /// The target: a model of the catalog (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b,
-    /// qwen2.5-coder-0.5b; `target` is SmolLM2) or a GGUF path, in f32.
+    /// qwen2.5-coder-0.5b; `target` is SmolLM2) or a GGUF path, in `--weights`.
     #[arg(long, default_value = "target")]
     pub model: ModelSpec,
+    /// How the target's weights are held: `f32` (the full-precision cloud model), `native` (the
+    /// file's own blocks, Q4_K / Q6_K / Q5_0 / Q8_0 ..., dequantized in the kernels against f32
+    /// activations: a quarter to a seventh of the bytes a token) or `f16`. Every mode gives the
+    /// same bits at any batch and on every kernel path, so cloud-only and speculation commit the
+    /// same text; replicas must serve the same mode (the sessions' text is that mode's).
+    #[arg(long, default_value = "f32", value_parser = target_weights)]
+    pub weights: tandem_engine::WeightMode,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:50051")]
     pub listen: String,
@@ -330,7 +349,7 @@ pub fn cmd_serve(home: &std::path::Path, a: ServeArgs) -> Result<()> {
             a.max_draft_len
         );
     }
-    let m = models::load(home, &a.model, Some(tandem_engine::WeightMode::F32), false)?;
+    let m = models::load(home, &a.model, Some(a.weights), false)?;
     let mut engine = Engine::new(m.model.clone(), a.engine.config())?;
     let cost = match a.forward_cost {
         Some(c) => c,

@@ -15,10 +15,14 @@ fn model(dtype: GgmlDType, mode: WeightMode) -> Arc<LlamaModel> {
 
 /// A tiny model of family `arch` (see [`TinySpec::family`]).
 fn model_of(arch: &'static str, dtype: GgmlDType, mode: WeightMode) -> Arc<LlamaModel> {
-    let spec = TinySpec {
+    let mut spec = TinySpec {
         dtype,
         ..TinySpec::family(arch)
     };
+    if dtype.block_size() > spec.dim {
+        // k-quant super-blocks of 256: rows at least that wide.
+        (spec.dim, spec.ff_dim) = (dtype.block_size(), 2 * dtype.block_size());
+    }
     Arc::new(LlamaModel::load(&mut tiny_file(&spec).unwrap(), mode).unwrap())
 }
 
@@ -73,6 +77,9 @@ fn ragged_batch_equals_each_sequence_alone() {
         (GgmlDType::Q4_0, WeightMode::Native),
         (GgmlDType::Q4_1, WeightMode::Native),
         (GgmlDType::Q8_0, WeightMode::Native),
+        (GgmlDType::Q5_0, WeightMode::Native),
+        (GgmlDType::Q4K, WeightMode::Native),
+        (GgmlDType::Q6K, WeightMode::Native),
         (GgmlDType::F32, WeightMode::F16),
     ];
     // Every format on LLaMA; every family in f32 and in Q4_0 blocks (Gemma 3's windows of 5

@@ -215,8 +215,13 @@ pub fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
         _ => WeightMode::W4A8,
     };
     let other = models::load(home, &spec.draft(), Some(other_mode), true)?;
+    // The target's file in its own blocks (what `cloud serve --weights native` runs), unless
+    // the file is f32 already.
+    let native = Some(models::load(home, &spec, Some(WeightMode::Native), true)?)
+        .filter(|n| n.model.format() != "f32");
     let r = bench::run(
         (&target.model, &target.path),
+        native.as_ref().map(|n| &n.model),
         (&draft.model, &draft.path),
         Some(&other.model),
         target_f32.as_deref(),
@@ -229,6 +234,7 @@ pub fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
         "draft_path": draft.path,
         "draft_decode_tok_s": first.draft.decode_tok_s,
         "target_decode_tok_s": first.target.decode_tok_s,
+        "target_native_decode_tok_s": first.target_native.as_ref().map(|m| m.decode_tok_s),
         "draft_other_decode_tok_s": first.draft_other.as_ref().map(|m| m.decode_tok_s),
         "verify_chunk_ms": { "target": first.target.chunk_ms, "draft": first.draft.chunk_ms },
         "batch_throughput_tok_s": first.target.batch_tok_s,

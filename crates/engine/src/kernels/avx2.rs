@@ -29,7 +29,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Blocks, Panels, RowData, RowsOut, PANEL, QK};
+use super::{KFormat, Panels, RowData, RowsOut, PANEL, QK};
 
 /// Bytes ahead of the weights being read that each row asks the L2 to fetch.
 const PREFETCH_BYTES: usize = 16 << 10;
@@ -159,35 +159,121 @@ trait QBlock {
     const QBYTES: usize;
     /// Whether blocks carry a minimum.
     const MIN: bool;
-    /// The weights of the block whose scale is `s`, minimum `m` (both in every lane) and quants
-    /// at `q`.
+    /// The k-quant format whose super-blocks give the blocks' scales (else each block's f16
+    /// scale and minimum are stored with it).
+    const K: Option<KFormat> = None;
+    /// The weights of the block whose scale is `s` (`s1` for elements 16..32 where the halves
+    /// have scales of their own, Q6_K), minimum `m` (each in every lane) and quants at `q`.
     ///
     /// # Safety
     /// `q` must point at `QBYTES` readable bytes.
-    unsafe fn weights(s: __m256, m: __m256, q: *const u8) -> [__m256; 4];
+    unsafe fn weights(s: __m256, s1: __m256, m: __m256, q: *const u8) -> [__m256; 4];
 }
 
 struct Q4_0;
 struct Q4_1;
 struct Q8_0;
+struct Q5_0;
+struct Q4K;
+struct Q6K;
 
-/// The 32 nibbles of 16 bytes as four vectors of 32-bit codes: elements 0..16 are the low
+/// The 32 nibbles of 16 bytes as four vectors of 32-bit integers: elements 0..16 are the low
 /// nibbles of bytes 0..16, elements 16..32 their high nibbles.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibble_codes(p: *const u8) -> [__m256; 4] {
+unsafe fn nibble_ints(p: *const u8) -> [__m256i; 4] {
     // SAFETY: the caller's block has 16 bytes of nibbles at `p`.
     let v = unsafe { _mm_loadu_si128(p as *const __m128i) };
     let mask = _mm_set1_epi8(0x0f);
     let lo = _mm_and_si128(v, mask);
     let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), mask);
-    let widen = |b: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
     [
-        widen(lo),
-        widen(_mm_srli_si128::<8>(lo)),
-        widen(hi),
-        widen(_mm_srli_si128::<8>(hi)),
+        _mm256_cvtepu8_epi32(lo),
+        _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(lo)),
+        _mm256_cvtepu8_epi32(hi),
+        _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(hi)),
     ]
+}
+
+/// [`nibble_ints`] as exact f32 values.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibble_codes(p: *const u8) -> [__m256; 4] {
+    // SAFETY: the caller's contract.
+    unsafe { nibble_ints(p) }.map(|c| _mm256_cvtepi32_ps(c))
+}
+
+/// Codes of `4 + h` bits: the nibbles of the 16 bytes at `q` (Q4_0's layout), with the high
+/// bits of each group of eight elements from `hi[k]` (each lane's bits shifted down to bit 0,
+/// `h_mask` keeping them), as exact f32 values less `centre`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn wide_codes(q: *const u8, hi: [__m256i; 4], h_mask: i32, centre: f32) -> [__m256; 4] {
+    // SAFETY: the caller's contract: 16 bytes of nibbles at `q`.
+    let n = unsafe { nibble_ints(q) };
+    let hm = _mm256_set1_epi32(h_mask);
+    [0, 1, 2, 3].map(|k| {
+        let c = _mm256_or_si256(n[k], _mm256_slli_epi32::<4>(_mm256_and_si256(hi[k], hm)));
+        _mm256_sub_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(centre))
+    })
+}
+
+impl QBlock for Q5_0 {
+    const QBYTES: usize = 20;
+    const MIN: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weights(s: __m256, _s1: __m256, _m: __m256, q: *const u8) -> [__m256; 4] {
+        // d·(q − 16), rounded once; element i's fifth bit is bit i of the first word.
+        // SAFETY: the caller's contract: 4 bytes of high bits, then 16 of nibbles.
+        let qh = _mm256_set1_epi32(unsafe { (q as *const i32).read_unaligned() });
+        let shift = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let hi = [0, 8, 16, 24]
+            .map(|k| _mm256_srlv_epi32(qh, _mm256_add_epi32(shift, _mm256_set1_epi32(k))));
+        // SAFETY: as above.
+        unsafe { wide_codes(q.add(4), hi, 1, 16.0) }.map(|c| _mm256_mul_ps(s, c))
+    }
+}
+
+impl QBlock for Q4K {
+    const QBYTES: usize = 16;
+    const MIN: bool = true;
+    const K: Option<KFormat> = Some(KFormat::Q4K);
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weights(s: __m256, _s1: __m256, m: __m256, q: *const u8) -> [__m256; 4] {
+        // (d·sc)·q + (−dmin·mn): the product exact, the sum rounded once.
+        // SAFETY: the caller's contract.
+        unsafe { nibble_codes(q) }.map(|c| _mm256_add_ps(_mm256_mul_ps(s, c), m))
+    }
+}
+
+impl QBlock for Q6K {
+    const QBYTES: usize = 24;
+    const MIN: bool = false;
+    const K: Option<KFormat> = Some(KFormat::Q6K);
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weights(s: __m256, s1: __m256, _m: __m256, q: *const u8) -> [__m256; 4] {
+        // (d·sc)·(q − 32), rounded once; element i's high pair at bit 2·(i / 8) of byte
+        // 16 + i % 8: the eight bytes widened once, shifted by 0, 2, 4, 6.
+        // SAFETY: the caller's contract: 16 bytes of nibbles, then 8 of high pairs.
+        let h = _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(q.add(16) as *const __m128i) });
+        let hi = [
+            h,
+            _mm256_srli_epi32::<2>(h),
+            _mm256_srli_epi32::<4>(h),
+            _mm256_srli_epi32::<6>(h),
+        ];
+        // SAFETY: as above.
+        let c = unsafe { wide_codes(q, hi, 3, 32.0) };
+        [
+            _mm256_mul_ps(s, c[0]),
+            _mm256_mul_ps(s, c[1]),
+            _mm256_mul_ps(s1, c[2]),
+            _mm256_mul_ps(s1, c[3]),
+        ]
+    }
 }
 
 impl QBlock for Q4_0 {
@@ -195,7 +281,7 @@ impl QBlock for Q4_0 {
     const MIN: bool = false;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn weights(s: __m256, _m: __m256, q: *const u8) -> [__m256; 4] {
+    unsafe fn weights(s: __m256, _s1: __m256, _m: __m256, q: *const u8) -> [__m256; 4] {
         // d·(q − 8): q − 8 is exact, the product rounded once.
         let eight = _mm256_set1_ps(8.0);
         // SAFETY: the caller's contract.
@@ -208,7 +294,7 @@ impl QBlock for Q4_1 {
     const MIN: bool = true;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn weights(s: __m256, m: __m256, q: *const u8) -> [__m256; 4] {
+    unsafe fn weights(s: __m256, _s1: __m256, m: __m256, q: *const u8) -> [__m256; 4] {
         // d·q + m, rounded twice (a product, then a sum: not fused).
         // SAFETY: the caller's contract.
         unsafe { nibble_codes(q) }.map(|c| _mm256_add_ps(_mm256_mul_ps(s, c), m))
@@ -220,7 +306,7 @@ impl QBlock for Q8_0 {
     const MIN: bool = false;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn weights(s: __m256, _m: __m256, q: *const u8) -> [__m256; 4] {
+    unsafe fn weights(s: __m256, _s1: __m256, _m: __m256, q: *const u8) -> [__m256; 4] {
         let code = |k: usize| {
             // SAFETY: 32 signed bytes at `q`; k < 4.
             let b = unsafe { _mm_loadl_epi64(q.add(8 * k) as *const __m128i) };
@@ -268,10 +354,12 @@ trait Rows {
 struct F32Rows([*const f32; 4]);
 
 /// Rows of quantized blocks, decoded in registers: each row's first scale, minimum (when the
-/// format has them) and quants.
+/// format has them) and quants; for a k-quant format, its first super-block's scale and scale
+/// of minimums, and its first block's scale bytes.
 struct QRows<B> {
     d: [*const half::f16; 4],
     m: [*const half::f16; 4],
+    sc: [*const u8; 4],
     q: [*const u8; 4],
     format: std::marker::PhantomData<B>,
 }
@@ -339,6 +427,7 @@ impl<B: QBlock> Rows for QRows<B> {
     ) -> [[f32; T]; R] {
         let mut acc = [[[_mm256_setzero_ps(); 2]; T]; R];
         let mut d = [[0f32; SCALE_RUN]; R];
+        let mut d1 = [[0f32; SCALE_RUN]; R];
         let mut m = [[0f32; SCALE_RUN]; R];
         let nb = cols / QK;
         let mut b0 = 0;
@@ -347,9 +436,25 @@ impl<B: QBlock> Rows for QRows<B> {
             for r in 0..R {
                 // SAFETY: blocks b0..b0 + n of each row are within it.
                 unsafe {
-                    scales(self.d[r].add(b0), n, &mut d[r]);
-                    if B::MIN {
-                        scales(self.m[r].add(b0), n, &mut m[r]);
+                    match B::K {
+                        None => {
+                            scales(self.d[r].add(b0), n, &mut d[r]);
+                            if B::MIN {
+                                scales(self.m[r].add(b0), n, &mut m[r]);
+                            }
+                        }
+                        Some(format) => {
+                            for j in 0..n {
+                                let (a, b, c) = super::k_params(
+                                    format,
+                                    self.d[r],
+                                    self.m[r],
+                                    self.sc[r],
+                                    b0 + j,
+                                );
+                                (d[r][j], d1[r][j], m[r][j]) = (a, b, c);
+                            }
+                        }
                     }
                 }
             }
@@ -359,8 +464,13 @@ impl<B: QBlock> Rows for QRows<B> {
                     let q = self.q[r].wrapping_add(b * B::QBYTES);
                     _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(PREFETCH_BYTES) as *const i8);
                     let (s, mn) = (_mm256_set1_ps(d[r][j]), _mm256_set1_ps(m[r][j]));
+                    let s1 = if B::K == Some(KFormat::Q6K) {
+                        _mm256_set1_ps(d1[r][j])
+                    } else {
+                        s
+                    };
                     // SAFETY: block b of row r is within the row.
-                    let w = unsafe { B::weights(s, mn, q) };
+                    let w = unsafe { B::weights(s, s1, mn, q) };
                     for (a, &xt) in acc[r].iter_mut().zip(&x) {
                         // Elements 0..8 and 16..24 go to lanes 0..8, 8..16 and 24..32 to
                         // lanes 8..16, in increasing element order.
@@ -621,26 +731,20 @@ enum Ahead {
 pub(super) unsafe fn rows_task(w: &RowData, cols: usize, x: &[f32], out: &mut RowsOut) {
     let (n_rows, n_tok, r0) = (out.n_rows(), out.n_tok(), out.r0());
     assert!(x.len() >= n_tok * cols, "invariant: x holds n_tok rows");
-    fn quantized<B: QBlock>(
-        b: &Blocks,
+    fn quantized<'a, B: QBlock>(
+        w: &'a RowData,
         cols: usize,
         r0: usize,
         n_rows: usize,
-    ) -> impl FnMut(usize, usize) -> QRows<B> + '_ {
-        let nb = cols / QK;
-        assert!(
-            (r0 + n_rows) * nb <= b.d.len()
-                && b.qs.len() == b.d.len() * B::QBYTES
-                && (!B::MIN || b.m.len() == b.d.len())
-                && cols.is_multiple_of(QK),
-            "invariant: whole rows of whole blocks"
-        );
+    ) -> impl FnMut(usize, usize) -> QRows<B> + 'a {
+        let ptrs = super::row_ptrs::<4>(w, B::QBYTES, B::MIN, cols, r0, n_rows);
         move |i, nr| {
-            let row = |k: usize| (r0 + i + k.min(nr - 1)) * nb;
+            let p = ptrs(i, nr);
             QRows {
-                d: std::array::from_fn(|k| b.d[row(k)..].as_ptr()),
-                m: std::array::from_fn(|k| b.m.get(row(k)..).unwrap_or(&[]).as_ptr()),
-                q: std::array::from_fn(|k| b.qs[row(k) * B::QBYTES..].as_ptr()),
+                d: p.d,
+                m: p.m,
+                sc: p.sc,
+                q: p.q,
                 format: std::marker::PhantomData,
             }
         }
@@ -649,9 +753,12 @@ pub(super) unsafe fn rows_task(w: &RowData, cols: usize, x: &[f32], out: &mut Ro
     // `n_tok` rows (asserted above).
     unsafe {
         match w {
-            RowData::Q4_0(b) => tiles(cols, x, out, quantized::<Q4_0>(b, cols, r0, n_rows)),
-            RowData::Q4_1(b) => tiles(cols, x, out, quantized::<Q4_1>(b, cols, r0, n_rows)),
-            RowData::Q8_0(b) => tiles(cols, x, out, quantized::<Q8_0>(b, cols, r0, n_rows)),
+            RowData::Q4_0(_) => tiles(cols, x, out, quantized::<Q4_0>(w, cols, r0, n_rows)),
+            RowData::Q4_1(_) => tiles(cols, x, out, quantized::<Q4_1>(w, cols, r0, n_rows)),
+            RowData::Q8_0(_) => tiles(cols, x, out, quantized::<Q8_0>(w, cols, r0, n_rows)),
+            RowData::Q5_0(_) => tiles(cols, x, out, quantized::<Q5_0>(w, cols, r0, n_rows)),
+            RowData::Q4K(_) => tiles(cols, x, out, quantized::<Q4K>(w, cols, r0, n_rows)),
+            RowData::Q6K(_) => tiles(cols, x, out, quantized::<Q6K>(w, cols, r0, n_rows)),
             RowData::F32(p) => panels(p, cols, x, out),
             RowData::F16(d) => {
                 let mut scratch = vec![0f32; 4 * cols];

@@ -20,7 +20,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Blocks, Panels, RowData, RowsOut, PANEL, QK};
+use super::{KFormat, Panels, RowData, RowsOut, PANEL, QK};
 
 /// Rows and tokens of one register tile.
 const TILE_ROWS: usize = 4;
@@ -135,17 +135,23 @@ trait QBlock {
     const QBYTES: usize;
     /// Whether blocks carry a minimum.
     const MIN: bool;
-    /// The weights of the block whose scale is `s`, minimum `m` (both in every lane) and quants
-    /// at `q`.
+    /// The k-quant format whose super-blocks give the blocks' scales (else each block's f16
+    /// scale and minimum are stored with it).
+    const K: Option<KFormat> = None;
+    /// The weights of the block whose scale is `s` (`s1` for elements 16..32 where the halves
+    /// have scales of their own, Q6_K), minimum `m` (each in every lane) and quants at `q`.
     ///
     /// # Safety
     /// `q` must point at `QBYTES` readable bytes.
-    unsafe fn weights(s: __m512, m: __m512, q: *const u8) -> (__m512, __m512);
+    unsafe fn weights(s: __m512, s1: __m512, m: __m512, q: *const u8) -> (__m512, __m512);
 }
 
 struct Q4_0;
 struct Q4_1;
 struct Q8_0;
+struct Q5_0;
+struct Q4K;
+struct Q6K;
 
 /// The 32 nibbles of 16 bytes as two vectors of 32-bit lanes whose low four bits are the
 /// nibbles of elements 0..16 and 16..32: the bytes widened once, then shifted for the high
@@ -175,7 +181,7 @@ impl QBlock for Q4_0 {
     const MIN: bool = false;
     #[inline]
     #[target_feature(enable = "avx512f,fma")]
-    unsafe fn weights(s: __m512, _m: __m512, q: *const u8) -> (__m512, __m512) {
+    unsafe fn weights(s: __m512, _s1: __m512, _m: __m512, q: *const u8) -> (__m512, __m512) {
         // d·(q − 8) for q = 0..16, each rounded once as the scratch path's product.
         let codes = _mm512_setr_ps(
             -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
@@ -190,13 +196,99 @@ impl QBlock for Q4_1 {
     const MIN: bool = true;
     #[inline]
     #[target_feature(enable = "avx512f,fma")]
-    unsafe fn weights(s: __m512, m: __m512, q: *const u8) -> (__m512, __m512) {
+    unsafe fn weights(s: __m512, _s1: __m512, m: __m512, q: *const u8) -> (__m512, __m512) {
         // d·q + m for q = 0..16, rounded twice as the scratch path does.
-        let codes = _mm512_setr_ps(
-            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
-        );
         // SAFETY: the caller's contract.
-        unsafe { nibble_weights(_mm512_add_ps(_mm512_mul_ps(s, codes), m), q) }
+        unsafe { scaled_nibbles_plus_min(s, m, q) }
+    }
+}
+
+/// `s·q + m` for the 4-bit codes `q` of a block in Q4_0's nibble layout (a product, then a
+/// sum: not fused), through a 16-entry table.
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn scaled_nibbles_plus_min(s: __m512, m: __m512, q: *const u8) -> (__m512, __m512) {
+    let codes = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
+    // SAFETY: the caller's contract.
+    unsafe { nibble_weights(_mm512_add_ps(_mm512_mul_ps(s, codes), m), q) }
+}
+
+/// Codes of `4 + h` bits: the nibbles of the 16 bytes at `q` (Q4_0's layout, elements 0..16 and
+/// 16..32), with `h` high bits above them taken from `hi0` / `hi1` (each lane's bits already
+/// shifted down to bit 0), as exact f32 values less `centre`.
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn wide_codes(
+    q: *const u8,
+    hi0: __m512i,
+    hi1: __m512i,
+    h_mask: i32,
+    centre: f32,
+) -> (__m512, __m512) {
+    // SAFETY: the caller's contract: 16 bytes of nibbles at `q`.
+    let (lo, hi) = unsafe { nibble_indices(q) };
+    let (nib, hm) = (_mm512_set1_epi32(0x0f), _mm512_set1_epi32(h_mask));
+    let code = |n: __m512i, h: __m512i| {
+        let c = _mm512_or_si512(
+            _mm512_and_si512(n, nib),
+            _mm512_slli_epi32::<4>(_mm512_and_si512(h, hm)),
+        );
+        _mm512_sub_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(centre))
+    };
+    (code(lo, hi0), code(hi, hi1))
+}
+
+impl QBlock for Q5_0 {
+    const QBYTES: usize = 20;
+    const MIN: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn weights(s: __m512, _s1: __m512, _m: __m512, q: *const u8) -> (__m512, __m512) {
+        // d·(q − 16), rounded once; element i's fifth bit is bit i of the first word.
+        // SAFETY: the caller's contract: 4 bytes of high bits, then 16 of nibbles.
+        let qh = _mm512_set1_epi32(unsafe { (q as *const i32).read_unaligned() });
+        let shift0 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let shift1 = _mm512_add_epi32(shift0, _mm512_set1_epi32(16));
+        let (h0, h1) = (_mm512_srlv_epi32(qh, shift0), _mm512_srlv_epi32(qh, shift1));
+        // SAFETY: as above.
+        let (c0, c1) = unsafe { wide_codes(q.add(4), h0, h1, 1, 16.0) };
+        (_mm512_mul_ps(s, c0), _mm512_mul_ps(s, c1))
+    }
+}
+
+impl QBlock for Q4K {
+    const QBYTES: usize = 16;
+    const MIN: bool = true;
+    const K: Option<KFormat> = Some(KFormat::Q4K);
+    #[inline]
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn weights(s: __m512, _s1: __m512, m: __m512, q: *const u8) -> (__m512, __m512) {
+        // (d·sc)·q + (−dmin·mn): the product exact, the sum rounded once.
+        // SAFETY: the caller's contract.
+        unsafe { scaled_nibbles_plus_min(s, m, q) }
+    }
+}
+
+impl QBlock for Q6K {
+    const QBYTES: usize = 24;
+    const MIN: bool = false;
+    const K: Option<KFormat> = Some(KFormat::Q6K);
+    #[inline]
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn weights(s: __m512, s1: __m512, _m: __m512, q: *const u8) -> (__m512, __m512) {
+        // (d·sc)·(q − 32), rounded once; element i's high pair at bit 2·(i / 8) of byte
+        // 16 + i % 8: the eight bytes widened twice over, shifted per lane.
+        // SAFETY: the caller's contract: 16 bytes of nibbles, then 8 of high pairs.
+        let h = unsafe { _mm_loadl_epi64(q.add(16) as *const __m128i) };
+        let h = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(h, h));
+        let shift0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+        let shift1 = _mm512_add_epi32(shift0, _mm512_set1_epi32(4));
+        let (h0, h1) = (_mm512_srlv_epi32(h, shift0), _mm512_srlv_epi32(h, shift1));
+        // SAFETY: as above.
+        let (c0, c1) = unsafe { wide_codes(q, h0, h1, 3, 32.0) };
+        (_mm512_mul_ps(s, c0), _mm512_mul_ps(s1, c1))
     }
 }
 
@@ -205,7 +297,7 @@ impl QBlock for Q8_0 {
     const MIN: bool = false;
     #[inline]
     #[target_feature(enable = "avx512f,fma")]
-    unsafe fn weights(s: __m512, _m: __m512, q: *const u8) -> (__m512, __m512) {
+    unsafe fn weights(s: __m512, _s1: __m512, _m: __m512, q: *const u8) -> (__m512, __m512) {
         // SAFETY: 32 signed bytes at `q`.
         let (q0, q1) = unsafe {
             (
@@ -270,6 +362,7 @@ unsafe fn qtile<B: QBlock, const T: usize>(
     );
     let (mut x0, mut x1) = ([_mm512_setzero_ps(); T], [_mm512_setzero_ps(); T]);
     let mut d = [[0f32; SCALE_RUN]; TILE_ROWS];
+    let mut d1 = [[0f32; SCALE_RUN]; TILE_ROWS];
     let mut m = [[0f32; SCALE_RUN]; TILE_ROWS];
     let nb = cols / QK;
     let mut b0 = 0;
@@ -278,9 +371,20 @@ unsafe fn qtile<B: QBlock, const T: usize>(
         for r in 0..TILE_ROWS {
             // SAFETY: blocks b0..b0 + n of each row are within it.
             unsafe {
-                scales(rows.d[r].add(b0), n, &mut d[r]);
-                if B::MIN {
-                    scales(rows.m[r].add(b0), n, &mut m[r]);
+                match B::K {
+                    None => {
+                        scales(rows.d[r].add(b0), n, &mut d[r]);
+                        if B::MIN {
+                            scales(rows.m[r].add(b0), n, &mut m[r]);
+                        }
+                    }
+                    Some(format) => {
+                        for j in 0..n {
+                            let (a, b, c) =
+                                super::k_params(format, rows.d[r], rows.m[r], rows.sc[r], b0 + j);
+                            (d[r][j], d1[r][j], m[r][j]) = (a, b, c);
+                        }
+                    }
                 }
             }
         }
@@ -298,8 +402,13 @@ unsafe fn qtile<B: QBlock, const T: usize>(
                     let q = rows.q[$r].wrapping_add(b * B::QBYTES);
                     _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(PREFETCH_BYTES) as *const i8);
                     let (s, mn) = (_mm512_set1_ps(d[$r][j]), _mm512_set1_ps(m[$r][j]));
+                    let s1 = if B::K == Some(KFormat::Q6K) {
+                        _mm512_set1_ps(d1[$r][j])
+                    } else {
+                        s
+                    };
                     // SAFETY: block b of row $r is within the row.
-                    let (w0, w1) = unsafe { B::weights(s, mn, q) };
+                    let (w0, w1) = unsafe { B::weights(s, s1, mn, q) };
                     for t in 0..T {
                         $acc[t] = _mm512_fmadd_ps(w0, x0[t], $acc[t]);
                         $acc[t] = _mm512_fmadd_ps(w1, x1[t], $acc[t]);
@@ -328,10 +437,12 @@ trait Rows {
 struct F32Rows([*const f32; TILE_ROWS]);
 
 /// Rows of quantized blocks, decoded in registers: each row's first scale, minimum (when the
-/// format has them) and quants.
+/// format has them) and quants; for a k-quant format, its first super-block's scale and scale
+/// of minimums, and its first block's scale bytes.
 struct QRows<B> {
     d: [*const half::f16; TILE_ROWS],
     m: [*const half::f16; TILE_ROWS],
+    sc: [*const u8; TILE_ROWS],
     q: [*const u8; TILE_ROWS],
     format: std::marker::PhantomData<B>,
 }
@@ -572,26 +683,20 @@ fn panels(p: &Panels, cols: usize, x: &[f32], out: &mut RowsOut) {
 pub(super) unsafe fn rows_task(w: &RowData, cols: usize, x: &[f32], out: &mut RowsOut) {
     let (n_rows, n_tok, r0) = (out.n_rows(), out.n_tok(), out.r0());
     assert!(x.len() >= n_tok * cols, "invariant: x holds n_tok rows");
-    fn quantized<B: QBlock>(
-        b: &Blocks,
+    fn quantized<'a, B: QBlock>(
+        w: &'a RowData,
         cols: usize,
         r0: usize,
         n_rows: usize,
-    ) -> impl FnMut(usize, usize) -> QRows<B> + '_ {
-        let nb = cols / QK;
-        assert!(
-            (r0 + n_rows) * nb <= b.d.len()
-                && b.qs.len() == b.d.len() * B::QBYTES
-                && (!B::MIN || b.m.len() == b.d.len())
-                && cols.is_multiple_of(QK),
-            "invariant: whole rows of whole blocks"
-        );
+    ) -> impl FnMut(usize, usize) -> QRows<B> + 'a {
+        let ptrs = super::row_ptrs::<TILE_ROWS>(w, B::QBYTES, B::MIN, cols, r0, n_rows);
         move |i, nr| {
-            let row = |k: usize| (r0 + i + k.min(nr - 1)) * nb;
+            let p = ptrs(i, nr);
             QRows {
-                d: std::array::from_fn(|k| b.d[row(k)..].as_ptr()),
-                m: std::array::from_fn(|k| b.m.get(row(k)..).unwrap_or(&[]).as_ptr()),
-                q: std::array::from_fn(|k| b.qs[row(k) * B::QBYTES..].as_ptr()),
+                d: p.d,
+                m: p.m,
+                sc: p.sc,
+                q: p.q,
                 format: std::marker::PhantomData,
             }
         }
@@ -600,9 +705,12 @@ pub(super) unsafe fn rows_task(w: &RowData, cols: usize, x: &[f32], out: &mut Ro
     // `n_tok` rows (asserted above).
     unsafe {
         match w {
-            RowData::Q4_0(b) => tiles(cols, x, out, quantized::<Q4_0>(b, cols, r0, n_rows)),
-            RowData::Q4_1(b) => tiles(cols, x, out, quantized::<Q4_1>(b, cols, r0, n_rows)),
-            RowData::Q8_0(b) => tiles(cols, x, out, quantized::<Q8_0>(b, cols, r0, n_rows)),
+            RowData::Q4_0(_) => tiles(cols, x, out, quantized::<Q4_0>(w, cols, r0, n_rows)),
+            RowData::Q4_1(_) => tiles(cols, x, out, quantized::<Q4_1>(w, cols, r0, n_rows)),
+            RowData::Q8_0(_) => tiles(cols, x, out, quantized::<Q8_0>(w, cols, r0, n_rows)),
+            RowData::Q5_0(_) => tiles(cols, x, out, quantized::<Q5_0>(w, cols, r0, n_rows)),
+            RowData::Q4K(_) => tiles(cols, x, out, quantized::<Q4K>(w, cols, r0, n_rows)),
+            RowData::Q6K(_) => tiles(cols, x, out, quantized::<Q6K>(w, cols, r0, n_rows)),
             RowData::F32(p) => panels(p, cols, x, out),
             RowData::F16(d) => {
                 let mut scratch = vec![0f32; TILE_ROWS * cols];

@@ -17,6 +17,9 @@ fn stored(dtype: GgmlDType, w: &[f32], rows: usize, cols: usize) -> RowData {
             match dtype {
                 GgmlDType::Q4_0 => RowData::q4_0(&b),
                 GgmlDType::Q4_1 => RowData::q4_1(&b),
+                GgmlDType::Q5_0 => RowData::q5_0(&b),
+                GgmlDType::Q4K => RowData::q4_k(&b),
+                GgmlDType::Q6K => RowData::q6_k(&b),
                 _ => RowData::q8_0(&b),
             }
         }
@@ -58,19 +61,28 @@ fn run(
     y
 }
 
-const DTYPES: [GgmlDType; 5] = [
+const DTYPES: [GgmlDType; 8] = [
     GgmlDType::F32,
     GgmlDType::F16,
     GgmlDType::Q4_0,
     GgmlDType::Q4_1,
     GgmlDType::Q8_0,
+    GgmlDType::Q5_0,
+    GgmlDType::Q4K,
+    GgmlDType::Q6K,
 ];
+
+/// Can rows `cols` wide be stored in `dtype`'s blocks?
+fn fits(dtype: GgmlDType, cols: usize) -> bool {
+    cols.is_multiple_of(dtype.block_size())
+}
 
 #[test]
 fn matmul_matches_reference_on_odd_shapes_every_path_and_threads() {
     let shapes = [
         (576, 576),
         (37, 1536),
+        (19, 2304),
         (1536, 576),
         (49, 17),
         (21, 100),
@@ -81,7 +93,7 @@ fn matmul_matches_reference_on_odd_shapes_every_path_and_threads() {
     for isa in Isa::available() {
         for (si, &(rows, cols)) in shapes.iter().enumerate() {
             for dtype in DTYPES {
-                if dtype != GgmlDType::F32 && dtype != GgmlDType::F16 && cols % QK != 0 {
+                if !fits(dtype, cols) {
                     continue;
                 }
                 let w = stored(dtype, &rand(si as u64, rows * cols), rows, cols);
@@ -110,10 +122,10 @@ fn each_row_is_the_same_whatever_the_batch_or_threads() {
     // 30 tokens: three panel tiles of up to 12 (the later ones without prefetches), and
     // every tile width 1..=12 among the slices below.
     const N: usize = 30;
-    for (rows, cols) in [(70, 576), (9, 40)] {
+    for (rows, cols) in [(70, 576), (9, 40), (13, 768)] {
         for isa in Isa::available() {
             for dtype in DTYPES {
-                if dtype != GgmlDType::F32 && dtype != GgmlDType::F16 && cols % QK != 0 {
+                if !fits(dtype, cols) {
                     continue;
                 }
                 let w = stored(dtype, &rand(9, rows * cols), rows, cols);
@@ -157,12 +169,19 @@ fn exp_is_within_two_ulp_of_f64() {
 fn every_path_gives_the_portable_bits() {
     // Every shape a forward runs: one token, chunks of 2..16, a long ragged batch; rows that
     // end a panel or a register tile early; f32 and f16 reductions with a tail past 16.
-    let shapes = [(70, 576), (9, 40), (37, 1536), (17, 100), (130, 64)];
+    let shapes = [
+        (70, 576),
+        (9, 40),
+        (37, 1536),
+        (17, 100),
+        (130, 64),
+        (6, 4864),
+    ];
     let paths = Isa::available();
     eprintln!("paths compared with the portable one: {paths:?}");
     for (si, &(rows, cols)) in shapes.iter().enumerate() {
         for dtype in DTYPES {
-            if dtype != GgmlDType::F32 && dtype != GgmlDType::F16 && cols % QK != 0 {
+            if !fits(dtype, cols) {
                 continue;
             }
             let w = stored(dtype, &rand(si as u64 + 20, rows * cols), rows, cols);
@@ -189,7 +208,7 @@ fn every_path_gives_the_portable_bits() {
 fn every_path_dequantizes_to_the_same_weights() {
     // A row times one-hot tokens reads the weights back: every path's dequantization gives the
     // portable path's values.
-    let (rows, cols) = (8, 64);
+    let (rows, cols) = (8, 256);
     for dtype in DTYPES {
         let w = stored(dtype, &rand(3, rows * cols), rows, cols);
         let mut x = vec![0f32; cols * cols];
@@ -204,6 +223,53 @@ fn every_path_dequantizes_to_the_same_weights() {
                 "{isa:?} {dtype:?}"
             );
         }
+    }
+}
+
+#[test]
+fn the_block_formats_dequantize_to_ggmls_values_bit_for_bit() {
+    // candle's dequantization is ggml's; the repacked blocks give the same f32 weights, and so
+    // do the rows picked out of them (the draft's vocabulary head) and the first rows. A zero
+    // weight's sign may differ (d·0 + 0 is +0): it cannot change a sum that starts at +0.
+    let (rows, cols) = (12, 768);
+    for dtype in &DTYPES[2..] {
+        let w = rand(80, rows * cols);
+        let t = Tensor::from_slice(&w, (rows, cols), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, *dtype).unwrap();
+        let want: Vec<f32> = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let same = |got: &[f32], want: &[f32]| {
+            got.len() == want.len() && got.iter().zip(want).all(|(a, b)| a == b && !a.is_nan())
+        };
+        let stored = stored(*dtype, &w, rows, cols);
+        let mut row = vec![0f32; cols];
+        for r in 0..rows {
+            dequantize_row(&stored, r, cols, &mut row);
+            assert!(
+                same(&row, &want[r * cols..(r + 1) * cols]),
+                "{dtype:?} row {r}"
+            );
+        }
+        let picked = stored.select_rows(&[7, 2, 11], cols);
+        for (i, r) in [7, 2, 11].into_iter().enumerate() {
+            dequantize_row(&picked, i, cols, &mut row);
+            assert!(
+                same(&row, &want[r * cols..(r + 1) * cols]),
+                "{dtype:?} picked row {r}"
+            );
+        }
+        let first = stored.first_rows(5, cols);
+        dequantize_row(&first, 4, cols, &mut row);
+        assert!(
+            same(&row, &want[4 * cols..5 * cols]),
+            "{dtype:?} first rows"
+        );
+        assert_eq!(stored.block_len(), dtype.block_size(), "{dtype:?}");
     }
 }
 

@@ -30,8 +30,8 @@ pub enum WeightMode {
     F32,
     /// Every tensor dequantized to f16 storage, f32 arithmetic.
     F16,
-    /// Q4_0/Q4_1/Q8_0 tensors kept in their blocks and dequantized in registers against f32
-    /// activations (W4A16 / W8A16); other tensors as f32.
+    /// Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K tensors kept in their blocks and dequantized in registers
+    /// against f32 activations (W4A16 / W8A16); other tensors as f32.
     Native,
     /// As `Native`, with each block-format tensor's input quantized to 8 bits per 32-element
     /// block and multiplied by integer dot products ([`kernels::a8`]: W4A8 / W8A8). For a draft
@@ -385,6 +385,9 @@ impl Linear {
             (WeightMode::Native | WeightMode::W4A8, GgmlDType::Q4_0) => RowData::q4_0(&raw(&t)?),
             (WeightMode::Native | WeightMode::W4A8, GgmlDType::Q4_1) => RowData::q4_1(&raw(&t)?),
             (WeightMode::Native | WeightMode::W4A8, GgmlDType::Q8_0) => RowData::q8_0(&raw(&t)?),
+            (WeightMode::Native | WeightMode::W4A8, GgmlDType::Q5_0) => RowData::q5_0(&raw(&t)?),
+            (WeightMode::Native | WeightMode::W4A8, GgmlDType::Q4K) => RowData::q4_k(&raw(&t)?),
+            (WeightMode::Native | WeightMode::W4A8, GgmlDType::Q6K) => RowData::q6_k(&raw(&t)?),
             (WeightMode::Native | WeightMode::W4A8, GgmlDType::F16) => {
                 let b = raw(&t)?;
                 RowData::F16(
@@ -732,18 +735,18 @@ impl LlamaModel {
             + 2 * head.rows * head.cols
     }
 
-    /// Storage format name of the linear layers (`q4_0`, `f32`, ...), or `mixed`.
+    /// Storage format name of the linear layers (`q4_0`, `f32`, ...); of a file that mixes
+    /// them, each format once in the order met (`q5_0+q4_k+q6_k`).
     pub fn format(&self) -> String {
-        let l = &self.layers[0];
-        let names: Vec<&str> = [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]
-            .iter()
-            .map(|w| w.format_name())
-            .collect();
-        if names.iter().all(|n| *n == names[0]) {
-            names[0].to_string()
-        } else {
-            "mixed".to_string()
+        let mut names: Vec<&str> = Vec::new();
+        for l in &self.layers {
+            for w in [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down] {
+                if !names.contains(&w.format_name()) {
+                    names.push(w.format_name());
+                }
+            }
         }
+        names.join("+")
     }
 
     /// Run one ragged batch. The caller has validated the batch and the block tables (see
