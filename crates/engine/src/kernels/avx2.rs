@@ -337,6 +337,58 @@ unsafe fn scales(p: *const half::f16, n: usize, out: &mut [f32; SCALE_RUN]) {
     }
 }
 
+/// The halves' scales and the minimums of the 8 k-quant blocks `b0..b0 + 8` of a row (one
+/// super-block: `b0` a multiple of 8), in vectors: [`super::k_params`]'s values (each product
+/// exact; the minimum's sign flipped, not subtracted from 0).
+///
+/// # Safety
+/// The pointers must cover the row's blocks `b0..b0 + 8` (`km` read for Q4_K only).
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k_scales(
+    format: KFormat,
+    kd: *const f32,
+    km: *const f32,
+    sc: *const u8,
+    b0: usize,
+    s0: &mut [f32; SCALE_RUN],
+    s1: &mut [f32; SCALE_RUN],
+    m: &mut [f32; SCALE_RUN],
+) {
+    let sb = b0 / super::K_BLOCKS;
+    // Lane j: block b0 + j's two bytes, the first in the low eight bits.
+    // SAFETY: 16 scale bytes of the row's blocks b0..b0 + 8.
+    let pairs = _mm256_cvtepu16_epi32(unsafe { _mm_loadu_si128(sc.add(2 * b0) as *const __m128i) });
+    // SAFETY: super-block sb of the row.
+    let d = _mm256_set1_ps(unsafe { kd.add(sb).read() });
+    match format {
+        KFormat::Q4K => {
+            let lo = _mm256_and_si256(pairs, _mm256_set1_epi32(0xff));
+            let hi = _mm256_srli_epi32::<8>(pairs);
+            // SAFETY: as above.
+            let dmin = _mm256_set1_ps(unsafe { km.add(sb).read() });
+            let mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(hi));
+            let neg = _mm256_xor_ps(mins, _mm256_set1_ps(-0.0));
+            // SAFETY: each array holds 8 floats.
+            unsafe {
+                _mm256_storeu_ps(s0.as_mut_ptr(), _mm256_mul_ps(d, _mm256_cvtepi32_ps(lo)));
+                _mm256_storeu_ps(m.as_mut_ptr(), neg);
+            }
+        }
+        KFormat::Q6K => {
+            // The bytes are signed: each moved to the top of its lane and shifted back down.
+            let lo = _mm256_srai_epi32::<24>(_mm256_slli_epi32::<24>(pairs));
+            let hi = _mm256_srai_epi32::<24>(_mm256_slli_epi32::<16>(pairs));
+            // SAFETY: each array holds 8 floats.
+            unsafe {
+                _mm256_storeu_ps(s0.as_mut_ptr(), _mm256_mul_ps(d, _mm256_cvtepi32_ps(lo)));
+                _mm256_storeu_ps(s1.as_mut_ptr(), _mm256_mul_ps(d, _mm256_cvtepi32_ps(hi)));
+            }
+        }
+    }
+}
+
 /// Four rows of one storage kind, ready to multiply with a tile of tokens.
 trait Rows {
     /// Dot products of the first `R` rows with `T` tokens.
@@ -357,10 +409,7 @@ struct F32Rows([*const f32; 4]);
 /// format has them) and quants; for a k-quant format, its first super-block's scale and scale
 /// of minimums, and its first block's scale bytes.
 struct QRows<B> {
-    d: [*const half::f16; 4],
-    m: [*const half::f16; 4],
-    sc: [*const u8; 4],
-    q: [*const u8; 4],
+    p: super::RowPtrs<4>,
     format: std::marker::PhantomData<B>,
 }
 
@@ -438,18 +487,23 @@ impl<B: QBlock> Rows for QRows<B> {
                 unsafe {
                     match B::K {
                         None => {
-                            scales(self.d[r].add(b0), n, &mut d[r]);
+                            scales(self.p.d[r].add(b0), n, &mut d[r]);
                             if B::MIN {
-                                scales(self.m[r].add(b0), n, &mut m[r]);
+                                scales(self.p.m[r].add(b0), n, &mut m[r]);
                             }
+                        }
+                        Some(format) if n == SCALE_RUN => {
+                            let p = &self.p;
+                            let (s0, s1, mn) = (&mut d[r], &mut d1[r], &mut m[r]);
+                            k_scales(format, p.kd[r], p.km[r], p.sc[r], b0, s0, s1, mn);
                         }
                         Some(format) => {
                             for j in 0..n {
                                 let (a, b, c) = super::k_params(
                                     format,
-                                    self.d[r],
-                                    self.m[r],
-                                    self.sc[r],
+                                    self.p.kd[r],
+                                    self.p.km[r],
+                                    self.p.sc[r],
                                     b0 + j,
                                 );
                                 (d[r][j], d1[r][j], m[r][j]) = (a, b, c);
@@ -461,7 +515,7 @@ impl<B: QBlock> Rows for QRows<B> {
             for j in 0..n {
                 let b = b0 + j;
                 for r in 0..R {
-                    let q = self.q[r].wrapping_add(b * B::QBYTES);
+                    let q = self.p.q[r].wrapping_add(b * B::QBYTES);
                     _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(PREFETCH_BYTES) as *const i8);
                     let (s, mn) = (_mm256_set1_ps(d[r][j]), _mm256_set1_ps(m[r][j]));
                     let s1 = if B::K == Some(KFormat::Q6K) {
@@ -738,15 +792,9 @@ pub(super) unsafe fn rows_task(w: &RowData, cols: usize, x: &[f32], out: &mut Ro
         n_rows: usize,
     ) -> impl FnMut(usize, usize) -> QRows<B> + 'a {
         let ptrs = super::row_ptrs::<4>(w, B::QBYTES, B::MIN, cols, r0, n_rows);
-        move |i, nr| {
-            let p = ptrs(i, nr);
-            QRows {
-                d: p.d,
-                m: p.m,
-                sc: p.sc,
-                q: p.q,
-                format: std::marker::PhantomData,
-            }
+        move |i, nr| QRows {
+            p: ptrs(i, nr),
+            format: std::marker::PhantomData,
         }
     }
     // SAFETY (each arm): the row pointers cover whole stored (or scratch) rows, and `x` holds

@@ -338,6 +338,64 @@ unsafe fn scales(p: *const half::f16, n: usize, out: &mut [f32; SCALE_RUN]) {
     }
 }
 
+/// The halves' scales and the minimums of the 16 k-quant blocks `b0..b0 + 16` of a row (two
+/// super-blocks: `b0` a multiple of 16), in vectors: [`super::k_params`]'s values (each product
+/// exact; the minimum's sign flipped, not subtracted from 0).
+///
+/// # Safety
+/// The pointers must cover the row's blocks `b0..b0 + 16` (`km` read for Q4_K only).
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn k_scales(
+    format: KFormat,
+    kd: *const f32,
+    km: *const f32,
+    sc: *const u8,
+    b0: usize,
+    s0: &mut [f32; SCALE_RUN],
+    s1: &mut [f32; SCALE_RUN],
+    m: &mut [f32; SCALE_RUN],
+) {
+    let sb = b0 / super::K_BLOCKS;
+    // Lane j: block b0 + j's two bytes, the first in the low eight bits.
+    // SAFETY: 32 scale bytes of the row's blocks b0..b0 + 16.
+    let pairs =
+        _mm512_cvtepu16_epi32(unsafe { _mm256_loadu_si256(sc.add(2 * b0) as *const __m256i) });
+    // SAFETY: super-blocks sb and sb + 1 of the row.
+    let per_block = |v: *const f32| unsafe {
+        _mm512_mask_blend_ps(
+            0xff00,
+            _mm512_set1_ps(v.add(sb).read()),
+            _mm512_set1_ps(v.add(sb + 1).read()),
+        )
+    };
+    let d = per_block(kd);
+    match format {
+        KFormat::Q4K => {
+            let lo = _mm512_and_si512(pairs, _mm512_set1_epi32(0xff));
+            let hi = _mm512_srli_epi32::<8>(pairs);
+            let mins = _mm512_mul_ps(per_block(km), _mm512_cvtepi32_ps(hi));
+            let neg = _mm512_xor_si512(_mm512_castps_si512(mins), _mm512_set1_epi32(i32::MIN));
+            // SAFETY: each array holds 16 floats.
+            unsafe {
+                _mm512_storeu_ps(s0.as_mut_ptr(), _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)));
+                _mm512_storeu_ps(m.as_mut_ptr(), _mm512_castsi512_ps(neg));
+            }
+        }
+        KFormat::Q6K => {
+            // The bytes are signed: each moved to the top of its lane and shifted back down.
+            let lo = _mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(pairs));
+            let hi = _mm512_srai_epi32::<24>(_mm512_slli_epi32::<16>(pairs));
+            // SAFETY: each array holds 16 floats.
+            unsafe {
+                _mm512_storeu_ps(s0.as_mut_ptr(), _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)));
+                _mm512_storeu_ps(s1.as_mut_ptr(), _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)));
+            }
+        }
+    }
+}
+
 /// Dot products of 4 quantized rows (`cols / 32` blocks each) with `T` tokens: each block is
 /// decoded in registers once per tile and multiplied with every token, in the order and with the
 /// values of [`tile`] over dequantized rows (so the bits are the same). Scales are converted 16
@@ -373,15 +431,21 @@ unsafe fn qtile<B: QBlock, const T: usize>(
             unsafe {
                 match B::K {
                     None => {
-                        scales(rows.d[r].add(b0), n, &mut d[r]);
+                        scales(rows.p.d[r].add(b0), n, &mut d[r]);
                         if B::MIN {
-                            scales(rows.m[r].add(b0), n, &mut m[r]);
+                            scales(rows.p.m[r].add(b0), n, &mut m[r]);
                         }
+                    }
+                    Some(format) if n == SCALE_RUN => {
+                        let p = &rows.p;
+                        let (s0, s1, mn) = (&mut d[r], &mut d1[r], &mut m[r]);
+                        k_scales(format, p.kd[r], p.km[r], p.sc[r], b0, s0, s1, mn);
                     }
                     Some(format) => {
                         for j in 0..n {
+                            let p = &rows.p;
                             let (a, b, c) =
-                                super::k_params(format, rows.d[r], rows.m[r], rows.sc[r], b0 + j);
+                                super::k_params(format, p.kd[r], p.km[r], p.sc[r], b0 + j);
                             (d[r][j], d1[r][j], m[r][j]) = (a, b, c);
                         }
                     }
@@ -399,8 +463,12 @@ unsafe fn qtile<B: QBlock, const T: usize>(
             }
             macro_rules! row {
                 ($acc:ident, $r:literal) => {{
-                    let q = rows.q[$r].wrapping_add(b * B::QBYTES);
-                    _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(PREFETCH_BYTES) as *const i8);
+                    let q = rows.p.q[$r].wrapping_add(b * B::QBYTES);
+                    // A k-quant row asks once per cache line (Qwen 1.5B's decode, Zen 4: 121 ms
+                    // a token asking every block, 113 once a line).
+                    if B::K.is_none() || (b * B::QBYTES) % 64 < B::QBYTES {
+                        _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(PREFETCH_BYTES) as *const i8);
+                    }
                     let (s, mn) = (_mm512_set1_ps(d[$r][j]), _mm512_set1_ps(m[$r][j]));
                     let s1 = if B::K == Some(KFormat::Q6K) {
                         _mm512_set1_ps(d1[$r][j])
@@ -440,10 +508,7 @@ struct F32Rows([*const f32; TILE_ROWS]);
 /// format has them) and quants; for a k-quant format, its first super-block's scale and scale
 /// of minimums, and its first block's scale bytes.
 struct QRows<B> {
-    d: [*const half::f16; TILE_ROWS],
-    m: [*const half::f16; TILE_ROWS],
-    sc: [*const u8; TILE_ROWS],
-    q: [*const u8; TILE_ROWS],
+    p: super::RowPtrs<TILE_ROWS>,
     format: std::marker::PhantomData<B>,
 }
 
@@ -690,15 +755,9 @@ pub(super) unsafe fn rows_task(w: &RowData, cols: usize, x: &[f32], out: &mut Ro
         n_rows: usize,
     ) -> impl FnMut(usize, usize) -> QRows<B> + 'a {
         let ptrs = super::row_ptrs::<TILE_ROWS>(w, B::QBYTES, B::MIN, cols, r0, n_rows);
-        move |i, nr| {
-            let p = ptrs(i, nr);
-            QRows {
-                d: p.d,
-                m: p.m,
-                sc: p.sc,
-                q: p.q,
-                format: std::marker::PhantomData,
-            }
+        move |i, nr| QRows {
+            p: ptrs(i, nr),
+            format: std::marker::PhantomData,
         }
     }
     // SAFETY (each arm): the row pointers cover whole stored (or scratch) rows, and `x` holds

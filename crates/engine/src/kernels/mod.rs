@@ -207,14 +207,15 @@ impl Blocks {
 ///   16 bytes of low nibbles and 8 bytes of high bit pairs (element `i`'s in byte `i % 8` at
 ///   bit `2·(i / 8)`).
 ///
-/// 148 bytes a Q4_K super-block (GGUF's 144: the scales unpacked to a byte each), 210 a Q6_K one
+/// The super-block scales are held as f32 (exact), so that a kernel converts nothing per block:
+/// 152 bytes a Q4_K super-block (GGUF's 144: the scales unpacked to a byte each), 212 a Q6_K one
 /// (GGUF's 210).
 #[derive(Debug, Clone)]
 pub struct SuperBlocks {
     /// Each super-block's scale.
-    d: Vec<f16>,
+    d: Vec<f32>,
     /// Each super-block's scale of minimums (Q4_K; empty for Q6_K).
-    dmin: Vec<f16>,
+    dmin: Vec<f32>,
     /// Two bytes a 32-weight block: Q4_K its scale and minimum (6 bits each), Q6_K the signed
     /// scales of its two halves.
     sc: Vec<u8>,
@@ -287,8 +288,8 @@ impl SuperBlocks {
                 KFormat::Q4K => {
                     // d, dmin, 12 bytes of scales, 128 of quants: block 2i the low nibbles of
                     // quant bytes 32i..32i + 32, block 2i + 1 their high nibbles.
-                    b.d.push(f16::from_le_bytes([blk[0], blk[1]]));
-                    b.dmin.push(f16::from_le_bytes([blk[2], blk[3]]));
+                    b.d.push(f16::from_le_bytes([blk[0], blk[1]]).to_f32());
+                    b.dmin.push(f16::from_le_bytes([blk[2], blk[3]]).to_f32());
                     let scales: &[u8; 12] = blk[4..16].try_into().expect("invariant: 12 bytes");
                     let qs = &blk[16..144];
                     for j in 0..K_BLOCKS {
@@ -306,7 +307,7 @@ impl SuperBlocks {
                     // bits 0, 2, 4, 6 of qh[l].
                     let (ql, qh) = (&blk[..128], &blk[128..192]);
                     let scales = &blk[192..208];
-                    b.d.push(f16::from_le_bytes([blk[208], blk[209]]));
+                    b.d.push(f16::from_le_bytes([blk[208], blk[209]]).to_f32());
                     let mut codes = [0u8; QK_K];
                     for half in 0..2 {
                         let (ql, qh) = (&ql[64 * half..], &qh[32 * half..]);
@@ -395,8 +396,8 @@ impl SuperBlocks {
 #[inline(always)]
 unsafe fn k_params(
     format: KFormat,
-    d: *const f16,
-    dmin: *const f16,
+    d: *const f32,
+    dmin: *const f32,
     sc: *const u8,
     b: usize,
 ) -> (f32, f32, f32) {
@@ -419,6 +420,9 @@ unsafe fn k_params(
 struct RowPtrs<const N: usize> {
     d: [*const f16; N],
     m: [*const f16; N],
+    /// A k-quant format's super-block scales and scales of minimums (f32).
+    kd: [*const f32; N],
+    km: [*const f32; N],
     sc: [*const u8; N],
     q: [*const u8; N],
 }
@@ -436,27 +440,40 @@ fn row_ptrs<const N: usize>(
     n_rows: usize,
 ) -> impl Fn(usize, usize) -> RowPtrs<N> + '_ {
     let nb = cols / QK;
-    let (d, m, sc, qs, per_d): (&[f16], &[f16], &[u8], &[u8], usize) = match w {
+    type Parts<'a> = (
+        &'a [f16],
+        &'a [f16],
+        &'a [f32],
+        &'a [f32],
+        &'a [u8],
+        &'a [u8],
+    );
+    let (d, m, kd, km, sc, qs): Parts = match w {
         RowData::Q4_0(b) | RowData::Q4_1(b) | RowData::Q8_0(b) | RowData::Q5_0(b) => {
-            (&b.d, &b.m, &[], &b.qs, 1)
+            (&b.d, &b.m, &[], &[], &[], &b.qs)
         }
-        RowData::Q4K(b) | RowData::Q6K(b) => (&b.d, &b.dmin, &b.sc, &b.qs, K_BLOCKS),
+        RowData::Q4K(b) | RowData::Q6K(b) => (&[], &[], &b.d, &b.dmin, &b.sc, &b.qs),
         RowData::F32(_) | RowData::F16(_) => panic!("invariant: quantized rows"),
     };
-    let blocks = d.len() * per_d;
+    let per_d = if kd.is_empty() { 1 } else { K_BLOCKS };
+    let blocks = d.len() + kd.len() * K_BLOCKS;
     assert!(
         cols.is_multiple_of(QK * per_d)
             && (r0 + n_rows) * nb <= blocks
             && qs.len() == blocks * qbytes
-            && (!min || m.len() == d.len())
+            && (!min || m.len() + km.len() == d.len() + kd.len())
             && (per_d == 1 || sc.len() == blocks * 2),
         "invariant: whole rows of whole blocks"
     );
     move |i, nr| {
         let row = |k: usize| (r0 + i + k.min(nr - 1)) * nb;
+        let at = |v: &[f16], k: usize| v.get(row(k)..).unwrap_or(&[]).as_ptr();
+        let at_k = |v: &[f32], k: usize| v.get(row(k) / K_BLOCKS..).unwrap_or(&[]).as_ptr();
         RowPtrs {
-            d: std::array::from_fn(|k| d[row(k) / per_d..].as_ptr()),
-            m: std::array::from_fn(|k| m.get(row(k) / per_d..).unwrap_or(&[]).as_ptr()),
+            d: std::array::from_fn(|k| at(d, k)),
+            m: std::array::from_fn(|k| at(m, k)),
+            kd: std::array::from_fn(|k| at_k(kd, k)),
+            km: std::array::from_fn(|k| at_k(km, k)),
             sc: std::array::from_fn(|k| sc.get(row(k) * 2..).unwrap_or(&[]).as_ptr()),
             q: std::array::from_fn(|k| qs[row(k) * qbytes..].as_ptr()),
         }
@@ -465,15 +482,14 @@ fn row_ptrs<const N: usize>(
 
 /// A Q4_K block's scale (both halves) and minimum: `d·sc` and `−(dmin·mn)`, exact in f32.
 #[inline(always)]
-fn q4k_params(d: f16, dmin: f16, sc: [u8; 2]) -> (f32, f32, f32) {
-    let s = d.to_f32() * f32::from(sc[0]);
-    (s, s, -(dmin.to_f32() * f32::from(sc[1])))
+fn q4k_params(d: f32, dmin: f32, sc: [u8; 2]) -> (f32, f32, f32) {
+    let s = d * f32::from(sc[0]);
+    (s, s, -(dmin * f32::from(sc[1])))
 }
 
 /// A Q6_K block's two scales `d·sc` (exact in f32); no minimum.
 #[inline(always)]
-fn q6k_params(d: f16, sc: [u8; 2]) -> (f32, f32, f32) {
-    let d = d.to_f32();
+fn q6k_params(d: f32, sc: [u8; 2]) -> (f32, f32, f32) {
     (d * f32::from(sc[0] as i8), d * f32::from(sc[1] as i8), 0.0)
 }
 
@@ -556,8 +572,8 @@ impl RowData {
             RowData::Q4_1(_) => cols / QK * 20,
             RowData::Q8_0(_) => cols / QK * 34,
             RowData::Q5_0(_) => cols / QK * 22,
-            RowData::Q4K(_) => cols / QK_K * 148,
-            RowData::Q6K(_) => cols / QK_K * 210,
+            RowData::Q4K(_) => cols / QK_K * 152,
+            RowData::Q6K(_) => cols / QK_K * 212,
         }
     }
 
