@@ -976,10 +976,15 @@ pub fn find_peer(python: Option<PathBuf>, script: Option<PathBuf>) -> Option<(Pa
 
 /// Check a draft file exists and load it.
 pub fn load_draft(name: &str, path: &Path) -> Result<Draft> {
+    load_draft_in(name, path, tandem_engine::WeightMode::Native)
+}
+
+/// [`load_draft`] in weight mode `mode`.
+pub fn load_draft_in(name: &str, path: &Path, mode: tandem_engine::WeightMode) -> Result<Draft> {
     let mut g = tandem_engine::GgufFile::open(path)
         .with_context(|| format!("opening {}", path.display()))?;
-    let model = LlamaModel::load(&mut g, tandem_engine::WeightMode::Native)
-        .with_context(|| format!("loading {}", path.display()))?;
+    let model =
+        LlamaModel::load(&mut g, mode).with_context(|| format!("loading {}", path.display()))?;
     Ok(Draft {
         name: name.to_string(),
         path: path.to_path_buf(),

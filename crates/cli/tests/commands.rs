@@ -180,6 +180,15 @@ fn cli_refuses_bad_input_by_name() {
     }
     let bad = tandem(&["quantize", "--group-size", "48"]);
     assert!(String::from_utf8_lossy(&bad.stderr).contains("group_size"));
+    // A target's weights are f32, its own blocks or f16: 8-bit activations are a draft's.
+    for (mode, says) in [
+        ("w4a8", "a draft's mode, not a target's"),
+        ("int3", "unknown weight mode `int3`"),
+    ] {
+        let bad = tandem(&["cloud", "serve", "--no-auth", "--weights", mode]);
+        let err = String::from_utf8_lossy(&bad.stderr);
+        assert!(!bad.status.success() && err.contains(says), "{err}");
+    }
     // No pip on PATH and an empty model directory: a message that says what is missing.
     let dir = std::env::temp_dir().join(format!("tandem-nopip-{}", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_tandem"))

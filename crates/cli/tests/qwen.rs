@@ -105,6 +105,34 @@ fn the_0_5b_drafting_for_the_1_5b_gives_the_targets_tokens() {
     assert!(s.accepted_draft_tokens > 0, "no draft token was accepted");
 }
 
+/// The 1.5B served in its own Q4_K / Q6_K blocks (`cloud serve --weights native`): speculation
+/// through a verifier that awaits the blocks commits the tokens that model decodes alone (its
+/// logits are the same bits in a block of 5 as alone).
+#[test]
+fn the_1_5b_in_its_own_blocks_commits_its_own_tokens_under_speculation() {
+    let mut g = GgufFile::open(target_path()).unwrap();
+    let target = Arc::new(LlamaModel::load(&mut g, WeightMode::Native).unwrap());
+    assert_eq!(target.format(), "q4_k+q6_k");
+    let tok = &tokenizer_of(target_path());
+    let mut g = GgufFile::open(qwen_draft_path()).unwrap();
+    let draft = Arc::new(LlamaModel::load(&mut g, WeightMode::Native).unwrap());
+    let prompt = tok
+        .encode_chat("Write a Python function that checks whether a number is prime.")
+        .unwrap();
+    let n = 32;
+    let want = greedy(&mut engine(&target), tandem_engine::SeqId(3), &prompt, n);
+    let (url, _) = awaiting_server_of((&target, tok, "qwen2.5-coder-1.5b-instruct"));
+    let out = speculate_pair((&target, &draft), tok, &prompt, n, (4, 2), (&url, 20.0));
+    assert_eq!(
+        out.output_ids,
+        want[..out.output_ids.len()],
+        "speculation changed a token: {:?}",
+        tok.decode(&out.output_ids)
+    );
+    assert!(out.output_ids.len() >= n.min(8), "{:?}", out.output_ids);
+    assert!(out.spec.as_ref().unwrap().accepted_draft_tokens > 0);
+}
+
 /// `tandem cloud serve --model qwen2.5-coder-1.5b` refuses SmolLM2's draft at Open, naming both
 /// tokenizers' fingerprints.
 #[test]

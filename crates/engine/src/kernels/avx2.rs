@@ -498,16 +498,8 @@ impl<B: QBlock> Rows for QRows<B> {
                             k_scales(format, p.kd[r], p.km[r], p.sc[r], b0, s0, s1, mn);
                         }
                         Some(format) => {
-                            for j in 0..n {
-                                let (a, b, c) = super::k_params(
-                                    format,
-                                    self.p.kd[r],
-                                    self.p.km[r],
-                                    self.p.sc[r],
-                                    b0 + j,
-                                );
-                                (d[r][j], d1[r][j], m[r][j]) = (a, b, c);
-                            }
+                            let (s0, s1, mn) = (&mut d[r], &mut d1[r], &mut m[r]);
+                            super::k_params_run(format, &self.p, r, b0, n, s0, s1, mn);
                         }
                     }
                 }

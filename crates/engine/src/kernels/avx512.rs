@@ -442,12 +442,8 @@ unsafe fn qtile<B: QBlock, const T: usize>(
                         k_scales(format, p.kd[r], p.km[r], p.sc[r], b0, s0, s1, mn);
                     }
                     Some(format) => {
-                        for j in 0..n {
-                            let p = &rows.p;
-                            let (a, b, c) =
-                                super::k_params(format, p.kd[r], p.km[r], p.sc[r], b0 + j);
-                            (d[r][j], d1[r][j], m[r][j]) = (a, b, c);
-                        }
+                        let (s0, s1, mn) = (&mut d[r], &mut d1[r], &mut m[r]);
+                        super::k_params_run(format, &rows.p, r, b0, n, s0, s1, mn);
                     }
                 }
             }

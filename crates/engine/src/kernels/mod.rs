@@ -412,6 +412,30 @@ unsafe fn k_params(
     }
 }
 
+/// [`k_params`] of blocks `b0..b0 + n` of row `r` of `p`, into `s0`, `s1` and `m` (a run
+/// shorter than the SIMD kernels' vectors).
+///
+/// # Safety
+/// `p`'s row `r` must cover blocks `b0..b0 + n`; the slices must hold `n` floats.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn k_params_run<const N: usize>(
+    format: KFormat,
+    p: &RowPtrs<N>,
+    r: usize,
+    b0: usize,
+    n: usize,
+    s0: &mut [f32],
+    s1: &mut [f32],
+    m: &mut [f32],
+) {
+    for j in 0..n {
+        // SAFETY: the caller's contract.
+        (s0[j], s1[j], m[j]) = unsafe { k_params(format, p.kd[r], p.km[r], p.sc[r], b0 + j) };
+    }
+}
+
 /// Pointers to `N` rows of quantized blocks, for the SIMD kernels: each row's first scale and
 /// minimum (a k-quant format: its first super-block's scale and scale of minimums, and its
 /// first block's scale bytes at `sc`) and quants.
