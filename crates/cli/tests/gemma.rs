@@ -1,5 +1,5 @@
 //! Gemma 3 270M, pulled on first use (`tandem pull gemma3-270m`), against llama.cpp on the same
-//! weights (`fixtures/gemma3.json`, made by `fixtures/make_gemma_fixture.py` on the F32 copy of
+//! weights (`fixtures/gemma3.json`, made by `fixtures/make_peer_fixture.py` on the F32 copy of
 //! the file): the SentencePiece tokenizer's ids on a multilingual corpus with code, emoji and
 //! whitespace runs, the target's first logits and greedy tokens; speculation with a W4A16 draft
 //! of it through a real verifier gives the target's tokens; and a verifier serving Gemma refuses

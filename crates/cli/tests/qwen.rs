@@ -105,6 +105,93 @@ fn the_0_5b_drafting_for_the_1_5b_gives_the_targets_tokens() {
     assert!(s.accepted_draft_tokens > 0, "no draft token was accepted");
 }
 
+/// A step whose top-2 logit margin (llama.cpp's) is below this may flip between the two engines:
+/// on the fixture's steps their logits differ by up to MAX_LOGIT_DIFF (f32 arithmetic in another
+/// order, llama.cpp's f16 KV cache), so a margin under twice that can change order.
+const NEAR_TIE: f64 = 2.0 * MAX_LOGIT_DIFF;
+/// The largest difference allowed between Tandem's and llama.cpp's logits on the first step:
+/// four times the largest measured on the fixture (0.0052 over the four prompts' eight highest).
+const MAX_LOGIT_DIFF: f64 = 0.02;
+
+/// The 1.5B's tokenizer gives llama.cpp's ids (`fixtures/qwen2.5-coder-1.5b.json`, made by
+/// `fixtures/make_peer_fixture.py` on the F32 copy of the file) on a corpus of code (indentation,
+/// tabs, long numbers split digit by digit, FIM tokens), CJK, emoji and whitespace runs; the ids
+/// spell the text again; and the chat template the file carries renders llama.cpp's ChatML ids,
+/// the template's default system message included.
+#[test]
+fn the_1_5bs_tokenizer_gives_llama_cpps_ids_and_chatml() {
+    let tok = tokenizer_of(target_path());
+    let f = fixture("qwen2.5-coder-1.5b.json");
+    let cases = f["tokenizer"].as_array().unwrap();
+    assert!(cases.len() >= 30);
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        let want = ids(&case["ids"]);
+        assert_eq!(tok.encode(text).unwrap(), want, "encoding {text:?}");
+        assert_eq!(tok.decode(&want).unwrap(), text, "decoding {text:?}");
+    }
+    let first = &f["greedy"][0];
+    assert_eq!(
+        tok.encode_chat("Write a Python function that checks whether a number is prime.")
+            .unwrap(),
+        ids(&first["prompt_ids"]),
+        "ChatML from the GGUF's template: {:?}",
+        first["prompt"]
+    );
+}
+
+/// The f32 1.5B's greedy tokens are llama.cpp's on the same weights up to the first near-tie, and
+/// its first logits are within MAX_LOGIT_DIFF of llama.cpp's.
+#[test]
+fn the_1_5b_gives_llama_cpps_greedy_tokens() {
+    let (m, _) = qwen();
+    let (mut compared, mut worst) = (0, 0f64);
+    for case in fixture("qwen2.5-coder-1.5b.json")["greedy"]
+        .as_array()
+        .unwrap()
+    {
+        let prompt = ids(&case["prompt_ids"]);
+        let want = ids(&case["output_ids"]);
+        let margins = floats(&case["top2_margin"]);
+        let got = greedy(&mut engine(m), tandem_engine::SeqId(1), &prompt, want.len());
+        let same = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        if same < want.len() {
+            assert!(
+                margins[same] < NEAR_TIE,
+                "{}: step {same} differs at a margin of {} ({:?} against llama.cpp's {:?})",
+                case["prompt"],
+                margins[same],
+                &got[same..],
+                &want[same..]
+            );
+        }
+        compared += same;
+        let mut e = engine(m);
+        let l = e
+            .forward(&[tandem_engine::SeqChunk::new(
+                tandem_engine::SeqId(2),
+                0,
+                prompt,
+                tandem_engine::Wanted::Last,
+            )])
+            .unwrap();
+        let row = l.row(0);
+        for pair in case["first_logits"].as_array().unwrap() {
+            let (i, v) = (
+                pair[0].as_u64().unwrap() as usize,
+                pair[1].as_f64().unwrap(),
+            );
+            worst = worst.max((row[i] as f64 - v).abs());
+        }
+    }
+    eprintln!("{compared} greedy steps the same; first logits within {worst:.4} of llama.cpp's");
+    assert!(worst < MAX_LOGIT_DIFF, "first logits off by {worst}");
+    assert!(
+        compared >= 64,
+        "only {compared} greedy steps were clear of near-ties"
+    );
+}
+
 /// The 1.5B served in its own Q4_K / Q6_K blocks (`cloud serve --weights native`): speculation
 /// through a verifier that awaits the blocks commits the tokens that model decodes alone (its
 /// logits are the same bits in a block of 5 as alone).

@@ -7,8 +7,9 @@
 //! - The **paged KV cache** ([`kv`]) hands out fixed-size blocks from a pool sized by a memory
 //!   budget; sequences can be truncated (draft rejected) and freed; running out is
 //!   [`EngineError::OutOfBlocks`], never a panic.
-//! - Weights are f32 (the cloud target), f16, or GGUF 4/8-bit blocks multiplied with f32 activations
-//!   (W4A16, the edge draft) by [`kernels`], whose reductions do not depend on the batch, so a
+//! - Weights are f32 (the cloud target), f16, or GGUF blocks (Q4_0, Q4_1, Q5_0, Q8_0, and the
+//!   Q4_K / Q6_K super-blocks) multiplied with f32 activations (W4A16, the edge draft) by
+//!   [`kernels`], whose reductions do not depend on the batch, so a
 //!   sequence's logits are the same alone or batched, and every kernel path (portable, AVX2,
 //!   AVX-512) gives the same bits. `WeightMode::W4A8` quantizes a draft's activations to 8 bits
 //!   for integer dot products ([`kernels::a8`]).
