@@ -395,10 +395,12 @@ pub fn run(a: &ServeBenchArgs, progress: &mut dyn FnMut(&str)) -> Result<ServeRe
     let draft = models::load(&a.home, &a.draft, Some(a.draft_weights), true)
         .with_context(|| format!("the draft {}", a.draft))?;
     let target = models::load(&a.home, &a.draft.target(), None, true)?;
-    let extra: Vec<String> = a
-        .fixed_grants
-        .then(|| "--fixed-grants".to_string())
+    // The verifier serves the draft's target (unless a --cloud-arg names another model).
+    let serves = (!a.cloud_args.iter().any(|c| c.starts_with("--model")))
+        .then(|| format!("--model={}", a.draft.target()));
+    let extra: Vec<String> = serves
         .into_iter()
+        .chain(a.fixed_grants.then(|| "--fixed-grants".to_string()))
         .chain(a.cloud_args.iter().cloned())
         .collect();
     let cloud = CloudProcess::start(&a.home, &a.cloud_cpus, &extra)?;
