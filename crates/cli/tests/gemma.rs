@@ -12,7 +12,6 @@ use std::sync::{Arc, OnceLock};
 use common::*;
 use tandem_engine::{GgufFile, LlamaModel, Tokenizer, WeightMode};
 use tandem_models::{pull, store};
-use tandem_spec::sampling as sampler;
 
 /// A step whose top-2 logit margin (llama.cpp's) is below this may flip between the two
 /// engines: their logits differ by up to 0.032 over the fixture's 512 steps (f32 arithmetic in
@@ -62,50 +61,9 @@ fn gemma_tokenizer_gives_llama_cpps_ids() {
 #[test]
 fn gemma_target_gives_llama_cpps_logits_and_greedy_tokens() {
     let (m, _) = gemma();
-    let mut compared = 0;
-    for case in fixture("gemma3.json")["greedy"].as_array().unwrap() {
-        let prompt = ids(&case["prompt_ids"]);
-        let want = ids(&case["output_ids"]);
-        let margins = floats(&case["top2_margin"]);
-        // Every token the same up to the first difference, which may only be at a near-tie
-        // (after it the two continue different texts).
-        let got = greedy(&mut engine(m), tandem_engine::SeqId(1), &prompt, want.len());
-        let same = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
-        if same < want.len() {
-            assert!(
-                margins[same] < NEAR_TIE,
-                "{}: step {same} differs at a margin of {} ({:?} against llama.cpp's {:?})",
-                case["prompt"],
-                margins[same],
-                &got[same..],
-                &want[same..]
-            );
-        }
-        compared += same;
-        // The first step's highest logits, within twice the measured difference.
-        let mut e = engine(m);
-        let l = e
-            .forward(&[tandem_engine::SeqChunk::new(
-                tandem_engine::SeqId(2),
-                0,
-                prompt,
-                tandem_engine::Wanted::Last,
-            )])
-            .unwrap();
-        let row = l.row(0);
-        for pair in case["first_logits"].as_array().unwrap() {
-            let (i, v) = (
-                pair[0].as_u64().unwrap() as usize,
-                pair[1].as_f64().unwrap(),
-            );
-            let d = (row[i] as f64 - v).abs();
-            assert!(d < 0.065, "{}: logit of {i} off by {d}", case["prompt"]);
-        }
-        assert_eq!(
-            sampler::argmax(row),
-            case["first_logits"][0][0].as_u64().unwrap() as u32
-        );
-    }
+    let (compared, worst) = against_peer(m, "gemma3.json", NEAR_TIE);
+    // The first step's highest logits, within twice the measured difference.
+    assert!(worst < 0.065, "first logits off by {worst}");
     assert!(
         compared >= 100,
         "only {compared} greedy steps were clear of near-ties"

@@ -145,45 +145,7 @@ fn the_1_5bs_tokenizer_gives_llama_cpps_ids_and_chatml() {
 #[test]
 fn the_1_5b_gives_llama_cpps_greedy_tokens() {
     let (m, _) = qwen();
-    let (mut compared, mut worst) = (0, 0f64);
-    for case in fixture("qwen2.5-coder-1.5b.json")["greedy"]
-        .as_array()
-        .unwrap()
-    {
-        let prompt = ids(&case["prompt_ids"]);
-        let want = ids(&case["output_ids"]);
-        let margins = floats(&case["top2_margin"]);
-        let got = greedy(&mut engine(m), tandem_engine::SeqId(1), &prompt, want.len());
-        let same = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
-        if same < want.len() {
-            assert!(
-                margins[same] < NEAR_TIE,
-                "{}: step {same} differs at a margin of {} ({:?} against llama.cpp's {:?})",
-                case["prompt"],
-                margins[same],
-                &got[same..],
-                &want[same..]
-            );
-        }
-        compared += same;
-        let mut e = engine(m);
-        let l = e
-            .forward(&[tandem_engine::SeqChunk::new(
-                tandem_engine::SeqId(2),
-                0,
-                prompt,
-                tandem_engine::Wanted::Last,
-            )])
-            .unwrap();
-        let row = l.row(0);
-        for pair in case["first_logits"].as_array().unwrap() {
-            let (i, v) = (
-                pair[0].as_u64().unwrap() as usize,
-                pair[1].as_f64().unwrap(),
-            );
-            worst = worst.max((row[i] as f64 - v).abs());
-        }
-    }
+    let (compared, worst) = against_peer(m, "qwen2.5-coder-1.5b.json", NEAR_TIE);
     eprintln!("{compared} greedy steps the same; first logits within {worst:.4} of llama.cpp's");
     assert!(worst < MAX_LOGIT_DIFF, "first logits off by {worst}");
     assert!(

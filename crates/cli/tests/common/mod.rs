@@ -239,6 +239,57 @@ pub fn floats(v: &serde_json::Value) -> Vec<f64> {
         .collect()
 }
 
+/// `m`'s greedy tokens and first logits against llama.cpp's on the same weights (`fixtures/NAME`,
+/// made by `fixtures/make_peer_fixture.py`): for each prompt, the tokens the same up to the
+/// first difference, which may only fall where llama.cpp's top-2 margin is below `near_tie`
+/// (after it the two continue different texts), and the first step's highest token the same.
+/// Returns the greedy steps compared and the largest difference among each first step's eight
+/// highest logits.
+pub fn against_peer(m: &Arc<tandem_engine::LlamaModel>, name: &str, near_tie: f64) -> (usize, f64) {
+    let (mut compared, mut worst) = (0, 0f64);
+    for case in fixture(name)["greedy"].as_array().unwrap() {
+        let prompt = ids(&case["prompt_ids"]);
+        let want = ids(&case["output_ids"]);
+        let margins = floats(&case["top2_margin"]);
+        let got = greedy(&mut engine(m), tandem_engine::SeqId(1), &prompt, want.len());
+        let same = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        if same < want.len() {
+            assert!(
+                margins[same] < near_tie,
+                "{}: step {same} differs at a margin of {} ({:?} against llama.cpp's {:?})",
+                case["prompt"],
+                margins[same],
+                &got[same..],
+                &want[same..]
+            );
+        }
+        compared += same;
+        let l = engine(m)
+            .forward(&[tandem_engine::SeqChunk::new(
+                tandem_engine::SeqId(2),
+                0,
+                prompt,
+                tandem_engine::Wanted::Last,
+            )])
+            .unwrap();
+        let row = l.row(0);
+        for pair in case["first_logits"].as_array().unwrap() {
+            let (i, v) = (
+                pair[0].as_u64().unwrap() as usize,
+                pair[1].as_f64().unwrap(),
+            );
+            worst = worst.max((row[i] as f64 - v).abs());
+        }
+        assert_eq!(
+            tandem_spec::sampling::argmax(row),
+            case["first_logits"][0][0].as_u64().unwrap() as u32,
+            "{}: the first step's highest token",
+            case["prompt"]
+        );
+    }
+    (compared, worst)
+}
+
 /// The port of the first `HOST:PORT` (or `scheme://HOST:PORT`) word of `rest`.
 fn port_of(rest: &str) -> Option<u16> {
     rest.split_whitespace()
