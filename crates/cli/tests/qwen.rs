@@ -190,3 +190,169 @@ fn a_verifier_serving_the_1_5b_refuses_a_smollm2_draft_by_name() {
     let served = tokenizer_of(target_path());
     assert_refuses_smollm2_draft("qwen2.5-coder-1.5b", served.fingerprint());
 }
+
+fn weather_tools() -> serde_json::Value {
+    serde_json::json!([
+        {"type": "function", "function": {
+            "name": "get_weather", "description": "Get the current weather in a city",
+            "parameters": {"type": "object", "properties": {
+                "city": {"type": "string", "description": "The city"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                "required": ["city"]}}},
+        {"type": "function", "function": {
+            "name": "get_time", "description": "Get the current local time in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                "required": ["city"]}}}
+    ])
+}
+
+/// Tools as the model speaks them (`<tool_call>` tags in its template), through `tandem serve
+/// --model qwen2.5-coder-1.5b` and a real verifier serving the 1.5B in its own blocks: under
+/// `tool_choice: auto` (the default) the model chooses — a question about the weather gets a
+/// call, a haiku gets text — and each answer is the target's own greedy output under the
+/// request's grammar, decoded in-process (the prompt and grammar taken from the server's own
+/// parse of the request): whole, streamed, and on the turn after a tool's result, whose prompt
+/// renders the earlier call in the model's tags and the result in `<tool_response>`, as the
+/// template does.
+#[test]
+fn tools_in_the_models_own_tags_are_chosen_by_the_model_and_exact_under_speculation() {
+    use serde_json::{json, Value};
+    use tandem_edge::serve::api::{self, Kind, Served};
+    use tandem_edge::serve::tools::ToolFormat;
+
+    let mut g = GgufFile::open(target_path()).unwrap();
+    let target = Arc::new(LlamaModel::load(&mut g, WeightMode::Native).unwrap());
+    // The edge renders the chat with its own file's template (the 0.5B's).
+    let tok = tokenizer_of(qwen_draft_path());
+    assert!(tok.calls_tools_in_tags());
+    let v = judging_verifier(&["--model", "qwen2.5-coder-1.5b", "--weights", "native"]);
+    let e = serve::edge(
+        &[format!("http://127.0.0.1:{}", v.port)],
+        &["--model", "qwen2.5-coder-1.5b"],
+    );
+    let n = 64;
+    let request = |messages: Value| {
+        json!({"model": "qwen2.5-coder-1.5b-instruct", "messages": messages,
+               "tools": weather_tools(), "temperature": 0, "max_tokens": n})
+    };
+    // What the target alone writes for `body`: the server's prompt and grammar, decoded here.
+    let target_says = |body: &Value| {
+        let served = Served {
+            model: "qwen2.5-coder-1.5b-instruct",
+            tok: &tok,
+            context_len: 32_768,
+            seed: 0,
+            tool_format: ToolFormat::Tags,
+        };
+        let req = api::parse(Kind::Chat, body.to_string().as_bytes(), &served).unwrap();
+        let ids = tandem_testkit::model::constrained_on(
+            (&target, &tok),
+            &req.prompt_ids,
+            n,
+            req.grammar
+                .as_ref()
+                .expect("tools under auto have a grammar"),
+            &tandem_spec::sampling::SamplingParams::default(),
+        );
+        let words: Vec<u32> = ids.iter().copied().filter(|&t| !tok.is_eog(t)).collect();
+        (req.prompt_ids, ids.len(), tok.decode(&words).unwrap())
+    };
+
+    // A question that calls for a tool: a call, in the model's own words.
+    let ask = json!([{"role": "user", "content": "What's the weather like in Paris right now?"}]);
+    let (prompt, len, text) = target_says(&request(ask.clone()));
+    let rendered = tok.decode(&prompt).unwrap();
+    assert!(
+        rendered.contains(
+            "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \
+             \"description\": \"Get the current weather in a city\", \"parameters\": {\"type\": \
+             \"object\", \"properties\": {\"city\": {\"type\": \"string\", \"description\": \
+             \"The city\"}, \"unit\""
+        ),
+        "the functions as the template's tojson writes them (Python's json.dumps): {rendered}"
+    );
+    let want: Value = serde_json::from_str(&text).expect("the target's answer is a bare call");
+    let (s, r) = serve::post(e.port, "/v1/chat/completions", &request(ask.clone()));
+    assert_eq!(s, 200, "{r}");
+    let choice = &r["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{r}");
+    assert_eq!(choice["message"]["content"], Value::Null);
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], want["name"]);
+    assert_eq!(call["function"]["name"], "get_weather");
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, want["arguments"]);
+    assert!(args["city"].is_string(), "{args}");
+    assert_eq!(r["usage"]["completion_tokens"], len, "{r}");
+    assert!(
+        r["tandem"]["num_accepted_draft_tokens"].as_u64().unwrap() > 0,
+        "{r}"
+    );
+
+    // Streamed: the call whole in one delta, then `tool_calls` as the finish reason.
+    let mut body = request(ask.clone());
+    body["stream"] = json!(true);
+    let chunks = serve::stream(e.port, "/v1/chat/completions", &body);
+    let calls: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|(_, c)| c["choices"][0]["delta"].get("tool_calls"))
+        .collect();
+    assert_eq!(calls.len(), 1, "{chunks:?}");
+    assert_eq!(calls[0][0]["function"], call["function"]);
+    let finish: Vec<&Value> = chunks
+        .iter()
+        .map(|(_, c)| &c["choices"][0]["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finish, [&json!("tool_calls")]);
+
+    // A question that does not: text, the target's own.
+    let haiku = json!([{"role": "user", "content": "Write a haiku about the sea."}]);
+    let (_, _, text) = target_says(&request(haiku.clone()));
+    let (s, r) = serve::post(e.port, "/v1/chat/completions", &request(haiku));
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["choices"][0]["message"]["content"], text.as_str(), "{r}");
+    assert!(
+        r["choices"][0]["message"].get("tool_calls").is_none(),
+        "{r}"
+    );
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+
+    // The turn after the tool's result: the earlier call rendered in the model's tags (its
+    // `arguments`, OpenAI's JSON text, as the object), the result in <tool_response>.
+    let mut turn = ask.as_array().unwrap().clone();
+    turn.push(
+        json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_1",
+        "type": "function", "function": {"name": "get_weather",
+        "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]}),
+    );
+    turn.push(json!({"role": "tool", "tool_call_id": "call_1",
+                     "content": "{\"temperature\": 18, \"sky\": \"light rain\"}"}));
+    let (prompt, len, text) = target_says(&request(json!(turn)));
+    let rendered = tok.decode(&prompt).unwrap();
+    assert!(
+        rendered.ends_with(
+            "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": \
+             {\"city\": \"Paris\", \"unit\": \"celsius\"}}\n</tool_call><|im_end|>\n\
+             <|im_start|>user\n<tool_response>\n{\"temperature\": 18, \"sky\": \"light rain\"}\n\
+             </tool_response><|im_end|>\n<|im_start|>assistant\n"
+        ),
+        "{rendered}"
+    );
+    let (s, r) = serve::post(e.port, "/v1/chat/completions", &request(json!(turn)));
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["usage"]["completion_tokens"], len, "{r}");
+    let message = &r["choices"][0]["message"];
+    match serde_json::from_str::<Value>(&text) {
+        // (The 1.5B, greedily, calls the tool again.)
+        Ok(want) if want.get("name").is_some() => {
+            let call = &message["tool_calls"][0]["function"];
+            assert_eq!(call["name"], want["name"], "{r}");
+            let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+            assert_eq!(args, want["arguments"]);
+        }
+        _ => assert_eq!(message["content"], text.as_str(), "{r}"),
+    }
+}

@@ -498,10 +498,42 @@ impl Tokenizer {
 
     /// Render `messages` with the model's chat template, ending with the assistant's turn.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
+        let messages: Vec<serde_json::Value> = messages
+            .iter()
+            .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+            .collect();
+        self.render_chat_with(&messages, None)
+    }
+
+    /// Render chat `messages` as OpenAI's (an assistant's `tool_calls` with their `arguments` as
+    /// JSON objects, as templates expect them) and the functions the model may call (`tools`,
+    /// each `{"type": "function", "function": {…}}`), ending with the assistant's turn.
+    pub fn render_chat_with(
+        &self,
+        messages: &[serde_json::Value],
+        tools: Option<&[serde_json::Value]>,
+    ) -> Result<String> {
         let src = self.chat_template.as_deref().ok_or_else(|| {
             EngineError::ChatTemplate("the model has no tokenizer.chat_template".into())
         })?;
-        render(src, messages, &self.bos_text, &self.eos_text)
+        render(src, messages, tools, &self.bos_text, &self.eos_text)
+    }
+
+    /// Whether the model calls tools in tags of its own: its chat template renders `tools`, and
+    /// `<tool_call>` and `</tool_call>` are each one control token of its vocabulary (Qwen2.5's
+    /// and Hermes' format: `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`).
+    pub fn calls_tools_in_tags(&self) -> bool {
+        let template = self.chat_template.as_deref().unwrap_or_default();
+        let one_token = |t: &str| {
+            self.texts
+                .iter()
+                .position(|x| x == t)
+                .is_some_and(|i| self.special[i])
+        };
+        template.contains("tools")
+            && template.contains(TOOL_CALL_OPEN)
+            && one_token(TOOL_CALL_OPEN)
+            && one_token(TOOL_CALL_CLOSE)
     }
 
     /// Token ids of a single user message wrapped in the chat template.
@@ -514,23 +546,98 @@ impl Tokenizer {
     }
 }
 
-/// `messages` rendered by the Jinja template `src`, ending with the assistant's turn.
-fn render(src: &str, messages: &[ChatMessage], bos: &str, eos: &str) -> Result<String> {
+/// The tags a model that calls tools in tags writes around each call
+/// ([`Tokenizer::calls_tools_in_tags`]).
+pub const TOOL_CALL_OPEN: &str = "<tool_call>";
+pub const TOOL_CALL_CLOSE: &str = "</tool_call>";
+
+/// `messages` rendered by the Jinja template `src`, ending with the assistant's turn; `tools`,
+/// when given, is the template's `tools`.
+fn render<M: Serialize>(
+    src: &str,
+    messages: &[M],
+    tools: Option<&[serde_json::Value]>,
+    bos: &str,
+    eos: &str,
+) -> Result<String> {
     let mut env = Environment::new();
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
+    env.add_filter("tojson", tojson);
     env.add_template("chat", src)
         .map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
     env.get_template("chat")
         .and_then(|t| {
             t.render(context! {
                 messages => messages,
+                tools => tools,
                 add_generation_prompt => true,
                 bos_token => bos,
                 eos_token => eos,
             })
         })
         .map_err(|e| EngineError::ChatTemplate(e.to_string()))
+}
+
+/// Jinja's `tojson` as the models' own templates were rendered in training (Python's
+/// `json.dumps`: `", "` and `": "` between items, keys in their order, no HTML escapes, text
+/// as it is), not minijinja's compact and HTML-safe form. `indent` is Python's too.
+fn tojson(
+    value: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<minijinja::Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let v = serde_json::to_value(&value).map_err(|e| {
+        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
+    })?;
+    let mut out = String::new();
+    python_json(&v, indent, 0, &mut out);
+    Ok(minijinja::Value::from_safe_string(out))
+}
+
+fn python_json(v: &serde_json::Value, indent: Option<usize>, depth: usize, out: &mut String) {
+    use serde_json::Value as J;
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    };
+    let (item_sep, key_sep) = if indent.is_some() {
+        (",", ": ")
+    } else {
+        (", ", ": ")
+    };
+    match v {
+        J::Array(a) if !a.is_empty() => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                python_json(x, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        J::Object(o) if !o.is_empty() => {
+            out.push('{');
+            for (i, (k, x)) in o.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                out.push_str(&J::String(k.clone()).to_string());
+                out.push_str(key_sep);
+                python_json(x, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        other => out.push_str(&other.to_string()),
+    }
 }
 
 /// Turns a growing list of token ids into text pieces that are safe to print: a piece is held back
@@ -562,13 +669,48 @@ impl TextStream {
 mod tests {
     use super::*;
 
+    /// Templates' `tojson` writes what Python's `json.dumps(x, ensure_ascii=False)` writes (how
+    /// the models' templates were rendered in training): keys in their order, `", "` and `": "`,
+    /// no HTML escapes; `indent` as Python's.
+    #[test]
+    fn tojson_writes_what_pythons_json_dumps_writes() {
+        let tools = [
+            serde_json::json!({"type": "function", "function": {"name": "f<x>",
+            "parameters": {"b": [1, 2.5, "é & 'q'"], "a": {}, "c": []}}}),
+        ];
+        let one = render("{{ tools[0] | tojson }}", &[()], Some(&tools), "", "").unwrap();
+        assert_eq!(
+            one,
+            r#"{"type": "function", "function": {"name": "f<x>", "parameters": {"b": [1, 2.5, "é & 'q'"], "a": {}, "c": []}}}"#
+        );
+        let indented = render(
+            "{{ tools[0].function.parameters | tojson(indent=2) }}",
+            &[()],
+            Some(&tools),
+            "",
+            "",
+        )
+        .unwrap();
+        assert_eq!(
+            indented,
+            "{\n  \"b\": [\n    1,\n    2.5,\n    \"é & 'q'\"\n  ],\n  \"a\": {},\n  \"c\": []\n}"
+        );
+    }
+
     #[test]
     fn gemmas_turn_format() {
         let m = |role: &str, content: &str| ChatMessage {
             role: role.into(),
             content: content.into(),
         };
-        let one = render(GEMMA_TEMPLATE, &[m("user", "Hi there ")], "<bos>", "<eos>").unwrap();
+        let one = render(
+            GEMMA_TEMPLATE,
+            &[m("user", "Hi there ")],
+            None,
+            "<bos>",
+            "<eos>",
+        )
+        .unwrap();
         assert_eq!(
             one,
             "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n"
@@ -581,6 +723,7 @@ mod tests {
                 m("assistant", "Hello!"),
                 m("user", "Bye"),
             ],
+            None,
             "<bos>",
             "<eos>",
         )

@@ -48,8 +48,8 @@ impl GrammarSource {
 
     /// The JSON output's layout: compact separators, no free whitespace (a small model given
     /// free whitespace can fill its whole budget with newlines; fixed separators are also tokens
-    /// the grammar forces).
-    fn compile_options() -> serde_json::Value {
+    /// the grammar forces). A Lark grammar's `%json {…}` takes it as the schema's `x-guidance`.
+    pub fn json_layout() -> serde_json::Value {
         serde_json::json!({
             "whitespace_flexible": false,
             "item_separator": ", ",
@@ -60,7 +60,7 @@ impl GrammarSource {
     fn top_level(&self) -> Result<TopLevelGrammar, GrammarError> {
         let schema = |mut v: serde_json::Value| {
             if let Some(o) = v.as_object_mut() {
-                o.insert("x-guidance".into(), Self::compile_options());
+                o.insert("x-guidance".into(), Self::json_layout());
             }
             TopLevelGrammar::from_json_schema(v)
         };

@@ -101,6 +101,17 @@ pub fn constrained(
     params: &tandem_spec::sampling::SamplingParams,
 ) -> Vec<u32> {
     let (m, tok) = target();
+    constrained_on((m, tok), prompt, n, grammar, params)
+}
+
+/// [`constrained`] with model `m` and its tokenizer.
+pub fn constrained_on(
+    (m, tok): (&Arc<LlamaModel>, &Tokenizer),
+    prompt: &[u32],
+    n: usize,
+    grammar: &tandem_spec::GrammarSource,
+    params: &tandem_spec::sampling::SamplingParams,
+) -> Vec<u32> {
     let mut e = lone_engine(m, 64);
     let mut g = tok
         .grammar_vocab(m.cfg.vocab)

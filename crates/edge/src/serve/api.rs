@@ -11,6 +11,8 @@ use tandem_engine::Tokenizer;
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::GrammarSource;
 
+use super::tools::{self, ToolCall, ToolFormat, Tools};
+
 /// An error as OpenAI sends it: an HTTP status and `{"error": {message, type, param, code}}`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
@@ -124,8 +126,8 @@ pub struct Body {
     /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": …}}`.
     #[serde(default)]
     pub response_format: Option<Value>,
-    /// Functions the model may call, and whether and which it must (`none`, `required`, a named
-    /// function; `auto` needs a chat template with a tool format).
+    /// Functions the model may call, and whether and which it must (`auto`, `none`, `required`,
+    /// a named function; `auto` needs a chat template with a tool format: [`super::tools`]).
     #[serde(default)]
     pub tools: Option<Value>,
     /// Chat: `true` and `top_logprobs` 0–20; completions: the number of alternatives, 0–5.
@@ -135,6 +137,10 @@ pub struct Body {
     pub top_logprobs: Option<Value>,
     #[serde(default)]
     pub tool_choice: Option<Value>,
+    /// Whether the model may make several calls in one answer (the model's tags; Tandem's JSON
+    /// is one call).
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
     /// Fields that would change the answer, read only to refuse them unless they are no-ops.
     #[serde(flatten)]
     pub rest: serde_json::Map<String, Value>,
@@ -251,160 +257,11 @@ pub struct Request {
     /// Structured output (`response_format` `json_schema` or `json_object`, or a forced tool
     /// call's arguments).
     pub grammar: Option<tandem_spec::GrammarSource>,
-    /// The answer is a tool call (its output, the grammar's JSON, becomes `tool_calls`).
+    /// The call asked for (the output becomes `tool_calls`), and how the model writes it.
     pub tool_call: Option<ToolCall>,
+    pub tool_format: ToolFormat,
     /// The target's log-probabilities of the answer's tokens, with this many alternatives each.
     pub logprobs: Option<usize>,
-}
-
-/// A request's functions (name, parameters' schema), the call it forces, and that call's grammar.
-type Tools = (
-    Vec<(String, Value)>,
-    Option<ToolCall>,
-    Option<GrammarSource>,
-);
-
-/// A tool call the request forces.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ToolCall {
-    /// This function: the output is its arguments.
-    Named(String),
-    /// One of the tools: the output is `{"name": …, "arguments": {…}}`.
-    Required,
-}
-
-/// The request's tools checked: each `{"type": "function", "function": {"name", "description"?,
-/// "parameters"?}}` with a unique name; and the call `tool_choice` forces, with its grammar.
-/// `auto` (the default when tools are given) is refused: this model's chat template defines no
-/// tool format, so the server could not tell a call from an answer.
-fn tools(b: &Body, kind: Kind) -> Result<Tools, ApiError> {
-    let list = match &b.tools {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Array(a)) => a.clone(),
-        Some(other) => {
-            return Err(ApiError::invalid(
-                "tools",
-                format!("tools must be a list of functions, got {other}"),
-            ))
-        }
-    };
-    if !list.is_empty() && kind == Kind::Completion {
-        return Err(ApiError::invalid(
-            "tools",
-            "tools are served on /v1/chat/completions only",
-        ));
-    }
-    let mut fns: Vec<(String, Value)> = Vec::with_capacity(list.len());
-    for (i, t) in list.iter().enumerate() {
-        let bad = |m: String| ApiError::invalid("tools", format!("tools[{i}]: {m}"));
-        if t.get("type").and_then(Value::as_str) != Some("function") {
-            return Err(bad("only `type: function` tools are served".into()));
-        }
-        let f = t
-            .get("function")
-            .ok_or_else(|| bad("`function` is missing".into()))?;
-        let name = f
-            .get("name")
-            .and_then(Value::as_str)
-            .filter(|n| {
-                !n.is_empty()
-                    && n.len() <= 64
-                    && n.chars()
-                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-            })
-            .ok_or_else(|| bad("function.name must be 1–64 of a-z, A-Z, 0-9, _ and -".into()))?;
-        if fns.iter().any(|(n, _)| n == name) {
-            return Err(bad(format!("a second function named `{name}`")));
-        }
-        let params = match f.get("parameters") {
-            None | Some(Value::Null) => json!({"type": "object"}),
-            Some(p) if p.is_object() => p.clone(),
-            Some(p) => {
-                return Err(bad(format!(
-                    "function.parameters must be a JSON schema, got {p}"
-                )))
-            }
-        };
-        fns.push((name.to_string(), params));
-    }
-    let choice = match &b.tool_choice {
-        None | Some(Value::Null) if fns.is_empty() => return Ok((fns, None, None)),
-        None | Some(Value::Null) => "auto".to_string(),
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Object(o)) => {
-            let name = o
-                .get("function")
-                .and_then(|f| f.get("name"))
-                .and_then(Value::as_str)
-                .filter(|_| o.get("type").and_then(Value::as_str) == Some("function"))
-                .ok_or_else(|| {
-                    ApiError::invalid(
-                        "tool_choice",
-                        "a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": …}}",
-                    )
-                })?;
-            let Some((_, params)) = fns.iter().find(|(n, _)| n == name) else {
-                return Err(ApiError::invalid(
-                    "tool_choice",
-                    format!("no tool is named `{name}`"),
-                ));
-            };
-            let g = GrammarSource::JsonSchema(params.to_string());
-            return Ok((
-                fns.clone(),
-                Some(ToolCall::Named(name.to_string())),
-                Some(g),
-            ));
-        }
-        Some(other) => {
-            return Err(ApiError::invalid(
-                "tool_choice",
-                format!(
-                    "tool_choice must be none, auto, required or a named function, got {other}"
-                ),
-            ))
-        }
-    };
-    match choice.as_str() {
-        "none" => Ok((Vec::new(), None, None)),
-        "required" if fns.is_empty() => Err(ApiError::invalid(
-            "tool_choice",
-            "tool_choice `required` needs tools",
-        )),
-        "required" => {
-            let any: Vec<Value> = fns
-                .iter()
-                .map(|(n, p)| {
-                    json!({
-                        "type": "object",
-                        "properties": {"name": {"const": n}, "arguments": p},
-                        "required": ["name", "arguments"],
-                        "additionalProperties": false,
-                    })
-                })
-                .collect();
-            let schema = if any.len() == 1 {
-                any[0].clone()
-            } else {
-                json!({"anyOf": any})
-            };
-            Ok((
-                fns,
-                Some(ToolCall::Required),
-                Some(GrammarSource::JsonSchema(schema.to_string())),
-            ))
-        }
-        "auto" => Err(ApiError::invalid(
-            "tool_choice",
-            "tool_choice `auto` (the default with tools) needs a chat template that defines a tool \
-             format, and this model's has none: name a function in tool_choice, or ask for \
-             `required` (or `none`)",
-        )),
-        other => Err(ApiError::invalid(
-            "tool_choice",
-            format!("tool_choice must be none, auto, required or a named function, got `{other}`"),
-        )),
-    }
 }
 
 /// What the server serves, for the checks.
@@ -414,6 +271,8 @@ pub struct Served<'a> {
     pub context_len: usize,
     /// The seed of a request that names none.
     pub seed: u64,
+    /// How the model writes a tool call.
+    pub tool_format: ToolFormat,
 }
 
 /// Parse and check a request's body for endpoint `kind`.
@@ -491,7 +350,7 @@ pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiErr
     };
     // The tools are checked once; a chat's prompt tells a forced call's functions (its error, if
     // any, comes after the messages' own, as it always has).
-    let tools = tools(&b, kind);
+    let tools = tools::parse(&b, kind, served.tool_format);
     let prompt_ids = match kind {
         Kind::Chat => chat_prompt(&b, served.tok, &tools)?,
         Kind::Completion => completion_prompt(&b, served.tok)?,
@@ -539,7 +398,8 @@ pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiErr
     };
     let logprobs = logprobs(&b, kind)?;
     let format = response_format(b.response_format.as_ref())?;
-    let (_, tool_call, tool_grammar) = tools?;
+    let tools = tools?;
+    let (tool_call, tool_grammar, tool_format) = (tools.call, tools.grammar, tools.format);
     let grammar = match (format, tool_grammar) {
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid(
@@ -574,6 +434,7 @@ pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiErr
         tentative: b.tandem.is_some_and(|t| t.tentative),
         grammar,
         tool_call,
+        tool_format,
         logprobs,
     })
 }
@@ -665,8 +526,9 @@ fn response_format(v: Option<&Value>) -> Result<Option<GrammarSource>, ApiError>
 /// The request field a serde path (`messages[0].role`) or error message (`missing field
 /// `messages``) names.
 fn field_of(s: &str) -> Option<&'static str> {
-    const FIELDS: [&str; 20] = [
+    const FIELDS: [&str; 21] = [
         "logprobs",
+        "parallel_tool_calls",
         "top_logprobs",
         "response_format",
         "tools",
@@ -705,7 +567,8 @@ fn chat_prompt(
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "messages must not be empty"));
     }
-    let mut chat = Vec::with_capacity(messages.len() + 1);
+    let tags = tools.as_ref().is_ok_and(|t| t.format == ToolFormat::Tags);
+    let mut chat: Vec<Value> = Vec::with_capacity(messages.len() + 1);
     for (i, m) in messages.iter().enumerate() {
         if !["system", "developer", "user", "assistant", "tool"].contains(&m.role.as_str()) {
             return Err(ApiError::invalid(
@@ -741,9 +604,10 @@ fn chat_prompt(
                 }
                 t
             }
-            // An assistant's turn that called tools: the calls, as the model would write them.
+            // An assistant's turn that called tools: the calls, as the model would write them
+            // (the model's tags render them from `tool_calls` below).
             None => match &m.tool_calls {
-                Some(calls) if m.role == "assistant" => calls.to_string(),
+                Some(calls) if m.role == "assistant" && !tags => calls.to_string(),
                 _ => String::new(),
             },
         };
@@ -752,12 +616,34 @@ fn chat_prompt(
         } else {
             m.role.clone()
         };
-        chat.push(ChatMessage { role, content });
+        let mut turn = json!({"role": role, "content": content});
+        if let (true, "assistant", Some(calls)) = (tags, m.role.as_str(), &m.tool_calls) {
+            turn["tool_calls"] = earlier_calls(i, calls)?;
+        }
+        chat.push(turn);
     }
+    let tools = tools.as_ref().map_err(Clone::clone)?;
+    if tags {
+        // The model's template tells the functions (when a call may come) and renders earlier
+        // calls in its tags.
+        let listed = (tools.call.is_some()).then_some(tools.listed.as_slice());
+        let text = tok
+            .render_chat_with(&chat, listed)
+            .map_err(|e| ApiError::invalid("messages", format!("the chat template failed: {e}")))?;
+        return tok
+            .encode(&text)
+            .map_err(|e| ApiError::invalid("messages", format!("tokenizing failed: {e}")));
+    }
+    let mut chat: Vec<ChatMessage> = chat
+        .into_iter()
+        .map(|t| ChatMessage {
+            role: t["role"].as_str().unwrap_or_default().to_string(),
+            content: t["content"].as_str().unwrap_or_default().to_string(),
+        })
+        .collect();
     // Functions a forced call may use are told in the system message (the template has no tool
     // format of its own).
-    let (fns, call, _) = tools.as_ref().map_err(Clone::clone)?;
-    if call.is_some() && !fns.is_empty() {
+    if tools.call.is_some() {
         let listed: Vec<Value> = b
             .tools
             .as_ref()
@@ -790,6 +676,40 @@ fn chat_prompt(
         .map_err(|e| ApiError::invalid("messages", format!("the chat template failed: {e}")))?;
     tok.encode(&text)
         .map_err(|e| ApiError::invalid("messages", format!("tokenizing failed: {e}")))
+}
+
+/// An assistant's earlier `tool_calls` (message `i`) as a template reads them: each
+/// `{"type": "function", "function": {"name", "arguments"}}` with its `arguments` (OpenAI's JSON
+/// text) parsed into the object the model wrote.
+fn earlier_calls(i: usize, calls: &Value) -> Result<Value, ApiError> {
+    let bad = |m: String| ApiError::invalid("messages", format!("messages[{i}].tool_calls: {m}"));
+    let list = calls
+        .as_array()
+        .ok_or_else(|| bad(format!("a list of calls, got {calls}")))?;
+    let mut out = Vec::with_capacity(list.len());
+    for (k, c) in list.iter().enumerate() {
+        let f = c
+            .get("function")
+            .ok_or_else(|| bad(format!("[{k}]: `function` is missing")))?;
+        let name = f
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(format!("[{k}]: function.name is missing")))?;
+        let arguments = match f.get("arguments") {
+            Some(Value::String(a)) => serde_json::from_str::<Value>(a)
+                .map_err(|e| bad(format!("[{k}]: function.arguments is not JSON: {e}")))?,
+            Some(a @ Value::Object(_)) => a.clone(),
+            None | Some(Value::Null) => json!({}),
+            Some(a) => {
+                return Err(bad(format!(
+                    "[{k}]: function.arguments must be JSON text, got {a}"
+                )))
+            }
+        };
+        out.push(json!({"type": "function", "id": c.get("id"),
+                        "function": {"name": name, "arguments": arguments}}));
+    }
+    Ok(Value::Array(out))
 }
 
 fn completion_prompt(b: &Body, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {

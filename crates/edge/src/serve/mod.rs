@@ -14,6 +14,7 @@ pub mod api;
 pub mod metrics;
 pub mod sessions;
 pub mod stops;
+pub mod tools;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
@@ -36,6 +37,7 @@ use crate::{EdgeError, SpecConfig};
 use api::{ApiError, Kind, Request, Served};
 use metrics::EdgeMetrics;
 use sessions::{Event, Finished, Job, Linked, Msg, Sessions};
+use tools::{CallReader, ToolCall, ToolFormat};
 
 /// How `tandem serve` serves.
 #[derive(Debug, Clone)]
@@ -80,6 +82,9 @@ struct AppState {
     /// The draft's vocabulary for structured outputs (None: `response_format` other than text
     /// is refused).
     grammar: Option<tandem_spec::GrammarVocab>,
+    /// How the model writes a tool call (its own tags where its template and vocabulary have
+    /// them).
+    tool_format: ToolFormat,
 }
 
 /// Start the draft thread (and its forward thread) over `draft` and serve the API on `listener` until `shutdown`.
@@ -118,6 +123,11 @@ pub async fn serve(
     let engine_thread = std::thread::Builder::new()
         .name("tandem-draft".into())
         .spawn(move || sessions.run(draft, rx, forward))?;
+    let tool_format = if grammar.is_some() && tok.calls_tools_in_tags() {
+        ToolFormat::Tags
+    } else {
+        ToolFormat::Json
+    };
     let stop = tx.clone();
     let state = Arc::new(AppState {
         cfg,
@@ -131,6 +141,7 @@ pub async fn serve(
         rt: tokio::runtime::Handle::current(),
         requests: AtomicU64::new(0),
         grammar,
+        tool_format,
     });
     // Each SSE chunk (a token's text) goes out when it is written, not held by Nagle's
     // algorithm for the last one's ACK; a request's head that takes too long loses its
@@ -282,6 +293,7 @@ async fn complete(
         tok: &s.tok,
         context_len: s.context_len,
         seed: fresh_seed(&s),
+        tool_format: s.tool_format,
     };
     let req = match api::parse(kind, &body, &served) {
         Ok(r) => r,
@@ -388,6 +400,7 @@ async fn complete(
         model: req.model.clone(),
         kind,
         tool_call: req.tool_call.clone(),
+        tool_format: req.tool_format,
     };
     if req.stream {
         return stream(envelope, req, events);
@@ -525,8 +538,9 @@ struct Envelope {
     created: u64,
     model: String,
     kind: Kind,
-    /// The answer is a forced tool call: its text becomes `tool_calls`.
-    tool_call: Option<api::ToolCall>,
+    /// The answer is (or, under `auto`, may be) a tool call: its text becomes `tool_calls`.
+    tool_call: Option<ToolCall>,
+    tool_format: ToolFormat,
 }
 
 impl Envelope {
@@ -552,10 +566,11 @@ impl Envelope {
     fn tool_calls(&self, text: &str, f: &Finished) -> Option<(Value, &'static str)> {
         let call = self.tool_call.as_ref()?;
         let (name, arguments) = match call {
+            ToolCall::Auto => return None,
             // Cut short by max_tokens, a named call still goes out (finish_reason `length`), as
             // OpenAI's does.
-            api::ToolCall::Named(n) => (n.clone(), text.to_string()),
-            api::ToolCall::Required => {
+            ToolCall::Named(n) => (n.clone(), text.to_string()),
+            ToolCall::Required => {
                 let v: Value = serde_json::from_str(text).ok()?;
                 (
                     v["name"].as_str()?.to_string(),
@@ -573,6 +588,37 @@ impl Envelope {
     /// A tool call's id: the response's own hex.
     fn call_id(&self) -> String {
         format!("call_{}", self.id.rsplit('-').next().unwrap_or_default())
+    }
+
+    /// The id of the answer's `i`-th call.
+    fn call_id_at(&self, i: usize) -> String {
+        match i {
+            0 => self.call_id(),
+            i => format!("{}_{i}", self.call_id()),
+        }
+    }
+
+    /// Whether the answer is read for calls in the model's tags.
+    fn in_tags(&self) -> bool {
+        self.tool_call.is_some() && self.tool_format == ToolFormat::Tags
+    }
+
+    /// An answer in the model's tags, whole: its message (content, calls) and finish reason.
+    fn tagged_message(&self, text: &str, f: &Finished) -> (Value, &'static str) {
+        let mut r = CallReader::default();
+        let got = r.push(text, &|i| self.call_id_at(i));
+        let content = got.content + &r.finish();
+        let mut message = json!({
+            "role": "assistant",
+            "content": if content.is_empty() { Value::Null } else { json!(content) },
+        });
+        let finish = if got.calls.is_empty() {
+            f.finish_reason
+        } else {
+            message["tool_calls"] = Value::Array(got.calls);
+            Self::call_finish(f)
+        };
+        (message, finish)
     }
 
     /// A tool call's finish reason: `tool_calls` when its JSON is whole.
@@ -626,6 +672,15 @@ impl Envelope {
     /// The whole answer (not streamed).
     fn whole(&self, text: &str, f: &Finished, unverified_from: Option<usize>) -> Value {
         let choice = match self.kind {
+            Kind::Chat if self.in_tags() => {
+                let (message, finish) = self.tagged_message(text, f);
+                json!({
+                    "index": 0,
+                    "message": message,
+                    "logprobs": self.logprobs(f),
+                    "finish_reason": finish,
+                })
+            }
             Kind::Chat => match self.tool_calls(text, f) {
                 Some((calls, finish)) => json!({
                     "index": 0,
@@ -772,11 +827,16 @@ fn stream(
         // A named function's call streams as OpenAI streams it: the call with its name first,
         // then its arguments in pieces. A `required` call (whose name is in its JSON) goes out
         // whole, as one delta, once its JSON is complete.
-        let named = matches!(envelope.tool_call, Some(api::ToolCall::Named(_)));
+        // In the model's tags, text streams as content and each call goes out whole once its
+        // closing tag has come (log-probabilities ride on the next chunk sent).
+        let tags = envelope.in_tags();
+        let mut reader = tags.then(CallReader::default);
+        let mut pending: Vec<Value> = Vec::new();
+        let named = !tags && matches!(envelope.tool_call, Some(ToolCall::Named(_)));
         let mut call_text = envelope
             .tool_call
             .as_ref()
-            .filter(|_| !named)
+            .filter(|_| !named && !tags)
             .map(|_| String::new());
         let mut call_started = false;
         loop {
@@ -786,6 +846,56 @@ fn stream(
                 _ = tx.closed() => return,
             };
             let Some(e) = e else { break };
+            let e = match (&mut reader, e) {
+                (Some(r), Event::Text { text, logprobs, .. }) => {
+                    pending.extend(logprobs);
+                    let got = r.push(&text, &|i| envelope.call_id_at(i));
+                    let mut chunks = Vec::new();
+                    if !got.content.is_empty() {
+                        chunks.push(envelope.chunk(Some(&got.content), None, false));
+                    }
+                    for call in got.calls {
+                        let mut c = envelope.chunk(None, None, false);
+                        c["choices"][0]["delta"]["tool_calls"] = json!([call]);
+                        chunks.push(c);
+                    }
+                    if let Some(c) = chunks.first_mut().filter(|_| !pending.is_empty()) {
+                        c["choices"][0]["logprobs"] = envelope.logprobs_of(&pending);
+                        pending.clear();
+                    }
+                    for c in chunks {
+                        if tx
+                            .send(Ok(SseEvent::default().data(c.to_string())))
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                    continue;
+                }
+                (Some(_), Event::Live { .. }) => continue,
+                (Some(r), Event::Done(mut f)) => {
+                    let rest = r.finish();
+                    if !rest.is_empty() {
+                        let c = envelope.chunk(Some(&rest), None, false);
+                        if tx
+                            .send(Ok(SseEvent::default().data(c.to_string())))
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                    if r.calls() > 0 {
+                        f.finish_reason = Envelope::call_finish(&f);
+                    }
+                    // What was held back goes with the last chunk.
+                    f.logprobs_streamed = f.logprobs_streamed.saturating_sub(pending.len());
+                    Event::Done(f)
+                }
+                (_, e) => e,
+            };
             let e = match (named, e) {
                 (true, Event::Text { text, logprobs, .. }) => {
                     let mut call = json!({"index": 0, "function": {"arguments": text}});
@@ -793,7 +903,7 @@ fn stream(
                         call_started = true;
                         call["id"] = json!(envelope.call_id());
                         call["type"] = json!("function");
-                        if let Some(api::ToolCall::Named(n)) = &envelope.tool_call {
+                        if let Some(ToolCall::Named(n)) = &envelope.tool_call {
                             call["function"]["name"] = json!(n);
                         }
                     }
