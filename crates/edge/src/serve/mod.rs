@@ -806,6 +806,15 @@ impl Envelope {
     }
 }
 
+/// Send one chunk of a stream (Err: the client went away).
+async fn send(
+    tx: &mpsc::Sender<Result<SseEvent, std::convert::Infallible>>,
+    chunk: &Value,
+) -> Result<(), ()> {
+    let event = SseEvent::default().data(chunk.to_string());
+    tx.send(Ok(event)).await.map_err(|_| ())
+}
+
 /// Stream the answer as SSE; a client that goes away cancels its session.
 fn stream(
     envelope: Envelope,
@@ -816,11 +825,7 @@ fn stream(
     tokio::spawn(async move {
         if envelope.kind == Kind::Chat {
             let first = envelope.chunk(Some(""), None, true);
-            if tx
-                .send(Ok(SseEvent::default().data(first.to_string())))
-                .await
-                .is_err()
-            {
+            if send(&tx, &first).await.is_err() {
                 return;
             }
         }
@@ -864,11 +869,7 @@ fn stream(
                         pending.clear();
                     }
                     for c in chunks {
-                        if tx
-                            .send(Ok(SseEvent::default().data(c.to_string())))
-                            .await
-                            .is_err()
-                        {
+                        if send(&tx, &c).await.is_err() {
                             return;
                         }
                     }
@@ -879,11 +880,7 @@ fn stream(
                     let rest = r.finish();
                     if !rest.is_empty() {
                         let c = envelope.chunk(Some(&rest), None, false);
-                        if tx
-                            .send(Ok(SseEvent::default().data(c.to_string())))
-                            .await
-                            .is_err()
-                        {
+                        if send(&tx, &c).await.is_err() {
                             return;
                         }
                     }
@@ -912,11 +909,7 @@ fn stream(
                     if !logprobs.is_empty() {
                         c["choices"][0]["logprobs"] = envelope.logprobs_of(&logprobs);
                     }
-                    if tx
-                        .send(Ok(SseEvent::default().data(c.to_string())))
-                        .await
-                        .is_err()
-                    {
+                    if send(&tx, &c).await.is_err() {
                         return;
                     }
                     continue;

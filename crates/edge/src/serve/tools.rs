@@ -126,12 +126,14 @@ pub fn parse(b: &Body, kind: Kind, format: ToolFormat) -> Result<Tools, ApiError
                 ))
             }
             "required" => ToolCall::Required,
-            other => return Err(ApiError::invalid(
-                "tool_choice",
-                format!(
+            other => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!(
                     "tool_choice must be none, auto, required or a named function, got `{other}`"
                 ),
-            )),
+                ))
+            }
         },
         Some(Value::Object(o)) => {
             let name = o
