@@ -102,6 +102,15 @@ impl GgufFile {
         self.value(key)?.to_vec().map_err(|e| Self::bad(key, e))
     }
 
+    /// The weights' count of values, all tensors together (×4: their bytes in f32).
+    pub fn num_values(&self) -> u64 {
+        self.content
+            .tensor_infos
+            .values()
+            .map(|t| t.shape.elem_count() as u64)
+            .sum()
+    }
+
     pub fn has_tensor(&self, name: &str) -> bool {
         self.content.tensor_infos.contains_key(name)
     }

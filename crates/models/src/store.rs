@@ -200,6 +200,9 @@ pub fn load(
     let path = resolve_path(home, spec, quiet)?;
     let mode = mode.unwrap_or_else(|| spec.default_mode());
     let mut g = GgufFile::open(&path)?;
+    if mode == WeightMode::F32 {
+        fits_in_memory(&path, 4 * g.num_values(), available_memory())?;
+    }
     let tokenizer =
         Tokenizer::from_gguf(&g).with_context(|| format!("tokenizer of {}", path.display()))?;
     let model =
@@ -209,6 +212,34 @@ pub fn load(
         model: Arc::new(model),
         tokenizer,
     })
+}
+
+/// The memory this machine has available now (Linux's `MemAvailable`), bytes; None where it
+/// cannot be read.
+fn available_memory() -> Option<u64> {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+}
+
+/// Refuse, before loading, weights of `bytes` in f32 that the `available` memory cannot hold
+/// (the kernel would kill the process part way through instead), naming both and what holds
+/// the file in less.
+fn fits_in_memory(path: &Path, bytes: u64, available: Option<u64>) -> Result<()> {
+    match available {
+        Some(free) if bytes > free => Err(ModelError::Refused(format!(
+            "{} in f32 takes {:.1} GB and this machine has {:.1} GB of memory available: free \
+             some, or hold the weights in the file's own blocks (`--weights native` for `cloud \
+             serve` and `generate`), or choose a smaller model (`--model smollm2-135m`)",
+            path.file_name().unwrap_or_default().to_string_lossy(),
+            bytes as f64 / 1e9,
+            free as f64 / 1e9
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// Quantize the pulled default target with `cfg` into `out` (written beside, then renamed into
@@ -460,6 +491,28 @@ pub fn ensure_f32_copy_of(home: &Path, model: &CatalogModel) -> Result<PathBuf> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn f32_weights_over_the_available_memory_are_refused_naming_both() {
+        let p = Path::new("/m/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
+        let e = fits_in_memory(p, 6_170_000_000, Some(4_000_000_000)).unwrap_err();
+        let m = e.to_string();
+        assert!(
+            m.contains("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf in f32 takes 6.2 GB")
+                && m.contains("4.0 GB of memory available")
+                && m.contains("--weights native"),
+            "{m}"
+        );
+        assert!(fits_in_memory(p, 6_170_000_000, Some(8_000_000_000)).is_ok());
+        assert!(
+            fits_in_memory(p, 6_170_000_000, None).is_ok(),
+            "unknown: tried"
+        );
+        assert!(
+            available_memory().is_some_and(|b| b > 0),
+            "Linux has /proc/meminfo"
+        );
+    }
 
     #[test]
     fn the_qwen_pair_drafts_with_the_smaller_model_from_its_chunks_in_order() {
