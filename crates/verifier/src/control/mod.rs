@@ -344,11 +344,16 @@ impl LoadControl {
         // One pass: each session's own hands, and, for the rule that spares the sessions decoded
         // alone, whether any is and which sessions it may move (those that did not change hands).
         let spare = self.grants.pace.is_some();
-        let mut alone = false;
+        let mut alone = Alone::default();
         let (mut speculating, mut spared) = (Vec::new(), Vec::new());
         for (id, c) in sessions {
             let changed = self.by_own_pace(id, c, cloud_itl, &mut d);
-            alone |= c.decoded_alone();
+            if c.decoded_alone() {
+                match c.want {
+                    None => alone.generations = true,
+                    Some(_) => alone.taken += 1,
+                }
+            }
             if !spare || changed || c.want.is_none() {
                 continue;
             }
@@ -364,7 +369,7 @@ impl LoadControl {
             }
         }
         if spare {
-            spare_the_decoded(alone, speculating, spared, &mut d);
+            spare_the_decoded(alone, cloud_itl, speculating, spared, &mut d);
         }
         d.takeovers.sort_by_key(|t| t.0);
         d
@@ -527,6 +532,14 @@ impl LoadControl {
 /// (a fraction of it), and its pace (ms per token).
 type Spareable<'a> = (SessionId, &'a mut Ctl, f64, f64);
 
+/// Who the verifier decodes alone in a turn: a cloud-only generation (a user who asked for no
+/// draft), and how many speculation sessions it took over by the grant or by their own pace.
+#[derive(Debug, Clone, Copy, Default)]
+struct Alone {
+    generations: bool,
+    taken: usize,
+}
+
 /// While the verifier decodes some session alone (`alone`: a cloud-only generation, or a
 /// speculation session taken over by the grant or its own pace), the positions the speculating
 /// sessions' blocks add to each forward slow that session's every token: when together they cost
@@ -541,7 +554,66 @@ type Spareable<'a> = (SessionId, &'a mut Ctl, f64, f64);
 /// where one position costs several percent of a forward, any session decoded alone takes every
 /// measured speculating session over. Only a verifier that takes sessions over at all (it
 /// adapts, with a forward cost) runs it.
+///
+/// Where only sessions the verifier took over are decoded alone (no user asked for the cloud
+/// alone), the limit is what the speculating session gains instead ([`weigh_the_taken`]): those
+/// sessions are speculation sessions too, and holding every forward within 1 % for them took
+/// every other session over as soon as one lost to cloud decoding by a hair (with Qwen2.5-Coder
+/// 1.5B in f32 on a CPU core, four sessions: a takeover at a pace of 262 ms against 261, then
+/// the other three, at 155–193 ms, spared).
 fn spare_the_decoded(
+    alone: Alone,
+    cloud_itl: Option<f64>,
+    speculating: Vec<Spareable<'_>>,
+    spared: Vec<Spareable<'_>>,
+    d: &mut Decisions,
+) {
+    if let (false, 1.., Some(itl)) = (alone.generations, alone.taken, cloud_itl) {
+        return weigh_the_taken(alone.taken, itl, speculating, spared, d);
+    }
+    hold_the_slowdown(alone.generations || alone.taken > 0, speculating, spared, d)
+}
+
+/// [`spare_the_decoded`] when `n` sessions taken over are decoded alone and cloud decoding takes
+/// `itl` ms a token: a speculating session keeps its edge while the tokens a millisecond it
+/// commits beyond being decoded (its pace against `itl`) outweigh those its positions take from
+/// the `n` sessions' (each slowed by its share of a forward); a spared one is handed back once
+/// its gain is [`pace::HANDBACK_MARGIN`] times what it would take.
+fn weigh_the_taken(
+    n: usize,
+    itl: f64,
+    speculating: Vec<Spareable<'_>>,
+    spared: Vec<Spareable<'_>>,
+    d: &mut Decisions,
+) {
+    let gain = |pace: f64| 1.0 / pace.max(1e-9) - 1.0 / itl;
+    let loss = |slows: f64| n as f64 * slows / (1.0 + slows) / itl;
+    for (id, c, cost, pace_ms) in speculating {
+        if gain(pace_ms) < loss(cost) {
+            tracing::debug!(
+                session = id.0,
+                pace_ms,
+                slows = cost,
+                taken = n,
+                "takeover: its positions cost the sessions taken over more than it gains"
+            );
+            c.set_cloud(true);
+            c.spared = true;
+            d.takeovers.push((id, true));
+        }
+    }
+    for (id, c, cost, pace_ms) in spared {
+        if gain(pace_ms) > pace::HANDBACK_MARGIN * loss(cost) {
+            c.set_cloud(false);
+            d.takeovers.push((id, false));
+        }
+    }
+}
+
+/// [`spare_the_decoded`] while a cloud-only generation is decoded alone (or without a forward
+/// cost to weigh by): the speculating sessions' positions together within
+/// [`SPECULATION_SLOWDOWN`] of a forward.
+fn hold_the_slowdown(
     alone: bool,
     mut speculating: Vec<Spareable<'_>>,
     mut spared: Vec<Spareable<'_>>,
@@ -913,6 +985,65 @@ mod tests {
             let d = fixed.turn(k * 30 * MS, load, ctls.iter_mut().map(|(id, c)| (*id, c)));
             assert!(d.takeovers.is_empty());
         }
+    }
+
+    /// Where only a session the verifier took over is decoded alone, a speculating session keeps
+    /// its edge while it gains more than its positions cost that session (a fast one does, a
+    /// session barely faster than cloud decoding does not), and a spared one that would gain
+    /// enough is handed back; a cloud-only generation decoded alone still holds every forward
+    /// within 1 %. (Planted: with the 1 % rule for taken-over sessions too, `fast` is taken.)
+    #[test]
+    fn sessions_taken_over_spare_only_the_speculation_that_gains_less_than_it_costs() {
+        let ctl = |spared: bool| {
+            let mut c = Ctl::new(Some(Shape::new(2, 2)), TenantId(0));
+            if spared {
+                c.set_cloud(true);
+                c.spared = true;
+            }
+            c
+        };
+        let (mut fast, mut slow, mut back) = (ctl(false), ctl(false), ctl(true));
+        let mut d = Decisions::default();
+        // Four sessions at a 261 ms cloud ITL: 165 ms and 255 ms a token, each adding 6.5 % to a
+        // forward; one session taken over.
+        let taken = Alone {
+            generations: false,
+            taken: 1,
+        };
+        spare_the_decoded(
+            taken,
+            Some(261.0),
+            vec![
+                (SessionId(0), &mut fast, 0.065, 165.0),
+                (SessionId(1), &mut slow, 0.065, 255.0),
+            ],
+            vec![(SessionId(2), &mut back, 0.065, 170.0)],
+            &mut d,
+        );
+        assert_eq!(
+            d.takeovers,
+            vec![(SessionId(1), true), (SessionId(2), false)]
+        );
+        assert!(!fast.is_cloud() && slow.is_cloud() && slow.spared && !back.is_cloud());
+        // A generation decoded alone: the 1 % rule, both go.
+        let (mut fast, mut slow) = (ctl(false), ctl(false));
+        let mut d = Decisions::default();
+        let generation = Alone {
+            generations: true,
+            taken: 1,
+        };
+        spare_the_decoded(
+            generation,
+            Some(261.0),
+            vec![
+                (SessionId(0), &mut fast, 0.065, 165.0),
+                (SessionId(1), &mut slow, 0.065, 255.0),
+            ],
+            Vec::new(),
+            &mut d,
+        );
+        assert_eq!(d.takeovers.len(), 2);
+        assert!(fast.is_cloud() && slow.is_cloud());
     }
 
     /// One tenant's poor drafts shrink only its own sessions' blocks: the other tenant's grant is
