@@ -308,6 +308,16 @@ fn tools_in_the_models_own_tags_are_chosen_by_the_model_and_exact_under_speculat
         .collect();
     assert_eq!(finish, [&json!("tool_calls")]);
 
+    // Tools and a response format together: refused, naming the format.
+    let mut body = request(ask.clone());
+    body["response_format"] = json!({"type": "json_object"});
+    let (s, r) = serve::post(e.port, "/v1/chat/completions", &body);
+    assert_eq!(
+        (s, &r["error"]["param"]),
+        (400, &json!("response_format")),
+        "{r}"
+    );
+
     // A question that does not: text, the target's own.
     let haiku = json!([{"role": "user", "content": "Write a haiku about the sea."}]);
     let (_, _, text) = target_says(&request(haiku.clone()));

@@ -400,16 +400,15 @@ pub fn parse(kind: Kind, body: &[u8], served: &Served) -> Result<Request, ApiErr
     let format = response_format(b.response_format.as_ref())?;
     let tools = tools?;
     let (tool_call, tool_grammar, tool_format) = (tools.call, tools.grammar, tools.format);
-    let grammar = match (format, tool_grammar) {
-        (Some(_), Some(_)) => {
-            return Err(ApiError::invalid(
+    let grammar =
+        match (format, tool_grammar) {
+            (Some(_), Some(_)) => return Err(ApiError::invalid(
                 "response_format",
-                "a forced tool call's arguments follow the function's schema: leave \
-                 response_format out (or text)",
-            ))
-        }
-        (f, t) => f.or(t),
-    };
+                "with tools the answer follows the tools' grammar (each call's arguments their \
+                 function's schema): leave response_format out (or text), or tool_choice `none`",
+            )),
+            (f, t) => f.or(t),
+        };
     let stream = b.stream.unwrap_or(false);
     if b.stream_options.is_some() && !stream {
         return Err(ApiError::invalid(
