@@ -636,4 +636,36 @@ mod tests {
         // A whole call cut short goes out as its text.
         assert_eq!(read_all(&["{\"name\": \"get_w"]).0, "{\"name\": \"get_w");
     }
+
+    proptest::proptest! {
+        /// However an answer arrives in pieces, the content and calls read are those of the
+        /// whole answer read at once.
+        #[test]
+        fn any_split_reads_as_the_whole(
+            parts in proptest::collection::vec(0usize..9, 0..12),
+            cuts in proptest::collection::vec(0usize..400, 0..8),
+        ) {
+            const PIECES: [&str; 9] = [
+                "Sure. ", "\n", "<tool_call>", "</tool_call>", "{\"name\": \"f\", \"arguments\": {}}",
+                "```json\n", "\n```", "<tool", "{",
+            ];
+            let text: String = parts.iter().map(|&i| PIECES[i]).collect();
+            let whole = read_all(&[&text]);
+            let mut at: Vec<usize> = cuts
+                .into_iter()
+                .map(|c| c % (text.len() + 1))
+                .filter(|&c| text.is_char_boundary(c))
+                .collect();
+            at.sort_unstable();
+            at.dedup();
+            let mut pieces = Vec::new();
+            let mut from = 0;
+            for c in at.into_iter().chain([text.len()]) {
+                pieces.push(&text[from..c]);
+                from = c;
+            }
+            let split = read_all(&pieces);
+            proptest::prop_assert_eq!(&split, &whole, "{:?} in {:?}", text, pieces);
+        }
+    }
 }
