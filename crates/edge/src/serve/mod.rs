@@ -598,6 +598,20 @@ impl Envelope {
         }
     }
 
+    /// The streamed chunks of what a [`CallReader`] read: its content, then each call whole.
+    fn read_chunks(&self, got: tools::Read) -> Vec<Value> {
+        let mut chunks = Vec::new();
+        if !got.content.is_empty() {
+            chunks.push(self.chunk(Some(&got.content), None, false));
+        }
+        for call in got.calls {
+            let mut c = self.chunk(None, None, false);
+            c["choices"][0]["delta"]["tool_calls"] = json!([call]);
+            chunks.push(c);
+        }
+        chunks
+    }
+
     /// Whether the answer is read for calls in the model's tags.
     fn in_tags(&self) -> bool {
         self.tool_call.is_some() && self.tool_format == ToolFormat::Tags
@@ -606,8 +620,11 @@ impl Envelope {
     /// An answer in the model's tags, whole: its message (content, calls) and finish reason.
     fn tagged_message(&self, text: &str, f: &Finished) -> (Value, &'static str) {
         let mut r = CallReader::default();
-        let got = r.push(text, &|i| self.call_id_at(i));
-        let content = got.content + &r.finish();
+        let id = |i| self.call_id_at(i);
+        let mut got = r.push(text, &id);
+        let last = r.finish(&id);
+        let content = got.content + &last.content;
+        got.calls.extend(last.calls);
         let mut message = json!({
             "role": "assistant",
             "content": if content.is_empty() { Value::Null } else { json!(content) },
@@ -855,15 +872,7 @@ fn stream(
                 (Some(r), Event::Text { text, logprobs, .. }) => {
                     pending.extend(logprobs);
                     let got = r.push(&text, &|i| envelope.call_id_at(i));
-                    let mut chunks = Vec::new();
-                    if !got.content.is_empty() {
-                        chunks.push(envelope.chunk(Some(&got.content), None, false));
-                    }
-                    for call in got.calls {
-                        let mut c = envelope.chunk(None, None, false);
-                        c["choices"][0]["delta"]["tool_calls"] = json!([call]);
-                        chunks.push(c);
-                    }
+                    let mut chunks = envelope.read_chunks(got);
                     if let Some(c) = chunks.first_mut().filter(|_| !pending.is_empty()) {
                         c["choices"][0]["logprobs"] = envelope.logprobs_of(&pending);
                         pending.clear();
@@ -877,9 +886,8 @@ fn stream(
                 }
                 (Some(_), Event::Live { .. }) => continue,
                 (Some(r), Event::Done(mut f)) => {
-                    let rest = r.finish();
-                    if !rest.is_empty() {
-                        let c = envelope.chunk(Some(&rest), None, false);
+                    let last = r.finish(&|i| envelope.call_id_at(i));
+                    for c in envelope.read_chunks(last) {
                         if send(&tx, &c).await.is_err() {
                             return;
                         }

@@ -312,7 +312,7 @@ fn form_of(text: &str) -> Option<Form> {
 /// An answer read as it grows: text before the first call in tags goes out as content (trailing
 /// whitespace and what may be the start of a tag held back), each call as OpenAI's `tool_calls`
 /// entry once its closing tag has come; an answer that is one whole call, bare or fenced, is held
-/// and goes out as that call once its JSON is complete.
+/// and goes out as that call when the answer ends.
 #[derive(Debug, Default)]
 pub struct CallReader {
     text: String,
@@ -341,21 +341,8 @@ impl CallReader {
         }
         match self.form {
             None => return out,
-            Some(Form::Whole { fenced }) => {
-                if self.calls == 0 {
-                    let json = match fenced {
-                        false => Some(self.text.clone()),
-                        true => self.text[FENCE_OPEN.len()..]
-                            .strip_suffix(FENCE_CLOSE)
-                            .map(str::to_string),
-                    };
-                    if let Some(call) = json.and_then(|j| self.call(&j, id)) {
-                        out.calls.push(call);
-                        self.sent = self.text.len();
-                    }
-                }
-                return out;
-            }
+            // A whole call goes out when the answer ends (the grammar ends it with its JSON).
+            Some(Form::Whole { .. }) => return out,
             Some(Form::Tagged) => {}
         }
         if self.next.is_none() {
@@ -408,18 +395,33 @@ impl CallReader {
         Some(call)
     }
 
-    /// The answer is done: what was held back goes out as content (an answer with no calls
-    /// keeps its trailing whitespace; a call cut short goes out as the text it is).
-    pub fn finish(&mut self) -> String {
-        let rest = match (self.form, self.next) {
-            (Some(Form::Tagged), Some(at)) => match self.text[at..].find(TOOL_CALL_OPEN) {
-                Some(open) => self.text[at + open..].to_string(),
-                None => String::new(),
-            },
-            _ => self.text[self.sent..].to_string(),
-        };
+    /// The answer is done: what was held back goes out, as content (an answer with no calls
+    /// keeps its trailing whitespace; a call cut short goes out as the text it is) or as the
+    /// call an answer that is one whole call makes.
+    pub fn finish(&mut self, id: &dyn Fn(usize) -> String) -> Read {
+        let mut out = Read::default();
+        match (self.form, self.next) {
+            (Some(Form::Tagged), Some(at)) => {
+                if let Some(open) = self.text[at..].find(TOOL_CALL_OPEN) {
+                    out.content = self.text[at + open..].to_string();
+                }
+            }
+            (Some(Form::Whole { fenced }), _) => {
+                let json = match fenced {
+                    false => Some(self.text.clone()),
+                    true => self.text[FENCE_OPEN.len()..]
+                        .strip_suffix(FENCE_CLOSE)
+                        .map(str::to_string),
+                };
+                match json.and_then(|j| self.call(&j, id)) {
+                    Some(call) => out.calls.push(call),
+                    None => out.content = self.text[self.sent..].to_string(),
+                }
+            }
+            _ => out.content = self.text[self.sent..].to_string(),
+        }
         self.sent = self.text.len();
-        rest
+        out
     }
 
     /// Calls read so far.
@@ -444,7 +446,9 @@ mod tests {
             content.push_str(&got.content);
             calls.extend(got.calls);
         }
-        content.push_str(&r.finish());
+        let last = r.finish(&id);
+        content.push_str(&last.content);
+        calls.extend(last.calls);
         (content, calls)
     }
 
