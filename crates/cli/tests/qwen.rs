@@ -35,6 +35,18 @@ fn qwen() -> &'static (Arc<LlamaModel>, Tokenizer) {
     M.get_or_init(|| load(target_path(), WeightMode::F32))
 }
 
+/// The 1.5B in its own blocks (`cloud serve --weights native`), 1.1 GB, loaded once.
+fn qwen_native() -> &'static (Arc<LlamaModel>, Tokenizer) {
+    static M: OnceLock<(Arc<LlamaModel>, Tokenizer)> = OnceLock::new();
+    M.get_or_init(|| load(target_path(), WeightMode::Native))
+}
+
+/// The 0.5B as the edge runs it, in its own blocks, loaded once.
+fn qwen_draft() -> &'static Arc<LlamaModel> {
+    static M: OnceLock<Arc<LlamaModel>> = OnceLock::new();
+    M.get_or_init(|| load(qwen_draft_path(), WeightMode::Native).0)
+}
+
 /// A file's tokenizer alone (no weights loaded).
 fn tokenizer_of(path: &std::path::Path) -> Tokenizer {
     Tokenizer::from_gguf(&GgufFile::open(path).unwrap()).unwrap()
@@ -80,15 +92,14 @@ fn the_catalogs_draft_of_the_1_5b_is_the_0_5b_with_the_same_tokenizer() {
 #[test]
 fn the_0_5b_drafting_for_the_1_5b_gives_the_targets_tokens() {
     let (m, tok) = qwen();
-    let mut g = GgufFile::open(qwen_draft_path()).unwrap();
-    let draft = Arc::new(LlamaModel::load(&mut g, WeightMode::Native).unwrap());
+    let draft = qwen_draft();
     let prompt = tok
         .encode_chat("Write a Python function that returns the n-th Fibonacci number.")
         .unwrap();
     let n = 32;
     let want = greedy(&mut engine(m), tandem_engine::SeqId(3), &prompt, n);
     let (url, _) = awaiting_server_of((m, tok, "qwen2.5-coder-1.5b-instruct"));
-    let out = speculate_pair((m, &draft), tok, &prompt, n, (4, 2), (&url, 20.0));
+    let out = speculate_pair((m, draft), tok, &prompt, n, (4, 2), (&url, 20.0));
     assert!(!out.output_ids.is_empty());
     assert_eq!(
         out.output_ids,
@@ -159,19 +170,16 @@ fn the_1_5b_gives_llama_cpps_greedy_tokens() {
 /// logits are the same bits in a block of 5 as alone).
 #[test]
 fn the_1_5b_in_its_own_blocks_commits_its_own_tokens_under_speculation() {
-    let mut g = GgufFile::open(target_path()).unwrap();
-    let target = Arc::new(LlamaModel::load(&mut g, WeightMode::Native).unwrap());
+    let (target, tok) = qwen_native();
     assert_eq!(target.format(), "q4_k+q6_k");
-    let tok = &tokenizer_of(target_path());
-    let mut g = GgufFile::open(qwen_draft_path()).unwrap();
-    let draft = Arc::new(LlamaModel::load(&mut g, WeightMode::Native).unwrap());
+    let draft = qwen_draft();
     let prompt = tok
         .encode_chat("Write a Python function that checks whether a number is prime.")
         .unwrap();
     let n = 32;
-    let want = greedy(&mut engine(&target), tandem_engine::SeqId(3), &prompt, n);
-    let (url, _) = awaiting_server_of((&target, tok, "qwen2.5-coder-1.5b-instruct"));
-    let out = speculate_pair((&target, &draft), tok, &prompt, n, (4, 2), (&url, 20.0));
+    let want = greedy(&mut engine(target), tandem_engine::SeqId(3), &prompt, n);
+    let (url, _) = awaiting_server_of((target, tok, "qwen2.5-coder-1.5b-instruct"));
+    let out = speculate_pair((target, draft), tok, &prompt, n, (4, 2), (&url, 20.0));
     assert_eq!(
         out.output_ids,
         want[..out.output_ids.len()],
@@ -220,8 +228,7 @@ fn tools_in_the_models_own_tags_are_chosen_by_the_model_and_exact_under_speculat
     use tandem_edge::serve::api::{self, Kind, Served};
     use tandem_edge::serve::tools::ToolFormat;
 
-    let mut g = GgufFile::open(target_path()).unwrap();
-    let target = Arc::new(LlamaModel::load(&mut g, WeightMode::Native).unwrap());
+    let (target, _) = qwen_native();
     // The edge renders the chat with its own file's template (the 0.5B's).
     let tok = tokenizer_of(qwen_draft_path());
     assert!(tok.calls_tools_in_tags());
@@ -246,7 +253,7 @@ fn tools_in_the_models_own_tags_are_chosen_by_the_model_and_exact_under_speculat
         };
         let req = api::parse(Kind::Chat, body.to_string().as_bytes(), &served).unwrap();
         let ids = tandem_testkit::model::constrained_on(
-            (&target, &tok),
+            (target, &tok),
             &req.prompt_ids,
             n,
             req.grammar

@@ -214,15 +214,20 @@ pub fn load(
     })
 }
 
-/// The memory this machine has available now (Linux's `MemAvailable`), bytes; None where it
+/// A field of Linux's `/proc/meminfo` (`MemTotal`, `MemAvailable`, …), bytes; None where it
 /// cannot be read.
-fn available_memory() -> Option<u64> {
+pub fn meminfo_bytes(field: &str) -> Option<u64> {
     std::fs::read_to_string("/proc/meminfo")
         .ok()?
         .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
         .map(|kb| kb * 1024)
+}
+
+/// The memory this machine has available now, bytes.
+fn available_memory() -> Option<u64> {
+    meminfo_bytes("MemAvailable")
 }
 
 /// Refuse, before loading, weights of `bytes` in f32 that the `available` memory cannot hold

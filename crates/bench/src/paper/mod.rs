@@ -134,16 +134,11 @@ fn machine() -> Machine {
         .find_map(|l| l.strip_prefix("model name"))
         .and_then(|l| l.split_once(':'))
         .map_or("unknown".to_string(), |(_, v)| v.trim().to_string());
-    let mem_kb = std::fs::read_to_string("/proc/meminfo")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))
-        .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
-        .unwrap_or(0.0);
+    let mem = tandem_models::store::meminfo_bytes("MemTotal").unwrap_or(0) as f64;
     Machine {
         cpu,
         cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        memory_gib: round2(mem_kb / 1024.0 / 1024.0),
+        memory_gib: round2(mem / (1u64 << 30) as f64),
     }
 }
 

@@ -6,7 +6,6 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use tandem_engine::tokenizer::ChatMessage;
 use tandem_engine::Tokenizer;
 use tandem_spec::sampling::SamplingParams;
 use tandem_spec::GrammarSource;
@@ -622,56 +621,42 @@ fn chat_prompt(
         chat.push(turn);
     }
     let tools = tools.as_ref().map_err(Clone::clone)?;
-    if tags {
+    let listed = if tags {
         // The model's template tells the functions (when a call may come) and renders earlier
         // calls in its tags.
-        let listed = (tools.call.is_some()).then_some(tools.listed.as_slice());
-        let text = tok
-            .render_chat_with(&chat, listed)
-            .map_err(|e| ApiError::invalid("messages", format!("the chat template failed: {e}")))?;
-        return tok
-            .encode(&text)
-            .map_err(|e| ApiError::invalid("messages", format!("tokenizing failed: {e}")));
-    }
-    let mut chat: Vec<ChatMessage> = chat
-        .into_iter()
-        .map(|t| ChatMessage {
-            role: t["role"].as_str().unwrap_or_default().to_string(),
-            content: t["content"].as_str().unwrap_or_default().to_string(),
-        })
-        .collect();
-    // Functions a forced call may use are told in the system message (the template has no tool
-    // format of its own).
-    if tools.call.is_some() {
-        let listed: Vec<Value> = b
-            .tools
-            .as_ref()
-            .and_then(Value::as_array)
-            .map(|a| {
-                a.iter()
-                    .filter_map(|t| t.get("function").cloned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        let told = format!(
-            "You can call these functions; answer with a call as JSON.\n{}",
-            Value::Array(listed)
-        );
-        match chat.first_mut() {
-            Some(first) if first.role == "system" => {
-                first.content = format!("{}\n\n{told}", first.content)
+        tools.call.is_some().then_some(tools.listed.as_slice())
+    } else {
+        // Functions a forced call may use are told in the system message (the template has no
+        // tool format of its own).
+        if tools.call.is_some() {
+            let listed: Vec<Value> = b
+                .tools
+                .as_ref()
+                .and_then(Value::as_array)
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|t| t.get("function").cloned())
+                        .collect()
+                })
+                .unwrap_or_default();
+            let told = format!(
+                "You can call these functions; answer with a call as JSON.\n{}",
+                Value::Array(listed)
+            );
+            match chat.first_mut() {
+                Some(first) if first["role"] == "system" => {
+                    first["content"] = json!(format!(
+                        "{}\n\n{told}",
+                        first["content"].as_str().unwrap_or_default()
+                    ))
+                }
+                _ => chat.insert(0, json!({"role": "system", "content": told})),
             }
-            _ => chat.insert(
-                0,
-                ChatMessage {
-                    role: "system".into(),
-                    content: told,
-                },
-            ),
         }
-    }
+        None
+    };
     let text = tok
-        .render_chat(&chat)
+        .render_chat_with(&chat, listed)
         .map_err(|e| ApiError::invalid("messages", format!("the chat template failed: {e}")))?;
     tok.encode(&text)
         .map_err(|e| ApiError::invalid("messages", format!("tokenizing failed: {e}")))

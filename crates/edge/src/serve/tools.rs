@@ -346,8 +346,10 @@ impl CallReader {
             Some(Form::Tagged) => {}
         }
         if self.next.is_none() {
-            let end = match self.text.find(TOOL_CALL_OPEN) {
-                Some(at) => {
+            // No tag begins before what was sent (a tag's possible start is held back).
+            let end = match self.text[self.sent..].find(TOOL_CALL_OPEN) {
+                Some(k) => {
+                    let at = self.sent + k;
                     self.next = Some(at);
                     self.text[..at].trim_end().len()
                 }
@@ -422,6 +424,16 @@ impl CallReader {
         }
         self.sent = self.text.len();
         out
+    }
+
+    /// A whole answer read at once: its content and calls.
+    pub fn read_whole(text: &str, id: &dyn Fn(usize) -> String) -> Read {
+        let mut r = CallReader::default();
+        let mut got = r.push(text, id);
+        let last = r.finish(id);
+        got.content.push_str(&last.content);
+        got.calls.extend(last.calls);
+        got
     }
 
     /// Calls read so far.
@@ -655,6 +667,8 @@ mod tests {
             ];
             let text: String = parts.iter().map(|&i| PIECES[i]).collect();
             let whole = read_all(&[&text]);
+            let at_once = CallReader::read_whole(&text, &id);
+            proptest::prop_assert_eq!(&(at_once.content, at_once.calls), &whole);
             let mut at: Vec<usize> = cuts
                 .into_iter()
                 .map(|c| c % (text.len() + 1))
