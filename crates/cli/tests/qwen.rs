@@ -86,21 +86,28 @@ fn the_catalogs_draft_of_the_1_5b_is_the_0_5b_with_the_same_tokenizer() {
     assert!(im_end.len() == 1 && t.is_eog(im_end[0]), "{im_end:?}");
 }
 
-/// The 0.5B in its own blocks drafting for the f32 1.5B through an in-process gRPC verifier that
-/// awaits its blocks, async with two blocks in flight behind a 20 ms link: the target's greedy
-/// tokens.
-#[test]
-fn the_0_5b_drafting_for_the_1_5b_gives_the_targets_tokens() {
-    let (m, tok) = qwen();
-    let draft = qwen_draft();
-    let prompt = tok
-        .encode_chat("Write a Python function that returns the n-th Fibonacci number.")
-        .unwrap();
+/// The 0.5B (in its own blocks) drafting for `target` on `question`, through an in-process gRPC
+/// verifier that awaits its blocks, async with two blocks in flight behind a 20 ms link: it
+/// commits the tokens `target` decodes alone, and some of the draft's are accepted (the blocks
+/// are judged on any machine, and the 0.5B guesses code).
+fn the_pair_commits_the_targets_tokens(
+    target: &Arc<LlamaModel>,
+    tok: &Tokenizer,
+    question: &str,
+) -> tandem_client::generate::GenOutput {
+    let prompt = tok.encode_chat(question).unwrap();
     let n = 32;
-    let want = greedy(&mut engine(m), tandem_engine::SeqId(3), &prompt, n);
-    let (url, _) = awaiting_server_of((m, tok, "qwen2.5-coder-1.5b-instruct"));
-    let out = speculate_pair((m, draft), tok, &prompt, n, (4, 2), (&url, 20.0));
-    assert!(!out.output_ids.is_empty());
+    let want = greedy(&mut engine(target), tandem_engine::SeqId(3), &prompt, n);
+    let (url, _) = awaiting_server_of((target, tok, "qwen2.5-coder-1.5b-instruct"));
+    let out = speculate_pair(
+        (target, qwen_draft()),
+        tok,
+        &prompt,
+        n,
+        (4, 2),
+        (&url, 20.0),
+    );
+    assert!(out.output_ids.len() >= 8, "{:?}", out.output_ids);
     assert_eq!(
         out.output_ids,
         want[..out.output_ids.len()],
@@ -112,8 +119,19 @@ fn the_0_5b_drafting_for_the_1_5b_gives_the_targets_tokens() {
         "α {} E[A] {} rounds {} stale {}",
         s.acceptance_rate, s.mean_accepted, s.rounds, s.stale_blocks
     );
-    // The verifier awaits the blocks: they are judged on any machine, and the 0.5B guesses code.
     assert!(s.accepted_draft_tokens > 0, "no draft token was accepted");
+    out
+}
+
+/// The f32 1.5B (`cloud serve`'s default).
+#[test]
+fn the_0_5b_drafting_for_the_1_5b_gives_the_targets_tokens() {
+    let (m, tok) = qwen();
+    the_pair_commits_the_targets_tokens(
+        m,
+        tok,
+        "Write a Python function that returns the n-th Fibonacci number.",
+    );
 }
 
 /// A step whose top-2 logit margin (llama.cpp's) is below this may flip between the two engines:
@@ -172,22 +190,11 @@ fn the_1_5b_gives_llama_cpps_greedy_tokens() {
 fn the_1_5b_in_its_own_blocks_commits_its_own_tokens_under_speculation() {
     let (target, tok) = qwen_native();
     assert_eq!(target.format(), "q4_k+q6_k");
-    let draft = qwen_draft();
-    let prompt = tok
-        .encode_chat("Write a Python function that checks whether a number is prime.")
-        .unwrap();
-    let n = 32;
-    let want = greedy(&mut engine(target), tandem_engine::SeqId(3), &prompt, n);
-    let (url, _) = awaiting_server_of((target, tok, "qwen2.5-coder-1.5b-instruct"));
-    let out = speculate_pair((target, draft), tok, &prompt, n, (4, 2), (&url, 20.0));
-    assert_eq!(
-        out.output_ids,
-        want[..out.output_ids.len()],
-        "speculation changed a token: {:?}",
-        tok.decode(&out.output_ids)
+    the_pair_commits_the_targets_tokens(
+        target,
+        tok,
+        "Write a Python function that checks whether a number is prime.",
     );
-    assert!(out.output_ids.len() >= n.min(8), "{:?}", out.output_ids);
-    assert!(out.spec.as_ref().unwrap().accepted_draft_tokens > 0);
 }
 
 /// `tandem cloud serve --model qwen2.5-coder-1.5b` refuses SmolLM2's draft at Open, naming both
