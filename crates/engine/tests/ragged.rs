@@ -81,6 +81,12 @@ fn ragged_batch_equals_each_sequence_alone() {
         (GgmlDType::Q4K, WeightMode::Native),
         (GgmlDType::Q6K, WeightMode::Native),
         (GgmlDType::F32, WeightMode::F16),
+        // 8-bit activations (the edge's draft) on every block format with an integer kernel.
+        (GgmlDType::Q4_0, WeightMode::W4A8),
+        (GgmlDType::Q8_0, WeightMode::W4A8),
+        (GgmlDType::Q5_0, WeightMode::W4A8),
+        (GgmlDType::Q4K, WeightMode::W4A8),
+        (GgmlDType::Q6K, WeightMode::W4A8),
     ];
     // Every format on LLaMA; every family in f32 and in Q4_0 blocks (Gemma 3's windows of 5
     // tokens are shorter than the sequences).

@@ -125,37 +125,33 @@ impl ModelSpec {
     }
 
     /// Weight mode a spec runs in unless told otherwise: a target in f32; a draft in its
-    /// 4-bit blocks with 8-bit activations and integer dot products (W4A8: on an AVX2 Zen 3,
-    /// 97 tokens/s on one core against 51 with f32 activations, at the same teacher-forced α,
-    /// 0.86: `bench quant`), except where the AVX-512 kernels run: there the draft with f32
-    /// activations led llama.cpp by 1.77× and the integer kernels (AVX2 code) are not measured
-    /// yet; other files in their blocks with f32 activations.
+    /// blocks with 8-bit activations and integer dot products (W4A8), on every kernel path:
+    /// the Qwen2.5-Coder 0.5B in its own Q5_0 / Q4_K / Q6_K / Q8_0 blocks decodes 41 tokens/s
+    /// on one AMD Zen 4 core with AVX-512 VNNI (37 with the AVX2 kernel) against 21–22 with f32
+    /// activations and llama.cpp's 27 (docs/bench/qwen-native/); on an AVX2 Zen 3, SmolLM2's
+    /// draft 97 tokens/s against 51 at the same teacher-forced α, 0.86 (`bench quant`). Other
+    /// files in their blocks with f32 activations.
     pub fn default_mode(&self) -> WeightMode {
-        self.mode_on(tandem_engine::kernels::Isa::selected(), false)
+        self.mode_as(false)
     }
 
     /// Weight mode of this spec run as the edge's draft: a GGUF path as a catalog draft runs
-    /// ([`ModelSpec::default_mode`]: 8-bit activations and integer dot products where the
-    /// AVX-512 kernels do not run, for the block formats they cover, Q4_0, Q4_1 and Q8_0), a
-    /// catalog model as its own default. A draft only proposes: its activations' precision moves
-    /// α, never the committed text. (A W8A16 file by path on the avx2 kernel path of an AMD EPYC
-    /// Zen 4, `bench serve` at 4 clients: with f32 activations it drafted too slowly to keep
-    /// the sessions speculating, with 8-bit ones it gave more tokens/s than cloud-only in the same
-    /// runs: docs/bench/serve-draft/.)
+    /// (8-bit activations: [`ModelSpec::default_mode`]), a catalog model as its own default. A
+    /// draft only proposes: its activations' precision moves α, never the committed text.
     pub fn draft_mode(&self) -> WeightMode {
-        self.mode_on(tandem_engine::kernels::Isa::selected(), true)
+        self.mode_as(true)
     }
 
-    /// The weight mode on kernels `isa`, run as the edge's draft or not: a catalog target in
-    /// f32; a draft (a catalog draft, or anything run as the draft) in its blocks, with 8-bit
-    /// activations unless the AVX-512 kernels run; any other file in its blocks.
-    fn mode_on(&self, isa: tandem_engine::kernels::Isa, as_draft: bool) -> WeightMode {
+    /// The weight mode run as the edge's draft or not: a catalog target in f32; a draft (a
+    /// catalog draft, or anything run as the draft) in its blocks with 8-bit activations; any
+    /// other file in its blocks.
+    fn mode_as(&self, as_draft: bool) -> WeightMode {
         let draft = match self {
             Self::Named { draft: false, .. } => return WeightMode::F32,
             Self::Named { draft: true, .. } => true,
             Self::Path(_) => as_draft,
         };
-        if draft && isa != tandem_engine::kernels::Isa::Avx512 {
+        if draft {
             WeightMode::W4A8
         } else {
             WeightMode::Native
@@ -560,23 +556,15 @@ mod tests {
             ModelSpec::DRAFT.draft_mode(),
             ModelSpec::DRAFT.default_mode()
         );
-        // The rule on each kernel path, whichever this machine selects: 8-bit activations for a
-        // draft unless the AVX-512 kernels run.
-        use tandem_engine::kernels::Isa;
-        for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
-            let drafted = if isa == Isa::Avx512 {
-                WeightMode::Native
-            } else {
-                WeightMode::W4A8
-            };
-            assert_eq!(path.mode_on(isa, true), drafted, "{isa:?}");
-            assert_eq!(ModelSpec::DRAFT.mode_on(isa, false), drafted, "{isa:?}");
-            assert_eq!(path.mode_on(isa, false), WeightMode::Native, "{isa:?}");
-            assert_eq!(
-                ModelSpec::TARGET.mode_on(isa, true),
-                WeightMode::F32,
-                "{isa:?}"
-            );
-        }
+        assert_eq!(path.draft_mode(), WeightMode::W4A8);
+        assert_eq!(ModelSpec::DRAFT.default_mode(), WeightMode::W4A8);
+        assert_eq!(
+            ModelSpec::Named {
+                model: &pull::QWEN_CODER_05B,
+                draft: true
+            }
+            .draft_mode(),
+            WeightMode::W4A8
+        );
     }
 }

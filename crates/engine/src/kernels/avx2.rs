@@ -32,7 +32,7 @@ use std::arch::x86_64::*;
 use super::{KFormat, Panels, RowData, RowsOut, PANEL, QK};
 
 mod a8;
-pub(super) use a8::rows_task_a8;
+pub(super) use a8::{rows_task_a8, rows_task_a8_vnni};
 
 /// Bytes ahead of the weights being read that each row asks the L2 to fetch.
 const PREFETCH_BYTES: usize = 16 << 10;

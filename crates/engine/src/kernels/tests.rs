@@ -283,16 +283,32 @@ fn run_a8(isa: Isa, threads: usize, w: &RowData, rows: usize, x: &a8::Q8Acts) ->
     y
 }
 
-const BLOCK_DTYPES: [GgmlDType; 3] = [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0];
+const BLOCK_DTYPES: [GgmlDType; 6] = [
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q8_0,
+    GgmlDType::Q5_0,
+    GgmlDType::Q4K,
+    GgmlDType::Q6K,
+];
 
 #[test]
 fn eight_bit_activations_multiply_the_quantized_activations_exactly_on_every_path() {
     // The reference: the dequantized weights times the dequantized activations (dx·xq), in
     // f64; the kernels round each block's scale product and their sums in f32 only.
     // 2304 columns: 72 blocks, past the flat AVX2 tile's 64 (the blocked one).
-    let shapes = [(70, 576), (9, 64), (37, 1536), (130, 96), (6, 2304)];
+    // The k-quants take the shapes of whole super-blocks (and 4864: the 0.5B's down projection).
+    let shapes = [
+        (70, 576),
+        (9, 64),
+        (37, 1536),
+        (130, 96),
+        (6, 2304),
+        (11, 4864),
+        (24, 512),
+    ];
     for (si, &(rows, cols)) in shapes.iter().enumerate() {
-        for dtype in BLOCK_DTYPES {
+        for dtype in BLOCK_DTYPES.into_iter().filter(|&d| fits(d, cols)) {
             let w = stored(dtype, &rand(si as u64 + 60, rows * cols), rows, cols);
             for n_tok in (1..=9).chain([16, 30]) {
                 let x = rand(70 + n_tok as u64, n_tok * cols);
@@ -328,7 +344,7 @@ fn eight_bit_activations_multiply_the_quantized_activations_exactly_on_every_pat
 
 #[test]
 fn eight_bit_activations_give_each_row_the_same_bits_whatever_the_batch() {
-    let (rows, cols, n) = (70, 576, 30);
+    let (rows, cols, n) = (70, 768, 30);
     for isa in Isa::available() {
         for dtype in BLOCK_DTYPES {
             let w = stored(dtype, &rand(61, rows * cols), rows, cols);
@@ -349,7 +365,7 @@ fn eight_bit_activations_give_each_row_the_same_bits_whatever_the_batch() {
 
 #[test]
 fn the_first_rows_of_a_repacked_matrix_multiply_as_the_repacking_of_the_first_rows() {
-    let (rows, cols) = (70, 96);
+    let (rows, cols) = (70, 512);
     let x = a8::Q8Acts::quantize(&rand(64, 3 * cols), cols);
     for dtype in BLOCK_DTYPES {
         let w = stored(dtype, &rand(63, rows * cols), rows, cols);
