@@ -67,7 +67,7 @@ pub struct GenerateArgs {
     pub tls_ca: Option<std::path::PathBuf>,
     /// Weight handling: f32, f16, native (W4A16/W8A16 blocks) or w4a8 (8-bit activations).
     /// Default: f32 for `target`; the draft of edge-only, sync and async as `tandem serve` runs
-    /// it (w4a8 where the AVX-512 kernels do not run); native otherwise.
+    /// it (w4a8: 8-bit activations); native otherwise.
     #[arg(long)]
     pub weights: Option<WeightMode>,
     #[arg(long)]

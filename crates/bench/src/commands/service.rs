@@ -166,7 +166,7 @@ pub struct ServeBenchCliArgs {
     draft: ModelSpec,
     /// The draft's weight handling, as `generate --weights` takes it: native (its blocks, f32
     /// activations) or w4a8 (8-bit activations and integer dot products). Default: as `tandem
-    /// serve` runs the draft (w4a8 where the AVX-512 kernels do not run).
+    /// serve` runs the draft (w4a8: 8-bit activations).
     #[arg(long)]
     draft_weights: Option<tandem_engine::WeightMode>,
     /// Keep every session speculating (the verifier's --fixed-grants: no takeovers), to measure
