@@ -89,8 +89,8 @@ pub struct ThreadBench {
     /// native`), where that file is not f32.
     pub target_native: Option<ModelBench>,
     pub draft: ModelBench,
-    /// The same draft file with the other activations (f32 beside the edge's 8-bit ones, or
-    /// 8-bit where the edge keeps f32): decode and chunks.
+    /// The same draft file with the other activations (f32 beside the edge's 8-bit ones):
+    /// decode and chunks.
     pub draft_other: Option<ModelBench>,
     /// llama.cpp on the same files (`null` when the peer is not installed).
     pub peer: Option<Value>,

@@ -211,7 +211,7 @@ pub fn cmd_bench(home: &std::path::Path, a: EngineBenchArgs) -> Result<()> {
     };
 
     // The draft as the edge runs it, and with the other activations beside it (f32 beside
-    // 8-bit, or 8-bit where the edge keeps f32).
+    // the edge's 8-bit ones; 8-bit beside a draft loaded with f32 ones).
     let other_mode = match draft.model.mode {
         WeightMode::W4A8 => WeightMode::Native,
         _ => WeightMode::W4A8,

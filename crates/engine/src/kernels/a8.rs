@@ -170,9 +170,9 @@ pub struct A8Matrix {
     pub(crate) qs: Vec<u8>,
 }
 
-/// Row `r`'s block `k` (of the whole matrix) as `(scale, minimum, the two scale bytes, its 32
-/// unsigned or signed codes as bytes in element order, or its 16 nibble bytes)`.
-type Unpacked = (f16, Option<f16>, [u8; 2], Vec<u8>);
+/// Block `k` of the whole matrix as `(scale, minimum, the two scale bytes, its 32 unsigned or
+/// signed codes a byte each in element order, or its 16 nibble bytes first)`.
+type Unpacked = (f16, Option<f16>, [u8; 2], [u8; QK]);
 
 impl A8Matrix {
     /// `w` (`rows × cols`) repacked; `None` for a format without an 8-bit-activation kernel
@@ -199,44 +199,28 @@ impl A8Matrix {
         );
         // Block k of the matrix, whatever its storage.
         let block = |k: usize| -> Unpacked {
+            let mut q = [0u8; QK];
             match w {
-                RowData::Q4_0(b) | RowData::Q4_1(b) | RowData::Q8_0(b) => (
-                    b.d[k],
-                    b.m.get(k).copied(),
-                    [0; 2],
-                    b.qs[k * qb..(k + 1) * qb].to_vec(),
-                ),
-                RowData::Q5_0(b) => {
-                    let q = &b.qs[k * 20..(k + 1) * 20];
-                    let qh = u32::from_le_bytes([q[0], q[1], q[2], q[3]]);
-                    let hi = |i: usize| (((qh >> i) & 1) << 4) as u8;
-                    let codes = (0..QK)
-                        .map(|i| {
-                            if i < 16 {
-                                (q[4 + i] & 0x0f) | hi(i)
-                            } else {
-                                (q[4 + i - 16] >> 4) | hi(i)
-                            }
-                        })
-                        .collect();
-                    (b.d[k], None, [0; 2], codes)
+                RowData::Q4_0(b) | RowData::Q4_1(b) | RowData::Q8_0(b) => {
+                    q[..qb].copy_from_slice(&b.qs[k * qb..(k + 1) * qb]);
+                    (b.d[k], b.m.get(k).copied(), [0; 2], q)
                 }
-                RowData::Q4K(b) => (
+                RowData::Q5_0(b) => (
+                    b.d[k],
+                    None,
+                    [0; 2],
+                    super::q5_0_codes(&b.qs[k * 20..(k + 1) * 20]),
+                ),
+                RowData::Q4K(b) => {
+                    q[..qb].copy_from_slice(&b.qs[k * qb..(k + 1) * qb]);
+                    (f16::ZERO, None, [b.sc[2 * k], b.sc[2 * k + 1]], q)
+                }
+                RowData::Q6K(b) => (
                     f16::ZERO,
                     None,
                     [b.sc[2 * k], b.sc[2 * k + 1]],
-                    b.qs[k * 16..(k + 1) * 16].to_vec(),
+                    super::kquant::q6k_codes(&b.qs[k * 24..(k + 1) * 24]),
                 ),
-                RowData::Q6K(b) => {
-                    let q = &b.qs[k * 24..(k + 1) * 24];
-                    let codes = (0..QK)
-                        .map(|i| {
-                            let lo = if i < 16 { q[i] & 0x0f } else { q[i - 16] >> 4 };
-                            lo | (((q[16 + i % 8] >> (2 * (i / 8))) & 3) << 4)
-                        })
-                        .collect();
-                    (f16::ZERO, None, [b.sc[2 * k], b.sc[2 * k + 1]], codes)
-                }
                 RowData::F32(_) | RowData::F16(_) => unreachable!("invariant: a block format"),
             }
         };
@@ -329,15 +313,16 @@ impl A8Matrix {
 
     /// Bytes read to multiply by this matrix once (its rows', not the padding's).
     pub fn bytes(&self) -> usize {
-        let blocks = self.rows * self.cols / QK;
-        let per_block = match self.format {
-            Format::Q4_0 | Format::Q8_0 | Format::Q5_0 => 2,
-            Format::Q4_1 => 4,
-            // Two scale bytes, and the super-block's f32 scales spread over its 8 blocks.
-            Format::Q4K => 2 + 1,
-            Format::Q6K => 2,
-        } + self.format.qbytes();
-        blocks * per_block
+        let nb = self.cols / QK;
+        let ns = nb / K_BLOCKS;
+        let scales = match self.format {
+            Format::Q4_0 | Format::Q8_0 | Format::Q5_0 => 2 * nb,
+            Format::Q4_1 => 4 * nb,
+            // Two scale bytes a block, and the super-blocks' f32 scales (and minimums' scales).
+            Format::Q4K => 2 * nb + 8 * ns,
+            Format::Q6K => 2 * nb + 4 * ns,
+        };
+        self.rows * (nb * self.format.qbytes() + scales)
     }
 
     /// The integer code of element `i` of row `r`'s block `j`, uncentred (signed for Q8_0).

@@ -277,19 +277,31 @@ pub(super) fn deq_k_row(
         let k = k0 + j;
         let (s0, s1, m) = b.params(format, k);
         let q = &b.qs[k * qb..(k + 1) * qb];
-        for l in 0..16 {
-            let (c0, c1) = (q[l] & 0x0f, q[l] >> 4);
-            match format {
-                KFormat::Q4K => {
-                    o[l] = s0 * f32::from(c0) + m;
-                    o[16 + l] = s1 * f32::from(c1) + m;
+        match format {
+            KFormat::Q4K => {
+                for l in 0..16 {
+                    o[l] = s0 * f32::from(q[l] & 0x0f) + m;
+                    o[16 + l] = s1 * f32::from(q[l] >> 4) + m;
                 }
-                KFormat::Q6K => {
-                    let hi = |i: usize| ((q[16 + i % 8] >> (2 * (i / 8))) & 3) << 4;
-                    o[l] = s0 * (f32::from(c0 | hi(l)) - 32.0);
-                    o[16 + l] = s1 * (f32::from(c1 | hi(16 + l)) - 32.0);
+            }
+            KFormat::Q6K => {
+                let c = q6k_codes(q);
+                for l in 0..16 {
+                    o[l] = s0 * (f32::from(c[l]) - 32.0);
+                    o[16 + l] = s1 * (f32::from(c[16 + l]) - 32.0);
                 }
             }
         }
     }
+}
+
+/// A repacked Q6_K block's 32 unsigned 6-bit codes (uncentred) from its 24 bytes: 16 of
+/// nibbles in Q4_0's layout, 8 of high bit pairs (element `i`'s in byte `i % 8` at bit
+/// `2·(i / 8)`).
+#[inline(always)]
+pub(super) fn q6k_codes(q: &[u8]) -> [u8; QK] {
+    std::array::from_fn(|i| {
+        let lo = if i < 16 { q[i] & 0x0f } else { q[i - 16] >> 4 };
+        lo | (((q[16 + i % 8] >> (2 * (i / 8))) & 3) << 4)
+    })
 }

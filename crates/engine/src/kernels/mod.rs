@@ -444,16 +444,23 @@ impl Block for BQ5_0 {
     const QBYTES: usize = 20;
     #[inline(always)]
     fn codes(b: &[u8]) -> [f32; QK] {
-        let b: &[u8; 20] = b.try_into().expect("invariant: whole block");
-        let qh = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        let mut q = [0f32; QK];
-        for l in 0..16 {
-            let hi = |i: usize| (((qh >> i) & 1) << 4) as u8;
-            q[l] = ((b[4 + l] & 0x0f) | hi(l)) as f32 - 16.0;
-            q[16 + l] = ((b[4 + l] >> 4) | hi(16 + l)) as f32 - 16.0;
-        }
-        q
+        q5_0_codes(b).map(|c| f32::from(c) - 16.0)
     }
+}
+
+/// A Q5_0 block's 32 unsigned 5-bit codes (uncentred) from its 20 bytes of quants.
+#[inline(always)]
+fn q5_0_codes(b: &[u8]) -> [u8; QK] {
+    let b: &[u8; 20] = b.try_into().expect("invariant: whole block");
+    let qh = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    std::array::from_fn(|i| {
+        let lo = if i < 16 {
+            b[4 + i] & 0x0f
+        } else {
+            b[4 + i - 16] >> 4
+        };
+        lo | (((qh >> i) & 1) << 4) as u8
+    })
 }
 
 impl Block for BQ4_0 {

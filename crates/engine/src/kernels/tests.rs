@@ -283,14 +283,8 @@ fn run_a8(isa: Isa, threads: usize, w: &RowData, rows: usize, x: &a8::Q8Acts) ->
     y
 }
 
-const BLOCK_DTYPES: [GgmlDType; 6] = [
-    GgmlDType::Q4_0,
-    GgmlDType::Q4_1,
-    GgmlDType::Q8_0,
-    GgmlDType::Q5_0,
-    GgmlDType::Q4K,
-    GgmlDType::Q6K,
-];
+/// The block formats of [`DTYPES`] (all but f32 and f16): those with an 8-bit-activation kernel.
+const BLOCK_DTYPES: &[GgmlDType] = DTYPES.split_at(2).1;
 
 #[test]
 fn eight_bit_activations_multiply_the_quantized_activations_exactly_on_every_path() {
@@ -308,7 +302,7 @@ fn eight_bit_activations_multiply_the_quantized_activations_exactly_on_every_pat
         (24, 512),
     ];
     for (si, &(rows, cols)) in shapes.iter().enumerate() {
-        for dtype in BLOCK_DTYPES.into_iter().filter(|&d| fits(d, cols)) {
+        for dtype in BLOCK_DTYPES.iter().copied().filter(|&d| fits(d, cols)) {
             let w = stored(dtype, &rand(si as u64 + 60, rows * cols), rows, cols);
             for n_tok in (1..=9).chain([16, 30]) {
                 let x = rand(70 + n_tok as u64, n_tok * cols);
@@ -346,7 +340,7 @@ fn eight_bit_activations_multiply_the_quantized_activations_exactly_on_every_pat
 fn eight_bit_activations_give_each_row_the_same_bits_whatever_the_batch() {
     let (rows, cols, n) = (70, 768, 30);
     for isa in Isa::available() {
-        for dtype in BLOCK_DTYPES {
+        for &dtype in BLOCK_DTYPES {
             let w = stored(dtype, &rand(61, rows * cols), rows, cols);
             let x = rand(62, n * cols);
             let batched = run_a8(isa, 3, &w, rows, &a8::Q8Acts::quantize(&x, cols));
@@ -367,7 +361,7 @@ fn eight_bit_activations_give_each_row_the_same_bits_whatever_the_batch() {
 fn the_first_rows_of_a_repacked_matrix_multiply_as_the_repacking_of_the_first_rows() {
     let (rows, cols) = (70, 512);
     let x = a8::Q8Acts::quantize(&rand(64, 3 * cols), cols);
-    for dtype in BLOCK_DTYPES {
+    for &dtype in BLOCK_DTYPES {
         let w = stored(dtype, &rand(63, rows * cols), rows, cols);
         let all = a8::A8Matrix::pack(&w, rows, cols).unwrap();
         for r in [1, 8, 13, 64, 70] {
